@@ -1,0 +1,121 @@
+"""Build an engine from a config: resolve and check the strategies, then load, then wire.
+
+Order matters: every name and capability is checked before the model's weights are read, so a
+bad combination fails in milliseconds with a message naming the fix.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import time
+from typing import Any, Iterable, Iterator
+
+import torch
+
+from infer.core.compose import compose
+from infer.core.config import EngineConfig
+from infer.core.engine import EngineParts
+from infer.core.errors import ConfigError
+from infer.core.interfaces import LAYER_KINDS, AttentionSpec, DecoderContext, Layers
+from infer.core.kv_cache import allocate_kv_cache, budget_bytes, bytes_per_block, num_blocks_for_budget
+from infer.core.logging import get_logger
+from infer.core.output import OutputProcessor
+from infer.core.registry import PluginRegistry
+from infer.core.runner import ModelRunner
+from infer.core.hybrid_attention import HybridAttention
+from infer.plugins.models.loader import init_dummy_weights, load_tokenizer, load_weights, resolve_source
+
+
+@contextlib.contextmanager
+def default_dtype(dtype: torch.dtype) -> Iterator[None]:
+    previous = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)
+    try:
+        yield
+    finally:
+        torch.set_default_dtype(previous)
+
+
+def build_engine(config: EngineConfig, extra_plugins: Iterable[Any] = ()) -> EngineParts:
+    started = time.perf_counter()
+    config.validate()
+    registry = PluginRegistry.load(extra_plugins)
+    device = config.resolve_device()
+    compose(config, registry, device, config.resolve_dtype(device))  # fail fast, before any download
+    source = resolve_source(config.model, registry, config.load_format)
+    model_config = source.model_config()
+    dtype = config.resolve_dtype(device, model_config.torch_dtype)
+    composition = compose(config, registry, device, dtype)
+    if config.tensor_parallel_size > 1:
+        raise ConfigError("--tp > 1 is not available in this build yet: use --tp 1")
+    max_model_len = config.max_model_len or model_config.max_position_embeddings
+    if config.exit_layer is not None and not 1 <= config.exit_layer <= model_config.num_layers:
+        raise ConfigError(f"--exit-layer must be in [1, {model_config.num_layers}] for {source.name}")
+
+    spec = AttentionSpec(
+        num_heads=model_config.num_heads,
+        num_kv_heads=model_config.num_kv_heads,
+        head_dim=model_config.head_dim,
+        scale=model_config.head_dim**-0.5,
+        dtype=dtype,
+        device=device,
+        block_size=config.block_size,
+        max_num_seqs=config.max_num_seqs,
+        max_model_len=max_model_len,
+    )
+    attention = composition.attention.factory(spec)
+    if composition.prefill_attention is not None:
+        attention = HybridAttention(composition.prefill_attention.factory(spec), attention)
+    layers = Layers(**{kind: registry.layer(kind, device.type) for kind in LAYER_KINDS})
+
+    with torch.device(device), default_dtype(dtype):
+        model = source.architecture.factory(model_config, layers, attention)
+    model.eval().requires_grad_(False)
+    if source.path is None:
+        init_dummy_weights(model, config.seed)
+    else:
+        load_weights(model, source.path)
+    tokenizer = load_tokenizer(source.path)
+
+    per_block = bytes_per_block(model_config.num_layers, config.block_size, model_config.num_kv_heads, model_config.head_dim, dtype)
+    num_blocks = config.num_kv_blocks or num_blocks_for_budget(
+        budget_bytes(device, config.kv_cache_memory_gib, config.gpu_memory_utilization), per_block
+    )
+    if num_blocks < 1:
+        raise ConfigError("no memory is left for the KV cache: lower the model size, or raise --kv-cache-memory / --gpu-memory-utilization")
+    kv_caches = allocate_kv_cache(
+        model_config.num_layers, num_blocks, config.block_size, model_config.num_kv_heads, model_config.head_dim, dtype, device
+    )
+    sampler = composition.sampler.factory(model_config.vocab_size, device)
+    runner = ModelRunner(model, attention, kv_caches, sampler, config.block_size, device, config.exit_layer)
+    decoder = composition.decoder.factory(DecoderContext(runner=runner, config=config))
+    allocator = composition.kv_allocator.factory(num_blocks, config.block_size)
+    scheduler = composition.scheduler.factory(config, allocator)
+    scheduler.num_lookahead_tokens = decoder.num_lookahead_tokens
+    detokenizer = composition.detokenizer.factory(tokenizer) if tokenizer is not None else None
+
+    eos = set(model_config.eos_token_ids)
+    if tokenizer is not None and tokenizer.eos_token_id is not None:
+        eos.add(int(tokenizer.eos_token_id))
+    describe = {
+        "model": source.name,
+        "device": str(device),
+        "dtype": str(dtype).removeprefix("torch."),
+        "kv_blocks": num_blocks,
+        "block_size": config.block_size,
+        "config_hash": config.digest(),
+        **composition.names(),
+    }
+    get_logger(**describe).info("engine built", seconds=round(time.perf_counter() - started, 2), load_format=config.load_format)
+    return EngineParts(
+        config=config,
+        model_config=model_config,
+        scheduler=scheduler,
+        decoder=decoder,
+        output=OutputProcessor(detokenizer),
+        tokenizer=tokenizer,
+        max_model_len=max_model_len,
+        vocab_size=model_config.vocab_size,
+        eos_token_ids=frozenset(eos),
+        describe=describe,
+    )

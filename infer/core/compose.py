@@ -1,0 +1,120 @@
+"""Turn a config's strategy names into checked strategies, before any weight loads.
+
+Every refusal says which flag to change and to what.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from infer.core.config import EngineConfig
+from infer.core.errors import IncompatiblePluginsError
+from infer.core.registry import PluginRegistry, Strategy
+
+
+@dataclass(frozen=True, slots=True)
+class Composition:
+    attention: Strategy  # decode attention (and prefill when prefill_attention is None)
+    prefill_attention: Strategy | None
+    kv_allocator: Strategy
+    scheduler: Strategy
+    sampler: Strategy
+    decoder: Strategy
+    detokenizer: Strategy
+
+    def names(self) -> dict[str, str]:
+        names = {
+            "attention": self.attention.name,
+            "kv_allocator": self.kv_allocator.name,
+            "scheduler": self.scheduler.name,
+            "sampler": self.sampler.name,
+            "decoding": self.decoder.name,
+            "detokenizer": self.detokenizer.name,
+        }
+        if self.prefill_attention is not None:
+            names["prefill_attention"] = self.prefill_attention.name
+        return names
+
+
+def _check_runs_here(s: Strategy, flag: str, device: torch.device, dtype: torch.dtype, config: EngineConfig) -> None:
+    caps = s.capabilities
+    if device.type not in caps.devices:
+        raise IncompatiblePluginsError(
+            f"{flag} {s.name} runs only on {', '.join(sorted(caps.devices))}, not on {device.type}: "
+            f"pick another {flag} or change --device"
+        )
+    if caps.dtypes is not None and dtype not in caps.dtypes:
+        ok = ", ".join(sorted(str(d).removeprefix("torch.") for d in caps.dtypes))
+        raise IncompatiblePluginsError(f"{flag} {s.name} does not support dtype {str(dtype).removeprefix('torch.')}: use --dtype {ok}")
+    if caps.block_sizes is not None and config.block_size not in caps.block_sizes:
+        ok = ", ".join(map(str, sorted(caps.block_sizes)))
+        raise IncompatiblePluginsError(f"{flag} {s.name} does not support --block-size {config.block_size}: use one of {ok}")
+    if config.tensor_parallel_size > 1 and not caps.distributed:
+        raise IncompatiblePluginsError(f"{flag} {s.name} cannot run with --tp {config.tensor_parallel_size}: use --tp 1")
+    reason = s.unavailable_reason()
+    if reason:
+        raise IncompatiblePluginsError(f"{flag} {s.name} cannot run here: {reason}")
+
+
+def _auto_attention(registry: PluginRegistry, device: torch.device, dtype: torch.dtype, config: EngineConfig) -> Strategy:
+    candidates = []
+    for s in registry.all("attention"):
+        caps = s.capabilities
+        if "decode" not in caps.phases or "prefill" not in caps.phases:
+            continue
+        try:
+            _check_runs_here(s, "--attention", device, dtype, config)
+        except IncompatiblePluginsError:
+            continue
+        candidates.append(s)
+    if not candidates:
+        raise IncompatiblePluginsError(f"no attention backend runs on {device.type} with {dtype}: install one or change --device")
+    return max(candidates, key=lambda s: (s.capabilities.priority, s.name == "torch"))
+
+
+def compose(config: EngineConfig, registry: PluginRegistry, device: torch.device, dtype: torch.dtype) -> Composition:
+    if config.attention == "auto":
+        attention = _auto_attention(registry, device, dtype, config)
+    else:
+        attention = registry.get("attention", config.attention)
+        _check_runs_here(attention, "--attention", device, dtype, config)
+    prefill = None
+    if config.prefill_attention and config.prefill_attention != attention.name:
+        prefill = registry.get("attention", config.prefill_attention)
+        _check_runs_here(prefill, "--prefill-attention", device, dtype, config)
+        if "prefill" not in prefill.capabilities.phases:
+            raise IncompatiblePluginsError(
+                f"--prefill-attention {prefill.name} does not serve prefill (it serves "
+                f"{', '.join(sorted(prefill.capabilities.phases))}): pick a prefill-capable backend"
+            )
+    if "decode" not in attention.capabilities.phases:
+        raise IncompatiblePluginsError(
+            f"--attention {attention.name} serves only {', '.join(sorted(attention.capabilities.phases))}: "
+            f"use it as --prefill-attention {attention.name} with a decode backend such as --attention torch"
+        )
+    if prefill is None and "prefill" not in attention.capabilities.phases:
+        raise IncompatiblePluginsError(
+            f"--attention {attention.name} does not serve prefill: add --prefill-attention with a prefill backend"
+        )
+    composition = Composition(
+        attention=attention,
+        prefill_attention=prefill,
+        kv_allocator=registry.get("kv_allocator", config.kv_allocator),
+        scheduler=registry.get("scheduler", config.scheduler),
+        sampler=registry.get("sampler", config.sampler),
+        decoder=registry.get("decoder", config.decoding),
+        detokenizer=registry.get("detokenizer", config.detokenizer),
+    )
+    for s, flag in (
+        (composition.kv_allocator, "--kv-allocator"),
+        (composition.scheduler, "--scheduler"),
+        (composition.sampler, "--sampler"),
+        (composition.decoder, "--decoding"),
+        (composition.detokenizer, "--detokenizer"),
+    ):
+        _check_runs_here(s, flag, device, dtype, config)
+    if composition.decoder.capabilities.needs_draft and not config.draft:
+        raise IncompatiblePluginsError(f"--decoding {composition.decoder.name} needs a draft model: add --draft NAME")
+    return composition

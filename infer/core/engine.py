@@ -1,0 +1,177 @@
+"""Engine: add_request / step / abort / generate — the loop. Strategies come from the builder."""
+
+from __future__ import annotations
+
+import itertools
+import random
+import time
+from dataclasses import dataclass
+from typing import Any, Iterable, Sequence
+
+from infer.core.errors import RequestError
+from infer.core.interfaces import Decoder, KVUsage, Scheduler
+from infer.core.output import Group, OutputProcessor
+from infer.core.request import FinishReason, Request, RequestOutput, SamplingParams
+
+
+@dataclass(slots=True)
+class EngineParts:
+    """Everything `Engine` runs on, built and checked by `infer.core.builder.build_engine`."""
+
+    config: Any  # EngineConfig
+    model_config: Any  # ModelConfig
+    scheduler: Scheduler
+    decoder: Decoder
+    output: OutputProcessor
+    tokenizer: Any | None
+    max_model_len: int
+    vocab_size: int
+    eos_token_ids: frozenset[int]
+    describe: dict[str, Any]  # plugin set, device, dtype, KV blocks: bound into logs and reports
+    closers: tuple[Any, ...] = ()
+
+
+class Engine:
+    def __init__(self, parts: EngineParts) -> None:
+        self.parts = parts
+        self.scheduler = parts.scheduler
+        self.decoder = parts.decoder
+        self.output = parts.output
+        self.tokenizer = parts.tokenizer
+        self.requests: dict[str, Request] = {}  # child id -> request, while unfinished
+        self._arrivals = itertools.count()
+        self._ids = itertools.count()
+        self._seed_rng = random.Random(parts.config.seed)
+        self.num_steps = 0
+
+    @classmethod
+    def from_config(cls, config: Any, extra_plugins: Iterable[Any] = ()) -> "Engine":
+        from infer.core.builder import build_engine
+
+        return cls(build_engine(config, extra_plugins))
+
+    # ------------------------------------------------------------------ requests
+
+    def tokenize(self, prompt: str | Sequence[int]) -> tuple[str | None, list[int]]:
+        if isinstance(prompt, str):
+            if not prompt:
+                raise RequestError("empty prompt: give at least one character or token id")
+            if self.tokenizer is None:
+                raise RequestError(f"model {self.parts.model_config.name} has no tokenizer: pass prompts as token id lists")
+            return prompt, list(self.tokenizer.encode(prompt))
+        ids = list(prompt)
+        if not ids:
+            raise RequestError("empty prompt: give at least one token id")
+        if not all(isinstance(t, int) and 0 <= t < self.parts.vocab_size for t in ids):
+            raise RequestError(f"prompt token ids must be integers in [0, {self.parts.vocab_size}): fix the token list")
+        return None, ids
+
+    def add_request(self, prompt: str | Sequence[int], params: SamplingParams | None = None, request_id: str | None = None) -> str:
+        params = params or SamplingParams()
+        params.validate()
+        text, ids = self.tokenize(prompt)
+        limit = self.parts.max_model_len
+        if len(ids) >= limit:
+            raise RequestError(
+                f"prompt has {len(ids)} tokens but the context holds {limit} (prompt + at least one new token): "
+                f"shorten the prompt or raise --max-model-len"
+            )
+        parent_id = request_id if request_id is not None else str(next(self._ids))
+        if parent_id in self.output.groups:
+            raise RequestError(f"request id {parent_id!r} is already in use: pick a unique id")
+        now = time.perf_counter()
+        children = []
+        for i in range(params.n):
+            seed = self._seed_rng.getrandbits(63) if params.seed is None else hash((params.seed, i)) & (2**63 - 1)
+            if params.seed is not None and params.n == 1:
+                seed = params.seed
+            child = Request(
+                request_id=parent_id if params.n == 1 else f"{parent_id}.{i}",
+                prompt_token_ids=ids,
+                params=params,
+                arrival=next(self._arrivals),
+                eos_token_ids=self.parts.eos_token_ids,
+                seed=seed,
+                max_model_len=limit,
+                arrival_time=now,
+            )
+            children.append(child)
+        self.output.add(Group(parent_id, text, children))
+        for child in children:
+            self.requests[child.request_id] = child
+            self.scheduler.add(child)
+        return parent_id
+
+    def abort(self, request_id: str) -> None:
+        group = self.output.groups.get(request_id)
+        for child in group.children if group else []:
+            if not child.is_finished:
+                self.scheduler.finish(child, FinishReason.ABORT)
+            self.output.mark_final(child)
+            self.requests.pop(child.request_id, None)
+
+    def has_unfinished(self) -> bool:
+        return self.scheduler.has_unfinished() or self.output.has_pending()
+
+    # ------------------------------------------------------------------ the loop
+
+    def step(self) -> list[RequestOutput]:
+        out = self.scheduler.schedule()
+        result = self.decoder.execute(out)  # forward pass (+ sampling)
+        self._stop_strings(self.output.collect())  # the previous step's text, detokenized meanwhile
+        finished = self.scheduler.update(out, result)
+        self.output.submit([s.request for s in out.scheduled] + finished)
+        self.num_steps += 1
+        return self._finished_outputs()
+
+    def _stop_strings(self, stops: list[tuple[Request, int]]) -> None:
+        for request, stop_index in stops:
+            del request.output_token_ids[stop_index + 1 :]
+            del request.output_logprobs[stop_index + 1 :]
+            if request.is_finished:
+                request.finish_reason = FinishReason.STOP
+            else:
+                self.scheduler.finish(request, FinishReason.STOP)
+
+    def _finished_outputs(self) -> list[RequestOutput]:
+        outputs = self.output.finished_outputs()
+        for o in outputs:
+            for child_id in [o.request_id] + [f"{o.request_id}.{c.index}" for c in o.outputs]:
+                self.requests.pop(child_id, None)
+        return outputs
+
+    def generate(
+        self, prompts: Sequence[str | Sequence[int]], params: SamplingParams | Sequence[SamplingParams] | None = None
+    ) -> list[RequestOutput]:
+        """Run prompts to completion; a bad prompt gets an output with `error` set, the rest run."""
+        params_list = list(params) if isinstance(params, (list, tuple)) else [params or SamplingParams()] * len(prompts)
+        if len(params_list) != len(prompts):
+            raise RequestError(f"got {len(prompts)} prompts but {len(params_list)} SamplingParams: pass one, or one per prompt")
+        order: list[str] = []
+        results: dict[str, RequestOutput] = {}
+        for prompt, p in zip(prompts, params_list):
+            try:
+                order.append(self.add_request(prompt, p))
+            except RequestError as exc:
+                rid = f"rejected-{next(self._ids)}"
+                order.append(rid)
+                text = prompt if isinstance(prompt, str) else None
+                ids = [] if isinstance(prompt, str) else list(prompt)
+                results[rid] = RequestOutput(rid, text, ids, [], finished=True, error=str(exc))
+        while self.has_unfinished():
+            for o in self.step():
+                results[o.request_id] = o
+        return [results[rid] for rid in order]
+
+    # ------------------------------------------------------------------ reporting
+
+    def kv_usage(self) -> KVUsage:
+        return self.scheduler.allocator.usage()  # type: ignore[attr-defined]
+
+    def stats(self) -> dict[str, float]:
+        return {"steps": self.num_steps, **self.scheduler.stats()}
+
+    def close(self) -> None:
+        self.output.close()
+        for closer in self.parts.closers:
+            closer()

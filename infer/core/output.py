@@ -1,0 +1,120 @@
+"""Turning finished and running requests into RequestOutputs, with text from the detokenizer.
+
+The detokenizer's work for step N is collected during step N+1, after the forward pass has been
+launched, so a `parallel` detokenizer runs beside the model. A request's output is final once
+its last tokens have been through the detokenizer.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from infer.core.interfaces import Detokenizer
+from infer.core.request import CompletionOutput, FinishReason, Request, RequestOutput
+
+
+@dataclass(slots=True)
+class Group:
+    """The n samples of one prompt."""
+
+    request_id: str
+    prompt: str | None
+    children: list[Request]
+    texts: dict[str, str] = field(default_factory=dict)  # child id -> text so far
+
+
+class OutputProcessor:
+    def __init__(self, detokenizer: Detokenizer | None) -> None:
+        self.detokenizer = detokenizer
+        self.groups: dict[str, Group] = {}  # parent id -> group
+        self.parent_of: dict[str, str] = {}  # child id -> parent id
+        self.in_flight: list[Request] = []  # submitted, not yet collected
+        self.ready: set[str] = set()  # finished children whose text is final
+
+    def add(self, group: Group) -> None:
+        self.groups[group.request_id] = group
+        for child in group.children:
+            self.parent_of[child.request_id] = group.request_id
+
+    def has_pending(self) -> bool:
+        return bool(self.in_flight) or bool(self.groups)
+
+    def collect(self) -> list[tuple[Request, int]]:
+        """Texts of the last submit; returns (request, stop_index) for stop strings found."""
+        if not self.in_flight:
+            return []
+        deltas = self.detokenizer.collect() if self.detokenizer is not None else {}
+        stops = []
+        for request in self.in_flight:
+            group = self.groups[self.parent_of[request.request_id]]
+            delta = deltas.get(request.request_id)
+            if delta is not None:
+                group.texts[request.request_id] = delta.text
+                if delta.stop_index is not None:
+                    stops.append((request, delta.stop_index))
+            if request.is_finished or (delta is not None and delta.stop_index is not None):
+                self.ready.add(request.request_id)
+        self.in_flight = []
+        return stops
+
+    def submit(self, requests: list[Request]) -> None:
+        """Hand this step's updated requests (running or just finished) to the detokenizer."""
+        fresh = [r for r in requests if r.request_id in self.parent_of and r.request_id not in self.ready]
+        for r in fresh:
+            if r.is_finished and not r.output_token_ids:  # ended before producing a token
+                self.ready.add(r.request_id)
+        fresh = [r for r in fresh if r.request_id not in self.ready]
+        self.in_flight = fresh
+        if self.detokenizer is not None and fresh:
+            self.detokenizer.submit([(r, list(r.output_token_ids)) for r in fresh])
+
+    def mark_final(self, request: Request) -> None:
+        """An aborted request: its text is final unless tokens of it are still being detokenized."""
+        if request not in self.in_flight:
+            self.ready.add(request.request_id)
+
+    def finished_outputs(self) -> list[RequestOutput]:
+        """Outputs of the groups whose every child is finished with final text; forgets them."""
+        done = []
+        for parent_id, group in list(self.groups.items()):
+            if all(c.is_finished and c.request_id in self.ready for c in group.children):
+                done.append(self.build(group))
+                del self.groups[parent_id]
+                for child in group.children:
+                    self.parent_of.pop(child.request_id, None)
+                    self.ready.discard(child.request_id)
+                    if self.detokenizer is not None:
+                        self.detokenizer.release(child.request_id)
+        return done
+
+    def build(self, group: Group) -> RequestOutput:
+        outputs = []
+        for i, child in enumerate(group.children):
+            reason = child.finish_reason.value if isinstance(child.finish_reason, FinishReason) else None
+            outputs.append(
+                CompletionOutput(
+                    index=i,
+                    text=group.texts.get(child.request_id, ""),
+                    token_ids=list(child.output_token_ids),
+                    finish_reason=reason,
+                    logprobs=list(child.output_logprobs) if child.params.logprobs is not None else None,
+                )
+            )
+        first = group.children[0]
+        metrics = {}
+        if first.first_token_time is not None:
+            metrics["ttft_s"] = first.first_token_time - first.arrival_time
+        if all(c.finish_time is not None for c in group.children):
+            metrics["latency_s"] = max(c.finish_time for c in group.children) - first.arrival_time  # type: ignore[type-var]
+        return RequestOutput(
+            request_id=group.request_id,
+            prompt=group.prompt,
+            prompt_token_ids=list(first.prompt_token_ids),
+            outputs=outputs,
+            finished=True,
+            metrics=metrics,
+        )
+
+    def close(self) -> None:
+        if self.detokenizer is not None:
+            self.detokenizer.close()

@@ -1,0 +1,171 @@
+"""Per-engine plugin registry: entry points -> PluginManager -> name -> factory, resolved once.
+
+Built-in plugins come through the same `infer` entry-point group as third-party ones. A plugin
+that fails to import is recorded with its distribution and exception; it is fatal only when a
+strategy it would have provided is asked for.
+"""
+
+from __future__ import annotations
+
+import importlib.metadata as md
+from dataclasses import dataclass, field
+from typing import Any, Iterable
+
+import pluggy
+
+from infer.core import hookspecs
+from infer.core.errors import PluginLoadError, PluginNotFoundError
+from infer.core.interfaces import Capabilities, capabilities_of
+
+SLOTS: dict[str, str] = {  # slot -> hook name
+    "attention": "infer_register_attention_backends",
+    "kv_allocator": "infer_register_kv_allocators",
+    "scheduler": "infer_register_schedulers",
+    "sampler": "infer_register_samplers",
+    "decoder": "infer_register_decoders",
+    "detokenizer": "infer_register_detokenizers",
+    "model": "infer_register_models",
+    "layer": "infer_register_layers",
+}
+
+FLAGS: dict[str, str] = {  # slot -> the CLI flag that names it, for error messages
+    "attention": "--attention",
+    "kv_allocator": "--kv-allocator",
+    "scheduler": "--scheduler",
+    "sampler": "--sampler",
+    "decoder": "--decoding",
+    "detokenizer": "--detokenizer",
+    "model": "--model",
+    "layer": "the layers hook",
+}
+
+
+@dataclass(frozen=True, slots=True)
+class Strategy:
+    slot: str
+    name: str
+    factory: Any
+    plugin: str  # plugin (entry point) name
+    distribution: str  # pip distribution that provides it
+    version: str
+
+    @property
+    def capabilities(self) -> Capabilities:
+        return capabilities_of(self.factory)
+
+    def unavailable_reason(self) -> str | None:
+        check = self.capabilities.available
+        return check() if check is not None else None
+
+
+@dataclass(frozen=True, slots=True)
+class BrokenPlugin:
+    plugin: str
+    distribution: str
+    error: str
+
+
+@dataclass(slots=True)
+class PluginRegistry:
+    """Owns one PluginManager; build one per engine (two engines may differ in plugins)."""
+
+    manager: pluggy.PluginManager
+    strategies: dict[str, dict[str, Strategy]] = field(default_factory=dict)  # slot -> name -> strategy
+    broken: list[BrokenPlugin] = field(default_factory=list)
+
+    @classmethod
+    def load(cls, extra_plugins: Iterable[Any] = (), entry_points: bool = True) -> "PluginRegistry":
+        manager = pluggy.PluginManager(hookspecs.PROJECT_NAME)
+        manager.add_hookspecs(hookspecs)
+        registry = cls(manager=manager)
+        sources: dict[str, tuple[str, str]] = {}  # plugin name -> (distribution, version)
+        if entry_points:
+            for ep in md.entry_points(group=hookspecs.PROJECT_NAME):
+                dist = ep.dist.name if ep.dist else "unknown"
+                version = ep.dist.version if ep.dist else "?"
+                try:
+                    module = ep.load()
+                    if manager.is_registered(module):
+                        continue
+                    manager.register(module, name=ep.name)
+                except Exception as exc:  # a broken third-party plugin must not break others
+                    registry.broken.append(BrokenPlugin(ep.name, dist, f"{type(exc).__name__}: {exc}"))
+                    continue
+                sources[ep.name] = (dist, version)
+        for i, plugin in enumerate(extra_plugins):
+            name = getattr(plugin, "__name__", None) or f"{type(plugin).__name__}-{i}"
+            manager.register(plugin, name=name)
+            sources[name] = ("(inline)", "")
+        manager.check_pending()  # a misspelled hook name fails loudly
+        for slot, hook_name in SLOTS.items():
+            registry.strategies[slot] = {}
+            for impl in getattr(manager.hook, hook_name).get_hookimpls():
+                dist, version = sources.get(impl.plugin_name, ("unknown", ""))
+                register = registry._register_fn(slot, impl.plugin_name, dist, version)
+                try:
+                    impl.function(register)
+                except Exception as exc:
+                    registry.broken.append(BrokenPlugin(impl.plugin_name, dist, f"{type(exc).__name__}: {exc}"))
+        return registry
+
+    def _register_fn(self, slot: str, plugin: str, dist: str, version: str):
+        def register(name: str, factory: Any) -> None:
+            if not isinstance(name, str) or not name:
+                raise TypeError(f"plugin {plugin} registered a {slot} with an empty or non-string name")
+            existing = self.strategies[slot].get(name)
+            if existing is not None and slot != "layer":
+                raise PluginLoadError(
+                    f"{slot} {name!r} is registered twice: by {existing.distribution} ({existing.plugin}) "
+                    f"and by {dist} ({plugin}); uninstall one of them"
+                )
+            key = name if slot != "layer" else f"{name}:{plugin}"
+            self.strategies[slot][key] = Strategy(slot, name, factory, plugin, dist, version)
+
+        return register
+
+    def names(self, slot: str) -> list[str]:
+        return sorted(self.strategies[slot])
+
+    def get(self, slot: str, name: str) -> Strategy:
+        found = self.strategies[slot].get(name)
+        if found is not None:
+            return found
+        known = ", ".join(f"{s.name} ({s.distribution})" for s in self.strategies[slot].values()) or "none"
+        hint = ""
+        if self.broken:
+            hint = "; plugins that failed to load: " + ", ".join(
+                f"{b.plugin} from {b.distribution} ({b.error})" for b in self.broken
+            )
+        raise PluginNotFoundError(f"unknown {FLAGS[slot]} {name!r}: valid names are {known}{hint}")
+
+    def all(self, slot: str) -> list[Strategy]:
+        return list(self.strategies[slot].values())
+
+    def layer(self, kind: str, device_type: str) -> Any:
+        """The highest-priority runnable implementation of a layer kind on this device."""
+        options = [
+            s for s in self.strategies["layer"].values()
+            if s.name == kind and device_type in s.capabilities.devices and s.unavailable_reason() is None
+        ]
+        if not options:
+            raise PluginNotFoundError(f"no implementation of model layer {kind!r} runs on {device_type}")
+        return max(options, key=lambda s: s.capabilities.priority).factory
+
+    def architecture_for(self, hf_architecture: str) -> Strategy:
+        for strategy in self.strategies["model"].values():
+            if hf_architecture in getattr(strategy.factory, "hf_architectures", ()):
+                return strategy
+        known = sorted(a for s in self.strategies["model"].values() for a in getattr(s.factory, "hf_architectures", ()))
+        raise PluginNotFoundError(
+            f"no model plugin serves architecture {hf_architecture!r}: supported are {', '.join(known)}"
+        )
+
+    def preset(self, name: str) -> tuple[Strategy, dict[str, Any]] | None:
+        for strategy in self.strategies["model"].values():
+            presets = getattr(strategy.factory, "presets", {})
+            if name in presets:
+                return strategy, presets[name]
+        return None
+
+    def preset_names(self) -> list[str]:
+        return sorted(n for s in self.strategies["model"].values() for n in getattr(s.factory, "presets", {}))

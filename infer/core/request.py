@@ -1,0 +1,150 @@
+"""Requests and their outputs: what crosses the engine's public boundary."""
+
+from __future__ import annotations
+
+import enum
+import math
+from dataclasses import dataclass, field
+
+from infer.core.errors import RequestError
+
+
+@dataclass(slots=True)
+class SamplingParams:
+    """Per-request sampling settings; field names follow vLLM's."""
+
+    n: int = 1  # independent samples per prompt
+    max_tokens: int = 16  # new tokens to generate at most
+    temperature: float = 1.0  # 0 means greedy
+    top_k: int = 0  # 0 (or -1) disables
+    top_p: float = 1.0  # nucleus mass kept, in (0, 1]
+    min_p: float = 0.0  # drop tokens below min_p * max prob, in [0, 1]
+    repetition_penalty: float = 1.0  # > 0; 1 disables (HF/CTRL style, prompt + output tokens)
+    presence_penalty: float = 0.0  # [-2, 2], OpenAI style, output tokens
+    frequency_penalty: float = 0.0  # [-2, 2], OpenAI style, output tokens
+    seed: int | None = None  # per-request seed: same seed, same tokens, in any batch
+    stop: list[str] | str | None = None  # stop strings (excluded from the text)
+    stop_token_ids: list[int] | None = None  # extra stop tokens (kept in token_ids)
+    ignore_eos: bool = False  # keep generating past EOS (benchmarks)
+    logprobs: int | None = None  # top-k logprobs per output token, plus the sampled token's
+
+    def __post_init__(self) -> None:
+        if isinstance(self.stop, str):
+            self.stop = [self.stop]
+        self.stop = list(self.stop or [])
+        self.stop_token_ids = list(self.stop_token_ids or [])
+        if self.top_k == -1:
+            self.top_k = 0
+        self.validate()
+
+    @property
+    def is_greedy(self) -> bool:
+        return self.temperature == 0.0
+
+    def validate(self) -> None:
+        def bad(field_name: str, value: object, fix: str) -> RequestError:
+            return RequestError(f"invalid {field_name}={value!r}: {fix}")
+
+        if not isinstance(self.n, int) or self.n < 1:
+            raise bad("n", self.n, "use an integer >= 1")
+        if not isinstance(self.max_tokens, int) or self.max_tokens < 1:
+            raise bad("max_tokens", self.max_tokens, "use an integer >= 1 (--max-tokens)")
+        if not math.isfinite(self.temperature) or self.temperature < 0:
+            raise bad("temperature", self.temperature, "use a value >= 0 (0 is greedy)")
+        if not isinstance(self.top_k, int) or self.top_k < 0:
+            raise bad("top_k", self.top_k, "use 0 (or -1) to disable, or a positive integer")
+        if not 0.0 < self.top_p <= 1.0:
+            raise bad("top_p", self.top_p, "use a value in (0, 1]; 1 disables it (--top-p)")
+        if not 0.0 <= self.min_p <= 1.0:
+            raise bad("min_p", self.min_p, "use a value in [0, 1]; 0 disables it")
+        if not self.repetition_penalty > 0:
+            raise bad("repetition_penalty", self.repetition_penalty, "use a value > 0; 1 disables it")
+        for name in ("presence_penalty", "frequency_penalty"):
+            value = getattr(self, name)
+            if not -2.0 <= value <= 2.0:
+                raise bad(name, value, "use a value in [-2, 2]; 0 disables it")
+        if self.logprobs is not None and (not isinstance(self.logprobs, int) or self.logprobs < 0):
+            raise bad("logprobs", self.logprobs, "use None or an integer >= 0")
+        if any(not s for s in self.stop):
+            raise bad("stop", self.stop, "stop strings must be non-empty")
+
+
+class RequestStatus(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    PREEMPTED = "preempted"
+    FINISHED = "finished"
+
+
+class FinishReason(str, enum.Enum):
+    STOP = "stop"  # EOS, a stop token or a stop string
+    LENGTH = "length"  # max_tokens or the model's context length
+    ABORT = "abort"  # aborted by the caller
+    CAPACITY = "capacity"  # the KV cache cannot hold this request even alone
+
+
+@dataclass(slots=True)
+class Request:
+    """One sequence inside the engine. Parallel samples (n > 1) are one Request each."""
+
+    request_id: str
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    arrival: int  # monotonic arrival index: lower arrived earlier (preemption order)
+    eos_token_ids: frozenset[int] = frozenset()
+    seed: int = 0  # effective sampling seed (params.seed or drawn by the engine)
+    max_model_len: int = 0  # context length limit (prompt + output)
+    output_token_ids: list[int] = field(default_factory=list)
+    output_logprobs: list[dict[int, float]] = field(default_factory=list)
+    status: RequestStatus = RequestStatus.WAITING
+    finish_reason: FinishReason | None = None
+    block_ids: list[int] = field(default_factory=list)  # block table: logical block i -> physical id
+    num_computed_tokens: int = 0  # tokens whose K/V are in the cache
+    num_preemptions: int = 0
+    first_token_time: float | None = None
+    arrival_time: float = 0.0
+    finish_time: float | None = None
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.prompt_token_ids)
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.prompt_token_ids) + len(self.output_token_ids)
+
+    @property
+    def all_token_ids(self) -> list[int]:
+        return self.prompt_token_ids + self.output_token_ids
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status is RequestStatus.FINISHED
+
+    @property
+    def is_prefilling(self) -> bool:
+        return self.num_computed_tokens < self.num_tokens - 1
+
+    def token_at(self, index: int) -> int:
+        p = len(self.prompt_token_ids)
+        return self.prompt_token_ids[index] if index < p else self.output_token_ids[index - p]
+
+
+@dataclass(slots=True)
+class CompletionOutput:
+    index: int  # which of the n samples
+    text: str
+    token_ids: list[int]
+    finish_reason: str | None  # "stop", "length", "abort", "capacity", or None while running
+    logprobs: list[dict[int, float]] | None = None  # per token: {token_id: logprob}
+
+
+@dataclass(slots=True)
+class RequestOutput:
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    outputs: list[CompletionOutput]
+    finished: bool
+    error: str | None = None  # set when this request was rejected; the others are unaffected
+    metrics: dict[str, float] = field(default_factory=dict)  # ttft_s, latency_s, ...

@@ -1,0 +1,89 @@
+"""ModelRunner: a scheduled step -> attention metadata -> model forward -> logits -> sampler."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from infer.core.interfaces import (
+    AttentionBackend,
+    AttentionBatch,
+    CausalLM,
+    KVCache,
+    Sampler,
+    SchedulerOutput,
+    StepResult,
+)
+from infer.core.request import Request
+
+
+@dataclass(slots=True)
+class ForwardSeq:
+    """One sequence's slice of a forward pass: tokens [start, start + len(token_ids)) of it."""
+
+    request: Request
+    token_ids: list[int]  # the tokens computed (query)
+    start: int  # position of the first one
+    logits_rows: int  # how many trailing positions need logits (0: none, 1: the last, k: the last k)
+
+
+class ModelRunner:
+    def __init__(
+        self,
+        model: CausalLM,
+        attention: AttentionBackend,
+        kv_caches: list[KVCache],
+        sampler: Sampler,
+        block_size: int,
+        device: torch.device,
+        num_layers: int | None = None,  # run only the first layers (early exit)
+    ) -> None:
+        self.model = model
+        self.attention = attention
+        self.kv_caches = kv_caches
+        self.sampler = sampler
+        self.block_size = block_size
+        self.device = device
+        self.num_layers = num_layers
+
+    @torch.inference_mode()
+    def forward(self, seqs: list[ForwardSeq]) -> torch.Tensor:
+        """Run the model over `seqs` (decodes first); returns logits [sum(logits_rows), vocab] float32."""
+        input_ids: list[int] = []
+        query_lens, seq_lens, tables, rows = [], [], [], []
+        for seq in seqs:
+            input_ids.extend(seq.token_ids)
+            query_lens.append(len(seq.token_ids))
+            seq_lens.append(seq.start + len(seq.token_ids))
+            tables.append(seq.request.block_ids)
+            end = len(input_ids)
+            rows.extend(range(end - seq.logits_rows, end))
+        batch = AttentionBatch.build(query_lens, seq_lens, tables, self.block_size, self.device)
+        self.attention.plan(batch)
+        ids = torch.tensor(input_ids, dtype=torch.int64, device=self.device)
+        hidden = self.model.forward(ids, batch.positions, self.kv_caches, self.num_layers)  # [T, hidden]
+        if not rows:
+            return hidden.new_empty(0, 0, dtype=torch.float32)
+        return self.model.compute_logits(hidden[torch.tensor(rows, device=self.device)])
+
+    def execute(self, out: SchedulerOutput) -> StepResult:
+        seqs = []
+        for s in out.scheduled:
+            r, start = s.request, s.request.num_computed_tokens
+            tokens = [r.token_at(start)] if s.num_new_tokens == 1 else r.all_token_ids[start : start + s.num_new_tokens]
+            seqs.append(ForwardSeq(r, tokens, start, 1 if s.samples else 0))
+        if not seqs:
+            return StepResult(sampled={})
+        logits = self.forward(seqs)
+        sampled_requests = [s.request for s in seqs if s.logits_rows]
+        if not sampled_requests:
+            return StepResult(sampled={})
+        result = self.sampler.sample(logits, sampled_requests)
+        sampled = {r.request_id: [t] for r, t in zip(sampled_requests, result.token_ids)}
+        logprobs = {}
+        if result.logprobs is not None:
+            logprobs = {
+                r.request_id: [lp] for r, lp in zip(sampled_requests, result.logprobs) if r.params.logprobs is not None
+            }
+        return StepResult(sampled=sampled, logprobs=logprobs)

@@ -1,0 +1,81 @@
+"""`torch`: the reference attention backend over the paged KV cache (CPU and GPU).
+
+Every other backend is tested against this one. It gathers each sequence's context through its
+block table into a padded [B, L, H, D] tensor and calls SDPA with an explicit mask, which is
+simple enough to trust and fast enough for the CPU default.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from infer.core.hookspecs import hookimpl
+from infer.core.interfaces import AttentionBatch, AttentionSpec, Capabilities, KVCache
+
+
+def write_kv(kv_cache: KVCache, k: torch.Tensor, v: torch.Tensor, slot_mapping: torch.Tensor) -> None:
+    """Scatter new K/V into their slots. k, v: [T, Hkv, D]; slot_mapping: [T]."""
+    k_cache, v_cache = kv_cache  # [N, bs, Hkv, D]
+    num_blocks, block_size = k_cache.shape[:2]
+    k_cache.view(num_blocks * block_size, *k_cache.shape[2:]).index_copy_(0, slot_mapping, k.to(k_cache.dtype))
+    v_cache.view(num_blocks * block_size, *v_cache.shape[2:]).index_copy_(0, slot_mapping, v.to(v_cache.dtype))
+
+
+class TorchAttention:
+    capabilities = Capabilities(devices=frozenset({"cpu", "cuda"}), priority=0)
+
+    def __init__(self, spec: AttentionSpec) -> None:
+        self.spec = spec
+        self.batch: AttentionBatch | None = None
+        self.mask: torch.Tensor | None = None  # [B, 1, Qmax, Lmax] bool, True = attend
+        self.query_index: torch.Tensor | None = None  # [T] flat index into [B * Qmax]
+        self.context_width = 0
+
+    def plan(self, batch: AttentionBatch) -> None:
+        device = batch.positions.device
+        bs = batch.block_size
+        num_seqs, q_max = batch.num_seqs, max(batch.max_query_len, 1)
+        self.context_width = -(-batch.max_seq_len // bs) * bs
+        self.batch = batch
+        q_lens = torch.tensor(batch.query_lens, device=device)
+        seq_lens = batch.seq_lens_t.to(torch.int64)
+        # query j of seq i sits at position seq_len - q_len + j; it sees keys at positions <= that.
+        q_pos = (seq_lens - q_lens)[:, None] + torch.arange(q_max, device=device)[None, :]  # [B, Qmax]
+        k_pos = torch.arange(self.context_width, device=device)  # [Lmax]
+        mask = k_pos[None, None, :] <= q_pos[:, :, None]  # [B, Qmax, Lmax]
+        mask &= k_pos[None, None, :] < seq_lens[:, None, None]
+        # padded query rows attend to key 0 so softmax stays finite; their output is dropped.
+        mask[:, :, 0] = True
+        self.mask = mask[:, None]
+        starts = batch.cu_seqlens_q[:-1].to(torch.int64)
+        token_seq = torch.repeat_interleave(torch.arange(num_seqs, device=device), q_lens)
+        token_off = torch.arange(batch.num_tokens, device=device) - starts[token_seq]
+        self.query_index = token_seq * q_max + token_off
+
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: KVCache) -> torch.Tensor:
+        batch, spec = self.batch, self.spec
+        assert batch is not None and self.mask is not None and self.query_index is not None, "plan() first"
+        write_kv(kv_cache, k, v, batch.slot_mapping)
+        k_cache, v_cache = kv_cache
+        num_seqs, q_max = batch.num_seqs, self.mask.shape[2]
+        num_ctx_blocks = self.context_width // batch.block_size
+        tables = batch.block_tables_t[:, :num_ctx_blocks].to(torch.int64)  # [B, nb]
+        # [B, nb, bs, Hkv, D] -> [B, Hkv, L, D]
+        keys = k_cache[tables].flatten(1, 2).transpose(1, 2).to(q.dtype)
+        values = v_cache[tables].flatten(1, 2).transpose(1, 2).to(q.dtype)
+        queries = q.new_zeros(num_seqs * q_max, spec.num_heads, spec.head_dim)
+        queries[self.query_index] = q
+        queries = queries.view(num_seqs, q_max, spec.num_heads, spec.head_dim).transpose(1, 2)  # [B, H, Q, D]
+        if spec.num_kv_heads != spec.num_heads:
+            group = spec.num_heads // spec.num_kv_heads
+            keys = keys.repeat_interleave(group, dim=1)
+            values = values.repeat_interleave(group, dim=1)
+        out = F.scaled_dot_product_attention(queries, keys, values, attn_mask=self.mask, scale=spec.scale)
+        out = out.transpose(1, 2).reshape(num_seqs * q_max, spec.num_heads, spec.head_dim)
+        return out[self.query_index]
+
+
+@hookimpl
+def infer_register_attention_backends(register) -> None:
+    register("torch", TorchAttention)

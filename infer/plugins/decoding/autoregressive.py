@@ -1,0 +1,22 @@
+"""`autoregressive`: one token per request per step, straight from the runner."""
+
+from __future__ import annotations
+
+from infer.core.hookspecs import hookimpl
+from infer.core.interfaces import Capabilities, DecoderContext, SchedulerOutput, StepResult
+
+
+class AutoregressiveDecoder:
+    capabilities = Capabilities(cuda_graph_safe=True)
+    num_lookahead_tokens = 0
+
+    def __init__(self, ctx: DecoderContext) -> None:
+        self.runner = ctx.runner
+
+    def execute(self, out: SchedulerOutput) -> StepResult:
+        return self.runner.execute(out)
+
+
+@hookimpl
+def infer_register_decoders(register) -> None:
+    register("autoregressive", AutoregressiveDecoder)

@@ -1,0 +1,168 @@
+"""`llama`: the Llama-2 / Llama-3 architecture (and SmolLM2, which shares it).
+
+RMSNorm, rotary embeddings with the config's theta and scaling, grouped-query attention over
+the paged KV cache, SwiGLU, tied or untied embeddings. Q/K/V and gate/up are fused into one
+matmul each; `load_weights` maps HF checkpoint names onto the fused parameters.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Iterable
+
+import torch
+from torch import nn
+
+from infer.core.config import ModelConfig
+from infer.core.hookspecs import hookimpl
+from infer.core.interfaces import AttentionBackend, KVCache, Layers
+
+_LLAMA2 = dict(architectures=["LlamaForCausalLM"], vocab_size=32000, max_position_embeddings=4096,
+               rms_norm_eps=1e-5, rope_theta=10000.0, bos_token_id=1, eos_token_id=2, torch_dtype="float16")
+_LLAMA3 = dict(architectures=["LlamaForCausalLM"], vocab_size=128256, max_position_embeddings=8192,
+               rms_norm_eps=1e-5, rope_theta=500000.0, bos_token_id=128000, eos_token_id=[128001, 128009],
+               torch_dtype="bfloat16")
+
+PRESETS: dict[str, dict[str, Any]] = {
+    "llama2-7b": {**_LLAMA2, "hidden_size": 4096, "intermediate_size": 11008, "num_hidden_layers": 32,
+                  "num_attention_heads": 32, "num_key_value_heads": 32},
+    "llama2-13b": {**_LLAMA2, "hidden_size": 5120, "intermediate_size": 13824, "num_hidden_layers": 40,
+                   "num_attention_heads": 40, "num_key_value_heads": 40},
+    "llama2-70b": {**_LLAMA2, "hidden_size": 8192, "intermediate_size": 28672, "num_hidden_layers": 80,
+                   "num_attention_heads": 64, "num_key_value_heads": 8},
+    "llama3-8b": {**_LLAMA3, "hidden_size": 4096, "intermediate_size": 14336, "num_hidden_layers": 32,
+                  "num_attention_heads": 32, "num_key_value_heads": 8},
+    "smollm2-135m": {"architectures": ["LlamaForCausalLM"], "vocab_size": 49152, "hidden_size": 576,
+                     "intermediate_size": 1536, "num_hidden_layers": 30, "num_attention_heads": 9,
+                     "num_key_value_heads": 3, "max_position_embeddings": 8192, "rms_norm_eps": 1e-5,
+                     "rope_theta": 100000.0, "tie_word_embeddings": True, "bos_token_id": 1,
+                     "eos_token_id": 2, "torch_dtype": "bfloat16"},
+}
+
+
+class LlamaAttention(nn.Module):
+    def __init__(self, config: ModelConfig, layers: Layers, attention: AttentionBackend) -> None:
+        super().__init__()
+        self.num_heads, self.num_kv_heads, self.head_dim = config.num_heads, config.num_kv_heads, config.head_dim
+        self.q_size = self.num_heads * self.head_dim
+        self.kv_size = self.num_kv_heads * self.head_dim
+        self.qkv_proj = layers.linear(config.hidden_size, self.q_size + 2 * self.kv_size)
+        self.o_proj = layers.linear(self.q_size, config.hidden_size)
+        self.rotary = layers.rotary_embedding(
+            self.head_dim, config.max_position_embeddings, config.rope_theta, config.rope_scaling
+        )
+        self.attention = attention
+
+    def forward(self, positions: torch.Tensor, x: torch.Tensor, kv_cache: KVCache) -> torch.Tensor:
+        # x: [T, hidden]
+        q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        q = q.view(-1, self.num_heads, self.head_dim)
+        k = k.view(-1, self.num_kv_heads, self.head_dim)
+        v = v.view(-1, self.num_kv_heads, self.head_dim)
+        q, k = self.rotary(positions, q, k)
+        out = self.attention.forward(q, k, v, kv_cache)  # [T, H, D]
+        return self.o_proj(out.reshape(-1, self.q_size))
+
+
+class LlamaMLP(nn.Module):
+    def __init__(self, config: ModelConfig, layers: Layers) -> None:
+        super().__init__()
+        self.gate_up_proj = layers.linear(config.hidden_size, 2 * config.intermediate_size)
+        self.down_proj = layers.linear(config.intermediate_size, config.hidden_size)
+        self.act = layers.silu_and_mul()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(self.act(self.gate_up_proj(x)))
+
+
+class LlamaDecoderLayer(nn.Module):
+    def __init__(self, config: ModelConfig, layers: Layers, attention: AttentionBackend) -> None:
+        super().__init__()
+        self.self_attn = LlamaAttention(config, layers, attention)
+        self.mlp = LlamaMLP(config, layers)
+        self.input_layernorm = layers.rms_norm(config.hidden_size, config.rms_norm_eps)
+        self.post_attention_layernorm = layers.rms_norm(config.hidden_size, config.rms_norm_eps)
+
+    def forward(
+        self, positions: torch.Tensor, x: torch.Tensor, residual: torch.Tensor | None, kv_cache: KVCache
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        if residual is None:
+            residual = x
+            x = self.input_layernorm(x)
+        else:
+            x, residual = self.input_layernorm(x, residual)
+        x = self.self_attn(positions, x, kv_cache)
+        x, residual = self.post_attention_layernorm(x, residual)
+        return self.mlp(x), residual
+
+
+class Llama(nn.Module):
+    hf_architectures = ("LlamaForCausalLM",)
+    presets = PRESETS
+
+    def __init__(self, config: ModelConfig, layers: Layers, attention: AttentionBackend) -> None:
+        super().__init__()
+        self.config = config
+        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        self.layers = nn.ModuleList(LlamaDecoderLayer(config, layers, attention) for _ in range(config.num_layers))
+        self.norm = layers.rms_norm(config.hidden_size, config.rms_norm_eps)
+        self.lm_head = None if config.tie_word_embeddings else layers.linear(config.hidden_size, config.vocab_size)
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,  # [T]
+        positions: torch.Tensor,  # [T]
+        kv_caches: list[KVCache],
+        num_layers: int | None = None,  # run only the first layers (early exit, self-draft)
+    ) -> torch.Tensor:  # [T, hidden], after the final norm
+        x, residual = self.embed_tokens(input_ids), None
+        for layer, kv_cache in zip(self.layers[: num_layers or len(self.layers)], kv_caches):
+            x, residual = layer(positions, x, residual, kv_cache)
+        x, _ = self.norm(x, residual)
+        return x
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        # hidden: [B, hidden] -> [B, vocab] float32
+        weight = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
+        return (hidden @ weight.t()).float()
+
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
+        """Copy HF-named tensors into the (fused) parameters; returns the parameter names loaded."""
+        params = dict(self.named_parameters())
+        fused = {  # HF name piece -> (our name piece, shard index)
+            "q_proj": ("qkv_proj", 0), "k_proj": ("qkv_proj", 1), "v_proj": ("qkv_proj", 2),
+            "gate_proj": ("gate_up_proj", 0), "up_proj": ("gate_up_proj", 1),
+        }
+        loaded: set[str] = set()
+        for hf_name, tensor in weights:
+            name = hf_name.removeprefix("model.")
+            if "rotary_emb" in name or (name == "lm_head.weight" and self.lm_head is None):
+                continue
+            piece = next((p for p in fused if f".{p}." in name), None)
+            if piece is None:
+                if name not in params:
+                    continue  # layers beyond an early-exit cut, or tensors this model does not use
+                params[name].data.copy_(tensor)
+                loaded.add(name)
+                continue
+            target, shard = fused[piece]
+            name = name.replace(piece, target)
+            if name not in params:
+                continue
+            param = params[name]
+            offset, size = self._shard_range(target, shard)
+            param.data[offset : offset + size].copy_(tensor)
+            loaded.add(name)
+        return loaded
+
+    def _shard_range(self, target: str, shard: int) -> tuple[int, int]:
+        c = self.config
+        if target == "qkv_proj":
+            sizes = [c.num_heads * c.head_dim, c.num_kv_heads * c.head_dim, c.num_kv_heads * c.head_dim]
+        else:
+            sizes = [c.intermediate_size, c.intermediate_size]
+        return sum(sizes[:shard]), sizes[shard]
+
+
+@hookimpl
+def infer_register_models(register) -> None:
+    register("llama", Llama)

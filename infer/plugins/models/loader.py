@@ -1,0 +1,113 @@
+"""Finding a model (folder, cached name, named shape), reading its weights and tokenizer."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Iterator
+
+import torch
+from torch import nn
+
+from infer.core.config import ModelConfig
+from infer.core.errors import ModelLoadError
+from infer.core.registry import PluginRegistry, Strategy
+
+
+@dataclass(frozen=True, slots=True)
+class ModelSource:
+    name: str
+    hf_config: dict[str, Any]
+    path: Path | None  # folder with safetensors and tokenizer; None for dummy shapes
+    architecture: Strategy
+
+    def model_config(self) -> ModelConfig:
+        return ModelConfig.from_hf(self.hf_config, name=self.name)
+
+
+def _read_config(folder: Path) -> dict[str, Any]:
+    path = folder / "config.json"
+    if not path.is_file():
+        raise ModelLoadError(f"model folder {folder} has no config.json: point --model at an HF model folder")
+    try:
+        return json.loads(path.read_text())
+    except (OSError, json.JSONDecodeError) as exc:
+        raise ModelLoadError(f"cannot read {path} ({exc}): re-download or re-convert the model") from exc
+
+
+def resolve_source(model: str, registry: PluginRegistry, load_format: str, pull: bool = True) -> ModelSource:
+    folder = Path(model).expanduser()
+    if folder.is_dir():
+        hf = _read_config(folder)
+        arch = registry.architecture_for((hf.get("architectures") or ["LlamaForCausalLM"])[0])
+        return ModelSource(folder.name, hf, None if load_format == "dummy" else folder, arch)
+    if "/" in model or model.startswith("."):
+        raise ModelLoadError(f"model folder {model} does not exist: check the path, or use a named model ({', '.join(registry.preset_names())})")
+    from infer.plugins.models import hub
+
+    preset = registry.preset(model)
+    if load_format == "dummy":
+        if preset is None:
+            raise ModelLoadError(f"unknown model {model!r}: use a named shape ({', '.join(registry.preset_names())}) or an HF model folder")
+        return ModelSource(model, dict(preset[1]), None, preset[0])
+    cached = hub.find_cached(model)
+    if cached is None and pull and model in hub.KNOWN_SOURCES:
+        cached = hub.pull(model)
+    if cached is not None:
+        hf = _read_config(cached)
+        return ModelSource(model, hf, cached, registry.architecture_for((hf.get("architectures") or ["LlamaForCausalLM"])[0]))
+    if preset is not None:
+        raise ModelLoadError(
+            f"no weights for {model} on this machine: add --load-format dummy for random weights of its shape, "
+            f"or point --model at an HF model folder"
+        )
+    raise ModelLoadError(
+        f"unknown model {model!r}: use an HF model folder, a named shape ({', '.join(registry.preset_names())}), "
+        f"or pull one with `infer models pull NAME` ({', '.join(sorted(hub.KNOWN_SOURCES))})"
+    )
+
+
+def iter_safetensors(folder: Path) -> Iterator[tuple[str, torch.Tensor]]:
+    from safetensors import SafetensorError, safe_open
+
+    files = sorted(folder.glob("*.safetensors"))
+    if not files:
+        raise ModelLoadError(f"no *.safetensors files in {folder}: the folder needs its weights, or use --load-format dummy")
+    for file in files:
+        try:
+            with safe_open(str(file), framework="pt") as f:
+                for name in f.keys():
+                    yield name, f.get_tensor(name)
+        except (SafetensorError, OSError, RuntimeError, ValueError) as exc:
+            raise ModelLoadError(f"corrupt weight file {file} ({exc}): re-download or re-convert the model") from exc
+
+
+def load_weights(model: nn.Module, folder: Path) -> None:
+    loaded = model.load_weights(iter_safetensors(folder))  # type: ignore[operator]
+    missing = sorted(n for n, _ in model.named_parameters() if n not in loaded)
+    if missing:
+        shown = ", ".join(missing[:4]) + (" ..." if len(missing) > 4 else "")
+        raise ModelLoadError(f"weights in {folder} lack {len(missing)} tensors ({shown}): the checkpoint does not match its config.json")
+
+
+@torch.no_grad()
+def init_dummy_weights(model: nn.Module, seed: int) -> None:
+    """Random weights of the right shape (benchmarks without real weights)."""
+    gen = torch.Generator(device=next(model.parameters()).device).manual_seed(seed)
+    for name, param in model.named_parameters():
+        if param.dim() == 1:
+            param.fill_(1.0)  # norm weights
+        else:
+            param.normal_(0.0, 0.02, generator=gen)
+
+
+def load_tokenizer(folder: Path | None) -> Any | None:
+    if folder is None or not (folder / "tokenizer.json").is_file() and not (folder / "tokenizer.model").is_file():
+        return None
+    from transformers import AutoTokenizer
+
+    try:
+        return AutoTokenizer.from_pretrained(str(folder), local_files_only=True)
+    except Exception as exc:  # transformers raises many types for a broken tokenizer folder
+        raise ModelLoadError(f"cannot load the tokenizer in {folder} ({type(exc).__name__}: {exc}): re-convert the model") from exc

