@@ -49,6 +49,11 @@ def build_engine(config: EngineConfig, extra_plugins: Iterable[Any] = ()) -> Eng
     if config.tensor_parallel_size > 1:
         raise ConfigError("--tp > 1 is not available in this build yet: use --tp 1")
     max_model_len = config.max_model_len or model_config.max_position_embeddings
+    if max_model_len > model_config.max_position_embeddings:
+        raise ConfigError(
+            f"--max-model-len {max_model_len} exceeds {source.name}'s context of "
+            f"{model_config.max_position_embeddings} tokens: use at most that"
+        )
     if config.exit_layer is not None and not 1 <= config.exit_layer <= model_config.num_layers:
         raise ConfigError(f"--exit-layer must be in [1, {model_config.num_layers}] for {source.name}")
 
@@ -78,8 +83,10 @@ def build_engine(config: EngineConfig, extra_plugins: Iterable[Any] = ()) -> Eng
     tokenizer = load_tokenizer(source.path)
 
     per_block = bytes_per_block(model_config.num_layers, config.block_size, model_config.num_kv_heads, model_config.head_dim, dtype)
-    num_blocks = config.num_kv_blocks or num_blocks_for_budget(
-        budget_bytes(device, config.kv_cache_memory_gib, config.gpu_memory_utilization), per_block
+    blocks_per_seq = -(-(max_model_len + config.num_speculative_tokens + 1) // config.block_size)
+    num_blocks = config.num_kv_blocks or min(  # never more than max_num_seqs full-length requests use
+        num_blocks_for_budget(budget_bytes(device, config.kv_cache_memory_gib, config.gpu_memory_utilization), per_block),
+        config.max_num_seqs * blocks_per_seq,
     )
     if num_blocks < 1:
         raise ConfigError("no memory is left for the KV cache: lower the model size, or raise --kv-cache-memory / --gpu-memory-utilization")

@@ -220,6 +220,10 @@ class KVAllocator(Protocol):
 
     def can_ever_fit(self, num_tokens: int) -> bool: ...
 
+    def can_ever_run(self, request: "Request", num_tokens: int) -> bool:
+        """Whether `request` could be granted `num_tokens` slots on an empty cache."""
+        ...
+
     def usage(self) -> "KVUsage": ...
 
 

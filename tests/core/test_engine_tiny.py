@@ -16,7 +16,8 @@ def hf_greedy(folder, prompts, max_tokens):
     outs = []
     for ids in prompts:
         x = torch.tensor([ids])
-        y = model.generate(x, max_new_tokens=max_tokens, do_sample=False, eos_token_id=None, pad_token_id=0, min_new_tokens=max_tokens)
+        y = model.generate(x, attention_mask=torch.ones_like(x), max_new_tokens=max_tokens, do_sample=False,
+                           eos_token_id=None, pad_token_id=0, min_new_tokens=max_tokens)
         outs.append(y[0, len(ids):].tolist())
     return outs
 
@@ -48,3 +49,46 @@ def test_request_that_can_never_fit_ends_with_capacity(tiny_llama_dir):
     outs = llm.generate([list(range(10, 50)), [5, 6, 7]], SamplingParams(max_tokens=4, temperature=0, ignore_eos=True))
     assert outs[0].outputs[0].finish_reason == "capacity"
     assert outs[1].outputs[0].finish_reason == "length" and len(outs[1].outputs[0].token_ids) == 4
+
+
+def test_bad_request_in_batch_does_not_disturb_others(tiny_llama_dir, expected):
+    llm = LLM(model=str(tiny_llama_dir), block_size=4, max_model_len=64)
+    prompts = [PROMPTS[0], [], list(range(3, 100)), [5000], PROMPTS[1]]
+    outs = llm.generate(prompts, SamplingParams(max_tokens=12, temperature=0, ignore_eos=True))
+    assert outs[0].error is None and outs[0].outputs[0].token_ids == expected[0]
+    assert "empty prompt" in outs[1].error
+    assert "shorten the prompt" in outs[2].error
+    assert "token ids must be integers" in outs[3].error
+    assert outs[4].error is None and outs[4].outputs[0].token_ids == expected[1]
+
+
+def test_invalid_sampling_params_rejected_per_request(tiny_llama_dir, expected):
+    llm = LLM(model=str(tiny_llama_dir), block_size=4)
+    good = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)
+    bad = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)
+    bad.top_p = 1.5  # mutated after construction: still caught when the request is added
+    outs = llm.generate([PROMPTS[0], PROMPTS[1]], [bad, good])
+    assert "top_p" in outs[0].error
+    assert outs[1].outputs[0].token_ids == expected[1]
+
+
+def test_abort_frees_all_blocks(tiny_llama_dir):
+    llm = LLM(model=str(tiny_llama_dir), block_size=4, num_kv_blocks=64)
+    engine = llm.engine
+    ids = [engine.add_request(p, SamplingParams(max_tokens=50, temperature=0, ignore_eos=True)) for p in PROMPTS]
+    for _ in range(3):
+        engine.step()
+    assert engine.kv_usage().num_used_blocks > 0
+    for rid in ids:
+        engine.abort(rid)
+    while engine.has_unfinished():
+        engine.step()
+    assert engine.kv_usage().num_used_blocks == 0
+
+
+def test_two_engines_with_different_plugins_in_one_process(tiny_llama_dir, expected):
+    a = LLM(model=str(tiny_llama_dir), block_size=4, scheduler="static", sampler="naive")
+    b = LLM(model=str(tiny_llama_dir), block_size=8, scheduler="fcfs", sampler="vectorized")
+    params = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)
+    assert [o.outputs[0].token_ids for o in a.generate(PROMPTS, params)] == expected
+    assert [o.outputs[0].token_ids for o in b.generate(PROMPTS, params)] == expected

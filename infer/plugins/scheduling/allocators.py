@@ -35,7 +35,7 @@ class BlockPool:
             self.ref_counts[i] += 1
 
     def release(self, ids: list[int]) -> None:
-        for i in reversed(ids):  # tail blocks go back first, so they are reused last
+        for i in reversed(ids):  # tail blocks go back first and are reused first; a prefix's head stays longest
             assert self.ref_counts[i] > 0, f"double free of block {i}"
             self.ref_counts[i] -= 1
             if self.ref_counts[i] == 0:
@@ -75,6 +75,9 @@ class PagedAllocator:
     def can_ever_fit(self, num_tokens: int) -> bool:
         return -(-num_tokens // self.block_size) <= self.num_blocks
 
+    def can_ever_run(self, request: Request, num_tokens: int) -> bool:
+        return self.can_ever_fit(num_tokens)
+
     def usage(self) -> KVUsage:
         used = self.num_blocks - len(self.pool.free_ids)
         filled = sum(r.num_computed_tokens for r in self.owners.values())
@@ -88,6 +91,9 @@ class ContiguousAllocator(PagedAllocator):
         if not request.block_ids:
             num_tokens = max(num_tokens, self.max_len(request))
         return super().allocate_slots(request, num_tokens)
+
+    def can_ever_run(self, request: Request, num_tokens: int) -> bool:
+        return self.can_ever_fit(max(num_tokens, self.max_len(request)))
 
     @staticmethod
     def max_len(request: Request) -> int:

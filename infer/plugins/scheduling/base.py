@@ -99,7 +99,7 @@ class SchedulerBase:
 
     def ensure_fits(self, request: Request) -> bool:
         """Finish a request that cannot fit in the whole KV cache even alone."""
-        if self.allocator.can_ever_fit(request.num_tokens + 1):
+        if self.allocator.can_ever_run(request, request.num_tokens + 1 + self.num_lookahead_tokens):
             return True
         self.finish(request, FinishReason.CAPACITY)
         return False

@@ -38,13 +38,11 @@ class StaticScheduler(SchedulerBase):
             if request.max_model_len:
                 limit = min(limit, request.max_model_len + self.num_lookahead_tokens)
             if not self.allocator.can_ever_fit(limit):
-                limit = request.num_tokens + 1 + self.num_lookahead_tokens  # reserve what fits; grow later
+                if self.running:  # its whole length never fits: it runs alone, with the whole cache
+                    break
+                limit = self.allocator.num_blocks * self.allocator.block_size
             if self.allocator.allocate_slots(request, limit) is None:
-                if self.running:
-                    break
-                limit = request.num_tokens + 1 + self.num_lookahead_tokens
-                if self.allocator.allocate_slots(request, limit) is None:
-                    break
+                break
             self.waiting.pop(0)
             request.status = RequestStatus.RUNNING
             self.running.append(request)

@@ -1,0 +1,119 @@
+"""Paged decode kernels at batch 64 x 1024 tokens, 32 heads x 128, KV blocks of 16, bf16.
+
+Peers in one process: `paged-cuda`, the `torch` reference and FlashInfer's paged decode (when it
+imports); the ceiling is a device-to-device copy timed here too. Each row records the KV bytes
+read, the achieved bandwidth (CUDA events, median) and its ratio to the copy bandwidth.
+Run on the GPU machine: `pytest benchmarks/test_bench_attention_kernels.py --benchmark-json=...`.
+"""
+
+import math
+
+import pytest
+import torch
+
+from infer.core.interfaces import AttentionBatch, AttentionSpec
+
+pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+
+BATCH, SEQ_LEN, NUM_HEADS, HEAD_DIM, BLOCK_SIZE, DTYPE = 64, 1024, 32, 128, 16, torch.bfloat16
+HEADS = {"mha-32": 32, "gqa-32-8": 8}  # name -> num_kv_heads
+
+
+def event_time_s(fn, iters: int = 50, warmup: int = 5) -> float:
+    """Median device time of fn, by CUDA events around each call."""
+    for _ in range(warmup):
+        fn()
+    times = []
+    for _ in range(iters):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        fn()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end) / 1e3)
+    return sorted(times)[len(times) // 2]
+
+
+@pytest.fixture(scope="module")
+def copy_bandwidth() -> float:
+    """Bytes/s of a large dst.copy_(src), counting bytes read plus bytes written."""
+    src = torch.randn(2**28, device="cuda")  # 1 GiB, far past L2
+    dst = torch.empty_like(src)
+    return 2 * src.nbytes / event_time_s(lambda: dst.copy_(src), iters=20)
+
+
+def decode_batch(num_kv_heads: int):
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    blocks_per_seq = SEQ_LEN // BLOCK_SIZE
+    num_blocks = BATCH * blocks_per_seq
+    perm = torch.randperm(num_blocks, generator=torch.Generator().manual_seed(0)).tolist()
+    tables = [perm[i * blocks_per_seq : (i + 1) * blocks_per_seq] for i in range(BATCH)]
+    spec = AttentionSpec(
+        num_heads=NUM_HEADS,
+        num_kv_heads=num_kv_heads,
+        head_dim=HEAD_DIM,
+        scale=1.0 / math.sqrt(HEAD_DIM),
+        dtype=DTYPE,
+        device=torch.device("cuda"),
+        block_size=BLOCK_SIZE,
+        max_num_seqs=BATCH,
+        max_model_len=4096,
+    )
+    batch = AttentionBatch.build([1] * BATCH, [SEQ_LEN] * BATCH, tables, BLOCK_SIZE, "cuda")
+
+    def rand(*shape: int) -> torch.Tensor:
+        return torch.randn(*shape, generator=gen, device="cuda").to(DTYPE)
+
+    kv_cache = (rand(num_blocks, BLOCK_SIZE, num_kv_heads, HEAD_DIM), rand(num_blocks, BLOCK_SIZE, num_kv_heads, HEAD_DIM))
+    q, k, v = rand(BATCH, NUM_HEADS, HEAD_DIM), rand(BATCH, num_kv_heads, HEAD_DIM), rand(BATCH, num_kv_heads, HEAD_DIM)
+    return spec, batch, kv_cache, q, k, v
+
+
+def decode_fn(name: str, spec, batch, kv_cache, q, k, v):
+    """A zero-argument callable running one decode step of backend `name` (planned already)."""
+    if name == "flashinfer":
+        flashinfer = pytest.importorskip("flashinfer")
+        workspace = torch.empty(128 * 1024 * 1024, dtype=torch.uint8, device="cuda")
+        wrapper = flashinfer.BatchDecodeWithPagedKVCacheWrapper(workspace, "NHD")
+        blocks_per_seq = batch.block_tables_t.shape[1]
+        wrapper.plan(
+            torch.arange(0, BATCH + 1, dtype=torch.int32, device="cuda") * blocks_per_seq,  # indptr
+            batch.block_tables_t.flatten(),  # indices
+            torch.full((BATCH,), BLOCK_SIZE, dtype=torch.int32, device="cuda"),  # last_page_len
+            spec.num_heads, spec.num_kv_heads, spec.head_dim, BLOCK_SIZE,
+            q_data_type=DTYPE, kv_data_type=DTYPE,
+        )
+        return lambda: wrapper.run(q, kv_cache)
+    if name == "paged-cuda":
+        from infer.plugins.attention.paged_cuda import PagedCudaAttention as backend_cls
+    else:
+        from infer.plugins.attention.reference import TorchAttention as backend_cls
+    backend = backend_cls(spec)
+    backend.plan(batch)
+    return lambda: backend.forward(q, k, v, kv_cache)
+
+
+@pytest.mark.benchmark(group="decode-kernel")
+@pytest.mark.parametrize("heads", HEADS.values(), ids=HEADS.keys())
+@pytest.mark.parametrize("backend", ["paged-cuda", "torch", "flashinfer"])
+def test_decode_kernel(benchmark, copy_bandwidth, backend, heads):
+    spec, batch, kv_cache, q, k, v = decode_batch(heads)
+    fn = decode_fn(backend, spec, batch, kv_cache, q, k, v)
+    expected = decode_fn("torch", spec, batch, kv_cache, q, k, v)()
+    torch.testing.assert_close(fn().float(), expected.float(), atol=2e-2, rtol=2e-2)
+
+    kv_bytes = 2 * BATCH * SEQ_LEN * heads * HEAD_DIM * DTYPE.itemsize  # K and V, each read once
+    seconds = event_time_s(fn)
+    benchmark.extra_info.update(
+        kv_bytes_read=kv_bytes,
+        kernel_ms=seconds * 1e3,
+        achieved_gbps=kv_bytes / seconds / 1e9,
+        copy_gbps=copy_bandwidth / 1e9,
+        ratio_to_copy=kv_bytes / seconds / copy_bandwidth,
+    )
+
+    def step():
+        fn()
+        torch.cuda.synchronize()
+
+    benchmark(step)

@@ -1,0 +1,164 @@
+"""Running a workload through an engine and reporting it the way the inference community reads it."""
+
+from __future__ import annotations
+
+import statistics
+import time
+from dataclasses import asdict, dataclass, field
+from typing import Any, Callable
+
+from infer.bench.workloads import Workload
+from infer.core.engine import Engine
+from infer.core.errors import RequestError
+from infer.core.request import RequestOutput, SamplingParams
+
+
+@dataclass(slots=True)
+class RunRecord:
+    label: str
+    config: dict[str, Any]  # plugin set, model, device, dtype
+    num_requests: int
+    prompt_tokens: int
+    output_tokens: int
+    wall_s: float
+    ttft_p50_s: float
+    ttft_p99_s: float
+    tpot_p50_s: float  # time per output token after the first
+    tpot_p99_s: float
+    kv_utilisation: float  # mean over steps: token slots holding tokens / slots in used blocks
+    preemptions: int
+    steps: int
+    speedup: float | None = None  # total tokens/s against the baseline of the same run
+    finish_reasons: dict[str, int] = field(default_factory=dict)
+
+    @property
+    def total_tokens(self) -> int:
+        return self.prompt_tokens + self.output_tokens
+
+    @property
+    def requests_per_s(self) -> float:
+        return self.num_requests / self.wall_s
+
+    @property
+    def output_tokens_per_s(self) -> float:
+        return self.output_tokens / self.wall_s
+
+    @property
+    def total_tokens_per_s(self) -> float:
+        return self.total_tokens / self.wall_s
+
+    def to_dict(self) -> dict[str, Any]:
+        d = asdict(self)
+        d.update(
+            total_tokens=self.total_tokens,
+            requests_per_s=self.requests_per_s,
+            output_tokens_per_s=self.output_tokens_per_s,
+            total_tokens_per_s=self.total_tokens_per_s,
+        )
+        return d
+
+
+def _percentile(values: list[float], q: float) -> float:
+    if not values:
+        return 0.0
+    if len(values) == 1:
+        return values[0]
+    return statistics.quantiles(values, n=100, method="inclusive")[int(q) - 1]
+
+
+def prepare_prompts(engine: Engine, workload: Workload) -> list[str | list[int]]:
+    """Apply the chat template where asked and check every prompt before anything runs."""
+    from infer.llm import apply_chat_template
+
+    prompts: list[str | list[int]] = []
+    for i, prompt in enumerate(workload.prompts):
+        if workload.chat and isinstance(prompt, str) and engine.tokenizer is not None and getattr(engine.tokenizer, "chat_template", None):
+            prompt = apply_chat_template(engine.tokenizer, [{"role": "user", "content": prompt}])
+        try:
+            _, ids = engine.tokenize(prompt)
+        except RequestError as exc:
+            raise RequestError(f"prompt {i} of {workload.name}: {exc}") from exc
+        if len(ids) >= engine.parts.max_model_len:
+            raise RequestError(
+                f"prompt {i} of {workload.name} has {len(ids)} tokens but the context holds "
+                f"{engine.parts.max_model_len}: shorten it or raise --max-model-len"
+            )
+        prompts.append(ids)
+    return prompts
+
+
+def run_workload(
+    engine: Engine,
+    workload: Workload,
+    base: SamplingParams,
+    label: str,
+    on_finish: Callable[[RequestOutput], None] | None = None,
+) -> tuple[RunRecord, list[RequestOutput]]:
+    prompts = prepare_prompts(engine, workload)
+    params = workload.params(base)
+    results: dict[str, RequestOutput] = {}
+    order: list[str] = []
+    utilisation: list[float] = []
+    started = time.perf_counter()
+    for prompt, p in zip(prompts, params):
+        order.append(engine.add_request(prompt, p))
+    while engine.has_unfinished():
+        for out in engine.step():
+            results[out.request_id] = out
+            if on_finish is not None:
+                on_finish(out)
+        usage = engine.kv_usage()
+        if usage.num_reserved_slots:
+            utilisation.append(usage.num_filled_slots / usage.num_reserved_slots)
+    wall = time.perf_counter() - started
+    outputs = [results[rid] for rid in order]
+    ttft = [o.metrics.get("ttft_s", 0.0) for o in outputs]
+    tpot = []
+    reasons: dict[str, int] = {}
+    for o in outputs:
+        n = sum(len(c.token_ids) for c in o.outputs)
+        for c in o.outputs:
+            reasons[c.finish_reason or "none"] = reasons.get(c.finish_reason or "none", 0) + 1
+        if n > 1 and "latency_s" in o.metrics:
+            tpot.append((o.metrics["latency_s"] - o.metrics.get("ttft_s", 0.0)) / (n - 1))
+    stats = engine.stats()
+    record = RunRecord(
+        label=label,
+        config=dict(engine.parts.describe),
+        num_requests=len(outputs),
+        prompt_tokens=sum(len(o.prompt_token_ids) * len(o.outputs) for o in outputs),
+        output_tokens=sum(len(c.token_ids) for o in outputs for c in o.outputs),
+        wall_s=wall,
+        ttft_p50_s=_percentile(ttft, 50),
+        ttft_p99_s=_percentile(ttft, 99),
+        tpot_p50_s=_percentile(tpot, 50),
+        tpot_p99_s=_percentile(tpot, 99),
+        kv_utilisation=statistics.fmean(utilisation) if utilisation else 0.0,
+        preemptions=int(stats.get("preemptions", 0)),
+        steps=int(stats.get("steps", 0)),
+        finish_reasons=reasons,
+    )
+    return record, outputs
+
+
+def format_table(records: list[RunRecord]) -> str:
+    headers = ["run", "req/s", "out tok/s", "total tok/s", "prompt tok", "total tok", "time s", "TTFT p50 ms", "TPOT p50 ms", "KV util", "preempt", "speedup"]
+    rows = []
+    for r in records:
+        rows.append([
+            r.label,
+            f"{r.requests_per_s:.2f}",
+            f"{r.output_tokens_per_s:.1f}",
+            f"{r.total_tokens_per_s:.1f}",
+            str(r.prompt_tokens),
+            str(r.total_tokens),
+            f"{r.wall_s:.2f}",
+            f"{r.ttft_p50_s * 1e3:.1f}",
+            f"{r.tpot_p50_s * 1e3:.1f}",
+            f"{r.kv_utilisation:.1%}",
+            str(r.preemptions),
+            "—" if r.speedup is None else f"{r.speedup:.2f}x",
+        ])
+    widths = [max(len(h), *(len(row[i]) for row in rows)) for i, h in enumerate(headers)]
+    line = lambda cells: "  ".join(c.ljust(w) if i == 0 else c.rjust(w) for i, (c, w) in enumerate(zip(cells, widths)))  # noqa: E731
+    return "\n".join([line(headers), line(["-" * w for w in widths]), *(line(r) for r in rows)])

@@ -1,0 +1,142 @@
+"""Workloads: the built-in prompt set, the named benchmark shapes, and prompt files.
+
+All synthetic workloads are seeded and ignore EOS, so every run computes the same tokens.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import random
+from dataclasses import dataclass, field, replace
+from pathlib import Path
+from typing import Any
+
+from infer.core.errors import DatasetError
+from infer.core.request import SamplingParams
+
+BUILTIN_PROMPTS = [
+    "What is the capital of France?",
+    "Write a haiku about the sea.",
+    "Explain in two sentences why the sky is blue.",
+    "Give me three tips for learning to cook.",
+    "What is a prime number? Give two examples.",
+    "Translate 'good morning' into Spanish and German.",
+    "Name three planets of the solar system.",
+    "Summarise the story of Little Red Riding Hood in one sentence.",
+]
+
+
+@dataclass(slots=True)
+class Workload:
+    name: str
+    prompts: list[str | list[int]]  # text, or token ids
+    max_tokens: list[int]
+    chat: bool = False  # apply the model's chat template to text prompts
+    ignore_eos: bool = False
+    notes: dict[str, Any] = field(default_factory=dict)
+
+    def params(self, base: SamplingParams) -> list[SamplingParams]:
+        return [replace(base, max_tokens=m, ignore_eos=self.ignore_eos or base.ignore_eos) for m in self.max_tokens]
+
+
+def _random_ids(rng: random.Random, n: int, vocab_size: int) -> list[int]:
+    return [rng.randrange(10, vocab_size) for _ in range(n)]  # low ids are often special tokens
+
+
+def random_fixed(vocab_size: int, num_prompts: int, prompt_len: int, output_len: int, seed: int, name: str) -> Workload:
+    rng = random.Random(seed)
+    prompts: list[str | list[int]] = [_random_ids(rng, prompt_len, vocab_size) for _ in range(num_prompts)]
+    return Workload(name, prompts, [output_len] * num_prompts, ignore_eos=True)
+
+
+def sharegpt_like(vocab_size: int, num_prompts: int, seed: int) -> Workload:
+    """Lengths drawn from log-normals matching ShareGPT's means (prompt ~161, output ~338 tokens),
+    dropping prompt > 1024 or prompt + output > 2048, as vLLM's benchmark filters real ShareGPT."""
+    rng = random.Random(seed)
+    sigma_p, sigma_o = 1.0, 0.9
+    mu_p, mu_o = math.log(161) - sigma_p**2 / 2, math.log(338) - sigma_o**2 / 2
+    prompts: list[str | list[int]] = []
+    outputs: list[int] = []
+    while len(prompts) < num_prompts:
+        p = max(4, int(rng.lognormvariate(mu_p, sigma_p)))
+        o = max(4, int(rng.lognormvariate(mu_o, sigma_o)))
+        if p > 1024 or p + o > 2048:
+            continue
+        prompts.append(_random_ids(rng, p, vocab_size))
+        outputs.append(o)
+    return Workload("sharegpt-like", prompts, outputs, ignore_eos=True)
+
+
+def chitchat(num_prompts: int, max_tokens: int, seed: int) -> Workload:
+    try:
+        import chitchat_dataset  # type: ignore[import-not-found]
+    except ImportError as exc:
+        raise DatasetError("the `chat` workload needs the chitchat-dataset package: pip install chitchat-dataset==0.9.0") from exc
+    data = chitchat_dataset.Dataset()
+    rng = random.Random(seed)
+    texts = [msgs[0][0]["text"] for msgs in (conv["messages"] for conv in data.values()) if msgs and msgs[0]]
+    rng.shuffle(texts)
+    texts = [t for t in texts if t.strip()][:num_prompts]
+    return Workload("chat", list(texts), [max_tokens] * len(texts), chat=True)
+
+
+def from_file(path: Path, default_max_tokens: int) -> Workload:
+    """JSON (a list) or JSONL: each item a string, a token-id list, or {"prompt": ..., "max_tokens": n}."""
+    try:
+        text = path.read_text()
+    except OSError as exc:
+        raise DatasetError(f"cannot read dataset file {path} ({exc.strerror}): check the --dataset path") from exc
+    try:
+        if path.suffix == ".jsonl":
+            items = [json.loads(line) for line in text.splitlines() if line.strip()]
+        else:
+            items = json.loads(text)
+    except json.JSONDecodeError as exc:
+        raise DatasetError(f"dataset file {path} is not valid {'JSONL' if path.suffix == '.jsonl' else 'JSON'} (line {exc.lineno}: {exc.msg}): fix the file") from exc
+    if not isinstance(items, list) or not items:
+        raise DatasetError(f"dataset file {path} must hold a non-empty list of prompts")
+    prompts: list[str | list[int]] = []
+    max_tokens: list[int] = []
+    for i, item in enumerate(items):
+        if isinstance(item, dict):
+            prompt, n = item.get("prompt"), item.get("max_tokens", default_max_tokens)
+        else:
+            prompt, n = item, default_max_tokens
+        ok = isinstance(prompt, str) or (isinstance(prompt, list) and all(isinstance(t, int) for t in prompt))
+        if not ok or not isinstance(n, int):
+            raise DatasetError(
+                f"dataset file {path}, item {i}: expected a string, a list of token ids, or "
+                f'{{"prompt": ..., "max_tokens": n}}; got {type(item).__name__}'
+            )
+        prompts.append(prompt)
+        max_tokens.append(n)
+    return Workload(path.name, prompts, max_tokens, chat=False)
+
+
+NAMED = ("builtin", "random-256x256", "sharegpt-like", "latency-1", "chat")
+
+
+def load_workload(name: str, vocab_size: int, num_prompts: int | None, max_tokens: int | None, seed: int) -> Workload:
+    if name == "builtin":
+        n = num_prompts or len(BUILTIN_PROMPTS)
+        prompts: list[str | list[int]] = [BUILTIN_PROMPTS[i % len(BUILTIN_PROMPTS)] for i in range(n)]
+        return Workload("builtin", prompts, [64 if max_tokens is None else max_tokens] * n, chat=True)
+    if name == "random-256x256":
+        w = random_fixed(vocab_size, num_prompts or 1000, 256, 256, seed, name)
+    elif name == "latency-1":
+        w = random_fixed(vocab_size, num_prompts or 1, 128, 256, seed, name)
+    elif name == "sharegpt-like":
+        w = sharegpt_like(vocab_size, num_prompts or 1000, seed)
+    elif name == "chat":
+        w = chitchat(num_prompts or 64, 128 if max_tokens is None else max_tokens, seed)
+    else:
+        path = Path(name)
+        if not path.exists() and path.suffix not in (".json", ".jsonl"):
+            raise DatasetError(f"unknown dataset {name!r}: use a JSON/JSONL file or one of {', '.join(NAMED)}")
+        w = from_file(path, 64 if max_tokens is None else max_tokens)
+        if num_prompts:
+            w.prompts, w.max_tokens = w.prompts[:num_prompts], w.max_tokens[:num_prompts]
+    if max_tokens is not None:
+        w.max_tokens = [max_tokens] * len(w.prompts)
+    return w

@@ -1,0 +1,139 @@
+"""`paged-cuda`: attention over the paged KV cache with this project's own Triton kernels.
+
+Per layer, `forward` launches three kernels (see `triton_kernels/`): the cache write, the
+paged decode kernel over the leading `num_decode_seqs` sequences (plus its split-K reduce when
+the batch is too small to fill the GPU), and the varlen causal prefill kernel over the rest.
+Everything that depends only on the step's layout is decided once in `plan`. Decode-only steps
+launch with fixed grids into scratch allocated at construction and never sync with the host, so
+they can be captured in a CUDA graph (one graph per decode batch size).
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+import torch
+
+from infer.core.hookspecs import hookimpl
+from infer.core.interfaces import AttentionBatch, AttentionSpec, Capabilities, KVCache
+
+
+def _available() -> str | None:
+    try:
+        import triton  # noqa: F401
+    except ImportError as exc:
+        return f"triton is not importable ({exc}); install it with `pip install 'infer[triton]'`"
+    if os.environ.get("TRITON_INTERPRET") == "1":  # CI: the kernels run on the CPU, interpreted
+        return None
+    if not torch.cuda.is_available():
+        return "no CUDA device (set TRITON_INTERPRET=1 to run the Triton kernels on the CPU)"
+    return None
+
+
+def _cdiv(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+@dataclass(slots=True)
+class _StepPlan:
+    batch: AttentionBatch
+    num_decode: int  # leading sequences served by the decode kernel
+    split: bool  # decode splits contexts into partitions and reduces them
+    q_block_seq: torch.Tensor  # [num_q_blocks] int32: prefill query block -> sequence
+    q_block_start: torch.Tensor  # [num_q_blocks] int32: query block -> first token within its sequence
+
+
+class PagedCudaAttention:
+    capabilities = Capabilities(
+        devices=frozenset({"cuda"}),
+        dtypes=frozenset({torch.float16, torch.bfloat16, torch.float32}),
+        block_sizes=frozenset({8, 16, 32, 64}),
+        cuda_graph_safe=True,
+        priority=20,
+        available=_available,
+    )
+
+    def __init__(
+        self,
+        spec: AttentionSpec,
+        partition_size: int = 512,  # decode split-K partition, tokens
+        split_below_programs: int | None = None,  # split when seqs x kv_heads < this; default 4 x SMs
+        decode_block_n: int = 64,  # decode key tile, tokens
+        prefill_block_m: int = 64,  # prefill tile rows (tokens x GQA group)
+        prefill_block_n: int = 64,  # prefill key tile, tokens
+    ) -> None:
+        # triton is imported here, not at module import, so the registry loads without it.
+        from infer.plugins.attention.triton_kernels import cache_write, decode, prefill
+
+        self._cache_write, self._decode, self._prefill = cache_write, decode, prefill
+        assert partition_size % decode_block_n == 0, "a decode tile must not straddle two partitions"
+        assert spec.num_heads % spec.num_kv_heads == 0
+        self.spec = spec
+        self.partition_size = partition_size
+        self.decode_block_n = decode_block_n
+        self.prefill_block_m, self.prefill_block_q = prefill.prefill_tile(spec.num_heads, spec.num_kv_heads, prefill_block_m)
+        self.prefill_block_n = prefill_block_n
+        if split_below_programs is None:
+            num_sms = torch.cuda.get_device_properties(spec.device).multi_processor_count if spec.device.type == "cuda" else 132
+            split_below_programs = 4 * num_sms  # ~4 resident programs per SM keep enough loads in flight
+        self.split_below_programs = split_below_programs
+        # Split-K scratch sized for the largest batch that splits and the longest context, once:
+        # decode then has fixed shapes and addresses, as a captured CUDA graph needs.
+        self.max_partitions = _cdiv(spec.max_model_len, partition_size)
+        rows = min(spec.max_num_seqs, _cdiv(split_below_programs, spec.num_kv_heads))
+        self.scratch: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
+        if self.max_partitions > 1 and rows > 0:
+            f32 = dict(dtype=torch.float32, device=spec.device)
+            self.scratch = (
+                torch.empty(rows, spec.num_heads, self.max_partitions, spec.head_dim, **f32),  # [S, H, P, D]
+                torch.empty(rows, spec.num_heads, self.max_partitions, **f32),  # [S, H, P] max logit
+                torch.empty(rows, spec.num_heads, self.max_partitions, **f32),  # [S, H, P] exp sum
+            )
+        self._plan: _StepPlan | None = None
+
+    def plan(self, batch: AttentionBatch) -> None:
+        num_decode = batch.num_decode_seqs
+        # Depends on the batch size only (never on seq_lens), so a graph captured for a batch
+        # size stays valid: partitions past a sequence's end exit at once.
+        split = (
+            self.scratch is not None
+            and num_decode <= self.scratch[0].shape[0]
+            and num_decode * self.spec.num_kv_heads < self.split_below_programs
+        )
+        seqs, starts = self._prefill.query_blocks(batch.query_lens[num_decode:], num_decode, self.prefill_block_q)
+        device = batch.seq_lens_t.device
+        self._plan = _StepPlan(
+            batch=batch,
+            num_decode=num_decode,
+            split=split,
+            q_block_seq=torch.tensor(seqs, dtype=torch.int32, device=device),
+            q_block_start=torch.tensor(starts, dtype=torch.int32, device=device),
+        )
+
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: KVCache) -> torch.Tensor:
+        plan = self._plan
+        assert plan is not None, "plan() first"
+        batch = plan.batch
+        k_cache, v_cache = kv_cache  # [num_blocks, block_size, Hkv, D]
+        assert q.stride(-1) == 1, "head_dim must be contiguous"
+        self._cache_write.cache_write(k, v, k_cache, v_cache, batch.slot_mapping)
+        out = torch.empty_like(q)  # [T, H, D]
+        self._decode.paged_decode(
+            out, q, k_cache, v_cache, batch.block_tables_t, batch.seq_lens_t, self.spec.scale,
+            num_seqs=plan.num_decode,
+            scratch=self.scratch if plan.split else None,
+            partition_size=self.partition_size,
+            block_n=self.decode_block_n,
+        )
+        self._prefill.paged_prefill(
+            out, q, k_cache, v_cache, batch.block_tables_t, batch.seq_lens_t, batch.cu_seqlens_q,
+            plan.q_block_seq, plan.q_block_start, self.spec.scale,
+            block_m=self.prefill_block_m, block_q=self.prefill_block_q, block_n=self.prefill_block_n,
+        )
+        return out
+
+
+@hookimpl
+def infer_register_attention_backends(register) -> None:
+    register("paged-cuda", PagedCudaAttention)

@@ -1,0 +1,31 @@
+"""Triton kernels of the `paged-cuda` attention backend.
+
+Each submodule imports triton at its top, so import them only where they are about to run
+(`paged_cuda.PagedCudaAttention` does so when it is built); this package imports no triton itself.
+
+- `cache_write`: new K/V into their slots of the paged cache (`slot_mapping`).
+- `decode`: one query token per sequence over its block table, split-K over partitions + reduce.
+- `prefill`: variable-length causal prefill/extend over the paged cache (`cu_seqlens_q`).
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+import torch
+
+__all__ = ["dot_config"]
+
+
+def dot_config(dtype: torch.dtype) -> tuple[Any, str]:
+    """(operand dtype, input_precision) for the kernels' `tl.dot`s on activations of `dtype`."""
+    import triton.language as tl
+
+    if dtype == torch.float32:
+        return tl.float32, "ieee"  # fp32 caches keep fp32 accuracy, not tf32's 10-bit mantissa
+    if os.environ.get("TRITON_INTERPRET") == "1" and dtype == torch.bfloat16:
+        # Triton's interpreter multiplies bf16 operands as their raw uint16 bits (numpy has no
+        # bf16), so under it bf16 dots run in fp32; compiled kernels use bf16 MMAs.
+        return tl.float32, "ieee"
+    return {torch.float16: tl.float16, torch.bfloat16: tl.bfloat16}[dtype], "tf32"

@@ -1,0 +1,105 @@
+"""The `paged-cuda` Triton kernels at small shapes: on the CPU under Triton's interpreter (how CI
+runs them), compiled on the GPU where there is one."""
+
+import functools
+import os
+
+import pytest
+import torch
+
+if not torch.cuda.is_available():
+    # Before triton is imported anywhere in this process: kernels defined afterwards are interpreted.
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+pytest.importorskip("triton")
+
+from infer.plugins.attention.paged_cuda import PagedCudaAttention, infer_register_attention_backends
+from infer.testing.attention import BATCH_SPECS, BatchSpec, check_backend, make_case, naive_attention
+
+pytestmark = pytest.mark.skipif(
+    os.environ.get("TRITON_INTERPRET") != "1" and not torch.cuda.is_available(),
+    reason="TRITON_INTERPRET was set to something else before this module, and there is no GPU",
+)
+DEVICE = "cpu" if os.environ.get("TRITON_INTERPRET") == "1" else "cuda"
+HEADS = {"mha": (4, 4), "gqa": (4, 2), "mqa": (6, 1)}
+LONG_DECODE = BatchSpec("decode-long", (1, 1, 1), (200, 75, 3))  # 7, 3 and 1 partitions of 32
+
+
+def small(**knobs):
+    return functools.partial(PagedCudaAttention, **knobs)
+
+
+@pytest.mark.parametrize("batch_spec", BATCH_SPECS, ids=lambda s: s.name)
+@pytest.mark.parametrize("heads", HEADS.values(), ids=HEADS.keys())
+@pytest.mark.parametrize("block_size", [16, 32])
+def test_matches_naive(batch_spec, heads, block_size):
+    case = make_case(batch_spec, num_heads=heads[0], num_kv_heads=heads[1], block_size=block_size, device=DEVICE, seed=7)
+    check_backend(PagedCudaAttention, case, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("heads", HEADS.values(), ids=HEADS.keys())
+@pytest.mark.parametrize("block_size", [16, 32])
+def test_split_decode_matches_naive(heads, block_size):
+    case = make_case(LONG_DECODE, num_heads=heads[0], num_kv_heads=heads[1], block_size=block_size, device=DEVICE, seed=3)
+    backend_cls = small(partition_size=32, decode_block_n=16)
+    backend = backend_cls(case.spec)
+    backend.plan(case.batch)
+    assert backend._plan.split and backend.max_partitions > 1
+    check_backend(backend_cls, case, atol=1e-5, rtol=1e-5)
+
+
+def test_mixed_batch_with_split_decode():
+    case = make_case(BATCH_SPECS[-1], device=DEVICE, seed=11)  # decodes then prefill/extend
+    check_backend(small(partition_size=16, decode_block_n=16), case, atol=1e-5, rtol=1e-5)
+
+
+def test_unsplit_decode_when_batch_fills_gpu():
+    case = make_case(LONG_DECODE, device=DEVICE, seed=5)
+    backend_cls = small(partition_size=32, decode_block_n=32, split_below_programs=1)
+    backend = backend_cls(case.spec)
+    backend.plan(case.batch)
+    assert not backend._plan.split
+    check_backend(backend_cls, case, atol=1e-5, rtol=1e-5)
+
+
+def test_bf16():
+    case = make_case(BATCH_SPECS[-1], dtype=torch.bfloat16, device=DEVICE, seed=2)
+    check_backend(small(partition_size=16, decode_block_n=16), case, atol=2e-2, rtol=2e-2)
+
+
+def test_decode_is_replayable_on_new_lengths():
+    """One backend, its split-K scratch reused for other lengths: stale partitions are never read."""
+    case = make_case(LONG_DECODE, device=DEVICE, seed=13)
+    backend = PagedCudaAttention(case.spec, partition_size=32, decode_block_n=16)
+    backend.plan(case.batch)
+    backend.forward(case.q, case.k, case.v, case.kv_cache)
+    shorter = make_case(BatchSpec("decode-short", (1, 1, 1), (40, 120, 9)), device=DEVICE, seed=14)
+    backend.plan(shorter.batch)
+    out = backend.forward(shorter.q, shorter.k, shorter.v, shorter.kv_cache)
+    torch.testing.assert_close(out, naive_attention(shorter), atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_cache_write(dtype):
+    from infer.plugins.attention.triton_kernels.cache_write import cache_write
+
+    gen = torch.Generator().manual_seed(0)
+    num_blocks, block_size, kv_heads, head_dim, tokens = 6, 16, 3, 24, 21  # non-power-of-2 heads and dim
+    k_cache = torch.randn(num_blocks, block_size, kv_heads, head_dim, generator=gen).to(dtype=dtype, device=DEVICE)
+    v_cache = torch.randn(num_blocks, block_size, kv_heads, head_dim, generator=gen).to(dtype=dtype, device=DEVICE)
+    expected_k, expected_v = k_cache.clone(), v_cache.clone()
+    qkv = torch.randn(tokens, 3, kv_heads, head_dim, generator=gen).to(dtype=dtype, device=DEVICE)
+    k, v = qkv[:, 1], qkv[:, 2]  # strided views of a fused qkv, as a model hands them over
+    slots = torch.randperm(num_blocks * block_size, generator=gen)[:tokens].to(DEVICE)
+    cache_write(k, v, k_cache, v_cache, slots)
+    expected_k.view(-1, kv_heads, head_dim)[slots] = k
+    expected_v.view(-1, kv_heads, head_dim)[slots] = v
+    torch.testing.assert_close(k_cache, expected_k, atol=0, rtol=0)  # untouched slots too
+    torch.testing.assert_close(v_cache, expected_v, atol=0, rtol=0)
+
+
+def test_available_and_registered():
+    assert PagedCudaAttention.capabilities.available() is None
+    registered = {}
+    infer_register_attention_backends(lambda name, factory: registered.setdefault(name, factory))
+    assert registered == {"paged-cuda": PagedCudaAttention}
