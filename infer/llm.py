@@ -18,6 +18,12 @@ class LLM:
 
     def __init__(self, model: str = "smollm2-135m", plugins: Iterable[Any] = (), tensor_parallel_size: int = 1, **options: Any) -> None:
         # options: any EngineConfig field (attention, scheduler, sampler, block_size, num_kv_blocks, ...)
+        import structlog
+
+        if not structlog.is_configured():  # an embedding app that did not set up logging hears only warnings
+            from infer.core.logging import configure
+
+            configure(level="warning")
         config = EngineConfig().replace(model=model, tensor_parallel_size=tensor_parallel_size, **options)
         self.config = config
         self.engine = Engine.from_config(config, extra_plugins=plugins)
