@@ -8,6 +8,10 @@ from pathlib import Path
 import pytest
 import torch
 
+if not torch.cuda.is_available():
+    # Without a GPU, Triton kernels run in its interpreter (read once, when triton is first imported).
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
 TINY_CONFIG = dict(
     vocab_size=256,
     hidden_size=64,

@@ -63,7 +63,7 @@ def run_command(config: EngineConfig, dataset: str, prompts: list[str], num_prom
             text = completion.text if completion.text else f"<{len(completion.token_ids)} token ids>"
             click.echo(f"  {text.strip()}  [{completion.finish_reason}]")
     click.echo("")
-    click.echo(f"model={config.model} " + " ".join(f"{k}={v}" for k, v in record.config.items() if k not in ("model", "config_hash")))
+    click.echo(f"model={config.model} " + " ".join(f"{k}={v}" for k, v in record.config.items() if k not in ("model", "config_hash", "weight_bytes")))
     click.echo(format_table(records))
     if json_out is not None:
         json_out.write_text(json.dumps({"records": [r.to_dict() for r in records]}, indent=2, default=str))

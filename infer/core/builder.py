@@ -14,6 +14,7 @@ import torch
 
 from infer.core.compose import compose
 from infer.core.config import EngineConfig
+from infer.core.cuda_graphs import CudaGraphRunner
 from infer.core.engine import EngineParts
 from infer.core.errors import ConfigError
 from infer.core.interfaces import LAYER_KINDS, AttentionSpec, DecoderContext, Layers
@@ -34,6 +35,33 @@ def default_dtype(dtype: torch.dtype) -> Iterator[None]:
         yield
     finally:
         torch.set_default_dtype(previous)
+
+
+def _build_model(source: Any, model_config: Any, composition: Any, layers: Layers, config: EngineConfig,
+                 device: torch.device, dtype: torch.dtype, max_model_len: int) -> tuple[Any, Any]:
+    """One model of the run (the target or a draft) and its attention backend, weights in place."""
+    spec = AttentionSpec(
+        num_heads=model_config.num_heads,
+        num_kv_heads=model_config.num_kv_heads,
+        head_dim=model_config.head_dim,
+        scale=model_config.head_dim**-0.5,
+        dtype=dtype,
+        device=device,
+        block_size=config.block_size,
+        max_num_seqs=config.max_num_seqs,
+        max_model_len=max_model_len,
+    )
+    attention = composition.attention.factory(spec)
+    if composition.prefill_attention is not None:
+        attention = HybridAttention(composition.prefill_attention.factory(spec), attention)
+    with torch.device(device), default_dtype(dtype):
+        model = source.architecture.factory(model_config, layers, attention)
+    model.eval().requires_grad_(False)
+    if source.path is None:
+        init_dummy_weights(model, config.seed)
+    else:
+        load_weights(model, source.path)
+    return model, attention
 
 
 def build_engine(config: EngineConfig, extra_plugins: Iterable[Any] = ()) -> EngineParts:
@@ -57,32 +85,44 @@ def build_engine(config: EngineConfig, extra_plugins: Iterable[Any] = ()) -> Eng
     if config.exit_layer is not None and not 1 <= config.exit_layer <= model_config.num_layers:
         raise ConfigError(f"--exit-layer must be in [1, {model_config.num_layers}] for {source.name}")
 
-    spec = AttentionSpec(
-        num_heads=model_config.num_heads,
-        num_kv_heads=model_config.num_kv_heads,
-        head_dim=model_config.head_dim,
-        scale=model_config.head_dim**-0.5,
-        dtype=dtype,
-        device=device,
-        block_size=config.block_size,
-        max_num_seqs=config.max_num_seqs,
-        max_model_len=max_model_len,
-    )
-    attention = composition.attention.factory(spec)
-    if composition.prefill_attention is not None:
-        attention = HybridAttention(composition.prefill_attention.factory(spec), attention)
     layers = Layers(**{kind: registry.layer(kind, device.type) for kind in LAYER_KINDS})
-
-    with torch.device(device), default_dtype(dtype):
-        model = source.architecture.factory(model_config, layers, attention)
-    model.eval().requires_grad_(False)
-    if source.path is None:
-        init_dummy_weights(model, config.seed)
-    else:
-        load_weights(model, source.path)
+    model, attention = _build_model(source, model_config, composition, layers, config, device, dtype, max_model_len)
     tokenizer = load_tokenizer(source.path)
 
-    per_block = bytes_per_block(model_config.num_layers, config.block_size, model_config.num_kv_heads, model_config.head_dim, dtype)
+    sampler = composition.sampler.factory(model_config.vocab_size, device)
+    # KV caches are allocated once the decoder is built: it may set the layers that run (early exit)
+    # or add models (a draft) whose caches are indexed by the same block tables, so a block costs
+    # every model's bytes. Each runner's list is filled in place (a self-draft shares the target's).
+    runner = ModelRunner(model, attention, [], sampler, config.block_size, device)
+    models: list[tuple[ModelRunner, Any]] = [(runner, model_config)]
+
+    def build_model(name_or_path: str, num_layers: int | None = None) -> ModelRunner:
+        draft_source = resolve_source(name_or_path, registry, config.load_format)
+        draft_config = draft_source.model_config()
+        if draft_config.vocab_size != model_config.vocab_size:
+            raise ConfigError(
+                f"draft {draft_source.name} has a vocabulary of {draft_config.vocab_size} tokens but {source.name} has "
+                f"{model_config.vocab_size}: pick a draft with the target's tokenizer"
+            )
+        if draft_config.max_position_embeddings < max_model_len:
+            raise ConfigError(
+                f"draft {draft_source.name} holds {draft_config.max_position_embeddings} positions, fewer than the "
+                f"context of {max_model_len}: lower --max-model-len to at most that"
+            )
+        if num_layers is not None:
+            draft_config = draft_config.with_layers(num_layers)
+        draft_model, draft_attention = _build_model(draft_source, draft_config, composition, layers, config, device, dtype, max_model_len)
+        draft_sampler = composition.sampler.factory(draft_config.vocab_size, device)
+        draft = ModelRunner(draft_model, draft_attention, [], draft_sampler, config.block_size, device)
+        models.append((draft, draft_config))
+        return draft
+
+    decoder = composition.decoder.factory(
+        DecoderContext(runner=runner, config=config, build_model=build_model, model_config=model_config)
+    )
+    per_block = sum(
+        bytes_per_block(r.num_layers or c.num_layers, config.block_size, c.num_kv_heads, c.head_dim, dtype) for r, c in models
+    )
     blocks_per_seq = -(-(max_model_len + config.num_speculative_tokens + 1) // config.block_size)
     num_blocks = config.num_kv_blocks or min(  # never more than max_num_seqs full-length requests use
         num_blocks_for_budget(budget_bytes(device, config.kv_cache_memory_gib, config.gpu_memory_utilization), per_block),
@@ -90,15 +130,21 @@ def build_engine(config: EngineConfig, extra_plugins: Iterable[Any] = ()) -> Eng
     )
     if num_blocks < 1:
         raise ConfigError("no memory is left for the KV cache: lower the model size, or raise --kv-cache-memory / --gpu-memory-utilization")
-    kv_caches = allocate_kv_cache(
-        model_config.num_layers, num_blocks, config.block_size, model_config.num_kv_heads, model_config.head_dim, dtype, device
-    )
-    sampler = composition.sampler.factory(model_config.vocab_size, device)
-    runner = ModelRunner(model, attention, kv_caches, sampler, config.block_size, device, config.exit_layer)
-    decoder = composition.decoder.factory(DecoderContext(runner=runner, config=config))
+    for r, c in models:  # one block more than the allocator owns: the null block
+        r.kv_caches.extend(allocate_kv_cache(
+            r.num_layers or c.num_layers, num_blocks + 1, config.block_size, c.num_kv_heads, c.head_dim, dtype, device
+        ))
+    kv_caches = runner.kv_caches
     allocator = composition.kv_allocator.factory(num_blocks, config.block_size)
     scheduler = composition.scheduler.factory(config, allocator)
     scheduler.num_lookahead_tokens = decoder.num_lookahead_tokens
+    graphs_ok = attention.capabilities.cuda_graph_safe and composition.decoder.capabilities.cuda_graph_safe
+    if config.cuda_graphs and device.type == "cuda" and graphs_ok:
+        runner.graphs = CudaGraphRunner(
+            model, attention, kv_caches, config.block_size, config.max_num_seqs, max_model_len,
+            null_block=num_blocks, device=device, num_layers=runner.num_layers,
+        )
+        runner.graphs.capture()
     detokenizer = composition.detokenizer.factory(tokenizer) if tokenizer is not None else None
 
     eos = set(model_config.eos_token_ids)
@@ -111,7 +157,9 @@ def build_engine(config: EngineConfig, extra_plugins: Iterable[Any] = ()) -> Eng
         "kv_blocks": num_blocks,
         "block_size": config.block_size,
         "config_hash": config.digest(),
+        "weight_bytes": sum(p.numel() * p.element_size() for p in model.parameters()),
         **composition.names(),
+        **getattr(decoder, "describe", {}),
     }
     get_logger(**describe).info("engine built", seconds=round(time.perf_counter() - started, 2), load_format=config.load_format)
     return EngineParts(

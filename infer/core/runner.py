@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -46,10 +47,17 @@ class ModelRunner:
         self.block_size = block_size
         self.device = device
         self.num_layers = num_layers
+        self.graphs: Any = None  # a CudaGraphRunner for decode-only steps, when enabled
 
     @torch.inference_mode()
     def forward(self, seqs: list[ForwardSeq]) -> torch.Tensor:
         """Run the model over `seqs` (decodes first); returns logits [sum(logits_rows), vocab] float32."""
+        if self.graphs is not None and self.graphs.can_run(len(seqs)) and all(
+            len(s.token_ids) == 1 and s.logits_rows == 1 for s in seqs
+        ):
+            return self.graphs.run(
+                [s.token_ids[0] for s in seqs], [s.start + 1 for s in seqs], [s.request.block_ids for s in seqs]
+            )
         input_ids: list[int] = []
         query_lens, seq_lens, tables, rows = [], [], [], []
         for seq in seqs:

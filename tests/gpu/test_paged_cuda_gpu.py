@@ -15,7 +15,7 @@ from infer.testing.attention import AttentionCase, check_backend, naive_attentio
 pytestmark = [
     pytest.mark.gpu,
     pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device"),
-    pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") == "1", reason="TRITON_INTERPRET=1 would interpret the kernels"),
+    pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") == "1", reason="TRITON_INTERPRET=1 interprets the kernels"),
 ]
 pytest.importorskip("triton")
 

@@ -33,14 +33,22 @@ def small(**knobs):
 @pytest.mark.parametrize("heads", HEADS.values(), ids=HEADS.keys())
 @pytest.mark.parametrize("block_size", [16, 32])
 def test_matches_naive(batch_spec, heads, block_size):
-    case = make_case(batch_spec, num_heads=heads[0], num_kv_heads=heads[1], block_size=block_size, device=DEVICE, seed=7)
+    case = make_case(batch_spec, *heads, block_size=block_size, device=DEVICE, seed=7)
     check_backend(PagedCudaAttention, case, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("batch_spec", BATCH_SPECS[2:], ids=lambda s: s.name)
+@pytest.mark.parametrize("heads", HEADS.values(), ids=HEADS.keys())
+def test_small_prefill_tiles(batch_spec, heads):
+    """Tiles of 16: several query blocks per sequence, and unmasked key tiles before the diagonal."""
+    case = make_case(batch_spec, *heads, device=DEVICE, seed=9)
+    check_backend(small(prefill_block_m=16, prefill_block_n=16), case, atol=1e-5, rtol=1e-5)
 
 
 @pytest.mark.parametrize("heads", HEADS.values(), ids=HEADS.keys())
 @pytest.mark.parametrize("block_size", [16, 32])
 def test_split_decode_matches_naive(heads, block_size):
-    case = make_case(LONG_DECODE, num_heads=heads[0], num_kv_heads=heads[1], block_size=block_size, device=DEVICE, seed=3)
+    case = make_case(LONG_DECODE, *heads, block_size=block_size, device=DEVICE, seed=3)
     backend_cls = small(partition_size=32, decode_block_n=16)
     backend = backend_cls(case.spec)
     backend.plan(case.batch)

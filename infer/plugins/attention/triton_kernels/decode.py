@@ -4,10 +4,16 @@ Grid: (sequence, kv_head, partition). One program serves the whole GQA group of 
 each K/V row is read from memory once for all `group` query heads. It walks its partition of
 the context in tiles of BLOCK_N tokens gathered through the block table (a tile spans
 BLOCK_N // block_size blocks, or part of one; every row is head_dim contiguous elements, so
-loads are 16-byte vectors along D), keeping an online softmax in fp32 (exp2, log2e folded into
+loads can be 16-byte vectors along D), keeping an online softmax in fp32 (exp2, log2e folded into
 the scale). When batch x kv_heads cannot fill the GPU, the context is split into partitions of
 PARTITION_SIZE tokens; each writes its normalised output plus its max and sum, and
 `_reduce_kernel` combines them.
+
+Scores and P @ V are `tl.dot`s with the group padded to 16 rows (the MMA minimum), even for MHA
+(group 1). Decode is memory-bound either way; the padded MMA wastes FLOPs nobody is short of. On
+an H200 (bf16, batch 64 x 1024 tokens, block_n 64) it reached 0.97 of copy bandwidth for 32 KV
+heads, where the elementwise form (broadcast [G, N, D] products, `tl.sum` over D) reached at most
+0.34, and 0.08 for GQA 32/8.
 """
 
 from __future__ import annotations
@@ -158,6 +164,7 @@ def paged_decode(
     dot_dtype, precision = dot_config(q.dtype)
     if scratch is not None:
         part_out, part_max, part_sum = scratch
+        assert part_out.is_contiguous() and part_max.is_contiguous(), "the kernels index the scratch densely"
         max_partitions = part_out.shape[2]
         stride_ps, stride_ph = part_out.stride(0), part_out.stride(1)
     else:

@@ -24,6 +24,46 @@ LOG2E = 1.4426950408889634
 
 
 @triton.jit
+def _attend(
+    acc, l_i, m_i,  # running output [M, D], exp sum [M], max logit [M] (fp32, log2 units)
+    q, q_pos,  # [M, D] queries, [M] their positions
+    k_cache_ptr, v_cache_ptr, table,  # table: this sequence's row of block_tables
+    kv_head, start, end, kv_end, scale_log2,
+    stride_cb, stride_cs, stride_ch,
+    block_size, head_dim,
+    CAUSAL: tl.constexpr,  # False: every key in [start, end) is visible to every row, skip the masks
+    DOT_DTYPE: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+):
+    dims = tl.arange(0, BLOCK_D)
+    dim_mask = dims < head_dim
+    for n0 in range(start, end, BLOCK_N):
+        offs = n0 + tl.arange(0, BLOCK_N)  # [N] key positions
+        if CAUSAL:
+            tok_mask = offs < kv_end
+            block = tl.load(table + offs // block_size, mask=tok_mask, other=0).to(tl.int64)
+            kv_mask = tok_mask[:, None] & dim_mask[None, :]
+        else:
+            block = tl.load(table + offs // block_size).to(tl.int64)
+            kv_mask = dim_mask[None, :]
+        row = block * stride_cb + (offs % block_size) * stride_cs + kv_head * stride_ch  # [N]
+        k = tl.load(k_cache_ptr + row[:, None] + dims[None, :], mask=kv_mask, other=0.0)  # [N, D]
+        v = tl.load(v_cache_ptr + row[:, None] + dims[None, :], mask=kv_mask, other=0.0)  # [N, D]
+        s = tl.dot(q, tl.trans(k.to(DOT_DTYPE)), input_precision=DOT_PRECISION) * scale_log2  # [M, N]
+        if CAUSAL:
+            s = tl.where((offs[None, :] <= q_pos[:, None]) & tok_mask[None, :], s, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, axis=1))
+        alpha = tl.exp2(m_i - m_new)
+        p = tl.exp2(s - m_new[:, None])
+        l_i = l_i * alpha + tl.sum(p, axis=1)
+        acc = acc * alpha[:, None] + tl.dot(p.to(DOT_DTYPE), v.to(DOT_DTYPE), input_precision=DOT_PRECISION)
+        m_i = m_new
+    return acc, l_i, m_i
+
+
+@triton.jit
 def _prefill_kernel(
     out_ptr,  # [T, H, D]
     q_ptr,  # [T, H, D]
@@ -57,35 +97,32 @@ def _prefill_kernel(
     q_idx = q_start + rows // group  # [M] query token within the sequence
     heads = kv_head * group + rows % group  # [M]
     dims = tl.arange(0, BLOCK_D)
-    dim_mask = dims < head_dim
     row_mask = (rows < BLOCK_Q * group) & (q_idx < q_len)
-    q_mask = row_mask[:, None] & dim_mask[None, :]
+    q_mask = row_mask[:, None] & (dims < head_dim)[None, :]
     q_rows = (tok0 + q_idx).to(tl.int64)
-    q = tl.load(q_ptr + q_rows[:, None] * stride_qt + heads[:, None] * stride_qh + dims[None, :], mask=q_mask, other=0.0)
-    q = q.to(DOT_DTYPE)  # [M, D]
-    q_pos = ctx_len + q_idx  # [M]; padded rows get positions >= ctx_len too, so they see key 0
+    q_offs = q_rows[:, None] * stride_qt + heads[:, None] * stride_qh + dims[None, :]
+    q = tl.load(q_ptr + q_offs, mask=q_mask, other=0.0).to(DOT_DTYPE)  # [M, D]
+    q_pos = ctx_len + q_idx  # [M]; padded rows sit past seq_len: they see every key, are never stored
 
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
     table = block_tables_ptr + seq * stride_bt
-    kv_end = tl.minimum(seq_len, ctx_len + q_start + BLOCK_Q)  # causal: nothing in the block sees further
-    for n0 in range(0, kv_end, BLOCK_N):
-        offs = n0 + tl.arange(0, BLOCK_N)  # [N] key positions
-        tok_mask = offs < kv_end
-        block = tl.load(table + offs // block_size, mask=tok_mask, other=0).to(tl.int64)
-        row = block * stride_cb + (offs % block_size) * stride_cs + kv_head * stride_ch  # [N]
-        kv_mask = tok_mask[:, None] & dim_mask[None, :]
-        k = tl.load(k_cache_ptr + row[:, None] + dims[None, :], mask=kv_mask, other=0.0)  # [N, D]
-        v = tl.load(v_cache_ptr + row[:, None] + dims[None, :], mask=kv_mask, other=0.0)  # [N, D]
-        s = tl.dot(q, tl.trans(k.to(DOT_DTYPE)), input_precision=DOT_PRECISION) * scale_log2  # [M, N]
-        s = tl.where((offs[None, :] <= q_pos[:, None]) & tok_mask[None, :], s, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(s, axis=1))  # finite: key 0 is in the first tile of every row
-        alpha = tl.exp2(m_i - m_new)
-        p = tl.exp2(s - m_new[:, None])
-        l_i = l_i * alpha + tl.sum(p, axis=1)
-        acc = acc * alpha[:, None] + tl.dot(p.to(DOT_DTYPE), v.to(DOT_DTYPE), input_precision=DOT_PRECISION)
-        m_i = m_new
+    # Keys before the block's first query are visible to all its rows: whole tiles of them run
+    # without masks; the tiles from there to the last key the block can see apply the causal mask.
+    # m_i turns finite in the first tile either way (its first key is visible to every row).
+    kv_end = tl.minimum(seq_len, ctx_len + q_start + BLOCK_Q)
+    full_end = (ctx_len + q_start) // BLOCK_N * BLOCK_N
+    acc, l_i, m_i = _attend(
+        acc, l_i, m_i, q, q_pos, k_cache_ptr, v_cache_ptr, table, kv_head, 0, full_end, kv_end, scale_log2,
+        stride_cb, stride_cs, stride_ch, block_size, head_dim,
+        False, DOT_DTYPE, DOT_PRECISION, BLOCK_N, BLOCK_D,
+    )
+    acc, l_i, m_i = _attend(
+        acc, l_i, m_i, q, q_pos, k_cache_ptr, v_cache_ptr, table, kv_head, full_end, kv_end, kv_end, scale_log2,
+        stride_cb, stride_cs, stride_ch, block_size, head_dim,
+        True, DOT_DTYPE, DOT_PRECISION, BLOCK_N, BLOCK_D,
+    )
 
     out = (acc / l_i[:, None]).to(out_ptr.dtype.element_ty)
     tl.store(out_ptr + q_rows[:, None] * stride_ot + heads[:, None] * stride_oh + dims[None, :], out, mask=q_mask)

@@ -1,0 +1,96 @@
+"""Peers run beside infer in the same process: HF transformers generate (static batches) and
+HF continuous batching, on the same model shape and the same token-id workload."""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+
+@dataclass(slots=True)
+class PeerRecord:
+    label: str
+    num_requests: int
+    prompt_tokens: int
+    output_tokens: int
+    wall_s: float
+    error: str | None = None
+
+    @property
+    def output_tokens_per_s(self) -> float:
+        return self.output_tokens / self.wall_s if self.wall_s else 0.0
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "label": self.label, "num_requests": self.num_requests, "prompt_tokens": self.prompt_tokens,
+            "output_tokens": self.output_tokens, "wall_s": self.wall_s, "error": self.error,
+            "output_tokens_per_s": self.output_tokens_per_s,
+        }
+
+
+def build_hf_model(hf_config: dict[str, Any], dtype: torch.dtype, device: torch.device, folder: str | None = None, seed: int = 0):
+    """The HF LlamaForCausalLM for a folder, or with random weights for a named shape."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    if folder is not None:
+        return LlamaForCausalLM.from_pretrained(folder, torch_dtype=dtype).to(device).eval()
+    config = LlamaConfig(**{k: v for k, v in hf_config.items() if k != "architectures"})
+    torch.manual_seed(seed)
+    with torch.device(device):
+        model = LlamaForCausalLM._from_config(config, torch_dtype=dtype)
+    return model.eval()
+
+
+@torch.inference_mode()
+def hf_static(model: Any, prompts: list[list[int]], max_tokens: list[int], batch_size: int) -> PeerRecord:
+    """Padded static batches through `generate`: each batch runs until its longest request ends."""
+    device = next(model.parameters()).device
+    out_tokens = 0
+    sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
+    sync()
+    started = time.perf_counter()
+    for i in range(0, len(prompts), batch_size):
+        batch = prompts[i : i + batch_size]
+        width = max(len(p) for p in batch)
+        ids = torch.zeros(len(batch), width, dtype=torch.long, device=device)
+        mask = torch.zeros_like(ids)
+        for row, p in enumerate(batch):  # left padding, as decoder-only generation needs
+            ids[row, width - len(p):] = torch.tensor(p, device=device)
+            mask[row, width - len(p):] = 1
+        n = max(max_tokens[i : i + batch_size])
+        y = model.generate(ids, attention_mask=mask, max_new_tokens=n, min_new_tokens=n, do_sample=False,
+                           eos_token_id=None, pad_token_id=0)
+        out_tokens += sum(min(m, y.shape[1] - width) for m in max_tokens[i : i + batch_size])
+    sync()
+    return PeerRecord(f"hf-static-{batch_size}", len(prompts), sum(map(len, prompts)), out_tokens, time.perf_counter() - started)
+
+
+@torch.inference_mode()
+def hf_continuous(model: Any, prompts: list[list[int]], max_tokens: int, attn: str = "paged|sdpa") -> PeerRecord:
+    """HF transformers' own continuous batching (`generate_batch`)."""
+    from transformers import GenerationConfig
+
+    device = next(model.parameters()).device
+    try:
+        model.set_attn_implementation(attn)
+        config = GenerationConfig(max_new_tokens=max_tokens, min_new_tokens=max_tokens, do_sample=False,
+                                  eos_token_id=None, pad_token_id=0)
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+        started = time.perf_counter()
+        results = model.generate_batch(inputs=prompts, generation_config=config)
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+        wall = time.perf_counter() - started
+        out = sum(len(r.generated_tokens) for r in results.values())
+        return PeerRecord("hf-continuous", len(prompts), sum(map(len, prompts)), out, wall)
+    except Exception as exc:  # a peer that cannot run here is reported, not fatal
+        return PeerRecord("hf-continuous", len(prompts), 0, 0, 0.0, error=f"{type(exc).__name__}: {exc}")
+    finally:
+        try:
+            model.set_attn_implementation("sdpa")
+        except Exception:
+            pass

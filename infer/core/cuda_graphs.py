@@ -1,0 +1,128 @@
+"""CUDA graphs for decode steps: one graph per batch-size bucket, padded, replayed each step.
+
+A decode step of a 7B model launches some 500 kernels; launched from Python that costs more than
+the GPU needs to run them at small batch. Capturing the whole forward (embedding to logits) once
+per bucket turns a step into a handful of host-to-device copies and one replay.
+
+Inputs live in static buffers; every step copies its values in (two H2D copies: one int64 and
+one int32 staging buffer). Padded rows read and write only the null block, a spare KV block that
+the allocator never hands out. The attention backend must be graph-safe (`cuda_graph_safe`): its
+`plan` may do host work but the kernels it launches must read the batch only through the static
+tensors and use fixed grids for a given batch size.
+"""
+
+from __future__ import annotations
+
+import bisect
+from typing import Any
+
+import torch
+
+from infer.core.interfaces import AttentionBackend, AttentionBatch, KVCache
+
+
+def bucket_sizes(max_num_seqs: int) -> list[int]:
+    sizes = [1, 2, 4, 8] + list(range(16, 256 + 1, 16)) + list(range(288, 1024 + 1, 32))
+    return [s for s in sizes if s < max_num_seqs] + [max_num_seqs]
+
+
+class CudaGraphRunner:
+    def __init__(
+        self,
+        model: Any,
+        attention: AttentionBackend,
+        kv_caches: list[KVCache],
+        block_size: int,
+        max_num_seqs: int,
+        max_model_len: int,
+        null_block: int,  # a KV block no request owns: padded rows write there
+        device: torch.device,
+        num_layers: int | None = None,
+    ) -> None:
+        self.model, self.attention, self.kv_caches = model, attention, kv_caches
+        self.block_size, self.null_block, self.device = block_size, null_block, device
+        self.num_layers = num_layers
+        self.buckets = bucket_sizes(max_num_seqs)
+        self.max_batch = self.buckets[-1]
+        self.max_blocks = -(-max_model_len // block_size) + 1
+        b, w = self.max_batch, self.max_blocks
+        # int64: input_ids | positions | slot_mapping ; int32: seq_lens | cu_seqlens | block_tables
+        self.i64 = torch.zeros(3 * b, dtype=torch.int64, device=device)
+        self.i32 = torch.zeros(b + (b + 1) + b * w, dtype=torch.int32, device=device)
+        self.i64_host = torch.zeros(3 * b, dtype=torch.int64).pin_memory()
+        self.i32_host = torch.zeros(b + (b + 1) + b * w, dtype=torch.int32).pin_memory()
+        self.graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
+        self.pool: Any = None
+
+    def _views(self, n: int) -> tuple[torch.Tensor, ...]:
+        b, w = self.max_batch, self.max_blocks
+        ids, pos, slots = self.i64[:n], self.i64[b : b + n], self.i64[2 * b : 2 * b + n]
+        seq_lens = self.i32[:n]
+        cu = self.i32[b : b + n + 1]
+        tables = self.i32[2 * b + 1 : 2 * b + 1 + b * w].view(b, w)[:n]
+        return ids, pos, slots, seq_lens, cu, tables
+
+    def _batch(self, n: int, seq_lens: list[int], tables: list[list[int]]) -> AttentionBatch:
+        _, pos, slots, seq_lens_t, cu, tables_t = self._views(n)
+        return AttentionBatch(
+            query_lens=[1] * n, seq_lens=seq_lens, block_tables=tables, block_size=self.block_size,
+            num_decode_seqs=n, cu_seqlens_q=cu, seq_lens_t=seq_lens_t, block_tables_t=tables_t,
+            slot_mapping=slots, positions=pos,
+        )
+
+    def _fill(self, n: int, token_ids: list[int], seq_lens: list[int], tables: list[list[int]]) -> None:
+        b, w, bs = self.max_batch, self.max_blocks, self.block_size
+        num_real = len(token_ids)
+        pad = n - num_real
+        seq_lens = seq_lens + [1] * pad
+        positions = [s - 1 for s in seq_lens]
+        slots = [t[p // bs] * bs + p % bs for t, p in zip(tables, positions)] + [self.null_block * bs] * pad
+        h64, h32 = self.i64_host, self.i32_host
+        h64[:n] = torch.tensor(token_ids + [0] * pad)
+        h64[b : b + n] = torch.tensor(positions)
+        h64[2 * b : 2 * b + n] = torch.tensor(slots)
+        h32[:n] = torch.tensor(seq_lens)
+        h32[b : b + n + 1] = torch.arange(n + 1, dtype=torch.int32)
+        # only the columns in use this step: kernels never read a table past its seq_len
+        width = max((len(t) for t in tables), default=1)
+        rows = [t + [self.null_block] * (width - len(t)) for t in tables] + [[self.null_block] * width] * pad
+        h32[2 * b + 1 : 2 * b + 1 + b * w].view(b, w)[:n, :width] = torch.tensor(rows, dtype=torch.int32)
+        self.i64.copy_(h64, non_blocking=True)
+        self.i32.copy_(h32, non_blocking=True)
+
+    def _forward(self, n: int) -> torch.Tensor:
+        ids, pos, *_ = self._views(n)
+        hidden = self.model.forward(ids, pos, self.kv_caches, self.num_layers)
+        return self.model.compute_logits(hidden)
+
+    @torch.inference_mode()
+    def capture(self) -> None:
+        stream = torch.cuda.Stream(self.device)
+        stream.wait_stream(torch.cuda.current_stream(self.device))
+        for n in reversed(self.buckets):  # largest first: smaller graphs reuse its memory pool
+            self._fill(n, [], [], [])
+            batch = self._batch(n, [1] * n, [[self.null_block]] * n)
+            self.attention.plan(batch)
+            with torch.cuda.stream(stream):
+                self._forward(n)  # warm-up outside the graph (Triton compiles here)
+            torch.cuda.current_stream(self.device).wait_stream(stream)
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph, pool=self.pool):
+                logits = self._forward(n)
+            self.pool = graph.pool()
+            self.graphs[n] = (graph, logits)
+        torch.cuda.synchronize(self.device)
+
+    def can_run(self, num_seqs: int) -> bool:
+        return 0 < num_seqs <= self.max_batch
+
+    def run(self, token_ids: list[int], seq_lens: list[int], tables: list[list[int]]) -> torch.Tensor:
+        """Decode one token for each sequence; returns logits [len(token_ids), vocab]."""
+        num_real = len(token_ids)
+        n = self.buckets[bisect.bisect_left(self.buckets, num_real)]
+        self._fill(n, token_ids, seq_lens, tables)
+        padded = tables + [[self.null_block]] * (n - num_real)
+        self.attention.plan(self._batch(n, seq_lens + [1] * (n - num_real), padded))
+        graph, logits = self.graphs[n]
+        graph.replay()
+        return logits[:num_real]

@@ -1,0 +1,171 @@
+"""`flashinfer`: FlashInfer's paged decode and paged prefill kernels over this project's KV cache.
+
+The cache is used as it is: a layer's (k_cache, v_cache), each [num_blocks, block_size, Hkv, D], is
+FlashInfer's NHD layout with one page per block. `plan` turns the step's block tables into
+FlashInfer's CSR page table (indptr / indices / last_page_len) on the host and plans two wrappers:
+decode over the leading `num_decode_seqs` sequences, causal paged prefill (cached prefix included)
+over the rest. `forward` writes the new K/V into the cache and runs both into one output.
+
+CUDA graphs: decode-only steps of a graph bucket size (`infer.core.cuda_graphs.bucket_sizes`) run
+through graph-mode decode wrappers, one per size (FlashInfer fixes a graph-mode wrapper's batch size
+and split-KV grid), whose page tables live in buffers allocated once (sized from max_num_seqs and
+max_model_len). A captured decode step stays valid as long as `plan` is called with each step's batch
+before its replay, as `CudaGraphRunner` does: plan only refills those buffers. Other decode-only
+sizes and the decode part of mixed steps use the eager decode wrapper.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Collection
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from infer.core.cuda_graphs import bucket_sizes
+from infer.core.hookspecs import hookimpl
+from infer.core.interfaces import AttentionBatch, AttentionSpec, Capabilities, KVCache
+from infer.plugins.attention.reference import write_kv
+
+INT_WORKSPACE_BYTES = 8 << 20  # what FlashInfer allocates per wrapper for its plan data
+
+
+@functools.cache
+def _available() -> str | None:
+    try:
+        import flashinfer  # noqa: F401
+    except Exception as exc:  # ImportError, or an install whose own imports fail
+        return f"flashinfer is not importable ({type(exc).__name__}: {exc}); install it with `pip install 'infer[gpu]'`"
+    if not torch.cuda.is_available():
+        return "no CUDA device: flashinfer's kernels run only on NVIDIA GPUs"
+    return None
+
+
+def paged_kv_layout(
+    seq_lens: list[int], block_tables: list[list[int]], block_size: int
+) -> tuple[list[int], list[int], list[int]]:
+    """FlashInfer's page table: indptr [B + 1], indices [indptr[-1]], last_page_len [B] in 1..block_size."""
+    indptr, indices, last_page_len = [0], [], []
+    for seq_len, table in zip(seq_lens, block_tables):
+        num_pages = -(-seq_len // block_size)
+        indices.extend(table[:num_pages])
+        indptr.append(indptr[-1] + num_pages)
+        last_page_len.append(seq_len - (num_pages - 1) * block_size)
+    return indptr, indices, last_page_len
+
+
+def _cumsum0(values: list[int]) -> list[int]:
+    out = [0]
+    for x in values:
+        out.append(out[-1] + x)
+    return out
+
+
+@dataclass(slots=True)
+class _StepPlan:
+    batch: AttentionBatch
+    num_decode: int  # leading sequences (one token each) run by `decoder`
+    decoder: Any  # the planned decode wrapper, eager or graph-mode
+    has_prefill: bool  # sequences past num_decode run by the prefill wrapper
+
+
+class FlashInferAttention:
+    capabilities = Capabilities(
+        devices=frozenset({"cuda"}),
+        dtypes=frozenset({torch.float16, torch.bfloat16}),
+        block_sizes=frozenset({1, 2, 4, 8, 16, 32, 64}),  # page_size is a runtime argument of every kernel
+        cuda_graph_safe=True,
+        priority=10,  # below paged-cuda: the first run JIT-compiles for about a minute
+        available=_available,
+    )
+
+    def __init__(
+        self,
+        spec: AttentionSpec,
+        workspace_bytes: int = 128 << 20,  # split-KV scratch shared by every wrapper
+        prefill_backend: str = "auto",  # FlashInfer picks fa3 on Hopper, fa2 elsewhere
+        cuda_graph: bool = True,  # decode-only steps of the graph sizes through graph-mode wrappers
+        graph_batch_sizes: Collection[int] | None = None,  # default: the graph runner's buckets
+    ) -> None:
+        import flashinfer
+
+        assert spec.num_heads % spec.num_kv_heads == 0
+        self._fi = flashinfer
+        self.spec = spec
+        device = spec.device
+        self.workspace = torch.zeros(workspace_bytes, dtype=torch.uint8, device=device)
+        self.decoder = flashinfer.BatchDecodeWithPagedKVCacheWrapper(self.workspace, "NHD")
+        self.prefill = flashinfer.BatchPrefillWithPagedKVCacheWrapper(self.workspace, "NHD", backend=prefill_backend)
+        # each graph-mode wrapper pins 8 MiB of host memory: only for the sizes a graph may replay
+        sizes = bucket_sizes(spec.max_num_seqs) if graph_batch_sizes is None else graph_batch_sizes
+        self.graph_batch_sizes = frozenset(n for n in sizes if n <= spec.max_num_seqs) if cuda_graph else frozenset()
+        self.graph_decoders: dict[int, Any] = {}  # decode batch size -> graph-mode wrapper
+        if self.graph_batch_sizes:
+            max_pages = -(-spec.max_model_len // spec.block_size)
+            i32 = dict(dtype=torch.int32, device=device)
+            self.graph_indptr = torch.zeros(spec.max_num_seqs + 1, **i32)  # [S + 1]
+            self.graph_indices = torch.zeros(spec.max_num_seqs * max_pages, **i32)  # [S * max_pages]
+            self.graph_last_page_len = torch.zeros(spec.max_num_seqs, **i32)  # [S]
+            # one step plans one decode wrapper, so the graph-mode wrappers share their plan data
+            self.graph_int_workspace = torch.empty(INT_WORKSPACE_BYTES, dtype=torch.uint8, device=device)
+        self._plan: _StepPlan | None = None
+
+    def _graph_decoder(self, num_seqs: int) -> Any:
+        wrapper = self.graph_decoders.get(num_seqs)
+        if wrapper is None:
+            wrapper = self._fi.BatchDecodeWithPagedKVCacheWrapper(
+                self.workspace,
+                "NHD",
+                use_cuda_graph=True,
+                paged_kv_indptr_buffer=self.graph_indptr[: num_seqs + 1],
+                paged_kv_indices_buffer=self.graph_indices,
+                paged_kv_last_page_len_buffer=self.graph_last_page_len[:num_seqs],
+            )
+            wrapper.reset_workspace_buffer(self.workspace, self.graph_int_workspace)
+            self.graph_decoders[num_seqs] = wrapper
+        return wrapper
+
+    def plan(self, batch: AttentionBatch) -> None:
+        spec, bs, n = self.spec, batch.block_size, batch.num_decode_seqs
+        dec_indptr, dec_indices, dec_last = paged_kv_layout(batch.seq_lens[:n], batch.block_tables[:n], bs)
+        pre_indptr, pre_indices, pre_last = paged_kv_layout(batch.seq_lens[n:], batch.block_tables[n:], bs)
+        parts = [dec_indices, pre_indices, dec_indptr, dec_last, _cumsum0(batch.query_lens[n:]), pre_indptr, pre_last]
+        host = torch.tensor([x for part in parts for x in part], dtype=torch.int32)
+        if spec.device.type == "cuda":
+            host = host.pin_memory()  # copies from it run asynchronously
+        # FlashInfer reads indptr / last_page_len on the host and only the page indices on the device:
+        # one copy for the indices (no blocking copy inside a graph-mode plan), the rest stays here.
+        num_indices = len(dec_indices) + len(pre_indices)
+        indices = host[:num_indices].to(spec.device, non_blocking=True)
+        dec_indices, pre_indices = torch.split(indices, [len(dec_indices), len(pre_indices)])
+        dec_indptr, dec_last, qo_indptr, pre_indptr, pre_last = torch.split(host[num_indices:], [len(p) for p in parts[2:]])
+        heads = (spec.num_heads, spec.num_kv_heads, spec.head_dim, bs)
+        dtypes = dict(q_data_type=spec.dtype, kv_data_type=spec.dtype, sm_scale=spec.scale)
+        decoder = None
+        if n:
+            graph = n == batch.num_seqs and n in self.graph_batch_sizes
+            graph = graph and len(dec_indices) <= len(self.graph_indices)
+            decoder = self._graph_decoder(n) if graph else self.decoder
+            decoder.plan(dec_indptr, dec_indices, dec_last, *heads, **dtypes)
+        has_prefill = n < batch.num_seqs
+        if has_prefill:
+            self.prefill.plan(qo_indptr, pre_indptr, pre_indices, pre_last, *heads, causal=True, **dtypes)
+        self._plan = _StepPlan(batch=batch, num_decode=n, decoder=decoder, has_prefill=has_prefill)
+
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: KVCache) -> torch.Tensor:
+        plan = self._plan
+        assert plan is not None, "plan() first"
+        write_kv(kv_cache, k, v, plan.batch.slot_mapping)
+        out = q.new_empty(q.shape)  # [T, H, D]
+        n = plan.num_decode
+        if n:
+            plan.decoder.run(q[:n], kv_cache, out=out[:n])
+        if plan.has_prefill:
+            self.prefill.run(q[n:], kv_cache, out=out[n:])
+        return out
+
+
+@hookimpl
+def infer_register_attention_backends(register) -> None:
+    register("flashinfer", FlashInferAttention)

@@ -1,0 +1,66 @@
+"""Fused model layers in Triton, swapped in through the layers hook on CUDA (priority 10).
+
+Each replaces several eager kernels with one: RMSNorm with the residual add (add, square, mean,
+rsqrt, scale: 1 read of x and residual, 1 write of each), rotary embedding applied to q and k in
+place of ten elementwise ops, and SiLU-and-mul. On the CPU the plain torch layers are used; the
+kernels also run there under TRITON_INTERPRET=1, which is how CI tests them.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+import torch
+from torch import nn
+
+from infer.core.hookspecs import hookimpl
+from infer.core.interfaces import Capabilities
+from infer.plugins.models import layers as plain
+
+
+def _triton_reason() -> str | None:
+    try:
+        import triton  # noqa: F401
+    except ImportError:
+        return "triton is not installed: pip install 'infer[triton]'"
+    if not torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET") != "1":
+        return "no CUDA device (set TRITON_INTERPRET=1 to run the kernels on the CPU)"
+    return None
+
+
+CAPS = Capabilities(devices=frozenset({"cuda"}), priority=10, available=_triton_reason)
+
+
+class FusedRMSNorm(plain.RMSNorm):
+    capabilities = CAPS
+
+    def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None) -> Any:
+        from infer.plugins.models.triton_layers import rms_norm
+
+        return rms_norm(x, self.weight, self.eps, residual)
+
+
+class FusedRotaryEmbedding(plain.RotaryEmbedding):
+    capabilities = CAPS
+
+    def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        from infer.plugins.models.triton_layers import rotary
+
+        return rotary(positions, q, k, self.cos, self.sin)
+
+
+class FusedSiluAndMul(nn.Module):
+    capabilities = CAPS
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        from infer.plugins.models.triton_layers import silu_and_mul
+
+        return silu_and_mul(x)
+
+
+@hookimpl
+def infer_register_layers(register) -> None:
+    register("rms_norm", FusedRMSNorm)
+    register("rotary_embedding", FusedRotaryEmbedding)
+    register("silu_and_mul", FusedSiluAndMul)

@@ -1,0 +1,99 @@
+"""Triton kernels behind the fused layers. One program per token row."""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def _rms_norm_kernel(x_ptr, res_ptr, w_ptr, out_ptr, res_out_ptr, eps, N: tl.constexpr, BLOCK: tl.constexpr,
+                     HAS_RESIDUAL: tl.constexpr):
+    row = tl.program_id(0)
+    cols = tl.arange(0, BLOCK)
+    mask = cols < N
+    x = tl.load(x_ptr + row * N + cols, mask=mask, other=0.0).to(tl.float32)
+    if HAS_RESIDUAL:
+        x += tl.load(res_ptr + row * N + cols, mask=mask, other=0.0).to(tl.float32)
+        x = x.to(res_out_ptr.dtype.element_ty)  # the eager layer adds in the activation dtype
+        tl.store(res_out_ptr + row * N + cols, x, mask=mask)
+        x = x.to(tl.float32)
+    # match the eager layer: normalise in fp32, cast to the activation dtype, then scale
+    normed = (x * tl.rsqrt(tl.sum(x * x, axis=0) / N + eps)).to(out_ptr.dtype.element_ty)
+    w = tl.load(w_ptr + cols, mask=mask, other=0.0)
+    tl.store(out_ptr + row * N + cols, (w * normed).to(out_ptr.dtype.element_ty), mask=mask)
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None = None):
+    # x: [T, N] (contiguous); with a residual returns (normed(x + residual), x + residual)
+    x = x.contiguous()
+    rows, n = x.shape
+    out = torch.empty_like(x)
+    res_out = torch.empty_like(x) if residual is not None else out
+    res_in = residual.contiguous() if residual is not None else x
+    if rows:
+        _rms_norm_kernel[(rows,)](x, res_in, weight, out, res_out, eps, N=n, BLOCK=triton.next_power_of_2(n),
+                                  HAS_RESIDUAL=residual is not None)
+    return out if residual is None else (out, res_out)
+
+
+@triton.jit
+def _rotary_kernel(pos_ptr, q_ptr, k_ptr, cos_ptr, sin_ptr, q_out_ptr, k_out_ptr, q_stride, k_stride,
+                   NUM_Q: tl.constexpr, NUM_K: tl.constexpr, HALF: tl.constexpr, BLOCK_H: tl.constexpr):
+    token = tl.program_id(0)
+    pos = tl.load(pos_ptr + token)
+    d = tl.arange(0, HALF)
+    cos = tl.load(cos_ptr + pos * HALF + d)[None, :]
+    sin = tl.load(sin_ptr + pos * HALF + d)[None, :]
+    heads = tl.arange(0, BLOCK_H)[:, None]
+    for is_k in tl.static_range(2):
+        src = k_ptr if is_k else q_ptr
+        dst = k_out_ptr if is_k else q_out_ptr
+        stride = k_stride if is_k else q_stride
+        num = NUM_K if is_k else NUM_Q
+        mask = heads < num
+        base = token * stride + heads * (2 * HALF) + d[None, :]
+        x1 = tl.load(src + base, mask=mask, other=0.0).to(tl.float32)
+        x2 = tl.load(src + base + HALF, mask=mask, other=0.0).to(tl.float32)
+        out_base = token * num * 2 * HALF + heads * (2 * HALF) + d[None, :]
+        tl.store(dst + out_base, (x1 * cos - x2 * sin).to(dst.dtype.element_ty), mask=mask)
+        tl.store(dst + out_base + HALF, (x2 * cos + x1 * sin).to(dst.dtype.element_ty), mask=mask)
+
+
+def rotary(positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
+    # q: [T, H, D], k: [T, Hkv, D] (views into the fused qkv output: the token stride is passed);
+    # cos, sin: [P, D/2] float32. Returns new contiguous q and k.
+    tokens, num_q, dim = q.shape
+    num_k = k.shape[1]
+    assert q.stride(2) == 1 and k.stride(2) == 1 and q.stride(1) == dim and k.stride(1) == dim
+    q_out = torch.empty(tokens, num_q, dim, dtype=q.dtype, device=q.device)
+    k_out = torch.empty(tokens, num_k, dim, dtype=k.dtype, device=k.device)
+    if tokens:
+        _rotary_kernel[(tokens,)](positions, q, k, cos, sin, q_out, k_out, q.stride(0), k.stride(0),
+                                  NUM_Q=num_q, NUM_K=num_k, HALF=dim // 2, BLOCK_H=triton.next_power_of_2(max(num_q, num_k)))
+    return q_out, k_out
+
+
+@triton.jit
+def _silu_and_mul_kernel(x_ptr, out_ptr, N: tl.constexpr, BLOCK: tl.constexpr):
+    row = tl.program_id(0)
+    start = tl.program_id(1) * BLOCK
+    cols = start + tl.arange(0, BLOCK)
+    mask = cols < N
+    gate = tl.load(x_ptr + row * 2 * N + cols, mask=mask, other=0.0).to(tl.float32)
+    up = tl.load(x_ptr + row * 2 * N + N + cols, mask=mask, other=0.0)
+    silu = (gate / (1.0 + tl.exp(-gate))).to(out_ptr.dtype.element_ty)
+    tl.store(out_ptr + row * N + cols, silu * up, mask=mask)
+
+
+def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
+    # x: [T, 2I] (gate then up) -> [T, I]
+    x = x.contiguous()
+    rows, n2 = x.shape
+    n = n2 // 2
+    out = torch.empty(rows, n, dtype=x.dtype, device=x.device)
+    block = min(1024, triton.next_power_of_2(n))
+    if rows:
+        _silu_and_mul_kernel[(rows, triton.cdiv(n, block))](x, out, N=n, BLOCK=block)
+    return out

@@ -1,0 +1,130 @@
+"""End-to-end GPU benchmark: infer on the BENCHMARKS.md workloads, HF transformers peers and the copy
+ceiling, all in one process. Prints a table last and writes JSON.
+
+    python scripts/gpu_bench.py --out results.json [--quick] [--only latency,random,sharegpt,peers]
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import sys
+import time
+from typing import Any
+
+import torch
+
+from infer.bench.ceilings import copy_bandwidth, kv_bytes_per_token
+from infer.bench.peers import build_hf_model, hf_continuous, hf_static
+from infer.bench.report import run_workload
+from infer.bench.workloads import load_workload
+from infer.core.config import EngineConfig
+from infer.core.engine import Engine
+from infer.core.request import SamplingParams
+
+
+def free_memory() -> None:
+    gc.collect()
+    torch.cuda.empty_cache()
+
+
+def run_infer(name: str, workload: str, num_prompts: int | None, **opts: Any) -> dict[str, Any]:
+    config = EngineConfig(load_format="dummy", **opts)
+    started = time.perf_counter()
+    engine = Engine.from_config(config)
+    build_s = time.perf_counter() - started
+    try:
+        wl = load_workload(workload, engine.parts.vocab_size, num_prompts, None, seed=0)
+        warm = load_workload(workload, engine.parts.vocab_size, 4, 8, seed=1)  # compile kernels, warm allocator
+        run_workload(engine, warm, SamplingParams(temperature=0), "warmup")
+        engine.num_steps = 0
+        record, _ = run_workload(engine, wl, SamplingParams(temperature=0), name)
+        out = record.to_dict()
+        out["build_s"] = build_s
+        mc = engine.parts.model_config
+        out["kv_bytes_per_token"] = kv_bytes_per_token(mc.num_layers, mc.num_kv_heads, mc.head_dim, torch.bfloat16)
+        return out
+    finally:
+        engine.close()
+        del engine
+        free_memory()
+
+
+def run_peers(preset: str, workload: str, num_prompts: int, batch_sizes: list[int], with_cb: bool) -> list[dict[str, Any]]:
+    from infer.plugins.models.llama import PRESETS
+
+    model = build_hf_model(PRESETS[preset], torch.bfloat16, torch.device("cuda"))
+    wl = load_workload(workload, PRESETS[preset]["vocab_size"], num_prompts, None, seed=0)
+    prompts = [list(p) for p in wl.prompts]  # type: ignore[arg-type]
+    records = []
+    try:
+        for bs in batch_sizes:
+            n = min(len(prompts), max(bs, 2 * bs if bs > 1 else 1))
+            warm = hf_static(model, prompts[:1], [4], 1)
+            del warm
+            r = hf_static(model, prompts[:n], wl.max_tokens[:n], bs)
+            records.append({**r.to_dict(), "model": preset, "workload": workload})
+        if with_cb:
+            r = hf_continuous(model, prompts, wl.max_tokens[0])
+            records.append({**r.to_dict(), "model": preset, "workload": workload})
+    finally:
+        del model
+        free_memory()
+    return records
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--out", default="gpu_bench.json")
+    ap.add_argument("--quick", action="store_true", help="fewer requests (a smoke run)")
+    ap.add_argument("--only", default="latency,random,sharegpt,peers")
+    ap.add_argument("--attention", default="auto")
+    ap.add_argument("--kv-cache-memory", type=float, default=24.0)
+    args = ap.parse_args()
+    parts = set(args.only.split(","))
+    device = torch.device("cuda")
+    results: dict[str, Any] = {"device": torch.cuda.get_device_name(), "torch": torch.__version__}
+    bw = copy_bandwidth(device)
+    results["copy_bandwidth_GBps"] = bw / 1e9
+    n_big = 128 if args.quick else 1000
+    common = dict(attention=args.attention, kv_cache_memory_gib=args.kv_cache_memory, dtype="bfloat16")
+    runs: list[dict[str, Any]] = []
+    if "latency" in parts:
+        r = run_infer("llama2-7b latency-1", "latency-1", None, model="llama2-7b", **common)
+        step_s = r["tpot_p50_s"]
+        ctx = 128 + 128  # mean context over the 256 decode steps
+        r["mbu"] = (r["config"]["weight_bytes"] + ctx * r["kv_bytes_per_token"]) / step_s / bw if step_s else 0.0
+        runs.append(r)
+    if "random" in parts:
+        runs.append(run_infer("llama3-8b random-256x256", "random-256x256", n_big, model="llama3-8b", **common))
+    if "sharegpt" in parts:
+        runs.append(run_infer("llama2-7b sharegpt-like", "sharegpt-like", n_big, model="llama2-7b", **common))
+    peers: list[dict[str, Any]] = []
+    if "peers" in parts:
+        peers += run_peers("llama2-7b", "latency-1", 1, [1], with_cb=False)
+        peers += run_peers("llama3-8b", "random-256x256", 128 if not args.quick else 64, [64], with_cb=True)
+    results["infer"] = runs
+    results["peers"] = peers
+    with open(args.out, "w") as f:
+        json.dump(results, f, indent=2, default=str)
+
+    print(f"\ndevice: {results['device']}  copy bandwidth: {bw / 1e9:.0f} GB/s")
+    print(f"{'system':40s} {'req/s':>8s} {'out tok/s':>10s} {'TPOT p50 ms':>12s} {'TTFT p50 ms':>12s} {'extra':>30s}")
+    for r in runs:
+        extra = f"MBU {r['mbu']:.0%}" if "mbu" in r else f"KV util {r['kv_utilisation']:.0%}"
+        print(f"{r['label']:40s} {r['requests_per_s']:8.2f} {r['output_tokens_per_s']:10.0f} {r['tpot_p50_s'] * 1e3:12.2f} {r['ttft_p50_s'] * 1e3:12.1f} {extra:>30s}")
+    for p in peers:
+        label = f"{p['label']} ({p['model']}, {p['num_requests']} req)"
+        print(f"{label:40s} {p['num_requests'] / p['wall_s'] if p['wall_s'] else 0:8.2f} {p['output_tokens_per_s']:10.0f} {'':12s} {'':12s} {(p['error'] or '')[:30]:>30s}")
+    by = {p["label"]: p for p in peers}
+    rnd = next((r for r in runs if "random" in r["label"]), None)
+    if rnd is not None:
+        for peer in ("hf-static-64", "hf-continuous"):
+            if peer in by and by[peer]["output_tokens_per_s"]:
+                print(f"random-256x256 llama3-8b: infer / {peer} = {rnd['output_tokens_per_s'] / by[peer]['output_tokens_per_s']:.2f}x")
+    sys.stdout.flush()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,31 @@
+"""Fused Triton layers on the GPU in bf16 (Triton's CPU interpreter cannot run bf16)."""
+
+import pytest
+import torch
+
+from infer.plugins.models import layers as plain
+
+pytestmark = pytest.mark.gpu
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_fused_layers_match_plain(dtype):
+    from infer.plugins.models import triton_layers as tl_layers
+
+    torch.manual_seed(0)
+    dev = "cuda"
+    norm = plain.RMSNorm(4096, 1e-5).to(dev, dtype)
+    x, r = torch.randn(64, 4096, device=dev, dtype=dtype), torch.randn(64, 4096, device=dev, dtype=dtype)
+    out, res = tl_layers.rms_norm(x, norm.weight, norm.eps, r)
+    exp_out, exp_res = norm(x, r)
+    torch.testing.assert_close(res, exp_res, atol=0, rtol=0)
+    torch.testing.assert_close(out, exp_out, atol=2e-2, rtol=2e-2)
+    rope = plain.RotaryEmbedding(128, 4096, 500000.0, None).to(dev)
+    qkv = torch.randn(64, (32 + 16) * 128, device=dev, dtype=dtype)
+    q, k, _ = qkv.split([32 * 128, 8 * 128, 8 * 128], dim=-1)
+    q, k = q.view(64, 32, 128), k.view(64, 8, 128)
+    pos = torch.randint(0, 4096, (64,), device=dev)
+    for got, exp in zip(tl_layers.rotary(pos, q, k, rope.cos, rope.sin), rope(pos, q, k)):
+        torch.testing.assert_close(got, exp, atol=2e-2, rtol=2e-2)
+    h = torch.randn(64, 2 * 11008, device=dev, dtype=dtype)
+    torch.testing.assert_close(tl_layers.silu_and_mul(h), plain.SiluAndMul()(h), atol=2e-2, rtol=2e-2)
