@@ -1,9 +1,11 @@
-"""`infer`: run, plugins, models. Thin: parse, build, print. User errors exit 2 with one line."""
+"""`infer`: run, plugins, doctor, bench, models. Thin: parse, build, print. User errors exit 2 with one line."""
 
 from __future__ import annotations
 
 import functools
+import importlib
 import json
+import os
 import sys
 from pathlib import Path
 from typing import Any, Callable
@@ -27,13 +29,19 @@ ENGINE_OPTIONS: list[Callable[[Callable[..., Any]], Callable[..., Any]]] = [
     click.option("--block-size", type=int, default=16, show_default=True),
     click.option("--num-kv-blocks", type=int, default=None, help="Fix the KV cache size in blocks."),
     click.option("--kv-cache-memory", "kv_cache_memory_gib", type=float, default=None, help="KV cache budget in GiB."),
+    click.option("--prefix-caching/--no-prefix-caching", "enable_prefix_caching", default=True, show_default=True,
+                 help="Reuse the KV blocks of cached prompt prefixes."),
+    click.option("--preemption-mode", type=click.Choice(["recompute", "swap"]), default="recompute", show_default=True,
+                 help="What a preempted request's KV blocks do: freed and recomputed, or swapped to CPU memory."),
+    click.option("--swap-space", "swap_space_gib", type=float, default=4.0, show_default=True,
+                 help="CPU KV pool in GiB for --preemption-mode swap (recompute when it is full)."),
     click.option("--max-num-seqs", type=int, default=256, show_default=True),
     click.option("--max-num-batched-tokens", type=int, default=4096, show_default=True),
     click.option("--max-model-len", type=int, default=None),
     click.option("--tp", "tensor_parallel_size", type=int, default=1, show_default=True, help="Tensor-parallel ranks."),
-    click.option("--draft", default=None, help="Draft model for --decoding speculative."),
-    click.option("--num-speculative-tokens", type=int, default=4, show_default=True),
-    click.option("--exit-layer", type=int, default=None, help="Early exit: decoder layers kept."),
+    click.option("--draft", default=None, help="For --decoding speculative: a model of the target's vocabulary, ngram, or self (with --exit-layer)."),
+    click.option("--num-speculative-tokens", type=int, default=4, show_default=True, help="Draft tokens verified per request per step."),
+    click.option("--exit-layer", type=int, default=None, help="Decoder layers kept by --decoding early-exit or --draft self."),
     click.option("--cuda-graphs/--no-cuda-graphs", default=True, show_default=True),
     click.option("--seed", type=int, default=0, show_default=True),
 ]
@@ -63,6 +71,21 @@ def _engine_config(options: dict[str, Any]):
     from infer.core.config import EngineConfig
 
     return EngineConfig().replace(**options)
+
+
+def _extra_plugins() -> list[Any]:
+    """Plugins named in INFER_EXTRA_PLUGINS ("module:attr,module2"): unpublished plugins for tests and
+    plugin development, read by the CLI only (embedding apps pass `LLM(plugins=[...])`)."""
+    found = []
+    for item in filter(None, (s.strip() for s in os.environ.get("INFER_EXTRA_PLUGINS", "").split(","))):
+        module_name, _, attr = item.partition(":")
+        try:
+            module = importlib.import_module(module_name)
+            found.append(getattr(module, attr) if attr else module)
+        except (ImportError, AttributeError) as exc:
+            raise ConfigError(f"INFER_EXTRA_PLUGINS names {item!r}, which cannot be loaded ({type(exc).__name__}: {exc}): "
+                              f"fix or unset the variable") from exc
+    return found
 
 
 def _parse_baseline(spec: str) -> dict[str, Any]:
@@ -103,9 +126,15 @@ def cli(log_json: bool, log_level: str) -> None:
 @click.option("--json-out", type=click.Path(dir_okay=False, path_type=Path), default=None, help="Write the records as JSON.")
 @click.option("--show", type=int, default=3, show_default=True, help="Generations to print.")
 @click.option("--progress/--no-progress", default=None, help="Progress bar (default: when stderr is a terminal).")
+@click.option("--n", "n", type=int, default=1, show_default=True, help="Parallel samples per prompt (they share its KV blocks).")
+@click.option("--beam-width", type=int, default=None, help="Beam search with this many beams (HF-equivalent; --n best returned).")
+@click.option("--length-penalty", type=float, default=1.0, show_default=True, help="Beam search: score = logprob / length ** this.")
+@click.option("--profile", is_flag=True, help="Time each component of the decode steps and print the breakdown.")
+@click.option("--profile-chart", type=click.Path(dir_okay=False, path_type=Path), default=None, help="Draw the profile as a PNG (implies --profile).")
 @user_errors
 def run(dataset: str, prompts: tuple[str, ...], num_prompts: int | None, max_tokens: int | None, temperature: float,
         top_p: float, top_k: int, baseline: str | None, json_out: Path | None, show: int, progress: bool | None,
+        n: int, beam_width: int | None, length_penalty: float, profile: bool, profile_chart: Path | None,
         **engine_opts: Any) -> None:
     """Run a workload and print throughput (and a few generations)."""
     from infer.bench.runner import run_command
@@ -114,17 +143,27 @@ def run(dataset: str, prompts: tuple[str, ...], num_prompts: int | None, max_tok
         config=_engine_config(engine_opts), dataset=dataset, prompts=list(prompts), num_prompts=num_prompts,
         max_tokens=max_tokens, temperature=temperature, top_p=top_p, top_k=top_k,
         baseline=_parse_baseline(baseline) if baseline else None, json_out=json_out, show=show,
-        progress=sys.stderr.isatty() if progress is None else progress,
+        progress=sys.stderr.isatty() if progress is None else progress, extra_plugins=_extra_plugins(),
+        profile=profile, profile_chart=profile_chart, n=n, beam_width=beam_width, length_penalty=length_penalty,
     )
 
 
 @cli.command()
+@click.option("--matrix", is_flag=True, help="Which attention x sampler x scheduler x decoding combinations run here.")
+@click.option("--device", default="auto", show_default=True, help="The device --matrix checks against.")
 @user_errors
-def plugins() -> None:
+def plugins(matrix: bool, device: str) -> None:
     """Every strategy by slot: name, distribution, version, capabilities."""
     from infer.core.registry import SLOTS, PluginRegistry
 
-    registry = PluginRegistry.load()
+    registry = PluginRegistry.load(_extra_plugins())
+    if matrix:
+        from infer.core.doctor import format_matrix
+        from infer.core.doctor import matrix as plugin_matrix
+
+        config = _engine_config({"device": device})
+        click.echo(format_matrix(plugin_matrix(registry, config), str(config.resolve_device())))
+        return
     rows = [("slot", "name", "distribution", "version", "capabilities")]
     for slot in SLOTS:
         for s in sorted(registry.all(slot), key=lambda s: s.name):
@@ -136,6 +175,40 @@ def plugins() -> None:
         click.echo("  ".join(c.ljust(w) for c, w in zip(r[:4], widths)) + "  " + r[4])
     for b in registry.broken:
         click.echo(f"failed to load: plugin {b.plugin} from {b.distribution}: {b.error}", err=True)
+
+
+@cli.command()
+@engine_options
+@user_errors
+def doctor(**engine_opts: Any) -> None:
+    """Whether these flags can run here, slot by slot, and what would instead (exit 0: runs, 2: not)."""
+    from infer.core.doctor import diagnose, format_diagnosis
+    from infer.core.registry import PluginRegistry
+
+    diagnosis = diagnose(_engine_config(engine_opts), PluginRegistry.load(_extra_plugins()))
+    click.echo(format_diagnosis(diagnosis))
+    sys.exit(0 if diagnosis.runnable else 2)
+
+
+@cli.command()
+@engine_options
+@click.option("--matrix", "matrix", multiple=True, help="FIELD=A,B axes, e.g. --matrix attention=torch,paged-cuda sampler=naive,vectorized.")
+@click.argument("axes", nargs=-1)
+@click.option("--baseline", "baselines", multiple=True, help="HF transformers peer: hf-static-1, hf-static-64, hf-continuous (repeatable).")
+@click.option("--dataset", default="builtin", show_default=True, help="A workload name or a JSON/JSONL file, as for `infer run`.")
+@click.option("--num-prompts", type=int, default=None)
+@click.option("--max-tokens", type=int, default=None)
+@click.option("--json-out", type=click.Path(dir_okay=False, path_type=Path), default=None, help="Write every run as JSON.")
+@click.option("--chart", type=click.Path(dir_okay=False, path_type=Path), default=None, help="Draw the results as a PNG.")
+@click.option("--repeat", type=int, default=1, show_default=True, help="Run each combination N times and keep the fastest.")
+@user_errors
+def bench(matrix: tuple[str, ...], axes: tuple[str, ...], baselines: tuple[str, ...], dataset: str, num_prompts: int | None,
+          max_tokens: int | None, json_out: Path | None, chart: Path | None, repeat: int, **engine_opts: Any) -> None:
+    """Every valid combination of the --matrix axes over one workload, beside HF baselines."""
+    from infer.bench.matrix import run_matrix
+
+    run_matrix(_engine_config(engine_opts), [*matrix, *axes], [b for s in baselines for b in s.split(",") if b],
+               dataset, num_prompts, max_tokens, json_out, chart, _extra_plugins(), repeat)
 
 
 @cli.group(invoke_without_command=True)
@@ -176,7 +249,7 @@ def main() -> None:
     from infer.core.registry import PluginRegistry
 
     try:
-        registry = PluginRegistry.load()
+        registry = PluginRegistry.load(_extra_plugins())
         for impl in registry.manager.hook.infer_register_commands.get_hookimpls():
             impl.function(cli)
     except InferError as exc:

@@ -42,6 +42,17 @@ def run_infer(name: str, workload: str, num_prompts: int | None, **opts: Any) ->
         record, _ = run_workload(engine, wl, SamplingParams(temperature=0), name)
         out = record.to_dict()
         out["build_s"] = build_s
+        graphs = getattr(engine.decoder.runner, "graphs", None)
+        if graphs is not None and 1 in graphs.graphs:  # the GPU time of a batch-1 decode step alone
+            graph = graphs.graphs[1][0]
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            graph.replay()
+            start.record()
+            for _ in range(50):
+                graph.replay()
+            end.record()
+            torch.cuda.synchronize()
+            out["graph_replay_batch1_s"] = start.elapsed_time(end) / 1e3 / 50
         mc = engine.parts.model_config
         out["kv_bytes_per_token"] = kv_bytes_per_token(mc.num_layers, mc.num_kv_heads, mc.head_dim, torch.bfloat16)
         return out
@@ -94,7 +105,10 @@ def main() -> None:
         r = run_infer("llama2-7b latency-1", "latency-1", None, model="llama2-7b", **common)
         step_s = r["tpot_p50_s"]
         ctx = 128 + 128  # mean context over the 256 decode steps
-        r["mbu"] = (r["config"]["weight_bytes"] + ctx * r["kv_bytes_per_token"]) / step_s / bw if step_s else 0.0
+        step_bytes = r["config"]["weight_bytes"] + ctx * r["kv_bytes_per_token"]
+        r["mbu"] = step_bytes / step_s / bw if step_s else 0.0
+        if "graph_replay_batch1_s" in r:  # what the GPU alone reaches, without the host's share of a step
+            r["graph_mbu"] = step_bytes / r["graph_replay_batch1_s"] / bw
         runs.append(r)
     if "random" in parts:
         runs.append(run_infer("llama3-8b random-256x256", "random-256x256", n_big, model="llama3-8b", **common))
@@ -110,10 +124,14 @@ def main() -> None:
         json.dump(results, f, indent=2, default=str)
 
     print(f"\ndevice: {results['device']}  copy bandwidth: {bw / 1e9:.0f} GB/s")
-    print(f"{'system':40s} {'req/s':>8s} {'out tok/s':>10s} {'TPOT p50 ms':>12s} {'TTFT p50 ms':>12s} {'extra':>30s}")
+    print(f"{'system':40s} {'req/s':>8s} {'out tok/s':>10s} {'TPOT p50 ms':>12s} {'TTFT p50 ms':>12s} {'extra':>40s}")
     for r in runs:
-        extra = f"MBU {r['mbu']:.0%}" if "mbu" in r else f"KV util {r['kv_utilisation']:.0%}"
-        print(f"{r['label']:40s} {r['requests_per_s']:8.2f} {r['output_tokens_per_s']:10.0f} {r['tpot_p50_s'] * 1e3:12.2f} {r['ttft_p50_s'] * 1e3:12.1f} {extra:>30s}")
+        extra = f"KV util {r['kv_utilisation']:.0%}"
+        if "mbu" in r:
+            extra = f"MBU {r['mbu']:.0%}"
+            if "graph_mbu" in r:
+                extra += f" (GPU alone {r['graph_replay_batch1_s'] * 1e3:.2f} ms, {r['graph_mbu']:.0%})"
+        print(f"{r['label']:40s} {r['requests_per_s']:8.2f} {r['output_tokens_per_s']:10.0f} {r['tpot_p50_s'] * 1e3:12.2f} {r['ttft_p50_s'] * 1e3:12.1f} {extra:>40s}")
     for p in peers:
         label = f"{p['label']} ({p['model']}, {p['num_requests']} req)"
         print(f"{label:40s} {p['num_requests'] / p['wall_s'] if p['wall_s'] else 0:8.2f} {p['output_tokens_per_s']:10.0f} {'':12s} {'':12s} {(p['error'] or '')[:30]:>30s}")

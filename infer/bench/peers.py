@@ -68,7 +68,6 @@ def hf_static(model: Any, prompts: list[list[int]], max_tokens: list[int], batch
     return PeerRecord(f"hf-static-{batch_size}", len(prompts), sum(map(len, prompts)), out_tokens, time.perf_counter() - started)
 
 
-@torch.inference_mode()
 def hf_continuous(model: Any, prompts: list[list[int]], max_tokens: int, attn: str = "paged|sdpa") -> PeerRecord:
     """HF transformers' own continuous batching (`generate_batch`)."""
     from transformers import GenerationConfig
@@ -86,7 +85,8 @@ def hf_continuous(model: Any, prompts: list[list[int]], max_tokens: int, attn: s
             torch.cuda.synchronize()
         wall = time.perf_counter() - started
         out = sum(len(r.generated_tokens) for r in results.values())
-        return PeerRecord("hf-continuous", len(prompts), sum(map(len, prompts)), out, wall)
+        error = None if out else "generate_batch returned no tokens"
+        return PeerRecord("hf-continuous", len(prompts), sum(map(len, prompts)), out, wall, error=error)
     except Exception as exc:  # a peer that cannot run here is reported, not fatal
         return PeerRecord("hf-continuous", len(prompts), 0, 0, 0.0, error=f"{type(exc).__name__}: {exc}")
     finally:

@@ -30,6 +30,11 @@ class RunRecord:
     steps: int
     speedup: float | None = None  # total tokens/s against the baseline of the same run
     finish_reasons: dict[str, int] = field(default_factory=dict)
+    decoding: dict[str, float] = field(default_factory=dict)  # the decoder's stats (speculative: acceptance, ...)
+    prefix_hit_rate: float = 0.0  # prompt tokens found in the prefix cache / prompt tokens looked up
+    preemptions_swap: int = 0  # of `preemptions`, those that swapped to the CPU pool (the rest recomputed)
+    preemptions_recompute: int = 0
+    blocks_saved_by_sharing: int = 0  # peak over steps: block-table entries minus physical blocks
 
     @property
     def total_tokens(self) -> int:
@@ -99,6 +104,7 @@ def run_workload(
     results: dict[str, RequestOutput] = {}
     order: list[str] = []
     utilisation: list[float] = []
+    saved = 0  # blocks that sharing saved, at the step where it saved most
     started = time.perf_counter()
     for prompt, p in zip(prompts, params):
         order.append(engine.add_request(prompt, p))
@@ -108,6 +114,7 @@ def run_workload(
             if on_finish is not None:
                 on_finish(out)
         usage = engine.kv_usage()
+        saved = max(saved, usage.num_saved_blocks)
         if usage.num_reserved_slots:
             utilisation.append(usage.num_filled_slots / usage.num_reserved_slots)
     wall = time.perf_counter() - started
@@ -137,12 +144,18 @@ def run_workload(
         preemptions=int(stats.get("preemptions", 0)),
         steps=int(stats.get("steps", 0)),
         finish_reasons=reasons,
+        decoding=engine.decoder_stats(),
+        prefix_hit_rate=engine.kv_usage().prefix_hit_rate,
+        preemptions_swap=int(stats.get("preemptions_swap", 0)),
+        preemptions_recompute=int(stats.get("preemptions_recompute", 0)),
+        blocks_saved_by_sharing=saved,
     )
     return record, outputs
 
 
 def format_table(records: list[RunRecord]) -> str:
-    headers = ["run", "req/s", "out tok/s", "total tok/s", "prompt tok", "total tok", "time s", "TTFT p50 ms", "TPOT p50 ms", "KV util", "preempt", "speedup"]
+    headers = ["run", "req/s", "out tok/s", "total tok/s", "prompt tok", "total tok", "time s", "TTFT p50 ms", "TPOT p50 ms", "KV util", "prefix hit",
+               "preempt swap/recomp", "shared blk", "speedup"]
     rows = []
     for r in records:
         rows.append([
@@ -156,7 +169,9 @@ def format_table(records: list[RunRecord]) -> str:
             f"{r.ttft_p50_s * 1e3:.1f}",
             f"{r.tpot_p50_s * 1e3:.1f}",
             f"{r.kv_utilisation:.1%}",
-            str(r.preemptions),
+            f"{r.prefix_hit_rate:.1%}",
+            f"{r.preemptions} ({r.preemptions_swap}/{r.preemptions_recompute})",
+            str(r.blocks_saved_by_sharing),
             "—" if r.speedup is None else f"{r.speedup:.2f}x",
         ])
     widths = [max(len(h), *(len(row[i]) for row in rows)) for i, h in enumerate(headers)]

@@ -5,7 +5,7 @@ from __future__ import annotations
 import contextlib
 import json
 from pathlib import Path
-from typing import Any
+from typing import Any, Sequence
 
 import click
 
@@ -13,6 +13,7 @@ from infer.bench.report import RunRecord, format_table, run_workload
 from infer.bench.workloads import Workload, load_workload
 from infer.core.config import EngineConfig
 from infer.core.engine import Engine
+from infer.core.profiler import StepProfiler, format_profile
 from infer.core.request import RequestOutput, SamplingParams
 
 
@@ -24,8 +25,10 @@ def _label(config: EngineConfig, base: EngineConfig | None) -> str:
 
 
 def _run_one(config: EngineConfig, workload_args: dict[str, Any], prompts: list[str], params: SamplingParams,
-             label: str, progress: bool) -> tuple[RunRecord, list[RequestOutput], Workload]:
-    engine = Engine.from_config(config)
+             label: str, progress: bool, extra_plugins: Sequence[Any] = (),
+             profile: bool = False) -> tuple[RunRecord, list[RequestOutput], Workload, dict[str, Any] | None]:
+    engine = Engine.from_config(config, extra_plugins)
+    profiler = StepProfiler.install(engine) if profile else None
     try:
         if prompts:
             workload = Workload("prompts", list(prompts), [params.max_tokens] * len(prompts), chat=True)
@@ -34,24 +37,29 @@ def _run_one(config: EngineConfig, workload_args: dict[str, Any], prompts: list[
         bar_cm = click.progressbar(length=len(workload.prompts), label=label, file=click.get_text_stream("stderr")) if progress else contextlib.nullcontext()
         with bar_cm as bar:
             record, outputs = run_workload(engine, workload, params, label, on_finish=(lambda _o: bar.update(1)) if progress else None)
-        return record, outputs, workload
+        return record, outputs, workload, profiler.summary() if profiler is not None else None
     finally:
         engine.close()
 
 
 def run_command(config: EngineConfig, dataset: str, prompts: list[str], num_prompts: int | None, max_tokens: int | None,
                 temperature: float, top_p: float, top_k: int, baseline: dict[str, Any] | None, json_out: Path | None,
-                show: int, progress: bool) -> None:
+                show: int, progress: bool, extra_plugins: Sequence[Any] = (), profile: bool = False,
+                profile_chart: Path | None = None, n: int = 1, beam_width: int | None = None,
+                length_penalty: float = 1.0) -> None:
     config.validate()
     params = SamplingParams(max_tokens=64 if max_tokens is None else max_tokens, temperature=temperature, top_p=top_p,
-                            top_k=top_k, seed=config.seed)
+                            top_k=top_k, seed=config.seed, n=n, use_beam_search=beam_width is not None,
+                            best_of=beam_width, length_penalty=length_penalty)
     workload_args = dict(name=dataset, num_prompts=num_prompts, max_tokens=max_tokens, seed=config.seed)
     records: list[RunRecord] = []
     if baseline is not None:
         base_config = config.replace(**baseline)
-        base_record, _, _ = _run_one(base_config, workload_args, prompts, params, "baseline: " + _label(base_config, config), progress)
+        base_record, _, _, _ = _run_one(base_config, workload_args, prompts, params, "baseline: " + _label(base_config, config),
+                                        progress, extra_plugins)
         records.append(base_record)
-    record, outputs, workload = _run_one(config, workload_args, prompts, params, "infer", progress)
+    record, outputs, workload, profiled = _run_one(config, workload_args, prompts, params, "infer", progress, extra_plugins,
+                                                   profile or profile_chart is not None)
     if baseline is not None:
         record.speedup = record.total_tokens_per_s / records[0].total_tokens_per_s
     records.append(record)
@@ -63,10 +71,29 @@ def run_command(config: EngineConfig, dataset: str, prompts: list[str], num_prom
             text = completion.text if completion.text else f"<{len(completion.token_ids)} token ids>"
             click.echo(f"  {text.strip()}  [{completion.finish_reason}]")
     click.echo("")
-    click.echo(f"model={config.model} " + " ".join(f"{k}={v}" for k, v in record.config.items() if k not in ("model", "config_hash", "weight_bytes")))
+    click.echo(f"model={config.model} " + " ".join(f"{k}={v}" for k, v in record.config.items() if k not in ("model", "config_hash", "weight_bytes", "lossy")))
+    if "lossy" in record.config:  # a decoder that changes outputs says how
+        click.echo(f"lossy: {record.config['lossy']}")
+    if "acceptance_rate" in record.decoding:
+        d = record.decoding
+        click.echo(f"speculative: acceptance {d['acceptance_rate']:.1%}, {d['mean_accepted_tokens']:.2f} draft tokens accepted "
+                   f"and {d['mean_tokens_per_step']:.2f} tokens per request-step, draft/verify time {d['draft_verify_time_ratio']:.2f}")
     click.echo(format_table(records))
+    if profiled is not None:
+        _report_profile(profiled, record, profile_chart)
     if json_out is not None:
-        json_out.write_text(json.dumps({"records": [r.to_dict() for r in records]}, indent=2, default=str))
+        written: dict[str, Any] = {"records": [r.to_dict() for r in records]}
+        if profiled is not None:
+            written["profile"] = profiled
+        json_out.write_text(json.dumps(written, indent=2, default=str))
         click.echo(f"wrote {json_out}")
 
 
+def _report_profile(summary: dict[str, Any], record: RunRecord, chart: Path | None) -> None:
+    click.echo("")
+    click.echo(format_profile(summary))
+    if chart is not None:
+        from infer.bench.charts import profile_chart
+
+        title = f"infer run --profile: {record.config.get('model')} on {record.config.get('device')} ({record.config.get('dtype')})"
+        click.echo(profile_chart(summary, chart, title) or f"wrote {chart}")

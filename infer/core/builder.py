@@ -12,8 +12,10 @@ from typing import Any, Iterable, Iterator
 
 import torch
 
+from infer.core.block_mover import BlockMover
 from infer.core.compose import compose
 from infer.core.config import EngineConfig
+from infer.core.distributed import ParallelState, model_kwargs
 from infer.core.cuda_graphs import CudaGraphRunner
 from infer.core.engine import EngineParts
 from infer.core.errors import ConfigError
@@ -38,11 +40,14 @@ def default_dtype(dtype: torch.dtype) -> Iterator[None]:
 
 
 def _build_model(source: Any, model_config: Any, composition: Any, layers: Layers, config: EngineConfig,
-                 device: torch.device, dtype: torch.dtype, max_model_len: int) -> tuple[Any, Any]:
-    """One model of the run (the target or a draft) and its attention backend, weights in place."""
+                 device: torch.device, dtype: torch.dtype, max_model_len: int, parallel: ParallelState) -> tuple[Any, Any]:
+    """One model of the run (the target or a draft) and its attention backend, weights in place
+    (under tensor parallelism: this rank's heads and shards)."""
+    kwargs = model_kwargs(source.name, source.architecture.factory, model_config, parallel)
+    heads = parallel.heads(model_config.num_heads, model_config.num_kv_heads)
     spec = AttentionSpec(
-        num_heads=model_config.num_heads,
-        num_kv_heads=model_config.num_kv_heads,
+        num_heads=heads.num_heads,
+        num_kv_heads=heads.num_kv_heads,
         head_dim=model_config.head_dim,
         scale=model_config.head_dim**-0.5,
         dtype=dtype,
@@ -55,27 +60,26 @@ def _build_model(source: Any, model_config: Any, composition: Any, layers: Layer
     if composition.prefill_attention is not None:
         attention = HybridAttention(composition.prefill_attention.factory(spec), attention)
     with torch.device(device), default_dtype(dtype):
-        model = source.architecture.factory(model_config, layers, attention)
+        model = source.architecture.factory(model_config, layers, attention, **kwargs)
     model.eval().requires_grad_(False)
     if source.path is None:
         init_dummy_weights(model, config.seed)
     else:
-        load_weights(model, source.path)
+        load_weights(model, source.path, sharded=parallel.is_parallel)
     return model, attention
 
 
-def build_engine(config: EngineConfig, extra_plugins: Iterable[Any] = ()) -> EngineParts:
+def build_engine(config: EngineConfig, extra_plugins: Iterable[Any] = (), parallel: ParallelState | None = None) -> EngineParts:
+    """parallel: this rank's place when --tp > 1 (the ranks are started first, then each builds here)."""
     started = time.perf_counter()
     config.validate()
     registry = PluginRegistry.load(extra_plugins)
-    device = config.resolve_device()
+    device = parallel.device if parallel is not None else config.resolve_device()
     compose(config, registry, device, config.resolve_dtype(device))  # fail fast, before any download
     source = resolve_source(config.model, registry, config.load_format)
     model_config = source.model_config()
     dtype = config.resolve_dtype(device, model_config.torch_dtype)
     composition = compose(config, registry, device, dtype)
-    if config.tensor_parallel_size > 1:
-        raise ConfigError("--tp > 1 is not available in this build yet: use --tp 1")
     max_model_len = config.max_model_len or model_config.max_position_embeddings
     if max_model_len > model_config.max_position_embeddings:
         raise ConfigError(
@@ -84,9 +88,14 @@ def build_engine(config: EngineConfig, extra_plugins: Iterable[Any] = ()) -> Eng
         )
     if config.exit_layer is not None and not 1 <= config.exit_layer <= model_config.num_layers:
         raise ConfigError(f"--exit-layer must be in [1, {model_config.num_layers}] for {source.name}")
+    if config.tensor_parallel_size > 1 and parallel is None:  # start (or join) the ranks, then build each
+        from infer.core.workers import build_parallel
+
+        return build_parallel(config, extra_plugins, source.name, model_config, device)
+    parallel = parallel or ParallelState(device=device)
 
     layers = Layers(**{kind: registry.layer(kind, device.type) for kind in LAYER_KINDS})
-    model, attention = _build_model(source, model_config, composition, layers, config, device, dtype, max_model_len)
+    model, attention = _build_model(source, model_config, composition, layers, config, device, dtype, max_model_len, parallel)
     tokenizer = load_tokenizer(source.path)
 
     sampler = composition.sampler.factory(model_config.vocab_size, device)
@@ -111,7 +120,7 @@ def build_engine(config: EngineConfig, extra_plugins: Iterable[Any] = ()) -> Eng
             )
         if num_layers is not None:
             draft_config = draft_config.with_layers(num_layers)
-        draft_model, draft_attention = _build_model(draft_source, draft_config, composition, layers, config, device, dtype, max_model_len)
+        draft_model, draft_attention = _build_model(draft_source, draft_config, composition, layers, config, device, dtype, max_model_len, parallel)
         draft_sampler = composition.sampler.factory(draft_config.vocab_size, device)
         draft = ModelRunner(draft_model, draft_attention, [], draft_sampler, config.block_size, device)
         models.append((draft, draft_config))
@@ -120,22 +129,35 @@ def build_engine(config: EngineConfig, extra_plugins: Iterable[Any] = ()) -> Eng
     decoder = composition.decoder.factory(
         DecoderContext(runner=runner, config=config, build_model=build_model, model_config=model_config)
     )
+
+    def kv_heads(c: Any) -> int:  # this rank's KV heads of a model (all of them at --tp 1)
+        return parallel.heads(c.num_heads, c.num_kv_heads).num_kv_heads
+
     per_block = sum(
-        bytes_per_block(r.num_layers or c.num_layers, config.block_size, c.num_kv_heads, c.head_dim, dtype) for r, c in models
+        bytes_per_block(r.num_layers or c.num_layers, config.block_size, kv_heads(c), c.head_dim, dtype) for r, c in models
     )
     blocks_per_seq = -(-(max_model_len + config.num_speculative_tokens + 1) // config.block_size)
     num_blocks = config.num_kv_blocks or min(  # never more than max_num_seqs full-length requests use
         num_blocks_for_budget(budget_bytes(device, config.kv_cache_memory_gib, config.gpu_memory_utilization), per_block),
         config.max_num_seqs * blocks_per_seq,
     )
+    num_blocks = parallel.min(num_blocks)  # every tensor-parallel rank's cache holds the same blocks
     if num_blocks < 1:
         raise ConfigError("no memory is left for the KV cache: lower the model size, or raise --kv-cache-memory / --gpu-memory-utilization")
     for r, c in models:  # one block more than the allocator owns: the null block
         r.kv_caches.extend(allocate_kv_cache(
-            r.num_layers or c.num_layers, num_blocks + 1, config.block_size, c.num_kv_heads, c.head_dim, dtype, device
+            r.num_layers or c.num_layers, num_blocks + 1, config.block_size, kv_heads(c), c.head_dim, dtype, device
         ))
     kv_caches = runner.kv_caches
-    allocator = composition.kv_allocator.factory(num_blocks, config.block_size)
+    num_cpu_blocks = 0  # the CPU pool for preemption by swap, sized like the device cache (every model's bytes)
+    if config.preemption_mode == "swap":
+        num_cpu_blocks = min(int(config.swap_space_gib * 2**30) // per_block, config.max_num_seqs * blocks_per_seq)
+    block_mover = BlockMover(num_cpu_blocks)
+    for cache_list in {id(r.kv_caches): r.kv_caches for r, _ in models}.values():  # a self-draft shares the target's
+        block_mover.add(cache_list)
+    allocator = composition.kv_allocator.factory(
+        num_blocks, config.block_size, enable_prefix_caching=config.enable_prefix_caching, num_cpu_blocks=num_cpu_blocks
+    )
     scheduler = composition.scheduler.factory(config, allocator)
     scheduler.num_lookahead_tokens = decoder.num_lookahead_tokens
     graphs_ok = attention.capabilities.cuda_graph_safe and composition.decoder.capabilities.cuda_graph_safe
@@ -173,4 +195,6 @@ def build_engine(config: EngineConfig, extra_plugins: Iterable[Any] = ()) -> Eng
         vocab_size=model_config.vocab_size,
         eos_token_ids=frozenset(eos),
         describe=describe,
+        block_mover=block_mover,
+        runners=tuple(r for r, _ in models),
     )

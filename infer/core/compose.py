@@ -58,6 +58,15 @@ def _check_runs_here(s: Strategy, flag: str, device: torch.device, dtype: torch.
         raise IncompatiblePluginsError(f"{flag} {s.name} cannot run here: {reason}")
 
 
+def refusal(s: Strategy, flag: str, device: torch.device, dtype: torch.dtype, config: EngineConfig) -> str | None:
+    """Why `s` cannot run here as `flag` (device, dtype, block size, tp, availability), or None."""
+    try:
+        _check_runs_here(s, flag, device, dtype, config)
+    except IncompatiblePluginsError as exc:
+        return str(exc)
+    return None
+
+
 def _auto_attention(registry: PluginRegistry, device: torch.device, dtype: torch.dtype, config: EngineConfig) -> Strategy:
     candidates = []
     for s in registry.all("attention"):
@@ -79,6 +88,11 @@ def compose(config: EngineConfig, registry: PluginRegistry, device: torch.device
         attention = _auto_attention(registry, device, dtype, config)
     else:
         attention = registry.get("attention", config.attention)
+        if "decode" not in attention.capabilities.phases:  # say so before "cannot run here"
+            raise IncompatiblePluginsError(
+                f"--attention {attention.name} serves only {', '.join(sorted(attention.capabilities.phases))}: "
+                f"use it as --prefill-attention {attention.name} with a decode backend such as --attention torch"
+            )
         _check_runs_here(attention, "--attention", device, dtype, config)
     prefill = None
     if config.prefill_attention and config.prefill_attention != attention.name:

@@ -12,6 +12,7 @@ import torch
 from infer.core.errors import ConfigError
 
 LoadFormat = Literal["auto", "safetensors", "dummy"]
+PreemptionMode = Literal["recompute", "swap"]
 
 DTYPES: dict[str, torch.dtype] = {
     "float32": torch.float32,
@@ -42,6 +43,9 @@ class EngineConfig:
     block_size: int = 16  # tokens per KV block
     num_kv_blocks: int | None = None  # override the budget (tests force preemption with it)
     kv_cache_memory_gib: float | None = None  # KV budget; default: 1 GiB on CPU, 90% of free GPU memory
+    enable_prefix_caching: bool = True  # reuse the KV blocks of a cached prompt prefix
+    preemption_mode: PreemptionMode = "recompute"  # recompute | swap (to a CPU pool; recompute when it is full)
+    swap_space_gib: float = 4.0  # CPU KV pool for --preemption-mode swap
     gpu_memory_utilization: float = 0.9
     max_num_seqs: int = 256  # running requests at most
     max_num_batched_tokens: int = 4096  # tokens computed per step at most (long prompts are chunked)
@@ -71,6 +75,10 @@ class EngineConfig:
             raise ConfigError("--gpu-memory-utilization must be in (0, 1]")
         if self.num_speculative_tokens < 1:
             raise ConfigError("--num-speculative-tokens must be >= 1")
+        if self.preemption_mode not in ("recompute", "swap"):
+            raise ConfigError(f"unknown --preemption-mode {self.preemption_mode!r}: use recompute or swap")
+        if not self.swap_space_gib >= 0:
+            raise ConfigError(f"--swap-space must be >= 0 GiB, got {self.swap_space_gib!r}")
 
     def replace(self, **changes: Any) -> "EngineConfig":
         known = {f.name for f in fields(self)}

@@ -8,6 +8,7 @@ import time
 from dataclasses import dataclass
 from typing import Any, Iterable, Sequence
 
+from infer.core.block_mover import BlockMover
 from infer.core.errors import RequestError
 from infer.core.interfaces import Decoder, KVUsage, Scheduler
 from infer.core.output import Group, OutputProcessor
@@ -29,6 +30,8 @@ class EngineParts:
     eos_token_ids: frozenset[int]
     describe: dict[str, Any]  # plugin set, device, dtype, KV blocks: bound into logs and reports
     closers: tuple[Any, ...] = ()
+    block_mover: BlockMover | None = None  # applies each step's KV block copies (copy-on-write, swap)
+    runners: tuple[Any, ...] = ()  # every model's ModelRunner in build order (target, then drafts); tensor parallelism mirrors them
 
 
 class Engine:
@@ -38,11 +41,13 @@ class Engine:
         self.decoder = parts.decoder
         self.output = parts.output
         self.tokenizer = parts.tokenizer
+        self.block_mover = parts.block_mover if parts.block_mover is not None else BlockMover()
         self.requests: dict[str, Request] = {}  # child id -> request, while unfinished
         self._arrivals = itertools.count()
         self._ids = itertools.count()
         self._seed_rng = random.Random(parts.config.seed)
         self.num_steps = 0
+        self.decoder_totals: dict[str, float] = {}  # StepResult.stats summed over steps
 
     @classmethod
     def from_config(cls, config: Any, extra_plugins: Iterable[Any] = ()) -> "Engine":
@@ -80,13 +85,14 @@ class Engine:
         if parent_id in self.output.groups:
             raise RequestError(f"request id {parent_id!r} is already in use: pick a unique id")
         now = time.perf_counter()
-        children = []
-        for i in range(params.n):
+        children: list[Request] = []
+        count = params.num_sequences  # n samples, or best_of beams
+        for i in range(count):
             seed = self._seed_rng.getrandbits(63) if params.seed is None else hash((params.seed, i)) & (2**63 - 1)
-            if params.seed is not None and params.n == 1:
+            if params.seed is not None and count == 1:
                 seed = params.seed
             child = Request(
-                request_id=parent_id if params.n == 1 else f"{parent_id}.{i}",
+                request_id=parent_id if count == 1 else f"{parent_id}.{i}",
                 prompt_token_ids=ids,
                 params=params,
                 arrival=next(self._arrivals),
@@ -94,6 +100,7 @@ class Engine:
                 seed=seed,
                 max_model_len=limit,
                 arrival_time=now,
+                fork_parent=children[0] if children else None,  # shares the first one's prompt blocks
             )
             children.append(child)
         self.output.add(Group(parent_id, text, children))
@@ -117,11 +124,14 @@ class Engine:
 
     def step(self) -> list[RequestOutput]:
         out = self.scheduler.schedule()
+        self.block_mover.apply(out.block_ops)  # copy-on-write and swap copies, batched, before the forward
         result = self.decoder.execute(out)  # forward pass (+ sampling)
         self._stop_strings(self.output.collect())  # the previous step's text, detokenized meanwhile
         finished = self.scheduler.update(out, result)
         self.output.submit([s.request for s in out.scheduled] + finished)
         self.num_steps += 1
+        for key, value in result.stats.items():
+            self.decoder_totals[key] = self.decoder_totals.get(key, 0.0) + value
         return self._finished_outputs()
 
     def _stop_strings(self, stops: list[tuple[Request, int]]) -> None:
@@ -136,8 +146,10 @@ class Engine:
     def _finished_outputs(self) -> list[RequestOutput]:
         outputs = self.output.finished_outputs()
         for o in outputs:
-            for child_id in [o.request_id] + [f"{o.request_id}.{c.index}" for c in o.outputs]:
-                self.requests.pop(child_id, None)
+            self.requests.pop(o.request_id, None)
+            i = 0
+            while self.requests.pop(f"{o.request_id}.{i}", None) is not None:  # every sample or beam
+                i += 1
         return outputs
 
     def generate(
@@ -169,7 +181,12 @@ class Engine:
         return self.scheduler.allocator.usage()  # type: ignore[attr-defined]
 
     def stats(self) -> dict[str, float]:
-        return {"steps": self.num_steps, **self.scheduler.stats()}
+        return {"steps": self.num_steps, **self.scheduler.stats(), **self.decoder_stats()}
+
+    def decoder_stats(self) -> dict[str, float]:
+        """The decoder's step stats summed over the run, plus its own summary (acceptance rate, ...)."""
+        summarize = getattr(self.decoder, "summarize", None)  # optional: run-level figures from the totals
+        return {**self.decoder_totals, **(summarize(self.decoder_totals) if summarize is not None else {})}
 
     def close(self) -> None:
         self.output.close()

@@ -35,3 +35,9 @@ class DatasetError(InferError):
 
 class RequestError(InferError):
     """A single request is invalid (empty prompt, too long, bad sampling parameters)."""
+
+
+class WorkerError(InferError):
+    """A tensor-parallel rank failed or vanished; rank 0 stopped the run."""
+
+    exit_code = 1

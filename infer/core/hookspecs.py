@@ -4,7 +4,10 @@ A plugin is a module (or object) with `@infer.hookimpl` functions, published und
 entry-point group. Every slot has one register-callback hook; the engine calls each hook once,
 when it is built, with a `register(name, factory)` callable. The factory is a class or function
 that builds the strategy; its `capabilities` attribute (an `infer.Capabilities`) says what it can
-do, so an impossible combination is refused before any weight loads.
+do, so an impossible combination is refused before any weight loads. A plugin module may declare
+the plugin API versions it was written for (`INFER_PLUGIN_API = ">=1,<2"`, an int, or
+`infer_plugin_api = (1, 1)`); one that does not fit `PLUGIN_API_VERSION` is refused at load and
+recorded as broken (see `infer.core.plugin_api`).
 
 How each slot's factory is called:
 
@@ -12,7 +15,8 @@ How each slot's factory is called:
 slot                      factory(...) -> strategy
 ========================  ===============================================================
 attention                 factory(spec: AttentionSpec) -> AttentionBackend
-kv_allocator              factory(num_blocks: int, block_size: int) -> KVAllocator
+kv_allocator              factory(num_blocks: int, block_size: int, *, enable_prefix_caching: bool,
+                          num_cpu_blocks: int) -> KVAllocator
 scheduler                 factory(config: EngineConfig, allocator: KVAllocator) -> Scheduler
 sampler                   factory(vocab_size: int, device: torch.device) -> Sampler
 decoder                   factory(ctx: DecoderContext) -> Decoder
@@ -34,7 +38,7 @@ import pluggy
 from infer.core.interfaces import RegisterFn
 
 PROJECT_NAME = "infer"
-PLUGIN_API_VERSION = 1  # bumped when a factory's call signature or an interface changes
+PLUGIN_API_VERSION = 2  # bumped when a factory's call signature or an interface changes
 
 hookspec = pluggy.HookspecMarker(PROJECT_NAME)
 hookimpl = pluggy.HookimplMarker(PROJECT_NAME)

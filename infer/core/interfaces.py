@@ -30,6 +30,7 @@ class Capabilities:
     block_sizes: frozenset[int] | None = None  # None: any KV block size
     cuda_graph_safe: bool = False  # decode step may be captured in a CUDA graph
     needs_draft: bool = False  # decoder: requires --draft
+    lossy: bool = False  # decoder: changes the outputs (early exit); the run report says so
     distributed: bool = True  # works under tensor parallelism
     priority: int = 0  # higher wins when a slot is resolved "auto"
     # returns None when runnable here, else the reason (missing library, wrong GPU, ...)
@@ -47,6 +48,8 @@ class Capabilities:
             parts.append("cuda-graphs")
         if self.needs_draft:
             parts.append("needs-draft")
+        if self.lossy:
+            parts.append("lossy (changes outputs)")
         return " ".join(parts)
 
 
@@ -206,7 +209,14 @@ class KVAllocator(Protocol):
 
     Called by the scheduler only. `allocate_slots` grows a request's block table so that it can
     hold `num_tokens` tokens in total, or returns None and changes nothing when there is no room
-    (the scheduler then preempts). `free` returns a request's blocks. Blocks are reference counted.
+    (the scheduler then preempts). On an empty table it may first adopt cached prefix blocks and
+    move `request.num_computed_tokens` past them (`num_cached_tokens` says how many, beforehand);
+    a block about to be written that is shared is replaced by a copy (copy-on-write). `free`
+    returns a request's blocks. Blocks are reference counted: `fork` shares a parent's blocks
+    with a child (parallel samples), `reassign` swaps whole tables between requests (beams).
+    `swap_out` moves a preempted request's blocks to CPU memory (False when that is full); its
+    next `allocate_slots` brings them back. Every copy these imply is recorded, and the scheduler
+    hands them to the engine once per step with `take_block_ops`.
     """
 
     block_size: int
@@ -216,7 +226,21 @@ class KVAllocator(Protocol):
 
     def allocate_slots(self, request: "Request", num_tokens: int) -> list[int] | None: ...
 
+    def num_cached_tokens(self, request: "Request") -> int: ...
+
+    def fork(self, parent: "Request", child: "Request", num_tokens: int) -> None: ...
+
+    def reassign(self, pairs: list[tuple["Request", "Request"]]) -> None:
+        """For each (dst, src): dst's table becomes a share of src's table as it was before the call."""
+        ...
+
     def free(self, request: "Request") -> None: ...
+
+    def swap_out(self, request: "Request") -> bool: ...
+
+    def is_swapped(self, request: "Request") -> bool: ...
+
+    def take_block_ops(self) -> "BlockOps": ...
 
     def can_ever_fit(self, num_tokens: int) -> bool: ...
 
@@ -232,7 +256,33 @@ class KVUsage:
     num_blocks: int  # physical blocks in the cache
     num_used_blocks: int  # blocks owned by at least one request
     num_reserved_slots: int  # token slots in used blocks
-    num_filled_slots: int  # token slots holding a real token
+    num_filled_slots: int  # token slots holding a real token (a shared block counts once)
+    num_saved_blocks: int = 0  # block-table entries minus used blocks: what sharing saves now
+    num_cached_blocks: int = 0  # blocks the prefix cache maps (owned or evictable)
+    prefix_query_tokens: int = 0  # since the start: tokens of admitted requests looked up in the prefix cache
+    prefix_hit_tokens: int = 0  # of those, tokens found cached (not computed again)
+    num_swapped_blocks: int = 0  # CPU blocks holding swapped-out requests
+
+    @property
+    def prefix_hit_rate(self) -> float:
+        return self.prefix_hit_tokens / self.prefix_query_tokens if self.prefix_query_tokens else 0.0
+
+
+@dataclass(slots=True)
+class BlockOps:
+    """KV block copies to make before a step's forward, in this order, each kind one batched copy.
+
+    Block ids of `swap_out` and `swap_in` pairs name (device block, CPU block) and (CPU block,
+    device block); `copies` are (src, dst) device blocks, copy-on-write. A step never both swaps
+    out and swaps in. Every model cache indexed by the block tables (a draft's too) gets them.
+    """
+
+    swap_out: list[tuple[int, int]] = field(default_factory=list)
+    swap_in: list[tuple[int, int]] = field(default_factory=list)
+    copies: list[tuple[int, int]] = field(default_factory=list)
+
+    def __bool__(self) -> bool:
+        return bool(self.swap_out or self.swap_in or self.copies)
 
 
 # --------------------------------------------------------------------------- scheduling
@@ -255,6 +305,7 @@ class SchedulerOutput:
     scheduled: list[ScheduledSeq]  # decodes first, then prefills/extends
     preempted: list["Request"] = field(default_factory=list)  # preempted in this step
     finished: list["Request"] = field(default_factory=list)  # ended without running (capacity)
+    block_ops: BlockOps = field(default_factory=BlockOps)  # applied to the KV tensors before the forward
 
     @property
     def is_empty(self) -> bool:
@@ -271,7 +322,10 @@ class StepResult:
 
     sampled: dict[str, list[int]]  # request_id -> accepted new token ids
     logprobs: dict[str, list[dict[int, float]]] = field(default_factory=dict)
-    stats: dict[str, float] = field(default_factory=dict)  # proposals, acceptances, ...
+    stats: dict[str, float] = field(default_factory=dict)  # proposals, acceptances, ...: summed by the engine
+    # request_id -> tokens whose K/V are valid after this step, where fewer than all but the newest
+    # (speculative: rejected draft slots are rolled back); absent: every computed token is kept
+    num_computed: dict[str, int] = field(default_factory=dict)
 
 
 class Scheduler(Protocol):
@@ -320,6 +374,12 @@ class Sampler(Protocol):
         positions: list[int] | None = None,
     ) -> SamplerOutput: ...
 
+    # Optional, needed by speculative decoding to verify draft tokens:
+    # probs(logits [B, V], requests, positions) -> [B, V]: the distribution `sample` draws row i
+    #   from (penalties, temperature, min-p, top-k, top-p applied; one-hot at the argmax when greedy)
+    # logprobs(logits [B, V], requests, token_ids) -> list[dict]: what `sample` reports for row i
+    #   had it chosen token_ids[i] ({} where the request did not ask)
+
 
 # --------------------------------------------------------------------------- decoding
 
@@ -334,7 +394,10 @@ class DecoderContext:
 
     runner: ModelRunnerLike  # the target model's runner (forward + sample)
     config: Any  # EngineConfig
-    build_model: Callable[..., Any] | None = None  # (name, num_layers=None) -> runner over its own KV cache
+    # (name_or_path, num_layers=None) -> a ModelRunner over its own weights and KV cache, indexed by
+    # the target's block tables (same block ids); the builder sizes every cache after the decoder is built
+    build_model: Callable[..., Any] | None = None
+    model_config: Any = None  # the target's ModelConfig
 
 
 class Decoder(Protocol):
@@ -342,6 +405,8 @@ class Decoder(Protocol):
 
     `num_lookahead_tokens` tells the scheduler how many extra KV slots to reserve per running
     request (speculative proposals). `execute` runs once per step.
+    Optional: `describe` (dict, merged into the run's description and report) and
+    `summarize(totals) -> dict` (run-level figures from the summed `StepResult.stats`, in `Engine.stats`).
     """
 
     num_lookahead_tokens: int

@@ -60,6 +60,8 @@ class OutputProcessor:
     def submit(self, requests: list[Request]) -> None:
         """Hand this step's updated requests (running or just finished) to the detokenizer."""
         fresh = [r for r in requests if r.request_id in self.parent_of and r.request_id not in self.ready]
+        # a beam's tokens are rewritten as beams fork and die: its text is decoded once, at the end
+        fresh = [r for r in fresh if r.is_finished or not r.params.use_beam_search]
         for r in fresh:
             if r.is_finished and not r.output_token_ids:  # ended before producing a token
                 self.ready.add(r.request_id)
@@ -89,7 +91,8 @@ class OutputProcessor:
 
     def build(self, group: Group) -> RequestOutput:
         outputs = []
-        for i, child in enumerate(group.children):
+        first = group.children[0]
+        for i, child in enumerate(group.children[: first.params.n]):  # beam search runs best_of, returns n
             reason = child.finish_reason.value if isinstance(child.finish_reason, FinishReason) else None
             outputs.append(
                 CompletionOutput(
@@ -97,10 +100,9 @@ class OutputProcessor:
                     text=group.texts.get(child.request_id, ""),
                     token_ids=list(child.output_token_ids),
                     finish_reason=reason,
-                    logprobs=list(child.output_logprobs) if child.params.logprobs is not None else None,
+                    logprobs=list(child.output_logprobs) if _has_logprobs(child.params) else None,
                 )
             )
-        first = group.children[0]
         metrics = {}
         if first.first_token_time is not None:
             metrics["ttft_s"] = first.first_token_time - first.arrival_time
@@ -118,3 +120,7 @@ class OutputProcessor:
     def close(self) -> None:
         if self.detokenizer is not None:
             self.detokenizer.close()
+
+
+def _has_logprobs(params) -> bool:
+    return params.logprobs is not None and not params.use_beam_search  # beams ask for them internally

@@ -13,7 +13,7 @@ from typing import Any, Iterable
 
 import pluggy
 
-from infer.core import hookspecs
+from infer.core import hookspecs, plugin_api
 from infer.core.errors import PluginLoadError, PluginNotFoundError
 from infer.core.interfaces import Capabilities, capabilities_of
 
@@ -87,6 +87,10 @@ class PluginRegistry:
                     module = ep.load()
                     if manager.is_registered(module):
                         continue
+                    api_problem = plugin_api.mismatch(module)
+                    if api_problem is not None:
+                        registry.broken.append(BrokenPlugin(ep.name, dist, f"plugin API mismatch: {api_problem}"))
+                        continue
                     manager.register(module, name=ep.name)
                 except Exception as exc:  # a broken third-party plugin must not break others
                     registry.broken.append(BrokenPlugin(ep.name, dist, f"{type(exc).__name__}: {exc}"))
@@ -94,6 +98,10 @@ class PluginRegistry:
                 sources[ep.name] = (dist, version)
         for i, plugin in enumerate(extra_plugins):
             name = getattr(plugin, "__name__", None) or f"{type(plugin).__name__}-{i}"
+            api_problem = plugin_api.mismatch(plugin)
+            if api_problem is not None:
+                registry.broken.append(BrokenPlugin(name, "(inline)", f"plugin API mismatch: {api_problem}"))
+                continue
             manager.register(plugin, name=name)
             sources[name] = ("(inline)", "")
         manager.check_pending()  # a misspelled hook name fails loudly

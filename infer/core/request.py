@@ -5,6 +5,7 @@ from __future__ import annotations
 import enum
 import math
 from dataclasses import dataclass, field
+from typing import Literal
 
 from infer.core.errors import RequestError
 
@@ -27,6 +28,13 @@ class SamplingParams:
     stop_token_ids: list[int] | None = None  # extra stop tokens (kept in token_ids)
     ignore_eos: bool = False  # keep generating past EOS (benchmarks)
     logprobs: int | None = None  # top-k logprobs per output token, plus the sampled token's
+    # beam search (vLLM's API): `best_of` beams, the best `n` returned, scored as HF transformers
+    # does: sum of logprobs / generated_len ** length_penalty. Deterministic: temperature, top-k/p
+    # and seed are ignored; penalties and stop strings are not supported with it.
+    use_beam_search: bool = False
+    best_of: int | None = None  # beam width (with use_beam_search); None: n
+    length_penalty: float = 1.0
+    early_stopping: bool | Literal["never"] = False  # as HF: True, False (heuristic) or "never"
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -67,6 +75,24 @@ class SamplingParams:
             raise bad("logprobs", self.logprobs, "use None or an integer >= 0")
         if any(not s for s in self.stop):
             raise bad("stop", self.stop, "stop strings must be non-empty")
+        if self.best_of is not None and (not isinstance(self.best_of, int) or self.best_of < self.n):
+            raise bad("best_of", self.best_of, f"use an integer >= n ({self.n}), or None")
+        if not self.use_beam_search:
+            if self.best_of not in (None, self.n):
+                raise bad("best_of", self.best_of, "best_of > n is used by beam search only: set use_beam_search=True (--beam-width)")
+            return
+        if self.early_stopping not in (True, False, "never"):
+            raise bad("early_stopping", self.early_stopping, "use True, False or 'never'")
+        if not math.isfinite(self.length_penalty):
+            raise bad("length_penalty", self.length_penalty, "use a finite number")
+        penalised = self.repetition_penalty != 1.0 or self.presence_penalty or self.frequency_penalty
+        if penalised or self.stop:
+            raise bad("use_beam_search", True, "beam search takes no penalties or stop strings: drop them")
+
+    @property
+    def num_sequences(self) -> int:
+        """Requests the engine runs for one prompt: n samples, or best_of beams."""
+        return (self.best_of or self.n) if self.use_beam_search else self.n
 
 
 class RequestStatus(enum.Enum):
@@ -101,6 +127,8 @@ class Request:
     block_ids: list[int] = field(default_factory=list)  # block table: logical block i -> physical id
     num_computed_tokens: int = 0  # tokens whose K/V are in the cache
     num_preemptions: int = 0
+    # parallel samples and beams: the prompt's first request, whose blocks this one shares (forks)
+    fork_parent: "Request | None" = field(default=None, repr=False, compare=False)
     first_token_time: float | None = None
     arrival_time: float = 0.0
     finish_time: float | None = None

@@ -29,6 +29,19 @@ class ForwardSeq:
     logits_rows: int  # how many trailing positions need logits (0: none, 1: the last, k: the last k)
 
 
+@dataclass(slots=True)
+class StepInputs:
+    """One forward's flat inputs. Under tensor parallelism rank 0 broadcasts these and every rank runs them."""
+
+    input_ids: list[int]  # [T], sequences one after another
+    query_lens: list[int]  # seq i -> tokens computed
+    seq_lens: list[int]  # seq i -> tokens in the cache after this forward
+    block_tables: list[list[int]]  # seq i -> block ids
+    logits_rows: list[int]  # which of the T tokens get logits, in order
+    num_layers: int | None  # run only the first layers (early exit, self-draft); None: all
+    use_graphs: bool  # a decode-only step replayed from a CUDA graph
+
+
 class ModelRunner:
     def __init__(
         self,
@@ -52,28 +65,33 @@ class ModelRunner:
     @torch.inference_mode()
     def forward(self, seqs: list[ForwardSeq]) -> torch.Tensor:
         """Run the model over `seqs` (decodes first); returns logits [sum(logits_rows), vocab] float32."""
-        if self.graphs is not None and self.graphs.can_run(len(seqs)) and all(
+        use_graphs = self.graphs is not None and self.graphs.can_run(len(seqs)) and all(
             len(s.token_ids) == 1 and s.logits_rows == 1 for s in seqs
-        ):
-            return self.graphs.run(
-                [s.token_ids[0] for s in seqs], [s.start + 1 for s in seqs], [s.request.block_ids for s in seqs]
-            )
-        input_ids: list[int] = []
-        query_lens, seq_lens, tables, rows = [], [], [], []
+        )
+        step = StepInputs([], [], [], [], [], self.num_layers, use_graphs)
         for seq in seqs:
-            input_ids.extend(seq.token_ids)
-            query_lens.append(len(seq.token_ids))
-            seq_lens.append(seq.start + len(seq.token_ids))
-            tables.append(seq.request.block_ids)
-            end = len(input_ids)
-            rows.extend(range(end - seq.logits_rows, end))
-        batch = AttentionBatch.build(query_lens, seq_lens, tables, self.block_size, self.device)
+            step.input_ids.extend(seq.token_ids)
+            step.query_lens.append(len(seq.token_ids))
+            step.seq_lens.append(seq.start + len(seq.token_ids))
+            step.block_tables.append(seq.request.block_ids)
+            end = len(step.input_ids)
+            step.logits_rows.extend(range(end - seq.logits_rows, end))
+        # rank 0 under tensor parallelism: the model's mirror sends the step to every rank, then runs it
+        mirror = getattr(self.model, "mirror", None)
+        return self.run(step) if mirror is None else mirror.forward(self, step)
+
+    @torch.inference_mode()
+    def run(self, step: StepInputs) -> torch.Tensor:
+        """The forward itself (every tensor-parallel rank runs this): logits [len(logits_rows), vocab] float32."""
+        if step.use_graphs:
+            return self.graphs.run(step.input_ids, step.seq_lens, step.block_tables)
+        batch = AttentionBatch.build(step.query_lens, step.seq_lens, step.block_tables, self.block_size, self.device)
         self.attention.plan(batch)
-        ids = torch.tensor(input_ids, dtype=torch.int64, device=self.device)
-        hidden = self.model.forward(ids, batch.positions, self.kv_caches, self.num_layers)  # [T, hidden]
-        if not rows:
+        ids = torch.tensor(step.input_ids, dtype=torch.int64, device=self.device)
+        hidden = self.model.forward(ids, batch.positions, self.kv_caches, step.num_layers)  # [T, hidden]
+        if not step.logits_rows:
             return hidden.new_empty(0, 0, dtype=torch.float32)
-        return self.model.compute_logits(hidden[torch.tensor(rows, device=self.device)])
+        return self.model.compute_logits(hidden[torch.tensor(step.logits_rows, device=self.device)])
 
     def execute(self, out: SchedulerOutput) -> StepResult:
         seqs = []

@@ -21,9 +21,11 @@ def _xformers_flash_workaround() -> None:
     flash kernels and needs no extension. The plugin itself reports xformers unavailable instead."""
     if not torch.cuda.is_available() or importlib.util.find_spec("xformers") is None:
         return
-    from xformers.ops.fmha import common
-
-    if not common._built_with_cuda:
+    try:
+        from xformers.ops.fmha import common
+    except ImportError:  # a broken install: the plugin reports it, the tests skip with its reason
+        return
+    if getattr(common, "_built_with_cuda", True) is False:
         common._built_with_cuda = True
 
 

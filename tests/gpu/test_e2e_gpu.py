@@ -72,3 +72,27 @@ def test_bf16_backends_agree_with_torch(backend):
     torch.testing.assert_close(torch.tensor([x[0] for x in lps]), torch.tensor([x[0] for x in ref_lps]), atol=5e-2, rtol=0)
     agree = sum(a == b for x, y in zip(toks, ref_toks) for a, b in zip(x, y)) / sum(map(len, ref_toks))
     assert agree > 0.8, agree
+
+
+SHARED = [rng.randrange(10, 49000) for _ in range(300)]
+SHARED_PROMPTS = [SHARED + [rng.randrange(10, 49000) for _ in range(n)] for n in (5, 40, 1, 77)] + PROMPTS[:4]
+
+
+@pytest.mark.parametrize(
+    "opts",
+    [dict(enable_prefix_caching=False), dict(max_num_batched_tokens=64), dict(num_kv_blocks=40, preemption_mode="swap"),
+     dict(num_kv_blocks=40, preemption_mode="recompute")],
+    ids=["no-prefix-cache", "chunked-64", "swap", "recompute"],
+)
+def test_kv_management_does_not_change_greedy_tokens_on_gpu(opts):
+    def run(**extra):
+        llm = LLM(model="smollm2-135m", load_format="dummy", max_model_len=2048, attention="paged-cuda",
+                  dtype="float32", **extra)
+        outs = llm.generate(SHARED_PROMPTS, SamplingParams(max_tokens=24, temperature=0, ignore_eos=True))
+        stats = llm.engine.stats()
+        llm.close()
+        return [o.outputs[0].token_ids for o in outs], stats
+
+    base, _ = run()
+    got, stats = run(**opts)
+    assert got == base, stats

@@ -116,7 +116,7 @@ def test_flashinfer_cuda_graph_decode_replay(flashinfer_cls, heads):
     eager = flashinfer_cls(first.spec, cuda_graph=False)
     eager.plan(second.batch)
     expected = eager.forward(second.q, second.k, second.v, tuple(c.clone() for c in second.kv_cache))
-    for dst, src in [(first.q, second.q), (first.k, second.k), (first.v, second.v), *zip(first.kv_cache, second.kv_cache)]:
+    for dst, src in zip((first.q, first.k, first.v, *first.kv_cache), (second.q, second.k, second.v, *second.kv_cache)):
         dst.copy_(src)
     first.batch.slot_mapping.copy_(second.batch.slot_mapping)  # what the captured cache write reads
     backend.plan(second.batch)  # refills the graph-mode page tables in place

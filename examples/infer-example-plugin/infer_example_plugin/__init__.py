@@ -2,7 +2,8 @@
 
 `temperature-only` samples from softmax(logits / T) and ignores every other knob (greedy at
 T = 0). It is deliberately small: a plugin implements the `Sampler` interface, declares its
-capabilities, and registers itself; nothing in infer changes.
+capabilities (and, for the conformance kit, the `SamplingParams` it honours), and registers
+itself; nothing in infer changes. `pytest --infer-kit sampler=temperature-only` checks it.
 """
 
 from __future__ import annotations
@@ -13,21 +14,30 @@ import torch
 import infer
 from infer.core.interfaces import SamplerOutput
 
+INFER_PLUGIN_API = ">=1,<3"  # the infer plugin API versions this plugin works with (2 changed only allocators)
+
 
 class TemperatureOnlySampler:
     capabilities = infer.Capabilities(devices=frozenset({"cpu", "cuda"}))
+    supported_params = frozenset({"temperature", "seed"})  # what `pytest --infer-kit sampler=...` tests
 
     def __init__(self, vocab_size: int, device: torch.device) -> None:
         self.vocab_size = vocab_size
 
     def sample(self, logits: torch.Tensor, requests, positions=None) -> SamplerOutput:
-        # logits: [B, V]
-        temps = torch.tensor([r.params.temperature for r in requests], device=logits.device)
-        greedy = logits.argmax(-1)
-        probs = torch.softmax(logits / temps.clamp(min=1e-5)[:, None], dim=-1)
-        gen = torch.Generator(device=logits.device).manual_seed(requests[0].seed if requests else 0)
-        sampled = torch.multinomial(probs, 1, generator=gen).squeeze(-1)
-        return SamplerOutput(torch.where(temps == 0, greedy, sampled).tolist())
+        # logits: [B, V]; row i draws from its own stream, seeded by (request seed, position)
+        if positions is None:
+            positions = [len(r.output_token_ids) for r in requests]
+        tokens = []
+        for row, request, position in zip(logits, requests, positions):
+            temperature = request.params.temperature
+            if temperature == 0:
+                tokens.append(int(row.argmax()))
+                continue
+            gen = torch.Generator(device=row.device).manual_seed(hash((request.seed, position)) & (2**63 - 1))
+            probs = torch.softmax(row.float() / temperature, dim=-1)
+            tokens.append(int(torch.multinomial(probs, 1, generator=gen)))
+        return SamplerOutput(tokens)
 
 
 @infer.hookimpl

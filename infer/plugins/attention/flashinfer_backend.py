@@ -139,7 +139,8 @@ class FlashInferAttention:
         num_indices = len(dec_indices) + len(pre_indices)
         indices = host[:num_indices].to(spec.device, non_blocking=True)
         dec_indices, pre_indices = torch.split(indices, [len(dec_indices), len(pre_indices)])
-        dec_indptr, dec_last, qo_indptr, pre_indptr, pre_last = torch.split(host[num_indices:], [len(p) for p in parts[2:]])
+        tables = torch.split(host[num_indices:], [len(p) for p in parts[2:]])
+        dec_indptr, dec_last, qo_indptr, pre_indptr, pre_last = tables
         heads = (spec.num_heads, spec.num_kv_heads, spec.head_dim, bs)
         dtypes = dict(q_data_type=spec.dtype, kv_data_type=spec.dtype, sm_scale=spec.scale)
         decoder = None

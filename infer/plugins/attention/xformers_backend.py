@@ -85,7 +85,8 @@ class XformersAttention:
             bias = masks.BlockDiagonalCausalMask.from_seqlens(batch.query_lens, device=device)
             kv_slots = None
         else:
-            bias = masks.BlockDiagonalCausalFromBottomRightMask.from_seqlens(batch.query_lens, batch.seq_lens, device=device)
+            bottom_right = masks.BlockDiagonalCausalFromBottomRightMask
+            bias = bottom_right.from_seqlens(batch.query_lens, batch.seq_lens, device=device)
             kv_slots = context_slots(batch)
         self._plan = _StepPlan(batch=batch, bias=bias, kv_slots=kv_slots)
 

@@ -2,7 +2,9 @@
 
 RMSNorm, rotary embeddings with the config's theta and scaling, grouped-query attention over
 the paged KV cache, SwiGLU, tied or untied embeddings. Q/K/V and gate/up are fused into one
-matmul each; `load_weights` maps HF checkpoint names onto the fused parameters.
+matmul each; `load_weights` maps HF checkpoint names onto the fused parameters. Given a
+tensor-parallel `parallel` state (`--tp N`), the projections, embedding and LM head are the
+sharded ones of `parallel_layers` and each rank loads only its slices.
 """
 
 from __future__ import annotations
@@ -13,8 +15,10 @@ import torch
 from torch import nn
 
 from infer.core.config import ModelConfig
+from infer.core.distributed import ParallelState
 from infer.core.hookspecs import hookimpl
 from infer.core.interfaces import AttentionBackend, KVCache, Layers
+from infer.plugins.models import parallel_layers as tp
 
 _LLAMA2 = dict(architectures=["LlamaForCausalLM"], vocab_size=32000, max_position_embeddings=4096,
                rms_norm_eps=1e-5, rope_theta=10000.0, bos_token_id=1, eos_token_id=2, torch_dtype="float16")
@@ -39,14 +43,28 @@ PRESETS: dict[str, dict[str, Any]] = {
 }
 
 
+_FUSED = {  # HF name piece -> (our name piece, shard index)
+    "q_proj": ("qkv_proj", 0), "k_proj": ("qkv_proj", 1), "v_proj": ("qkv_proj", 2),
+    "gate_proj": ("gate_up_proj", 0), "up_proj": ("gate_up_proj", 1),
+}
+
+
 class LlamaAttention(nn.Module):
-    def __init__(self, config: ModelConfig, layers: Layers, attention: AttentionBackend) -> None:
+    def __init__(
+        self, config: ModelConfig, layers: Layers, attention: AttentionBackend, parallel: ParallelState | None = None
+    ) -> None:
         super().__init__()
         self.num_heads, self.num_kv_heads, self.head_dim = config.num_heads, config.num_kv_heads, config.head_dim
+        if parallel is not None:  # this rank's heads
+            heads = parallel.heads(config.num_heads, config.num_kv_heads)
+            self.num_heads, self.num_kv_heads = heads.num_heads, heads.num_kv_heads
         self.q_size = self.num_heads * self.head_dim
         self.kv_size = self.num_kv_heads * self.head_dim
-        self.qkv_proj = layers.linear(config.hidden_size, self.q_size + 2 * self.kv_size)
-        self.o_proj = layers.linear(self.q_size, config.hidden_size)
+        if parallel is None:
+            self.qkv_proj = layers.linear(config.hidden_size, self.q_size + 2 * self.kv_size)
+            self.o_proj = layers.linear(self.q_size, config.hidden_size)
+        else:
+            self.qkv_proj, self.o_proj = tp.attention_projections(config, parallel)
         self.rotary = layers.rotary_embedding(
             self.head_dim, config.max_position_embeddings, config.rope_theta, config.rope_scaling
         )
@@ -64,10 +82,13 @@ class LlamaAttention(nn.Module):
 
 
 class LlamaMLP(nn.Module):
-    def __init__(self, config: ModelConfig, layers: Layers) -> None:
+    def __init__(self, config: ModelConfig, layers: Layers, parallel: ParallelState | None = None) -> None:
         super().__init__()
-        self.gate_up_proj = layers.linear(config.hidden_size, 2 * config.intermediate_size)
-        self.down_proj = layers.linear(config.intermediate_size, config.hidden_size)
+        if parallel is None:
+            self.gate_up_proj = layers.linear(config.hidden_size, 2 * config.intermediate_size)
+            self.down_proj = layers.linear(config.intermediate_size, config.hidden_size)
+        else:
+            self.gate_up_proj, self.down_proj = tp.mlp_projections(config, parallel)
         self.act = layers.silu_and_mul()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -75,10 +96,12 @@ class LlamaMLP(nn.Module):
 
 
 class LlamaDecoderLayer(nn.Module):
-    def __init__(self, config: ModelConfig, layers: Layers, attention: AttentionBackend) -> None:
+    def __init__(
+        self, config: ModelConfig, layers: Layers, attention: AttentionBackend, parallel: ParallelState | None = None
+    ) -> None:
         super().__init__()
-        self.self_attn = LlamaAttention(config, layers, attention)
-        self.mlp = LlamaMLP(config, layers)
+        self.self_attn = LlamaAttention(config, layers, attention, parallel)
+        self.mlp = LlamaMLP(config, layers, parallel)
         self.input_layernorm = layers.rms_norm(config.hidden_size, config.rms_norm_eps)
         self.post_attention_layernorm = layers.rms_norm(config.hidden_size, config.rms_norm_eps)
 
@@ -99,13 +122,26 @@ class Llama(nn.Module):
     hf_architectures = ("LlamaForCausalLM",)
     presets = PRESETS
 
-    def __init__(self, config: ModelConfig, layers: Layers, attention: AttentionBackend) -> None:
+    def __init__(
+        self, config: ModelConfig, layers: Layers, attention: AttentionBackend, parallel: ParallelState | None = None
+    ) -> None:
         super().__init__()
         self.config = config
-        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
-        self.layers = nn.ModuleList(LlamaDecoderLayer(config, layers, attention) for _ in range(config.num_layers))
+        self.parallel = parallel  # None: one rank (--tp 1)
+        if parallel is None:
+            self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        else:
+            self.embed_tokens = tp.VocabParallelEmbedding(config.vocab_size, config.hidden_size, parallel)
+        self.layers = nn.ModuleList(
+            LlamaDecoderLayer(config, layers, attention, parallel) for _ in range(config.num_layers)
+        )
         self.norm = layers.rms_norm(config.hidden_size, config.rms_norm_eps)
-        self.lm_head = None if config.tie_word_embeddings else layers.linear(config.hidden_size, config.vocab_size)
+        self.lm_head = None
+        if not config.tie_word_embeddings:
+            self.lm_head = (
+                layers.linear(config.hidden_size, config.vocab_size) if parallel is None
+                else tp.ParallelLMHead(config.vocab_size, config.hidden_size, parallel)
+            )
 
     def forward(
         self,
@@ -122,37 +158,41 @@ class Llama(nn.Module):
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         # hidden: [B, hidden] -> [B, vocab] float32
+        if self.parallel is not None:  # each rank's vocabulary slice, gathered on rank 0
+            return (self.embed_tokens if self.lm_head is None else self.lm_head).logits(hidden)
         weight = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
         return (hidden @ weight.t()).float()
 
-    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
-        """Copy HF-named tensors into the (fused) parameters; returns the parameter names loaded."""
+    def load_weights(self, weights: Iterable[tuple[str, Any]]) -> set[str]:
+        """Copy HF-named tensors into the (fused) parameters; returns the parameter names loaded.
+        Tensor parallel: the values may be safetensors slices, and each rank reads only its part."""
+        if self.parallel is not None:
+            return tp.load_sharded(self, weights, self._target)
         params = dict(self.named_parameters())
-        fused = {  # HF name piece -> (our name piece, shard index)
-            "q_proj": ("qkv_proj", 0), "k_proj": ("qkv_proj", 1), "v_proj": ("qkv_proj", 2),
-            "gate_proj": ("gate_up_proj", 0), "up_proj": ("gate_up_proj", 1),
-        }
         loaded: set[str] = set()
         for hf_name, tensor in weights:
-            name = hf_name.removeprefix("model.")
-            if "rotary_emb" in name or (name == "lm_head.weight" and self.lm_head is None):
-                continue
-            piece = next((p for p in fused if f".{p}." in name), None)
-            if piece is None:
-                if name not in params:
-                    continue  # layers beyond an early-exit cut, or tensors this model does not use
+            found = self._target(hf_name)
+            if found is None or found[0] not in params:
+                continue  # layers beyond an early-exit cut, or tensors this model does not use
+            name, shard = found
+            if shard is None:
                 params[name].data.copy_(tensor)
-                loaded.add(name)
-                continue
-            target, shard = fused[piece]
-            name = name.replace(piece, target)
-            if name not in params:
-                continue
-            param = params[name]
-            offset, size = self._shard_range(target, shard)
-            param.data[offset : offset + size].copy_(tensor)
+            else:
+                offset, size = self._shard_range(name.split(".")[-2], shard)
+                params[name].data[offset : offset + size].copy_(tensor)
             loaded.add(name)
         return loaded
+
+    def _target(self, hf_name: str) -> tuple[str, int | None] | None:
+        """The parameter an HF tensor fills and its shard of a fused one (q, k, v; gate, up), or None."""
+        name = hf_name.removeprefix("model.")
+        if "rotary_emb" in name or (name == "lm_head.weight" and self.lm_head is None):
+            return None
+        piece = next((p for p in _FUSED if f".{p}." in name), None)
+        if piece is None:
+            return name, None
+        target, shard = _FUSED[piece]
+        return name.replace(piece, target), shard
 
     def _shard_range(self, target: str, shard: int) -> tuple[int, int]:
         c = self.config

@@ -68,7 +68,9 @@ def resolve_source(model: str, registry: PluginRegistry, load_format: str, pull:
     )
 
 
-def iter_safetensors(folder: Path) -> Iterator[tuple[str, torch.Tensor]]:
+def iter_safetensors(folder: Path, lazy: bool = False) -> Iterator[tuple[str, Any]]:
+    """(name, tensor) for every tensor of the folder's safetensors files; lazy: (name, slice), where
+    indexing the slice (`s[rows]`, `s[:, cols]`) reads only those bytes (tensor-parallel ranks)."""
     from safetensors import SafetensorError, safe_open
 
     files = sorted(folder.glob("*.safetensors"))
@@ -78,13 +80,14 @@ def iter_safetensors(folder: Path) -> Iterator[tuple[str, torch.Tensor]]:
         try:
             with safe_open(str(file), framework="pt") as f:
                 for name in f.keys():
-                    yield name, f.get_tensor(name)
+                    yield name, f.get_slice(name) if lazy else f.get_tensor(name)
         except (SafetensorError, OSError, RuntimeError, ValueError) as exc:
             raise ModelLoadError(f"corrupt weight file {file} ({exc}): re-download or re-convert the model") from exc
 
 
-def load_weights(model: nn.Module, folder: Path) -> None:
-    loaded = model.load_weights(iter_safetensors(folder))  # type: ignore[operator]
+def load_weights(model: nn.Module, folder: Path, sharded: bool = False) -> None:
+    """sharded: the model is one tensor-parallel rank's; it reads only its slices of each tensor."""
+    loaded = model.load_weights(iter_safetensors(folder, lazy=sharded))  # type: ignore[operator]
     missing = sorted(n for n, _ in model.named_parameters() if n not in loaded)
     if missing:
         shown = ", ".join(missing[:4]) + (" ..." if len(missing) > 4 else "")
@@ -93,13 +96,18 @@ def load_weights(model: nn.Module, folder: Path) -> None:
 
 @torch.no_grad()
 def init_dummy_weights(model: nn.Module, seed: int) -> None:
-    """Random weights of the right shape (benchmarks without real weights)."""
+    """Random weights of the right shape (benchmarks without real weights). A tensor-parallel rank
+    draws each full tensor exactly as tp = 1 does and keeps its shard: the same model at any tp."""
+    from infer.plugins.models.parallel_layers import shard_of
+
     gen = torch.Generator(device=next(model.parameters()).device).manual_seed(seed)
     for name, param in model.named_parameters():
         if param.dim() == 1:
             param.fill_(1.0)  # norm weights
-        else:
+        elif (shard := shard_of(model, name)) is None:
             param.normal_(0.0, 0.02, generator=gen)
+        else:
+            shard.take(param, param.new_empty(shard.full_shape(param.shape)).normal_(0.0, 0.02, generator=gen))
 
 
 def load_tokenizer(folder: Path | None) -> Any | None:

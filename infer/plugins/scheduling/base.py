@@ -1,11 +1,13 @@
-"""What every scheduler does the same way: appending tokens, stop conditions, finishing."""
+"""What every scheduler does the same way: appending tokens, stop conditions, finishing, beams."""
 
 from __future__ import annotations
 
+import bisect
 import time
 
 from infer.core.interfaces import KVAllocator, SchedulerOutput, StepResult
 from infer.core.request import FinishReason, Request, RequestStatus
+from infer.plugins.scheduling.beam_search import BeamSearch
 
 
 def stop_reason(request: Request) -> FinishReason | None:
@@ -46,10 +48,15 @@ class SchedulerBase:
         self.waiting: list[Request] = []  # sorted by arrival
         self.running: list[Request] = []  # sorted by arrival
         self.num_preemptions = 0
+        self.num_swap_preemptions = 0  # of num_preemptions, those that swapped (the rest recompute)
         self.num_steps = 0
+        self.preemption_mode: str = getattr(config, "preemption_mode", "recompute")
+        self.beams = BeamSearch()  # beam groups: their slots, candidates and finished hypotheses
 
     def add(self, request: Request) -> None:
         request.status = RequestStatus.WAITING
+        if request.params.use_beam_search and not self.beams.add(request):
+            return  # a dormant beam slot: it joins when its group takes its first step
         self.waiting.append(request)
 
     def has_unfinished(self) -> bool:
@@ -61,7 +68,10 @@ class SchedulerBase:
                 if request.request_id == request_id:
                     self.finish(request, FinishReason.ABORT)
                     return request
-        return None
+        dormant = self.beams.dormant(request_id)
+        if dormant is not None:
+            self.finish(dormant, FinishReason.ABORT)
+        return dormant
 
     def finish(self, request: Request, reason: FinishReason) -> None:
         if request.is_finished:
@@ -73,6 +83,20 @@ class SchedulerBase:
         request.status = RequestStatus.FINISHED
         request.finish_reason = reason
         request.finish_time = time.perf_counter()
+        self.beams.on_finish(self, request, reason)  # a beam group ends as a whole
+
+    def place(self, request: Request) -> None:
+        """Queue a request whose block table was rewritten (a beam): running when it holds blocks,
+        else waiting to be recomputed."""
+        for queue in (self.waiting, self.running):
+            if request in queue:
+                queue.remove(request)
+        if request.block_ids:
+            request.status = RequestStatus.RUNNING
+            bisect.insort(self.running, request, key=lambda r: r.arrival)
+        else:
+            request.status = RequestStatus.PREEMPTED
+            bisect.insort(self.waiting, request, key=lambda r: r.arrival)
 
     def update(self, out: SchedulerOutput, result: StepResult) -> list[Request]:
         self.num_steps += 1
@@ -82,19 +106,26 @@ class SchedulerBase:
             request = seq.request
             if request.is_finished:  # stopped by a stop string or aborted meanwhile
                 continue
-            request.num_computed_tokens += seq.num_new_tokens
+            # a speculative step says how many tokens stay valid (accepted draft positions kept,
+            # rejected ones rolled back); otherwise every computed token is kept
+            request.num_computed_tokens = result.num_computed.get(
+                request.request_id, request.num_computed_tokens + seq.num_new_tokens
+            )
             tokens = result.sampled.get(request.request_id)
             if not tokens:
+                continue
+            if request.params.use_beam_search:  # its candidates wait for the rest of its group
+                self.beams.record(request, result.logprobs.get(request.request_id))
                 continue
             if request.first_token_time is None:
                 request.first_token_time = now
             reason = append_tokens(request, tokens, result.logprobs.get(request.request_id))
-            # speculative steps accept fewer tokens than they computed: the cache keeps only
-            # tokens before the newest one, which is computed in the next step.
+            # the newest token's K/V are computed in the next step (and a stop may have dropped tokens)
             request.num_computed_tokens = min(request.num_computed_tokens, request.num_tokens - 1)
             if reason is not None:
                 self.finish(request, reason)
                 finished.append(request)
+        finished.extend(self.beams.resolve(self))
         return finished
 
     def ensure_fits(self, request: Request) -> bool:
@@ -105,4 +136,9 @@ class SchedulerBase:
         return False
 
     def stats(self) -> dict[str, float]:
-        return {"preemptions": self.num_preemptions, "steps": self.num_steps}
+        return {
+            "preemptions": self.num_preemptions,
+            "preemptions_swap": self.num_swap_preemptions,
+            "preemptions_recompute": self.num_preemptions - self.num_swap_preemptions,
+            "steps": self.num_steps,
+        }

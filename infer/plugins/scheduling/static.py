@@ -22,10 +22,12 @@ class StaticScheduler(SchedulerBase):
         if not self.running:
             finished = self._form_batch()
         scheduled = [
-            ScheduledSeq(r, r.num_tokens - r.num_computed_tokens, self.num_lookahead_tokens) for r in self.running
+            ScheduledSeq(r, r.num_tokens - r.num_computed_tokens, self.num_lookahead_tokens)
+            for r in self.running
+            if r.num_tokens > r.num_computed_tokens  # a beam waiting for its group has nothing to compute
         ]
         scheduled.sort(key=lambda s: s.num_new_tokens != 1)
-        return SchedulerOutput(scheduled=scheduled, finished=finished)
+        return SchedulerOutput(scheduled=scheduled, finished=finished, block_ops=self.allocator.take_block_ops())
 
     def _form_batch(self) -> list[Request]:
         finished: list[Request] = []

@@ -60,8 +60,10 @@ def test_compose_refuses_with_reason(registry, name):
         pytest.skip(f"{name} is installed here")
     with pytest.raises(IncompatiblePluginsError, match="runs only on cuda, not on cpu"):
         compose(EngineConfig(attention="torch", prefill_attention=name), registry, torch.device("cpu"), torch.float16)
-    flag = "--attention" if name == "flashinfer" else "--prefill-attention"
-    config = EngineConfig(attention=name) if name == "flashinfer" else EngineConfig(attention="torch", prefill_attention=name)
+    if name == "flashinfer":
+        flag, config = "--attention", EngineConfig(attention=name)
+    else:
+        flag, config = "--prefill-attention", EngineConfig(attention="torch", prefill_attention=name)
     with pytest.raises(IncompatiblePluginsError, match=f"{flag} {name} cannot run here: {name} is not importable"):
         compose(config, registry, CUDA, torch.float16)
 
@@ -175,7 +177,8 @@ def _fake_xformers(monkeypatch) -> types.SimpleNamespace:
     def attention(query, key, value, attn_bias=None, scale=None):
         assert query.ndim in (4, 5) and query.shape[0] == 1
         assert query.ndim == 4 or key.stride(3) == 0  # GQA: keys expanded over the group
-        q, k, v = query[0].flatten(1, -2), key[0, :, :, 0] if key.ndim == 5 else key[0], value[0, :, :, 0] if key.ndim == 5 else value[0]
+        q = query[0].flatten(1, -2)  # [M, H, K]
+        k, v = (x[0, :, :, 0] if x.ndim == 5 else x[0] for x in (key, value))  # [L, Hkv, K]
         out, qs, ks = [], 0, 0
         for q_len, k_len in zip(attn_bias.q_lens, attn_bias.k_lens):
             start = k_len - q_len if attn_bias.bottom_right else 0

@@ -13,12 +13,17 @@ from infer.core import hookspecs
 from infer.core.request import Request, SamplingParams
 from infer.plugins.decoding import samplers
 from infer.plugins.decoding.sampling import rng
+from infer.testing.sampling import (
+    CHI2_P001,
+    DISTRIBUTION_CASES,
+    LOGITS8,
+    chi_square,
+    draw,
+    make_request,
+    ref_distribution,
+)
 
 CPU = torch.device("cpu")
-LOGITS8 = [0.3, 2.0, -1.2, 1.1, 0.0, 1.6, -0.4, 0.8]  # ranks differ from token order
-NUM_DRAWS = 10_000
-# chi-square critical values at p = 0.001, by degrees of freedom
-CHI2_P001 = {1: 10.828, 2: 13.816, 3: 16.266, 4: 18.467, 5: 20.515, 6: 22.458, 7: 24.322}
 
 
 def _registry() -> dict[str, type]:
@@ -38,12 +43,6 @@ def factory(request):
     return SAMPLERS[request.param]
 
 
-def make_request(i: int, params: SamplingParams, seed: int = 0, prompt=(0,), output=()) -> Request:
-    r = Request(request_id=f"r{i}", prompt_token_ids=list(prompt), params=params, arrival=i, seed=seed)
-    r.output_token_ids = list(output)
-    return r
-
-
 # --------------------------------------------------------------------------- pure-Python reference
 
 
@@ -56,25 +55,6 @@ def ref_penalised(logits: list[float], r: Request) -> list[float]:
     for t, c in Counter(r.output_token_ids).items():
         out[t] -= p.frequency_penalty * c + p.presence_penalty
     return out
-
-
-def ref_distribution(logits: list[float], p: SamplingParams) -> list[float]:
-    # temperature, min-p, top-k, then top-p over the renormalised remainder (vLLM's order)
-    scaled = [x / p.temperature for x in logits]
-    top = max(scaled)
-    weights = [math.exp(s - top) for s in scaled]
-    keep = [w >= p.min_p for w in weights]
-    order = sorted(range(len(scaled)), key=lambda t: -scaled[t])
-    for t in order[p.top_k or len(order) :]:
-        keep[t] = False
-    total = sum(w for w, k in zip(weights, keep) if k)
-    ahead = 0.0
-    for t in order:
-        if keep[t]:
-            keep[t] = p.top_p == 1.0 or ahead < p.top_p
-            ahead += weights[t] / total
-    weights = [w if k else 0.0 for w, k in zip(weights, keep)]
-    return [w / sum(weights) for w in weights]
 
 
 def ref_log_softmax(logits: list[float]) -> list[float]:
@@ -141,32 +121,6 @@ def test_greedy_applies_penalties(factory):
 
 
 # --------------------------------------------------------------------------- exact distributions
-
-DISTRIBUTION_CASES = {
-    "temperature": SamplingParams(temperature=0.7),
-    "top_k": SamplingParams(temperature=1.5, top_k=3),
-    "top_p": SamplingParams(top_p=0.7),
-    "min_p": SamplingParams(min_p=0.15),
-    "combined": SamplingParams(temperature=0.8, min_p=0.05, top_k=5, top_p=0.85),
-}
-
-
-def chi_square(counts: list[int], probs: list[float]) -> tuple[float, int]:
-    n = sum(counts)
-    cells = [(c, n * p) for c, p in zip(counts, probs) if p > 0]
-    return sum((c - e) ** 2 / e for c, e in cells), len(cells) - 1
-
-
-def draw(factory, params: SamplingParams, vary: str) -> list[int]:
-    if vary == "seed":
-        reqs = [make_request(i, params, seed=1_000_003 * i + 17) for i in range(NUM_DRAWS)]
-        positions = [5] * NUM_DRAWS
-    else:
-        reqs = [make_request(i, params, seed=1234) for i in range(NUM_DRAWS)]
-        positions = list(range(NUM_DRAWS))
-    logits = torch.tensor(LOGITS8).expand(NUM_DRAWS, 8)
-    return factory(8, CPU).sample(logits, reqs, positions).token_ids
-
 
 @pytest.mark.parametrize("vary", ["seed", "position"])
 @pytest.mark.parametrize("case", sorted(DISTRIBUTION_CASES))

@@ -3,7 +3,9 @@
 A hypothesis state machine allocates, grows, frees and preempts requests the way the engine does,
 and checks after every step that no block leaks, no block has two owners, reference counts match
 the block tables, the free list holds each free block once, a refused `allocate_slots` changed
-nothing, and `usage()` agrees with all of it.
+nothing, and `usage()` agrees with all of it. This machine never shares a block (no prefix
+caching, no forks): `test_kv_sharing_properties` extends it with prefix caching, forks, beam
+reassignment, copy-on-write and swap, over a real KV tensor.
 """
 
 from __future__ import annotations
@@ -46,7 +48,7 @@ def snapshot(alloc: PagedAllocator, requests) -> tuple:
 def check_pool(alloc: PagedAllocator, holders) -> None:
     """The module's invariant: every block is free exactly once, or owned by as many tables as its refcount."""
     pool = alloc.pool
-    free = list(pool.free_ids)
+    free = pool.free_block_ids()
     assert len(free) == len(set(free)), f"duplicate on the free list: {free}"
     assert all(0 <= b < alloc.num_blocks for b in free)
     held: dict[int, int] = {}
@@ -55,7 +57,7 @@ def check_pool(alloc: PagedAllocator, holders) -> None:
         for b in r.block_ids:
             held[b] = held.get(b, 0) + 1
     shared = {b: n for b, n in held.items() if n > 1}
-    assert not shared, f"blocks owned by more than one table (no sharing happens yet): {shared}"
+    assert not shared, f"blocks owned by more than one table (nothing here shares): {shared}"
     assert not set(free) & set(held), f"blocks both free and owned: {sorted(set(free) & set(held))}"
     assert len(free) + len(held) == alloc.num_blocks, f"leak: {len(free)} free + {len(held)} owned != {alloc.num_blocks}"
     for b in range(alloc.num_blocks):

@@ -56,9 +56,20 @@ def expected_outputs(r: Request) -> int:
     return n
 
 
-def build(cls, wl: Workload, allocator_cls=PagedAllocator):
-    config = EngineConfig(max_num_seqs=wl.max_num_seqs, max_num_batched_tokens=wl.max_num_batched_tokens)
-    return cls(config, allocator_cls(wl.num_blocks, wl.block_size))
+@dataclass(frozen=True)
+class KV:
+    """How the KV cache is managed: prefix caching, and preemption by recompute or swap."""
+
+    prefix_caching: bool = False
+    num_cpu_blocks: int = 0
+    preemption_mode: str = "recompute"
+
+
+def build(cls, wl: Workload, allocator_cls=PagedAllocator, kv: KV = KV()):
+    config = EngineConfig(max_num_seqs=wl.max_num_seqs, max_num_batched_tokens=wl.max_num_batched_tokens,
+                          preemption_mode=kv.preemption_mode)
+    allocator = allocator_cls(wl.num_blocks, wl.block_size, enable_prefix_caching=kv.prefix_caching, num_cpu_blocks=kv.num_cpu_blocks)
+    return cls(config, allocator)
 
 
 def make_request(i: int, spec: Spec) -> Request:
@@ -76,18 +87,23 @@ def rids(requests) -> set[str]:
 
 
 def check_blocks(sched) -> None:
-    """Only running requests hold blocks; tables are disjoint; refcounts match; nothing leaks."""
+    """Only running requests hold device blocks (swapped ones hold CPU blocks); refcount = tables
+    holding a block (prefix caching shares them); cached blocks stay cached; nothing leaks."""
     alloc = sched.allocator
     pool = alloc.pool
-    free = list(pool.free_ids)
-    assert len(free) == len(set(free)), "duplicate on the free list"
+    free = pool.free_block_ids()
+    assert len(free) == len(set(free)), "duplicate on the free lists"
     for r in sched.waiting:
         assert r.block_ids == [], f"waiting {r.request_id} holds blocks {r.block_ids}"
+    assert set(alloc.swap.tables) <= {r.request_id for r in sched.waiting}, "a swapped request is not waiting"
     held: dict[int, int] = {}
     for r in sched.running:
         for b in r.block_ids:
             held[b] = held.get(b, 0) + 1
-    assert all(n == 1 for n in held.values()), f"a block is in two tables: {held}"
+    if alloc.cache is None:
+        assert all(n == 1 for n in held.values()), f"a block is in two tables without sharing: {held}"
+    else:
+        assert set(pool.evictable) == {b for b in alloc.cache.keys if b not in held}
     assert not set(held) & set(free)
     assert len(held) + len(free) == alloc.num_blocks, "leaked blocks"
     assert all(pool.ref_counts[b] == held.get(b, 0) for b in range(alloc.num_blocks))
@@ -101,6 +117,7 @@ class Trace:
     outs: list[SchedulerOutput] = field(default_factory=list)
     preempted_any: bool = False
     aborted: set[str] = field(default_factory=set)
+    stats: dict = field(default_factory=dict)
 
 
 def max_steps_for(wl: Workload) -> int:
@@ -111,8 +128,8 @@ def max_steps_for(wl: Workload) -> int:
     return last_arrival + 50 + total * (len(wl.specs) + 1) * 2
 
 
-def drive(cls, wl: Workload, allocator_cls=PagedAllocator, lookahead: int = 0, max_steps: int | None = None) -> Trace:
-    sched = build(cls, wl, allocator_cls)
+def drive(cls, wl: Workload, allocator_cls=PagedAllocator, lookahead: int = 0, max_steps: int | None = None, kv: KV = KV()) -> Trace:
+    sched = build(cls, wl, allocator_cls, kv)
     sched.num_lookahead_tokens = lookahead
     is_fcfs = cls is FcfsScheduler
     order = sorted(range(len(wl.specs)), key=lambda i: wl.specs[i].arrive_step)
@@ -132,7 +149,8 @@ def drive(cls, wl: Workload, allocator_cls=PagedAllocator, lookahead: int = 0, m
                 continue  # not arrived yet
             r = requests[i]
             was_finished = r.is_finished
-            n_free, n_held = sched.allocator.num_free_blocks(), len(r.block_ids)
+            # a shared block stays held by its other tables
+            n_free, n_held = sched.allocator.num_free_blocks(), sum(sched.allocator.pool.ref_counts[b] == 1 for b in r.block_ids)
             got = sched.abort(r.request_id)
             if was_finished:
                 assert got is None
@@ -155,7 +173,12 @@ def drive(cls, wl: Workload, allocator_cls=PagedAllocator, lookahead: int = 0, m
 
         before_running = list(sched.running)
         before_status = {r.request_id: r.status for r in requests[:added]}
+        decoding = [r for r in sched.running if r.num_computed_tokens == r.num_tokens - 1]
+        preempted_waiting = [r for r in sched.waiting if r.status is RequestStatus.PREEMPTED]
         out = sched.schedule()
+        if is_fcfs and any(r in sched.waiting for r in preempted_waiting):  # PagedAttention's policy
+            admitted = [r.request_id for r in sched.running if before_status[r.request_id] is RequestStatus.WAITING]
+            assert not admitted, f"admitted {admitted} while a preempted request still waits"
         trace.outs.append(out)
         check_blocks(sched)
 
@@ -178,6 +201,10 @@ def drive(cls, wl: Workload, allocator_cls=PagedAllocator, lookahead: int = 0, m
             assert len(r.block_ids) * wl.block_size >= need, f"{r.request_id}: table too short for {need} slots"
         for r in out.finished:
             assert r.is_finished and r.finish_reason is FinishReason.CAPACITY and r.block_ids == []
+        if is_fcfs and not out.preempted and len(decoding) <= wl.max_num_batched_tokens:
+            # running decodes come before any prefill chunk: a long prompt never stalls them
+            stalled = [r.request_id for r in decoding if r.request_id not in ids and not r.is_finished]
+            assert not stalled, f"running decodes not scheduled: {stalled} (scheduled {ids})"
 
         # ---- preemption (fcfs): victims are the latest-arrived running requests
         if out.preempted:
@@ -187,7 +214,7 @@ def drive(cls, wl: Workload, allocator_cls=PagedAllocator, lookahead: int = 0, m
             for r in out.preempted:
                 assert r in before_running, "preempted a request that was not running"
                 assert r.status is RequestStatus.PREEMPTED and r in sched.waiting
-                assert r.block_ids == [] and r.num_computed_tokens == 0
+                assert r.block_ids == [] and (r.num_computed_tokens == 0 or sched.allocator.is_swapped(r))
                 assert r.request_id not in ids
             arrivals = [r.arrival for r in out.preempted]
             assert arrivals == sorted(arrivals, reverse=True), "victims must be taken latest first"
@@ -221,6 +248,8 @@ def drive(cls, wl: Workload, allocator_cls=PagedAllocator, lookahead: int = 0, m
     alloc = sched.allocator
     assert alloc.num_free_blocks() == alloc.num_blocks, "blocks still owned at the end"
     assert alloc.usage().num_used_blocks == 0 and not alloc.owners
+    assert not alloc.swap.tables and alloc.swap.pool.num_free() == alloc.swap.pool.num_blocks, "CPU blocks still owned"
+    trace.stats = sched.stats()
 
     for r in requests:
         assert r.is_finished, r.request_id

@@ -40,6 +40,24 @@ class NaiveSampler:
         asked = any(r.params.logprobs is not None for r in requests)
         return SamplerOutput(token_ids=tokens, logprobs=logprobs if asked else None)
 
+    def probs(self, logits: torch.Tensor, requests: list[Request], positions: list[int] | None = None) -> torch.Tensor:
+        # logits: [B, V] float32 -> [B, V]: the distribution `sample` draws each row from
+        rows = []
+        for row, request in zip(logits, requests):
+            row = penalise(row, request)
+            if request.params.is_greedy:
+                rows.append(torch.zeros_like(row).index_fill_(0, row.argmax(), 1.0))
+            else:
+                rows.append(processed(row, request.params).softmax(dim=-1))
+        return torch.stack(rows)
+
+    def logprobs(self, logits: torch.Tensor, requests: list[Request], token_ids: list[int]) -> list[dict[int, float]]:
+        # logits: [B, V] float32; what `sample` reports in row i had it chosen token_ids[i]
+        return [
+            logprob_dict(penalise(row, r), t, r.params.logprobs) if r.params.logprobs is not None else {}
+            for row, r, t in zip(logits, requests, token_ids)
+        ]
+
 
 def penalise(row: torch.Tensor, request: Request) -> torch.Tensor:
     # row: [V] -> [V], a new tensor when any penalty applies
@@ -58,6 +76,13 @@ def penalise(row: torch.Tensor, request: Request) -> torch.Tensor:
 def choose_token(row: torch.Tensor, params: SamplingParams, seed: int, position: int) -> int:
     if params.is_greedy:
         return int(row.argmax())
+    scaled = processed(row, params)
+    generator = torch.Generator(device=row.device).manual_seed(generator_seed(seed, position))
+    return int(torch.multinomial(scaled.softmax(dim=-1), 1, generator=generator))
+
+
+def processed(row: torch.Tensor, params: SamplingParams) -> torch.Tensor:
+    # row: [V] penalised logits -> [V] logits whose softmax the row samples from
     scaled = row / params.temperature
     if params.min_p > 0.0:
         scaled = scaled.masked_fill(scaled < scaled.max() + math.log(params.min_p), float("-inf"))
@@ -69,8 +94,7 @@ def choose_token(row: torch.Tensor, params: SamplingParams, seed: int, position:
             mass = values.softmax(dim=-1).cumsum(dim=-1)  # mass[j]: tokens ranked 0..j
             values[1:] = values[1:].masked_fill(mass[:-1] >= params.top_p, float("-inf"))
         scaled = torch.empty_like(scaled).scatter_(0, order, values)
-    generator = torch.Generator(device=row.device).manual_seed(generator_seed(seed, position))
-    return int(torch.multinomial(scaled.softmax(dim=-1), 1, generator=generator))
+    return scaled
 
 
 def logprob_dict(row: torch.Tensor, token: int, k: int | None) -> dict[int, float]:

@@ -48,6 +48,43 @@ class VectorizedSampler:
             return SamplerOutput(token_ids=tokens.tolist())
         return _with_logprobs(tokens, logprobs, asked, num_logprobs)
 
+    def probs(
+        self,
+        logits: torch.Tensor,  # [B, V] float32
+        requests: list[Request],
+        positions: list[int] | None = None,
+    ) -> torch.Tensor:
+        """The distribution `sample` draws row i from: [B, V] float32 (one-hot at the argmax for greedy rows)."""
+        assert logits.dim() == 2 and logits.shape[0] == len(requests)
+        work = logits.clone(memory_format=torch.contiguous_format)
+        apply_penalties_(work, requests)
+        greedy = [i for i, r in enumerate(requests) if r.params.temperature == 0.0]
+        sampled = [i for i, r in enumerate(requests) if r.params.temperature != 0.0]
+        if sampled:
+            index = _index(sampled, len(requests), work.device)
+            p = process_rows_(work[index], [requests[i].params for i in sampled]).softmax(dim=-1)
+            if not greedy:
+                return p
+            work[index] = p
+        rows = _tensor(greedy, torch.int64, work.device)
+        top = work[rows].argmax(dim=-1)
+        work[rows] = 0.0
+        work[rows, top] = 1.0
+        return work
+
+    def logprobs(self, logits: torch.Tensor, requests: list[Request], token_ids: list[int]) -> list[dict[int, float]]:
+        """What `sample` reports in row i had it chosen `token_ids[i]`; {} for rows that did not ask."""
+        # logits: [B, V] float32
+        work = logits.clone(memory_format=torch.contiguous_format)
+        apply_penalties_(work, requests)
+        num_logprobs = [r.params.logprobs for r in requests]
+        asked = [i for i, k in enumerate(num_logprobs) if k is not None]
+        if not asked:
+            return [{} for _ in requests]
+        logprobs = work[_index(asked, len(requests), work.device)].log_softmax(dim=-1)
+        tokens = _tensor(token_ids, torch.int64, work.device)
+        return _with_logprobs(tokens, logprobs, asked, num_logprobs).logprobs or []
+
 
 def _tensor(data: list, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
     # host list -> device tensor; copied from pinned memory, so the host does not wait for the GPU
@@ -118,7 +155,19 @@ def choose_tokens_(work: torch.Tensor, requests: list[Request], positions: list[
 
 def sample_rows_(x: torch.Tensor, requests: list[Request], positions: list[int]) -> torch.Tensor:
     # x: [S, V] penalised logits of rows that sample, overwritten -> [S] int64
-    params = [r.params for r in requests]
+    device = x.device
+    process_rows_(x, [r.params for r in requests])
+    seeds = _tensor([rng.split_seed(r.seed) for r in requests], torch.int64, device)  # [S, 2]
+    key, mult = rng.row_keys(seeds, _tensor(positions, torch.int64, device))
+    noise = rng.exponential(key, mult, torch.arange(x.shape[1], device=device))  # [S, V] float64
+    # exponential race: argmax(p / E) with E ~ Exp(1) draws from p; softmax's normaliser is
+    # shared by the row, so exp(x - max) stands in for p
+    return x.sub_(x.amax(dim=-1, keepdim=True)).exp_().div_(noise).argmax(dim=-1)
+
+
+def process_rows_(x: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
+    # x: [S, V] penalised logits of rows that sample -> the same tensor, changed in place:
+    # temperature, min-p, top-k, top-p; its softmax is the distribution the row samples from
     device = x.device
     x.div_(_column([p.temperature for p in params], device))
     if any(p.min_p > 0.0 for p in params):
@@ -130,12 +179,7 @@ def sample_rows_(x: torch.Tensor, requests: list[Request], positions: list[int])
     elif rows:
         index = _index(rows, len(params), device)
         x[index] = top_k_top_p_(x[index], [params[i] for i in rows])
-    seeds = _tensor([rng.split_seed(r.seed) for r in requests], torch.int64, device)  # [S, 2]
-    key, mult = rng.row_keys(seeds, _tensor(positions, torch.int64, device))
-    noise = rng.exponential(key, mult, torch.arange(x.shape[1], device=device))  # [S, V] float64
-    # exponential race: argmax(p / E) with E ~ Exp(1) draws from p; softmax's normaliser is
-    # shared by the row, so exp(x - max) stands in for p
-    return x.sub_(x.amax(dim=-1, keepdim=True)).exp_().div_(noise).argmax(dim=-1)
+    return x
 
 
 def top_k_top_p_(x: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:

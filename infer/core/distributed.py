@@ -1,0 +1,138 @@
+"""Tensor parallelism: this process's place in the group, the collectives the model needs, and how
+heads are split across ranks.
+
+A `ParallelState` is made once per engine (by `infer.core.workers`) and passed explicitly to the
+model and the runner's mirror; nothing here is module-level state. Two process groups serve a run:
+`group` carries the model's collectives (NCCL on GPUs, gloo on the CPU) and `control_group`
+(always gloo, no deadline) carries rank 0's step messages, so a worker may wait between steps for
+as long as the engine stays idle.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from infer.core.errors import ConfigError
+
+
+@dataclass(frozen=True, slots=True)
+class HeadLayout:
+    """One rank's attention heads. With fewer KV heads than ranks, each rank holds the one KV head
+    that its query heads read (a copy of it lives on `world_size / num_kv_heads` ranks)."""
+
+    num_heads: int  # query heads on this rank
+    num_kv_heads: int  # KV heads on this rank
+    q_start: int  # first query head (of the model's)
+    kv_start: int  # first KV head (of the model's)
+
+
+def check_tensor_parallel(name: str, num_heads: int, num_kv_heads: int, intermediate_size: int, world_size: int) -> None:
+    """Refuse a model whose heads (or MLP width) do not split evenly over `world_size` ranks."""
+    if world_size == 1:
+        return
+    options = [n for n in range(1, num_heads + 1) if _splits(num_heads, num_kv_heads, intermediate_size, n)]
+    fix = "use --tp " + (", ".join(map(str, options[:-1])) + " or " if len(options) > 1 else "") + str(options[-1])
+    if num_heads % world_size:
+        raise ConfigError(f"--tp {world_size} does not divide the {num_heads} query heads of {name}: {fix}")
+    if num_kv_heads >= world_size and num_kv_heads % world_size:
+        raise ConfigError(f"--tp {world_size} does not divide the {num_kv_heads} KV heads of {name}: {fix}")
+    if num_kv_heads < world_size and world_size % num_kv_heads:
+        raise ConfigError(
+            f"--tp {world_size} is not a multiple of the {num_kv_heads} KV heads of {name} (each rank needs whole "
+            f"KV heads): {fix}"
+        )
+    if intermediate_size % world_size:
+        raise ConfigError(f"--tp {world_size} does not divide the MLP width {intermediate_size} of {name}: {fix}")
+
+
+def _splits(num_heads: int, num_kv_heads: int, intermediate_size: int, n: int) -> bool:
+    kv_ok = num_kv_heads % n == 0 if num_kv_heads >= n else n % num_kv_heads == 0
+    return num_heads % n == 0 and kv_ok and intermediate_size % n == 0
+
+
+@dataclass(frozen=True, slots=True)
+class ParallelState:
+    """This process's rank in the tensor-parallel group (world_size 1: no group, no collectives)."""
+
+    rank: int = 0
+    world_size: int = 1
+    device: torch.device = field(default_factory=lambda: torch.device("cpu"))
+    group: Any = None  # ProcessGroup for the model's collectives (all-reduce, all-gather)
+    control_group: Any = None  # gloo ProcessGroup for rank 0's step messages (CPU tensors)
+    store: Any = None  # the rendezvous store: a failing rank posts its error under error_key(rank)
+
+    @property
+    def is_parallel(self) -> bool:
+        return self.world_size > 1
+
+    @property
+    def is_driver(self) -> bool:
+        """Rank 0 runs the scheduler, the sampler and the engine loop; the other ranks follow it."""
+        return self.rank == 0
+
+    def heads(self, num_heads: int, num_kv_heads: int) -> HeadLayout:
+        n, r = self.world_size, self.rank
+        per_rank = num_heads // n
+        if num_kv_heads >= n:
+            kv_per_rank = num_kv_heads // n
+            return HeadLayout(per_rank, kv_per_rank, r * per_rank, r * kv_per_rank)
+        return HeadLayout(per_rank, 1, r * per_rank, r // (n // num_kv_heads))  # replicated KV head
+
+    def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
+        """Sum `x` over the ranks, in place (row-parallel outputs, the vocab-parallel embedding)."""
+        import torch.distributed as dist
+
+        dist.all_reduce(x, group=self.group)
+        return x
+
+    def gather_columns(self, x: torch.Tensor) -> torch.Tensor:
+        # x: [R, C] on every rank -> [R, world_size * C], rank i's columns i*C:(i+1)*C.
+        # One all-gather (a single collective, safe inside a CUDA graph); only rank 0 uses the result.
+        import torch.distributed as dist
+
+        gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+        rows, cols = x.shape
+        out = x.new_empty(self.world_size * rows, cols)
+        gather(out, x.contiguous(), group=self.group)
+        return out.view(self.world_size, rows, cols).transpose(0, 1).reshape(rows, self.world_size * cols)
+
+    def broadcast(self, x: torch.Tensor) -> torch.Tensor:
+        """Rank 0's CPU tensor `x` to every rank (in place on the others), over the control group."""
+        import torch.distributed as dist
+
+        dist.broadcast(x, src=0, group=self.control_group)
+        return x
+
+    def min(self, value: int) -> int:
+        """The smallest `value` over the ranks (KV blocks: every rank's cache holds the same blocks)."""
+        if not self.is_parallel:
+            return value
+        import torch.distributed as dist
+
+        t = torch.tensor([value], dtype=torch.int64)
+        dist.all_reduce(t, op=dist.ReduceOp.MIN, group=self.control_group)
+        return int(t.item())
+
+
+def error_key(rank: int) -> str:
+    return f"infer/error/{rank}"
+
+
+def model_kwargs(name: str, architecture: Any, config: Any, parallel: ParallelState) -> dict[str, Any]:
+    """What an architecture's factory gets for this rank beyond (config, layers, attention): nothing
+    at tp = 1, else `parallel=`, once the model is known to split over the ranks."""
+    if not parallel.is_parallel:
+        return {}
+    check_tensor_parallel(name, config.num_heads, config.num_kv_heads, config.intermediate_size, parallel.world_size)
+    import inspect
+
+    try:
+        accepts = "parallel" in inspect.signature(architecture).parameters
+    except (TypeError, ValueError):
+        accepts = False
+    if not accepts:
+        raise ConfigError(f"the model architecture of {name} has no tensor-parallel form (no `parallel` argument): use --tp 1")
+    return {"parallel": parallel}

@@ -1,0 +1,90 @@
+#!/usr/bin/env bash
+# Tensor parallelism on a machine with 2 GPUs (nvidia-h200-x2), engine-spawned ranks over NCCL:
+#   bash scripts/gpu_tp.sh [70b] [7b]      (default: both; each part fits one 10-minute command)
+# 70b: llama2-70b, dummy bf16 weights (138 GB: 69 GB per H200 at --tp 2, the rest is KV cache),
+#      on the sharegpt-like workload, 200 requests (TP_REQUESTS to change).
+# 7b:  llama2-7b on latency-1 (one request: 128 prompt tokens, 256 new) at --tp 1 and --tp 2:
+#      tokens/s and the tp2/tp1 per-token speedup (time per output token, p50).
+# Each engine is warmed up first (Triton compiles, allocator), then timed. Prints a table; writes $OUT/tp.json.
+# Expects wheels in .whl/ like scripts/gpu_check.sh; the source tree comes first on the path.
+set -uo pipefail
+OUT=${OUT:-$PWD/out}
+mkdir -p "$OUT"
+export PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1
+if [ -d .whl ] && [ ! -d /tmp/site ]; then
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target /tmp/site .whl/*.whl || exit 1
+fi
+export PYTHONPATH=$PWD:/tmp/site${PYTHONPATH:+:$PYTHONPATH}
+export PATH=/tmp/site/bin:$PATH
+nvidia-smi --query-gpu=index,name,memory.total --format=csv,noheader
+python3 - "$OUT/tp.json" "${TP_REQUESTS:-200}" ${*:-70b 7b} <<'EOF' 2>&1 | tee "$OUT/tp.log"
+import gc
+import json
+import sys
+import time
+
+import torch
+
+from infer.bench.report import format_table, run_workload
+from infer.bench.workloads import load_workload
+from infer.core.config import EngineConfig
+from infer.core.engine import Engine
+from infer.core.logging import configure
+from infer.core.request import SamplingParams
+
+out_path, num_requests, parts = sys.argv[1], int(sys.argv[2]), sys.argv[3:]
+configure(level="warning")
+if torch.cuda.device_count() < 2:
+    sys.exit(f"needs 2 GPUs, {torch.cuda.device_count()} visible")
+
+
+def run(label: str, workload: str, num_prompts: int, **options) -> dict:
+    started = time.perf_counter()
+    engine = Engine.from_config(EngineConfig(load_format="dummy", **options))
+    build_s = time.perf_counter() - started
+    try:
+        vocab = engine.parts.vocab_size
+        warm = load_workload(workload, vocab, 4, 8, seed=1)
+        run_workload(engine, warm, SamplingParams(temperature=0), "warmup")
+        engine.num_steps = 0
+        record, _ = run_workload(engine, load_workload(workload, vocab, num_prompts, None, seed=0), SamplingParams(temperature=0), label)
+        print(f"{label}: built in {build_s:.0f} s, {record.output_tokens_per_s:.1f} output tok/s, "
+              f"TPOT p50 {record.tpot_p50_s * 1e3:.2f} ms, KV blocks {engine.parts.describe['kv_blocks']}", flush=True)
+        return {**record.to_dict(), "build_s": build_s, "record": record}
+    finally:
+        engine.close()
+        del engine
+        gc.collect()
+        torch.cuda.empty_cache()
+
+
+def main() -> None:
+    results: dict[str, dict] = {}
+    if "70b" in parts:
+        results["llama2-70b tp2 sharegpt-like"] = run("llama2-70b tp2 sharegpt-like", "sharegpt-like", num_requests,
+                                                      model="llama2-70b", tensor_parallel_size=2)
+    if "7b" in parts:
+        for tp in (1, 2):
+            results[f"llama2-7b tp{tp} latency-1"] = run(f"llama2-7b tp{tp} latency-1", "latency-1", 1,
+                                                         model="llama2-7b", tensor_parallel_size=tp)
+
+    print()
+    print(format_table([r.pop("record") for r in results.values()]))
+    print()
+    for label, r in results.items():
+        print(f"{label:32s} {r['output_tokens_per_s']:9.1f} output tok/s  {r['total_tokens_per_s']:9.1f} total tok/s  "
+              f"TPOT p50 {r['tpot_p50_s'] * 1e3:.2f} ms")
+    if "7b" in parts:
+        tp1, tp2 = results["llama2-7b tp1 latency-1"], results["llama2-7b tp2 latency-1"]
+        speedup = tp1["tpot_p50_s"] / tp2["tpot_p50_s"]
+        print(f"llama2-7b latency-1 per-token speedup tp2/tp1: {speedup:.2f}x "
+              f"({tp1['tpot_p50_s'] * 1e3:.2f} ms -> {tp2['tpot_p50_s'] * 1e3:.2f} ms per token)")
+        results["speedup_tp2_over_tp1_per_token"] = {"value": speedup}
+    with open(out_path, "w") as f:
+        json.dump(results, f, indent=2, default=str)
+    print(f"wrote {out_path}")
+
+
+if __name__ == "__main__":  # the ranks are spawned: they must not run this again
+    main()
+EOF

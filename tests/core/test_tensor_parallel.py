@@ -1,0 +1,241 @@
+"""Tensor parallelism over torch.distributed, on the CPU (gloo, ranks spawned by the engine):
+tp = N gives tp = 1's greedy tokens and (within float tolerance) its logprobs, for real and dummy
+weights, with replicated KV heads, block copies and swaps; failures are clear errors, not hangs;
+no rank outlives its engine."""
+
+from __future__ import annotations
+
+import multiprocessing
+import os
+import signal
+import time
+
+import pytest
+import torch
+
+from infer import SamplingParams
+from infer.core.distributed import ParallelState, check_tensor_parallel
+from infer.core.errors import ConfigError, IncompatiblePluginsError, WorkerError
+from infer.core.interfaces import BlockOps
+from infer.core.runner import StepInputs
+from infer.core.step_channel import Forward, StepChannel
+from infer.llm import LLM
+
+PROMPTS = [[5, 6, 7, 8, 9], [10, 11], list(range(20, 60)), [3] * 17, [100, 7, 200, 13, 99, 42]]
+SMOLLM2_PROMPTS = [
+    "The capital of France is",
+    "def fibonacci(n):",
+    "Once upon a time, in a small village,",
+    "The three primary colors are",
+    "Water boils at",
+    "<|im_start|>user\nWhat is 12 times 7?<|im_end|>\n<|im_start|>assistant\n",
+    "The quick brown fox",
+    "In 1969, the first humans to walk on the Moon were",
+]
+LOGPROBS = SamplingParams(max_tokens=10, temperature=0, ignore_eos=True, logprobs=5)
+
+
+def ranks_alive() -> list[multiprocessing.Process]:
+    return [p for p in multiprocessing.active_children() if p.name.startswith("infer-tp-rank")]
+
+
+@pytest.fixture(autouse=True)
+def no_rank_left_behind():
+    yield
+    deadline = time.monotonic() + 5
+    while ranks_alive() and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert not ranks_alive(), "a tensor-parallel rank outlived its engine"
+    assert not torch.distributed.is_initialized()
+
+
+@pytest.fixture(scope="module")
+def one_kv_head_dir(tiny_llama_dir, tmp_path_factory):
+    """The tiny Llama's shape with a single KV head: at tp = 2 both ranks hold a copy of it."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    folder = tmp_path_factory.mktemp("tiny-llama-1kv")
+    config = LlamaConfig.from_pretrained(tiny_llama_dir)
+    config.num_key_value_heads = 1
+    torch.manual_seed(1)
+    model = LlamaForCausalLM(config)
+    with torch.no_grad():
+        for p in model.parameters():
+            if p.dim() == 2:
+                p.normal_(0, 0.08)
+    model.save_pretrained(folder)
+    return folder
+
+
+def generate(tp: int, prompts, params, **options):
+    with LLM(tensor_parallel_size=tp, **options) as llm:
+        return llm.generate(prompts, params)
+
+
+def assert_close_logprobs(expected, actual, atol=1e-4):
+    for e, a in zip(expected, actual):
+        for ec, ac in zip(e.outputs, a.outputs):
+            assert ec.token_ids == ac.token_ids
+            for step_e, step_a in zip(ec.logprobs, ac.logprobs):
+                assert step_e.keys() == step_a.keys()
+                assert max(abs(step_e[t] - step_a[t]) for t in step_e) < atol
+
+
+def test_smollm2_tp3_greedy_identical_to_tp1(smollm2_dir):
+    # 9 query heads, 3 KV heads: each rank computes 3 query heads over its one KV head
+    params = SamplingParams(max_tokens=24, temperature=0, ignore_eos=True)
+    options = dict(model=str(smollm2_dir), dtype="float32")
+    expected = [o.outputs[0].token_ids for o in generate(1, SMOLLM2_PROMPTS, params, **options)]
+    assert [o.outputs[0].token_ids for o in generate(3, SMOLLM2_PROMPTS, params, **options)] == expected
+
+
+def test_tiny_tp2_logprobs_match_tp1_under_swaps_and_shared_blocks(tiny_llama_dir):
+    # 16 blocks of 4 tokens force preemption by swap; n=2 shares prompt blocks (copy-on-write):
+    # every rank's cache must see the same block copies
+    params = [SamplingParams(max_tokens=10, temperature=0, ignore_eos=True, logprobs=5, n=1 + i % 2) for i in range(5)]
+    options = dict(model=str(tiny_llama_dir), block_size=4, num_kv_blocks=16, preemption_mode="swap", max_num_batched_tokens=64)
+    expected = generate(1, PROMPTS, params, **options)
+    with LLM(tensor_parallel_size=2, **options) as llm:
+        actual = llm.generate(PROMPTS, params)
+        assert llm.engine.stats()["preemptions_swap"] > 0
+    assert_close_logprobs(expected, actual)
+
+
+def test_replicated_kv_head_tp2_matches_tp1(one_kv_head_dir):
+    options = dict(model=str(one_kv_head_dir), block_size=4)
+    assert_close_logprobs(generate(1, PROMPTS, LOGPROBS, **options), generate(2, PROMPTS, LOGPROBS, **options))
+
+
+def test_dummy_weights_are_the_same_model_at_any_tp(tiny_llama_dir):
+    options = dict(model=str(tiny_llama_dir), load_format="dummy", block_size=4, seed=3)
+    assert_close_logprobs(generate(1, PROMPTS, LOGPROBS, **options), generate(2, PROMPTS, LOGPROBS, **options), atol=1e-5)
+
+
+def test_speculative_self_draft_under_tp(tiny_llama_dir):
+    # the draft runner is built by the decoder, outside the builder: its forwards must reach every rank too
+    params = SamplingParams(max_tokens=10, temperature=0, ignore_eos=True)
+    options = dict(model=str(tiny_llama_dir), block_size=4, decoding="speculative", draft="self", exit_layer=2)
+    expected = [o.outputs[0].token_ids for o in generate(1, PROMPTS, params, **options)]
+    assert [o.outputs[0].token_ids for o in generate(2, PROMPTS, params, **options)] == expected
+
+
+def test_killed_rank_is_a_clear_error_not_a_hang(tiny_llama_dir):
+    params = SamplingParams(max_tokens=4, temperature=0, ignore_eos=True)
+    llm = LLM(model=str(tiny_llama_dir), block_size=4, tensor_parallel_size=2)
+    try:
+        assert len(llm.generate([[1, 2, 3]], params)[0].outputs[0].token_ids) == 4
+        (rank,) = ranks_alive()
+        os.kill(rank.pid, signal.SIGKILL)
+        started = time.monotonic()
+        with pytest.raises(WorkerError, match="rank 1 exited with signal 9"):
+            llm.generate([[1, 2, 3]], params)
+        assert time.monotonic() - started < 30
+        with pytest.raises(WorkerError, match="close this engine"):
+            llm.generate([[1, 2, 3]], params)
+    finally:
+        llm.close()
+
+
+def test_cli_runs_with_tp(tiny_llama_dir):
+    from click.testing import CliRunner
+
+    from infer.cli import cli
+
+    args = ["run", "--model", str(tiny_llama_dir), "--tp", "2", "--device", "cpu", "--dataset", "random-256x256",
+            "--num-prompts", "2", "--max-tokens", "4", "--no-progress"]
+    result = CliRunner().invoke(cli, args)
+    assert result.exit_code == 0, result.output
+    assert "tensor_parallel_size=2" in result.output and "tok/s" in result.output
+
+
+# ------------------------------------------------------------------ refusals (no rank starts)
+
+
+def test_tp_that_does_not_split_the_heads_is_refused(tiny_llama_dir, smollm2_dir):
+    with pytest.raises(ConfigError, match="does not divide the 9 query heads of .*use --tp 1 or 3"):
+        LLM(model=str(smollm2_dir), tensor_parallel_size=2)
+    with pytest.raises(ConfigError, match="does not divide the 4 query heads"):
+        LLM(model=str(tiny_llama_dir), tensor_parallel_size=3)
+    with pytest.raises(ConfigError, match="does not divide the 6 KV heads"):
+        check_tensor_parallel("m", 12, 6, 64, 4)
+    with pytest.raises(ConfigError, match="not a multiple of the 4 KV heads"):
+        check_tensor_parallel("m", 12, 4, 72, 6)
+    check_tensor_parallel("llama2-70b", 64, 8, 28672, 16)  # two ranks per KV head
+
+
+def test_cli_refusal_exits_2(tiny_llama_dir):
+    from click.testing import CliRunner
+
+    from infer.cli import cli
+
+    result = CliRunner().invoke(cli, ["run", "--model", str(tiny_llama_dir), "--tp", "3", "--device", "cpu"])
+    assert result.exit_code == 2 and "does not divide the 4 query heads" in result.output
+
+
+def test_more_ranks_than_gpus_is_refused(tiny_llama_dir, monkeypatch):
+    from infer.core.config import EngineConfig
+    from infer.core.workers import _launch
+
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    with pytest.raises(ConfigError, match="--tp 2 needs 2 CUDA devices .* but 1 are visible"):
+        _launch(EngineConfig(tensor_parallel_size=2), [], torch.device("cuda"))
+
+
+def test_backend_without_distributed_support_is_refused(tiny_llama_dir):
+    import infer
+    from infer.core.interfaces import Capabilities
+    from infer.plugins.attention.reference import TorchAttention
+
+    class SingleRank(TorchAttention):
+        capabilities = Capabilities(distributed=False)
+
+    class Plugin:
+        @infer.hookimpl
+        def infer_register_attention_backends(self, register):
+            register("single-rank", SingleRank)
+
+    with pytest.raises(IncompatiblePluginsError, match="cannot run with --tp 2"):
+        LLM(model=str(tiny_llama_dir), attention="single-rank", tensor_parallel_size=2, plugins=[Plugin()])
+
+
+# ------------------------------------------------------------------ the step message, without processes
+
+
+class Loopback:
+    """A ParallelState stand-in: what rank 0 broadcasts comes back to the receiver, in order."""
+
+    def __init__(self) -> None:
+        self.sent: list[torch.Tensor] = []
+
+    def broadcast(self, x: torch.Tensor) -> torch.Tensor:
+        if self.receiving:
+            return x.copy_(self.sent.pop(0))
+        self.sent.append(x.clone())
+        return x
+
+
+def test_step_message_round_trip():
+    wire = Loopback()
+    channel = StepChannel(wire)  # type: ignore[arg-type]
+    step = StepInputs([7, 8, 9, 4], [3, 1], [3, 21], [[5], [1, 2]], [2, 3], 2, False)
+    prefill = StepInputs(list(range(300)), [300], [300], [list(range(19))], [299], None, False)  # two broadcasts
+    ops = BlockOps(swap_out=[(1, 0)], copies=[(3, 4), (5, 6)])
+    wire.receiving = False
+    channel.send_forward(1, step)
+    channel.send_forward(0, prefill)
+    channel.send_block_ops(ops)
+    channel.send_stop()
+    assert len(wire.sent) == 5
+    wire.receiving = True
+    assert channel.receive() == Forward(1, step)
+    assert channel.receive() == Forward(0, prefill)
+    assert channel.receive() == ops
+    assert channel.receive() is None
+    assert not wire.sent
+
+
+def test_head_layout_replicates_kv_heads():
+    layouts = [ParallelState(rank=r, world_size=4).heads(8, 2) for r in range(4)]
+    assert [(h.num_heads, h.num_kv_heads, h.q_start, h.kv_start) for h in layouts] == [
+        (2, 1, 0, 0), (2, 1, 2, 0), (2, 1, 4, 1), (2, 1, 6, 1)
+    ]
