@@ -134,7 +134,7 @@ def diagnose(config: EngineConfig, registry: PluginRegistry, check_model: bool =
         verdicts.append(model_verdict)
     dtype = config.resolve_dtype(device, model_dtype) if config.dtype == "auto" or config.dtype in DTYPES else torch.float32
     if config.tensor_parallel_size > 1:
-        verdicts.append(Verdict("tp", str(config.tensor_parallel_size), "--tp > 1 is not available in this build yet: use --tp 1"))
+        verdicts.append(_tensor_parallel(config, registry))
     if config.attention == "auto":
         try:
             verdicts.append(Verdict("attention", "auto", note=f"auto picks {_auto_attention(registry, device, dtype, config).name}"))
@@ -210,3 +210,17 @@ def format_matrix(rows: list[tuple[tuple[str, ...], str | None]], device: str) -
         lines.append("refused (combinations: reason):")
         lines += [f"  {count:>4}: {reason}" for reason, count in refused.most_common()]
     return "\n".join(lines)
+
+
+def _tensor_parallel(config: EngineConfig, registry: PluginRegistry) -> Verdict:
+    """Whether the model's heads and MLP split over --tp ranks (no weights are read)."""
+    from infer.core.distributed import check_tensor_parallel
+    from infer.plugins.models.loader import resolve_source
+
+    tp = str(config.tensor_parallel_size)
+    try:
+        mc = resolve_source(config.model, registry, config.load_format, pull=False).model_config()
+        check_tensor_parallel(mc.name, mc.num_heads, mc.num_kv_heads, mc.intermediate_size, config.tensor_parallel_size)
+    except InferError as exc:
+        return Verdict("tp", tp, str(exc))
+    return Verdict("tp", tp)
