@@ -7,17 +7,9 @@ import torch
 
 from infer import SamplingParams
 from infer.llm import LLM
+from infer.testing.prompts import SMOLLM2_PROMPTS
 
-PROMPTS = [
-    "The capital of France is",
-    "def fibonacci(n):",
-    "Once upon a time, in a small village,",
-    "The three primary colors are",
-    "Water boils at",
-    "<|im_start|>user\nWhat is 12 times 7?<|im_end|>\n<|im_start|>assistant\n",
-    "The quick brown fox",
-    "In 1969, the first humans to walk on the Moon were",
-]
+PROMPTS = SMOLLM2_PROMPTS
 MAX_TOKENS = 32
 
 

@@ -20,18 +20,9 @@ from infer.core.interfaces import BlockOps
 from infer.core.runner import StepInputs
 from infer.core.step_channel import Forward, StepChannel
 from infer.llm import LLM
+from infer.testing.prompts import SMOLLM2_PROMPTS
 
 PROMPTS = [[5, 6, 7, 8, 9], [10, 11], list(range(20, 60)), [3] * 17, [100, 7, 200, 13, 99, 42]]
-SMOLLM2_PROMPTS = [
-    "The capital of France is",
-    "def fibonacci(n):",
-    "Once upon a time, in a small village,",
-    "The three primary colors are",
-    "Water boils at",
-    "<|im_start|>user\nWhat is 12 times 7?<|im_end|>\n<|im_start|>assistant\n",
-    "The quick brown fox",
-    "In 1969, the first humans to walk on the Moon were",
-]
 LOGPROBS = SamplingParams(max_tokens=10, temperature=0, ignore_eos=True, logprobs=5)
 
 

@@ -11,19 +11,11 @@ from infer import SamplingParams
 from infer.core.errors import ConfigError, IncompatiblePluginsError
 from infer.core.kv_cache import bytes_per_block
 from infer.llm import LLM
+from infer.testing.prompts import SMOLLM2_PROMPTS
 
 TINY_PROMPTS = [[5, 6, 7, 8, 9], [10, 11], list(range(20, 60)), [3] * 17, [100, 7, 200, 13, 99, 42],
                 [7, 8, 7, 8, 7, 8], list(range(100, 130)), [1, 2, 3]]
-SMOL_PROMPTS = [
-    "The capital of France is",
-    "def fibonacci(n):",
-    "Once upon a time, in a small village,",
-    "The three primary colors are",
-    "Water boils at",
-    "<|im_start|>user\nWhat is 12 times 7?<|im_end|>\n<|im_start|>assistant\n",
-    "The quick brown fox",
-    "In 1969, the first humans to walk on the Moon were",
-]
+SMOL_PROMPTS = SMOLLM2_PROMPTS
 GREEDY = SamplingParams(max_tokens=16, temperature=0, ignore_eos=True)
 
 
