@@ -13,7 +13,7 @@ import torch
 
 from infer.core.interfaces import SamplerOutput
 from infer.core.request import Request, SamplingParams
-from infer.plugins.decoding.sampling.rng import generator_seed
+from infer.plugins.decoding.sampling.rng import generator_seed, row_positions
 
 
 class NaiveSampler:
@@ -27,9 +27,7 @@ class NaiveSampler:
         requests: list[Request],
         positions: list[int] | None = None,
     ) -> SamplerOutput:
-        if positions is None:
-            positions = [len(r.output_token_ids) for r in requests]
-        assert logits.dim() == 2 and logits.shape[0] == len(requests) == len(positions)
+        positions = row_positions(logits, requests, positions)
         tokens: list[int] = []
         logprobs: list[dict[int, float]] = []
         for row, request, position in zip(logits, requests, positions):

@@ -87,3 +87,11 @@ def exponential(key: torch.Tensor, mult: torch.Tensor, tokens: torch.Tensor) -> 
 def generator_seed(seed: int, position: int) -> int:
     key, mult = row_key_int(seed, position)
     return (key << 32) | mult
+
+
+def row_positions(logits, requests, positions: list[int] | None) -> list[int]:
+    """Row i samples output token `positions[i]` (default: the next one); checks the batch shape."""
+    if positions is None:
+        positions = [len(r.output_token_ids) for r in requests]
+    assert logits.dim() == 2 and logits.shape[0] == len(requests) == len(positions)
+    return positions

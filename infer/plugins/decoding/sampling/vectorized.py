@@ -35,9 +35,7 @@ class VectorizedSampler:
         requests: list[Request],
         positions: list[int] | None = None,
     ) -> SamplerOutput:
-        if positions is None:
-            positions = [len(r.output_token_ids) for r in requests]
-        assert logits.dim() == 2 and logits.shape[0] == len(requests) == len(positions)
+        positions = rng.row_positions(logits, requests, positions)
         work = logits.clone(memory_format=torch.contiguous_format)  # [B, V]: the stages write into it
         apply_penalties_(work, requests)
         num_logprobs = [r.params.logprobs for r in requests]
