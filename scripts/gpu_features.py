@@ -1,6 +1,6 @@
 """GPU measurements for speculative decoding, early exit and prefix caching, in one process.
 
-    python scripts/gpu_features.py --out features.json [--only spec,early,prefix]
+    python scripts/gpu_features.py --out features.json [--only spec,early,prefix,real] [--real-model DIR]
 
 Dummy weights throughout (timing does not depend on the values). Speculative decoding: the
 draft/target step-time ratio and the verify overhead are measured, and the speedup they predict for
@@ -24,15 +24,18 @@ from infer.core.engine import Engine
 from infer.core.request import SamplingParams
 
 
-def run(label: str, workload: Workload, **opts: Any) -> dict[str, Any]:
-    engine = Engine.from_config(EngineConfig(load_format="dummy", dtype="bfloat16", kv_cache_memory_gib=8.0, **opts))
+def run(label: str, workload: Workload, keep_outputs: bool = False, **opts: Any) -> dict[str, Any]:
+    opts.setdefault("load_format", "dummy")
+    engine = Engine.from_config(EngineConfig(dtype="bfloat16", kv_cache_memory_gib=8.0, **opts))
     try:
         warm = Workload("warm", [list(range(100, 164))], [8], ignore_eos=True)
         run_workload(engine, warm, SamplingParams(temperature=0), "warmup")
         engine.num_steps = 0
         getattr(engine, "decoder_totals", {}).clear()  # count the measured run only
-        record, _ = run_workload(engine, workload, SamplingParams(temperature=0), label)
+        record, outputs = run_workload(engine, workload, SamplingParams(temperature=0), label)
         out = record.to_dict()
+        if keep_outputs:
+            out["token_ids"] = [o.outputs[0].token_ids for o in outputs]
         out["engine_stats"] = engine.stats()
         print(f"{label:48s} out tok/s {out['output_tokens_per_s']:8.1f}  TPOT p50 {out['tpot_p50_s'] * 1e3:7.2f} ms  "
               f"steps {out['steps']}  {json.dumps({k: round(v, 3) for k, v in out['engine_stats'].items() if isinstance(v, float)})}")
@@ -59,6 +62,29 @@ def repetitive_workload(vocab: int, n: int = 8, out_tokens: int = 128) -> Worklo
     return Workload("repetitive", prompts, [out_tokens] * n, ignore_eos=True)
 
 
+PASSAGE = ("The committee met on Tuesday to review the budget for the new library. After a long discussion, "
+           "they agreed to fund the children's section first, then the reading room, and finally the archive. "
+           "The work will start in March and should be finished before the end of the year.")
+CODE = ("def mean(values):\n    total = 0\n    for v in values:\n        total += v\n    return total / len(values)\n\n"
+        "def variance(values):\n    m = mean(values)\n    return sum((v - m) ** 2 for v in values) / len(values)\n")
+
+
+def edit_workload(out_tokens: int = 160) -> Workload:
+    """Chat prompts that ask to repeat or edit a given text: most of the answer is in the prompt."""
+    asks = [
+        f"Repeat the following text exactly, word for word:\n\n{PASSAGE}",
+        f"Rewrite this text, replacing 'Tuesday' with 'Friday' and changing nothing else:\n\n{PASSAGE}",
+        f"Copy this Python code exactly as it is:\n\n{CODE}",
+        f"Rename the function `mean` to `average` everywhere in this code and print the whole code:\n\n{CODE}",
+        f"Add a docstring to each function in this code and print the whole code:\n\n{CODE}",
+        f"Fix the spelling and print the corrected text: The comittee met on Tusday to reveiw the budjet for the new "
+        f"libary. They agred to fund the childrens section first.",
+        f"Translate this text into plain bullet points, keeping every fact:\n\n{PASSAGE}",
+        f"Print this code twice, one copy after the other:\n\n{CODE}",
+    ]
+    return Workload("edit", list(asks), [out_tokens] * len(asks), chat=True)
+
+
 def predicted_speedup(alpha: float, k: int, t_target: float, t_draft: float, t_verify: float) -> float:
     expected_tokens = (1 - alpha ** (k + 1)) / (1 - alpha)  # accepted drafts + the target's own token
     return expected_tokens * t_target / (k * t_draft + t_verify)
@@ -68,6 +94,7 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", default="features.json")
     ap.add_argument("--only", default="spec,early,prefix")
+    ap.add_argument("--real-model", default=None, help="folder of real SmolLM2 weights (for --only real)")
     args = ap.parse_args()
     parts = set(args.only.split(","))
     results: dict[str, Any] = {"device": torch.cuda.get_device_name()}
@@ -117,11 +144,41 @@ def main() -> None:
         on = run("llama2-7b shared 1024-token prompt, prefix caching on", wl, model="llama2-7b")
         off = run("llama2-7b shared 1024-token prompt, prefix caching off", wl, model="llama2-7b", enable_prefix_caching=False)
         results["prefix"] = {"on": on, "off": off, "speedup": on["total_tokens_per_s"] / off["total_tokens_per_s"]}
+    if "real" in parts:
+        results["real"] = real_weights(args.real_model, k)
     with open(args.out, "w") as f:
         json.dump(results, f, indent=2, default=str)
     print("\n" + json.dumps({k: v for k, v in results.items() if k in ("spec", "early_exit_tokens_per_s")}, indent=1, default=str))
     if "prefix" in results:
         print(f"prefix caching on/off total tok/s: {results['prefix']['speedup']:.2f}x")
+
+
+def real_weights(model: str, k: int) -> dict[str, Any]:
+    """Acceptance and speedup on real SmolLM2 weights: ngram and self-draft at several exit layers,
+    batch 1 (one request at a time) and batch 8, against autoregressive on the same prompts."""
+    wl = edit_workload()
+    out: dict[str, Any] = {}
+    for batch in (1, 8):
+        opts: dict[str, Any] = dict(model=model, load_format="auto", max_num_seqs=batch, keep_outputs=True)
+        base = run(f"smollm2 autoregressive, edit prompts, batch {batch}", wl, **opts)
+        rows = {"autoregressive": {"output_tokens_per_s": base["output_tokens_per_s"], "tpot_p50_s": base["tpot_p50_s"]}}
+        variants = [("ngram", dict(draft="ngram"))] + [(f"self-draft L={layer}", dict(draft="self", exit_layer=layer))
+                                                      for layer in (8, 16, 24)]
+        for name, extra in variants:
+            r = run(f"smollm2 speculative {name} K={k}, batch {batch}", wl, decoding="speculative",
+                    num_speculative_tokens=k, **extra, **opts)
+            stats = r["engine_stats"]
+            same = sum(a == b for a, b in zip(r["token_ids"], base["token_ids"]))
+            rows[name] = {
+                "output_tokens_per_s": r["output_tokens_per_s"],
+                "speedup": r["output_tokens_per_s"] / base["output_tokens_per_s"],
+                "acceptance_rate": stats.get("acceptance_rate"),
+                "mean_tokens_per_step": stats.get("mean_tokens_per_step"),
+                "identical_to_autoregressive": f"{same}/{len(base['token_ids'])}",
+            }
+        out[f"batch{batch}"] = rows
+        print(json.dumps(rows, indent=1, default=str), flush=True)
+    return out
 
 
 if __name__ == "__main__":

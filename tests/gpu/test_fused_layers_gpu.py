@@ -29,3 +29,16 @@ def test_fused_layers_match_plain(dtype):
         torch.testing.assert_close(got, exp, atol=2e-2, rtol=2e-2)
     h = torch.randn(64, 2 * 11008, device=dev, dtype=dtype)
     torch.testing.assert_close(tl_layers.silu_and_mul(h), plain.SiluAndMul()(h), atol=2e-2, rtol=2e-2)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+@pytest.mark.parametrize("n,k", [(12288, 4096), (4096, 11008), (32000, 4096), (1000, 576)])
+def test_gemv_matches_cublas(dtype, n, k):
+    from infer.plugins.models.triton_gemv import gemv
+
+    torch.manual_seed(0)
+    w = torch.randn(n, k, device="cuda", dtype=dtype) / k**0.5
+    x = torch.randn(1, k, device="cuda", dtype=dtype)
+    expected = (x.double() @ w.double().t()).to(dtype)
+    tol = 1e-4 if dtype == torch.float32 else 2e-2
+    torch.testing.assert_close(gemv(x, w), expected, atol=tol, rtol=tol)

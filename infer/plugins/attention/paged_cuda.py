@@ -42,6 +42,7 @@ class _StepPlan:
     split: bool  # decode splits contexts into partitions and reduces them
     q_block_seq: torch.Tensor  # [num_q_blocks] int32: prefill query block -> sequence
     q_block_start: torch.Tensor  # [num_q_blocks] int32: query block -> first token within its sequence
+    splits: int  # decode partitions per context (1: unsplit)
 
 
 class PagedCudaAttention:
@@ -57,8 +58,9 @@ class PagedCudaAttention:
     def __init__(
         self,
         spec: AttentionSpec,
-        partition_size: int = 512,  # decode split-K partition, tokens
         split_below_programs: int | None = None,  # split when seqs x kv_heads < this; default 1.5 x SMs
+        split_programs: int | None = None,  # aim split decode at this many programs; default 4 x SMs
+        max_splits: int = 64,  # partitions per context at most
         decode_block_n: int = 64,  # decode key tile, tokens
         prefill_block_m: int = 64,  # prefill tile rows (tokens x GQA group)
         prefill_block_n: int = 64,  # prefill key tile, tokens
@@ -67,57 +69,72 @@ class PagedCudaAttention:
         from infer.plugins.attention.triton_kernels import cache_write, decode, prefill
 
         self._cache_write, self._decode, self._prefill = cache_write, decode, prefill
-        assert partition_size % decode_block_n == 0, "a decode tile must not straddle two partitions"
         assert spec.num_heads % spec.num_kv_heads == 0
         self.spec = spec
-        self.partition_size = partition_size
         self.decode_block_n = decode_block_n
         self.prefill_block_m, self.prefill_block_q = prefill.prefill_tile(
             spec.num_heads, spec.num_kv_heads, prefill_block_m
         )
         self.prefill_block_n = prefill_block_n
+        on_gpu = spec.device.type == "cuda"
+        num_sms = torch.cuda.get_device_properties(spec.device).multi_processor_count if on_gpu else 132
         if split_below_programs is None:
-            on_gpu = spec.device.type == "cuda"
-            num_sms = torch.cuda.get_device_properties(spec.device).multi_processor_count if on_gpu else 132
             # Measured on an H200 (132 SMs), bf16, 8 KV heads, fraction of copy bandwidth unsplit ->
             # split in 512-token partitions: 64 programs 0.25 -> 0.62, 128 programs 0.44 -> 0.60,
             # 256 programs 0.67 -> 0.58, 512 programs 0.91 -> 0.82. The crossover lies between.
             split_below_programs = 3 * num_sms // 2
         self.split_below_programs = split_below_programs
-        # Split-K scratch sized for the largest batch that splits and the longest context, once:
-        # decode then has fixed shapes and addresses, as a captured CUDA graph needs.
-        self.max_partitions = _cdiv(spec.max_model_len, partition_size)
-        rows = min(spec.max_num_seqs, _cdiv(split_below_programs, spec.num_kv_heads))
+        self.split_programs = 4 * num_sms if split_programs is None else split_programs
+        # no more partitions than tiles in the longest context
+        self.max_splits = max(1, min(max_splits, _cdiv(spec.max_model_len, decode_block_n)))
+        # Split-K scratch for every batch size that splits, allocated once (a captured CUDA graph
+        # needs fixed addresses) and viewed as [S, H, P, D] per step: S x P stays near split_programs.
+        self.split_rows = min(spec.max_num_seqs, _cdiv(split_below_programs, spec.num_kv_heads))
+        cells = max((b * self.num_splits(b) for b in range(1, self.split_rows + 1) if self.num_splits(b) > 1), default=0)
         self.scratch: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
-        if self.max_partitions > 1 and rows > 0:
+        if cells:
             f32 = dict(dtype=torch.float32, device=spec.device)
             self.scratch = (
-                torch.empty(rows, spec.num_heads, self.max_partitions, spec.head_dim, **f32),  # [S, H, P, D]
-                torch.empty(rows, spec.num_heads, self.max_partitions, **f32),  # [S, H, P] max logit
-                torch.empty(rows, spec.num_heads, self.max_partitions, **f32),  # [S, H, P] exp sum
+                torch.empty(cells * spec.num_heads * spec.head_dim, **f32),  # part out
+                torch.empty(cells * spec.num_heads, **f32),  # part max logit
+                torch.empty(cells * spec.num_heads, **f32),  # part exp sum
             )
         self._plan: _StepPlan | None = None
+        self._no_prefill = torch.empty(0, dtype=torch.int32, device=spec.device)
+
+    def num_splits(self, num_decode: int) -> int:
+        """Partitions per context for a decode batch of this size (never its lengths: graph-safe)."""
+        if num_decode == 0 or num_decode * self.spec.num_kv_heads >= self.split_below_programs:
+            return 1
+        return max(1, min(self.max_splits, _cdiv(self.split_programs, num_decode * self.spec.num_kv_heads)))
 
     def plan(self, batch: AttentionBatch) -> None:
-        # the split grid has partitions for max_model_len tokens and no more
         assert batch.max_seq_len <= self.spec.max_model_len, "sequence longer than spec.max_model_len"
         num_decode = batch.num_decode_seqs
-        # Depends on the batch size only (never on seq_lens), so a graph captured for a batch
-        # size stays valid: partitions past a sequence's end exit at once.
-        split = (
-            self.scratch is not None
-            and num_decode <= self.scratch[0].shape[0]
-            and num_decode * self.spec.num_kv_heads < self.split_below_programs
-        )
-        seqs, starts = self._prefill.query_blocks(batch.query_lens[num_decode:], num_decode, self.prefill_block_q)
+        splits = self.num_splits(num_decode)
+        split = self.scratch is not None and num_decode <= self.split_rows and splits > 1
         device = batch.seq_lens_t.device
+        if len(batch.query_lens) > num_decode:
+            seqs, starts = self._prefill.query_blocks(batch.query_lens[num_decode:], num_decode, self.prefill_block_q)
+            q_block_seq = torch.tensor(seqs, dtype=torch.int32, device=device)
+            q_block_start = torch.tensor(starts, dtype=torch.int32, device=device)
+        else:  # decode only (every CUDA-graph step): no prefill blocks, nothing to copy
+            q_block_seq = q_block_start = self._no_prefill
         self._plan = _StepPlan(
             batch=batch,
             num_decode=num_decode,
             split=split,
-            q_block_seq=torch.tensor(seqs, dtype=torch.int32, device=device),
-            q_block_start=torch.tensor(starts, dtype=torch.int32, device=device),
+            q_block_seq=q_block_seq,
+            q_block_start=q_block_start,
+            splits=splits if split else 1,
         )
+
+    def _scratch(self, num_decode: int, splits: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        assert self.scratch is not None
+        h, d = self.spec.num_heads, self.spec.head_dim
+        out, mx, sm = self.scratch
+        n = num_decode * h * splits
+        return out[: n * d].view(num_decode, h, splits, d), mx[:n].view(num_decode, h, splits), sm[:n].view(num_decode, h, splits)
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: KVCache) -> torch.Tensor:
         plan = self._plan
@@ -130,8 +147,7 @@ class PagedCudaAttention:
         self._decode.paged_decode(
             out, q, k_cache, v_cache, batch.block_tables_t, batch.seq_lens_t, self.spec.scale,
             num_seqs=plan.num_decode,
-            scratch=self.scratch if plan.split else None,
-            partition_size=self.partition_size,
+            scratch=self._scratch(plan.num_decode, plan.splits) if plan.split else None,
             block_n=self.decode_block_n,
         )
         self._prefill.paged_prefill(

@@ -2,7 +2,8 @@
 
 Each replaces several eager kernels with one: RMSNorm with the residual add (add, square, mean,
 rsqrt, scale: 1 read of x and residual, 1 write of each), rotary embedding applied to q and k in
-place of ten elementwise ops, and SiLU-and-mul. On the CPU the plain torch layers are used; the
+place of ten elementwise ops, SiLU-and-mul, and a linear layer whose one-token case (batch-1
+decode) is a Triton matrix-vector product streaming the weights (more tokens go to cuBLAS). On the CPU the plain torch layers are used; the
 kernels also run there under TRITON_INTERPRET=1, which is how CI tests them.
 """
 
@@ -59,8 +60,20 @@ class FusedSiluAndMul(nn.Module):
         return silu_and_mul(x)
 
 
+class FusedLinear(plain.Linear):
+    capabilities = CAPS
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.dim() == 2 and x.shape[0] == 1 and self.bias is None:
+            from infer.plugins.models.triton_gemv import gemv
+
+            return gemv(x, self.weight)
+        return super().forward(x)
+
+
 @hookimpl
 def infer_register_layers(register) -> None:
     register("rms_norm", FusedRMSNorm)
     register("rotary_embedding", FusedRotaryEmbedding)
     register("silu_and_mul", FusedSiluAndMul)
+    register("linear", FusedLinear)

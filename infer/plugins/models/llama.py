@@ -9,6 +9,7 @@ sharded ones of `parallel_layers` and each rank loads only its slices.
 
 from __future__ import annotations
 
+import itertools
 from typing import Any, Iterable
 
 import torch
@@ -151,7 +152,7 @@ class Llama(nn.Module):
         num_layers: int | None = None,  # run only the first layers (early exit, self-draft)
     ) -> torch.Tensor:  # [T, hidden], after the final norm
         x, residual = self.embed_tokens(input_ids), None
-        for layer, kv_cache in zip(self.layers[: num_layers or len(self.layers)], kv_caches):
+        for layer, kv_cache in zip(itertools.islice(self.layers, num_layers or len(self.layers)), kv_caches):
             x, residual = layer(positions, x, residual, kv_cache)
         x, _ = self.norm(x, residual)
         return x
@@ -160,8 +161,9 @@ class Llama(nn.Module):
         # hidden: [B, hidden] -> [B, vocab] float32
         if self.parallel is not None:  # each rank's vocabulary slice, gathered on rank 0
             return (self.embed_tokens if self.lm_head is None else self.lm_head).logits(hidden)
-        weight = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
-        return (hidden @ weight.t()).float()
+        if self.lm_head is not None:
+            return self.lm_head(hidden).float()  # the layers hook's linear (one token: a weight-streaming GEMV)
+        return (hidden @ self.embed_tokens.weight.t()).float()
 
     def load_weights(self, weights: Iterable[tuple[str, Any]]) -> set[str]:
         """Copy HF-named tensors into the (fused) parameters; returns the parameter names loaded.

@@ -22,7 +22,7 @@ pytestmark = pytest.mark.skipif(
 )
 DEVICE = "cpu" if os.environ.get("TRITON_INTERPRET") == "1" else "cuda"
 HEADS = {"mha": (4, 4), "gqa": (4, 2), "mqa": (6, 1)}
-LONG_DECODE = BatchSpec("decode-long", (1, 1, 1), (200, 75, 3))  # 7, 3 and 1 partitions of 32
+LONG_DECODE = BatchSpec("decode-long", (1, 1, 1), (200, 75, 3))  # 8 splits of tiles of 16: 7, 5 and 1 used
 
 
 def small(**knobs):
@@ -49,21 +49,21 @@ def test_small_prefill_tiles(batch_spec, heads):
 @pytest.mark.parametrize("block_size", [16, 32])
 def test_split_decode_matches_naive(heads, block_size):
     case = make_case(LONG_DECODE, *heads, block_size=block_size, device=DEVICE, seed=3)
-    backend_cls = small(partition_size=32, decode_block_n=16)
+    backend_cls = small(max_splits=8, decode_block_n=16)
     backend = backend_cls(case.spec)
     backend.plan(case.batch)
-    assert backend._plan.split and backend.max_partitions > 1
+    assert backend._plan.split and backend._plan.splits == 8
     check_backend(backend_cls, case, atol=1e-5, rtol=1e-5)
 
 
 def test_mixed_batch_with_split_decode():
     case = make_case(BATCH_SPECS[-1], device=DEVICE, seed=11)  # decodes then prefill/extend
-    check_backend(small(partition_size=16, decode_block_n=16), case, atol=1e-5, rtol=1e-5)
+    check_backend(small(max_splits=4, decode_block_n=16), case, atol=1e-5, rtol=1e-5)
 
 
 def test_unsplit_decode_when_batch_fills_gpu():
     case = make_case(LONG_DECODE, device=DEVICE, seed=5)
-    backend_cls = small(partition_size=32, decode_block_n=32, split_below_programs=1)
+    backend_cls = small(max_splits=8, decode_block_n=32, split_below_programs=1)
     backend = backend_cls(case.spec)
     backend.plan(case.batch)
     assert not backend._plan.split
@@ -72,13 +72,21 @@ def test_unsplit_decode_when_batch_fills_gpu():
 
 def test_bf16():
     case = make_case(BATCH_SPECS[-1], dtype=torch.bfloat16, device=DEVICE, seed=2)
-    check_backend(small(partition_size=16, decode_block_n=16), case, atol=2e-2, rtol=2e-2)
+    check_backend(small(max_splits=4, decode_block_n=16), case, atol=2e-2, rtol=2e-2)
+
+
+def test_split_count_depends_on_batch_size_only():
+    case = make_case(LONG_DECODE, *HEADS["gqa"], device=DEVICE, seed=3)
+    backend = PagedCudaAttention(case.spec, split_programs=64, max_splits=16, decode_block_n=16)
+    # 2 KV heads: 1 sequence -> 32 splits, capped at 16; 3 -> cdiv(64, 6) = 11; filling the GPU -> 1
+    assert [backend.num_splits(b) for b in (1, 3)] == [16, 11]
+    assert backend.num_splits(backend.split_below_programs) == 1
 
 
 def test_decode_is_replayable_on_new_lengths():
     """One backend, its split-K scratch reused for other lengths: stale partitions are never read."""
     case = make_case(LONG_DECODE, device=DEVICE, seed=13)
-    backend = PagedCudaAttention(case.spec, partition_size=32, decode_block_n=16)
+    backend = PagedCudaAttention(case.spec, max_splits=8, decode_block_n=16)
     backend.plan(case.batch)
     backend.forward(case.q, case.k, case.v, case.kv_cache)
     shorter = make_case(BatchSpec("decode-short", (1, 1, 1), (40, 120, 9)), device=DEVICE, seed=14)

@@ -46,3 +46,27 @@ def test_silu_and_mul():
     torch.manual_seed(0)
     x = torch.randn(6, 2 * 200)
     torch.testing.assert_close(triton_layers.silu_and_mul(x), plain.SiluAndMul()(x), atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("n,k", [(13, 70), (64, 96), (5, 1)])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+def test_gemv_matches_linear(n, k, dtype):
+    from infer.plugins.models.triton_gemv import gemv
+
+    torch.manual_seed(0)
+    w = torch.randn(n, k, dtype=dtype)
+    x = torch.randn(1, k, dtype=dtype)
+    expected = (x.double() @ w.double().t()).to(dtype)
+    tol = 1e-5 if dtype == torch.float32 else 2e-2
+    torch.testing.assert_close(gemv(x, w), expected, atol=tol, rtol=tol)
+
+
+def test_fused_linear_takes_gemv_for_one_token_only():
+    from infer.plugins.models.fused_layers import FusedLinear
+
+    torch.manual_seed(0)
+    layer = FusedLinear(40, 24)
+    ref = torch.nn.functional.linear
+    one, many = torch.randn(1, 40), torch.randn(3, 40)
+    torch.testing.assert_close(layer(one), ref(one, layer.weight), atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(layer(many), ref(many, layer.weight), atol=1e-5, rtol=1e-5)

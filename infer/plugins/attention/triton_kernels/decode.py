@@ -5,9 +5,11 @@ each K/V row is read from memory once for all `group` query heads. It walks its 
 the context in tiles of BLOCK_N tokens gathered through the block table (a tile spans
 BLOCK_N // block_size blocks, or part of one; every row is head_dim contiguous elements, so
 loads can be 16-byte vectors along D), keeping an online softmax in fp32 (exp2, log2e folded into
-the scale). When batch x kv_heads cannot fill the GPU, the context is split into partitions of
-PARTITION_SIZE tokens; each writes its normalised output plus its max and sum, and
-`_reduce_kernel` combines them.
+the scale). When batch x kv_heads cannot fill the GPU, each sequence's context is split into
+`num_splits` partitions (the grid's third axis, fixed for a batch size so a captured graph stays
+valid); a partition spans cdiv(cdiv(seq_len, num_splits), BLOCK_N) tiles, worked out in the kernel
+from the sequence's current length, so every split has work however long the context is now.
+Each writes its normalised output plus its max and sum, and `_reduce_kernel` combines them.
 
 Scores and P @ V are `tl.dot`s with the group padded to 16 rows (the MMA minimum), even for MHA
 (group 1). Decode is memory-bound either way; the padded MMA wastes FLOPs nobody is short of. On
@@ -43,7 +45,6 @@ def _decode_kernel(
     stride_bt,
     stride_ps, stride_ph,  # part_out strides; part_max/sum are [S, H, P] contiguous
     block_size, head_dim, group, max_partitions,
-    PARTITION_SIZE: tl.constexpr,
     SPLIT: tl.constexpr,
     DOT_DTYPE: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
@@ -54,12 +55,13 @@ def _decode_kernel(
     seq, kv_head, part = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     seq_len = tl.load(seq_lens_ptr + seq)
     if SPLIT:
-        start = part * PARTITION_SIZE
-        end = tl.minimum(start + PARTITION_SIZE, seq_len)
+        chunk = tl.cdiv(tl.cdiv(seq_len, max_partitions), BLOCK_N) * BLOCK_N
+        start = part * chunk
+        end = tl.minimum(start + chunk, seq_len)
     else:
         start = 0
         end = seq_len
-    # Partitions past the context exist only because the grid is sized for max_model_len.
+    # Short contexts leave the last partitions empty (each holds at least one whole tile).
     if start < end:
         rows = tl.arange(0, GROUP_PAD)
         heads = kv_head * group + rows  # [G] query heads of this KV head
@@ -112,11 +114,13 @@ def _reduce_kernel(
     seq_lens_ptr,
     stride_ot, stride_oh, stride_ps, stride_ph,
     head_dim, max_partitions,
-    PARTITION_SIZE: tl.constexpr,
+    BLOCK_N: tl.constexpr,
     BLOCK_D: tl.constexpr,
 ):
     seq, head = tl.program_id(0), tl.program_id(1)
-    num_parts = tl.cdiv(tl.load(seq_lens_ptr + seq), PARTITION_SIZE)
+    seq_len = tl.load(seq_lens_ptr + seq)
+    chunk = tl.cdiv(tl.cdiv(seq_len, max_partitions), BLOCK_N) * BLOCK_N  # as in _decode_kernel
+    num_parts = tl.cdiv(seq_len, chunk)
     dims = tl.arange(0, BLOCK_D)
     dim_mask = dims < head_dim
     stat = (seq * tl.num_programs(1) + head) * max_partitions
@@ -146,9 +150,9 @@ def paged_decode(
     seq_lens: torch.Tensor,  # [>= num_seqs] int32
     scale: float,
     num_seqs: int,
-    # split-K scratch, [S >= num_seqs, H, P, D] and [S, H, P] fp32; None: one partition per program
+    # split-K scratch, [num_seqs, H, P, D] and [num_seqs, H, P] fp32 for P partitions per context;
+    # None: one program per (sequence, KV head) walks the whole context
     scratch: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None,
-    partition_size: int,
     block_n: int,
     num_warps: int = 4,
     num_stages: int = 2,
@@ -178,7 +182,7 @@ def paged_decode(
         block_tables.stride(0),
         stride_ps, stride_ph,
         block_size, head_dim, group, max_partitions,
-        PARTITION_SIZE=partition_size, SPLIT=scratch is not None,
+        SPLIT=scratch is not None,
         DOT_DTYPE=dot_dtype, DOT_PRECISION=precision,
         GROUP_PAD=group_pad, BLOCK_N=block_n, BLOCK_D=block_d,
         num_warps=num_warps, num_stages=num_stages,
@@ -188,5 +192,5 @@ def paged_decode(
             out, part_out, part_max, part_sum, seq_lens,
             out.stride(0), out.stride(1), stride_ps, stride_ph,
             head_dim, max_partitions,
-            PARTITION_SIZE=partition_size, BLOCK_D=block_d,
+            BLOCK_N=block_n, BLOCK_D=block_d,
         )

@@ -1,0 +1,58 @@
+"""Matrix-vector product for one-token steps (batch-1 decode), in Triton.
+
+At one token a linear layer is a pure weight stream: y[n] = sum_k W[n, k] x[k] reads every weight
+once and does two FLOPs per weight, so its time is the weight bytes over the memory bandwidth and
+the kernel's only job is to keep enough 16-byte loads in flight. Each program streams a few whole
+rows of W (BLOCK_N rows, BLOCK_K columns per iteration: coalesced along k, as W is stored), keeps
+the x chunk in registers and accumulates in fp32, reducing across k once at the end. The weights
+are read once per step, so they are loaded evict-first to keep the activations in L2.
+
+Tile shapes are autotuned per (N, K) on the GPU (the first call, which the engine makes in its
+warm-up, before any CUDA graph is captured); under TRITON_INTERPRET=1 one small tile is used.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+import triton
+import triton.language as tl
+
+
+def _configs() -> list[triton.Config]:
+    if os.environ.get("TRITON_INTERPRET") == "1":
+        return [triton.Config({"BLOCK_N": 4, "BLOCK_K": 32}, num_warps=1)]
+    return [
+        triton.Config({"BLOCK_N": n, "BLOCK_K": k}, num_warps=w, num_stages=s)
+        for n, k, w in [(4, 512, 4), (8, 256, 4), (8, 512, 4), (16, 256, 4), (16, 512, 8), (32, 256, 8), (2, 1024, 4)]
+        for s in (1, 2)
+    ]
+
+
+@triton.autotune(configs=_configs(), key=["N", "K"])
+@triton.jit
+def _gemv_kernel(x_ptr, w_ptr, y_ptr, N, K, stride_w, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    rows = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    row_ok = rows < N
+    rows = tl.where(row_ok, rows, 0)  # out-of-range rows re-read row 0 (harmless, never stored)
+    w_rows = w_ptr + rows[:, None].to(tl.int64) * stride_w
+    acc = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        cols = k0 + tl.arange(0, BLOCK_K)
+        col_ok = cols < K
+        x = tl.load(x_ptr + cols, mask=col_ok, other=0.0).to(tl.float32)
+        w = tl.load(w_rows + cols[None, :], mask=col_ok[None, :], other=0.0, eviction_policy="evict_first")
+        acc += w.to(tl.float32) * x[None, :]
+    tl.store(y_ptr + rows, tl.sum(acc, axis=1).to(y_ptr.dtype.element_ty), mask=row_ok)
+
+
+def gemv(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """x [1, K] @ weight[N, K].T -> [1, N] in x's dtype (fp32 accumulation)."""
+    assert x.dim() == 2 and x.shape[0] == 1, f"gemv takes one row, got {tuple(x.shape)}"
+    n, k = weight.shape
+    assert x.shape[1] == k and weight.stride(1) == 1, "weight must be [N, K] with contiguous rows"
+    x = x.contiguous()
+    y = torch.empty(1, n, dtype=x.dtype, device=x.device)
+    _gemv_kernel[lambda meta: (triton.cdiv(n, meta["BLOCK_N"]),)](x, weight, y, n, k, weight.stride(0))
+    return y

@@ -1,0 +1,186 @@
+"""Where a batch-1 decode step's time goes, on the GPU: the linear layers' matrix-vector products
+(cuBLAS vs the Triton GEMV) against the copy ceiling, the kernels inside the captured step, and the
+step time of `latency-1` on llama2-7b (dummy, bf16) with each linear implementation.
+
+    python scripts/gpu_latency.py --out latency.json [--model llama2-7b] [--tokens 128]
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import time
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+from infer.bench.ceilings import copy_bandwidth
+from infer.bench.report import run_workload
+from infer.bench.workloads import Workload
+from infer.core.config import EngineConfig
+from infer.core.engine import Engine
+from infer.core.request import SamplingParams
+from infer.plugins.models import fused_layers, triton_gemv
+from infer.plugins.models.triton_gemv import gemv
+
+SHAPES = {"qkv": (12288, 4096), "o": (4096, 4096), "gate_up": (22016, 4096), "down": (4096, 11008), "lm_head": (32000, 4096)}
+
+
+def graph_time(fn, reps: int = 20) -> float:
+    """Seconds per call of fn, replayed from a CUDA graph holding `reps` calls."""
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        for _ in range(3):
+            fn(0)
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for i in range(reps):
+            fn(i)
+    graph.replay()
+    torch.cuda.synchronize()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(10):
+        graph.replay()
+    end.record()
+    torch.cuda.synchronize()
+    return start.elapsed_time(end) / 1e3 / (10 * reps)
+
+
+def gemv_table(bw: float) -> list[dict[str, Any]]:
+    rows = []
+    for name, (n, k) in SHAPES.items():
+        copies = max(2, int(200e6 // (n * k * 2)) + 1)  # more weight bytes than L2 holds, rotated
+        ws = [torch.randn(n, k, device="cuda", dtype=torch.bfloat16) / k**0.5 for _ in range(copies)]
+        x = torch.randn(1, k, device="cuda", dtype=torch.bfloat16)
+        gemv(x, ws[0])  # autotune outside the graph
+        torch.testing.assert_close(gemv(x, ws[1]), F.linear(x, ws[1]), atol=2e-2, rtol=2e-2)
+        row: dict[str, Any] = {"shape": name, "n": n, "k": k, "weight_mb": n * k * 2 / 1e6}
+        for impl, f in (("cublas", lambda i: F.linear(x, ws[i % copies])), ("triton", lambda i: gemv(x, ws[i % copies]))):
+            t = graph_time(f)
+            row[f"{impl}_us"] = t * 1e6
+            row[f"{impl}_tbs"] = n * k * 2 / t / 1e12
+            row[f"{impl}_of_copy"] = n * k * 2 / t / bw
+        row["triton_config"] = str(triton_gemv._gemv_kernel.best_config)
+        rows.append(row)
+        print(f"{name:8s} {n:6d}x{k:<6d} cuBLAS {row['cublas_us']:7.1f} us {row['cublas_of_copy']:6.1%}   "
+              f"triton {row['triton_us']:7.1f} us {row['triton_of_copy']:6.1%}  [{row['triton_config']}]", flush=True)
+        del ws
+        torch.cuda.empty_cache()
+    return rows
+
+
+def kernel_profile(engine: Engine) -> list[dict[str, Any]]:
+    """Kernels inside the batch-1 decode graph (CUPTI reports graph nodes) over 5 replays."""
+    from torch.profiler import ProfilerActivity, profile
+
+    graph = engine.decoder.runner.graphs.graphs[1][0]
+    graph.replay()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA, ProfilerActivity.CPU]) as prof:
+        for _ in range(5):
+            graph.replay()
+        torch.cuda.synchronize()
+    rows = []
+    for e in prof.key_averages():
+        dev = getattr(e, "device_time_total", None) or getattr(e, "cuda_time_total", 0)
+        if dev and e.key not in ("cudaGraphLaunch",):
+            rows.append({"kernel": e.key[:90], "count_per_step": e.count / 5, "us_per_step": dev / 5})
+    rows.sort(key=lambda r: -r["us_per_step"])
+    total = sum(r["us_per_step"] for r in rows)
+    print(f"kernels inside the batch-1 step: {total / 1e3:.3f} ms of kernel time per step")
+    for r in rows[:25]:
+        print(f"  {r['us_per_step']:8.1f} us  x{r['count_per_step']:5.0f}  {r['kernel']}")
+    return rows
+
+
+def host_profile(engine: Engine, wl: Workload, top: int = 30) -> str:
+    """cProfile of the engine loop over one latency-1 request: where the host's share of a step goes."""
+    import cProfile
+    import io
+    import pstats
+
+    engine.add_request(wl.prompts[0], SamplingParams(temperature=0, max_tokens=wl.max_tokens[0], ignore_eos=True))
+    engine.step()  # the prefill
+    profiler = cProfile.Profile()
+    steps = 0
+    profiler.enable()
+    while engine.has_unfinished():
+        engine.step()
+        steps += 1
+    profiler.disable()
+    buf = io.StringIO()
+    pstats.Stats(profiler, stream=buf).sort_stats("tottime").print_stats(top)
+    text = f"{steps} decode steps\n" + buf.getvalue()
+    print(text[:6000])
+    return text
+
+
+def latency(model: str, tokens: int, linear: str, bw: float, profile_kernels: bool) -> dict[str, Any]:
+    saved = fused_layers.FusedLinear.forward
+    if linear == "cublas":
+        fused_layers.FusedLinear.forward = torch.nn.Linear.forward
+    engine = Engine.from_config(EngineConfig(model=model, load_format="dummy", dtype="bfloat16", kv_cache_memory_gib=4.0))
+    try:
+        import random
+
+        rng = random.Random(0)
+        vocab = engine.parts.vocab_size
+        warm = Workload("warm", [[rng.randrange(10, vocab) for _ in range(64)]], [8], ignore_eos=True)
+        run_workload(engine, warm, SamplingParams(temperature=0), "warmup")
+        wl = Workload("latency-1", [[rng.randrange(10, vocab) for _ in range(128)]], [tokens], ignore_eos=True)
+        record, _ = run_workload(engine, wl, SamplingParams(temperature=0), f"latency-{linear}")
+        out = record.to_dict()
+        graph = engine.decoder.runner.graphs.graphs[1][0]
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        graph.replay()
+        start.record()
+        for _ in range(50):
+            graph.replay()
+        end.record()
+        torch.cuda.synchronize()
+        replay = start.elapsed_time(end) / 1e3 / 50
+        weights = sum(p.numel() * p.element_size() for p in engine.decoder.runner.model.parameters())
+        out.update(linear=linear, graph_replay_s=replay, weight_bytes=weights,
+                   graph_mbu=weights / replay / bw, mbu=weights / out["tpot_p50_s"] / bw)
+        print(f"latency-1 {model} linear={linear}: TPOT p50 {out['tpot_p50_s'] * 1e3:.3f} ms (MBU {out['mbu']:.1%}), "
+              f"graph replay {replay * 1e3:.3f} ms (MBU {out['graph_mbu']:.1%}), host share "
+              f"{(out['tpot_p50_s'] - replay) * 1e3:.3f} ms", flush=True)
+        if profile_kernels:
+            out["kernels"] = kernel_profile(engine)
+            out["host_profile"] = host_profile(engine, wl)
+        return out
+    finally:
+        fused_layers.FusedLinear.forward = saved
+        engine.close()
+        del engine
+        gc.collect()
+        torch.cuda.empty_cache()
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--out", default="latency.json")
+    parser.add_argument("--model", default="llama2-7b")
+    parser.add_argument("--tokens", type=int, default=128)
+    parser.add_argument("--skip-gemv", action="store_true")
+    args = parser.parse_args()
+    started = time.time()
+    bw = copy_bandwidth(torch.device("cuda"))
+    print(f"{torch.cuda.get_device_name()}: copy bandwidth {bw / 1e12:.3f} TB/s", flush=True)
+    result: dict[str, Any] = {"device": torch.cuda.get_device_name(), "copy_bandwidth": bw}
+    if not args.skip_gemv:
+        result["gemv"] = gemv_table(bw)
+    result["latency"] = [latency(args.model, args.tokens, "cublas", bw, True),
+                         latency(args.model, args.tokens, "triton", bw, True)]
+    result["seconds"] = time.time() - started
+    with open(args.out, "w") as f:
+        json.dump(result, f, indent=1, default=str)
+
+
+if __name__ == "__main__":
+    main()
