@@ -1,10 +1,12 @@
 #!/usr/bin/env bash
 # Tensor parallelism on a machine with 2 GPUs (nvidia-h200-x2), engine-spawned ranks over NCCL:
-#   bash scripts/gpu_tp.sh [70b] [7b]      (default: both; each part fits one 10-minute command)
+#   bash scripts/gpu_tp.sh [70b] [7b] [spec]   (default: 70b 7b; each part fits one 10-minute command)
 # 70b: llama2-70b, dummy bf16 weights (138 GB: 69 GB per H200 at --tp 2, the rest is KV cache),
 #      on the sharegpt-like workload, 200 requests (TP_REQUESTS to change).
 # 7b:  llama2-7b on latency-1 (one request: 128 prompt tokens, 256 new) at --tp 1 and --tp 2:
 #      tokens/s and the tp2/tp1 per-token speedup (time per output token, p50).
+# spec: the seeds' composition, llama2-70b --tp 2 verifying llama2-7b drafts (K=4), beside llama2-70b
+#      --tp 2 autoregressive, on latency-1: step times, verify time, acceptance (0 on random weights).
 # Each engine is warmed up first (Triton compiles, allocator), then timed. Prints a table; writes $OUT/tp.json.
 # Expects wheels in .whl/ like scripts/gpu_check.sh; the source tree comes first on the path.
 set -uo pipefail
@@ -17,7 +19,7 @@ fi
 export PYTHONPATH=$PWD:/tmp/site${PYTHONPATH:+:$PYTHONPATH}
 export PATH=/tmp/site/bin:$PATH
 nvidia-smi --query-gpu=index,name,memory.total --format=csv,noheader
-python3 - "$OUT/tp.json" "${TP_REQUESTS:-200}" ${*:-70b 7b} <<'EOF' 2>&1 | tee "$OUT/tp.log"
+python3 - "$OUT/tp-${*// /-}.json" "${TP_REQUESTS:-200}" ${*:-70b 7b} <<'EOF' 2>&1 | tee "$OUT/tp-${*// /-}.log"
 import gc
 import json
 import sys
@@ -47,10 +49,11 @@ def run(label: str, workload: str, num_prompts: int, **options) -> dict:
         warm = load_workload(workload, vocab, 4, 8, seed=1)
         run_workload(engine, warm, SamplingParams(temperature=0), "warmup")
         engine.num_steps = 0
+        engine.decoder_totals.clear()  # count the measured run only
         record, _ = run_workload(engine, load_workload(workload, vocab, num_prompts, None, seed=0), SamplingParams(temperature=0), label)
         print(f"{label}: built in {build_s:.0f} s, {record.output_tokens_per_s:.1f} output tok/s, "
               f"TPOT p50 {record.tpot_p50_s * 1e3:.2f} ms, KV blocks {engine.parts.describe['kv_blocks']}", flush=True)
-        return {**record.to_dict(), "build_s": build_s, "record": record}
+        return {**record.to_dict(), "build_s": build_s, "record": record, "engine_stats": engine.stats()}
     finally:
         engine.close()
         del engine
@@ -67,6 +70,16 @@ def main() -> None:
         for tp in (1, 2):
             results[f"llama2-7b tp{tp} latency-1"] = run(f"llama2-7b tp{tp} latency-1", "latency-1", 1,
                                                          model="llama2-7b", tensor_parallel_size=tp)
+    if "spec" in parts:
+        base = run("llama2-70b tp2 latency-1", "latency-1", 1, model="llama2-70b", tensor_parallel_size=2)
+        spec = run("llama2-70b tp2 speculative, draft llama2-7b, K=4, latency-1", "latency-1", 1, model="llama2-70b",
+                   tensor_parallel_size=2, decoding="speculative", draft="llama2-7b", num_speculative_tokens=4)
+        results["llama2-70b tp2 latency-1"], results["llama2-70b tp2 speculative llama2-7b"] = base, spec
+        stats, steps = spec["engine_stats"], max(spec["steps"], 1)
+        print(f"70b/7b speculative at tp 2: target step {base['tpot_p50_s'] * 1e3:.2f} ms, per spec step: draft K=4 "
+              f"{stats.get('spec_draft_s', 0) / steps * 1e3:.2f} ms, verify {stats.get('spec_verify_s', 0) / steps * 1e3:.2f} ms; "
+              f"acceptance {stats.get('acceptance_rate')}; {spec['output_tokens_per_s']:.1f} vs "
+              f"{base['output_tokens_per_s']:.1f} output tok/s", flush=True)
 
     print()
     print(format_table([r.pop("record") for r in results.values()]))

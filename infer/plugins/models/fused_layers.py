@@ -63,12 +63,16 @@ class FusedSiluAndMul(nn.Module):
 class FusedLinear(plain.Linear):
     capabilities = CAPS
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if x.dim() == 2 and x.shape[0] == 1 and self.bias is None:
+    @staticmethod
+    def matmul(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+        if x.dim() == 2 and x.shape[0] == 1:
             from infer.plugins.models.triton_gemv import gemv
 
-            return gemv(x, self.weight)
-        return super().forward(x)
+            return gemv(x, weight)
+        return torch.nn.functional.linear(x, weight)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.matmul(x, self.weight) if self.bias is None else super().forward(x)
 
 
 @hookimpl

@@ -91,6 +91,11 @@ class Linear(nn.Linear):
     def __init__(self, in_features: int, out_features: int, bias: bool = False) -> None:
         super().__init__(in_features, out_features, bias=bias)
 
+    @staticmethod
+    def matmul(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+        """x [T, in] @ weight [out, in].T: what tensor-parallel projections holding a shard call."""
+        return F.linear(x, weight)
+
 
 def default_layers() -> Layers:
     return Layers(rms_norm=RMSNorm, rotary_embedding=RotaryEmbedding, silu_and_mul=SiluAndMul, linear=Linear)

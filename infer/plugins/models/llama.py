@@ -50,6 +50,11 @@ _FUSED = {  # HF name piece -> (our name piece, shard index)
 }
 
 
+def tp_matmul(layers: Layers) -> Any:
+    """The chosen linear layer's matmul for the tensor-parallel projections (F.linear when it has none)."""
+    return getattr(layers.linear, "matmul", torch.nn.functional.linear)
+
+
 class LlamaAttention(nn.Module):
     def __init__(
         self, config: ModelConfig, layers: Layers, attention: AttentionBackend, parallel: ParallelState | None = None
@@ -65,7 +70,7 @@ class LlamaAttention(nn.Module):
             self.qkv_proj = layers.linear(config.hidden_size, self.q_size + 2 * self.kv_size)
             self.o_proj = layers.linear(self.q_size, config.hidden_size)
         else:
-            self.qkv_proj, self.o_proj = tp.attention_projections(config, parallel)
+            self.qkv_proj, self.o_proj = tp.attention_projections(config, parallel, tp_matmul(layers))
         self.rotary = layers.rotary_embedding(
             self.head_dim, config.max_position_embeddings, config.rope_theta, config.rope_scaling
         )
@@ -89,7 +94,7 @@ class LlamaMLP(nn.Module):
             self.gate_up_proj = layers.linear(config.hidden_size, 2 * config.intermediate_size)
             self.down_proj = layers.linear(config.intermediate_size, config.hidden_size)
         else:
-            self.gate_up_proj, self.down_proj = tp.mlp_projections(config, parallel)
+            self.gate_up_proj, self.down_proj = tp.mlp_projections(config, parallel, tp_matmul(layers))
         self.act = layers.silu_and_mul()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -132,7 +137,7 @@ class Llama(nn.Module):
         if parallel is None:
             self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
         else:
-            self.embed_tokens = tp.VocabParallelEmbedding(config.vocab_size, config.hidden_size, parallel)
+            self.embed_tokens = tp.VocabParallelEmbedding(config.vocab_size, config.hidden_size, parallel, tp_matmul(layers))
         self.layers = nn.ModuleList(
             LlamaDecoderLayer(config, layers, attention, parallel) for _ in range(config.num_layers)
         )
@@ -141,7 +146,7 @@ class Llama(nn.Module):
         if not config.tie_word_embeddings:
             self.lm_head = (
                 layers.linear(config.hidden_size, config.vocab_size) if parallel is None
-                else tp.ParallelLMHead(config.vocab_size, config.hidden_size, parallel)
+                else tp.ParallelLMHead(config.vocab_size, config.hidden_size, parallel, tp_matmul(layers))
             )
 
     def forward(

@@ -25,6 +25,8 @@ from torch import nn
 from infer.core.config import ModelConfig
 from infer.core.distributed import ParallelState
 
+Matmul = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]  # (x [T, in], weight [out, in]) -> [T, out]
+
 
 @dataclass(frozen=True, slots=True)
 class Shard:
@@ -76,34 +78,37 @@ def split(size: int, parallel: ParallelState) -> tuple[int, int]:
 class ColumnParallelLinear(nn.Module):
     """y_r = x W_r^T: this rank's output rows; the output stays split across ranks."""
 
-    def __init__(self, in_features: int, shard: Shard) -> None:
+    def __init__(self, in_features: int, shard: Shard, matmul: Matmul = F.linear) -> None:
         super().__init__()
         self.shard = shard
+        self.matmul = matmul
         self.weight = nn.Parameter(torch.empty(shard.local_size, in_features))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return F.linear(x, self.weight)
+        return self.matmul(x, self.weight)
 
 
 class RowParallelLinear(nn.Module):
     """y = sum_r x_r W_r^T: this rank's input columns, then one all-reduce."""
 
-    def __init__(self, out_features: int, shard: Shard, parallel: ParallelState) -> None:
+    def __init__(self, out_features: int, shard: Shard, parallel: ParallelState, matmul: Matmul = F.linear) -> None:
         super().__init__()
         self.shard = shard
         self.parallel = parallel
+        self.matmul = matmul
         self.weight = nn.Parameter(torch.empty(out_features, shard.local_size))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.parallel.all_reduce(F.linear(x, self.weight))
+        return self.parallel.all_reduce(self.matmul(x, self.weight))
 
 
 class VocabParallelEmbedding(nn.Module):
     """Rows [start, start + num_local) of the [vocab, hidden] table; as the LM head, the same slice
     of the logits."""
 
-    def __init__(self, vocab_size: int, hidden_size: int, parallel: ParallelState) -> None:
+    def __init__(self, vocab_size: int, hidden_size: int, parallel: ParallelState, matmul: Matmul = F.linear) -> None:
         super().__init__()
+        self.matmul = matmul  # for the logits
         per_rank = -(-vocab_size // parallel.world_size)
         self.vocab_size = vocab_size
         self.start = parallel.rank * per_rank
@@ -121,31 +126,35 @@ class VocabParallelEmbedding(nn.Module):
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         # hidden: [R, hidden] -> [R, vocab] float32 (complete on rank 0)
-        return self.parallel.gather_columns(F.linear(hidden, self.weight))[:, : self.vocab_size].float()
+        return self.parallel.gather_columns(self.matmul(hidden, self.weight))[:, : self.vocab_size].float()
 
 
 class ParallelLMHead(VocabParallelEmbedding):
     """An untied LM head: the same vocab-parallel [vocab, hidden] weight, used through `logits`."""
 
 
-def attention_projections(config: ModelConfig, parallel: ParallelState) -> tuple[ColumnParallelLinear, RowParallelLinear]:
+def attention_projections(
+    config: ModelConfig, parallel: ParallelState, matmul: Matmul = F.linear
+) -> tuple[ColumnParallelLinear, RowParallelLinear]:
     """qkv_proj (this rank's q, k and v heads, fused) and o_proj (the matching input columns)."""
     d = config.head_dim
     heads = parallel.heads(config.num_heads, config.num_kv_heads)
     q_full, kv_full = config.num_heads * d, config.num_kv_heads * d
     q = (heads.q_start * d, heads.num_heads * d)
     kv = (heads.kv_start * d, heads.num_kv_heads * d)  # the same KV head on several ranks when replicated
-    qkv_proj = ColumnParallelLinear(config.hidden_size, Shard(0, (q_full, kv_full, kv_full), (q, kv, kv)))
-    o_proj = RowParallelLinear(config.hidden_size, Shard(1, (q_full,), (q,)), parallel)
+    qkv_proj = ColumnParallelLinear(config.hidden_size, Shard(0, (q_full, kv_full, kv_full), (q, kv, kv)), matmul)
+    o_proj = RowParallelLinear(config.hidden_size, Shard(1, (q_full,), (q,)), parallel, matmul)
     return qkv_proj, o_proj
 
 
-def mlp_projections(config: ModelConfig, parallel: ParallelState) -> tuple[ColumnParallelLinear, RowParallelLinear]:
+def mlp_projections(
+    config: ModelConfig, parallel: ParallelState, matmul: Matmul = F.linear
+) -> tuple[ColumnParallelLinear, RowParallelLinear]:
     """gate_up_proj (this rank's slice of gate and of up, fused) and down_proj (the same slice of its input)."""
     width = config.intermediate_size
     part = split(width, parallel)
-    gate_up_proj = ColumnParallelLinear(config.hidden_size, Shard(0, (width, width), (part, part)))
-    down_proj = RowParallelLinear(config.hidden_size, Shard(1, (width,), (part,)), parallel)
+    gate_up_proj = ColumnParallelLinear(config.hidden_size, Shard(0, (width, width), (part, part)), matmul)
+    down_proj = RowParallelLinear(config.hidden_size, Shard(1, (width,), (part,)), parallel, matmul)
     return gate_up_proj, down_proj
 
 
