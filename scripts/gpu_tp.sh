@@ -19,7 +19,8 @@ fi
 export PYTHONPATH=$PWD:/tmp/site${PYTHONPATH:+:$PYTHONPATH}
 export PATH=/tmp/site/bin:$PATH
 nvidia-smi --query-gpu=index,name,memory.total --format=csv,noheader
-python3 - "$OUT/tp-${*// /-}.json" "${TP_REQUESTS:-200}" ${*:-70b 7b} <<'EOF' 2>&1 | tee "$OUT/tp-${*// /-}.log"
+# spawned ranks re-import the main module, so it must be a file, not stdin
+cat > /tmp/infer_gpu_tp.py <<'EOF'
 import gc
 import json
 import sys
@@ -41,19 +42,28 @@ if torch.cuda.device_count() < 2:
 
 
 def run(label: str, workload: str, num_prompts: int, **options) -> dict:
+    return run_many([(label, workload, num_prompts)], **options)[0]
+
+
+def run_many(jobs: list, **options) -> list:
+    """One engine, warmed up, then each (label, workload, num_prompts) job timed in turn."""
     started = time.perf_counter()
     engine = Engine.from_config(EngineConfig(load_format="dummy", **options))
     build_s = time.perf_counter() - started
+    results = []
     try:
         vocab = engine.parts.vocab_size
-        warm = load_workload(workload, vocab, 4, 8, seed=1)
-        run_workload(engine, warm, SamplingParams(temperature=0), "warmup")
-        engine.num_steps = 0
-        engine.decoder_totals.clear()  # count the measured run only
-        record, _ = run_workload(engine, load_workload(workload, vocab, num_prompts, None, seed=0), SamplingParams(temperature=0), label)
-        print(f"{label}: built in {build_s:.0f} s, {record.output_tokens_per_s:.1f} output tok/s, "
-              f"TPOT p50 {record.tpot_p50_s * 1e3:.2f} ms, KV blocks {engine.parts.describe['kv_blocks']}", flush=True)
-        return {**record.to_dict(), "build_s": build_s, "record": record, "engine_stats": engine.stats()}
+        for label, workload, num_prompts in jobs:
+            warm = load_workload(workload, vocab, 4, 8, seed=1)
+            run_workload(engine, warm, SamplingParams(temperature=0), "warmup")
+            engine.num_steps = 0
+            engine.decoder_totals.clear()  # count the measured run only
+            record, _ = run_workload(engine, load_workload(workload, vocab, num_prompts, None, seed=0),
+                                     SamplingParams(temperature=0), label)
+            print(f"{label}: built in {build_s:.0f} s, {record.output_tokens_per_s:.1f} output tok/s, "
+                  f"TPOT p50 {record.tpot_p50_s * 1e3:.2f} ms, KV blocks {engine.parts.describe['kv_blocks']}", flush=True)
+            results.append({**record.to_dict(), "build_s": build_s, "record": record, "engine_stats": engine.stats()})
+        return results
     finally:
         engine.close()
         del engine
@@ -63,15 +73,21 @@ def run(label: str, workload: str, num_prompts: int, **options) -> dict:
 
 def main() -> None:
     results: dict[str, dict] = {}
-    if "70b" in parts:
+    if "70b" in parts and "spec" not in parts:
         results["llama2-70b tp2 sharegpt-like"] = run("llama2-70b tp2 sharegpt-like", "sharegpt-like", num_requests,
                                                       model="llama2-70b", tensor_parallel_size=2)
     if "7b" in parts:
         for tp in (1, 2):
             results[f"llama2-7b tp{tp} latency-1"] = run(f"llama2-7b tp{tp} latency-1", "latency-1", 1,
                                                          model="llama2-7b", tensor_parallel_size=tp)
-    if "spec" in parts:
-        base = run("llama2-70b tp2 latency-1", "latency-1", 1, model="llama2-70b", tensor_parallel_size=2)
+    if "spec" in parts:  # the 70b engine once: latency-1, then sharegpt-like when "70b" is asked too
+        jobs = [("llama2-70b tp2 latency-1", "latency-1", 1)]
+        if "70b" in parts:
+            jobs.append(("llama2-70b tp2 sharegpt-like", "sharegpt-like", num_requests))
+        done = run_many(jobs, model="llama2-70b", tensor_parallel_size=2)
+        base = done[0]
+        if "70b" in parts:
+            results["llama2-70b tp2 sharegpt-like"] = done[1]
         spec = run("llama2-70b tp2 speculative, draft llama2-7b, K=4, latency-1", "latency-1", 1, model="llama2-70b",
                    tensor_parallel_size=2, decoding="speculative", draft="llama2-7b", num_speculative_tokens=4)
         results["llama2-70b tp2 latency-1"], results["llama2-70b tp2 speculative llama2-7b"] = base, spec
@@ -101,3 +117,4 @@ def main() -> None:
 if __name__ == "__main__":  # the ranks are spawned: they must not run this again
     main()
 EOF
+python3 /tmp/infer_gpu_tp.py "$OUT/tp-${*// /-}.json" "${TP_REQUESTS:-200}" ${*:-70b 7b} 2>&1 | tee "$OUT/tp-${*// /-}.log"
