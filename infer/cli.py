@@ -43,6 +43,8 @@ ENGINE_OPTIONS: list[Callable[[Callable[..., Any]], Callable[..., Any]]] = [
     click.option("--num-speculative-tokens", type=int, default=4, show_default=True, help="Draft tokens verified per request per step."),
     click.option("--exit-layer", type=int, default=None, help="Decoder layers kept by --decoding early-exit or --draft self."),
     click.option("--cuda-graphs/--no-cuda-graphs", default=True, show_default=True),
+    click.option("--pipeline-decode/--no-pipeline-decode", default=None,
+                 help="Queue each decode step's forward before the step before's tokens reach the host (default: on CUDA)."),
     click.option("--seed", type=int, default=0, show_default=True),
 ]
 

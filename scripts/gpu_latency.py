@@ -16,7 +16,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from infer.bench.ceilings import copy_bandwidth
+from infer.bench.ceilings import copy_bandwidth, kv_bytes_per_token
 from infer.bench.report import run_workload
 from infer.bench.workloads import Workload
 from infer.core.config import EngineConfig
@@ -120,11 +120,12 @@ def host_profile(engine: Engine, wl: Workload, top: int = 30) -> str:
     return text
 
 
-def latency(model: str, tokens: int, linear: str, bw: float, profile_kernels: bool) -> dict[str, Any]:
+def latency(model: str, tokens: int, linear: str, bw: float, profile_kernels: bool, pipeline: bool = True) -> dict[str, Any]:
     saved = fused_layers.FusedLinear.forward
     if linear == "cublas":
         fused_layers.FusedLinear.forward = torch.nn.Linear.forward
-    engine = Engine.from_config(EngineConfig(model=model, load_format="dummy", dtype="bfloat16", kv_cache_memory_gib=4.0))
+    engine = Engine.from_config(EngineConfig(model=model, load_format="dummy", dtype="bfloat16", kv_cache_memory_gib=4.0,
+                                             pipeline_decode=pipeline))
     try:
         import random
 
@@ -133,7 +134,7 @@ def latency(model: str, tokens: int, linear: str, bw: float, profile_kernels: bo
         warm = Workload("warm", [[rng.randrange(10, vocab) for _ in range(64)]], [8], ignore_eos=True)
         run_workload(engine, warm, SamplingParams(temperature=0), "warmup")
         wl = Workload("latency-1", [[rng.randrange(10, vocab) for _ in range(128)]], [tokens], ignore_eos=True)
-        record, _ = run_workload(engine, wl, SamplingParams(temperature=0), f"latency-{linear}")
+        record, _ = run_workload(engine, wl, SamplingParams(temperature=0), f"latency-{linear}-pipeline-{pipeline}")
         out = record.to_dict()
         graph = engine.decoder.runner.graphs.graphs[1][0]
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
@@ -145,11 +146,15 @@ def latency(model: str, tokens: int, linear: str, bw: float, profile_kernels: bo
         torch.cuda.synchronize()
         replay = start.elapsed_time(end) / 1e3 / 50
         weights = sum(p.numel() * p.element_size() for p in engine.decoder.runner.model.parameters())
-        out.update(linear=linear, graph_replay_s=replay, weight_bytes=weights,
-                   graph_mbu=weights / replay / bw, mbu=weights / out["tpot_p50_s"] / bw)
-        print(f"latency-1 {model} linear={linear}: TPOT p50 {out['tpot_p50_s'] * 1e3:.3f} ms (MBU {out['mbu']:.1%}), "
+        mc = engine.parts.model_config
+        kv = kv_bytes_per_token(mc.num_layers, mc.num_kv_heads, mc.head_dim, torch.bfloat16) * (128 + tokens // 2)
+        step_bytes = weights + kv  # BENCHMARKS.md: weight bytes + KV bytes read per step (mean context)
+        out.update(linear=linear, pipeline=pipeline, graph_replay_s=replay, weight_bytes=weights, kv_bytes=kv,
+                   graph_mbu=step_bytes / replay / bw, mbu=step_bytes / out["tpot_p50_s"] / bw,
+                   pipeline_hits=engine.decoder.runner.pipeline_hits, pipeline_misses=engine.decoder.runner.pipeline_misses)
+        print(f"latency-1 {model} linear={linear} pipeline={pipeline}: TPOT p50 {out['tpot_p50_s'] * 1e3:.3f} ms (MBU {out['mbu']:.1%}), "
               f"graph replay {replay * 1e3:.3f} ms (MBU {out['graph_mbu']:.1%}), host share "
-              f"{(out['tpot_p50_s'] - replay) * 1e3:.3f} ms", flush=True)
+              f"{(out['tpot_p50_s'] - replay) * 1e3:.3f} ms; pipelined steps {out['pipeline_hits']}, missed {out['pipeline_misses']}", flush=True)
         if profile_kernels:
             out["kernels"] = kernel_profile(engine)
             out["host_profile"] = host_profile(engine, wl)
@@ -166,8 +171,9 @@ def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--out", default="latency.json")
     parser.add_argument("--model", default="llama2-7b")
-    parser.add_argument("--tokens", type=int, default=128)
+    parser.add_argument("--tokens", type=int, default=256)
     parser.add_argument("--skip-gemv", action="store_true")
+    parser.add_argument("--skip-cublas", action="store_true", help="skip the cuBLAS-linear baseline engine")
     args = parser.parse_args()
     started = time.time()
     bw = copy_bandwidth(torch.device("cuda"))
@@ -175,8 +181,9 @@ def main() -> None:
     result: dict[str, Any] = {"device": torch.cuda.get_device_name(), "copy_bandwidth": bw}
     if not args.skip_gemv:
         result["gemv"] = gemv_table(bw)
-    result["latency"] = [latency(args.model, args.tokens, "cublas", bw, True),
-                         latency(args.model, args.tokens, "triton", bw, True)]
+    result["latency"] = [] if args.skip_cublas else [latency(args.model, args.tokens, "cublas", bw, False, pipeline=False)]
+    result["latency"] += [latency(args.model, args.tokens, "triton", bw, False, pipeline=False),
+                          latency(args.model, args.tokens, "triton", bw, True, pipeline=True)]
     result["seconds"] = time.time() - started
     with open(args.out, "w") as f:
         json.dump(result, f, indent=1, default=str)

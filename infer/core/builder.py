@@ -167,6 +167,17 @@ def build_engine(config: EngineConfig, extra_plugins: Iterable[Any] = (), parall
             null_block=num_blocks, device=device, num_layers=runner.num_layers,
         )
         runner.graphs.capture()
+    pipeline = config.pipeline_decode if config.pipeline_decode is not None else device.type == "cuda"
+    runner.pipeline = (
+        pipeline and parallel.world_size == 1
+        and attention.capabilities.pipeline_safe and composition.decoder.capabilities.pipeline_safe
+    )
+    def next_batch_predictable() -> bool:  # nobody can be admitted next step: the batch only shrinks
+        running = getattr(scheduler, "running", None)
+        return not getattr(scheduler, "waiting", ()) or (running is not None and len(running) >= config.max_num_seqs)
+
+    runner.next_batch_predictable = next_batch_predictable
+    runner.claim_slots = allocator.allocate_slots  # the block the forward queued ahead writes into, when new
     detokenizer = composition.detokenizer.factory(tokenizer) if tokenizer is not None else None
 
     eos = set(model_config.eos_token_ids)

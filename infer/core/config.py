@@ -52,6 +52,7 @@ class EngineConfig:
     max_model_len: int | None = None  # default: the model's context length
     seed: int = 0  # seeds dummy weights and unseeded sampling
     cuda_graphs: bool = True
+    pipeline_decode: bool | None = None  # queue the next decode forward before this step's tokens reach the host; None: on CUDA
     tensor_parallel_size: int = 1
     draft: str | None = None  # draft model for speculative decoding
     num_speculative_tokens: int = 4

@@ -5,7 +5,10 @@ the GPU needs to run them at small batch. Capturing the whole forward (embedding
 per bucket turns a step into a handful of host-to-device copies and one replay.
 
 Inputs live in static buffers; every step copies its values in (two H2D copies: one int64 and
-one int32 staging buffer). Padded rows read and write only the null block, a spare KV block that
+one int32 staging buffer, the block-table rows of the sequences in use only). The pinned staging
+buffers come in pairs used in turn: with decode pipelining the next step is filled while the
+copy of this one may still be queued. A step's token ids may instead come from a device tensor
+(the tokens the step before sampled, not yet on the host). Padded rows read and write only the null block, a spare KV block that
 the allocator never hands out. The attention backend must be graph-safe (`cuda_graph_safe`): its
 `plan` may do host work but the kernels it launches must read the batch only through the static
 tensors and use fixed grids for a given batch size.
@@ -49,8 +52,11 @@ class CudaGraphRunner:
         # int64: input_ids | positions | slot_mapping ; int32: seq_lens | cu_seqlens | block_tables
         self.i64 = torch.zeros(3 * b, dtype=torch.int64, device=device)
         self.i32 = torch.zeros(b + (b + 1) + b * w, dtype=torch.int32, device=device)
-        self.i64_host = torch.zeros(3 * b, dtype=torch.int64).pin_memory()
-        self.i32_host = torch.zeros(b + (b + 1) + b * w, dtype=torch.int32).pin_memory()
+        self.staging = [
+            (torch.zeros(3 * b, dtype=torch.int64).pin_memory(), torch.zeros(b + (b + 1) + b * w, dtype=torch.int32).pin_memory())
+            for _ in range(2)
+        ]
+        self.turn = 0
         self.graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
         self.pool: Any = None
 
@@ -70,14 +76,20 @@ class CudaGraphRunner:
             slot_mapping=slots, positions=pos,
         )
 
-    def _fill(self, n: int, token_ids: list[int], seq_lens: list[int], tables: list[list[int]]) -> None:
+    def _fill(self, n: int, token_ids: list[int], seq_lens: list[int], tables: list[list[int]],
+              ids: torch.Tensor | None = None) -> None:
         b, w, bs = self.max_batch, self.max_blocks, self.block_size
-        num_real = len(token_ids)
+        num_real = len(seq_lens) if ids is None else ids.shape[0]
+        if ids is None:
+            assert len(token_ids) == num_real
+        else:
+            token_ids = [0] * num_real  # the device tensor overwrites these
         pad = n - num_real
         seq_lens = seq_lens + [1] * pad
         positions = [s - 1 for s in seq_lens]
         slots = [t[p // bs] * bs + p % bs for t, p in zip(tables, positions)] + [self.null_block * bs] * pad
-        h64, h32 = self.i64_host, self.i32_host
+        self.turn ^= 1
+        h64, h32 = self.staging[self.turn]
         h64[:n] = torch.tensor(token_ids + [0] * pad)
         h64[b : b + n] = torch.tensor(positions)
         h64[2 * b : 2 * b + n] = torch.tensor(slots)
@@ -88,7 +100,10 @@ class CudaGraphRunner:
         rows = [t + [self.null_block] * (width - len(t)) for t in tables] + [[self.null_block] * width] * pad
         h32[2 * b + 1 : 2 * b + 1 + b * w].view(b, w)[:n, :width] = torch.tensor(rows, dtype=torch.int32)
         self.i64.copy_(h64, non_blocking=True)
-        self.i32.copy_(h32, non_blocking=True)
+        used = 2 * b + 1 + n * w
+        self.i32[:used].copy_(h32[:used], non_blocking=True)
+        if ids is not None:
+            self.i64[:num_real].copy_(ids)
 
     def _forward(self, n: int) -> torch.Tensor:
         ids, pos, *_ = self._views(n)
@@ -116,11 +131,13 @@ class CudaGraphRunner:
     def can_run(self, num_seqs: int) -> bool:
         return 0 < num_seqs <= self.max_batch
 
-    def run(self, token_ids: list[int], seq_lens: list[int], tables: list[list[int]]) -> torch.Tensor:
-        """Decode one token for each sequence; returns logits [len(token_ids), vocab]."""
-        num_real = len(token_ids)
+    def run(self, token_ids: list[int], seq_lens: list[int], tables: list[list[int]],
+            ids: torch.Tensor | None = None) -> torch.Tensor:
+        """Decode one token for each sequence; returns logits [len(seq_lens), vocab]. `ids`: the
+        token ids as a device tensor instead of `token_ids`."""
+        num_real = len(seq_lens)
         n = self.buckets[bisect.bisect_left(self.buckets, num_real)]
-        self._fill(n, token_ids, seq_lens, tables)
+        self._fill(n, token_ids, seq_lens, tables, ids)
         padded = tables + [[self.null_block]] * (n - num_real)
         self.attention.plan(self._batch(n, seq_lens + [1] * (n - num_real), padded))
         graph, logits = self.graphs[n]

@@ -29,6 +29,10 @@ class Capabilities:
     dtypes: frozenset[torch.dtype] | None = None  # None: any dtype
     block_sizes: frozenset[int] | None = None  # None: any KV block size
     cuda_graph_safe: bool = False  # decode step may be captured in a CUDA graph
+    # decode pipelining. attention: plan() for the next step may run while the step before is still
+    # queued (it writes no host memory that queued copies still read); decoder: its steps go through
+    # ModelRunner.execute, one token per sequence
+    pipeline_safe: bool = False
     needs_draft: bool = False  # decoder: requires --draft
     lossy: bool = False  # decoder: changes the outputs (early exit); the run report says so
     distributed: bool = True  # works under tensor parallelism
@@ -46,6 +50,8 @@ class Capabilities:
             parts.append("block_sizes=" + ",".join(map(str, sorted(self.block_sizes))))
         if self.cuda_graph_safe:
             parts.append("cuda-graphs")
+        if self.pipeline_safe:
+            parts.append("pipelined-decode")
         if self.needs_draft:
             parts.append("needs-draft")
         if self.lossy:
@@ -374,6 +380,9 @@ class Sampler(Protocol):
         positions: list[int] | None = None,
     ) -> SamplerOutput: ...
 
+    # Optional, lets the runner pipeline decode steps (launch step N+1 before step N's tokens reach
+    # the host): sample_tokens(logits, requests, positions) -> [B] int64 tensor on the device, the
+    # tokens `sample` would return, queued without a host sync; or None for a batch it cannot serve.
     # Optional, needed by speculative decoding to verify draft tokens:
     # probs(logits [B, V], requests, positions) -> [B, V]: the distribution `sample` draws row i
     #   from (penalties, temperature, min-p, top-k, top-p applied; one-hot at the argmax when greedy)

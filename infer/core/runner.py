@@ -1,8 +1,21 @@
-"""ModelRunner: a scheduled step -> attention metadata -> model forward -> logits -> sampler."""
+"""ModelRunner: a scheduled step -> attention metadata -> model forward -> logits -> sampler.
+
+Decode pipelining. A decode step's host work (the sampled ids' trip to the host, the scheduler,
+the step's metadata) would leave the GPU idle between forwards. When every sequence of a step
+only decodes and the sampler can leave its tokens on the device (`sample_tokens`), the runner
+queues the next forward right after the sampling kernels, fed by the sampled ids on the device
+(`_Ahead`), and only then waits for this step's ids. The next `execute` takes the rows of that
+forward for the sequences it was given when each one is exactly what was predicted (same token at
+the same position, the same blocks), and runs the step itself otherwise. Nothing else changes:
+the scheduler, sampler and output see the same steps in the same order, so the tokens are the
+ones the unpipelined engine makes. A forward run ahead for a sequence that then stops writes only
+into the next slot of a block that sequence owns alone, which nothing reads before it is written
+again.
+"""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -30,16 +43,29 @@ class ForwardSeq:
 
 
 @dataclass(slots=True)
+class _Ahead:
+    """A decode forward queued before its inputs reached the host: sequence i computes position
+    `positions[i]` of `requests[i]` from the token sampled on the device at the step before."""
+
+    requests: list[Request]
+    positions: list[int]
+    blocks: list[list[int]]  # block table prefix in use, per sequence, when it was queued
+    logits: torch.Tensor  # [len(requests), vocab] float32, filled once the forward runs
+    tokens: list[int] = field(default_factory=list)  # the input tokens, once known on the host
+
+
+@dataclass(slots=True)
 class StepInputs:
     """One forward's flat inputs. Under tensor parallelism rank 0 broadcasts these and every rank runs them."""
 
-    input_ids: list[int]  # [T], sequences one after another
+    input_ids: list[int]  # [T], sequences one after another (ignored where input_ids_t is given)
     query_lens: list[int]  # seq i -> tokens computed
     seq_lens: list[int]  # seq i -> tokens in the cache after this forward
     block_tables: list[list[int]]  # seq i -> block ids
     logits_rows: list[int]  # which of the T tokens get logits, in order
     num_layers: int | None  # run only the first layers (early exit, self-draft); None: all
     use_graphs: bool  # a decode-only step replayed from a CUDA graph
+    input_ids_t: torch.Tensor | None = None  # [T] int64 on the device: the ids, not yet on the host
 
 
 class ModelRunner:
@@ -61,14 +87,22 @@ class ModelRunner:
         self.device = device
         self.num_layers = num_layers
         self.graphs: Any = None  # a CudaGraphRunner for decode-only steps, when enabled
+        self.pipeline = False  # queue the next decode forward before this step's tokens reach the host
+        self.next_batch_predictable: Any = lambda: True  # set by the builder: the scheduler admits nobody
+        self.claim_slots: Any = None  # set by the builder: the allocator's allocate_slots(request, num_tokens)
+        self._ahead: _Ahead | None = None
+        self._tokens_host: torch.Tensor | None = None  # pinned landing buffer for sampled ids
+        self.pipeline_hits = 0  # steps served by a forward queued ahead
+        self.pipeline_misses = 0  # forwards queued ahead and not used
 
     @torch.inference_mode()
-    def forward(self, seqs: list[ForwardSeq]) -> torch.Tensor:
-        """Run the model over `seqs` (decodes first); returns logits [sum(logits_rows), vocab] float32."""
+    def forward(self, seqs: list[ForwardSeq], input_ids_t: torch.Tensor | None = None) -> torch.Tensor:
+        """Run the model over `seqs` (decodes first); returns logits [sum(logits_rows), vocab] float32.
+        `input_ids_t`: the step's ids as a device tensor (decode pipelining; seqs' token_ids unused)."""
         use_graphs = self.graphs is not None and self.graphs.can_run(len(seqs)) and all(
             len(s.token_ids) == 1 and s.logits_rows == 1 for s in seqs
         )
-        step = StepInputs([], [], [], [], [], self.num_layers, use_graphs)
+        step = StepInputs([], [], [], [], [], self.num_layers, use_graphs, input_ids_t)
         for seq in seqs:
             step.input_ids.extend(seq.token_ids)
             step.query_lens.append(len(seq.token_ids))
@@ -84,10 +118,10 @@ class ModelRunner:
     def run(self, step: StepInputs) -> torch.Tensor:
         """The forward itself (every tensor-parallel rank runs this): logits [len(logits_rows), vocab] float32."""
         if step.use_graphs:
-            return self.graphs.run(step.input_ids, step.seq_lens, step.block_tables)
+            return self.graphs.run(step.input_ids, step.seq_lens, step.block_tables, step.input_ids_t)
         batch = AttentionBatch.build(step.query_lens, step.seq_lens, step.block_tables, self.block_size, self.device)
         self.attention.plan(batch)
-        ids = torch.tensor(step.input_ids, dtype=torch.int64, device=self.device)
+        ids = step.input_ids_t if step.input_ids_t is not None else torch.tensor(step.input_ids, dtype=torch.int64, device=self.device)
         hidden = self.model.forward(ids, batch.positions, self.kv_caches, step.num_layers)  # [T, hidden]
         if not step.logits_rows:
             return hidden.new_empty(0, 0, dtype=torch.float32)
@@ -99,12 +133,22 @@ class ModelRunner:
             r, start = s.request, s.request.num_computed_tokens
             tokens = [r.token_at(start)] if s.num_new_tokens == 1 else r.all_token_ids[start : start + s.num_new_tokens]
             seqs.append(ForwardSeq(r, tokens, start, 1 if s.samples else 0))
+        ahead, self._ahead = self._ahead, None
         if not seqs:
+            self.pipeline_misses += ahead is not None
             return StepResult(sampled={})
-        logits = self.forward(seqs)
+        logits = self._take(ahead, seqs) if ahead is not None else None
+        if logits is None:
+            self.pipeline_misses += ahead is not None
+            logits = self.forward(seqs)
+        else:
+            self.pipeline_hits += 1
         sampled_requests = [s.request for s in seqs if s.logits_rows]
         if not sampled_requests:
             return StepResult(sampled={})
+        token_ids = self._sample_pipelined(logits, seqs) if self.pipeline else None
+        if token_ids is not None:
+            return StepResult(sampled={r.request_id: [t] for r, t in zip(sampled_requests, token_ids)})
         result = self.sampler.sample(logits, sampled_requests)
         sampled = {r.request_id: [t] for r, t in zip(sampled_requests, result.token_ids)}
         logprobs = {}
@@ -113,3 +157,88 @@ class ModelRunner:
                 r.request_id: [lp] for r, lp in zip(sampled_requests, result.logprobs) if r.params.logprobs is not None
             }
         return StepResult(sampled=sampled, logprobs=logprobs)
+
+    # ------------------------------------------------------------------ decode pipelining
+
+    def _sample_pipelined(self, logits: torch.Tensor, seqs: list[ForwardSeq]) -> list[int] | None:
+        """Sample on the device, queue the next forward for the sequences that will go on, then wait
+        for this step's ids. None when this step cannot (a prefill in it, logprobs, no support)."""
+        sample_tokens = getattr(self.sampler, "sample_tokens", None)
+        if sample_tokens is None or getattr(self.model, "mirror", None) is not None:
+            return None  # tensor parallel: the other ranks need the ids on the host first
+        if not all(len(s.token_ids) == 1 and s.logits_rows == 1 for s in seqs):
+            return None
+        requests = [s.request for s in seqs]
+        tokens = sample_tokens(logits, requests)
+        if tokens is None:
+            return None
+        if tokens.device.type != "cuda":  # nothing to overlap with: the ids are here already
+            token_ids = tokens.tolist()
+        else:
+            n = tokens.shape[0]
+            if self._tokens_host is None or self._tokens_host.shape[0] < n:
+                self._tokens_host = torch.empty(max(n, 256), dtype=torch.int64).pin_memory()
+            host = self._tokens_host[:n]
+            host.copy_(tokens, non_blocking=True)
+            ready = torch.cuda.Event()
+            ready.record()
+        if self.next_batch_predictable():
+            self._launch_ahead(seqs, tokens)
+        if tokens.device.type == "cuda":
+            ready.synchronize()  # this step's ids only: the forward queued ahead runs meanwhile
+            token_ids = host.tolist()
+        if self._ahead is not None:
+            by_request = {s.request.request_id: t for s, t in zip(seqs, token_ids)}
+            self._ahead.tokens = [by_request[r.request_id] for r in self._ahead.requests]
+        return token_ids
+
+    def _launch_ahead(self, seqs: list[ForwardSeq], tokens: torch.Tensor) -> None:
+        """Queue the next step's forward for the sequences that will decode again and whose next
+        slot is in a block they already hold."""
+        keep: list[int] = []
+        for i, s in enumerate(seqs):
+            r, pos = s.request, s.start + 1
+            if r.params.use_beam_search or r.is_finished:
+                continue
+            if len(r.output_token_ids) + 1 >= r.params.max_tokens:  # this step's token is its last
+                continue
+            if r.max_model_len and pos + 1 >= r.max_model_len:
+                continue
+            if pos // self.block_size >= len(r.block_ids) and not self._claim_block(r, pos):
+                continue
+            keep.append(i)
+        if not keep:
+            return
+        ids = tokens if len(keep) == len(seqs) else tokens[torch.tensor(keep, device=tokens.device)]
+        nexts = [ForwardSeq(seqs[i].request, [0], seqs[i].start + 1, 1) for i in keep]
+        logits = self.forward(nexts, input_ids_t=ids)
+        blocks = [list(f.request.block_ids[: f.start // self.block_size + 1]) for f in nexts]
+        self._ahead = _Ahead([f.request for f in nexts], [f.start for f in nexts], blocks, logits)
+
+    def _claim_block(self, request: Request, pos: int) -> bool:
+        """Take the fresh block that slot `pos` starts, as the scheduler would next step; False when
+        none is free or the allocator would first copy a block (the queued write would precede it)."""
+        if self.claim_slots is None:
+            return False
+        before = list(request.block_ids)
+        if self.claim_slots(request, pos + 1) is None:
+            return False
+        return request.block_ids[: len(before)] == before
+
+    def _take(self, ahead: _Ahead, seqs: list[ForwardSeq]) -> torch.Tensor | None:
+        """Rows of the forward queued ahead for `seqs`, when each one is exactly what it computed."""
+        index = {r.request_id: i for i, r in enumerate(ahead.requests)}
+        rows: list[int] = []
+        for s in seqs:
+            i = index.get(s.request.request_id)
+            if i is None or len(s.token_ids) != 1 or s.logits_rows != 1 or s.start != ahead.positions[i]:
+                return None
+            if not ahead.tokens or s.token_ids[0] != ahead.tokens[i]:
+                return None
+            blocks = ahead.blocks[i]
+            if s.request.block_ids[: len(blocks)] != blocks:
+                return None
+            rows.append(i)
+        if rows == list(range(len(ahead.requests))):
+            return ahead.logits
+        return ahead.logits[torch.tensor(rows, device=ahead.logits.device)]

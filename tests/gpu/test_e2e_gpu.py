@@ -96,3 +96,28 @@ def test_kv_management_does_not_change_greedy_tokens_on_gpu(opts):
     base, _ = run()
     got, stats = run(**opts)
     assert got == base, stats
+
+
+@pytest.mark.parametrize("max_num_seqs", [1, 16])
+def test_pipelined_decode_makes_the_same_tokens(max_num_seqs):
+    """Decode pipelining (the next forward queued from the sampled ids on the device, replayed from
+    a CUDA graph) against one step at a time: greedy tokens identical, requests stopping at
+    different steps. The eager path is covered on the CPU (tests/core/test_pipeline_decode.py)."""
+
+    def run(pipeline, params):
+        llm = LLM(model="smollm2-135m", load_format="dummy", max_model_len=2048, attention="paged-cuda",
+                  dtype="float32", max_num_seqs=max_num_seqs, pipeline_decode=pipeline)
+        outs = llm.generate(SHARED_PROMPTS, params)
+        runner = llm.engine.decoder.runner
+        hits = runner.pipeline_hits
+        llm.close()
+        return [o.outputs[0].token_ids for o in outs], hits
+
+    plain = SamplingParams(max_tokens=32, temperature=0, ignore_eos=True)
+    base, _ = run(False, plain)
+    stops = [SamplingParams(max_tokens=32, temperature=0, stop_token_ids=[t[4 + i % 7]]) for i, t in enumerate(base)]
+    for params in (plain, stops):
+        expected, _ = run(False, params)
+        got, hits = run(True, params)
+        assert got == expected
+        assert hits > 0

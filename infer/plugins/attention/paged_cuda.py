@@ -51,6 +51,7 @@ class PagedCudaAttention:
         dtypes=frozenset({torch.float16, torch.bfloat16, torch.float32}),
         block_sizes=frozenset({8, 16, 32, 64}),
         cuda_graph_safe=True,
+        pipeline_safe=True,
         priority=20,
         available=_available,
     )

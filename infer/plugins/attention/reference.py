@@ -23,7 +23,7 @@ def write_kv(kv_cache: KVCache, k: torch.Tensor, v: torch.Tensor, slot_mapping: 
 
 
 class TorchAttention:
-    capabilities = Capabilities(devices=frozenset({"cpu", "cuda"}), priority=0)
+    capabilities = Capabilities(devices=frozenset({"cpu", "cuda"}), pipeline_safe=True, priority=0)
 
     def __init__(self, spec: AttentionSpec) -> None:
         self.spec = spec

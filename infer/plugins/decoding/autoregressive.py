@@ -7,7 +7,7 @@ from infer.core.interfaces import Capabilities, DecoderContext, SchedulerOutput,
 
 
 class AutoregressiveDecoder:
-    capabilities = Capabilities(cuda_graph_safe=True)
+    capabilities = Capabilities(cuda_graph_safe=True, pipeline_safe=True)
     num_lookahead_tokens = 0
 
     def __init__(self, ctx: DecoderContext) -> None:

@@ -46,6 +46,21 @@ class VectorizedSampler:
             return SamplerOutput(token_ids=tokens.tolist())
         return _with_logprobs(tokens, logprobs, asked, num_logprobs)
 
+    def sample_tokens(
+        self,
+        logits: torch.Tensor,  # [B, V] float32
+        requests: list[Request],
+        positions: list[int] | None = None,
+    ) -> torch.Tensor | None:
+        """The token ids `sample` would return, as a [B] int64 tensor on the logits' device, queued
+        without waiting for the device (decode pipelining); None when the batch asks for logprobs."""
+        if any(r.params.logprobs is not None for r in requests):
+            return None
+        positions = rng.row_positions(logits, requests, positions)
+        work = logits.clone(memory_format=torch.contiguous_format)
+        apply_penalties_(work, requests)
+        return choose_tokens_(work, requests, positions)
+
     def probs(
         self,
         logits: torch.Tensor,  # [B, V] float32

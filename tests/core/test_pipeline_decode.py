@@ -1,0 +1,83 @@
+"""Decode pipelining (the next decode forward queued before this step's tokens reach the host) makes
+the same tokens as stepping one forward at a time: greedy and seeded sampling, requests stopping
+mid-batch (only some rows of the forward run ahead are used), preemption, prefix caching and n > 1.
+On the CPU the forward run ahead is computed at once, so these tests check the bookkeeping; the GPU
+suite checks the overlap."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+
+from infer import LLM, SamplingParams
+from infer.core.runner import ModelRunner
+
+rng = random.Random(0)
+PROMPTS = [[rng.randrange(3, 256) for _ in range(n)] for n in (5, 17, 9, 33, 2, 12, 24, 7)]
+
+
+def run(model_dir, prompts, params, **options):
+    with LLM(model=str(model_dir), device="cpu", dtype="float32", **options) as llm:
+        outs = llm.generate(prompts, params)
+        runner: ModelRunner = llm.engine.decoder.runner
+        return [o.outputs[0].token_ids for o in outs], runner.pipeline_hits, runner.pipeline_misses
+
+
+def stop_tokens_mid_run(model_dir, params):
+    """Per prompt, a token its greedy continuation emits part-way: requests then stop at different steps."""
+    tokens, _, _ = run(model_dir, PROMPTS, params, pipeline_decode=False)
+    return [SamplingParams(max_tokens=params.max_tokens, temperature=params.temperature, seed=params.seed,
+                           stop_token_ids=[t[3 + i % 5]]) for i, t in enumerate(tokens)]
+
+
+@pytest.mark.parametrize("options", [
+    {},
+    {"max_num_seqs": 1},
+    {"num_kv_blocks": 12, "block_size": 4, "max_num_seqs": 4},  # preemption
+    {"num_kv_blocks": 12, "block_size": 4, "max_num_seqs": 4, "preemption_mode": "swap"},
+    {"enable_prefix_caching": False, "max_num_batched_tokens": 16},  # chunked prefill
+], ids=["batch", "batch-1", "recompute", "swap", "chunked"])
+def test_greedy_tokens_identical_with_and_without_pipelining(tiny_llama_dir, options):
+    params = SamplingParams(max_tokens=24, temperature=0, ignore_eos=True)
+    expected, hits0, _ = run(tiny_llama_dir, PROMPTS, params, pipeline_decode=False, **options)
+    got, hits, misses = run(tiny_llama_dir, PROMPTS, params, pipeline_decode=True, **options)
+    assert got == expected
+    assert hits0 == 0 and hits > 0, "no step was served by a forward queued ahead"
+
+
+def test_requests_stopping_mid_batch(tiny_llama_dir):
+    base = SamplingParams(max_tokens=20, temperature=0, ignore_eos=True)
+    params = stop_tokens_mid_run(tiny_llama_dir, base)
+    expected, _, _ = run(tiny_llama_dir, PROMPTS, params, pipeline_decode=False)
+    got, hits, _ = run(tiny_llama_dir, PROMPTS, params, pipeline_decode=True)
+    assert got == expected
+    assert len({len(t) for t in got}) > 1, "requests should stop at different steps"
+    assert hits > 0
+
+
+def test_seeded_sampling_and_parallel_samples(tiny_llama_dir):
+    params = SamplingParams(max_tokens=16, temperature=0.9, top_p=0.9, seed=7, n=3)
+
+    def all_samples(**options):
+        with LLM(model=str(tiny_llama_dir), device="cpu", dtype="float32", **options) as llm:
+            return [[c.token_ids for c in o.outputs] for o in llm.generate(PROMPTS[:4], params)]
+
+    assert all_samples(pipeline_decode=True) == all_samples(pipeline_decode=False)
+
+
+def test_logprobs_turn_pipelining_off_for_that_step(tiny_llama_dir):
+    params = SamplingParams(max_tokens=8, temperature=0, logprobs=2, ignore_eos=True)
+    expected, _, _ = run(tiny_llama_dir, PROMPTS[:3], params, pipeline_decode=False)
+    got, hits, _ = run(tiny_llama_dir, PROMPTS[:3], params, pipeline_decode=True)
+    assert got == expected and hits == 0
+
+
+def test_pipelining_is_off_by_default_on_the_cpu(tiny_llama_dir):
+    with LLM(model=str(tiny_llama_dir), device="cpu", dtype="float32") as llm:
+        assert llm.engine.decoder.runner.pipeline is False
+    with LLM(model=str(tiny_llama_dir), device="cpu", dtype="float32", pipeline_decode=True, sampler="naive") as llm:
+        llm.generate(PROMPTS[:2], SamplingParams(max_tokens=6, temperature=0))
+        assert llm.engine.decoder.runner.pipeline_hits == 0  # the naive sampler cannot leave tokens on the device
+    assert torch.get_num_threads() >= 1
