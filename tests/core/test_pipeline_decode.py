@@ -28,8 +28,12 @@ def run(model_dir, prompts, params, **options):
 def stop_tokens_mid_run(model_dir, params):
     """Per prompt, a token its greedy continuation emits part-way: requests then stop at different steps."""
     tokens, _, _ = run(model_dir, PROMPTS, params, pipeline_decode=False)
+
+    def first_new(t, start):  # a token first emitted at or after `start`: the request stops exactly there
+        return next(([x] for j, x in enumerate(t) if j >= start and x not in t[:j]), [])
+
     return [SamplingParams(max_tokens=params.max_tokens, temperature=params.temperature, seed=params.seed,
-                           stop_token_ids=[t[3 + i % 5]]) for i, t in enumerate(tokens)]
+                           stop_token_ids=first_new(t, 3 + i % 5)) for i, t in enumerate(tokens)]
 
 
 @pytest.mark.parametrize("options", [

@@ -115,9 +115,16 @@ def test_pipelined_decode_makes_the_same_tokens(max_num_seqs):
 
     plain = SamplingParams(max_tokens=32, temperature=0, ignore_eos=True)
     base, _ = run(False, plain)
-    stops = [SamplingParams(max_tokens=32, temperature=0, stop_token_ids=[t[4 + i % 7]]) for i, t in enumerate(base)]
+    stops = [SamplingParams(max_tokens=32, temperature=0, stop_token_ids=first_new_token(t, 4 + i % 7))
+             for i, t in enumerate(base)]
     for params in (plain, stops):
         expected, _ = run(False, params)
         got, hits = run(True, params)
         assert got == expected
         assert hits > 0
+
+
+def first_new_token(tokens, start):
+    """[the first token at or after `start` that has not occurred before it], or [] (then it runs to
+    max_tokens): a stop token that ends the request exactly there."""
+    return next(([t] for j, t in enumerate(tokens) if j >= start and t not in tokens[:j]), [])
