@@ -76,9 +76,10 @@ def run_peers(preset: str, workload: str, num_prompts: int, batch_sizes: list[in
             del warm
             r = hf_static(model, prompts[:n], wl.max_tokens[:n], bs)
             records.append({**r.to_dict(), "model": preset, "workload": workload})
-        if with_cb:
-            r = hf_continuous(model, prompts, wl.max_tokens[0])
-            records.append({**r.to_dict(), "model": preset, "workload": workload})
+        if with_cb:  # generate_batch takes one length for all: the workload's mean where lengths vary
+            length = round(sum(wl.max_tokens[: len(prompts)]) / len(prompts))
+            r = hf_continuous(model, prompts, length)
+            records.append({**r.to_dict(), "model": preset, "workload": workload, "max_new_tokens": length})
     finally:
         del model
         free_memory()
@@ -118,6 +119,7 @@ def main() -> None:
     if "peers" in parts:
         peers += run_peers("llama2-7b", "latency-1", 1, [1], with_cb=False)
         peers += run_peers("llama3-8b", "random-256x256", 128 if not args.quick else 64, [64], with_cb=True)
+        peers += run_peers("llama2-7b", "sharegpt-like", 128 if not args.quick else 64, [64], with_cb=True)
     results["infer"] = runs
     results["peers"] = peers
     with open(args.out, "w") as f:
@@ -135,12 +137,14 @@ def main() -> None:
     for p in peers:
         label = f"{p['label']} ({p['model']}, {p['num_requests']} req)"
         print(f"{label:40s} {p['num_requests'] / p['wall_s'] if p['wall_s'] else 0:8.2f} {p['output_tokens_per_s']:10.0f} {'':12s} {'':12s} {(p['error'] or '')[:30]:>30s}")
-    by = {p["label"]: p for p in peers}
-    rnd = next((r for r in runs if "random" in r["label"]), None)
-    if rnd is not None:
+    by = {(p["workload"], p["label"]): p for p in peers}
+    for workload, model in (("random-256x256", "llama3-8b"), ("sharegpt-like", "llama2-7b")):
+        ours = next((r for r in runs if workload in r["label"]), None)
         for peer in ("hf-static-64", "hf-continuous"):
-            if peer in by and by[peer]["output_tokens_per_s"]:
-                print(f"random-256x256 llama3-8b: infer / {peer} = {rnd['output_tokens_per_s'] / by[peer]['output_tokens_per_s']:.2f}x")
+            theirs = by.get((workload, peer))
+            if ours is not None and theirs is not None and theirs["output_tokens_per_s"]:
+                print(f"{workload} {model}: infer {ours['output_tokens_per_s']:.0f} / {peer} "
+                      f"{theirs['output_tokens_per_s']:.0f} out tok/s = {ours['output_tokens_per_s'] / theirs['output_tokens_per_s']:.2f}x")
     sys.stdout.flush()
 
 
