@@ -168,10 +168,10 @@ def build_engine(config: EngineConfig, extra_plugins: Iterable[Any] = (), parall
         )
         runner.graphs.capture()
     pipeline = config.pipeline_decode if config.pipeline_decode is not None else device.type == "cuda"
-    runner.pipeline = (
-        pipeline and parallel.world_size == 1
-        and attention.capabilities.pipeline_safe and composition.decoder.capabilities.pipeline_safe
-    )
+    runner.pipeline = pipeline and attention.capabilities.pipeline_safe and composition.decoder.capabilities.pipeline_safe
+    if parallel.is_parallel:  # every rank: a pipelined step's ids come from rank 0's device
+        for r, _ in models:
+            r.parallel = parallel
     def next_batch_predictable() -> bool:  # nobody can be admitted next step: the batch only shrinks
         running = getattr(scheduler, "running", None)
         return not getattr(scheduler, "waiting", ()) or (running is not None and len(running) >= config.max_num_seqs)

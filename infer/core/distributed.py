@@ -106,6 +106,14 @@ class ParallelState:
         dist.broadcast(x, src=0, group=self.control_group)
         return x
 
+    def broadcast_tensor(self, x: torch.Tensor) -> torch.Tensor:
+        """Rank 0's tensor `x` (on this rank's device) to every rank, in place on the others, over
+        the model's group: the ids a pipelined decode step sampled, still on rank 0's GPU."""
+        import torch.distributed as dist
+
+        dist.broadcast(x, src=0, group=self.group)
+        return x
+
     def min(self, value: int) -> int:
         """The smallest `value` over the ranks (KV blocks: every rank's cache holds the same blocks)."""
         if not self.is_parallel:

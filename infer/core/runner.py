@@ -66,6 +66,7 @@ class StepInputs:
     num_layers: int | None  # run only the first layers (early exit, self-draft); None: all
     use_graphs: bool  # a decode-only step replayed from a CUDA graph
     input_ids_t: torch.Tensor | None = None  # [T] int64 on the device: the ids, not yet on the host
+    ids_from_rank0: bool = False  # tensor parallel, ranks 1..N-1: the ids come from rank 0's device
 
 
 class ModelRunner:
@@ -87,6 +88,7 @@ class ModelRunner:
         self.device = device
         self.num_layers = num_layers
         self.graphs: Any = None  # a CudaGraphRunner for decode-only steps, when enabled
+        self.parallel: Any = None  # the tensor-parallel ParallelState, when there is more than one rank
         self.pipeline = False  # queue the next decode forward before this step's tokens reach the host
         self.next_batch_predictable: Any = lambda: True  # set by the builder: the scheduler admits nobody
         self.claim_slots: Any = None  # set by the builder: the allocator's allocate_slots(request, num_tokens)
@@ -117,6 +119,10 @@ class ModelRunner:
     @torch.inference_mode()
     def run(self, step: StepInputs) -> torch.Tensor:
         """The forward itself (every tensor-parallel rank runs this): logits [len(logits_rows), vocab] float32."""
+        if self.parallel is not None and (step.ids_from_rank0 or step.input_ids_t is not None):
+            if step.input_ids_t is None:  # ranks 1..N-1: rank 0 sends the ids it sampled
+                step.input_ids_t = torch.empty(len(step.input_ids), dtype=torch.int64, device=self.device)
+            self.parallel.broadcast_tensor(step.input_ids_t)
         if step.use_graphs:
             return self.graphs.run(step.input_ids, step.seq_lens, step.block_tables, step.input_ids_t)
         batch = AttentionBatch.build(step.query_lens, step.seq_lens, step.block_tables, self.block_size, self.device)
@@ -164,8 +170,8 @@ class ModelRunner:
         """Sample on the device, queue the next forward for the sequences that will go on, then wait
         for this step's ids. None when this step cannot (a prefill in it, logprobs, no support)."""
         sample_tokens = getattr(self.sampler, "sample_tokens", None)
-        if sample_tokens is None or getattr(self.model, "mirror", None) is not None:
-            return None  # tensor parallel: the other ranks need the ids on the host first
+        if sample_tokens is None:
+            return None
         if not all(len(s.token_ids) == 1 and s.logits_rows == 1 for s in seqs):
             return None
         requests = [s.request for s in seqs]

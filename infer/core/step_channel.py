@@ -3,7 +3,9 @@
 A message is a model forward (`StepInputs` and which model), a step's KV block copies, or stop.
 It travels as int64 CPU tensors broadcast over the gloo control group: a fixed-size first
 broadcast holds the header and, when it fits (decode steps of a few sequences), the payload;
-a larger payload follows in a second broadcast.
+a larger payload follows in a second broadcast. A pipelined decode step's input ids are not on
+rank 0's host yet: the forward's header says so, and every rank's `run` takes them from rank 0's
+device by one broadcast over the model's group.
 """
 
 from __future__ import annotations
@@ -19,7 +21,7 @@ from infer.core.interfaces import BlockOps
 from infer.core.runner import StepInputs
 
 FORWARD, BLOCK_OPS, STOP = 1, 2, 3
-HEADER_LEN = 8  # int64: kind, model id, num_layers (0: all), use_graphs, three counts, payload length
+HEADER_LEN = 8  # int64: kind, model id, num_layers (0: all), flags (use_graphs, ids from rank 0's device), three counts, payload length
 MESSAGE_LEN = 256  # the first broadcast: the header, then the payload when it fits (small decode steps)
 
 
@@ -41,7 +43,8 @@ class StepChannel:
         payload = [*step.input_ids, *step.query_lens, *step.seq_lens, *step.logits_rows,
                    *map(len, tables), *chain.from_iterable(tables)]
         counts = [len(step.query_lens), len(step.input_ids), len(step.logits_rows)]
-        self._send([FORWARD, model_id, step.num_layers or 0, int(step.use_graphs), *counts], payload)
+        flags = int(step.use_graphs) | int(step.input_ids_t is not None) << 1  # bit 1: ids follow on the device
+        self._send([FORWARD, model_id, step.num_layers or 0, flags, *counts], payload)
 
     def send_block_ops(self, ops: BlockOps) -> None:
         groups = (ops.swap_out, ops.swap_in, ops.copies)
@@ -63,7 +66,7 @@ class StepChannel:
     def receive(self) -> Forward | BlockOps | None:
         """The next message on ranks 1..N-1 (blocks until rank 0 sends one); None: stop."""
         message = self.parallel.broadcast(torch.empty(MESSAGE_LEN, dtype=torch.int64)).tolist()
-        kind, model_id, num_layers, use_graphs, a, b, c, n = message[:HEADER_LEN]
+        kind, model_id, num_layers, flags, a, b, c, n = message[:HEADER_LEN]
         if n <= MESSAGE_LEN - HEADER_LEN:
             values = message[HEADER_LEN : HEADER_LEN + n]
         else:
@@ -81,7 +84,8 @@ class StepChannel:
         num_seqs, num_tokens, num_rows = a, b, c
         input_ids, query_lens, seq_lens, rows = take(num_tokens), take(num_seqs), take(num_seqs), take(num_rows)
         tables = [take(length) for length in take(num_seqs)]
-        step = StepInputs(input_ids, query_lens, seq_lens, tables, rows, num_layers or None, bool(use_graphs))
+        step = StepInputs(input_ids, query_lens, seq_lens, tables, rows, num_layers or None, bool(flags & 1),
+                          ids_from_rank0=bool(flags & 2))
         return Forward(model_id, step)
 
 

@@ -110,6 +110,17 @@ def test_speculative_self_draft_under_tp(tiny_llama_dir):
     assert [o.outputs[0].token_ids for o in generate(2, PROMPTS, params, **options)] == expected
 
 
+def test_pipelined_decode_under_tp(tiny_llama_dir):
+    # the forward queued ahead takes its ids from rank 0's sampled tensor: rank 1 receives them by a broadcast
+    params = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)
+    options = dict(model=str(tiny_llama_dir), block_size=4)
+    expected = [o.outputs[0].token_ids for o in generate(1, PROMPTS, params, pipeline_decode=False, **options)]
+    with LLM(tensor_parallel_size=2, pipeline_decode=True, **options) as llm:
+        actual = [o.outputs[0].token_ids for o in llm.generate(PROMPTS, params)]
+        assert llm.engine.decoder.runner.pipeline_hits > 0
+    assert actual == expected
+
+
 def test_killed_rank_is_a_clear_error_not_a_hang(tiny_llama_dir):
     params = SamplingParams(max_tokens=4, temperature=0, ignore_eos=True)
     llm = LLM(model=str(tiny_llama_dir), block_size=4, tensor_parallel_size=2)
@@ -223,6 +234,13 @@ def test_step_message_round_trip():
     assert channel.receive() == ops
     assert channel.receive() is None
     assert not wire.sent
+    wire.receiving = False
+    pipelined = StepInputs([0, 0], [1, 1], [9, 4], [[5, 6, 7], [1]], [0, 1], None, True, input_ids_t=torch.tensor([3, 4]))
+    channel.send_forward(0, pipelined)
+    wire.receiving = True
+    got = channel.receive()
+    assert got.step.ids_from_rank0 and got.step.use_graphs and got.step.input_ids_t is None
+    assert (got.step.seq_lens, got.step.block_tables) == (pipelined.seq_lens, pipelined.block_tables)
 
 
 def test_head_layout_replicates_kv_heads():
