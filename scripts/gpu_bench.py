@@ -15,7 +15,7 @@ from typing import Any
 
 import torch
 
-from infer.bench.ceilings import copy_bandwidth, kv_bytes_per_token
+from infer.bench.ceilings import copy_bandwidth, graph_replay_seconds, kv_bytes_per_token
 from infer.bench.peers import build_hf_model, hf_continuous, hf_static
 from infer.bench.report import run_workload
 from infer.bench.workloads import load_workload
@@ -44,15 +44,7 @@ def run_infer(name: str, workload: str, num_prompts: int | None, **opts: Any) ->
         out["build_s"] = build_s
         graphs = getattr(engine.decoder.runner, "graphs", None)
         if graphs is not None and 1 in graphs.graphs:  # the GPU time of a batch-1 decode step alone
-            graph = graphs.graphs[1][0]
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            graph.replay()
-            start.record()
-            for _ in range(50):
-                graph.replay()
-            end.record()
-            torch.cuda.synchronize()
-            out["graph_replay_batch1_s"] = start.elapsed_time(end) / 1e3 / 50
+            out["graph_replay_batch1_s"] = graph_replay_seconds(graphs.graphs[1][0])
         mc = engine.parts.model_config
         out["kv_bytes_per_token"] = kv_bytes_per_token(mc.num_layers, mc.num_kv_heads, mc.head_dim, torch.bfloat16)
         return out

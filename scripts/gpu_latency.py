@@ -16,7 +16,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from infer.bench.ceilings import copy_bandwidth, kv_bytes_per_token
+from infer.bench.ceilings import copy_bandwidth, graph_replay_seconds, kv_bytes_per_token
 from infer.bench.report import run_workload
 from infer.bench.workloads import Workload
 from infer.core.config import EngineConfig
@@ -136,15 +136,7 @@ def latency(model: str, tokens: int, linear: str, bw: float, profile_kernels: bo
         wl = Workload("latency-1", [[rng.randrange(10, vocab) for _ in range(128)]], [tokens], ignore_eos=True)
         record, _ = run_workload(engine, wl, SamplingParams(temperature=0), f"latency-{linear}-pipeline-{pipeline}")
         out = record.to_dict()
-        graph = engine.decoder.runner.graphs.graphs[1][0]
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        graph.replay()
-        start.record()
-        for _ in range(50):
-            graph.replay()
-        end.record()
-        torch.cuda.synchronize()
-        replay = start.elapsed_time(end) / 1e3 / 50
+        replay = graph_replay_seconds(engine.decoder.runner.graphs.graphs[1][0])
         weights = sum(p.numel() * p.element_size() for p in engine.decoder.runner.model.parameters())
         mc = engine.parts.model_config
         kv = kv_bytes_per_token(mc.num_layers, mc.num_kv_heads, mc.head_dim, torch.bfloat16) * (128 + tokens // 2)

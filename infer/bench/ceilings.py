@@ -24,6 +24,18 @@ def copy_bandwidth(device: torch.device, num_bytes: int = 2 * 2**30, iters: int 
     return 2 * num_bytes / seconds
 
 
+def graph_replay_seconds(graph: "torch.cuda.CUDAGraph", iters: int = 50) -> float:
+    """Seconds per replay of a captured CUDA graph, back to back (the GPU's time alone for a step)."""
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    graph.replay()
+    start.record()
+    for _ in range(iters):
+        graph.replay()
+    end.record()
+    torch.cuda.synchronize()
+    return start.elapsed_time(end) / 1e3 / iters
+
+
 def weight_bytes(model: torch.nn.Module) -> int:
     return sum(p.numel() * p.element_size() for p in model.parameters())
 
