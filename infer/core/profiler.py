@@ -3,9 +3,10 @@
 Installed only when asked for (nothing is wrapped otherwise): forward hooks on the embedding,
 every decoder layer and the final norm, a timed proxy around each layer's attention backend, the
 LM head, the sampler, the scheduler and the output processor (detokenizer), and `Engine.step`.
-On CUDA the model and sampler are timed with device events (CUDA graphs are turned off: hooks
-cannot see inside a graph); on the CPU with perf_counter. Only decode steps (every scheduled
-request computes one token) are recorded.
+On CUDA the model and sampler are timed with device events (CUDA graphs and decode pipelining are
+turned off: hooks cannot see inside a graph, and a pipelined forward runs in the step before its
+own); on the CPU with perf_counter. Only decode steps (every scheduled request computes one token)
+are recorded.
 """
 
 from __future__ import annotations
@@ -105,6 +106,9 @@ class StepProfiler:
         if runner.graphs is not None:
             runner.graphs = None
             profiler.notes.append("CUDA graphs off while profiling (hooks cannot see inside a graph)")
+        if runner.pipeline:  # a step's forward would be timed inside the step before it
+            runner.pipeline = False
+            profiler.notes.append("decode pipelining off while profiling (each step's forward is timed in its own step)")
         embedding = getattr(model, "embed_tokens", None) or next(m for m in model.modules() if isinstance(m, torch.nn.Embedding))
         profiler._hook(embedding, "embedding")
         for i, layer in enumerate(layers):
