@@ -148,7 +148,6 @@ def build_engine(config: EngineConfig, extra_plugins: Iterable[Any] = (), parall
         r.kv_caches.extend(allocate_kv_cache(
             r.num_layers or c.num_layers, num_blocks + 1, config.block_size, kv_heads(c), c.head_dim, dtype, device
         ))
-    kv_caches = runner.kv_caches
     num_cpu_blocks = 0  # the CPU pool for preemption by swap, sized like the device cache (every model's bytes)
     if config.preemption_mode == "swap":
         num_cpu_blocks = min(int(config.swap_space_gib * 2**30) // per_block, config.max_num_seqs * blocks_per_seq)
@@ -160,13 +159,17 @@ def build_engine(config: EngineConfig, extra_plugins: Iterable[Any] = (), parall
     )
     scheduler = composition.scheduler.factory(config, allocator)
     scheduler.num_lookahead_tokens = decoder.num_lookahead_tokens
-    graphs_ok = attention.capabilities.cuda_graph_safe and composition.decoder.capabilities.cuda_graph_safe
-    if config.cuda_graphs and device.type == "cuda" and graphs_ok:
-        runner.graphs = CudaGraphRunner(
-            model, attention, kv_caches, config.block_size, config.max_num_seqs, max_model_len,
-            null_block=num_blocks, device=device, num_layers=runner.num_layers,
-        )
-        runner.graphs.capture()
+    if config.cuda_graphs and device.type == "cuda" and attention.capabilities.cuda_graph_safe:
+        # The target's decode steps when the decoder runs it one token at a time; a draft model's
+        # proposal steps (one token per sequence) whatever the decoder does with the target.
+        for r, _ in models:
+            if r is runner and not composition.decoder.capabilities.cuda_graph_safe:
+                continue
+            r.graphs = CudaGraphRunner(
+                r.model, r.attention, r.kv_caches, config.block_size, config.max_num_seqs, max_model_len,
+                null_block=num_blocks, device=device, num_layers=r.num_layers,
+            )
+            r.graphs.capture()
     pipeline = config.pipeline_decode if config.pipeline_decode is not None else device.type == "cuda"
     runner.pipeline = pipeline and attention.capabilities.pipeline_safe and composition.decoder.capabilities.pipeline_safe
     if parallel.is_parallel:  # every rank: a pipelined step's ids come from rank 0's device

@@ -128,3 +128,17 @@ def first_new_token(tokens, start):
     """[the first token at or after `start` that has not occurred before it], or [] (then it runs to
     max_tokens): a stop token that ends the request exactly there."""
     return next(([t] for j, t in enumerate(tokens) if j >= start and t not in tokens[:j]), [])
+
+
+@pytest.mark.parametrize("setting", ["roomy KV cache", "KV cache of 14 blocks of 4 tokens (requests preempted)"])
+def test_speculative_draft_model_is_lossless_on_gpu(tmp_path_factory, setting):
+    """A draft model's proposal steps replay its own CUDA graphs; the verified output must still be
+    autoregressive's, token for token (paged-cuda, fp32, tiny real-weight Llamas)."""
+    from infer.testing.decoder import SETTINGS, generate, write_tiny_llamas
+
+    target, draft = write_tiny_llamas(tmp_path_factory.mktemp("spec-gpu"))
+    cuda = torch.device("cuda")
+    options = dict(attention="paged-cuda", **SETTINGS[setting])
+    expected = generate(target, cuda, "autoregressive", None, **options)
+    got = generate(target, cuda, "speculative", draft, **options)
+    assert got == expected
