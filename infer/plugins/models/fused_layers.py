@@ -3,8 +3,9 @@
 Each replaces several eager kernels with one: RMSNorm with the residual add (add, square, mean,
 rsqrt, scale: 1 read of x and residual, 1 write of each), rotary embedding applied to q and k in
 place of ten elementwise ops, SiLU-and-mul, and a linear layer whose one-token case (batch-1
-decode) is a Triton matrix-vector product streaming the weights (more tokens go to cuBLAS). On the CPU the plain torch layers are used; the
-kernels also run there under TRITON_INTERPRET=1, which is how CI tests them.
+decode) is a Triton matrix-vector product streaming the weights (more tokens go to cuBLAS). On
+the CPU the plain torch layers are used; the kernels also run there under TRITON_INTERPRET=1,
+which is how CI tests them.
 """
 
 from __future__ import annotations
