@@ -175,6 +175,7 @@ def build_engine(config: EngineConfig, extra_plugins: Iterable[Any] = (), parall
     if parallel.is_parallel:  # every rank: a pipelined step's ids come from rank 0's device
         for r, _ in models:
             r.parallel = parallel
+
     def next_batch_predictable() -> bool:  # nobody can be admitted next step: the batch only shrinks
         running = getattr(scheduler, "running", None)
         return not getattr(scheduler, "waiting", ()) or (running is not None and len(running) >= config.max_num_seqs)

@@ -21,7 +21,9 @@ from infer.core.interfaces import BlockOps
 from infer.core.runner import StepInputs
 
 FORWARD, BLOCK_OPS, STOP = 1, 2, 3
-HEADER_LEN = 8  # int64: kind, model id, num_layers (0: all), flags (use_graphs, ids from rank 0's device), three counts, payload length
+# int64: kind, model id, num_layers (0: all), flags (bit 0: use_graphs; bit 1: ids from rank 0's device),
+# three counts, payload length
+HEADER_LEN = 8
 MESSAGE_LEN = 256  # the first broadcast: the header, then the payload when it fits (small decode steps)
 
 
