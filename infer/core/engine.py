@@ -181,7 +181,11 @@ class Engine:
         return self.scheduler.allocator.usage()  # type: ignore[attr-defined]
 
     def stats(self) -> dict[str, float]:
-        return {"steps": self.num_steps, **self.scheduler.stats(), **self.decoder_stats()}
+        stats = {"steps": self.num_steps, **self.scheduler.stats(), **self.decoder_stats()}
+        runner = self.parts.runners[0] if self.parts.runners else None
+        if runner is not None and getattr(runner, "pipeline", False):  # decode pipelining: steps served ahead
+            stats.update(pipelined_steps=runner.pipeline_hits, pipeline_misses=runner.pipeline_misses)
+        return stats
 
     def decoder_stats(self) -> dict[str, float]:
         """The decoder's step stats summed over the run, plus its own summary (acceptance rate, ...)."""

@@ -51,6 +51,13 @@ def test_greedy_tokens_identical_with_and_without_pipelining(tiny_llama_dir, opt
     assert hits0 == 0 and hits > 0, "no step was served by a forward queued ahead"
 
 
+def test_engine_stats_report_pipelined_steps(tiny_llama_dir):
+    with LLM(model=str(tiny_llama_dir), device="cpu", dtype="float32", pipeline_decode=True) as llm:
+        llm.generate(PROMPTS[:3], SamplingParams(max_tokens=10, temperature=0, ignore_eos=True))
+        stats = llm.engine.stats()
+    assert stats["pipelined_steps"] == 8 and stats["pipeline_misses"] == 0  # steps 2..9 of 10 new tokens
+
+
 def test_requests_stopping_mid_batch(tiny_llama_dir):
     base = SamplingParams(max_tokens=20, temperature=0, ignore_eos=True)
     params = stop_tokens_mid_run(tiny_llama_dir, base)
