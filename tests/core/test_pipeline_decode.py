@@ -92,3 +92,25 @@ def test_pipelining_is_off_by_default_on_the_cpu(tiny_llama_dir):
         llm.generate(PROMPTS[:2], SamplingParams(max_tokens=6, temperature=0))
         assert llm.engine.decoder.runner.pipeline_hits == 0  # the naive sampler cannot leave tokens on the device
     assert torch.get_num_threads() >= 1
+
+
+def test_beam_search_beside_plain_requests(tiny_llama_dir):
+    # beams are never run ahead (their tables are rewritten every step); the plain requests beside them may be
+    params = [SamplingParams(max_tokens=10, use_beam_search=True, best_of=3, temperature=0) if i % 2 else
+              SamplingParams(max_tokens=10, temperature=0, ignore_eos=True) for i in range(4)]
+
+    def outputs(**options):
+        with LLM(model=str(tiny_llama_dir), device="cpu", dtype="float32", **options) as llm:
+            return [[c.token_ids for c in o.outputs] for o in llm.generate(PROMPTS[:4], params)]
+
+    assert outputs(pipeline_decode=True) == outputs(pipeline_decode=False)
+
+
+def test_decoders_that_do_not_step_one_token_at_a_time_are_not_pipelined(tiny_llama_dir):
+    with LLM(model=str(tiny_llama_dir), device="cpu", dtype="float32", pipeline_decode=True,
+             decoding="speculative", draft="ngram") as llm:
+        assert llm.engine.decoder.target.pipeline is False
+    with LLM(model=str(tiny_llama_dir), device="cpu", dtype="float32", pipeline_decode=True,
+             decoding="early-exit", exit_layer=1) as llm:
+        llm.generate(PROMPTS[:2], SamplingParams(max_tokens=8, temperature=0, ignore_eos=True))
+        assert llm.engine.decoder.runner.pipeline_hits > 0
