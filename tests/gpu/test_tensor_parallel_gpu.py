@@ -82,3 +82,15 @@ def test_tp2_matches_tp1_bf16_with_graphs(shape_dir, attention):
     torch.testing.assert_close(torch.tensor([x[0] for x in lps]), torch.tensor([x[0] for x in ref_lps]), atol=5e-2, rtol=0)
     agree = sum(a == b for x, y in zip(tokens, ref_tokens) for a, b in zip(x, y)) / sum(map(len, ref_tokens))
     assert agree > 0.8, agree
+
+
+def test_tp2_pipelined_decode_matches_tp1(shape_dir):
+    # no logprobs, so decode steps are pipelined: rank 1 takes each step's ids from rank 0's GPU
+    params = SamplingParams(max_tokens=16, temperature=0, ignore_eos=True)
+    options = dict(model=str(shape_dir), load_format="dummy", attention="paged-cuda", dtype="float32", max_num_seqs=16)
+    with LLM(tensor_parallel_size=1, pipeline_decode=False, **options) as llm:
+        expected = [o.outputs[0].token_ids for o in llm.generate(PROMPTS, params)]
+    with LLM(tensor_parallel_size=2, pipeline_decode=True, **options) as llm:
+        got = [o.outputs[0].token_ids for o in llm.generate(PROMPTS, params)]
+        assert llm.engine.decoder.runner.pipeline_hits > 0
+    assert got == expected
