@@ -24,7 +24,7 @@ from infer.core.kv_cache import allocate_kv_cache, budget_bytes, bytes_per_block
 from infer.core.logging import get_logger
 from infer.core.output import OutputProcessor
 from infer.core.registry import PluginRegistry
-from infer.core.runner import ModelRunner
+from infer.core.runner import CERTAIN, LIKELY, UNLIKELY, ModelRunner
 from infer.core.hybrid_attention import HybridAttention
 from infer.plugins.models.loader import init_dummy_weights, load_tokenizer, load_weights, resolve_source
 
@@ -176,11 +176,13 @@ def build_engine(config: EngineConfig, extra_plugins: Iterable[Any] = (), parall
         for r, _ in models:
             r.parallel = parallel
 
-    def next_batch_predictable() -> bool:  # nobody can be admitted next step: the batch only shrinks
+    def next_batch_outlook() -> int:
+        if not getattr(scheduler, "waiting", ()):
+            return CERTAIN  # nobody to admit: the batch can only shrink
         running = getattr(scheduler, "running", None)
-        return not getattr(scheduler, "waiting", ()) or (running is not None and len(running) >= config.max_num_seqs)
+        return LIKELY if running is not None and len(running) >= config.max_num_seqs else UNLIKELY
 
-    runner.next_batch_predictable = next_batch_predictable
+    runner.next_batch_outlook = next_batch_outlook
     runner.claim_slots = allocator.allocate_slots  # the block the forward queued ahead writes into, when new
     detokenizer = composition.detokenizer.factory(tokenizer) if tokenizer is not None else None
 

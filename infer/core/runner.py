@@ -6,7 +6,10 @@ only decodes and the sampler can leave its tokens on the device (`sample_tokens`
 queues the next forward right after the sampling kernels, fed by the sampled ids on the device
 (`_Ahead`), and only then waits for this step's ids. The next `execute` takes the rows of that
 forward for the sequences it was given when each one is exactly what was predicted (same token at
-the same position, the same blocks), and runs the step itself otherwise. Nothing else changes:
+the same position, the same blocks), and runs the step itself otherwise. A forward is queued ahead
+when nobody waits for admission, or when the batch is full and guesses have been hitting: after a
+miss (a request stopped and a waiting one took its place) it waits 1, 2, 4 ... 64 steps before
+guessing again. Nothing else changes:
 the scheduler, sampler and output see the same steps in the same order, so the tokens are the
 ones the unpipelined engine makes. A forward run ahead for a sequence that then stops writes only
 into the next slot of a block that sequence owns alone, which nothing reads before it is written
@@ -40,6 +43,9 @@ class ForwardSeq:
     token_ids: list[int]  # the tokens computed (query)
     start: int  # position of the first one
     logits_rows: int  # how many trailing positions need logits (0: none, 1: the last, k: the last k)
+
+
+CERTAIN, LIKELY, UNLIKELY = 2, 1, 0  # how likely the next step's batch is this one's (see ModelRunner)
 
 
 @dataclass(slots=True)
@@ -90,12 +96,17 @@ class ModelRunner:
         self.graphs: Any = None  # a CudaGraphRunner for decode-only steps, when enabled
         self.parallel: Any = None  # the tensor-parallel ParallelState, when there is more than one rank
         self.pipeline = False  # queue the next decode forward before this step's tokens reach the host
-        self.next_batch_predictable: Any = lambda: True  # set by the builder: the scheduler admits nobody
+        # set by the builder: how likely the next step is this step's batch (or part of it).
+        # CERTAIN: nobody waits to be admitted; LIKELY: some wait but the batch is full, so only a
+        # request that stops lets one in; UNLIKELY: there is room to admit.
+        self.next_batch_outlook: Any = lambda: CERTAIN
         self.claim_slots: Any = None  # set by the builder: the allocator's allocate_slots(request, num_tokens)
         self._ahead: _Ahead | None = None
         self._tokens_host: torch.Tensor | None = None  # pinned landing buffer for sampled ids
         self.pipeline_hits = 0  # steps served by a forward queued ahead
         self.pipeline_misses = 0  # forwards queued ahead and not used
+        self._backoff = 0  # after a miss while requests wait: steps to go without queuing ahead (doubles per miss)
+        self._skip = 0
 
     @torch.inference_mode()
     def forward(self, seqs: list[ForwardSeq], input_ids_t: torch.Tensor | None = None) -> torch.Tensor:
@@ -140,15 +151,13 @@ class ModelRunner:
             tokens = [r.token_at(start)] if s.num_new_tokens == 1 else r.all_token_ids[start : start + s.num_new_tokens]
             seqs.append(ForwardSeq(r, tokens, start, 1 if s.samples else 0))
         ahead, self._ahead = self._ahead, None
+        logits = self._take(ahead, seqs) if ahead is not None and seqs else None
+        if ahead is not None:
+            self._count(hit=logits is not None)
         if not seqs:
-            self.pipeline_misses += ahead is not None
             return StepResult(sampled={})
-        logits = self._take(ahead, seqs) if ahead is not None else None
         if logits is None:
-            self.pipeline_misses += ahead is not None
             logits = self.forward(seqs)
-        else:
-            self.pipeline_hits += 1
         sampled_requests = [s.request for s in seqs if s.logits_rows]
         if not sampled_requests:
             return StepResult(sampled={})
@@ -188,7 +197,7 @@ class ModelRunner:
             host.copy_(tokens, non_blocking=True)
             ready = torch.cuda.Event()
             ready.record()
-        if self.next_batch_predictable():
+        if self._should_queue_ahead():
             self._launch_ahead(seqs, tokens)
         if tokens.device.type == "cuda":
             ready.synchronize()  # this step's ids only: the forward queued ahead runs meanwhile
@@ -197,6 +206,26 @@ class ModelRunner:
             by_request = {s.request.request_id: t for s, t in zip(seqs, token_ids)}
             self._ahead.tokens = [by_request[r.request_id] for r in self._ahead.requests]
         return token_ids
+
+    def _count(self, hit: bool) -> None:
+        if hit:
+            self.pipeline_hits += 1
+            self._backoff = 0
+        else:  # requests stopped and others were admitted: the queued forward went to waste
+            self.pipeline_misses += 1
+            self._backoff = min(64, max(1, 2 * self._backoff))
+            self._skip = self._backoff
+
+    def _should_queue_ahead(self) -> bool:
+        outlook = self.next_batch_outlook()
+        if outlook == CERTAIN:
+            return True
+        if outlook == UNLIKELY:
+            return False
+        if self._skip:  # LIKELY, but the last guesses missed: wait a while before trying again
+            self._skip -= 1
+            return False
+        return True
 
     def _launch_ahead(self, seqs: list[ForwardSeq], tokens: torch.Tensor) -> None:
         """Queue the next step's forward for the sequences that will decode again and whose next

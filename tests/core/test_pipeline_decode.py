@@ -114,3 +114,27 @@ def test_decoders_that_do_not_step_one_token_at_a_time_are_not_pipelined(tiny_ll
              decoding="early-exit", exit_layer=1) as llm:
         llm.generate(PROMPTS[:2], SamplingParams(max_tokens=8, temperature=0, ignore_eos=True))
         assert llm.engine.decoder.runner.pipeline_hits > 0
+
+
+def test_full_batch_with_requests_waiting(tiny_llama_dir):
+    # the batch is full and others wait: a request that stops lets one in, which the forward queued
+    # ahead did not include (a miss); after a miss the runner backs off before guessing again
+    params = [SamplingParams(max_tokens=6 + 5 * (i % 4), temperature=0, ignore_eos=True) for i in range(8)]
+    expected, _, _ = run(tiny_llama_dir, PROMPTS, params, pipeline_decode=False, max_num_seqs=2)
+    got, hits, misses = run(tiny_llama_dir, PROMPTS, params, pipeline_decode=True, max_num_seqs=2)
+    assert got == expected
+    assert hits > 4 * misses > 0
+
+
+def test_backoff_doubles_after_misses_and_resets_on_a_hit():
+    from infer.core.runner import LIKELY
+
+    runner = ModelRunner.__new__(ModelRunner)
+    runner.pipeline_hits = runner.pipeline_misses = runner._backoff = runner._skip = 0
+    runner.next_batch_outlook = lambda: LIKELY
+    runner._count(hit=False)
+    runner._count(hit=False)
+    assert runner._backoff == 2
+    assert [runner._should_queue_ahead() for _ in range(3)] == [False, False, True]
+    runner._count(hit=True)
+    assert runner._backoff == 0 and runner._should_queue_ahead()
