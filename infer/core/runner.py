@@ -9,11 +9,10 @@ forward for the sequences it was given when each one is exactly what was predict
 the same position, the same blocks), and runs the step itself otherwise. A forward is queued ahead
 when nobody waits for admission, or when the batch is full and guesses have been hitting: after a
 miss (a request stopped and a waiting one took its place) it waits 1, 2, 4 ... 64 steps before
-guessing again. Nothing else changes:
-the scheduler, sampler and output see the same steps in the same order, so the tokens are the
-ones the unpipelined engine makes. A forward run ahead for a sequence that then stops writes only
-into the next slot of a block that sequence owns alone, which nothing reads before it is written
-again.
+guessing again. Nothing else changes: the scheduler, sampler and output see the same steps in the
+same order, so the tokens are the ones the unpipelined engine makes. A forward run ahead for a
+sequence that then stops writes only into the next slot of a block that sequence owns alone,
+which nothing reads before it is written again.
 """
 
 from __future__ import annotations
