@@ -121,6 +121,41 @@ def test_pipelined_decode_under_tp(tiny_llama_dir):
     assert actual == expected
 
 
+TORCHRUN_SCRIPT = """
+import json, sys
+from infer import LLM, SamplingParams
+llm = LLM(model=sys.argv[1], device="cpu", dtype="float32", tensor_parallel_size=2)  # ranks > 0 serve in here, then exit
+outs = llm.generate(json.loads(sys.argv[2]), SamplingParams(max_tokens=8, temperature=0, ignore_eos=True))
+print("TOKENS " + json.dumps([o.outputs[0].token_ids for o in outs]), flush=True)
+llm.close()
+"""
+
+
+def test_ranks_started_by_torchrun(tiny_llama_dir, tmp_path):
+    # every process runs the same program; rank 0 returns from LLM(...) and drives, rank 1 serves inside it
+    import json
+    import socket
+    import subprocess
+    import sys
+
+    script = tmp_path / "run_tp.py"
+    script.write_text(TORCHRUN_SCRIPT)
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    done = subprocess.run(
+        [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-port", str(port),
+         str(script), str(tiny_llama_dir), json.dumps(PROMPTS)],
+        capture_output=True, text=True, timeout=240,
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    lines = [line for line in done.stdout.splitlines() if line.startswith("TOKENS ")]
+    assert len(lines) == 1, done.stdout  # rank 0 alone prints
+    params = SamplingParams(max_tokens=8, temperature=0, ignore_eos=True)
+    expected = [o.outputs[0].token_ids for o in generate(1, PROMPTS, params, model=str(tiny_llama_dir), dtype="float32")]
+    assert json.loads(lines[0].removeprefix("TOKENS ")) == expected
+
+
 def test_killed_rank_is_a_clear_error_not_a_hang(tiny_llama_dir):
     params = SamplingParams(max_tokens=4, temperature=0, ignore_eos=True)
     llm = LLM(model=str(tiny_llama_dir), block_size=4, tensor_parallel_size=2)
