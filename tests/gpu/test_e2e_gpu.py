@@ -130,15 +130,16 @@ def first_new_token(tokens, start):
     return next(([t] for j, t in enumerate(tokens) if j >= start and t not in tokens[:j]), [])
 
 
-@pytest.mark.parametrize("setting", ["roomy KV cache", "KV cache of 14 blocks of 4 tokens (requests preempted)"])
-def test_speculative_draft_model_is_lossless_on_gpu(tmp_path_factory, setting):
+@pytest.mark.parametrize("kv", [{}, dict(num_kv_blocks=7, block_size=8, max_num_seqs=4)], ids=["roomy", "preempted"])
+def test_speculative_draft_model_is_lossless_on_gpu(tmp_path_factory, kv):
     """A draft model's proposal steps replay its own CUDA graphs; the verified output must still be
-    autoregressive's, token for token (paged-cuda, fp32, tiny real-weight Llamas)."""
-    from infer.testing.decoder import SETTINGS, generate, write_tiny_llamas
+    autoregressive's, token for token (paged-cuda, fp32, tiny real-weight Llamas; paged-cuda's
+    smallest block is 8 tokens, so the preempting cache is 7 blocks of 8)."""
+    from infer.testing.decoder import generate, write_tiny_llamas
 
     target, draft = write_tiny_llamas(tmp_path_factory.mktemp("spec-gpu"))
     cuda = torch.device("cuda")
-    options = dict(attention="paged-cuda", **SETTINGS[setting])
+    options = dict(attention="paged-cuda", **kv)
     expected = generate(target, cuda, "autoregressive", None, **options)
     got = generate(target, cuda, "speculative", draft, **options)
     assert got == expected
