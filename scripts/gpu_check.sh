@@ -1,14 +1,15 @@
 #!/usr/bin/env bash
 # One run on the GPU machine: install what it lacks, GPU tests, benchmarks, end-to-end table last.
 #   bash scripts/gpu_check.sh [tests|bench|e2e ...]   (default: all three)
-# Expects wheels in .whl/ (structlog, gguf, flashinfer, xformers, and infer itself: `pip wheel --no-deps . -w .whl`).
+# Expects wheels in $WHEELS (default .whl/): structlog, gguf, flashinfer-python with apache-tvm-ffi and
+# nvidia-cudnn-frontend, xformers, and infer itself (`pip wheel --no-deps . -w .whl`); the GPU image has the rest.
 set -uo pipefail
 OUT=${OUT:-$PWD/out}
 mkdir -p "$OUT"
 steps=${*:-tests bench e2e}
 export PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1
 export FLASHINFER_WORKSPACE_BASE=$PWD/.cache/flashinfer   # keep JIT-compiled kernels in an ignored folder
-python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl || exit 1
+python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site "${WHEELS:-.whl}"/*.whl || exit 1
 export PYTHONPATH=/tmp/site
 export PATH=/tmp/site/bin:$PATH
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader | tee "$OUT/gpu.txt"

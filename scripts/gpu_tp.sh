@@ -8,13 +8,13 @@
 # spec: the seeds' composition, llama2-70b --tp 2 verifying llama2-7b drafts (K=4), beside llama2-70b
 #      --tp 2 autoregressive, on latency-1: step times, verify time, acceptance (0 on random weights).
 # Each engine is warmed up first (Triton compiles, allocator), then timed. Prints a table; writes $OUT/tp.json.
-# Expects wheels in .whl/ like scripts/gpu_check.sh; the source tree comes first on the path.
+# Expects wheels in $WHEELS (default .whl/) like scripts/gpu_check.sh; the source tree comes first on the path.
 set -uo pipefail
 OUT=${OUT:-$PWD/out}
 mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1
-if [ -d .whl ] && [ ! -d /tmp/site ]; then
-  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target /tmp/site .whl/*.whl || exit 1
+if [ -d "${WHEELS:-.whl}" ] && [ ! -d /tmp/site ]; then
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target /tmp/site "${WHEELS:-.whl}"/*.whl || exit 1
 fi
 export PYTHONPATH=$PWD:/tmp/site${PYTHONPATH:+:$PYTHONPATH}
 export PATH=/tmp/site/bin:$PATH
