@@ -137,7 +137,9 @@ class ModelRunner:
             return self.graphs.run(step.input_ids, step.seq_lens, step.block_tables, step.input_ids_t)
         batch = AttentionBatch.build(step.query_lens, step.seq_lens, step.block_tables, self.block_size, self.device)
         self.attention.plan(batch)
-        ids = step.input_ids_t if step.input_ids_t is not None else torch.tensor(step.input_ids, dtype=torch.int64, device=self.device)
+        ids = step.input_ids_t
+        if ids is None:
+            ids = torch.tensor(step.input_ids, dtype=torch.int64, device=self.device)
         hidden = self.model.forward(ids, batch.positions, self.kv_caches, step.num_layers)  # [T, hidden]
         if not step.logits_rows:
             return hidden.new_empty(0, 0, dtype=torch.float32)
