@@ -201,3 +201,21 @@ def check_seeds(name: str, factory: Any, device: torch.device | str = "cpu") -> 
                 f"sampler {name}: 40 draws from a uniform distribution over {vocab} tokens, one per {varied}, gave only "
                 f"{distinct} distinct tokens; each (seed, position) must start a different random stream"
             )
+
+
+def check_sample_tokens(name: str, factory: Any, device: torch.device | str = "cpu") -> None:
+    """A sampler's optional `sample_tokens` (decode pipelining) must give exactly `sample`'s tokens."""
+    vocab = 50
+    logits, reqs, positions = seeded_requests(factory, 8, vocab, seed=5)
+    greedy = [make_request(8 + i, SamplingParams(temperature=0.0)) for i in range(3)]
+    logits = torch.cat([logits, torch.randn(3, vocab, generator=torch.Generator().manual_seed(6))]).to(device)
+    reqs, positions = reqs + greedy, positions + [0, 0, 0]
+    sampler = factory(vocab, torch.device(device))
+    tokens = sampler.sample_tokens(logits, reqs, positions)
+    if tokens is None:
+        raise AssertionError(f"sampler {name}: sample_tokens returned None for a batch without logprobs; it may "
+                             f"return None only for batches it cannot serve on the device (logprobs asked)")
+    expected = sampler.sample(logits, reqs, positions).token_ids
+    if tokens.tolist() != list(expected):
+        raise AssertionError(f"sampler {name}: sample_tokens gave {tokens.tolist()} but sample gave {list(expected)} "
+                             f"for the same rows: decode pipelining uses sample_tokens, so they must be one computation")

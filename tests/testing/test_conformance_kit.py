@@ -109,7 +109,8 @@ def test_example_plugin_passes_the_kit(example_installed, tmp_path):
 
 def test_builtin_strategies_pass_the_kit(tmp_path):
     ran = run_kit("--infer-kit", "attention=torch", "--infer-kit", "kv_allocator=paged,contiguous",
-                  "--infer-kit", "decoder=speculative,early-exit", "-rs", cwd=tmp_path)
+                  "--infer-kit", "decoder=speculative,early-exit", "--infer-kit", "sampler=vectorized,naive", "-rs",
+                  cwd=tmp_path)
     assert ran.returncode == 0, ran.stdout + ran.stderr
     assert "failed" not in ran.stdout
     assert "decoder early-exit declares lossy=True" in ran.stdout  # exempt, and says why
@@ -205,6 +206,19 @@ class GreedyRefusal(PagedAllocator):
         if got is None and self.pool.num_free():
             request.block_ids.append(self.pool.take(1)[0])
         return got
+
+
+def test_sampler_kit_catches_sample_tokens_that_differ_from_sample():
+    from infer.plugins.decoding.sampling.vectorized import VectorizedSampler
+    from infer.testing.sampling import check_sample_tokens
+
+    class Drifting(VectorizedSampler):  # pipelined steps would take the argmax where sample() draws
+        def sample_tokens(self, logits, requests, positions=None):
+            return logits.argmax(dim=-1)
+
+    check_sample_tokens("vectorized", VectorizedSampler)
+    with pytest.raises(AssertionError, match="must be one computation"):
+        check_sample_tokens("drifting", Drifting)
 
 
 @pytest.mark.parametrize("factory,fault", [(LeakyAllocator, "every freed block must be free again"),

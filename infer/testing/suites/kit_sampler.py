@@ -1,13 +1,21 @@
 """Sampler conformance: greedy = argmax; the exact distribution (chi-square) for each of
 temperature, top-k, top-p and min-p the sampler declares in `supported_params`; the same seed
-gives the same token in any batch composition (when it declares "seed")."""
+gives the same token in any batch composition (when it declares "seed"); `sample_tokens`, when
+offered (decode pipelining), returns exactly `sample`'s tokens."""
 
 from __future__ import annotations
 
 import pytest
 
 from infer.testing import kit
-from infer.testing.sampling import check_distribution, check_greedy, check_seeds, distribution_cases, supported_params
+from infer.testing.sampling import (
+    check_distribution,
+    check_greedy,
+    check_sample_tokens,
+    check_seeds,
+    distribution_cases,
+    supported_params,
+)
 
 
 def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
@@ -38,3 +46,10 @@ def test_same_seed_same_token_in_any_batch(strategy, device) -> None:
     if "seed" not in supported_params(strategy.factory):
         pytest.skip(f"sampler {strategy.name} does not declare 'seed' in supported_params")
     check_seeds(strategy.name, strategy.factory, device)
+
+
+def test_sample_tokens_equals_sample(strategy, device) -> None:
+    factory = strategy.factory
+    if not callable(getattr(factory, "sample_tokens", None)):
+        pytest.skip(f"sampler {strategy.name} has no sample_tokens (optional: decode pipelining)")
+    check_sample_tokens(strategy.name, factory, device)
