@@ -193,6 +193,19 @@ def test_sampler_kit_tests_only_declared_params_and_catches_batch_dependent_seed
         check_seeds("noisy", NoisyTemperature)
 
 
+def test_sampler_kit_catches_sample_tokens_that_differ_from_sample():
+    from infer.plugins.decoding.sampling.vectorized import VectorizedSampler
+    from infer.testing.sampling import check_sample_tokens
+
+    class Drifting(VectorizedSampler):  # pipelined steps would take the argmax where sample() draws
+        def sample_tokens(self, logits, requests, positions=None):
+            return logits.argmax(dim=-1)
+
+    check_sample_tokens("vectorized", VectorizedSampler)
+    with pytest.raises(AssertionError, match="must be one computation"):
+        check_sample_tokens("drifting", Drifting)
+
+
 class LeakyAllocator(PagedAllocator):
     def free(self, request):  # forgets to return the last block
         self.pool.release(request.block_ids[:-1])
@@ -206,19 +219,6 @@ class GreedyRefusal(PagedAllocator):
         if got is None and self.pool.num_free():
             request.block_ids.append(self.pool.take(1)[0])
         return got
-
-
-def test_sampler_kit_catches_sample_tokens_that_differ_from_sample():
-    from infer.plugins.decoding.sampling.vectorized import VectorizedSampler
-    from infer.testing.sampling import check_sample_tokens
-
-    class Drifting(VectorizedSampler):  # pipelined steps would take the argmax where sample() draws
-        def sample_tokens(self, logits, requests, positions=None):
-            return logits.argmax(dim=-1)
-
-    check_sample_tokens("vectorized", VectorizedSampler)
-    with pytest.raises(AssertionError, match="must be one computation"):
-        check_sample_tokens("drifting", Drifting)
 
 
 @pytest.mark.parametrize("factory,fault", [(LeakyAllocator, "every freed block must be free again"),
