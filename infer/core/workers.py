@@ -45,6 +45,8 @@ COLLECTIVE_TIMEOUT = datetime.timedelta(minutes=5)  # a model collective waiting
 IDLE_TIMEOUT = datetime.timedelta(days=7)  # a rank waits for rank 0's next step as long as the engine idles
 START_TIMEOUT_S = 300.0  # spawned ranks: start the interpreter, import torch, connect
 JOINED = "infer/joined"
+STOPPED = "infer/stopped"  # ranks 1..N-1 that have taken down their process groups after rank 0's stop
+STOP_WAIT_S = 30.0
 
 
 class RankGroup:
@@ -121,13 +123,24 @@ class RankGroup:
         if not self.broken:
             with contextlib.suppress(Exception):
                 self.channel.send_stop()
-        _stop_processes(list(self.processes.values()), wait_s=2.0 if self.broken else 30.0)
+            if not self.processes:  # torchrun: no process to join, so wait until the ranks took their groups down
+                self._wait_for_stopped(STOP_WAIT_S)
+        _stop_processes(list(self.processes.values()), wait_s=2.0 if self.broken else STOP_WAIT_S)
         import torch.distributed as dist
 
         with contextlib.suppress(Exception):
             dist.destroy_process_group()
         if self._cpu_threads is not None:
             torch.set_num_threads(self._cpu_threads)
+
+
+    def _wait_for_stopped(self, wait_s: float) -> None:
+        # Taking rank 0's groups down while another rank still uses its end of them can abort the
+        # process at exit; spawned ranks are joined for the same reason.
+        deadline = time.monotonic() + wait_s
+        with contextlib.suppress(Exception):
+            while self.parallel.store.add(STOPPED, 0) < self.parallel.world_size - 1 and time.monotonic() < deadline:
+                time.sleep(0.01)
 
 
 def _stop_processes(processes: list[Any], wait_s: float) -> None:
@@ -220,6 +233,8 @@ def run_worker(config: Any, extra_plugins: list[Any], parallel: ParallelState) -
     finally:
         with contextlib.suppress(Exception):
             dist.destroy_process_group()
+        with contextlib.suppress(Exception):
+            parallel.store.add(STOPPED, 1)
 
 
 def _launch(config: Any, extra_plugins: list[Any], device: torch.device) -> tuple[ParallelState, RankGroup]:
