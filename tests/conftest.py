@@ -1,8 +1,11 @@
-"""Shared fixtures: a tiny random Llama saved as an HF folder, and the real SmolLM2 (pulled once)."""
+"""Shared fixtures: a tiny random Llama saved as an HF folder, the real SmolLM2 (pulled once), and
+the example plugin pip-installed for a test module."""
 
 from __future__ import annotations
 
 import os
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -59,3 +62,15 @@ def smollm2_dir() -> Path:
     from infer.plugins.models import hub
 
     return hub.pull("smollm2-135m")
+
+
+EXAMPLE = Path(__file__).resolve().parents[1] / "examples" / "infer-example-plugin"
+
+
+@pytest.fixture(scope="module")
+def example_installed():
+    """examples/infer-example-plugin installed (no deps) for the module's tests, uninstalled after."""
+    pip = [sys.executable, "-m", "pip", "install", "-q", "--no-deps", "--no-build-isolation", str(EXAMPLE)]
+    subprocess.run(pip, check=True, capture_output=True, timeout=300)
+    yield
+    subprocess.run([sys.executable, "-m", "pip", "uninstall", "-y", "-q", "infer-example-plugin"], check=True, timeout=300)

@@ -7,24 +7,13 @@ import os
 import subprocess
 import sys
 import textwrap
-from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parents[1]
-EXAMPLE = ROOT / "examples" / "infer-example-plugin"
 
 
 def infer_cli(*args: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
     return subprocess.run([sys.executable, "-m", "infer.cli", *args], capture_output=True, text=True, env=env, timeout=300)
-
-
-@pytest.fixture(scope="module")
-def example_installed():
-    pip = [sys.executable, "-m", "pip", "install", "-q", "--no-deps", "--no-build-isolation", str(EXAMPLE)]
-    subprocess.run(pip, check=True, capture_output=True, timeout=300)
-    yield
-    subprocess.run([sys.executable, "-m", "pip", "uninstall", "-y", "-q", "infer-example-plugin"], check=True, timeout=300)
 
 
 def test_example_plugin_is_listed_and_runs(example_installed, tiny_llama_dir, tmp_path):

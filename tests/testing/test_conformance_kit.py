@@ -23,8 +23,6 @@ from infer.testing.attention_kit import check_attention, kit_cases, specs_for
 from infer.testing.decoder import check_lossless
 from infer.testing.sampling import check_distribution, check_seeds, distribution_cases
 
-ROOT = Path(__file__).resolve().parents[2]
-EXAMPLE = ROOT / "examples" / "infer-example-plugin"
 
 BROKEN_PLUGIN = '''
 import torch
@@ -91,14 +89,6 @@ def infer_register_samplers(register):
 def run_kit(*args: str, cwd: Path, env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
     command = [sys.executable, "-m", "pytest", *args, "-q", "-p", "no:cacheprovider"]
     return subprocess.run(command, capture_output=True, text=True, cwd=cwd, env=env, timeout=300)
-
-
-@pytest.fixture(scope="module")
-def example_installed():
-    pip = [sys.executable, "-m", "pip", "install", "-q", "--no-deps", "--no-build-isolation", str(EXAMPLE)]
-    subprocess.run(pip, check=True, capture_output=True, timeout=300)
-    yield
-    subprocess.run([sys.executable, "-m", "pip", "uninstall", "-y", "-q", "infer-example-plugin"], check=True, timeout=300)
 
 
 def test_example_plugin_passes_the_kit(example_installed, tmp_path):
