@@ -11,7 +11,6 @@ import textwrap
 import pytest
 
 
-
 def infer_cli(*args: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
     return subprocess.run([sys.executable, "-m", "infer.cli", *args], capture_output=True, text=True, env=env, timeout=300)
 
