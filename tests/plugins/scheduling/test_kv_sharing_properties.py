@@ -174,7 +174,11 @@ class SharingMachine(RuleBasedStateMachine):
     @precondition(lambda self: self.alloc is not None and self.live)
     @rule(i=st.integers(0, 99), swap=st.booleans())
     def preempt(self, i: int, swap: bool) -> None:
-        r = self._pick(self.live, i)
+        self._preempt(self._pick(self.live, i), swap)
+        self._flush()
+
+    def _preempt(self, r: Request, swap: bool) -> None:
+        """Preempt a live request by swap (when the CPU pool takes it) or by recompute."""
         del self.live[r.request_id]
         if swap and self.alloc.swap_out(r):
             assert r.block_ids == [] and self.alloc.is_swapped(r)
@@ -183,7 +187,6 @@ class SharingMachine(RuleBasedStateMachine):
             self.alloc.free(r)
             r.num_computed_tokens = 0
             self.preempted[r.request_id] = r
-        self._flush()
 
     @precondition(lambda self: self.alloc is not None and (self.swapped or self.preempted))
     @rule(i=st.integers(0, 99), from_swap=st.booleans())
@@ -220,14 +223,8 @@ class SharingMachine(RuleBasedStateMachine):
                 if self.alloc.allocate_slots(child, child.num_tokens) is not None:
                     to_write[child.request_id] = child
             elif action in ("swap", "recompute"):
-                del self.live[r.request_id]
                 to_write.pop(r.request_id, None)
-                if action == "swap" and self.alloc.swap_out(r):
-                    self.swapped[r.request_id] = r
-                else:
-                    self.alloc.free(r)
-                    r.num_computed_tokens = 0
-                    self.preempted[r.request_id] = r
+                self._preempt(r, action == "swap")
         self._flush()
         for r in to_write.values():
             self._write(r, r.num_tokens)
