@@ -55,14 +55,12 @@ def tiny_expected(tiny_llama_dir):
     return run(LLM(model=str(tiny_llama_dir), block_size=4), TINY_PROMPTS)
 
 
-def tiny_draft_options(name, tiny_llama_dir, tiny_draft_dir) -> dict:
-    return {
-        "same-model": dict(draft=str(tiny_llama_dir)),
-        "dummy-draft": dict(draft=str(tiny_draft_dir)),
-        "ngram": dict(draft="ngram"),
-        "self-1": dict(draft="self", exit_layer=1),
-        "self-2": dict(draft="self", exit_layer=2),
-    }[name]
+def draft_options(name, model_dir, draft_dir) -> dict:
+    """Engine options for a proposer named in a test id: same-model, dummy-draft, ngram or self-L."""
+    if name.startswith("self-"):
+        return dict(draft="self", exit_layer=int(name.removeprefix("self-")))
+    return {"same-model": dict(draft=str(model_dir)), "dummy-draft": dict(draft=str(draft_dir)),
+            "ngram": dict(draft="ngram")}[name]
 
 
 PROPOSERS = ["same-model", "dummy-draft", "ngram", "self-1", "self-2"]
@@ -71,7 +69,7 @@ PROPOSERS = ["same-model", "dummy-draft", "ngram", "self-1", "self-2"]
 @pytest.mark.parametrize("mode", ["batch-8", "batch-1", "preemption"])
 @pytest.mark.parametrize("proposer", PROPOSERS)
 def test_tiny_greedy_identical_to_autoregressive(tiny_llama_dir, tiny_draft_dir, tiny_expected, proposer, mode):
-    options = dict(block_size=4, decoding="speculative", **tiny_draft_options(proposer, tiny_llama_dir, tiny_draft_dir))
+    options = dict(block_size=4, decoding="speculative", **draft_options(proposer, tiny_llama_dir, tiny_draft_dir))
     if mode == "preemption":
         options.update(num_kv_blocks=16)  # 64 token slots for 8 requests of up to 40 + 16 + 4 lookahead
     llm = LLM(model=str(tiny_llama_dir), **options)
@@ -168,13 +166,7 @@ def smol_draft_dir(tmp_path_factory):
 @pytest.mark.slow
 @pytest.mark.parametrize("proposer", ["same-model", "dummy-draft", "ngram", "self-4", "self-12"])
 def test_smollm2_greedy_identical_to_autoregressive(smollm2_dir, smol_draft_dir, smol_expected, proposer):
-    draft = {
-        "same-model": dict(draft=str(smollm2_dir)),
-        "dummy-draft": dict(draft=str(smol_draft_dir)),
-        "ngram": dict(draft="ngram"),
-        "self-4": dict(draft="self", exit_layer=4),
-        "self-12": dict(draft="self", exit_layer=12),
-    }[proposer]
+    draft = draft_options(proposer, smollm2_dir, smol_draft_dir)
     k = 4 if proposer == "same-model" else 2  # verifying k + 1 tokens per row costs about k + 1 decode steps on a CPU
     llm = LLM(model=str(smollm2_dir), dtype="float32", decoding="speculative", num_speculative_tokens=k, **draft)
     assert run(llm, SMOL_PROMPTS, SMOL_GREEDY) == smol_expected  # batch 8
