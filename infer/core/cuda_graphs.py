@@ -79,11 +79,10 @@ class CudaGraphRunner:
     def _fill(self, n: int, token_ids: list[int], seq_lens: list[int], tables: list[list[int]],
               ids: torch.Tensor | None = None) -> None:
         b, w, bs = self.max_batch, self.max_blocks, self.block_size
-        num_real = len(seq_lens) if ids is None else ids.shape[0]
-        if ids is None:
-            assert len(token_ids) == num_real
-        else:
+        num_real = len(seq_lens)
+        if ids is not None:
             token_ids = [0] * num_real  # the device tensor overwrites these
+        assert len(token_ids) == num_real
         pad = n - num_real
         seq_lens = seq_lens + [1] * pad
         positions = [s - 1 for s in seq_lens]

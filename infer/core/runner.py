@@ -188,9 +188,8 @@ class ModelRunner:
         tokens = sample_tokens(logits, requests)
         if tokens is None:
             return None
-        if tokens.device.type != "cuda":  # nothing to overlap with: the ids are here already
-            token_ids = tokens.tolist()
-        else:
+        host, ready = tokens, None  # on the CPU there is nothing to overlap with: the ids are here already
+        if tokens.device.type == "cuda":
             n = tokens.shape[0]
             if self._tokens_host is None or self._tokens_host.shape[0] < n:
                 self._tokens_host = torch.empty(max(n, 256), dtype=torch.int64).pin_memory()
@@ -200,9 +199,9 @@ class ModelRunner:
             ready.record()
         if self._should_queue_ahead():
             self._launch_ahead(seqs, tokens)
-        if tokens.device.type == "cuda":
+        if ready is not None:
             ready.synchronize()  # this step's ids only: the forward queued ahead runs meanwhile
-            token_ids = host.tolist()
+        token_ids = host.tolist()
         if self._ahead is not None:
             by_request = {s.request.request_id: t for s, t in zip(seqs, token_ids)}
             self._ahead.tokens = [by_request[r.request_id] for r in self._ahead.requests]
