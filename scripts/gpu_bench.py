@@ -17,7 +17,7 @@ import torch
 
 from infer.bench.ceilings import copy_bandwidth, graph_replay_seconds, kv_bytes_per_token
 from infer.bench.peers import build_hf_model, hf_continuous, hf_static
-from infer.bench.report import run_workload
+from infer.bench.report import run_workload, warm_up
 from infer.bench.workloads import load_workload
 from infer.core.config import EngineConfig
 from infer.core.engine import Engine
@@ -37,8 +37,7 @@ def run_infer(name: str, workload: str, num_prompts: int | None, **opts: Any) ->
     try:
         wl = load_workload(workload, engine.parts.vocab_size, num_prompts, None, seed=0)
         warm = load_workload(workload, engine.parts.vocab_size, 4, 8, seed=1)  # compile kernels, warm allocator
-        run_workload(engine, warm, SamplingParams(temperature=0), "warmup")
-        engine.num_steps = 0
+        warm_up(engine, warm)
         record, _ = run_workload(engine, wl, SamplingParams(temperature=0), name)
         out = record.to_dict()
         out["build_s"] = build_s

@@ -17,7 +17,7 @@ from typing import Any
 
 import torch
 
-from infer.bench.report import run_workload
+from infer.bench.report import run_workload, warm_up
 from infer.bench.workloads import Workload, load_workload
 from infer.core.config import EngineConfig
 from infer.core.engine import Engine
@@ -29,9 +29,7 @@ def run(label: str, workload: Workload, keep_outputs: bool = False, **opts: Any)
     engine = Engine.from_config(EngineConfig(dtype="bfloat16", kv_cache_memory_gib=8.0, **opts))
     try:
         warm = Workload("warm", [list(range(100, 164))], [8], ignore_eos=True)
-        run_workload(engine, warm, SamplingParams(temperature=0), "warmup")
-        engine.num_steps = 0
-        getattr(engine, "decoder_totals", {}).clear()  # count the measured run only
+        warm_up(engine, warm)  # count the measured run only
         record, outputs = run_workload(engine, workload, SamplingParams(temperature=0), label)
         out = record.to_dict()
         if keep_outputs:

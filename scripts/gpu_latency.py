@@ -17,7 +17,7 @@ import torch
 import torch.nn.functional as F
 
 from infer.bench.ceilings import copy_bandwidth, graph_replay_seconds, kv_bytes_per_token
-from infer.bench.report import run_workload
+from infer.bench.report import run_workload, warm_up
 from infer.bench.workloads import Workload
 from infer.core.config import EngineConfig
 from infer.core.engine import Engine
@@ -132,7 +132,7 @@ def latency(model: str, tokens: int, linear: str, bw: float, profile_kernels: bo
         rng = random.Random(0)
         vocab = engine.parts.vocab_size
         warm = Workload("warm", [[rng.randrange(10, vocab) for _ in range(64)]], [8], ignore_eos=True)
-        run_workload(engine, warm, SamplingParams(temperature=0), "warmup")
+        warm_up(engine, warm)
         wl = Workload("latency-1", [[rng.randrange(10, vocab) for _ in range(128)]], [tokens], ignore_eos=True)
         record, _ = run_workload(engine, wl, SamplingParams(temperature=0), f"latency-{linear}-pipeline-{pipeline}")
         out = record.to_dict()

@@ -28,7 +28,7 @@ import time
 
 import torch
 
-from infer.bench.report import format_table, run_workload
+from infer.bench.report import format_table, run_workload, warm_up
 from infer.bench.workloads import load_workload
 from infer.core.config import EngineConfig
 from infer.core.engine import Engine
@@ -55,9 +55,7 @@ def run_many(jobs: list, **options) -> list:
         vocab = engine.parts.vocab_size
         for label, workload, num_prompts in jobs:
             warm = load_workload(workload, vocab, 4, 8, seed=1)
-            run_workload(engine, warm, SamplingParams(temperature=0), "warmup")
-            engine.num_steps = 0
-            engine.decoder_totals.clear()  # count the measured run only
+            warm_up(engine, warm)  # count the measured run only
             record, _ = run_workload(engine, load_workload(workload, vocab, num_prompts, None, seed=0),
                                      SamplingParams(temperature=0), label)
             print(f"{label}: built in {build_s:.0f} s, {record.output_tokens_per_s:.1f} output tok/s, "

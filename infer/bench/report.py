@@ -92,6 +92,12 @@ def prepare_prompts(engine: Engine, workload: Workload) -> list[str | list[int]]
     return prompts
 
 
+def warm_up(engine: Engine, workload: Workload) -> None:
+    """Run `workload` greedily (kernels compile, autotune, allocators warm), then reset the engine's counters."""
+    run_workload(engine, workload, SamplingParams(temperature=0), "warmup")
+    engine.reset_stats()
+
+
 def run_workload(
     engine: Engine,
     workload: Workload,

@@ -180,6 +180,16 @@ class Engine:
     def kv_usage(self) -> KVUsage:
         return self.scheduler.allocator.usage()  # type: ignore[attr-defined]
 
+    def reset_stats(self) -> None:
+        """Count from here on: steps, preemptions, the decoder's totals and pipelined steps (after a warm-up run)."""
+        self.num_steps = 0
+        self.decoder_totals.clear()
+        reset = getattr(self.scheduler, "reset_stats", None)  # optional for third-party schedulers
+        if reset is not None:
+            reset()
+        for runner in self.parts.runners:
+            runner.pipeline_hits = runner.pipeline_misses = 0
+
     def stats(self) -> dict[str, float]:
         stats = {"steps": self.num_steps, **self.scheduler.stats(), **self.decoder_stats()}
         runner = self.parts.runners[0] if self.parts.runners else None

@@ -356,6 +356,8 @@ class Scheduler(Protocol):
 
     def stats(self) -> dict[str, float]: ...
 
+    # Optional: reset_stats() -> None, start the counters behind `stats` again (after a warm-up run).
+
 
 # --------------------------------------------------------------------------- sampling
 

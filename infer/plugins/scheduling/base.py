@@ -135,6 +135,9 @@ class SchedulerBase:
         self.finish(request, FinishReason.CAPACITY)
         return False
 
+    def reset_stats(self) -> None:
+        self.num_steps = self.num_preemptions = self.num_swap_preemptions = 0
+
     def stats(self) -> dict[str, float]:
         return {
             "preemptions": self.num_preemptions,
