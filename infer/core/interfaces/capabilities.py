@@ -1,0 +1,54 @@
+"""What a strategy declares it can do, checked before any weight loads."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Callable
+
+import torch
+
+
+@dataclass(frozen=True, slots=True)
+class Capabilities:
+    """What a strategy declares it can do; checked before any weight loads."""
+
+    devices: frozenset[str] = frozenset({"cpu", "cuda"})  # device types it runs on
+    phases: frozenset[str] = frozenset({"prefill", "decode"})  # attention: which phases it serves
+    dtypes: frozenset[torch.dtype] | None = None  # None: any dtype
+    block_sizes: frozenset[int] | None = None  # None: any KV block size
+    cuda_graph_safe: bool = False  # decode step may be captured in a CUDA graph
+    # decode pipelining. attention: plan() for the next step may run while the step before is still
+    # queued (it writes no host memory that queued copies still read); decoder: its steps go through
+    # ModelRunner.execute, one token per sequence
+    pipeline_safe: bool = False
+    needs_draft: bool = False  # decoder: requires --draft
+    lossy: bool = False  # decoder: changes the outputs (early exit); the run report says so
+    distributed: bool = True  # works under tensor parallelism
+    priority: int = 0  # higher wins when a slot is resolved "auto"
+    # returns None when runnable here, else the reason (missing library, wrong GPU, ...)
+    available: Callable[[], str | None] | None = None
+
+    def describe(self) -> str:
+        parts = [f"devices={','.join(sorted(self.devices))}"]
+        if self.phases != frozenset({"prefill", "decode"}):
+            parts.append(f"phases={','.join(sorted(self.phases))}")
+        if self.dtypes is not None:
+            parts.append("dtypes=" + ",".join(sorted(str(d).removeprefix("torch.") for d in self.dtypes)))
+        if self.block_sizes is not None:
+            parts.append("block_sizes=" + ",".join(map(str, sorted(self.block_sizes))))
+        if self.cuda_graph_safe:
+            parts.append("cuda-graphs")
+        if self.pipeline_safe:
+            parts.append("pipelined-decode")
+        if self.needs_draft:
+            parts.append("needs-draft")
+        if self.lossy:
+            parts.append("lossy (changes outputs)")
+        return " ".join(parts)
+
+
+DEFAULT_CAPABILITIES = Capabilities()
+
+
+def capabilities_of(factory: Any) -> Capabilities:
+    return getattr(factory, "capabilities", DEFAULT_CAPABILITIES)

@@ -1,0 +1,41 @@
+"""The decoder (autoregressive, speculative, early exit) and what it is built from."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, Callable, Protocol
+
+from infer.core.interfaces.scheduling import SchedulerOutput, StepResult
+
+if TYPE_CHECKING:
+    from infer.core.config import ModelConfig
+
+
+class ModelRunnerLike(Protocol):
+    def execute(self, out: SchedulerOutput) -> StepResult: ...
+
+
+@dataclass(slots=True)
+class DecoderContext:
+    """What a decoder factory gets: the target's runner and a way to build more models."""
+
+    runner: ModelRunnerLike  # the target model's runner (forward + sample)
+    config: Any  # EngineConfig
+    # (name_or_path, num_layers=None) -> a ModelRunner over its own weights and KV cache, indexed by
+    # the target's block tables (same block ids); the builder sizes every cache after the decoder is built
+    build_model: Callable[..., Any] | None = None
+    model_config: Any = None  # the target's ModelConfig
+
+
+class Decoder(Protocol):
+    """A decoding strategy: turns a scheduled step into new tokens.
+
+    `num_lookahead_tokens` tells the scheduler how many extra KV slots to reserve per running
+    request (speculative proposals). `execute` runs once per step.
+    Optional: `describe` (dict, merged into the run's description and report) and
+    `summarize(totals) -> dict` (run-level figures from the summed `StepResult.stats`, in `Engine.stats`).
+    """
+
+    num_lookahead_tokens: int
+
+    def execute(self, out: SchedulerOutput) -> StepResult: ...

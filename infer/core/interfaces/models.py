@@ -1,0 +1,49 @@
+"""Model architectures and the layers they are built from."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, Callable, ClassVar, Protocol
+
+import torch
+
+from infer.core.interfaces.attention import AttentionBackend, KVCache
+
+if TYPE_CHECKING:
+    from infer.core.config import ModelConfig
+
+
+LAYER_KINDS = ("rms_norm", "rotary_embedding", "silu_and_mul", "linear")
+
+
+@dataclass(frozen=True, slots=True)
+class Layers:
+    """The layer implementations a model builds itself from, resolved once per engine."""
+
+    rms_norm: Any  # (hidden_size, eps) -> module; forward(x, residual=None)
+    rotary_embedding: Any  # (head_dim, max_position, theta, scaling) -> module; forward(positions, q, k)
+    silu_and_mul: Any  # () -> module; forward(x [T, 2I]) -> [T, I]
+    linear: Any  # (in_features, out_features, bias=False) -> module
+
+
+class CausalLM(Protocol):
+    """A model as the runner sees it."""
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches: list[KVCache]) -> torch.Tensor: ...
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor: ...
+
+    def load_weights(self, weights: Any) -> None: ...
+
+
+class ModelArchitecture(Protocol):
+    """Builds a model of one family. `hf_architectures` lists the config.json names it serves;
+    `presets` maps named shapes (`llama2-7b`) to config.json-style dicts."""
+
+    hf_architectures: ClassVar[tuple[str, ...]]
+    presets: ClassVar[dict[str, dict[str, Any]]]
+
+    def __call__(self, config: "ModelConfig", layers: "Any", attention: AttentionBackend) -> CausalLM: ...
+
+
+RegisterFn = Callable[[str, Any], None]  # register(name, factory)

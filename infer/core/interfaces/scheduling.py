@@ -1,0 +1,76 @@
+"""The scheduler, and what it hands the decoder and gets back each step."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Protocol
+
+from infer.core.interfaces.kv import BlockOps
+
+if TYPE_CHECKING:
+    from infer.core.request import FinishReason, Request
+
+
+@dataclass(slots=True)
+class ScheduledSeq:
+    request: "Request"
+    num_new_tokens: int  # tokens computed for this request this step (query length)
+    num_lookahead_tokens: int = 0  # speculative slots reserved past the new tokens
+
+    @property
+    def samples(self) -> bool:
+        """Whether this step completes the request's known tokens (so its logits are sampled)."""
+        return self.request.num_computed_tokens + self.num_new_tokens >= self.request.num_tokens
+
+
+@dataclass(slots=True)
+class SchedulerOutput:
+    scheduled: list[ScheduledSeq]  # decodes first, then prefills/extends
+    preempted: list["Request"] = field(default_factory=list)  # preempted in this step
+    finished: list["Request"] = field(default_factory=list)  # ended without running (capacity)
+    block_ops: BlockOps = field(default_factory=BlockOps)  # applied to the KV tensors before the forward
+
+    @property
+    def is_empty(self) -> bool:
+        return not self.scheduled
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(s.num_new_tokens for s in self.scheduled)
+
+
+@dataclass(slots=True)
+class StepResult:
+    """What the decoder returns: new tokens per sampled request (more than one when speculating)."""
+
+    sampled: dict[str, list[int]]  # request_id -> accepted new token ids
+    logprobs: dict[str, list[dict[int, float]]] = field(default_factory=dict)
+    stats: dict[str, float] = field(default_factory=dict)  # proposals, acceptances, ...: summed by the engine
+    # request_id -> tokens whose K/V are valid after this step, where fewer than all but the newest
+    # (speculative: rejected draft slots are rolled back); absent: every computed token is kept
+    num_computed: dict[str, int] = field(default_factory=dict)
+
+
+class Scheduler(Protocol):
+    """Decides, every step, which requests run and how many tokens each computes.
+
+    `schedule` may allocate and free KV blocks (through the allocator) and preempt requests.
+    `update` appends the step's tokens to the requests, applies stop conditions and frees the
+    blocks of finished requests; it returns the requests that finished in this step.
+    """
+
+    def add(self, request: "Request") -> None: ...
+
+    def abort(self, request_id: str) -> "Request | None": ...
+
+    def finish(self, request: "Request", reason: "FinishReason") -> None: ...
+
+    def schedule(self) -> SchedulerOutput: ...
+
+    def update(self, out: SchedulerOutput, result: StepResult) -> list["Request"]: ...
+
+    def has_unfinished(self) -> bool: ...
+
+    def stats(self) -> dict[str, float]: ...
+
+    # Optional: reset_stats() -> None, start the counters behind `stats` again (after a warm-up run).
