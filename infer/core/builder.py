@@ -7,6 +7,7 @@ bad combination fails in milliseconds with a message naming the fix.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import time
 from typing import Any, Iterable, Iterator
 
@@ -93,6 +94,12 @@ def build_engine(config: EngineConfig, extra_plugins: Iterable[Any] = (), parall
 
         return build_parallel(config, extra_plugins, source.name, model_config, device)
     parallel = parallel or ParallelState(device=device)
+    all_reduce = None
+    if parallel.is_parallel:  # every rank, in the same order: the symmetric buffer's set-up is collective
+        from infer.core.symmetric_memory import make_all_reduce
+
+        fast, all_reduce = make_all_reduce(config.all_reduce, parallel)
+        parallel = dataclasses.replace(parallel, fast_all_reduce=fast)
 
     layers = Layers(**{kind: registry.layer(kind, device.type) for kind in LAYER_KINDS})
     model, attention = _build_model(source, model_config, composition, layers, config, device, dtype, max_model_len, parallel)
@@ -199,6 +206,7 @@ def build_engine(config: EngineConfig, extra_plugins: Iterable[Any] = (), parall
         "weight_bytes": sum(p.numel() * p.element_size() for p in model.parameters()),
         **composition.names(),
         **getattr(decoder, "describe", {}),
+        **({"all_reduce": all_reduce} if all_reduce else {}),
     }
     get_logger(**describe).info("engine built", seconds=round(time.perf_counter() - started, 2), load_format=config.load_format)
     return EngineParts(

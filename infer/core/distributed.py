@@ -63,6 +63,7 @@ class ParallelState:
     group: Any = None  # ProcessGroup for the model's collectives (all-reduce, all-gather)
     control_group: Any = None  # gloo ProcessGroup for rank 0's step messages (CPU tensors)
     store: Any = None  # the rendezvous store: a failing rank posts its error under error_key(rank)
+    fast_all_reduce: Any = None  # SymmetricAllReduce for small tensors (--all-reduce), else None: NCCL only
 
     @property
     def is_parallel(self) -> bool:
@@ -83,6 +84,9 @@ class ParallelState:
 
     def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
         """Sum `x` over the ranks, in place (row-parallel outputs, the vocab-parallel embedding)."""
+        fast = self.fast_all_reduce
+        if fast is not None and fast.fits(x):
+            return fast(x)
         import torch.distributed as dist
 
         dist.all_reduce(x, group=self.group)

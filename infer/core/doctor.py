@@ -135,6 +135,7 @@ def diagnose(config: EngineConfig, registry: PluginRegistry, check_model: bool =
     dtype = config.resolve_dtype(device, model_dtype) if config.dtype == "auto" or config.dtype in DTYPES else torch.float32
     if config.tensor_parallel_size > 1:
         verdicts.append(_tensor_parallel(config, registry))
+        verdicts.append(_all_reduce(config, device))
     if config.attention == "auto":
         try:
             verdicts.append(Verdict("attention", "auto", note=f"auto picks {_auto_attention(registry, device, dtype, config).name}"))
@@ -210,6 +211,20 @@ def format_matrix(rows: list[tuple[tuple[str, ...], str | None]], device: str) -
         lines.append("refused (combinations: reason):")
         lines += [f"  {count:>4}: {reason}" for reason, count in refused.most_common()]
     return "\n".join(lines)
+
+
+def _all_reduce(config: EngineConfig, device: torch.device) -> Verdict:
+    """Which all-reduce --tp will use for small tensors (the set-up itself needs the ranks)."""
+    from infer.core.symmetric_memory import unavailable_reason
+
+    reason = unavailable_reason(device, config.tensor_parallel_size)
+    if config.all_reduce == "symm-mem" and reason:
+        return Verdict("all-reduce", "symm-mem", f"symmetric memory cannot run: {reason}", ("nccl", "auto"))
+    if config.all_reduce == "auto":
+        backend = "nccl" if device.type == "cuda" else "gloo"
+        return Verdict("all-reduce", "auto", note=f"auto picks {backend} (symmetric memory: {reason})" if reason
+                       else "auto picks symm-mem for small tensors, nccl above")
+    return Verdict("all-reduce", config.all_reduce)
 
 
 def _tensor_parallel(config: EngineConfig, registry: PluginRegistry) -> Verdict:

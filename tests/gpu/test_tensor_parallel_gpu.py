@@ -45,6 +45,8 @@ def reference(folder, **options):
 
 def generate(folder, tp, **options):
     with LLM(model=str(folder), load_format="dummy", tensor_parallel_size=tp, max_num_seqs=16, **options) as llm:
+        if tp > 1:  # auto takes symmetric memory on these GPUs
+            assert llm.engine.parts.describe["all_reduce"].startswith(options.get("all_reduce", "symm-mem"))
         outs = llm.generate(PROMPTS, PARAMS)
     tokens = [o.outputs[0].token_ids for o in outs]
     logprobs = [[lp[t] for lp, t in zip(o.outputs[0].logprobs, o.outputs[0].token_ids)] for o in outs]
@@ -66,6 +68,15 @@ def test_tp2_matches_tp1_fp32(shape_dir, attention, cuda_graphs):
     options = dict(attention=attention, dtype="float32", cuda_graphs=cuda_graphs)
     ref_tokens, ref_lps = reference(shape_dir, **options)
     tokens, lps = generate(shape_dir, 2, **options)
+    assert tokens == ref_tokens
+    for a, b in zip(lps, ref_lps):
+        torch.testing.assert_close(torch.tensor(a), torch.tensor(b), atol=1e-3, rtol=0)
+
+
+def test_tp2_with_nccl_all_reduce_matches_tp1(shape_dir):
+    options = dict(attention="paged-cuda", dtype="float32", cuda_graphs=True)
+    ref_tokens, ref_lps = reference(shape_dir, **options)
+    tokens, lps = generate(shape_dir, 2, all_reduce="nccl", **options)
     assert tokens == ref_tokens
     for a, b in zip(lps, ref_lps):
         torch.testing.assert_close(torch.tensor(a), torch.tensor(b), atol=1e-3, rtol=0)

@@ -1,0 +1,82 @@
+"""All-reduce latency on the GPUs of one host: NCCL against the symmetric-memory one-shot kernel, per
+message size, each timed as a CUDA graph of back-to-back sums (how a decode step runs them).
+
+    python scripts/gpu_allreduce.py [--world-size 2] [--hidden 4096] [--calls 64]
+
+Prints one row per size: microseconds per all-reduce for each, and the ratio. The sizes are
+rows x hidden bf16, the activations a tensor-parallel Llama sums twice per layer.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import tempfile
+
+import torch
+
+ROWS = (1, 4, 16, 64, 128, 256, 512, 1024)
+
+
+def _time_graph(fn, x: torch.Tensor, calls: int, replays: int = 20) -> float:
+    """Seconds per call: `calls` sums captured in one graph, replayed, timed with device events."""
+    for _ in range(3):
+        fn(x)
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for _ in range(calls):
+            fn(x)
+    graph.replay()
+    torch.cuda.synchronize()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(replays):
+        graph.replay()
+    end.record()
+    end.synchronize()
+    return start.elapsed_time(end) / 1e3 / (replays * calls)
+
+
+def _rank(rank: int, world_size: int, init_file: str, hidden: int, calls: int) -> None:
+    import torch.distributed as dist
+
+    from infer.core.symmetric_memory import SymmetricAllReduce
+
+    torch.cuda.set_device(rank)
+    device = torch.device("cuda", rank)
+    dist.init_process_group("nccl", init_method=f"file://{init_file}", rank=rank, world_size=world_size)
+    fast = SymmetricAllReduce(dist.group.WORLD, device, max_bytes=max(ROWS) * hidden * 2)
+    rows_out = []
+    for rows in ROWS:
+        x = torch.full((rows, hidden), 1.0 / 1024, device=device, dtype=torch.bfloat16)
+        nccl = _time_graph(lambda t: dist.all_reduce(t), x, calls)
+        symm = _time_graph(fast, x, calls)
+        rows_out.append((rows, rows * hidden * 2, nccl, symm))
+        dist.barrier()
+    if rank == 0:
+        print(f"all-reduce of [rows, {hidden}] bf16 over {world_size} GPUs ({torch.cuda.get_device_name(0)}), "
+              f"{calls} per CUDA graph, us per all-reduce")
+        print(f"{'rows':>6} {'bytes':>9} {'nccl us':>9} {'symm-mem us':>12} {'nccl/symm':>10}")
+        for rows, nbytes, nccl, symm in rows_out:
+            print(f"{rows:6d} {nbytes:9d} {nccl * 1e6:9.2f} {symm * 1e6:12.2f} {nccl / symm:9.2f}x")
+    dist.destroy_process_group()
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--world-size", type=int, default=2)
+    parser.add_argument("--hidden", type=int, default=4096)
+    parser.add_argument("--calls", type=int, default=64)
+    args = parser.parse_args()
+    os.environ.setdefault("NCCL_NVLS_ENABLE", "0")
+    os.environ.setdefault("TORCH_SYMM_MEM_DISABLE_MULTICAST", "1")
+    import torch.multiprocessing as mp
+
+    with tempfile.TemporaryDirectory() as tmp:
+        mp.start_processes(_rank, args=(args.world_size, os.path.join(tmp, "init"), args.hidden, args.calls),
+                           nprocs=args.world_size, start_method="spawn", join=True)
+
+
+if __name__ == "__main__":
+    main()
