@@ -1,10 +1,11 @@
 #!/usr/bin/env bash
 # Tensor parallelism on a machine with 2 GPUs (nvidia-h200-x2), engine-spawned ranks over NCCL:
-#   bash scripts/gpu_tp.sh [70b] [7b] [spec]   (default: 70b 7b; each part fits one 10-minute command)
+#   bash scripts/gpu_tp.sh [allreduce] [70b] [7b] [spec]   (default: 70b 7b; each part fits one 10-minute command)
+# allreduce: NCCL against the symmetric-memory one-shot all-reduce per message size (scripts/gpu_allreduce.py).
 # 70b: llama2-70b, dummy bf16 weights (138 GB: 69 GB per H200 at --tp 2, the rest is KV cache),
 #      on the sharegpt-like workload, 200 requests (TP_REQUESTS to change).
-# 7b:  llama2-7b on latency-1 (one request: 128 prompt tokens, 256 new) at --tp 1 and --tp 2:
-#      tokens/s and the tp2/tp1 per-token speedup (time per output token, p50).
+# 7b:  llama2-7b on latency-1 (one request: 128 prompt tokens, 256 new) at --tp 1 and --tp 2 (and tp 2 with
+#      --all-reduce nccl): tokens/s and the tp2/tp1 per-token speedup (time per output token, p50).
 # spec: the seeds' composition, llama2-70b --tp 2 verifying llama2-7b drafts (K=4), beside llama2-70b
 #      --tp 2 autoregressive, on latency-1: step times, verify time, acceptance (0 on random weights).
 # Each engine is warmed up first (Triton compiles, allocator), then timed. Prints a table; writes $OUT/tp.json.
@@ -19,6 +20,11 @@ fi
 export PYTHONPATH=$PWD:/tmp/site${PYTHONPATH:+:$PYTHONPATH}
 export PATH=/tmp/site/bin:$PATH
 nvidia-smi --query-gpu=index,name,memory.total --format=csv,noheader
+if [[ " $* " == *" allreduce "* ]]; then
+  python3 scripts/gpu_allreduce.py 2>&1 | tee "$OUT/allreduce.log"
+  set -- ${*//allreduce/}
+  [ $# -eq 0 ] && exit 0
+fi
 # spawned ranks re-import the main module, so it must be a file, not stdin
 cat > /tmp/infer_gpu_tp.py <<'EOF'
 import gc
@@ -28,6 +34,7 @@ import time
 
 import torch
 
+from infer.bench.ceilings import decode_step_seconds
 from infer.bench.report import format_table, run_workload, warm_up
 from infer.bench.workloads import load_workload
 from infer.core.config import EngineConfig
@@ -58,8 +65,18 @@ def run_many(jobs: list, **options) -> list:
             warm_up(engine, warm)  # count the measured run only
             record, _ = run_workload(engine, load_workload(workload, vocab, num_prompts, None, seed=0),
                                      SamplingParams(temperature=0), label)
+            stats = engine.stats()
+            if workload == "latency-1":  # the GPUs' time for a batch-1 step, then where it goes on rank 0
+                step_s, kernels = decode_step_seconds(engine, profile=True)
+                total = sum(k[2] for k in kernels)
+                print(f"{label}: decode forward alone {step_s * 1e3:.3f} ms (back to back, graphs); rank 0 kernels "
+                      f"{total / 1e3:.3f} ms per step:", flush=True)
+                for name, calls, us in kernels[:14]:
+                    print(f"    {us:8.1f} us  x{calls:4.0f}  {name}", flush=True)
             print(f"{label}: built in {build_s:.0f} s, {record.output_tokens_per_s:.1f} output tok/s, "
-                  f"TPOT p50 {record.tpot_p50_s * 1e3:.2f} ms, KV blocks {engine.parts.describe['kv_blocks']}", flush=True)
+                  f"TPOT p50 {record.tpot_p50_s * 1e3:.2f} ms, KV blocks {engine.parts.describe['kv_blocks']}, "
+                  f"all-reduce {engine.parts.describe.get('all_reduce', '-')}, pipelined steps "
+                  f"{stats.get('pipelined_steps', 0)} (misses {stats.get('pipeline_misses', 0)})", flush=True)
             results.append({**record.to_dict(), "build_s": build_s, "record": record, "engine_stats": engine.stats()})
         return results
     finally:
@@ -78,6 +95,8 @@ def main() -> None:
         for tp in (1, 2):
             results[f"llama2-7b tp{tp} latency-1"] = run(f"llama2-7b tp{tp} latency-1", "latency-1", 1,
                                                          model="llama2-7b", tensor_parallel_size=tp)
+        results["llama2-7b tp2 latency-1 nccl"] = run("llama2-7b tp2 latency-1, --all-reduce nccl", "latency-1", 1,
+                                                      model="llama2-7b", tensor_parallel_size=2, all_reduce="nccl")
     if "spec" in parts:  # the 70b engine once: latency-1, then sharegpt-like when "70b" is asked too
         jobs = [("llama2-70b tp2 latency-1", "latency-1", 1)]
         if "70b" in parts:

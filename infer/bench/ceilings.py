@@ -42,3 +42,46 @@ def weight_bytes(model: torch.nn.Module) -> int:
 
 def kv_bytes_per_token(num_layers: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype) -> int:
     return 2 * num_layers * num_kv_heads * head_dim * torch.empty((), dtype=dtype).element_size()
+
+
+def decode_step_seconds(engine: "object", context: int = 256, iters: int = 50, profile: bool = False) -> tuple[float, list]:
+    """Seconds per batch-1 decode forward, run back to back through the engine's runner with CUDA
+    graphs: under tensor parallelism each forward goes to every rank, as in a real step, so this is
+    the GPUs' time for a step without the scheduler and sampler. With `profile`, also the kernels of
+    five such forwards on this rank (torch.profiler), as (name, calls per step, microseconds per step),
+    longest first. Writes K/V into one position of free blocks: run it after the measured work."""
+    from infer.core.runner import StepInputs
+
+    runner = engine.decoder.runner
+    size = engine.parts.config.block_size
+    table = list(range(1, -(-context // size) + 1))
+    step = StepInputs([11], [1], [context], [table], [0], runner.num_layers, True)
+    mirror = getattr(runner.model, "mirror", None)
+
+    def forward() -> None:
+        runner.run(step) if mirror is None else mirror.forward(runner, step)
+
+    for _ in range(3):
+        forward()
+    torch.cuda.synchronize()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(iters):
+        forward()
+    end.record()
+    torch.cuda.synchronize()
+    seconds = start.elapsed_time(end) / 1e3 / iters
+    kernels: list = []
+    if profile:
+        from torch.profiler import ProfilerActivity, profile as torch_profile
+
+        with torch_profile(activities=[ProfilerActivity.CUDA]) as prof:
+            for _ in range(5):
+                forward()
+            torch.cuda.synchronize()
+        for e in prof.key_averages():
+            dev = getattr(e, "device_time_total", None) or getattr(e, "cuda_time_total", 0)
+            if dev:
+                kernels.append((e.key[:80], e.count / 5, dev / 5))
+        kernels.sort(key=lambda k: -k[2])
+    return seconds, kernels
