@@ -8,6 +8,8 @@
 #      --all-reduce nccl): tokens/s and the tp2/tp1 per-token speedup (time per output token, p50).
 # spec: the seeds' composition, llama2-70b --tp 2 verifying llama2-7b drafts (K=4), beside llama2-70b
 #      --tp 2 autoregressive, on latency-1: step times, verify time, acceptance (0 on random weights).
+# All in bf16 (TP_DTYPE to change): Llama-2's checkpoints say float16, which the symmetric-memory
+# all-reduce cannot sum (NCCL then does every all-reduce).
 # Each engine is warmed up first (Triton compiles, allocator), then timed. Prints a table; writes $OUT/tp.json.
 # Expects wheels in $WHEELS (default .whl/) like scripts/gpu_check.sh; the source tree comes first on the path.
 set -uo pipefail
@@ -29,6 +31,7 @@ fi
 cat > /tmp/infer_gpu_tp.py <<'EOF'
 import gc
 import json
+import os
 import sys
 import time
 
@@ -43,6 +46,7 @@ from infer.core.logging import configure
 from infer.core.request import SamplingParams
 
 out_path, num_requests, parts = sys.argv[1], int(sys.argv[2]), sys.argv[3:]
+dtype = os.environ.get("TP_DTYPE", "bfloat16")
 configure(level="warning")
 if torch.cuda.device_count() < 2:
     sys.exit(f"needs 2 GPUs, {torch.cuda.device_count()} visible")
@@ -55,7 +59,7 @@ def run(label: str, workload: str, num_prompts: int, **options) -> dict:
 def run_many(jobs: list, **options) -> list:
     """One engine, warmed up, then each (label, workload, num_prompts) job timed in turn."""
     started = time.perf_counter()
-    engine = Engine.from_config(EngineConfig(load_format="dummy", **options))
+    engine = Engine.from_config(EngineConfig(load_format="dummy", dtype=dtype, **options))
     build_s = time.perf_counter() - started
     results = []
     try:

@@ -135,7 +135,7 @@ def diagnose(config: EngineConfig, registry: PluginRegistry, check_model: bool =
     dtype = config.resolve_dtype(device, model_dtype) if config.dtype == "auto" or config.dtype in DTYPES else torch.float32
     if config.tensor_parallel_size > 1:
         verdicts.append(_tensor_parallel(config, registry))
-        verdicts.append(_all_reduce(config, device))
+        verdicts.append(_all_reduce(config, device, dtype))
     if config.attention == "auto":
         try:
             verdicts.append(Verdict("attention", "auto", note=f"auto picks {_auto_attention(registry, device, dtype, config).name}"))
@@ -213,11 +213,13 @@ def format_matrix(rows: list[tuple[tuple[str, ...], str | None]], device: str) -
     return "\n".join(lines)
 
 
-def _all_reduce(config: EngineConfig, device: torch.device) -> Verdict:
+def _all_reduce(config: EngineConfig, device: torch.device, dtype: torch.dtype) -> Verdict:
     """Which all-reduce --tp will use for small tensors (the set-up itself needs the ranks)."""
-    from infer.core.symmetric_memory import unavailable_reason
+    from infer.core.symmetric_memory import SUPPORTED_DTYPES, unavailable_reason
 
     reason = unavailable_reason(device, config.tensor_parallel_size)
+    if reason is None and dtype not in SUPPORTED_DTYPES:
+        reason = f"its one-shot kernel has no {str(dtype).removeprefix('torch.')}: use --dtype bfloat16"
     if config.all_reduce == "symm-mem" and reason:
         return Verdict("all-reduce", "symm-mem", f"symmetric memory cannot run: {reason}", ("nccl", "auto"))
     if config.all_reduce == "auto":

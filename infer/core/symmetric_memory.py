@@ -84,15 +84,18 @@ def unavailable_reason(device: torch.device, world_size: int) -> str | None:
     return None
 
 
-def make_all_reduce(choice: str, parallel: Any) -> tuple[SymmetricAllReduce | None, str]:
-    """The fast path for `--all-reduce CHOICE` on this rank (every rank calls this, in the same order),
-    and a line saying what was chosen. `auto` falls back to NCCL, with the reason; `symm-mem` fails."""
+def make_all_reduce(choice: str, parallel: Any, dtype: torch.dtype) -> tuple[SymmetricAllReduce | None, str]:
+    """The fast path for `--all-reduce CHOICE` on this rank (every rank calls this, in the same order)
+    for a model whose activations are `dtype`, and a line saying what was chosen. `auto` falls back to
+    NCCL, with the reason; `symm-mem` fails."""
     if choice not in ("auto", "nccl", "symm-mem"):
         raise ConfigError(f"unknown --all-reduce {choice!r}: use auto, nccl or symm-mem")
     backend = "nccl" if parallel.device.type == "cuda" else "gloo"
     if choice == "nccl" or not parallel.is_parallel:
         return None, backend
     reason = unavailable_reason(parallel.device, parallel.world_size)
+    if reason is None and dtype not in SUPPORTED_DTYPES:  # the same on every rank
+        reason = f"PyTorch's one-shot kernel has no {str(dtype).removeprefix('torch.')} (it sums bfloat16 and float32): use --dtype bfloat16"
     # every rank must agree before the collective set-up (one rank waiting in rendezvous would hang)
     ok = parallel.min(int(reason is None))
     if not ok:
