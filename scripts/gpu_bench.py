@@ -106,11 +106,19 @@ def main() -> None:
         runs.append(run_infer("llama3-8b random-256x256", "random-256x256", n_big, model="llama3-8b", **common))
     if "sharegpt" in parts:
         runs.append(run_infer("llama2-7b sharegpt-like", "sharegpt-like", n_big, model="llama2-7b", **common))
+    for r in runs:  # as soon as they are known: a cut-short run still reports them
+        print(f"{r['label']}: {r['output_tokens_per_s']:.0f} out tok/s, TPOT p50 {r['tpot_p50_s'] * 1e3:.2f} ms"
+              + (f", MBU {r['mbu']:.0%}" if "mbu" in r else ""), flush=True)
     peers: list[dict[str, Any]] = []
     if "peers" in parts:
-        peers += run_peers("llama2-7b", "latency-1", 1, [1], with_cb=False)
-        peers += run_peers("llama3-8b", "random-256x256", 128 if not args.quick else 64, [64], with_cb=True)
-        peers += run_peers("llama2-7b", "sharegpt-like", 128 if not args.quick else 64, [64], with_cb=True)
+        for model, workload, n, batches, cb in (("llama2-7b", "latency-1", 1, [1], False),
+                                                ("llama3-8b", "random-256x256", 128 if not args.quick else 64, [64], True),
+                                                ("llama2-7b", "sharegpt-like", 128 if not args.quick else 64, [64], True)):
+            done = run_peers(model, workload, n, batches, with_cb=cb)
+            for p in done:
+                print(f"{p['label']} {model} {workload} {p['num_requests']} req: {p['output_tokens_per_s']:.0f} out tok/s "
+                      f"{p['error'] or ''}", flush=True)
+            peers += done
     results["infer"] = runs
     results["peers"] = peers
     with open(args.out, "w") as f:
