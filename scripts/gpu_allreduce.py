@@ -18,29 +18,10 @@ import torch
 ROWS = (1, 4, 16, 64, 128, 256, 512, 1024)
 
 
-def _time_graph(fn, x: torch.Tensor, calls: int, replays: int = 20) -> float:
-    """Seconds per call: `calls` sums captured in one graph, replayed, timed with device events."""
-    for _ in range(3):
-        fn(x)
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for _ in range(calls):
-            fn(x)
-    graph.replay()
-    torch.cuda.synchronize()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    for _ in range(replays):
-        graph.replay()
-    end.record()
-    end.synchronize()
-    return start.elapsed_time(end) / 1e3 / (replays * calls)
-
-
 def _rank(rank: int, world_size: int, init_file: str, hidden: int, calls: int) -> None:
     import torch.distributed as dist
 
+    from infer.bench.ceilings import captured_seconds
     from infer.core.symmetric_memory import SymmetricAllReduce
 
     torch.cuda.set_device(rank)
@@ -50,8 +31,8 @@ def _rank(rank: int, world_size: int, init_file: str, hidden: int, calls: int) -
     rows_out = []
     for rows in ROWS:
         x = torch.full((rows, hidden), 1.0 / 1024, device=device, dtype=torch.bfloat16)
-        nccl = _time_graph(lambda t: dist.all_reduce(t), x, calls)
-        symm = _time_graph(fast, x, calls)
+        nccl = captured_seconds(lambda _: dist.all_reduce(x), calls)
+        symm = captured_seconds(lambda _: fast(x), calls)
         rows_out.append((rows, rows * hidden * 2, nccl, symm))
         dist.barrier()
     if rank == 0:

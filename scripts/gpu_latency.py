@@ -16,7 +16,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from infer.bench.ceilings import copy_bandwidth, graph_replay_seconds, kv_bytes_per_token
+from infer.bench.ceilings import captured_seconds, copy_bandwidth, graph_replay_seconds, kv_bytes_per_token
 from infer.bench.report import run_workload, warm_up
 from infer.bench.workloads import Workload
 from infer.core.config import EngineConfig
@@ -26,29 +26,6 @@ from infer.plugins.models import fused_layers, triton_gemv
 from infer.plugins.models.triton_gemv import gemv
 
 SHAPES = {"qkv": (12288, 4096), "o": (4096, 4096), "gate_up": (22016, 4096), "down": (4096, 11008), "lm_head": (32000, 4096)}
-
-
-def graph_time(fn, reps: int = 20) -> float:
-    """Seconds per call of fn, replayed from a CUDA graph holding `reps` calls."""
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        for _ in range(3):
-            fn(0)
-    torch.cuda.current_stream().wait_stream(stream)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for i in range(reps):
-            fn(i)
-    graph.replay()
-    torch.cuda.synchronize()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    for _ in range(10):
-        graph.replay()
-    end.record()
-    torch.cuda.synchronize()
-    return start.elapsed_time(end) / 1e3 / (10 * reps)
 
 
 def gemv_table(bw: float) -> list[dict[str, Any]]:
@@ -61,7 +38,7 @@ def gemv_table(bw: float) -> list[dict[str, Any]]:
         torch.testing.assert_close(gemv(x, ws[1]), F.linear(x, ws[1]), atol=2e-2, rtol=2e-2)
         row: dict[str, Any] = {"shape": name, "n": n, "k": k, "weight_mb": n * k * 2 / 1e6}
         for impl, f in (("cublas", lambda i: F.linear(x, ws[i % copies])), ("triton", lambda i: gemv(x, ws[i % copies]))):
-            t = graph_time(f)
+            t = captured_seconds(f)
             row[f"{impl}_us"] = t * 1e6
             row[f"{impl}_tbs"] = n * k * 2 / t / 1e12
             row[f"{impl}_of_copy"] = n * k * 2 / t / bw

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Callable
+
 import torch
 
 
@@ -34,6 +36,31 @@ def graph_replay_seconds(graph: "torch.cuda.CUDAGraph", iters: int = 50) -> floa
     end.record()
     torch.cuda.synchronize()
     return start.elapsed_time(end) / 1e3 / iters
+
+
+def captured_seconds(fn: "Callable[[int], object]", calls: int = 20, replays: int = 10) -> float:
+    """Seconds per call of `fn(i)`, i = 0 .. calls - 1, captured back to back in one CUDA graph and
+    replayed `replays` times between device events (how an engine's graph runs them: no host launch
+    cost). A few warm-up calls run first on a side stream (compiles, allocations)."""
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        for _ in range(3):
+            fn(0)
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for i in range(calls):
+            fn(i)
+    graph.replay()
+    torch.cuda.synchronize()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(replays):
+        graph.replay()
+    end.record()
+    torch.cuda.synchronize()
+    return start.elapsed_time(end) / 1e3 / (replays * calls)
 
 
 def weight_bytes(model: torch.nn.Module) -> int:
