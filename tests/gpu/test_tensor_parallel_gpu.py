@@ -82,11 +82,12 @@ def test_tp2_with_nccl_all_reduce_matches_tp1(shape_dir):
         torch.testing.assert_close(torch.tensor(a), torch.tensor(b), atol=1e-3, rtol=0)
 
 
-@pytest.mark.parametrize("attention", ["paged-cuda", "flashinfer"])
-def test_tp2_matches_tp1_bf16_with_graphs(shape_dir, attention):
-    if not _available(attention):
-        pytest.skip(f"{attention} cannot run here")
-    options = dict(attention=attention, dtype="bfloat16", cuda_graphs=True)
+@pytest.mark.parametrize("attention,prefill", [("paged-cuda", None), ("flashinfer", None), ("paged-cuda", "xformers")])
+def test_tp2_matches_tp1_bf16_with_graphs(shape_dir, attention, prefill):
+    for name in filter(None, (attention, prefill)):
+        if not _available(name):
+            pytest.skip(f"{name} cannot run here")
+    options = dict(attention=attention, prefill_attention=prefill, dtype="bfloat16", cuda_graphs=True)
     ref_tokens, ref_lps = reference(shape_dir, **options)
     tokens, lps = generate(shape_dir, 2, **options)
     assert [t[0] for t in tokens] == [t[0] for t in ref_tokens]
