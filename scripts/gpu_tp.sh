@@ -1,11 +1,12 @@
 #!/usr/bin/env bash
 # Tensor parallelism on a machine with 2 GPUs (nvidia-h200-x2), engine-spawned ranks over NCCL:
-#   bash scripts/gpu_tp.sh [allreduce] [70b] [7b] [spec]   (default: 70b 7b; each part fits one 10-minute command)
+#   bash scripts/gpu_tp.sh [allreduce] [70b] [7b] [spec] [tests]   (default: 70b 7b; each part fits one 10-minute command)
 # allreduce: NCCL against the symmetric-memory one-shot all-reduce per message size (scripts/gpu_allreduce.py).
 # 70b: llama2-70b, dummy bf16 weights (138 GB: 69 GB per H200 at --tp 2, the rest is KV cache),
 #      on the sharegpt-like workload, 200 requests (TP_REQUESTS to change).
 # 7b:  llama2-7b on latency-1 (one request: 128 prompt tokens, 256 new) at --tp 1 and --tp 2 (and tp 2 with
 #      --all-reduce nccl): tokens/s and the tp2/tp1 per-token speedup (time per output token, p50).
+# tests: the two-GPU tests (tests/gpu/test_symmetric_memory_gpu.py, test_tensor_parallel_gpu.py), last.
 # spec: the seeds' composition, llama2-70b --tp 2 verifying llama2-7b drafts (K=4), beside llama2-70b
 #      --tp 2 autoregressive, on latency-1: step times, verify time, acceptance (0 on random weights).
 # All in bf16 (TP_DTYPE to change): Llama-2's checkpoints say float16, which the symmetric-memory
@@ -24,8 +25,21 @@ export PATH=/tmp/site/bin:$PATH
 nvidia-smi --query-gpu=index,name,memory.total --format=csv,noheader
 if [[ " $* " == *" allreduce "* ]]; then
   python3 scripts/gpu_allreduce.py 2>&1 | tee "$OUT/allreduce.log"
+  ran_allreduce=1
   set -- ${*//allreduce/}
-  [ $# -eq 0 ] && exit 0
+fi
+if [[ " $* " == *" tests "* ]]; then  # the two-GPU tests, after the timed parts so they cannot crowd them out
+  want_tests=1
+  set -- ${*//tests/}
+fi
+run_tests() {
+  [ -n "${want_tests:-}" ] || return 0
+  python3 -m pytest -m gpu -q -p no:cacheprovider -rs tests/gpu/test_symmetric_memory_gpu.py \
+    tests/gpu/test_tensor_parallel_gpu.py 2>&1 | tee "$OUT/pytest_tp.log" | tail -15
+}
+if [ $# -eq 0 ] && [ -n "${ran_allreduce:-}${want_tests:-}" ]; then  # no engine part asked for
+  run_tests
+  exit 0
 fi
 # spawned ranks re-import the main module, so it must be a file, not stdin
 cat > /tmp/infer_gpu_tp.py <<'EOF'
@@ -139,3 +153,4 @@ if __name__ == "__main__":  # the ranks are spawned: they must not run this agai
     main()
 EOF
 python3 /tmp/infer_gpu_tp.py "$OUT/tp-${*// /-}.json" "${TP_REQUESTS:-200}" ${*:-70b 7b} 2>&1 | tee "$OUT/tp-${*// /-}.log"
+run_tests
