@@ -34,7 +34,9 @@ if [[ " $* " == *" tests "* ]]; then  # the two-GPU tests, after the timed parts
 fi
 run_tests() {
   [ -n "${want_tests:-}" ] || return 0
-  python3 -m pytest -m gpu -q -p no:cacheprovider -rs tests/gpu/test_symmetric_memory_gpu.py \
+  # pytest-timeout (in the GPU image) fails a hung test with every thread's stack instead of losing the run
+  timeout_flag=$(python3 -c "import pytest_timeout" 2>/dev/null && echo "--timeout ${TP_TEST_TIMEOUT_S:-240}")
+  python3 -m pytest -m gpu -q -p no:cacheprovider -rs $timeout_flag tests/gpu/test_symmetric_memory_gpu.py \
     tests/gpu/test_tensor_parallel_gpu.py 2>&1 | tee "$OUT/pytest_tp.log" | tail -15
 }
 if [ $# -eq 0 ] && [ -n "${ran_allreduce:-}${want_tests:-}" ]; then  # no engine part asked for
@@ -43,6 +45,7 @@ if [ $# -eq 0 ] && [ -n "${ran_allreduce:-}${want_tests:-}" ]; then  # no engine
 fi
 # spawned ranks re-import the main module, so it must be a file, not stdin
 cat > /tmp/infer_gpu_tp.py <<'EOF'
+import faulthandler
 import gc
 import json
 import os
@@ -72,6 +75,8 @@ def run(label: str, workload: str, num_prompts: int, **options) -> dict:
 
 def run_many(jobs: list, **options) -> list:
     """One engine, warmed up, then each (label, workload, num_prompts) job timed in turn."""
+    # an engine that takes longer than this (a hang in start-up or teardown) prints every thread's stack
+    faulthandler.dump_traceback_later(int(os.environ.get("TP_STACKS_AFTER_S", "240")), repeat=True)
     started = time.perf_counter()
     engine = Engine.from_config(EngineConfig(load_format="dummy", dtype=dtype, **options))
     build_s = time.perf_counter() - started
