@@ -16,7 +16,7 @@ every rank, so the ranks always take the same path and meet in the same collecti
 
 from __future__ import annotations
 
-import warnings
+import contextlib
 from typing import Any
 
 import torch
@@ -38,10 +38,13 @@ class SymmetricAllReduce:
 
         self.group_name = group.group_name
         enable = getattr(symm_mem, "enable_symm_mem_for_group", None)
-        if enable is not None:  # needed before rendezvous in older torch; newer ones warn that it is not
-            with warnings.catch_warnings():
-                warnings.simplefilter("ignore", FutureWarning)
-                enable(self.group_name)
+        if enable is not None and not getattr(enable, "__deprecated__", None):
+            # older torch needs it before rendezvous. Newer torch marks it deprecated and must not get it:
+            # it caches the group's store under the group's name ("0" for the default group) and returns
+            # early when the name is known, so a second engine in this process, whose new group has the
+            # same name, would rendezvous through the first engine's store while the other ranks use the
+            # new one, and wait forever.
+            enable(self.group_name)
         self.max_bytes = max_bytes
         self.buffer = symm_mem.empty(max_bytes, dtype=torch.uint8, device=device)
         symm_mem.rendezvous(self.buffer, group)  # collective: every rank maps every rank's buffer
@@ -67,6 +70,15 @@ class SymmetricAllReduce:
         if src.data_ptr() != x.data_ptr() or not x.is_contiguous():
             x.copy_(src.view(x.shape))
         return x
+
+
+def forget_group(group_name: str) -> None:
+    """After the process group is destroyed: drop what older torch cached under its name, so the
+    next engine's group (which gets the same name) registers its own store."""
+    with contextlib.suppress(Exception):
+        import torch.distributed._symmetric_memory as symm_mem
+
+        getattr(symm_mem, "_group_name_to_store", {}).pop(group_name, None)
 
 
 def unavailable_reason(device: torch.device, world_size: int) -> str | None:

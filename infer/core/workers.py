@@ -128,8 +128,13 @@ class RankGroup:
         _stop_processes(list(self.processes.values()), wait_s=2.0 if self.broken else STOP_WAIT_S)
         import torch.distributed as dist
 
+        from infer.core.symmetric_memory import forget_group
+
+        group_name = getattr(self.parallel.group, "group_name", None)
         with contextlib.suppress(Exception):
             dist.destroy_process_group()
+        if group_name is not None:
+            forget_group(group_name)
         if self._cpu_threads is not None:
             torch.set_num_threads(self._cpu_threads)
 

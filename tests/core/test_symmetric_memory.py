@@ -1,0 +1,71 @@
+"""The symmetric-memory all-reduce's set-up and choices, without GPUs (the sums themselves are checked
+on two GPUs in tests/gpu/test_symmetric_memory_gpu.py)."""
+
+from __future__ import annotations
+
+import types
+
+import pytest
+import torch
+
+symm_mem = pytest.importorskip("torch.distributed._symmetric_memory")
+
+from infer.core import symmetric_memory  # noqa: E402
+from infer.core.symmetric_memory import SymmetricAllReduce, forget_group, make_all_reduce  # noqa: E402
+
+
+@pytest.fixture
+def fake_symm_mem(monkeypatch):
+    """symm_mem.empty/rendezvous on the CPU, recording the calls."""
+    calls = []
+    monkeypatch.setattr(symm_mem, "empty", lambda n, dtype, device: torch.zeros(n, dtype=dtype))
+    monkeypatch.setattr(symm_mem, "rendezvous", lambda buf, group: calls.append(("rendezvous", group.group_name)))
+    return calls
+
+
+GROUP = types.SimpleNamespace(group_name="0")
+
+
+def test_a_deprecated_enable_is_not_called(fake_symm_mem, monkeypatch):
+    # newer torch caches the first group's store under its name: calling it again for a second
+    # engine's same-named group would rendezvous through a dead store
+    def enable(name):
+        fake_symm_mem.append(("enable", name))
+
+    enable.__deprecated__ = "There is no need to call this function anymore."
+    monkeypatch.setattr(symm_mem, "enable_symm_mem_for_group", enable)
+    SymmetricAllReduce(GROUP, torch.device("cpu"), max_bytes=64)
+    assert fake_symm_mem == [("rendezvous", "0")]
+
+
+def test_an_older_torch_gets_the_group_enabled_first(fake_symm_mem, monkeypatch):
+    monkeypatch.setattr(symm_mem, "enable_symm_mem_for_group", lambda name: fake_symm_mem.append(("enable", name)))
+    SymmetricAllReduce(GROUP, torch.device("cpu"), max_bytes=64)
+    assert fake_symm_mem == [("enable", "0"), ("rendezvous", "0")]
+
+
+def test_forget_group_drops_the_cached_store(monkeypatch):
+    cache = {"0": object(), "1": object()}
+    monkeypatch.setattr(symm_mem, "_group_name_to_store", cache, raising=False)
+    forget_group("0")
+    assert list(cache) == ["1"]
+
+
+def test_fits_by_shape_and_dtype_only(fake_symm_mem):
+    fast = SymmetricAllReduce(GROUP, torch.device("cpu"), max_bytes=4096)
+    assert fast.fits(torch.empty(1, 1024, dtype=torch.float32))  # 4 KiB
+    assert not fast.fits(torch.empty(2, 1024, dtype=torch.float32))  # 8 KiB: NCCL's
+    assert fast.fits(torch.empty(1, 8, dtype=torch.bfloat16))
+    assert not fast.fits(torch.empty(1, 8, dtype=torch.float16))  # no one-shot kernel for fp16
+    assert not fast.fits(torch.empty(1, 3, dtype=torch.bfloat16))  # 6 bytes: not whole 16-byte vectors
+    assert not fast.fits(torch.empty(0, 8, dtype=torch.bfloat16))
+
+
+def test_float16_models_keep_nccl_and_say_why(monkeypatch):
+    parallel = types.SimpleNamespace(is_parallel=True, world_size=2, device=torch.device("cuda", 0), min=lambda v: v)
+    monkeypatch.setattr(symmetric_memory, "unavailable_reason", lambda device, world_size: None)
+    fast, line = make_all_reduce("auto", parallel, torch.float16)
+    assert fast is None and "has no float16" in line and "--dtype bfloat16" in line
+    with pytest.raises(Exception, match="--all-reduce symm-mem cannot run: .*float16"):
+        make_all_reduce("symm-mem", parallel, torch.float16)
+    assert make_all_reduce("nccl", parallel, torch.bfloat16) == (None, "nccl")
