@@ -92,6 +92,16 @@ class ParallelState:
         dist.all_reduce(x, group=self.group)
         return x
 
+    def reduce_add_norm(self, x: torch.Tensor, residual: torch.Tensor, norm: Any) -> tuple[torch.Tensor, torch.Tensor]:
+        """(norm(sum_r x_r + residual), sum_r x_r + residual) for a row-parallel layer's partial
+        output `x`: one all-reduce, fused with the residual add and RMSNorm when the fast all-reduce
+        has such a kernel and `norm` is a plain RMSNorm (the layers hook's `rms_norm` contract)."""
+        fast = self.fast_all_reduce
+        fused = getattr(fast, "add_rms_norm", None)
+        if fused is not None and getattr(norm, "plain_rms_norm", False) and fast.fits(x):
+            return fused(x, residual, norm.weight, norm.eps)
+        return norm(self.all_reduce(x), residual)
+
     def gather_columns(self, x: torch.Tensor) -> torch.Tensor:
         # x: [R, C] on every rank -> [R, world_size * C], rank i's columns i*C:(i+1)*C.
         # One all-gather (a single collective, safe inside a CUDA graph); only rank 0 uses the result.

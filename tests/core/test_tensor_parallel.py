@@ -291,3 +291,49 @@ def test_head_layout_replicates_kv_heads():
     assert [(h.num_heads, h.num_kv_heads, h.q_start, h.kv_start) for h in layouts] == [
         (2, 1, 0, 0), (2, 1, 2, 0), (2, 1, 4, 1), (2, 1, 6, 1)
     ]
+
+
+class Doubling:
+    """A fast all-reduce stand-in for two ranks holding the same partial sum."""
+
+    def __init__(self, fused: bool) -> None:
+        self.fused_calls = 0
+        if fused:
+            self.add_rms_norm = self._add_rms_norm
+
+    def fits(self, x: torch.Tensor) -> bool:
+        return True
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        return x * 2
+
+    def _add_rms_norm(self, x, residual, weight, eps):
+        self.fused_calls += 1
+        h = x * 2 + residual
+        return weight * h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps), h
+
+
+def test_reduce_add_norm_fuses_only_a_plain_rms_norm():
+    from infer.core.distributed import ParallelState
+    from infer.plugins.models.layers import RMSNorm
+
+    x, residual = torch.randn(3, 8), torch.randn(3, 8)
+    norm = RMSNorm(8, eps=1e-5)
+    norm.weight.data.uniform_(0.5, 1.5)
+    expected = norm(x * 2, residual)
+
+    fused = Doubling(fused=True)
+    got = ParallelState(world_size=2, fast_all_reduce=fused).reduce_add_norm(x, residual, norm)
+    assert fused.fused_calls == 1
+    torch.testing.assert_close(got, expected)
+
+    class ScaledNorm(RMSNorm):  # another formula: must not be computed by the fused kernel
+        plain_rms_norm = False
+
+    other = ScaledNorm(8, eps=1e-5)
+    got = ParallelState(world_size=2, fast_all_reduce=fused).reduce_add_norm(x, residual, other)
+    assert fused.fused_calls == 1
+    torch.testing.assert_close(got, other(x * 2, residual))
+
+    plain = Doubling(fused=False)  # no fused kernel: all-reduce, then the norm adds
+    torch.testing.assert_close(ParallelState(world_size=2, fast_all_reduce=plain).reduce_add_norm(x, residual, norm), expected)

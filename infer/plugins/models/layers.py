@@ -14,6 +14,9 @@ from infer.core.interfaces import Capabilities, Layers
 
 class RMSNorm(nn.Module):
     capabilities = Capabilities(priority=0)
+    # weight * x / rms(x) with `weight` and `eps` as here: a tensor-parallel all-reduce may compute it
+    # in its own kernel (ParallelState.reduce_add_norm). A subclass that changes the formula sets False.
+    plain_rms_norm = True
 
     def __init__(self, hidden_size: int, eps: float = 1e-6) -> None:
         super().__init__()

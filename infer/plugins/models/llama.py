@@ -110,18 +110,26 @@ class LlamaDecoderLayer(nn.Module):
         self.mlp = LlamaMLP(config, layers, parallel)
         self.input_layernorm = layers.rms_norm(config.hidden_size, config.rms_norm_eps)
         self.post_attention_layernorm = layers.rms_norm(config.hidden_size, config.rms_norm_eps)
+        # tensor parallel: o_proj and down_proj return partial sums, which the next residual add and
+        # norm take through the parallel state (one all-reduce, fused with them where it can be)
+        self.add_norm = add_norm if parallel is None else parallel.reduce_add_norm
 
     def forward(
         self, positions: torch.Tensor, x: torch.Tensor, residual: torch.Tensor | None, kv_cache: KVCache
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        if residual is None:
+        if residual is None:  # the first layer: x is the embedding, whole on every rank
             residual = x
             x = self.input_layernorm(x)
-        else:
-            x, residual = self.input_layernorm(x, residual)
+        else:  # x is the previous layer's MLP output
+            x, residual = self.add_norm(x, residual, self.input_layernorm)
         x = self.self_attn(positions, x, kv_cache)
-        x, residual = self.post_attention_layernorm(x, residual)
+        x, residual = self.add_norm(x, residual, self.post_attention_layernorm)
         return self.mlp(x), residual
+
+
+def add_norm(x: torch.Tensor, residual: torch.Tensor, norm: nn.Module) -> tuple[torch.Tensor, torch.Tensor]:
+    """norm(x + residual) and x + residual, at tp = 1 (the norm adds)."""
+    return norm(x, residual)
 
 
 class Llama(nn.Module):
@@ -159,7 +167,7 @@ class Llama(nn.Module):
         x, residual = self.embed_tokens(input_ids), None
         for layer, kv_cache in zip(itertools.islice(self.layers, num_layers or len(self.layers)), kv_caches):
             x, residual = layer(positions, x, residual, kv_cache)
-        x, _ = self.norm(x, residual)
+        x, _ = (add_norm if self.parallel is None else self.parallel.reduce_add_norm)(x, residual, self.norm)
         return x
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:

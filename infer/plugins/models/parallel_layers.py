@@ -89,17 +89,22 @@ class ColumnParallelLinear(nn.Module):
 
 
 class RowParallelLinear(nn.Module):
-    """y = sum_r x_r W_r^T: this rank's input columns, then one all-reduce."""
+    """y = sum_r x_r W_r^T: this rank's input columns, then one all-reduce. With `reduce=False` the
+    output is this rank's partial sum, and whoever takes it sums it (`ParallelState.reduce_add_norm`,
+    which can fuse the all-reduce with the residual add and RMSNorm that follow)."""
 
-    def __init__(self, out_features: int, shard: Shard, parallel: ParallelState, matmul: Matmul = F.linear) -> None:
+    def __init__(self, out_features: int, shard: Shard, parallel: ParallelState, matmul: Matmul = F.linear,
+                 reduce: bool = True) -> None:
         super().__init__()
         self.shard = shard
         self.parallel = parallel
         self.matmul = matmul
+        self.reduce = reduce
         self.weight = nn.Parameter(torch.empty(out_features, shard.local_size))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.parallel.all_reduce(self.matmul(x, self.weight))
+        y = self.matmul(x, self.weight)
+        return self.parallel.all_reduce(y) if self.reduce else y
 
 
 class VocabParallelEmbedding(nn.Module):
@@ -136,25 +141,27 @@ class ParallelLMHead(VocabParallelEmbedding):
 def attention_projections(
     config: ModelConfig, parallel: ParallelState, matmul: Matmul = F.linear
 ) -> tuple[ColumnParallelLinear, RowParallelLinear]:
-    """qkv_proj (this rank's q, k and v heads, fused) and o_proj (the matching input columns)."""
+    """qkv_proj (this rank's q, k and v heads, fused) and o_proj (the matching input columns; its
+    partial output is summed by the norm that takes it, see `LlamaDecoderLayer`)."""
     d = config.head_dim
     heads = parallel.heads(config.num_heads, config.num_kv_heads)
     q_full, kv_full = config.num_heads * d, config.num_kv_heads * d
     q = (heads.q_start * d, heads.num_heads * d)
     kv = (heads.kv_start * d, heads.num_kv_heads * d)  # the same KV head on several ranks when replicated
     qkv_proj = ColumnParallelLinear(config.hidden_size, Shard(0, (q_full, kv_full, kv_full), (q, kv, kv)), matmul)
-    o_proj = RowParallelLinear(config.hidden_size, Shard(1, (q_full,), (q,)), parallel, matmul)
+    o_proj = RowParallelLinear(config.hidden_size, Shard(1, (q_full,), (q,)), parallel, matmul, reduce=False)
     return qkv_proj, o_proj
 
 
 def mlp_projections(
     config: ModelConfig, parallel: ParallelState, matmul: Matmul = F.linear
 ) -> tuple[ColumnParallelLinear, RowParallelLinear]:
-    """gate_up_proj (this rank's slice of gate and of up, fused) and down_proj (the same slice of its input)."""
+    """gate_up_proj (this rank's slice of gate and of up, fused) and down_proj (the same slice of its
+    input; its partial output is summed by the norm that takes it)."""
     width = config.intermediate_size
     part = split(width, parallel)
     gate_up_proj = ColumnParallelLinear(config.hidden_size, Shard(0, (width, width), (part, part)), matmul)
-    down_proj = RowParallelLinear(config.hidden_size, Shard(1, (width,), (part,)), parallel, matmul)
+    down_proj = RowParallelLinear(config.hidden_size, Shard(1, (width,), (part,)), parallel, matmul, reduce=False)
     return gate_up_proj, down_proj
 
 
