@@ -98,7 +98,7 @@ def build_engine(config: EngineConfig, extra_plugins: Iterable[Any] = (), parall
     if parallel.is_parallel:  # every rank, in the same order: the symmetric buffer's set-up is collective
         from infer.core.symmetric_memory import make_all_reduce
 
-        fast, all_reduce = make_all_reduce(config.all_reduce, parallel, dtype)
+        fast, all_reduce = make_all_reduce(config.all_reduce, parallel, dtype, model_config.hidden_size)
         parallel = dataclasses.replace(parallel, fast_all_reduce=fast)
 
     layers = Layers(**{kind: registry.layer(kind, device.type) for kind in LAYER_KINDS})

@@ -13,6 +13,7 @@ from infer.core.errors import ConfigError
 
 LoadFormat = Literal["auto", "safetensors", "dummy"]
 PreemptionMode = Literal["recompute", "swap"]
+ALL_REDUCE = ("auto", "nccl", "symm-mem", "flashinfer")  # --all-reduce choices
 
 DTYPES: dict[str, torch.dtype] = {
     "float32": torch.float32,
@@ -54,7 +55,7 @@ class EngineConfig:
     cuda_graphs: bool = True
     pipeline_decode: bool | None = None  # queue the next decode forward before this step's tokens reach the host; None: on CUDA
     tensor_parallel_size: int = 1
-    all_reduce: str = "auto"  # tensor parallelism's small all-reduces: auto | nccl | symm-mem
+    all_reduce: str = "auto"  # tensor parallelism's all-reduce: auto | nccl | symm-mem | flashinfer
     draft: str | None = None  # draft model for speculative decoding
     num_speculative_tokens: int = 4
     exit_layer: int | None = None  # early exit: layers kept
@@ -79,8 +80,8 @@ class EngineConfig:
             raise ConfigError("--num-speculative-tokens must be >= 1")
         if self.preemption_mode not in ("recompute", "swap"):
             raise ConfigError(f"unknown --preemption-mode {self.preemption_mode!r}: use recompute or swap")
-        if self.all_reduce not in ("auto", "nccl", "symm-mem"):
-            raise ConfigError(f"unknown --all-reduce {self.all_reduce!r}: use auto, nccl or symm-mem")
+        if self.all_reduce not in ALL_REDUCE:
+            raise ConfigError(f"unknown --all-reduce {self.all_reduce!r}: use {', '.join(ALL_REDUCE[:-1])} or {ALL_REDUCE[-1]}")
         if not self.swap_space_gib >= 0:
             raise ConfigError(f"--swap-space must be >= 0 GiB, got {self.swap_space_gib!r}")
 

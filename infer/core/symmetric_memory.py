@@ -96,13 +96,23 @@ def unavailable_reason(device: torch.device, world_size: int) -> str | None:
     return None
 
 
-def make_all_reduce(choice: str, parallel: Any, dtype: torch.dtype) -> tuple[SymmetricAllReduce | None, str]:
+def make_all_reduce(choice: str, parallel: Any, dtype: torch.dtype, hidden_size: int) -> tuple[Any, str]:
     """The fast path for `--all-reduce CHOICE` on this rank (every rank calls this, in the same order)
-    for a model whose activations are `dtype`, and a line saying what was chosen. `auto` falls back to
-    NCCL, with the reason; `symm-mem` fails."""
+    for a model whose activations are `dtype` x `hidden_size`, and a line saying what was chosen.
+    `auto` falls back to NCCL, with the reason; `symm-mem` and `flashinfer` fail with it."""
     backend = "nccl" if parallel.device.type == "cuda" else "gloo"
     if choice == "nccl" or not parallel.is_parallel:
         return None, backend
+    if choice == "flashinfer":
+        from infer.core import flashinfer_all_reduce
+
+        reason = flashinfer_all_reduce.unavailable_reason(parallel.device, parallel.world_size, dtype)
+        if not parallel.min(int(reason is None)):  # every rank agrees before the collective set-up
+            raise ConfigError(f"--all-reduce flashinfer cannot run: {reason or 'another rank cannot use it'}; "
+                              "use --all-reduce auto or nccl")
+        fast = flashinfer_all_reduce.FlashInferAllReduce(parallel, hidden_size, dtype)
+        return fast, (f"flashinfer (one- or two-shot, fused with the residual add and RMSNorm) up to "
+                      f"{fast.max_tokens} tokens, nccl above")
     reason = unavailable_reason(parallel.device, parallel.world_size)
     if reason is None and dtype not in SUPPORTED_DTYPES:  # the same on every rank
         reason = f"PyTorch's one-shot kernel has no {str(dtype).removeprefix('torch.')} (it sums bfloat16 and float32): use --dtype bfloat16"

@@ -1,5 +1,5 @@
 """The symmetric-memory all-reduce's set-up and choices, without GPUs (the sums themselves are checked
-on two GPUs in tests/gpu/test_symmetric_memory_gpu.py)."""
+on two GPUs in tests/gpu/test_all_reduce_gpu.py)."""
 
 from __future__ import annotations
 
@@ -61,11 +61,19 @@ def test_fits_by_shape_and_dtype_only(fake_symm_mem):
     assert not fast.fits(torch.empty(0, 8, dtype=torch.bfloat16))
 
 
+def test_flashinfer_all_reduce_says_why_it_cannot_run():
+    from infer.core import flashinfer_all_reduce
+
+    cpu = flashinfer_all_reduce.unavailable_reason(torch.device("cpu"), 2, torch.bfloat16)
+    assert "needs CUDA devices" in cpu
+    assert "not float32" in flashinfer_all_reduce.unavailable_reason(torch.device("cuda", 0), 2, torch.float32)
+
+
 def test_float16_models_keep_nccl_and_say_why(monkeypatch):
     parallel = types.SimpleNamespace(is_parallel=True, world_size=2, device=torch.device("cuda", 0), min=lambda v: v)
     monkeypatch.setattr(symmetric_memory, "unavailable_reason", lambda device, world_size: None)
-    fast, line = make_all_reduce("auto", parallel, torch.float16)
+    fast, line = make_all_reduce("auto", parallel, torch.float16, 64)
     assert fast is None and "has no float16" in line and "--dtype bfloat16" in line
     with pytest.raises(Exception, match="--all-reduce symm-mem cannot run: .*float16"):
-        make_all_reduce("symm-mem", parallel, torch.float16)
-    assert make_all_reduce("nccl", parallel, torch.bfloat16) == (None, "nccl")
+        make_all_reduce("symm-mem", parallel, torch.float16, 64)
+    assert make_all_reduce("nccl", parallel, torch.bfloat16, 64) == (None, "nccl")

@@ -222,6 +222,8 @@ def test_symmetric_memory_all_reduce_is_refused_on_the_cpu(tiny_llama_dir):
     # every rank finds it cannot run and says so before any collective set-up: a clear error, no hang
     with pytest.raises(ConfigError, match="--all-reduce symm-mem cannot run: it needs CUDA devices .*use --all-reduce nccl"):
         LLM(model=str(tiny_llama_dir), device="cpu", tensor_parallel_size=2, all_reduce="symm-mem")
+    with pytest.raises(ConfigError, match="--all-reduce flashinfer cannot run: it needs CUDA devices"):
+        LLM(model=str(tiny_llama_dir), device="cpu", tensor_parallel_size=2, all_reduce="flashinfer")
     with LLM(model=str(tiny_llama_dir), device="cpu", tensor_parallel_size=2, all_reduce="auto") as llm:
         assert llm.engine.parts.describe["all_reduce"].startswith("gloo")
 

@@ -82,14 +82,15 @@ def test_tp2_with_nccl_all_reduce_matches_tp1(shape_dir):
         torch.testing.assert_close(torch.tensor(a), torch.tensor(b), atol=1e-3, rtol=0)
 
 
-@pytest.mark.parametrize("attention,prefill", [("paged-cuda", None), ("flashinfer", None), ("paged-cuda", "xformers")])
-def test_tp2_matches_tp1_bf16_with_graphs(shape_dir, attention, prefill):
-    for name in filter(None, (attention, prefill)):
+@pytest.mark.parametrize("attention,prefill,all_reduce", [("paged-cuda", None, "auto"), ("flashinfer", None, "auto"),
+                                                          ("paged-cuda", "xformers", "auto"), ("paged-cuda", None, "flashinfer")])
+def test_tp2_matches_tp1_bf16_with_graphs(shape_dir, attention, prefill, all_reduce):
+    for name in filter(None, (attention, prefill, "flashinfer" if all_reduce == "flashinfer" else None)):
         if not _available(name):
             pytest.skip(f"{name} cannot run here")
     options = dict(attention=attention, prefill_attention=prefill, dtype="bfloat16", cuda_graphs=True)
     ref_tokens, ref_lps = reference(shape_dir, **options)
-    tokens, lps = generate(shape_dir, 2, **options)
+    tokens, lps = generate(shape_dir, 2, **({"all_reduce": all_reduce} if all_reduce != "auto" else {}), **options)
     assert [t[0] for t in tokens] == [t[0] for t in ref_tokens]
     torch.testing.assert_close(torch.tensor([x[0] for x in lps]), torch.tensor([x[0] for x in ref_lps]), atol=5e-2, rtol=0)
     agree = sum(a == b for x, y in zip(tokens, ref_tokens) for a, b in zip(x, y)) / sum(map(len, ref_tokens))

@@ -1,0 +1,134 @@
+"""Tensor parallelism's all-reduces on two GPUs against NCCL's. The symmetric-memory one-shot: sums
+equal (fp32 exactly for two ranks, bf16 as NCCL rounds), in place, for decode- and prefill-sized
+tensors, unaligned views, and inside a CUDA graph replayed with new inputs. FlashInfer's: the sum and
+the sum fused with the residual add and RMSNorm, eagerly and replayed from a graph."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+pytestmark = [pytest.mark.gpu, pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 GPUs")]
+
+
+def _rank(rank: int, world_size: int, init_file: str) -> None:
+    import torch.distributed as dist
+
+    from infer.core.symmetric_memory import SymmetricAllReduce, unavailable_reason
+
+    torch.cuda.set_device(rank)
+    device = torch.device("cuda", rank)
+    dist.init_process_group("nccl", init_method=f"file://{init_file}", rank=rank, world_size=world_size)
+    try:
+        assert unavailable_reason(device, world_size) is None
+        fast = SymmetricAllReduce(dist.group.WORLD, device, max_bytes=1 << 20)
+        gen = torch.Generator(device=device).manual_seed(rank)
+        for dtype in (torch.float32, torch.bfloat16):
+            for rows in (1, 3, 64, 128):
+                x = torch.randn(rows, 4096 // (2 if dtype == torch.float32 else 1), device=device, dtype=dtype, generator=gen)
+                expected = x.clone()
+                dist.all_reduce(expected)
+                assert fast.fits(x), (rows, dtype)
+                out = fast(x)
+                assert out is x
+                torch.testing.assert_close(x, expected, atol=0 if dtype == torch.float32 else 1e-2, rtol=0 if dtype == torch.float32 else 1e-2)
+        big = torch.randn(1024, 4096, device=device, dtype=torch.bfloat16)
+        assert not fast.fits(big)  # 8 MiB: NCCL's
+        half = torch.tensor([1.0], device=device, dtype=torch.float16).expand(8).contiguous()
+        assert not fast.fits(half)  # fp16: no one-shot kernel
+        # an unaligned view (offset of one element) is summed correctly, in place
+        base = torch.randn(4097, device=device, dtype=torch.float32, generator=gen)
+        view = base[1:]
+        expected = view.clone()
+        dist.all_reduce(expected)
+        fast(view)
+        torch.testing.assert_close(view, expected, atol=0, rtol=0)
+        # inside a CUDA graph: a captured chain of sums replayed on new inputs
+        static = torch.zeros(4, 4096, device=device, dtype=torch.bfloat16)
+        fast(static.add_(1))  # warm-up outside the graph
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            y = fast(static * 2)
+            y = fast(y + 1)
+        for value in (1.0, 3.0):
+            static.fill_(value * (rank + 1))
+            graph.replay()
+            first = 2 * value * sum(r + 1 for r in range(world_size))  # sum of 2 * static over the ranks
+            assert torch.equal(y.float(), torch.full_like(y.float(), world_size * (first + 1))), (value, y[0, :4])
+        torch.cuda.synchronize()
+        dist.barrier()
+    finally:
+        dist.destroy_process_group()
+
+
+def test_symmetric_all_reduce_matches_nccl(tmp_path):
+    import torch.multiprocessing as mp
+
+    os.environ.setdefault("TORCH_SYMM_MEM_DISABLE_MULTICAST", "1")
+    os.environ.setdefault("NCCL_NVLS_ENABLE", "0")
+    mp.start_processes(_rank, args=(2, str(tmp_path / "init")), nprocs=2, start_method="spawn", join=True)
+
+
+def _flashinfer_rank(rank: int, world_size: int, init_file: str) -> None:
+    import types
+
+    import torch.distributed as dist
+
+    from infer.core.flashinfer_all_reduce import FlashInferAllReduce, unavailable_reason
+    from infer.plugins.models.layers import RMSNorm
+
+    torch.cuda.set_device(rank)
+    device = torch.device("cuda", rank)
+    dist.init_process_group("nccl", init_method=f"file://{init_file}", rank=rank, world_size=world_size)
+    control = dist.new_group(backend="gloo")
+    try:
+        hidden = 1024
+        assert unavailable_reason(device, world_size, torch.bfloat16) is None
+        parallel = types.SimpleNamespace(rank=rank, world_size=world_size, control_group=control)
+        fast = FlashInferAllReduce(parallel, hidden, torch.bfloat16, max_tokens=256)
+        norm = RMSNorm(hidden, eps=1e-5).to(device, torch.bfloat16)
+        norm.weight.data.uniform_(0.5, 1.5, generator=torch.Generator(device=device).manual_seed(7))  # same on all ranks
+        gen = torch.Generator(device=device).manual_seed(100 + rank)
+        for rows in (1, 5, 64, 256):
+            x = torch.randn(rows, hidden, device=device, dtype=torch.bfloat16, generator=gen)
+            residual = torch.randn(rows, hidden, device=device, dtype=torch.bfloat16,
+                                   generator=torch.Generator(device=device).manual_seed(rows))  # same on all ranks
+            total = x.clone()
+            dist.all_reduce(total)
+            assert fast.fits(x)
+            torch.testing.assert_close(fast(x), total, atol=2e-2, rtol=2e-2)
+            normed, new_residual = fast.add_rms_norm(x, residual, norm.weight, norm.eps)
+            ref_normed, ref_residual = norm(total, residual)
+            torch.testing.assert_close(new_residual, ref_residual, atol=3e-2, rtol=2e-2)
+            torch.testing.assert_close(normed, ref_normed, atol=5e-2, rtol=3e-2)
+        assert not fast.fits(torch.empty(257, hidden, device=device, dtype=torch.bfloat16))  # past the workspace: NCCL
+        assert not fast.fits(torch.empty(4, hidden, device=device, dtype=torch.float32))
+        # a captured (all-reduce, add-and-norm) pair replayed on new inputs
+        x = torch.zeros(4, hidden, device=device, dtype=torch.bfloat16)
+        residual = torch.ones(4, hidden, device=device, dtype=torch.bfloat16)
+        fast.add_rms_norm(x, residual, norm.weight, norm.eps)
+        torch.cuda.synchronize()
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            normed, new_residual = fast.add_rms_norm(x, residual, norm.weight, norm.eps)
+        for value in (1.0, 2.0):
+            x.fill_(value * (rank + 1))
+            graph.replay()
+            torch.cuda.synchronize()
+            expected = residual + value * sum(r + 1 for r in range(world_size))
+            torch.testing.assert_close(new_residual, expected)
+            torch.testing.assert_close(normed, norm(expected), atol=5e-2, rtol=3e-2)
+        dist.barrier()
+    finally:
+        dist.destroy_process_group()
+
+
+def test_flashinfer_all_reduce_and_fused_norm_match_nccl(tmp_path):
+    pytest.importorskip("flashinfer")
+    import torch.multiprocessing as mp
+
+    os.environ.setdefault("TORCH_SYMM_MEM_DISABLE_MULTICAST", "1")
+    os.environ.setdefault("NCCL_NVLS_ENABLE", "0")
+    mp.start_processes(_flashinfer_rank, args=(2, str(tmp_path / "init")), nprocs=2, start_method="spawn", join=True)
