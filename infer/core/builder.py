@@ -16,7 +16,7 @@ import torch
 from infer.core.block_mover import BlockMover
 from infer.core.compose import compose
 from infer.core.config import EngineConfig
-from infer.core.distributed import ParallelState, model_kwargs
+from infer.core.distributed import ParallelState, make_all_reduce, model_kwargs
 from infer.core.cuda_graphs import CudaGraphRunner
 from infer.core.engine import EngineParts
 from infer.core.errors import ConfigError
@@ -95,9 +95,7 @@ def build_engine(config: EngineConfig, extra_plugins: Iterable[Any] = (), parall
         return build_parallel(config, extra_plugins, source.name, model_config, device)
     parallel = parallel or ParallelState(device=device)
     all_reduce = None
-    if parallel.is_parallel:  # every rank, in the same order: the symmetric buffer's set-up is collective
-        from infer.core.symmetric_memory import make_all_reduce
-
+    if parallel.is_parallel:  # every rank, in the same order: the fast all-reduce's set-up is collective
         fast, all_reduce = make_all_reduce(config.all_reduce, parallel, dtype, model_config.hidden_size)
         parallel = dataclasses.replace(parallel, fast_all_reduce=fast)
 

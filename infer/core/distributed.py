@@ -139,6 +139,42 @@ class ParallelState:
         return int(t.item())
 
 
+def make_all_reduce(choice: str, parallel: Any, dtype: torch.dtype, hidden_size: int) -> tuple[Any, str]:
+    """The fast path for `--all-reduce CHOICE` on this rank (every rank calls this, in the same order)
+    for a model whose activations are `dtype` x `hidden_size`, and a line saying what was chosen.
+    `auto` falls back to NCCL, with the reason; `symm-mem` and `flashinfer` fail with it."""
+    backend = "nccl" if parallel.device.type == "cuda" else "gloo"
+    if choice == "nccl" or not parallel.is_parallel:
+        return None, backend
+    from infer.core import flashinfer_all_reduce, symmetric_memory
+
+    if choice == "flashinfer":
+        reason = flashinfer_all_reduce.unavailable_reason(parallel.device, parallel.world_size, dtype)
+        if not parallel.min(int(reason is None)):  # every rank agrees before the collective set-up
+            raise ConfigError(f"--all-reduce flashinfer cannot run: {reason or 'another rank cannot use it'}; "
+                              "use --all-reduce auto or nccl")
+        fast = flashinfer_all_reduce.FlashInferAllReduce(parallel, hidden_size, dtype)
+        return fast, (f"flashinfer (one- or two-shot, fused with the residual add and RMSNorm) up to "
+                      f"{fast.max_tokens} tokens, nccl above")
+    reason = symmetric_memory.unavailable_reason(parallel.device, parallel.world_size)
+    if reason is None and dtype not in symmetric_memory.SUPPORTED_DTYPES:  # the same on every rank
+        reason = f"PyTorch's one-shot kernel has no {str(dtype).removeprefix('torch.')} (it sums bfloat16 and float32): use --dtype bfloat16"
+    # every rank must agree before the collective set-up (one rank waiting in rendezvous would hang)
+    ok = parallel.min(int(reason is None))
+    if not ok:
+        if choice == "symm-mem":
+            raise ConfigError(f"--all-reduce symm-mem cannot run: {reason or 'another rank cannot use it'}; use --all-reduce nccl")
+        return None, f"{backend} (symmetric memory unavailable: {reason or 'on another rank'})"
+    try:
+        fast = symmetric_memory.SymmetricAllReduce(parallel.group, parallel.device)
+    except Exception as exc:  # set-up failed on this rank: the others may have failed too, or may wait
+        if choice == "symm-mem":
+            raise ConfigError(f"--all-reduce symm-mem could not be set up ({type(exc).__name__}: {exc}); "
+                              "use --all-reduce nccl") from exc
+        raise
+    return fast, f"symm-mem one-shot up to {fast.max_bytes // 1024} KiB, nccl above"
+
+
 def error_key(rank: int) -> str:
     return f"infer/error/{rank}"
 

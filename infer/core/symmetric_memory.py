@@ -21,7 +21,6 @@ from typing import Any
 
 import torch
 
-from infer.core.errors import ConfigError
 
 SUPPORTED_DTYPES = (torch.bfloat16, torch.float32)  # what the one-shot kernel is compiled for
 # tensors up to this size go through symmetric memory, larger ones NCCL: on two H200s the one-shot
@@ -94,39 +93,3 @@ def unavailable_reason(device: torch.device, world_size: int) -> str | None:
     if not hasattr(torch.ops.symm_mem, "one_shot_all_reduce_out"):
         return "this torch build has no one-shot all-reduce (torch.ops.symm_mem.one_shot_all_reduce_out)"
     return None
-
-
-def make_all_reduce(choice: str, parallel: Any, dtype: torch.dtype, hidden_size: int) -> tuple[Any, str]:
-    """The fast path for `--all-reduce CHOICE` on this rank (every rank calls this, in the same order)
-    for a model whose activations are `dtype` x `hidden_size`, and a line saying what was chosen.
-    `auto` falls back to NCCL, with the reason; `symm-mem` and `flashinfer` fail with it."""
-    backend = "nccl" if parallel.device.type == "cuda" else "gloo"
-    if choice == "nccl" or not parallel.is_parallel:
-        return None, backend
-    if choice == "flashinfer":
-        from infer.core import flashinfer_all_reduce
-
-        reason = flashinfer_all_reduce.unavailable_reason(parallel.device, parallel.world_size, dtype)
-        if not parallel.min(int(reason is None)):  # every rank agrees before the collective set-up
-            raise ConfigError(f"--all-reduce flashinfer cannot run: {reason or 'another rank cannot use it'}; "
-                              "use --all-reduce auto or nccl")
-        fast = flashinfer_all_reduce.FlashInferAllReduce(parallel, hidden_size, dtype)
-        return fast, (f"flashinfer (one- or two-shot, fused with the residual add and RMSNorm) up to "
-                      f"{fast.max_tokens} tokens, nccl above")
-    reason = unavailable_reason(parallel.device, parallel.world_size)
-    if reason is None and dtype not in SUPPORTED_DTYPES:  # the same on every rank
-        reason = f"PyTorch's one-shot kernel has no {str(dtype).removeprefix('torch.')} (it sums bfloat16 and float32): use --dtype bfloat16"
-    # every rank must agree before the collective set-up (one rank waiting in rendezvous would hang)
-    ok = parallel.min(int(reason is None))
-    if not ok:
-        if choice == "symm-mem":
-            raise ConfigError(f"--all-reduce symm-mem cannot run: {reason or 'another rank cannot use it'}; use --all-reduce nccl")
-        return None, f"{backend} (symmetric memory unavailable: {reason or 'on another rank'})"
-    try:
-        fast = SymmetricAllReduce(parallel.group, parallel.device)
-    except Exception as exc:  # set-up failed on this rank: the others may have failed too, or may wait
-        if choice == "symm-mem":
-            raise ConfigError(f"--all-reduce symm-mem could not be set up ({type(exc).__name__}: {exc}); "
-                              "use --all-reduce nccl") from exc
-        raise
-    return fast, f"symm-mem one-shot up to {fast.max_bytes // 1024} KiB, nccl above"

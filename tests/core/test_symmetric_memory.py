@@ -11,7 +11,8 @@ import torch
 symm_mem = pytest.importorskip("torch.distributed._symmetric_memory")
 
 from infer.core import symmetric_memory  # noqa: E402
-from infer.core.symmetric_memory import SymmetricAllReduce, forget_group, make_all_reduce  # noqa: E402
+from infer.core.distributed import make_all_reduce  # noqa: E402
+from infer.core.symmetric_memory import SymmetricAllReduce, forget_group  # noqa: E402
 
 
 @pytest.fixture
