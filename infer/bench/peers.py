@@ -49,6 +49,14 @@ def hf_static(model: Any, prompts: list[list[int]], max_tokens: list[int], batch
     """Padded static batches through `generate`: each batch runs until its longest request ends."""
     device = next(model.parameters()).device
     out_tokens = 0
+    if device.type == "cuda":  # a batch that cannot fit is known before minutes of generating into it
+        weight = next(model.parameters())
+        need = static_kv_bytes(model.config, weight.element_size(), prompts, max_tokens, batch_size)
+        free = torch.cuda.mem_get_info(device)[0]
+        if need > KV_SHARE_OF_FREE * free:
+            return PeerRecord(f"hf-static-{batch_size}", len(prompts), sum(map(len, prompts)), 0, 0.0,
+                              error=f"out of memory at batch {batch_size} (its padded KV cache needs {need / 2**30:.1f} "
+                                    f"GiB, {free / 2**30:.1f} GiB free)")
     sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
     sync()
     started = time.perf_counter()
@@ -61,6 +69,23 @@ def hf_static(model: Any, prompts: list[list[int]], max_tokens: list[int], batch
                           error=f"out of memory at batch {batch_size}")
     sync()
     return PeerRecord(f"hf-static-{batch_size}", len(prompts), sum(map(len, prompts)), out_tokens, time.perf_counter() - started)
+
+
+# HF's cache grows by concatenation, so a step briefly holds the old and the new tensors: a padded
+# batch's full KV cache must fit in under half of the free memory.
+KV_SHARE_OF_FREE = 0.45
+
+
+def static_kv_bytes(config: Any, element_size: int, prompts: list[list[int]], max_tokens: list[int], batch_size: int) -> int:
+    """The largest KV cache one padded static batch reaches: rows x (longest prompt + longest output)."""
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+    kv_heads = getattr(config, "num_key_value_heads", None) or config.num_attention_heads
+    per_token = 2 * config.num_hidden_layers * kv_heads * head_dim * element_size
+    worst = 0
+    for i in range(0, len(prompts), batch_size):
+        rows = prompts[i : i + batch_size]
+        worst = max(worst, len(rows) * (max(map(len, rows)) + max(max_tokens[i : i + batch_size])))
+    return worst * per_token
 
 
 def _static_batches(model: Any, prompts: list[list[int]], max_tokens: list[int], batch_size: int, device: torch.device) -> int:
