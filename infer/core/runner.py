@@ -122,7 +122,11 @@ class ModelRunner:
             step.block_tables.append(seq.request.block_ids)
             end = len(step.input_ids)
             step.logits_rows.extend(range(end - seq.logits_rows, end))
-        # rank 0 under tensor parallelism: the model's mirror sends the step to every rank, then runs it
+        return self.forward_step(step)
+
+    def forward_step(self, step: StepInputs) -> torch.Tensor:
+        """Run `step` on every rank: under tensor parallelism rank 0's model has a mirror, which sends
+        the step to the other ranks, then runs it here."""
         mirror = getattr(self.model, "mirror", None)
         return self.run(step) if mirror is None else mirror.forward(self, step)
 
