@@ -16,7 +16,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from infer.bench.ceilings import captured_seconds, copy_bandwidth, graph_replay_seconds, kv_bytes_per_token
+from infer.bench.ceilings import captured_seconds, copy_bandwidth, graph_replay_seconds, kernel_times, kv_bytes_per_token
 from infer.bench.report import run_workload, warm_up
 from infer.bench.workloads import Workload
 from infer.core.config import EngineConfig
@@ -53,21 +53,10 @@ def gemv_table(bw: float) -> list[dict[str, Any]]:
 
 def kernel_profile(engine: Engine) -> list[dict[str, Any]]:
     """Kernels inside the batch-1 decode graph (CUPTI reports graph nodes) over 5 replays."""
-    from torch.profiler import ProfilerActivity, profile
-
     graph = engine.decoder.runner.graphs.graphs[1][0]
     graph.replay()
     torch.cuda.synchronize()
-    with profile(activities=[ProfilerActivity.CUDA, ProfilerActivity.CPU]) as prof:
-        for _ in range(5):
-            graph.replay()
-        torch.cuda.synchronize()
-    rows = []
-    for e in prof.key_averages():
-        dev = getattr(e, "device_time_total", None) or getattr(e, "cuda_time_total", 0)
-        if dev and e.key not in ("cudaGraphLaunch",):
-            rows.append({"kernel": e.key[:90], "count_per_step": e.count / 5, "us_per_step": dev / 5})
-    rows.sort(key=lambda r: -r["us_per_step"])
+    rows = kernel_times(graph.replay)
     total = sum(r["us_per_step"] for r in rows)
     print(f"kernels inside the batch-1 step: {total / 1e3:.3f} ms of kernel time per step")
     for r in rows[:25]:

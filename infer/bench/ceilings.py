@@ -13,29 +13,28 @@ def copy_bandwidth(device: torch.device, num_bytes: int = 2 * 2**30, iters: int 
         return float("nan")
     src = torch.empty(num_bytes // 2, dtype=torch.float16, device=device)
     dst = torch.empty_like(src)
-    for _ in range(3):
-        dst.copy_(src)
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    for _ in range(iters):
-        dst.copy_(src)
-    end.record()
-    torch.cuda.synchronize()
-    seconds = start.elapsed_time(end) / 1e3 / iters
+    seconds = seconds_per_call(lambda: dst.copy_(src), iters, warmup=3)
     del src, dst
     return 2 * num_bytes / seconds
 
 
-def graph_replay_seconds(graph: "torch.cuda.CUDAGraph", iters: int = 50) -> float:
-    """Seconds per replay of a captured CUDA graph, back to back (the GPU's time alone for a step)."""
+def seconds_per_call(fn: "Callable[[], object]", iters: int = 50, warmup: int = 1) -> float:
+    """Seconds per call of `fn`, called back to back between two device events after `warmup` calls:
+    the GPU's time when the host keeps ahead of it."""
+    for _ in range(warmup):
+        fn()
     start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    graph.replay()
     start.record()
     for _ in range(iters):
-        graph.replay()
+        fn()
     end.record()
     torch.cuda.synchronize()
     return start.elapsed_time(end) / 1e3 / iters
+
+
+def graph_replay_seconds(graph: "torch.cuda.CUDAGraph", iters: int = 50) -> float:
+    """Seconds per replay of a captured CUDA graph, back to back (the GPU's time alone for a step)."""
+    return seconds_per_call(graph.replay, iters)
 
 
 def captured_seconds(fn: "Callable[[int], object]", calls: int = 20, replays: int = 10) -> float:
@@ -52,15 +51,7 @@ def captured_seconds(fn: "Callable[[int], object]", calls: int = 20, replays: in
     with torch.cuda.graph(graph):
         for i in range(calls):
             fn(i)
-    graph.replay()
-    torch.cuda.synchronize()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    for _ in range(replays):
-        graph.replay()
-    end.record()
-    torch.cuda.synchronize()
-    return start.elapsed_time(end) / 1e3 / (replays * calls)
+    return seconds_per_call(graph.replay, replays) / calls
 
 
 def weight_bytes(model: torch.nn.Module) -> int:
@@ -71,44 +62,38 @@ def kv_bytes_per_token(num_layers: int, num_kv_heads: int, head_dim: int, dtype:
     return 2 * num_layers * num_kv_heads * head_dim * torch.empty((), dtype=dtype).element_size()
 
 
-def decode_step_seconds(engine: "object", context: int = 256, iters: int = 50, profile: bool = False) -> tuple[float, list]:
+def decode_step_seconds(engine: "object", context: int = 256, iters: int = 50, profile: bool = False) -> tuple[float, list[dict]]:
     """Seconds per batch-1 decode forward, run back to back through the engine's runner with CUDA
     graphs: under tensor parallelism each forward goes to every rank, as in a real step, so this is
     the GPUs' time for a step without the scheduler and sampler. With `profile`, also the kernels of
-    five such forwards on this rank (torch.profiler), as (name, calls per step, microseconds per step),
-    longest first. Writes K/V into one position of free blocks: run it after the measured work."""
+    five such forwards on this rank (`kernel_times`). Writes K/V into one position of free blocks: run
+    it after the measured work."""
     from infer.core.runner import StepInputs
 
     runner = engine.decoder.runner
     size = engine.parts.config.block_size
     table = list(range(1, -(-context // size) + 1))
     step = StepInputs([11], [1], [context], [table], [0], runner.num_layers, True)
-    mirror = getattr(runner.model, "mirror", None)
 
     def forward() -> None:
-        runner.run(step) if mirror is None else mirror.forward(runner, step)
+        runner.forward_step(step)
 
-    for _ in range(3):
-        forward()
-    torch.cuda.synchronize()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    for _ in range(iters):
-        forward()
-    end.record()
-    torch.cuda.synchronize()
-    seconds = start.elapsed_time(end) / 1e3 / iters
-    kernels: list = []
-    if profile:
-        from torch.profiler import ProfilerActivity, profile as torch_profile
+    seconds = seconds_per_call(forward, iters, warmup=3)
+    return seconds, kernel_times(forward) if profile else []
 
-        with torch_profile(activities=[ProfilerActivity.CUDA]) as prof:
-            for _ in range(5):
-                forward()
-            torch.cuda.synchronize()
-        for e in prof.key_averages():
-            dev = getattr(e, "device_time_total", None) or getattr(e, "cuda_time_total", 0)
-            if dev:
-                kernels.append((e.key[:80], e.count / 5, dev / 5))
-        kernels.sort(key=lambda k: -k[2])
-    return seconds, kernels
+
+def kernel_times(fn: "Callable[[], object]", steps: int = 5) -> list[dict]:
+    """The GPU kernels of `steps` calls of `fn` (torch.profiler; CUPTI also reports the kernels inside
+    a replayed CUDA graph), per call: {kernel, count_per_step, us_per_step}, longest first."""
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:  # no CPU ops: they would count their kernels again
+        for _ in range(steps):
+            fn()
+        torch.cuda.synchronize()
+    rows = []
+    for e in prof.key_averages():
+        dev = getattr(e, "device_time_total", None) or getattr(e, "cuda_time_total", 0)
+        if dev and e.key != "cudaGraphLaunch":  # the launch call is charged its graph's kernels: counted once
+            rows.append({"kernel": e.key[:90], "count_per_step": e.count / steps, "us_per_step": dev / steps})
+    return sorted(rows, key=lambda r: -r["us_per_step"])
