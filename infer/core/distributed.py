@@ -148,23 +148,18 @@ def make_all_reduce(choice: str, parallel: Any, dtype: torch.dtype, hidden_size:
         return None, backend
     from infer.core import flashinfer_all_reduce, symmetric_memory
 
+    strategy = flashinfer_all_reduce if choice == "flashinfer" else symmetric_memory
+    reason = strategy.unavailable_reason(parallel.device, parallel.world_size, dtype)  # the same on every rank
+    # every rank must agree before the collective set-up (one rank waiting in it alone would hang)
+    if not parallel.min(int(reason is None)):
+        if choice != "auto":
+            fix = "auto or nccl" if choice == "flashinfer" else "nccl"
+            raise ConfigError(f"--all-reduce {choice} cannot run: {reason or 'another rank cannot use it'}; use --all-reduce {fix}")
+        return None, f"{backend} (symmetric memory unavailable: {reason or 'on another rank'})"
     if choice == "flashinfer":
-        reason = flashinfer_all_reduce.unavailable_reason(parallel.device, parallel.world_size, dtype)
-        if not parallel.min(int(reason is None)):  # every rank agrees before the collective set-up
-            raise ConfigError(f"--all-reduce flashinfer cannot run: {reason or 'another rank cannot use it'}; "
-                              "use --all-reduce auto or nccl")
         fast = flashinfer_all_reduce.FlashInferAllReduce(parallel, hidden_size, dtype)
         return fast, (f"flashinfer (one- or two-shot, fused with the residual add and RMSNorm) up to "
                       f"{fast.max_tokens} tokens, nccl above")
-    reason = symmetric_memory.unavailable_reason(parallel.device, parallel.world_size)
-    if reason is None and dtype not in symmetric_memory.SUPPORTED_DTYPES:  # the same on every rank
-        reason = f"PyTorch's one-shot kernel has no {str(dtype).removeprefix('torch.')} (it sums bfloat16 and float32): use --dtype bfloat16"
-    # every rank must agree before the collective set-up (one rank waiting in rendezvous would hang)
-    ok = parallel.min(int(reason is None))
-    if not ok:
-        if choice == "symm-mem":
-            raise ConfigError(f"--all-reduce symm-mem cannot run: {reason or 'another rank cannot use it'}; use --all-reduce nccl")
-        return None, f"{backend} (symmetric memory unavailable: {reason or 'on another rank'})"
     try:
         fast = symmetric_memory.SymmetricAllReduce(parallel.group, parallel.device)
     except Exception as exc:  # set-up failed on this rank: the others may have failed too, or may wait

@@ -215,16 +215,12 @@ def format_matrix(rows: list[tuple[tuple[str, ...], str | None]], device: str) -
 
 def _all_reduce(config: EngineConfig, device: torch.device, dtype: torch.dtype) -> Verdict:
     """Which all-reduce --tp will use for small tensors (the set-up itself needs the ranks)."""
-    from infer.core.symmetric_memory import SUPPORTED_DTYPES, unavailable_reason
+    from infer.core import flashinfer_all_reduce, symmetric_memory
 
     if config.all_reduce == "flashinfer":
-        from infer.core import flashinfer_all_reduce
-
         why = flashinfer_all_reduce.unavailable_reason(device, config.tensor_parallel_size, dtype)
         return Verdict("all-reduce", "flashinfer", why and f"flashinfer's all-reduce cannot run: {why}", ("nccl", "auto"))
-    reason = unavailable_reason(device, config.tensor_parallel_size)
-    if reason is None and dtype not in SUPPORTED_DTYPES:
-        reason = f"its one-shot kernel has no {str(dtype).removeprefix('torch.')}: use --dtype bfloat16"
+    reason = symmetric_memory.unavailable_reason(device, config.tensor_parallel_size, dtype)
     if config.all_reduce == "symm-mem" and reason:
         return Verdict("all-reduce", "symm-mem", f"symmetric memory cannot run: {reason}", ("nccl", "auto"))
     if config.all_reduce == "auto":

@@ -80,12 +80,15 @@ def forget_group(group_name: str) -> None:
         getattr(symm_mem, "_group_name_to_store", {}).pop(group_name, None)
 
 
-def unavailable_reason(device: torch.device, world_size: int) -> str | None:
-    """Why this process cannot use symmetric memory (None: it can try)."""
+def unavailable_reason(device: torch.device, world_size: int, dtype: torch.dtype) -> str | None:
+    """Why this process cannot sum `dtype` through symmetric memory (None: it can try)."""
     if device.type != "cuda":
         return f"it needs CUDA devices (this run is on {device.type})"
     if world_size < 2:
         return "it needs --tp 2 or more"
+    if dtype not in SUPPORTED_DTYPES:
+        return (f"PyTorch's one-shot kernel has no {str(dtype).removeprefix('torch.')} (it sums bfloat16 and "
+                "float32): use --dtype bfloat16")
     try:
         import torch.distributed._symmetric_memory  # noqa: F401
     except ImportError as exc:

@@ -10,7 +10,6 @@ import torch
 
 symm_mem = pytest.importorskip("torch.distributed._symmetric_memory")
 
-from infer.core import symmetric_memory  # noqa: E402
 from infer.core.distributed import make_all_reduce  # noqa: E402
 from infer.core.symmetric_memory import SymmetricAllReduce, forget_group  # noqa: E402
 
@@ -70,9 +69,8 @@ def test_flashinfer_all_reduce_says_why_it_cannot_run():
     assert "not float32" in flashinfer_all_reduce.unavailable_reason(torch.device("cuda", 0), 2, torch.float32)
 
 
-def test_float16_models_keep_nccl_and_say_why(monkeypatch):
+def test_float16_models_keep_nccl_and_say_why():
     parallel = types.SimpleNamespace(is_parallel=True, world_size=2, device=torch.device("cuda", 0), min=lambda v: v)
-    monkeypatch.setattr(symmetric_memory, "unavailable_reason", lambda device, world_size: None)
     fast, line = make_all_reduce("auto", parallel, torch.float16, 64)
     assert fast is None and "has no float16" in line and "--dtype bfloat16" in line
     with pytest.raises(Exception, match="--all-reduce symm-mem cannot run: .*float16"):
