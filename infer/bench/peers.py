@@ -47,16 +47,18 @@ def build_hf_model(hf_config: dict[str, Any], dtype: torch.dtype, device: torch.
 @torch.inference_mode()
 def hf_static(model: Any, prompts: list[list[int]], max_tokens: list[int], batch_size: int) -> PeerRecord:
     """Padded static batches through `generate`: each batch runs until its longest request ends."""
-    device = next(model.parameters()).device
-    out_tokens = 0
+    weight = next(model.parameters())
+    device = weight.device
+
+    def record(out_tokens: int = 0, wall_s: float = 0.0, error: str | None = None) -> PeerRecord:
+        return PeerRecord(f"hf-static-{batch_size}", len(prompts), sum(map(len, prompts)), out_tokens, wall_s, error)
+
     if device.type == "cuda":  # a batch that cannot fit is known before minutes of generating into it
-        weight = next(model.parameters())
         need = static_kv_bytes(model.config, weight.element_size(), prompts, max_tokens, batch_size)
         free = torch.cuda.mem_get_info(device)[0]
         if need > KV_SHARE_OF_FREE * free:
-            return PeerRecord(f"hf-static-{batch_size}", len(prompts), sum(map(len, prompts)), 0, 0.0,
-                              error=f"out of memory at batch {batch_size} (its padded KV cache needs {need / 2**30:.1f} "
-                                    f"GiB, {free / 2**30:.1f} GiB free)")
+            return record(error=f"out of memory at batch {batch_size} (its padded KV cache needs {need / 2**30:.1f} "
+                                f"GiB, {free / 2**30:.1f} GiB free)")
     sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
     sync()
     started = time.perf_counter()
@@ -65,10 +67,9 @@ def hf_static(model: Any, prompts: list[list[int]], max_tokens: list[int], batch
     except torch.OutOfMemoryError:  # padded batches hold every row at the longest prompt + output: reported, not fatal
         if device.type == "cuda":
             torch.cuda.empty_cache()
-        return PeerRecord(f"hf-static-{batch_size}", len(prompts), sum(map(len, prompts)), 0, 0.0,
-                          error=f"out of memory at batch {batch_size}")
+        return record(error=f"out of memory at batch {batch_size}")
     sync()
-    return PeerRecord(f"hf-static-{batch_size}", len(prompts), sum(map(len, prompts)), out_tokens, time.perf_counter() - started)
+    return record(out_tokens, time.perf_counter() - started)
 
 
 # HF's cache grows by concatenation, so a step briefly holds the old and the new tensors: a padded
