@@ -57,16 +57,15 @@ class SymmetricAllReduce:
         return x.dtype in SUPPORTED_DTYPES and 0 < nbytes <= self.max_bytes and nbytes % ALIGNMENT == 0
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        flat = x.view(-1) if x.is_contiguous() else x.reshape(-1)
-        aligned = flat.data_ptr() % ALIGNMENT == 0
-        src = flat if aligned else flat.clone()  # a fresh tensor is aligned; the kernel needs 16-byte vectors
+        flat = x.reshape(-1)  # a view when x is contiguous, else a copy
+        src = flat if flat.data_ptr() % ALIGNMENT == 0 else flat.clone()  # a fresh tensor is aligned: 16-byte vectors
         symm = self.buffer[: src.numel() * src.element_size()].view(src.dtype)
         if self._copy_out is not None:
             self._copy_out(symm, src, "sum", self.group_name, src)
         else:
             symm.copy_(src)
             self._out(symm, "sum", self.group_name, src)
-        if src.data_ptr() != x.data_ptr() or not x.is_contiguous():
+        if src.data_ptr() != x.data_ptr():  # summed in a copy: back into x
             x.copy_(src.view(x.shape))
         return x
 
