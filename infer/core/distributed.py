@@ -139,6 +139,15 @@ class ParallelState:
         return int(t.item())
 
 
+def peer_gpus_reason(device: torch.device, world_size: int) -> str | None:
+    """Why an all-reduce over the GPUs' peer memory cannot run here (None: it can try)."""
+    if device.type != "cuda":
+        return f"it needs CUDA devices (this run is on {device.type})"
+    if world_size < 2:
+        return "it needs --tp 2 or more"
+    return None
+
+
 def make_all_reduce(choice: str, parallel: Any, dtype: torch.dtype, hidden_size: int) -> tuple[Any, str]:
     """The fast path for `--all-reduce CHOICE` on this rank (every rank calls this, in the same order)
     for a model whose activations are `dtype` x `hidden_size`, and a line saying what was chosen.

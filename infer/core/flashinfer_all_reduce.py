@@ -18,6 +18,8 @@ from typing import Any
 
 import torch
 
+from infer.core.distributed import peer_gpus_reason
+
 DTYPES = (torch.float16, torch.bfloat16)
 MAX_TOKENS = 2048  # the workspace's rows: decode batches and chunked prefills up to this use it
 
@@ -70,10 +72,8 @@ class FlashInferAllReduce:
 
 def unavailable_reason(device: torch.device, world_size: int, dtype: torch.dtype) -> str | None:
     """Why `--all-reduce flashinfer` cannot run in this process (None: it can try)."""
-    if device.type != "cuda":
-        return f"it needs CUDA devices (this run is on {device.type})"
-    if world_size < 2:
-        return "it needs --tp 2 or more"
+    if (reason := peer_gpus_reason(device, world_size)) is not None:
+        return reason
     if dtype not in DTYPES:
         return f"its kernels sum float16 and bfloat16, not {str(dtype).removeprefix('torch.')}"
     try:

@@ -21,6 +21,8 @@ from typing import Any
 
 import torch
 
+from infer.core.distributed import peer_gpus_reason
+
 
 SUPPORTED_DTYPES = (torch.bfloat16, torch.float32)  # what the one-shot kernel is compiled for
 # tensors up to this size go through symmetric memory, larger ones NCCL: on two H200s the one-shot
@@ -81,10 +83,8 @@ def forget_group(group_name: str) -> None:
 
 def unavailable_reason(device: torch.device, world_size: int, dtype: torch.dtype) -> str | None:
     """Why this process cannot sum `dtype` through symmetric memory (None: it can try)."""
-    if device.type != "cuda":
-        return f"it needs CUDA devices (this run is on {device.type})"
-    if world_size < 2:
-        return "it needs --tp 2 or more"
+    if (reason := peer_gpus_reason(device, world_size)) is not None:
+        return reason
     if dtype not in SUPPORTED_DTYPES:
         return (f"PyTorch's one-shot kernel has no {str(dtype).removeprefix('torch.')} (it sums bfloat16 and "
                 "float32): use --dtype bfloat16")
