@@ -88,6 +88,8 @@ def main() -> None:
     ap.add_argument("--only", default="latency,random,sharegpt,peers")
     ap.add_argument("--attention", default="auto")
     ap.add_argument("--kv-cache-memory", type=float, default=24.0)
+    ap.add_argument("--peers", default="latency-1,random-256x256,sharegpt-like", help="workloads the HF peers run")
+    ap.add_argument("--peer-requests", type=int, default=None, help="requests per peer workload (default 128, 64 with --quick)")
     args = ap.parse_args()
     parts = set(args.only.split(","))
     device = torch.device("cuda")
@@ -115,9 +117,12 @@ def main() -> None:
               + (f", MBU {r['mbu']:.0%}" if "mbu" in r else ""), flush=True)
     peers: list[dict[str, Any]] = []
     if "peers" in parts:
+        n_peer = args.peer_requests or (64 if args.quick else 128)
         for model, workload, n, batches, cb in (("llama2-7b", "latency-1", 1, [1], False),
-                                                ("llama3-8b", "random-256x256", 128 if not args.quick else 64, [64], True),
-                                                ("llama2-7b", "sharegpt-like", 128 if not args.quick else 64, [64], True)):
+                                                ("llama3-8b", "random-256x256", n_peer, [64], True),
+                                                ("llama2-7b", "sharegpt-like", n_peer, [64], True)):
+            if workload not in args.peers.split(","):
+                continue
             done = run_peers(model, workload, n, batches, with_cb=cb)
             for p in done:
                 print(f"{p['label']} {model} {workload} {p['num_requests']} req: {p['output_tokens_per_s']:.0f} out tok/s "
