@@ -17,7 +17,8 @@ broadcast the same way.
 Failures. A rank that fails posts its error to the rendezvous store and exits. Rank 0's next
 collective then fails (gloo: the peer's socket closes; NCCL: a watcher aborts the group when a
 spawned rank exits, else the collective timeout) and rank 0 raises `WorkerError` naming the rank and
-its error. `close` stops the ranks: a stop message, then terminate for any rank that does not exit.
+its error. `close` stops the ranks: a stop message, then every rank takes its process groups down at
+the same time (NCCL's teardown is collective), then terminate for any rank that does not exit.
 """
 
 from __future__ import annotations
@@ -46,6 +47,7 @@ IDLE_TIMEOUT = datetime.timedelta(days=7)  # a rank waits for rank 0's next step
 START_TIMEOUT_S = 300.0  # spawned ranks: start the interpreter, import torch, connect
 JOINED = "infer/joined"
 STOPPED = "infer/stopped"  # ranks 1..N-1 that have taken down their process groups after rank 0's stop
+TEARDOWN = "infer/teardown"  # ranks done with every collective, about to take their groups down together
 STOP_WAIT_S = 30.0
 
 
@@ -120,32 +122,62 @@ class RankGroup:
             return
         self.closed = True
         self._closing.set()
+        together = False
         if not self.broken:
             with contextlib.suppress(Exception):
                 self.channel.send_stop()
-            if not self.processes:  # torchrun: no process to join, so wait until the ranks took their groups down
-                self._wait_for_stopped(STOP_WAIT_S)
-        _stop_processes(list(self.processes.values()), wait_s=2.0 if self.broken else STOP_WAIT_S)
-        import torch.distributed as dist
-
-        from infer.core.symmetric_memory import forget_group
-
+                together = meet_for_teardown(self.parallel, STOP_WAIT_S)
+        if not together:  # a rank is gone or out of step: it is not coming to the teardown
+            _stop_processes(list(self.processes.values()), wait_s=2.0)
         group_name = getattr(self.parallel.group, "group_name", None)
-        with contextlib.suppress(Exception):
-            dist.destroy_process_group()
+        take_down_groups(self.parallel, together)
         if group_name is not None:
+            from infer.core.symmetric_memory import forget_group
+
             forget_group(group_name)
+        if self.processes:
+            _stop_processes(list(self.processes.values()), wait_s=STOP_WAIT_S)
+        elif together:  # torchrun: no process to join; rank 0 waits until the others are done with the store
+            self._wait_for_stopped(STOP_WAIT_S)
         if self._cpu_threads is not None:
             torch.set_num_threads(self._cpu_threads)
 
-
     def _wait_for_stopped(self, wait_s: float) -> None:
-        # Taking rank 0's groups down while another rank still uses its end of them can abort the
-        # process at exit; spawned ranks are joined for the same reason.
         deadline = time.monotonic() + wait_s
         with contextlib.suppress(Exception):
             while self.parallel.store.add(STOPPED, 0) < self.parallel.world_size - 1 and time.monotonic() < deadline:
                 time.sleep(0.01)
+
+
+def meet_for_teardown(parallel: ParallelState, wait_s: float) -> bool:
+    """A barrier on the store, after this rank's last collective has finished on its device: True when
+    every rank arrived within `wait_s`. NCCL's teardown is collective (each rank's communicator
+    finalizes with its peers), so the ranks must take their groups down together, not one after the
+    other: a rank that destroys its groups after the others have left waits for them forever."""
+    if parallel.device.type == "cuda":
+        torch.cuda.synchronize(parallel.device)
+    deadline = time.monotonic() + wait_s
+    arrived = parallel.store.add(TEARDOWN, 1)
+    while arrived < parallel.world_size:
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.005)
+        arrived = parallel.store.add(TEARDOWN, 0)
+    return True
+
+
+def take_down_groups(parallel: ParallelState, together: bool) -> None:
+    """Destroy this process's groups when every rank does the same now; otherwise (a rank failed or
+    did not come) abort NCCL's, which waits for no peer and no pending collective."""
+    import torch.distributed as dist
+
+    with contextlib.suppress(Exception):
+        if together or parallel.device.type != "cuda":  # gloo's teardown waits for no peer
+            dist.destroy_process_group()
+        else:
+            from torch.distributed.distributed_c10d import _abort_process_group
+
+            _abort_process_group()
 
 
 def _stop_processes(processes: list[Any], wait_s: float) -> None:
@@ -225,8 +257,8 @@ def build_parallel(config: Any, extra_plugins: Iterable[Any], name: str, model_c
 def run_worker(config: Any, extra_plugins: list[Any], parallel: ParallelState) -> None:
     """Ranks 1..N-1: build this rank's engine, then run rank 0's steps until it stops them."""
     from infer.core.builder import build_engine
-    import torch.distributed as dist
 
+    stopped_cleanly = False
     try:
         parts = build_engine(config, extra_plugins, parallel=parallel)
         parts.output.close()  # text is rank 0's business
@@ -235,9 +267,11 @@ def run_worker(config: Any, extra_plugins: list[Any], parallel: ParallelState) -
         with contextlib.suppress(Exception):
             parallel.store.set(error_key(parallel.rank), f"{type(exc).__name__}: {exc}"[:4000])
         raise
-    finally:
+    else:  # rank 0 said stop: every rank takes its groups down together
         with contextlib.suppress(Exception):
-            dist.destroy_process_group()
+            stopped_cleanly = meet_for_teardown(parallel, STOP_WAIT_S)
+    finally:
+        take_down_groups(parallel, together=stopped_cleanly)
         with contextlib.suppress(Exception):
             parallel.store.add(STOPPED, 1)
 

@@ -339,3 +339,30 @@ def test_reduce_add_norm_fuses_only_a_plain_rms_norm():
 
     plain = Doubling(fused=False)  # no fused kernel: all-reduce, then the norm adds
     torch.testing.assert_close(ParallelState(world_size=2, fast_all_reduce=plain).reduce_add_norm(x, residual, norm), expected)
+
+
+def test_ranks_meet_before_taking_their_groups_down():
+    """NCCL's teardown is collective: each rank destroys its groups only once every rank has finished
+    its collectives and arrived, and a rank that never comes is reported (False), not waited for."""
+    import threading
+
+    from infer.core.workers import meet_for_teardown
+
+    store = torch.distributed.HashStore()
+    alone = ParallelState(rank=0, world_size=2, device=torch.device("cpu"), store=store)
+    started = time.monotonic()
+    assert meet_for_teardown(alone, wait_s=0.2) is False  # rank 1 never came
+    assert time.monotonic() - started < 5
+
+    store = torch.distributed.HashStore()
+    ranks = [ParallelState(rank=r, world_size=3, device=torch.device("cpu"), store=store) for r in range(3)]
+    met: dict[int, bool] = {}
+    threads = [threading.Thread(target=lambda p=p: met.__setitem__(p.rank, meet_for_teardown(p, wait_s=30))) for p in ranks[1:]]
+    for t in threads:
+        t.start()
+    time.sleep(0.1)
+    assert not met, "a rank went on before every rank arrived"
+    assert meet_for_teardown(ranks[0], wait_s=30) is True
+    for t in threads:
+        t.join(5)
+    assert met == {1: True, 2: True}
