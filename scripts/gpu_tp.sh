@@ -5,8 +5,8 @@
 # 70b: llama2-70b, dummy bf16 weights (138 GB: 69 GB per H200 at --tp 2, the rest is KV cache),
 #      on the sharegpt-like workload, 200 requests (TP_REQUESTS to change).
 # 7b:  llama2-7b on latency-1 (one request: 128 prompt tokens, 256 new) at --tp 1 and --tp 2 (auto, then
-#      --all-reduce nccl and flashinfer): tokens/s, each tp2/tp1 per-token speedup (time per output token, p50),
-#      each forward's device time and rank 0's kernels.
+#      each --all-reduce in TP_CHOICES, default "nccl flashinfer"): tokens/s, each tp2/tp1 per-token speedup
+#      (time per output token, p50), each forward's device time and rank 0's kernels.
 # tests: the two-GPU tests (tests/gpu/test_all_reduce_gpu.py, test_tensor_parallel_gpu.py), last.
 # spec: the seeds' composition, llama2-70b --tp 2 verifying llama2-7b drafts (K=4), beside llama2-70b
 #      --tp 2 autoregressive, on latency-1: step times, verify time, acceptance (0 on random weights).
@@ -119,7 +119,7 @@ def main() -> None:
         for tp in (1, 2):
             results[f"llama2-7b tp{tp} latency-1"] = run(f"llama2-7b tp{tp} latency-1", "latency-1", 1,
                                                          model="llama2-7b", tensor_parallel_size=tp)
-        for choice in ("nccl", "flashinfer"):
+        for choice in os.environ.get("TP_CHOICES", "nccl flashinfer").split():
             try:
                 results[f"llama2-7b tp2 latency-1 {choice}"] = run(f"llama2-7b tp2 latency-1, --all-reduce {choice}",
                                                                    "latency-1", 1, model="llama2-7b",
