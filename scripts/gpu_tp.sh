@@ -165,5 +165,7 @@ def main() -> None:
 if __name__ == "__main__":  # the ranks are spawned: they must not run this again
     main()
 EOF
-python3 /tmp/infer_gpu_tp.py "$OUT/tp-${*// /-}.json" "${TP_REQUESTS:-200}" ${*:-70b 7b} 2>&1 | tee "$OUT/tp-${*// /-}.log"
+parts=${*:-70b 7b}
+name=tp-${parts// /-}  # one word: a file name with a space does not come back from the device
+python3 /tmp/infer_gpu_tp.py "$OUT/$name.json" "${TP_REQUESTS:-200}" $parts 2>&1 | tee "$OUT/$name.log"
 run_tests

@@ -128,7 +128,17 @@ class CudaGraphRunner:
         torch.cuda.synchronize(self.device)
 
     def can_run(self, num_seqs: int) -> bool:
-        return 0 < num_seqs <= self.max_batch
+        return bool(self.graphs) and 0 < num_seqs <= self.max_batch
+
+    def release(self) -> None:
+        """Destroy the captured graphs and their memory pool (steps run eagerly after this). Under
+        tensor parallelism this comes before the process group is taken down: a graph that captured
+        an NCCL collective holds a reference on the communicator, and NCCL's teardown waits until
+        every such graph is destroyed, so with the graphs still alive it waits forever."""
+        for graph, _ in self.graphs.values():
+            graph.reset()
+        self.graphs.clear()
+        self.pool = None
 
     def run(self, token_ids: list[int], seq_lens: list[int], tables: list[list[int]],
             ids: torch.Tensor | None = None) -> torch.Tensor:

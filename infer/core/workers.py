@@ -58,6 +58,7 @@ class RankGroup:
         self.parallel = parallel
         self.channel = StepChannel(parallel)
         self.processes = processes  # rank -> spawned process (empty under torchrun)
+        self.runners: tuple[Any, ...] = ()  # rank 0's model runners: their CUDA graphs go before the groups
         self.broken = False  # a step failed part-way: the ranks are out of step
         self.closed = False
         self._cpu_threads = cpu_threads  # rank 0's torch thread count before the run, restored on close
@@ -126,6 +127,7 @@ class RankGroup:
         if not self.broken:
             with contextlib.suppress(Exception):
                 self.channel.send_stop()
+                release_graphs(self.runners, self.parallel.device)
                 together = meet_for_teardown(self.parallel, STOP_WAIT_S)
         if not together:  # a rank is gone or out of step: it is not coming to the teardown
             _stop_processes(list(self.processes.values()), wait_s=2.0)
@@ -147,6 +149,16 @@ class RankGroup:
         with contextlib.suppress(Exception):
             while self.parallel.store.add(STOPPED, 0) < self.parallel.world_size - 1 and time.monotonic() < deadline:
                 time.sleep(0.01)
+
+
+def release_graphs(runners: Iterable[Any], device: torch.device) -> None:
+    """Once this rank's last step has finished, destroy its runners' CUDA graphs: NCCL's teardown
+    waits for every graph that captured one of its collectives to be gone."""
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    for runner in runners:
+        if (graphs := getattr(runner, "graphs", None)) is not None:
+            graphs.release()
 
 
 def meet_for_teardown(parallel: ParallelState, wait_s: float) -> bool:
@@ -249,6 +261,7 @@ def build_parallel(config: Any, extra_plugins: Iterable[Any], name: str, model_c
     for model_id, runner in enumerate(parts.runners):
         runner.model.mirror = ModelMirror(ranks, model_id)
     parts.block_mover = MirroredBlockMover(parts.block_mover, ranks)
+    ranks.runners = parts.runners
     parts.closers = (*parts.closers, ranks.close)
     parts.describe["tensor_parallel_size"] = parallel.world_size
     return parts
@@ -269,6 +282,7 @@ def run_worker(config: Any, extra_plugins: list[Any], parallel: ParallelState) -
         raise
     else:  # rank 0 said stop: every rank takes its groups down together
         with contextlib.suppress(Exception):
+            release_graphs(parts.runners, parallel.device)
             stopped_cleanly = meet_for_teardown(parallel, STOP_WAIT_S)
     finally:
         take_down_groups(parallel, together=stopped_cleanly)

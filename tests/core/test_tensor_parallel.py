@@ -366,3 +366,25 @@ def test_ranks_meet_before_taking_their_groups_down():
     for t in threads:
         t.join(5)
     assert met == {1: True, 2: True}
+
+
+def test_graphs_are_released_before_the_groups_go():
+    """A CUDA graph that captured an NCCL collective keeps its communicator from being destroyed:
+    closing releases every runner's graphs (here stand-ins, on the CPU) and steps then run eagerly."""
+    from types import SimpleNamespace
+
+    from infer.core.cuda_graphs import CudaGraphRunner
+    from infer.core.workers import release_graphs
+
+    class Graph:
+        released = 0
+
+        def reset(self):
+            Graph.released += 1
+
+    graphs = object.__new__(CudaGraphRunner)
+    graphs.graphs, graphs.pool, graphs.max_batch = {1: (Graph(), None), 2: (Graph(), None)}, object(), 2
+    assert graphs.can_run(1)
+    release_graphs([SimpleNamespace(graphs=graphs), SimpleNamespace(graphs=None)], torch.device("cpu"))
+    assert Graph.released == 2 and graphs.graphs == {} and graphs.pool is None
+    assert not graphs.can_run(1)
