@@ -63,30 +63,30 @@ def copy_bandwidth() -> float:
     return 2 * src.nbytes / device_time_s(lambda: dst.copy_(src), capture=False)[0]
 
 
-def decode_batch(num_kv_heads: int):
+def decode_batch(num_kv_heads: int, batch_size: int = BATCH, seq_len: int = SEQ_LEN, num_heads: int = NUM_HEADS):
     gen = torch.Generator(device="cuda").manual_seed(0)
-    blocks_per_seq = SEQ_LEN // BLOCK_SIZE
-    num_blocks = BATCH * blocks_per_seq
+    blocks_per_seq = seq_len // BLOCK_SIZE
+    num_blocks = batch_size * blocks_per_seq
     perm = torch.randperm(num_blocks, generator=torch.Generator().manual_seed(0)).tolist()
-    tables = [perm[i * blocks_per_seq : (i + 1) * blocks_per_seq] for i in range(BATCH)]
+    tables = [perm[i * blocks_per_seq : (i + 1) * blocks_per_seq] for i in range(batch_size)]
     spec = AttentionSpec(
-        num_heads=NUM_HEADS,
+        num_heads=num_heads,
         num_kv_heads=num_kv_heads,
         head_dim=HEAD_DIM,
         scale=1.0 / math.sqrt(HEAD_DIM),
         dtype=DTYPE,
         device=torch.device("cuda"),
         block_size=BLOCK_SIZE,
-        max_num_seqs=BATCH,
-        max_model_len=4096,
+        max_num_seqs=batch_size,
+        max_model_len=max(4096, seq_len),
     )
-    batch = AttentionBatch.build([1] * BATCH, [SEQ_LEN] * BATCH, tables, BLOCK_SIZE, "cuda")
+    batch = AttentionBatch.build([1] * batch_size, [seq_len] * batch_size, tables, BLOCK_SIZE, "cuda")
 
     def rand(*shape: int) -> torch.Tensor:
         return torch.randn(*shape, generator=gen, device="cuda").to(DTYPE)
 
     kv_cache = tuple(rand(num_blocks, BLOCK_SIZE, num_kv_heads, HEAD_DIM) for _ in range(2))
-    q, k, v = rand(BATCH, NUM_HEADS, HEAD_DIM), rand(BATCH, num_kv_heads, HEAD_DIM), rand(BATCH, num_kv_heads, HEAD_DIM)
+    q, k, v = rand(batch_size, num_heads, HEAD_DIM), rand(batch_size, num_kv_heads, HEAD_DIM), rand(batch_size, num_kv_heads, HEAD_DIM)
     return spec, batch, kv_cache, q, k, v
 
 
@@ -96,20 +96,23 @@ def decode_fn(name: str, spec, batch, kv_cache, q, k, v):
         flashinfer = pytest.importorskip("flashinfer")
         workspace = torch.empty(128 * 1024 * 1024, dtype=torch.uint8, device="cuda")
         wrapper = flashinfer.BatchDecodeWithPagedKVCacheWrapper(workspace, "NHD")
-        blocks_per_seq = batch.block_tables_t.shape[1]
+        num_seqs, blocks_per_seq = batch.block_tables_t.shape
         wrapper.plan(
-            torch.arange(0, BATCH + 1, dtype=torch.int32, device="cuda") * blocks_per_seq,  # indptr
+            torch.arange(0, num_seqs + 1, dtype=torch.int32, device="cuda") * blocks_per_seq,  # indptr
             batch.block_tables_t.flatten(),  # indices
-            torch.full((BATCH,), BLOCK_SIZE, dtype=torch.int32, device="cuda"),  # last_page_len
+            torch.full((num_seqs,), BLOCK_SIZE, dtype=torch.int32, device="cuda"),  # last_page_len
             spec.num_heads, spec.num_kv_heads, spec.head_dim, BLOCK_SIZE,
             q_data_type=DTYPE, kv_data_type=DTYPE,
         )
         return lambda: wrapper.run(q, kv_cache)
-    if name == "paged-cuda":
-        from infer.plugins.attention.paged_cuda import PagedCudaAttention as backend_cls
+    if name.startswith("paged-cuda"):  # "paged-cuda-reduce-kernel": split partitions combined by a second kernel
+        from infer.plugins.attention.paged_cuda import PagedCudaAttention
+
+        backend = PagedCudaAttention(spec, fused_reduce=name == "paged-cuda")
     else:
-        from infer.plugins.attention.reference import TorchAttention as backend_cls
-    backend = backend_cls(spec)
+        from infer.plugins.attention.reference import TorchAttention
+
+        backend = TorchAttention(spec)
     backend.plan(batch)
     return lambda: backend.forward(q, k, v, kv_cache)
 
@@ -133,6 +136,30 @@ def test_decode_kernel(benchmark, copy_bandwidth, backend, heads):
         ratio_to_copy=kv_bytes / seconds / copy_bandwidth,
         timing=timing,
     )
+
+    def step():
+        fn()
+        torch.cuda.synchronize()
+
+    benchmark(step)
+
+
+# batch-1 decode, where the context is split into partitions: one layer of Llama-2-7B at tp 2 (16 of its
+# 32 heads) in latency-1 (context ~256), and the whole model's heads at a long context
+SMALL = {"b1-ctx256-16h": (1, 256, 16), "b1-ctx4096-32h": (1, 4096, 32)}
+
+
+@pytest.mark.benchmark(group="decode-kernel-batch-1")
+@pytest.mark.parametrize("shape", SMALL.values(), ids=SMALL.keys())
+@pytest.mark.parametrize("backend", ["paged-cuda", "paged-cuda-reduce-kernel", "flashinfer"])
+def test_decode_kernel_batch_1(benchmark, backend, shape):
+    batch_size, seq_len, heads = shape
+    spec, batch, kv_cache, q, k, v = decode_batch(heads, batch_size, seq_len, heads)
+    fn = decode_fn(backend, spec, batch, kv_cache, q, k, v)
+    expected = decode_fn("torch", spec, batch, kv_cache, q, k, v)()
+    torch.testing.assert_close(fn().float(), expected.float(), atol=2e-2, rtol=2e-2)
+    seconds, timing = device_time_s(fn)
+    benchmark.extra_info.update(kernel_us=seconds * 1e6, timing=timing)
 
     def step():
         fn()

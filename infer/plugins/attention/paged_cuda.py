@@ -1,8 +1,9 @@
 """`paged-cuda`: attention over the paged KV cache with this project's own Triton kernels.
 
 Per layer, `forward` launches three kernels (see `triton_kernels/`): the cache write, the
-paged decode kernel over the leading `num_decode_seqs` sequences (plus its split-K reduce when
-the batch is too small to fill the GPU), and the varlen causal prefill kernel over the rest.
+paged decode kernel over the leading `num_decode_seqs` sequences (splitting each context into
+partitions when the batch is too small to fill the GPU, and combining them in the same kernel),
+and the varlen causal prefill kernel over the rest.
 Everything that depends only on the step's layout is decided once in `plan`. Decode-only steps
 launch with fixed grids into scratch allocated at construction and never sync with the host, so
 they can be captured in a CUDA graph (one graph per decode batch size).
@@ -62,6 +63,7 @@ class PagedCudaAttention:
         split_below_programs: int | None = None,  # split when seqs x kv_heads < this; default 1.5 x SMs
         split_programs: int | None = None,  # aim split decode at this many programs; default 4 x SMs
         max_splits: int = 64,  # partitions per context at most
+        fused_reduce: bool = True,  # combine split partitions inside the decode kernel (False: a second kernel)
         decode_block_n: int = 64,  # decode key tile, tokens
         prefill_block_m: int = 64,  # prefill tile rows (tokens x GQA group)
         prefill_block_n: int = 64,  # prefill key tile, tokens
@@ -100,6 +102,10 @@ class PagedCudaAttention:
                 torch.empty(cells * spec.num_heads, **f32),  # part max logit
                 torch.empty(cells * spec.num_heads, **f32),  # part exp sum
             )
+        # one arrival counter per (sequence, KV head) for the in-kernel reduce; the kernel leaves them zero
+        self.counters = None
+        if self.scratch is not None and fused_reduce:
+            self.counters = torch.zeros(self.split_rows * spec.num_kv_heads, dtype=torch.int32, device=spec.device)
         self._plan: _StepPlan | None = None
         self._no_prefill = torch.empty(0, dtype=torch.int32, device=spec.device)
 
@@ -150,6 +156,7 @@ class PagedCudaAttention:
             num_seqs=plan.num_decode,
             scratch=self._scratch(plan.num_decode, plan.splits) if plan.split else None,
             block_n=self.decode_block_n,
+            counters=self.counters,
         )
         self._prefill.paged_prefill(
             out, q, k_cache, v_cache, batch.block_tables_t, batch.seq_lens_t, batch.cu_seqlens_q,

@@ -45,15 +45,28 @@ def test_small_prefill_tiles(batch_spec, heads):
     check_backend(small(prefill_block_m=16, prefill_block_n=16), case, atol=1e-5, rtol=1e-5)
 
 
+@pytest.mark.parametrize("fused_reduce", [True, False], ids=["in-kernel-reduce", "reduce-kernel"])
 @pytest.mark.parametrize("heads", HEADS.values(), ids=HEADS.keys())
 @pytest.mark.parametrize("block_size", [16, 32])
-def test_split_decode_matches_naive(heads, block_size):
+def test_split_decode_matches_naive(heads, block_size, fused_reduce):
     case = make_case(LONG_DECODE, *heads, block_size=block_size, device=DEVICE, seed=3)
-    backend_cls = small(max_splits=8, decode_block_n=16)
+    backend_cls = small(max_splits=8, decode_block_n=16, fused_reduce=fused_reduce)
     backend = backend_cls(case.spec)
     backend.plan(case.batch)
     assert backend._plan.split and backend._plan.splits == 8
+    assert (backend.counters is not None) == fused_reduce
     check_backend(backend_cls, case, atol=1e-5, rtol=1e-5)
+
+
+def test_in_kernel_reduce_leaves_its_counters_zero():
+    """The last partition resets its arrival counter, so the next launch (a graph replay) starts clean."""
+    case = make_case(LONG_DECODE, device=DEVICE, seed=4)
+    backend = PagedCudaAttention(case.spec, max_splits=8, decode_block_n=16)
+    backend.plan(case.batch)
+    assert backend._plan.split and backend.counters is not None
+    for _ in range(2):
+        backend.forward(case.q, case.k, case.v, case.kv_cache)
+        assert int(backend.counters.abs().sum()) == 0
 
 
 def test_mixed_batch_with_split_decode():

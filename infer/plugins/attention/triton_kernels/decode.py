@@ -9,7 +9,11 @@ the scale). When batch x kv_heads cannot fill the GPU, each sequence's context i
 `num_splits` partitions (the grid's third axis, fixed for a batch size so a captured graph stays
 valid); a partition spans cdiv(cdiv(seq_len, num_splits), BLOCK_N) tiles, worked out in the kernel
 from the sequence's current length, so every split has work however long the context is now.
-Each writes its normalised output plus its max and sum, and `_reduce_kernel` combines them.
+Each writes its normalised output plus its max and sum. The partitions are then combined either in
+the same kernel (`FUSED_REDUCE`: each program counts itself done on an int32 per (sequence, KV
+head) with an acquire-release atomic, and the last one to arrive reads the partials back from L2,
+combines them, writes the output and resets the counter for the next launch) or by `_reduce_kernel`,
+one more launch.
 
 Scores and P @ V are `tl.dot`s with the group padded to 16 rows (the MMA minimum), even for MHA
 (group 1). Decode is memory-bound either way; the padded MMA wastes FLOPs nobody is short of. On
@@ -44,8 +48,10 @@ def _decode_kernel(
     stride_cb, stride_cs, stride_ch,
     stride_bt,
     stride_ps, stride_ph,  # part_out strides; part_max/sum are [S, H, P] contiguous
+    counter_ptr,  # [S, Hkv] int32, zero between launches: partitions of (seq, kv_head) done (FUSED_REDUCE)
     block_size, head_dim, group, max_partitions,
     SPLIT: tl.constexpr,
+    FUSED_REDUCE: tl.constexpr,
     DOT_DTYPE: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
     GROUP_PAD: tl.constexpr,
@@ -54,6 +60,7 @@ def _decode_kernel(
 ):
     seq, kv_head, part = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     seq_len = tl.load(seq_lens_ptr + seq)
+    chunk = seq_len
     if SPLIT:
         chunk = tl.cdiv(tl.cdiv(seq_len, max_partitions), BLOCK_N) * BLOCK_N
         start = part * chunk
@@ -61,14 +68,14 @@ def _decode_kernel(
     else:
         start = 0
         end = seq_len
+    rows = tl.arange(0, GROUP_PAD)
+    heads = kv_head * group + rows  # [G] query heads of this KV head
+    dims = tl.arange(0, BLOCK_D)
+    row_mask = rows < group
+    dim_mask = dims < head_dim
+    q_mask = row_mask[:, None] & dim_mask[None, :]
     # Short contexts leave the last partitions empty (each holds at least one whole tile).
     if start < end:
-        rows = tl.arange(0, GROUP_PAD)
-        heads = kv_head * group + rows  # [G] query heads of this KV head
-        dims = tl.arange(0, BLOCK_D)
-        row_mask = rows < group
-        dim_mask = dims < head_dim
-        q_mask = row_mask[:, None] & dim_mask[None, :]
         q = tl.load(q_ptr + seq * stride_qt + heads[:, None] * stride_qh + dims[None, :], mask=q_mask, other=0.0)
         q = q.to(DOT_DTYPE)  # [G, D]
 
@@ -105,6 +112,28 @@ def _decode_kernel(
         else:
             dst = out_ptr + seq * stride_ot + heads[:, None] * stride_oh + dims[None, :]
             tl.store(dst, out.to(out_ptr.dtype.element_ty), mask=q_mask)
+    if SPLIT and FUSED_REDUCE:
+        tl.debug_barrier()  # every thread's partial stores are issued before the arrival is published
+        counter = counter_ptr + seq * tl.num_programs(1) + kv_head
+        if tl.atomic_add(counter, 1, sem="acq_rel") == max_partitions - 1:  # the last partition to finish
+            stat = (seq * tl.num_programs(1) * group + heads) * max_partitions  # [G] first partition's stats
+            part_out = part_out_ptr + seq * stride_ps + heads[:, None] * stride_ph + dims[None, :]  # [G, D]
+            # the partials were written by other programs: read them from L2 (".cg"), not this SM's L1
+            m = tl.load(part_max_ptr + stat, mask=row_mask, other=0.0, cache_modifier=".cg")
+            l = tl.load(part_sum_ptr + stat, mask=row_mask, other=1.0, cache_modifier=".cg")
+            acc = tl.load(part_out, mask=q_mask, other=0.0, cache_modifier=".cg") * l[:, None]
+            for p in range(1, tl.cdiv(seq_len, chunk)):  # partition 0 always holds a token
+                m_p = tl.load(part_max_ptr + stat + p, mask=row_mask, other=0.0, cache_modifier=".cg")
+                l_p = tl.load(part_sum_ptr + stat + p, mask=row_mask, other=1.0, cache_modifier=".cg")
+                o_p = tl.load(part_out + p * head_dim, mask=q_mask, other=0.0, cache_modifier=".cg")
+                m_new = tl.maximum(m, m_p)
+                a, b = tl.exp2(m - m_new), tl.exp2(m_p - m_new) * l_p
+                acc = acc * a[:, None] + o_p * b[:, None]
+                l = l * a + b
+                m = m_new
+            dst = out_ptr + seq * stride_ot + heads[:, None] * stride_oh + dims[None, :]
+            tl.store(dst, (acc / l[:, None]).to(out_ptr.dtype.element_ty), mask=q_mask)
+            tl.atomic_xchg(counter, 0)  # ready for the next launch (a replayed graph reuses the counters)
 
 
 @triton.jit
@@ -156,6 +185,9 @@ def paged_decode(
     block_n: int,
     num_warps: int = 4,
     num_stages: int = 2,
+    # [>= num_seqs * Hkv] int32, all zero: the split is combined inside the decode kernel (the kernel
+    # leaves them zero); None: by a second kernel
+    counters: torch.Tensor | None = None,
 ) -> None:
     if num_seqs == 0:
         return
@@ -181,13 +213,15 @@ def paged_decode(
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         block_tables.stride(0),
         stride_ps, stride_ph,
+        counters if counters is not None else seq_lens,  # unused without FUSED_REDUCE
         block_size, head_dim, group, max_partitions,
         SPLIT=scratch is not None,
+        FUSED_REDUCE=counters is not None,
         DOT_DTYPE=dot_dtype, DOT_PRECISION=precision,
         GROUP_PAD=group_pad, BLOCK_N=block_n, BLOCK_D=block_d,
         num_warps=num_warps, num_stages=num_stages,
     )
-    if scratch is not None:
+    if scratch is not None and counters is None:
         _reduce_kernel[(num_seqs, num_heads)](
             out, part_out, part_max, part_sum, seq_lens,
             out.stride(0), out.stride(1), stride_ps, stride_ph,
