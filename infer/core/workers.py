@@ -131,6 +131,8 @@ class RankGroup:
                 together = meet_for_teardown(self.parallel, STOP_WAIT_S)
         if not together:  # a rank is gone or out of step: it is not coming to the teardown
             _stop_processes(list(self.processes.values()), wait_s=2.0)
+            with contextlib.suppress(Exception):  # a graph still running is freed when it completes
+                release_graphs(self.runners, self.parallel.device, wait=False)
         group_name = getattr(self.parallel.group, "group_name", None)
         take_down_groups(self.parallel, together)
         if group_name is not None:
@@ -151,10 +153,12 @@ class RankGroup:
                 time.sleep(0.01)
 
 
-def release_graphs(runners: Iterable[Any], device: torch.device) -> None:
-    """Once this rank's last step has finished, destroy its runners' CUDA graphs: NCCL's teardown
-    waits for every graph that captured one of its collectives to be gone."""
-    if device.type == "cuda":
+def release_graphs(runners: Iterable[Any], device: torch.device, wait: bool = True) -> None:
+    """Destroy this rank's runners' CUDA graphs, after its last step has finished (`wait`): NCCL's
+    teardown, abort included, waits for every graph that captured one of its collectives to be gone.
+    Without `wait` (a failed rank: a step may never finish) a graph still running is freed by CUDA
+    when it completes, which the abort makes happen."""
+    if wait and device.type == "cuda":
         torch.cuda.synchronize(device)
     for runner in runners:
         if (graphs := getattr(runner, "graphs", None)) is not None:
@@ -271,7 +275,7 @@ def run_worker(config: Any, extra_plugins: list[Any], parallel: ParallelState) -
     """Ranks 1..N-1: build this rank's engine, then run rank 0's steps until it stops them."""
     from infer.core.builder import build_engine
 
-    stopped_cleanly = False
+    stopped_cleanly, parts = False, None
     try:
         parts = build_engine(config, extra_plugins, parallel=parallel)
         parts.output.close()  # text is rank 0's business
@@ -285,6 +289,9 @@ def run_worker(config: Any, extra_plugins: list[Any], parallel: ParallelState) -
             release_graphs(parts.runners, parallel.device)
             stopped_cleanly = meet_for_teardown(parallel, STOP_WAIT_S)
     finally:
+        if not stopped_cleanly and parts is not None:
+            with contextlib.suppress(Exception):
+                release_graphs(parts.runners, parallel.device, wait=False)
         take_down_groups(parallel, together=stopped_cleanly)
         with contextlib.suppress(Exception):
             parallel.store.add(STOPPED, 1)
