@@ -102,16 +102,20 @@ def test_matches_naive(batch_name, heads, block_size, dtype):
     check_backend(PagedCudaAttention, case, atol=TOLERANCE[dtype], rtol=TOLERANCE[dtype])
 
 
-@pytest.mark.parametrize("split_below_programs", [1, 10**6], ids=["unsplit", "split"])
-def test_split_and_unsplit_decode_agree(split_below_programs):
+@pytest.mark.parametrize("split_below_programs,fused_reduce", [(1, True), (10**6, True), (10**6, False)],
+                         ids=["unsplit", "split-in-kernel-reduce", "split-reduce-kernel"])
+def test_split_and_unsplit_decode_agree(split_below_programs, fused_reduce):
     from infer.plugins.attention.paged_cuda import PagedCudaAttention
 
     case = paged_case(*BATCHES["decode-64-to-4096"], *HEADS["gqa"], block_size=16, dtype=torch.bfloat16, seed=1)
-    backend = PagedCudaAttention(case.spec, split_below_programs=split_below_programs)
+    backend = PagedCudaAttention(case.spec, split_below_programs=split_below_programs, fused_reduce=fused_reduce)
     backend.plan(case.batch)
     assert backend._plan.split == (split_below_programs > 1)
-    out = backend.forward(case.q, case.k, case.v, case.kv_cache)
-    torch.testing.assert_close(out.float(), naive_attention(case), atol=2e-2, rtol=2e-2)
+    for _ in range(3):  # the in-kernel reduce's arrival counters are reused by each launch
+        out = backend.forward(case.q, case.k, case.v, case.kv_cache)
+        torch.testing.assert_close(out.float(), naive_attention(case), atol=2e-2, rtol=2e-2)
+    if backend.counters is not None:
+        assert int(backend.counters.abs().sum()) == 0
 
 
 @pytest.mark.parametrize("heads", HEADS.values(), ids=HEADS.keys())
