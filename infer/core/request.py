@@ -109,9 +109,12 @@ class FinishReason(str, enum.Enum):
     CAPACITY = "capacity"  # the KV cache cannot hold this request even alone
 
 
-@dataclass(slots=True)
+@dataclass(slots=True, eq=False)
 class Request:
-    """One sequence inside the engine. Parallel samples (n > 1) are one Request each."""
+    """One sequence inside the engine. Parallel samples (n > 1) are one Request each.
+
+    Compared by identity: a request is one entity, and the scheduler's queue look-ups (`in`,
+    `remove`) over hundreds of running requests would otherwise compare every field of each."""
 
     request_id: str
     prompt_token_ids: list[int]
@@ -128,7 +131,7 @@ class Request:
     num_computed_tokens: int = 0  # tokens whose K/V are in the cache
     num_preemptions: int = 0
     # parallel samples and beams: the prompt's first request, whose blocks this one shares (forks)
-    fork_parent: "Request | None" = field(default=None, repr=False, compare=False)
+    fork_parent: "Request | None" = field(default=None, repr=False)
     first_token_time: float | None = None
     arrival_time: float = 0.0
     finish_time: float | None = None

@@ -33,7 +33,7 @@ class FcfsScheduler(SchedulerBase):
         finished: list[Request] = []
 
         for request in list(self.running):
-            if request not in self.running:  # preempted while making room for an earlier one
+            if request.status is not RequestStatus.RUNNING:  # preempted (or finished) making room for an earlier one
                 continue
             num_new = min(request.num_tokens - request.num_computed_tokens, budget)
             if num_new <= 0:  # a beam waiting for the rest of its group
