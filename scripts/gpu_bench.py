@@ -87,7 +87,8 @@ def main() -> None:
     ap.add_argument("--quick", action="store_true", help="fewer requests (a smoke run)")
     ap.add_argument("--only", default="latency,random,sharegpt,peers")
     ap.add_argument("--attention", default="auto")
-    ap.add_argument("--kv-cache-memory", type=float, default=24.0)
+    ap.add_argument("--kv-cache-memory", type=float, default=None,
+                    help="KV cache GiB (default: the engine's, 90%% of the free GPU memory)")
     ap.add_argument("--peers", default="latency-1,random-256x256,sharegpt-like", help="workloads the HF peers run")
     ap.add_argument("--peer-requests", type=int, default=None, help="requests per peer workload (default 128, 64 with --quick)")
     args = ap.parse_args()
