@@ -166,12 +166,11 @@ def release_graphs(runners: Iterable[Any], device: torch.device, wait: bool = Tr
 
 
 def meet_for_teardown(parallel: ParallelState, wait_s: float) -> bool:
-    """A barrier on the store, after this rank's last collective has finished on its device: True when
-    every rank arrived within `wait_s`. NCCL's teardown is collective (each rank's communicator
-    finalizes with its peers), so the ranks must take their groups down together, not one after the
-    other: a rank that destroys its groups after the others have left waits for them forever."""
-    if parallel.device.type == "cuda":
-        torch.cuda.synchronize(parallel.device)
+    """A barrier on the store, once this rank's last step has finished (`release_graphs` waited for
+    it): True when every rank arrived within `wait_s`. NCCL's teardown can be collective (torch asks
+    every rank to destroy its groups, at about the same time), so the ranks take their groups down
+    together, not one after the other: a rank that destroys its groups after the others have left
+    may wait for them forever."""
     deadline = time.monotonic() + wait_s
     arrived = parallel.store.add(TEARDOWN, 1)
     while arrived < parallel.world_size:
