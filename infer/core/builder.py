@@ -97,6 +97,8 @@ def build_engine(config: EngineConfig, extra_plugins: Iterable[Any] = (), parall
     all_reduce = None
     if parallel.is_parallel:  # every rank, in the same order: the fast all-reduce's set-up is collective
         fast, all_reduce = make_all_reduce(config.all_reduce, parallel, dtype, model_config.hidden_size)
+        if hasattr(fast, "close"):  # its buffers are freed by every rank together, at the teardown
+            parallel.teardown.append(fast.close)
         parallel = dataclasses.replace(parallel, fast_all_reduce=fast)
 
     layers = Layers(**{kind: registry.layer(kind, device.type) for kind in LAYER_KINDS})

@@ -34,11 +34,19 @@ class FlashInferAllReduce:
         self.comm = comm
         self.rank, self.world_size = parallel.rank, parallel.world_size
         self.hidden_size, self.dtype, self.max_tokens = hidden_size, dtype, max_tokens
+        self.group = parallel.control_group
         with contextlib.redirect_stdout(io.StringIO()):  # it prints every buffer pointer
             # collective over the control group (gloo): each rank's IPC handles to every other rank
             self.handles, self.workspace = comm.trtllm_create_ipc_workspace_for_all_reduce_fusion(
                 parallel.rank, parallel.world_size, max_tokens, hidden_size, group=parallel.control_group
             )
+
+    def close(self) -> None:
+        """Free this rank's shared buffers (~128 MB for a 4096-wide model at 2 ranks). Collective over
+        the control group: every rank calls it, at the teardown."""
+        with contextlib.redirect_stdout(io.StringIO()):
+            self.comm.trtllm_destroy_ipc_workspace_for_all_reduce_fusion(self.handles, group=self.group)
+        self.handles = []
 
     def fits(self, x: torch.Tensor) -> bool:
         """Same answer on every rank: shape and dtype only."""

@@ -182,10 +182,15 @@ def meet_for_teardown(parallel: ParallelState, wait_s: float) -> bool:
 
 
 def take_down_groups(parallel: ParallelState, together: bool) -> None:
-    """Destroy this process's groups when every rank does the same now; otherwise (a rank failed or
-    did not come) abort NCCL's, which waits for no peer and no pending collective."""
+    """Destroy this process's groups when every rank does the same now, after the collective
+    clean-ups (`parallel.teardown`); otherwise (a rank failed or did not come) skip those, which
+    would wait for it, and abort NCCL's groups, which waits for no peer and no pending collective."""
     import torch.distributed as dist
 
+    hooks, parallel.teardown[:] = list(parallel.teardown), []
+    for hook in hooks if together else []:
+        with contextlib.suppress(Exception):
+            hook()
     with contextlib.suppress(Exception):
         if together or parallel.device.type != "cuda":  # gloo's teardown waits for no peer
             dist.destroy_process_group()

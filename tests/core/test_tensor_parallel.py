@@ -388,3 +388,19 @@ def test_graphs_are_released_before_the_groups_go():
     release_graphs([SimpleNamespace(graphs=graphs), SimpleNamespace(graphs=None)], torch.device("cpu"))
     assert Graph.released == 2 and graphs.graphs == {} and graphs.pool is None
     assert not graphs.can_run(1)
+
+
+def test_collective_clean_ups_run_only_when_the_ranks_take_down_together():
+    """Freeing shared buffers (FlashInfer's all-reduce workspace) is collective: run at a teardown every
+    rank joins, skipped when a rank failed or did not come (it would wait for that rank forever)."""
+    import dataclasses
+
+    from infer.core.workers import take_down_groups
+
+    for together, runs in ((True, ["first", "second"]), (False, [])):
+        ran: list[str] = []
+        state = ParallelState(rank=0, world_size=2)
+        state.teardown.extend([lambda: ran.append("first"), lambda: 1 / 0, lambda: ran.append("second")])
+        copy = dataclasses.replace(state, fast_all_reduce=object())  # the model's copy shares the list
+        take_down_groups(copy, together)
+        assert ran == runs and state.teardown == []
