@@ -3,7 +3,8 @@
 Peers in one process: `paged-cuda`, the `torch` reference and FlashInfer's paged decode (when it
 imports); the ceiling is a device-to-device copy timed here too. Each row records the KV bytes
 read, the achieved bandwidth (device time by CUDA events, see `device_time_s`) and its ratio to
-the copy bandwidth.
+the copy bandwidth. A second group times batch-1 decode (split contexts), where launches dominate:
+`paged-cuda` as one kernel per layer against its three-kernel form and FlashInfer.
 Run on the GPU machine: `pytest benchmarks/test_bench_attention_kernels.py --benchmark-enable
 --benchmark-json=...` (pyproject sets --benchmark-disable for CI).
 """
@@ -105,10 +106,11 @@ def decode_fn(name: str, spec, batch, kv_cache, q, k, v):
             q_data_type=DTYPE, kv_data_type=DTYPE,
         )
         return lambda: wrapper.run(q, kv_cache)
-    if name.startswith("paged-cuda"):  # "paged-cuda-reduce-kernel": split partitions combined by a second kernel
+    if name.startswith("paged-cuda"):  # "paged-cuda-3-kernels": cache write, decode and partition reduce apart
         from infer.plugins.attention.paged_cuda import PagedCudaAttention
 
-        backend = PagedCudaAttention(spec, fused_reduce=name == "paged-cuda")
+        fused = name == "paged-cuda"
+        backend = PagedCudaAttention(spec, fused_reduce=fused, fused_cache_write=fused)
     else:
         from infer.plugins.attention.reference import TorchAttention
 
@@ -151,7 +153,7 @@ SMALL = {"b1-ctx256-16h": (1, 256, 16), "b1-ctx4096-32h": (1, 4096, 32)}
 
 @pytest.mark.benchmark(group="decode-kernel-batch-1")
 @pytest.mark.parametrize("shape", SMALL.values(), ids=SMALL.keys())
-@pytest.mark.parametrize("backend", ["paged-cuda", "paged-cuda-reduce-kernel", "flashinfer"])
+@pytest.mark.parametrize("backend", ["paged-cuda", "paged-cuda-3-kernels", "flashinfer"])
 def test_decode_kernel_batch_1(benchmark, backend, shape):
     batch_size, seq_len, heads = shape
     spec, batch, kv_cache, q, k, v = decode_batch(heads, batch_size, seq_len, heads)

@@ -1,9 +1,10 @@
 """`paged-cuda`: attention over the paged KV cache with this project's own Triton kernels.
 
-Per layer, `forward` launches three kernels (see `triton_kernels/`): the cache write, the
+Per layer, `forward` launches up to three kernels (see `triton_kernels/`): the cache write, the
 paged decode kernel over the leading `num_decode_seqs` sequences (splitting each context into
 partitions when the batch is too small to fill the GPU, and combining them in the same kernel),
-and the varlen causal prefill kernel over the rest.
+and the varlen causal prefill kernel over the rest. A decode-only step (every CUDA-graph step) is
+one kernel: the decode kernel writes the new K/V to the cache itself.
 Everything that depends only on the step's layout is decided once in `plan`. Decode-only steps
 launch with fixed grids into scratch allocated at construction and never sync with the host, so
 they can be captured in a CUDA graph (one graph per decode batch size).
@@ -64,6 +65,7 @@ class PagedCudaAttention:
         split_programs: int | None = None,  # aim split decode at this many programs; default 4 x SMs
         max_splits: int = 64,  # partitions per context at most
         fused_reduce: bool = True,  # combine split partitions inside the decode kernel (False: a second kernel)
+        fused_cache_write: bool = True,  # decode-only steps: the decode kernel writes the new K/V (False: a kernel first)
         decode_block_n: int = 64,  # decode key tile, tokens
         prefill_block_m: int = 64,  # prefill tile rows (tokens x GQA group)
         prefill_block_n: int = 64,  # prefill key tile, tokens
@@ -75,6 +77,7 @@ class PagedCudaAttention:
         assert spec.num_heads % spec.num_kv_heads == 0
         self.spec = spec
         self.decode_block_n = decode_block_n
+        self.fused_cache_write = fused_cache_write
         self.prefill_block_m, self.prefill_block_q = prefill.prefill_tile(
             spec.num_heads, spec.num_kv_heads, prefill_block_m
         )
@@ -149,7 +152,10 @@ class PagedCudaAttention:
         batch = plan.batch
         k_cache, v_cache = kv_cache  # [num_blocks, block_size, Hkv, D]
         assert q.stride(-1) == 1, "head_dim must be contiguous"
-        self._cache_write.cache_write(k, v, k_cache, v_cache, batch.slot_mapping)
+        # a decode-only step (every CUDA-graph step) writes its K/V inside the decode kernel
+        fused_write = self.fused_cache_write and plan.num_decode == len(batch.query_lens) > 0
+        if not fused_write:
+            self._cache_write.cache_write(k, v, k_cache, v_cache, batch.slot_mapping)
         out = torch.empty_like(q)  # [T, H, D]
         self._decode.paged_decode(
             out, q, k_cache, v_cache, batch.block_tables_t, batch.seq_lens_t, self.spec.scale,
@@ -157,6 +163,7 @@ class PagedCudaAttention:
             scratch=self._scratch(plan.num_decode, plan.splits) if plan.split else None,
             block_n=self.decode_block_n,
             counters=self.counters,
+            new_kv=(k, v, batch.slot_mapping) if fused_write else None,
         )
         self._prefill.paged_prefill(
             out, q, k_cache, v_cache, batch.block_tables_t, batch.seq_lens_t, batch.cu_seqlens_q,

@@ -132,3 +132,28 @@ def test_available_and_registered():
     registered = {}
     infer_register_attention_backends(lambda name, factory: registered.setdefault(name, factory))
     assert registered == {"paged-cuda": PagedCudaAttention}
+
+
+@pytest.mark.parametrize("fused_cache_write", [True, False], ids=["decode-kernel-writes", "cache-write-kernel"])
+@pytest.mark.parametrize("batch_spec", [BATCH_SPECS[0], BATCH_SPECS[1], LONG_DECODE], ids=lambda s: s.name)
+def test_decode_only_step_writes_its_kv_in_the_decode_kernel(batch_spec, fused_cache_write):
+    """A decode-only step launches one kernel: the decode kernel stores the new K/V (partition 0) and
+    every partition takes the newest position from registers. Mixed steps keep the cache write."""
+    case = make_case(batch_spec, *HEADS["gqa"], device=DEVICE, seed=17)
+    from types import SimpleNamespace
+
+    from infer.plugins.attention.triton_kernels import cache_write
+
+    launches: list[int] = []
+
+    def counted(k, *args):
+        launches.append(k.shape[0])
+        cache_write.cache_write(k, *args)
+
+    def factory(spec):
+        backend = PagedCudaAttention(spec, max_splits=8, decode_block_n=16, fused_cache_write=fused_cache_write)
+        backend._cache_write = SimpleNamespace(cache_write=counted)
+        return backend
+
+    check_backend(factory, case, atol=1e-5, rtol=1e-5)
+    assert (launches == []) == fused_cache_write

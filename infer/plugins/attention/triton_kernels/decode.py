@@ -49,9 +49,13 @@ def _decode_kernel(
     stride_bt,
     stride_ps, stride_ph,  # part_out strides; part_max/sum are [S, H, P] contiguous
     counter_ptr,  # [S, Hkv] int32, zero between launches: partitions of (seq, kv_head) done (FUSED_REDUCE)
+    k_new_ptr, v_new_ptr,  # [T, Hkv, D]: this step's K/V, written to the cache here (WRITE_KV)
+    stride_kt, stride_kh, stride_vt, stride_vh,
+    slot_mapping_ptr,  # [T] int64: decode token i's cache slot
     block_size, head_dim, group, max_partitions,
     SPLIT: tl.constexpr,
     FUSED_REDUCE: tl.constexpr,
+    WRITE_KV: tl.constexpr,
     DOT_DTYPE: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
     GROUP_PAD: tl.constexpr,
@@ -74,6 +78,15 @@ def _decode_kernel(
     row_mask = rows < group
     dim_mask = dims < head_dim
     q_mask = row_mask[:, None] & dim_mask[None, :]
+    if WRITE_KV:  # the new token's K/V: partition 0 stores them, every partition uses them from registers
+        cache_ty = k_cache_ptr.dtype.element_ty
+        k_new = tl.load(k_new_ptr + seq * stride_kt + kv_head * stride_kh + dims, mask=dim_mask, other=0.0).to(cache_ty)
+        v_new = tl.load(v_new_ptr + seq * stride_vt + kv_head * stride_vh + dims, mask=dim_mask, other=0.0).to(cache_ty)
+        if part == 0:
+            slot = tl.load(slot_mapping_ptr + seq)
+            dst = (slot // block_size).to(tl.int64) * stride_cb + (slot % block_size) * stride_cs + kv_head * stride_ch + dims
+            tl.store(k_cache_ptr + dst, k_new, mask=dim_mask)
+            tl.store(v_cache_ptr + dst, v_new, mask=dim_mask)
     # Short contexts leave the last partitions empty (each holds at least one whole tile).
     if start < end:
         q = tl.load(q_ptr + seq * stride_qt + heads[:, None] * stride_qh + dims[None, :], mask=q_mask, other=0.0)
@@ -91,6 +104,10 @@ def _decode_kernel(
             kv_mask = tok_mask[:, None] & dim_mask[None, :]
             k = tl.load(k_cache_ptr + row[:, None] + dims[None, :], mask=kv_mask, other=0.0)  # [N, D]
             v = tl.load(v_cache_ptr + row[:, None] + dims[None, :], mask=kv_mask, other=0.0)  # [N, D]
+            if WRITE_KV:  # the last position is the new token, whose store may not have landed yet
+                is_new = (offs == seq_len - 1)[:, None]
+                k = tl.where(is_new, k_new[None, :], k)
+                v = tl.where(is_new, v_new[None, :], v)
             s = tl.dot(q, tl.trans(k.to(DOT_DTYPE)), input_precision=DOT_PRECISION)  # [G, N]
             s = tl.where(tok_mask[None, :], s * scale_log2, float("-inf"))
             # every tile holds at least one real token, so m_new is finite
@@ -188,6 +205,9 @@ def paged_decode(
     # [>= num_seqs * Hkv] int32, all zero: the split is combined inside the decode kernel (the kernel
     # leaves them zero); None: by a second kernel
     counters: torch.Tensor | None = None,
+    # (k, v, slot_mapping) of a decode-only step: the kernel writes them to the cache itself (no
+    # separate cache write); None: they are in the cache already
+    new_kv: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
 ) -> None:
     if num_seqs == 0:
         return
@@ -198,6 +218,9 @@ def paged_decode(
     # tl.dot needs M >= 16: pad the group's rows with zero queries that are never stored.
     group_pad = max(16, triton.next_power_of_2(group))
     dot_dtype, precision = dot_config(q.dtype)
+    k_new, v_new, slots = new_kv if new_kv is not None else (q, q, seq_lens)  # unused without WRITE_KV
+    if new_kv is not None:
+        assert k_new.stride(-1) == 1 and v_new.stride(-1) == 1, "head_dim must be contiguous"
     if scratch is not None:
         part_out, part_max, part_sum = scratch
         assert part_out.is_contiguous() and part_max.is_contiguous(), "the kernels index the scratch densely"
@@ -214,9 +237,11 @@ def paged_decode(
         block_tables.stride(0),
         stride_ps, stride_ph,
         counters if counters is not None else seq_lens,  # unused without FUSED_REDUCE
+        k_new, v_new, k_new.stride(0), k_new.stride(1), v_new.stride(0), v_new.stride(1), slots,
         block_size, head_dim, group, max_partitions,
         SPLIT=scratch is not None,
         FUSED_REDUCE=counters is not None,
+        WRITE_KV=new_kv is not None,
         DOT_DTYPE=dot_dtype, DOT_PRECISION=precision,
         GROUP_PAD=group_pad, BLOCK_N=block_n, BLOCK_D=block_d,
         num_warps=num_warps, num_stages=num_stages,
