@@ -118,15 +118,16 @@ def test_split_and_unsplit_decode_agree(split_below_programs, fused_reduce):
         assert int(backend.counters.abs().sum()) == 0
 
 
+@pytest.mark.parametrize("fused", [False, True], ids=["3-kernels", "1-kernel"])
 @pytest.mark.parametrize("heads", HEADS.values(), ids=HEADS.keys())
-def test_decode_cuda_graph_replay(heads):
+def test_decode_cuda_graph_replay(heads, fused):
     """Capture one decode step, then replay it on other lengths, tables and inputs copied in place."""
     from infer.plugins.attention.paged_cuda import PagedCudaAttention
 
     num_blocks = 8 * (-(-MAX_MODEL_LEN // 16)) + 8
     first = paged_case((1,) * 8, (100, 4000, 1, 2047, 513, 16, 3000, 64), *heads, 16, torch.bfloat16, 2, num_blocks)
     second = paged_case((1,) * 8, (4095, 7, 900, 31, 2500, 1024, 0, 333), *heads, 16, torch.bfloat16, 3, num_blocks)
-    backend = PagedCudaAttention(first.spec)
+    backend = PagedCudaAttention(first.spec, fused_reduce=fused, fused_cache_write=fused)
     backend.plan(first.batch)  # graph-shaped: the same batch tensors are refilled before each replay
     kv_cache = first.kv_cache
     backend.forward(first.q, first.k, first.v, kv_cache)  # compile outside the capture

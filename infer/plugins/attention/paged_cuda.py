@@ -2,9 +2,10 @@
 
 Per layer, `forward` launches up to three kernels (see `triton_kernels/`): the cache write, the
 paged decode kernel over the leading `num_decode_seqs` sequences (splitting each context into
-partitions when the batch is too small to fill the GPU, and combining them in the same kernel),
-and the varlen causal prefill kernel over the rest. A decode-only step (every CUDA-graph step) is
-one kernel: the decode kernel writes the new K/V to the cache itself.
+partitions when the batch is too small to fill the GPU, plus a kernel that combines them),
+and the varlen causal prefill kernel over the rest. With `fused_reduce` and `fused_cache_write` a
+decode-only step (every CUDA-graph step) is one kernel: the decode kernel writes the new K/V to the
+cache itself and combines its partitions (both off by default until they are measured on a GPU).
 Everything that depends only on the step's layout is decided once in `plan`. Decode-only steps
 launch with fixed grids into scratch allocated at construction and never sync with the host, so
 they can be captured in a CUDA graph (one graph per decode batch size).
@@ -64,8 +65,9 @@ class PagedCudaAttention:
         split_below_programs: int | None = None,  # split when seqs x kv_heads < this; default 1.5 x SMs
         split_programs: int | None = None,  # aim split decode at this many programs; default 4 x SMs
         max_splits: int = 64,  # partitions per context at most
-        fused_reduce: bool = True,  # combine split partitions inside the decode kernel (False: a second kernel)
-        fused_cache_write: bool = True,  # decode-only steps: the decode kernel writes the new K/V (False: a kernel first)
+        # one launch for a decode-only step's attention (off until measured on a GPU):
+        fused_reduce: bool = False,  # combine split partitions inside the decode kernel (else a second kernel)
+        fused_cache_write: bool = False,  # decode-only steps: the decode kernel writes the new K/V (else a kernel first)
         decode_block_n: int = 64,  # decode key tile, tokens
         prefill_block_m: int = 64,  # prefill tile rows (tokens x GQA group)
         prefill_block_n: int = 64,  # prefill key tile, tokens

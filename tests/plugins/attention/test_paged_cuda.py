@@ -29,12 +29,13 @@ def small(**knobs):
     return functools.partial(PagedCudaAttention, **knobs)
 
 
+@pytest.mark.parametrize("fused", [False, True], ids=["3-kernels", "1-kernel"])
 @pytest.mark.parametrize("batch_spec", BATCH_SPECS, ids=lambda s: s.name)
 @pytest.mark.parametrize("heads", HEADS.values(), ids=HEADS.keys())
 @pytest.mark.parametrize("block_size", [16, 32])
-def test_matches_naive(batch_spec, heads, block_size):
+def test_matches_naive(batch_spec, heads, block_size, fused):
     case = make_case(batch_spec, *heads, block_size=block_size, device=DEVICE, seed=7)
-    check_backend(PagedCudaAttention, case, atol=1e-5, rtol=1e-5)
+    check_backend(small(fused_reduce=fused, fused_cache_write=fused), case, atol=1e-5, rtol=1e-5)
 
 
 @pytest.mark.parametrize("batch_spec", BATCH_SPECS[2:], ids=lambda s: s.name)
@@ -61,7 +62,7 @@ def test_split_decode_matches_naive(heads, block_size, fused_reduce):
 def test_in_kernel_reduce_leaves_its_counters_zero():
     """The last partition resets its arrival counter, so the next launch (a graph replay) starts clean."""
     case = make_case(LONG_DECODE, device=DEVICE, seed=4)
-    backend = PagedCudaAttention(case.spec, max_splits=8, decode_block_n=16)
+    backend = PagedCudaAttention(case.spec, max_splits=8, decode_block_n=16, fused_reduce=True)
     backend.plan(case.batch)
     assert backend._plan.split and backend.counters is not None
     for _ in range(2):
