@@ -63,7 +63,7 @@ class ParallelState:
     group: Any = None  # ProcessGroup for the model's collectives (all-reduce, all-gather)
     control_group: Any = None  # gloo ProcessGroup for rank 0's step messages (CPU tensors)
     store: Any = None  # the rendezvous store: a failing rank posts its error under error_key(rank)
-    fast_all_reduce: Any = None  # SymmetricAllReduce for small tensors (--all-reduce), else None: NCCL only
+    fast_all_reduce: Any = None  # SymmetricAllReduce or FlashInferAllReduce for small tensors (--all-reduce); None: NCCL only
     # collective clean-ups (freeing buffers the ranks share): run by every rank, in this order, when
     # the ranks take their groups down together; a copy of this state (dataclasses.replace) shares the list
     teardown: list[Any] = field(default_factory=list, repr=False, compare=False)

@@ -41,13 +41,13 @@ from infer.core.interfaces import BlockOps
 from infer.core.logging import get_logger
 from infer.core.runner import StepInputs
 from infer.core.step_channel import StepChannel, serve
+from infer.core.teardown import meet_for_teardown, release_graphs, take_down_groups
 
 COLLECTIVE_TIMEOUT = datetime.timedelta(minutes=5)  # a model collective waiting longer means a rank is gone
 IDLE_TIMEOUT = datetime.timedelta(days=7)  # a rank waits for rank 0's next step as long as the engine idles
 START_TIMEOUT_S = 300.0  # spawned ranks: start the interpreter, import torch, connect
 JOINED = "infer/joined"
 STOPPED = "infer/stopped"  # ranks 1..N-1 that have taken down their process groups after rank 0's stop
-TEARDOWN = "infer/teardown"  # ranks done with every collective, about to take their groups down together
 STOP_WAIT_S = 30.0
 
 
@@ -131,14 +131,7 @@ class RankGroup:
                 together = meet_for_teardown(self.parallel, STOP_WAIT_S)
         if not together:  # a rank is gone or out of step: it is not coming to the teardown
             _stop_processes(list(self.processes.values()), wait_s=2.0)
-            with contextlib.suppress(Exception):  # a graph still running is freed when it completes
-                release_graphs(self.runners, self.parallel.device, wait=False)
-        group_name = getattr(self.parallel.group, "group_name", None)
-        take_down_groups(self.parallel, together)
-        if group_name is not None:
-            from infer.core.symmetric_memory import forget_group
-
-            forget_group(group_name)
+        take_down_groups(self.parallel, together, self.runners)
         if self.processes:
             _stop_processes(list(self.processes.values()), wait_s=STOP_WAIT_S)
         elif together:  # torchrun: no process to join; rank 0 waits until the others are done with the store
@@ -151,53 +144,6 @@ class RankGroup:
         with contextlib.suppress(Exception):
             while self.parallel.store.add(STOPPED, 0) < self.parallel.world_size - 1 and time.monotonic() < deadline:
                 time.sleep(0.01)
-
-
-def release_graphs(runners: Iterable[Any], device: torch.device, wait: bool = True) -> None:
-    """Destroy this rank's runners' CUDA graphs, after its last step has finished (`wait`): NCCL's
-    teardown, abort included, waits for every graph that captured one of its collectives to be gone.
-    Without `wait` (a failed rank: a step may never finish) a graph still running is freed by CUDA
-    when it completes, which the abort makes happen."""
-    if wait and device.type == "cuda":
-        torch.cuda.synchronize(device)
-    for runner in runners:
-        if (graphs := getattr(runner, "graphs", None)) is not None:
-            graphs.release()
-
-
-def meet_for_teardown(parallel: ParallelState, wait_s: float) -> bool:
-    """A barrier on the store, once this rank's last step has finished (`release_graphs` waited for
-    it): True when every rank arrived within `wait_s`. NCCL's teardown can be collective (torch asks
-    every rank to destroy its groups, at about the same time), so the ranks take their groups down
-    together, not one after the other: a rank that destroys its groups after the others have left
-    may wait for them forever."""
-    deadline = time.monotonic() + wait_s
-    arrived = parallel.store.add(TEARDOWN, 1)
-    while arrived < parallel.world_size:
-        if time.monotonic() > deadline:
-            return False
-        time.sleep(0.005)
-        arrived = parallel.store.add(TEARDOWN, 0)
-    return True
-
-
-def take_down_groups(parallel: ParallelState, together: bool) -> None:
-    """Destroy this process's groups when every rank does the same now, after the collective
-    clean-ups (`parallel.teardown`); otherwise (a rank failed or did not come) skip those, which
-    would wait for it, and abort NCCL's groups, which waits for no peer and no pending collective."""
-    import torch.distributed as dist
-
-    hooks, parallel.teardown[:] = list(parallel.teardown), []
-    for hook in hooks if together else []:
-        with contextlib.suppress(Exception):
-            hook()
-    with contextlib.suppress(Exception):
-        if together or parallel.device.type != "cuda":  # gloo's teardown waits for no peer
-            dist.destroy_process_group()
-        else:
-            from torch.distributed.distributed_c10d import _abort_process_group
-
-            _abort_process_group()
 
 
 def _stop_processes(processes: list[Any], wait_s: float) -> None:
@@ -293,10 +239,7 @@ def run_worker(config: Any, extra_plugins: list[Any], parallel: ParallelState) -
             release_graphs(parts.runners, parallel.device)
             stopped_cleanly = meet_for_teardown(parallel, STOP_WAIT_S)
     finally:
-        if not stopped_cleanly and parts is not None:
-            with contextlib.suppress(Exception):
-                release_graphs(parts.runners, parallel.device, wait=False)
-        take_down_groups(parallel, together=stopped_cleanly)
+        take_down_groups(parallel, stopped_cleanly, parts.runners if parts is not None else ())
         with contextlib.suppress(Exception):
             parallel.store.add(STOPPED, 1)
 

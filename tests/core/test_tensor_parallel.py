@@ -346,7 +346,7 @@ def test_ranks_meet_before_taking_their_groups_down():
     its collectives and arrived, and a rank that never comes is reported (False), not waited for."""
     import threading
 
-    from infer.core.workers import meet_for_teardown
+    from infer.core.teardown import meet_for_teardown
 
     store = torch.distributed.HashStore()
     alone = ParallelState(rank=0, world_size=2, device=torch.device("cpu"), store=store)
@@ -374,7 +374,7 @@ def test_graphs_are_released_before_the_groups_go():
     from types import SimpleNamespace
 
     from infer.core.cuda_graphs import CudaGraphRunner
-    from infer.core.workers import release_graphs
+    from infer.core.teardown import release_graphs
 
     class Graph:
         released = 0
@@ -395,7 +395,7 @@ def test_collective_clean_ups_run_only_when_the_ranks_take_down_together():
     rank joins, skipped when a rank failed or did not come (it would wait for that rank forever)."""
     import dataclasses
 
-    from infer.core.workers import take_down_groups
+    from infer.core.teardown import take_down_groups
 
     for together, runs in ((True, ["first", "second"]), (False, [])):
         ran: list[str] = []
