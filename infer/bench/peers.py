@@ -9,6 +9,8 @@ from typing import Any
 
 import torch
 
+from infer.bench.ceilings import kv_bytes_per_token
+
 
 @dataclass(slots=True)
 class PeerRecord:
@@ -54,7 +56,7 @@ def hf_static(model: Any, prompts: list[list[int]], max_tokens: list[int], batch
         return PeerRecord(f"hf-static-{batch_size}", len(prompts), sum(map(len, prompts)), out_tokens, wall_s, error)
 
     if device.type == "cuda":  # a batch that cannot fit is known before minutes of generating into it
-        need = static_kv_bytes(model.config, weight.element_size(), prompts, max_tokens, batch_size)
+        need = static_kv_bytes(model.config, weight.dtype, prompts, max_tokens, batch_size)
         free = torch.cuda.mem_get_info(device)[0]
         if need > KV_SHARE_OF_FREE * free:
             return record(error=f"out of memory at batch {batch_size} (its padded KV cache needs {need / 2**30:.1f} "
@@ -77,11 +79,11 @@ def hf_static(model: Any, prompts: list[list[int]], max_tokens: list[int], batch
 KV_SHARE_OF_FREE = 0.45
 
 
-def static_kv_bytes(config: Any, element_size: int, prompts: list[list[int]], max_tokens: list[int], batch_size: int) -> int:
+def static_kv_bytes(config: Any, dtype: torch.dtype, prompts: list[list[int]], max_tokens: list[int], batch_size: int) -> int:
     """The largest KV cache one padded static batch reaches: rows x (longest prompt + longest output)."""
     head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
     kv_heads = getattr(config, "num_key_value_heads", None) or config.num_attention_heads
-    per_token = 2 * config.num_hidden_layers * kv_heads * head_dim * element_size
+    per_token = kv_bytes_per_token(config.num_hidden_layers, kv_heads, head_dim, dtype)
     worst = 0
     for i in range(0, len(prompts), batch_size):
         rows = prompts[i : i + batch_size]

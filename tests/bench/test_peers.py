@@ -38,5 +38,5 @@ def test_static_kv_bytes_is_the_largest_padded_batch():
     config = SimpleNamespace(num_hidden_layers=32, num_attention_heads=32, num_key_value_heads=32, hidden_size=4096)
     prompts, max_tokens = [[1] * 100, [1] * 1000, [1] * 10, [1] * 10], [900, 10, 50, 50]
     # batches of 2: rows (100, 1000) padded to 1000 + 900; rows (10, 10) to 10 + 50
-    assert static_kv_bytes(config, 2, prompts, max_tokens, 2) == 2 * 1900 * 512 * 1024
-    assert static_kv_bytes(config, 2, prompts, max_tokens, 1) == 1 * 1010 * 512 * 1024
+    assert static_kv_bytes(config, torch.bfloat16, prompts, max_tokens, 2) == 2 * 1900 * 512 * 1024
+    assert static_kv_bytes(config, torch.bfloat16, prompts, max_tokens, 1) == 1 * 1010 * 512 * 1024
