@@ -112,7 +112,7 @@ class LlamaDecoderLayer(nn.Module):
         self.post_attention_layernorm = layers.rms_norm(config.hidden_size, config.rms_norm_eps)
         # tensor parallel: o_proj and down_proj return partial sums, which the next residual add and
         # norm take through the parallel state (one all-reduce, fused with them where it can be)
-        self.add_norm = add_norm if parallel is None else parallel.reduce_add_norm
+        self.add_norm = add_norm_for(parallel)
 
     def forward(
         self, positions: torch.Tensor, x: torch.Tensor, residual: torch.Tensor | None, kv_cache: KVCache
@@ -130,6 +130,12 @@ class LlamaDecoderLayer(nn.Module):
 def add_norm(x: torch.Tensor, residual: torch.Tensor, norm: nn.Module) -> tuple[torch.Tensor, torch.Tensor]:
     """norm(x + residual) and x + residual, at tp = 1 (the norm adds)."""
     return norm(x, residual)
+
+
+def add_norm_for(parallel: ParallelState | None) -> Any:
+    """The residual add and norm after a layer's output: under tensor parallelism the output is a
+    partial sum, which the parallel state all-reduces first (fused with them where it can)."""
+    return add_norm if parallel is None else parallel.reduce_add_norm
 
 
 class Llama(nn.Module):
@@ -167,7 +173,7 @@ class Llama(nn.Module):
         x, residual = self.embed_tokens(input_ids), None
         for layer, kv_cache in zip(itertools.islice(self.layers, num_layers or len(self.layers)), kv_caches):
             x, residual = layer(positions, x, residual, kv_cache)
-        x, _ = (add_norm if self.parallel is None else self.parallel.reduce_add_norm)(x, residual, self.norm)
+        x, _ = add_norm_for(self.parallel)(x, residual, self.norm)
         return x
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
