@@ -7,6 +7,8 @@
 # 7b:  llama2-7b on latency-1 (one request: 128 prompt tokens, 256 new) at --tp 1 and --tp 2 (auto, then
 #      each --all-reduce in TP_CHOICES, default "nccl flashinfer"): tokens/s, each tp2/tp1 per-token speedup
 #      (time per output token, p50), each forward's device time and rank 0's kernels.
+# auto's symmetric-memory all-reduce serves the first tp engine of a process only (torch numbers a
+# process's rendezvous; later engines keep NCCL and say so): with "70b 7b", 70b has it, 7b's auto does not.
 # tests: the two-GPU tests (tests/gpu/test_all_reduce_gpu.py, test_tensor_parallel_gpu.py), last.
 # spec: the seeds' composition, llama2-70b --tp 2 verifying llama2-7b drafts (K=4), beside llama2-70b
 #      --tp 2 autoregressive, on latency-1: step times, verify time, acceptance (0 on random weights).

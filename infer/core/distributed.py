@@ -162,6 +162,9 @@ def make_all_reduce(choice: str, parallel: Any, dtype: torch.dtype, hidden_size:
 
     strategy = flashinfer_all_reduce if choice == "flashinfer" else symmetric_memory
     reason = strategy.unavailable_reason(parallel.device, parallel.world_size, dtype)  # the same on every rank
+    if strategy is symmetric_memory:  # collective: every rank asks, whatever its own reason
+        mismatch = symmetric_memory.rendezvous_mismatch(parallel)
+        reason = reason or mismatch
     # every rank must agree before the collective set-up (one rank waiting in it alone would hang)
     if not parallel.min(int(reason is None)):
         if choice != "auto":

@@ -28,6 +28,12 @@ SUPPORTED_DTYPES = (torch.bfloat16, torch.float32)  # what the one-shot kernel i
 # tensors up to this size go through symmetric memory, larger ones NCCL: on two H200s the one-shot
 # kernel took 6.6 us for 8 KiB (NCCL 19.4), 36.4 us for 4 MiB (NCCL 42.0) and lost at 8 MiB (62.9 vs 57.6)
 DEFAULT_MAX_BYTES = 4 << 20
+# Rendezvous this process has done. Torch numbers the store keys of its symmetric-memory rendezvous
+# with a counter per process (StoreExchange's sequence id), so ranks can rendezvous only while they
+# have all done as many: an engine's freshly spawned ranks cannot meet rank 0 once an earlier
+# tensor-parallel engine in rank 0's process has used symmetric memory (each waits for keys the
+# other never writes). Measured on two H200s: the second such engine hung in `rendezvous`.
+_rendezvous_done = 0
 ALIGNMENT = 16  # the kernel's vector width in bytes
 
 
@@ -49,6 +55,8 @@ class SymmetricAllReduce:
         self.max_bytes = max_bytes
         self.buffer = symm_mem.empty(max_bytes, dtype=torch.uint8, device=device)
         symm_mem.rendezvous(self.buffer, group)  # collective: every rank maps every rank's buffer
+        global _rendezvous_done
+        _rendezvous_done += 1
         ops = torch.ops.symm_mem
         self._copy_out = getattr(ops, "one_shot_all_reduce_copy_out", None)  # copy-in fused (torch >= 2.8)
         self._out = ops.one_shot_all_reduce_out
@@ -95,3 +103,14 @@ def unavailable_reason(device: torch.device, world_size: int, dtype: torch.dtype
     if not hasattr(torch.ops.symm_mem, "one_shot_all_reduce_out"):
         return "this torch build has no one-shot all-reduce (torch.ops.symm_mem.one_shot_all_reduce_out)"
     return None
+
+
+def rendezvous_mismatch(parallel: Any) -> str | None:
+    """Collective (every rank calls it): why the ranks cannot rendezvous now, when they have done
+    different numbers of rendezvous before (None: they agree)."""
+    fewest, most = parallel.min(_rendezvous_done), -parallel.min(-_rendezvous_done)
+    if fewest == most:
+        return None
+    return ("an earlier tensor-parallel engine in this process set up symmetric memory, and torch counts "
+            "rendezvous per process, so this engine's new ranks cannot meet rank 0 (the first engine of a "
+            "process can use it): use --all-reduce flashinfer or nccl, or one engine per process")

@@ -76,3 +76,43 @@ def test_float16_models_keep_nccl_and_say_why():
     with pytest.raises(Exception, match="--all-reduce symm-mem cannot run: .*float16"):
         make_all_reduce("symm-mem", parallel, torch.float16, 64)
     assert make_all_reduce("nccl", parallel, torch.bfloat16, 64) == (None, "nccl")
+
+
+class RankZero:
+    """Rank 0 of two: `min` answers with the other rank's values, one per collective call, in order."""
+
+    def __init__(self, peer_values):
+        self.is_parallel, self.world_size, self.device = True, 2, torch.device("cuda", 0)
+        self.group = GROUP
+        self.peer_values = list(peer_values)
+
+    def min(self, value):
+        return min(value, self.peer_values.pop(0))
+
+
+def test_an_engine_after_one_that_used_symmetric_memory_keeps_nccl(fake_symm_mem, monkeypatch):
+    # torch numbers a process's rendezvous: rank 0, which already did one for an earlier engine, and
+    # a freshly spawned rank 1 would wait for each other's keys forever
+    from infer.core import symmetric_memory
+
+    monkeypatch.setattr(symmetric_memory, "_rendezvous_done", 0)
+    # first engine: both ranks have done none (count min, -count min, availability min)
+    fast, line = make_all_reduce("auto", RankZero([0, 0, 1]), torch.bfloat16, 64)
+    assert isinstance(fast, SymmetricAllReduce) and line.startswith("symm-mem")
+    assert symmetric_memory._rendezvous_done == 1 and fake_symm_mem == [("rendezvous", "0")]
+    # second engine, new rank 1: no rendezvous is attempted, auto says why and keeps NCCL
+    fast, line = make_all_reduce("auto", RankZero([0, 0, 1]), torch.bfloat16, 64)
+    assert fast is None and "an earlier tensor-parallel engine in this process" in line
+    assert fake_symm_mem == [("rendezvous", "0")]
+    with pytest.raises(Exception, match="--all-reduce symm-mem cannot run: an earlier tensor-parallel engine"):
+        make_all_reduce("symm-mem", RankZero([0, 0, 1]), torch.bfloat16, 64)
+    # ranks that all did one before (torchrun: every process ran the earlier engine) still agree
+    fast, _ = make_all_reduce("auto", RankZero([1, -1, 1]), torch.bfloat16, 64)
+    assert isinstance(fast, SymmetricAllReduce) and symmetric_memory._rendezvous_done == 2
+
+
+def test_ranks_ask_about_their_rendezvous_even_when_they_cannot_use_symmetric_memory():
+    # the count comparison is collective: a rank that would skip it leaves the others waiting
+    parallel = RankZero([0, 0, 1])
+    fast, line = make_all_reduce("auto", parallel, torch.float16, 64)
+    assert fast is None and "has no float16" in line and parallel.peer_values == []

@@ -22,7 +22,8 @@ def _rank(rank: int, world_size: int, init_file: str) -> None:
     device = torch.device("cuda", rank)
     dist.init_process_group("nccl", init_method=f"file://{init_file}", rank=rank, world_size=world_size)
     try:
-        assert unavailable_reason(device, world_size) is None
+        for dtype in (torch.float32, torch.bfloat16):
+            assert unavailable_reason(device, world_size, dtype) is None, dtype
         fast = SymmetricAllReduce(dist.group.WORLD, device, max_bytes=1 << 20)
         gen = torch.Generator(device=device).manual_seed(rank)
         for dtype in (torch.float32, torch.bfloat16):
