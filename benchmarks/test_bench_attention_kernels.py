@@ -3,8 +3,8 @@
 Peers in one process: `paged-cuda`, the `torch` reference and FlashInfer's paged decode (when it
 imports); the ceiling is a device-to-device copy timed here too. Each row records the KV bytes
 read, the achieved bandwidth (device time by CUDA events, see `device_time_s`) and its ratio to
-the copy bandwidth. A second group times batch-1 decode (split contexts), where launches dominate:
-`paged-cuda` (cache write, decode, partition reduce) against its one-kernel form and FlashInfer.
+the copy bandwidth. A second group times batch-1 decode (split contexts, three launches: cache
+write, decode, partition reduce) against FlashInfer.
 Run on the GPU machine: `pytest benchmarks/test_bench_attention_kernels.py --benchmark-enable
 --benchmark-json=...` (pyproject sets --benchmark-disable for CI).
 """
@@ -106,11 +106,10 @@ def decode_fn(name: str, spec, batch, kv_cache, q, k, v):
             q_data_type=DTYPE, kv_data_type=DTYPE,
         )
         return lambda: wrapper.run(q, kv_cache)
-    if name.startswith("paged-cuda"):  # "paged-cuda-1-kernel": cache write and partition reduce in the decode kernel
+    if name == "paged-cuda":
         from infer.plugins.attention.paged_cuda import PagedCudaAttention
 
-        fused = name == "paged-cuda-1-kernel"
-        backend = PagedCudaAttention(spec, fused_reduce=fused, fused_cache_write=fused)
+        backend = PagedCudaAttention(spec)
     else:
         from infer.plugins.attention.reference import TorchAttention
 
@@ -121,7 +120,7 @@ def decode_fn(name: str, spec, batch, kv_cache, q, k, v):
 
 @pytest.mark.benchmark(group="decode-kernel")
 @pytest.mark.parametrize("heads", HEADS.values(), ids=HEADS.keys())
-@pytest.mark.parametrize("backend", ["paged-cuda", "paged-cuda-1-kernel", "torch", "flashinfer"])
+@pytest.mark.parametrize("backend", ["paged-cuda", "torch", "flashinfer"])
 def test_decode_kernel(benchmark, copy_bandwidth, backend, heads):
     spec, batch, kv_cache, q, k, v = decode_batch(heads)
     fn = decode_fn(backend, spec, batch, kv_cache, q, k, v)
@@ -153,7 +152,7 @@ SMALL = {"b1-ctx256-16h": (1, 256, 16), "b1-ctx4096-32h": (1, 4096, 32)}
 
 @pytest.mark.benchmark(group="decode-kernel-batch-1")
 @pytest.mark.parametrize("shape", SMALL.values(), ids=SMALL.keys())
-@pytest.mark.parametrize("backend", ["paged-cuda", "paged-cuda-1-kernel", "flashinfer"])
+@pytest.mark.parametrize("backend", ["paged-cuda", "flashinfer"])
 def test_decode_kernel_batch_1(benchmark, backend, shape):
     batch_size, seq_len, heads = shape
     spec, batch, kv_cache, q, k, v = decode_batch(heads, batch_size, seq_len, heads)

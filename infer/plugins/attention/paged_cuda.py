@@ -1,11 +1,10 @@
 """`paged-cuda`: attention over the paged KV cache with this project's own Triton kernels.
 
-Per layer, `forward` launches up to three kernels (see `triton_kernels/`): the cache write, the
+Per layer, `forward` launches (see `triton_kernels/`): the cache write, the
 paged decode kernel over the leading `num_decode_seqs` sequences (splitting each context into
 partitions when the batch is too small to fill the GPU, plus a kernel that combines them),
-and the varlen causal prefill kernel over the rest. With `fused_reduce` and `fused_cache_write` a
-decode-only step (every CUDA-graph step) is one kernel: the decode kernel writes the new K/V to the
-cache itself and combines its partitions (both off by default until they are measured on a GPU).
+and the varlen causal prefill kernel over the rest (one decode kernel that also writes the cache
+and combines its partitions was measured slower on an H100: `triton_kernels/decode.py`).
 Everything that depends only on the step's layout is decided once in `plan`. Decode-only steps
 launch with fixed grids into scratch allocated at construction and never sync with the host, so
 they can be captured in a CUDA graph (one graph per decode batch size).
@@ -65,9 +64,6 @@ class PagedCudaAttention:
         split_below_programs: int | None = None,  # split when seqs x kv_heads < this; default 1.5 x SMs
         split_programs: int | None = None,  # aim split decode at this many programs; default 4 x SMs
         max_splits: int = 64,  # partitions per context at most
-        # one launch for a decode-only step's attention (off until measured on a GPU):
-        fused_reduce: bool = False,  # combine split partitions inside the decode kernel (else a second kernel)
-        fused_cache_write: bool = False,  # decode-only steps: the decode kernel writes the new K/V (else a kernel first)
         decode_block_n: int = 64,  # decode key tile, tokens
         prefill_block_m: int = 64,  # prefill tile rows (tokens x GQA group)
         prefill_block_n: int = 64,  # prefill key tile, tokens
@@ -79,7 +75,6 @@ class PagedCudaAttention:
         assert spec.num_heads % spec.num_kv_heads == 0
         self.spec = spec
         self.decode_block_n = decode_block_n
-        self.fused_cache_write = fused_cache_write
         self.prefill_block_m, self.prefill_block_q = prefill.prefill_tile(
             spec.num_heads, spec.num_kv_heads, prefill_block_m
         )
@@ -107,10 +102,6 @@ class PagedCudaAttention:
                 torch.empty(cells * spec.num_heads, **f32),  # part max logit
                 torch.empty(cells * spec.num_heads, **f32),  # part exp sum
             )
-        # one arrival counter per (sequence, KV head) for the in-kernel reduce; the kernel leaves them zero
-        self.counters = None
-        if self.scratch is not None and fused_reduce:
-            self.counters = torch.zeros(self.split_rows * spec.num_kv_heads, dtype=torch.int32, device=spec.device)
         self._plan: _StepPlan | None = None
         self._no_prefill = torch.empty(0, dtype=torch.int32, device=spec.device)
 
@@ -154,18 +145,13 @@ class PagedCudaAttention:
         batch = plan.batch
         k_cache, v_cache = kv_cache  # [num_blocks, block_size, Hkv, D]
         assert q.stride(-1) == 1, "head_dim must be contiguous"
-        # a decode-only step (every CUDA-graph step) writes its K/V inside the decode kernel
-        fused_write = self.fused_cache_write and plan.num_decode == len(batch.query_lens) > 0
-        if not fused_write:
-            self._cache_write.cache_write(k, v, k_cache, v_cache, batch.slot_mapping)
+        self._cache_write.cache_write(k, v, k_cache, v_cache, batch.slot_mapping)
         out = torch.empty_like(q)  # [T, H, D]
         self._decode.paged_decode(
             out, q, k_cache, v_cache, batch.block_tables_t, batch.seq_lens_t, self.spec.scale,
             num_seqs=plan.num_decode,
             scratch=self._scratch(plan.num_decode, plan.splits) if plan.split else None,
             block_n=self.decode_block_n,
-            counters=self.counters,
-            new_kv=(k, v, batch.slot_mapping) if fused_write else None,
         )
         self._prefill.paged_prefill(
             out, q, k_cache, v_cache, batch.block_tables_t, batch.seq_lens_t, batch.cu_seqlens_q,

@@ -29,13 +29,12 @@ def small(**knobs):
     return functools.partial(PagedCudaAttention, **knobs)
 
 
-@pytest.mark.parametrize("fused", [False, True], ids=["3-kernels", "1-kernel"])
 @pytest.mark.parametrize("batch_spec", BATCH_SPECS, ids=lambda s: s.name)
 @pytest.mark.parametrize("heads", HEADS.values(), ids=HEADS.keys())
 @pytest.mark.parametrize("block_size", [16, 32])
-def test_matches_naive(batch_spec, heads, block_size, fused):
+def test_matches_naive(batch_spec, heads, block_size):
     case = make_case(batch_spec, *heads, block_size=block_size, device=DEVICE, seed=7)
-    check_backend(small(fused_reduce=fused, fused_cache_write=fused), case, atol=1e-5, rtol=1e-5)
+    check_backend(PagedCudaAttention, case, atol=1e-5, rtol=1e-5)
 
 
 @pytest.mark.parametrize("batch_spec", BATCH_SPECS[2:], ids=lambda s: s.name)
@@ -46,28 +45,15 @@ def test_small_prefill_tiles(batch_spec, heads):
     check_backend(small(prefill_block_m=16, prefill_block_n=16), case, atol=1e-5, rtol=1e-5)
 
 
-@pytest.mark.parametrize("fused_reduce", [True, False], ids=["in-kernel-reduce", "reduce-kernel"])
 @pytest.mark.parametrize("heads", HEADS.values(), ids=HEADS.keys())
 @pytest.mark.parametrize("block_size", [16, 32])
-def test_split_decode_matches_naive(heads, block_size, fused_reduce):
+def test_split_decode_matches_naive(heads, block_size):
     case = make_case(LONG_DECODE, *heads, block_size=block_size, device=DEVICE, seed=3)
-    backend_cls = small(max_splits=8, decode_block_n=16, fused_reduce=fused_reduce)
+    backend_cls = small(max_splits=8, decode_block_n=16)
     backend = backend_cls(case.spec)
     backend.plan(case.batch)
     assert backend._plan.split and backend._plan.splits == 8
-    assert (backend.counters is not None) == fused_reduce
     check_backend(backend_cls, case, atol=1e-5, rtol=1e-5)
-
-
-def test_in_kernel_reduce_leaves_its_counters_zero():
-    """The last partition resets its arrival counter, so the next launch (a graph replay) starts clean."""
-    case = make_case(LONG_DECODE, device=DEVICE, seed=4)
-    backend = PagedCudaAttention(case.spec, max_splits=8, decode_block_n=16, fused_reduce=True)
-    backend.plan(case.batch)
-    assert backend._plan.split and backend.counters is not None
-    for _ in range(2):
-        backend.forward(case.q, case.k, case.v, case.kv_cache)
-        assert int(backend.counters.abs().sum()) == 0
 
 
 def test_mixed_batch_with_split_decode():
@@ -133,28 +119,3 @@ def test_available_and_registered():
     registered = {}
     infer_register_attention_backends(lambda name, factory: registered.setdefault(name, factory))
     assert registered == {"paged-cuda": PagedCudaAttention}
-
-
-@pytest.mark.parametrize("fused_cache_write", [True, False], ids=["decode-kernel-writes", "cache-write-kernel"])
-@pytest.mark.parametrize("batch_spec", [BATCH_SPECS[0], BATCH_SPECS[1], LONG_DECODE], ids=lambda s: s.name)
-def test_decode_only_step_writes_its_kv_in_the_decode_kernel(batch_spec, fused_cache_write):
-    """A decode-only step launches one kernel: the decode kernel stores the new K/V (partition 0) and
-    every partition takes the newest position from registers. Mixed steps keep the cache write."""
-    case = make_case(batch_spec, *HEADS["gqa"], device=DEVICE, seed=17)
-    from types import SimpleNamespace
-
-    from infer.plugins.attention.triton_kernels import cache_write
-
-    launches: list[int] = []
-
-    def counted(k, *args):
-        launches.append(k.shape[0])
-        cache_write.cache_write(k, *args)
-
-    def factory(spec):
-        backend = PagedCudaAttention(spec, max_splits=8, decode_block_n=16, fused_cache_write=fused_cache_write)
-        backend._cache_write = SimpleNamespace(cache_write=counted)
-        return backend
-
-    check_backend(factory, case, atol=1e-5, rtol=1e-5)
-    assert (launches == []) == fused_cache_write

@@ -9,11 +9,14 @@ the scale). When batch x kv_heads cannot fill the GPU, each sequence's context i
 `num_splits` partitions (the grid's third axis, fixed for a batch size so a captured graph stays
 valid); a partition spans cdiv(cdiv(seq_len, num_splits), BLOCK_N) tiles, worked out in the kernel
 from the sequence's current length, so every split has work however long the context is now.
-Each writes its normalised output plus its max and sum. The partitions are then combined either in
-the same kernel (`FUSED_REDUCE`: each program counts itself done on an int32 per (sequence, KV
-head) with an acquire-release atomic, and the last one to arrive reads the partials back from L2,
-combines them, writes the output and resets the counter for the next launch) or by `_reduce_kernel`,
-one more launch.
+Each writes its normalised output plus its max and sum, and `_reduce_kernel` combines them.
+
+Combining the partitions in the decode kernel itself (the last partition of a (sequence, KV head) to
+finish, found with an atomic counter) and writing the step's new K/V there (no cache-write kernel)
+made a decode-only step one launch instead of three, and was measured on an H100 in CUDA graphs:
+batch 64 x 1024 tokens 0.13 ms against 0.10 (GQA 32/8) and 0.40 against 0.36 (MHA), batch 1 x 4096
+tokens 42.2 against 33.7 us, batch 1 x 256 tokens 8.22 against 8.21 us, and llama2-7b's batch-1
+step 5.221 against 5.218 ms. The three launches stay.
 
 Scores and P @ V are `tl.dot`s with the group padded to 16 rows (the MMA minimum), even for MHA
 (group 1). Decode is memory-bound either way; the padded MMA wastes FLOPs nobody is short of. On
@@ -48,14 +51,8 @@ def _decode_kernel(
     stride_cb, stride_cs, stride_ch,
     stride_bt,
     stride_ps, stride_ph,  # part_out strides; part_max/sum are [S, H, P] contiguous
-    counter_ptr,  # [S, Hkv] int32, zero between launches: partitions of (seq, kv_head) done (FUSED_REDUCE)
-    k_new_ptr, v_new_ptr,  # [T, Hkv, D]: this step's K/V, written to the cache here (WRITE_KV)
-    stride_kt, stride_kh, stride_vt, stride_vh,
-    slot_mapping_ptr,  # [T] int64: decode token i's cache slot
     block_size, head_dim, group, max_partitions,
     SPLIT: tl.constexpr,
-    FUSED_REDUCE: tl.constexpr,
-    WRITE_KV: tl.constexpr,
     DOT_DTYPE: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
     GROUP_PAD: tl.constexpr,
@@ -64,7 +61,6 @@ def _decode_kernel(
 ):
     seq, kv_head, part = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     seq_len = tl.load(seq_lens_ptr + seq)
-    chunk = seq_len
     if SPLIT:
         chunk = tl.cdiv(tl.cdiv(seq_len, max_partitions), BLOCK_N) * BLOCK_N
         start = part * chunk
@@ -78,15 +74,6 @@ def _decode_kernel(
     row_mask = rows < group
     dim_mask = dims < head_dim
     q_mask = row_mask[:, None] & dim_mask[None, :]
-    if WRITE_KV:  # the new token's K/V: partition 0 stores them, every partition uses them from registers
-        cache_ty = k_cache_ptr.dtype.element_ty
-        k_new = tl.load(k_new_ptr + seq * stride_kt + kv_head * stride_kh + dims, mask=dim_mask, other=0.0).to(cache_ty)
-        v_new = tl.load(v_new_ptr + seq * stride_vt + kv_head * stride_vh + dims, mask=dim_mask, other=0.0).to(cache_ty)
-        if part == 0:
-            slot = tl.load(slot_mapping_ptr + seq)
-            dst = (slot // block_size).to(tl.int64) * stride_cb + (slot % block_size) * stride_cs + kv_head * stride_ch + dims
-            tl.store(k_cache_ptr + dst, k_new, mask=dim_mask)
-            tl.store(v_cache_ptr + dst, v_new, mask=dim_mask)
     # Short contexts leave the last partitions empty (each holds at least one whole tile).
     if start < end:
         q = tl.load(q_ptr + seq * stride_qt + heads[:, None] * stride_qh + dims[None, :], mask=q_mask, other=0.0)
@@ -104,10 +91,6 @@ def _decode_kernel(
             kv_mask = tok_mask[:, None] & dim_mask[None, :]
             k = tl.load(k_cache_ptr + row[:, None] + dims[None, :], mask=kv_mask, other=0.0)  # [N, D]
             v = tl.load(v_cache_ptr + row[:, None] + dims[None, :], mask=kv_mask, other=0.0)  # [N, D]
-            if WRITE_KV:  # the last position is the new token, whose store may not have landed yet
-                is_new = (offs == seq_len - 1)[:, None]
-                k = tl.where(is_new, k_new[None, :], k)
-                v = tl.where(is_new, v_new[None, :], v)
             s = tl.dot(q, tl.trans(k.to(DOT_DTYPE)), input_precision=DOT_PRECISION)  # [G, N]
             s = tl.where(tok_mask[None, :], s * scale_log2, float("-inf"))
             # every tile holds at least one real token, so m_new is finite
@@ -129,28 +112,6 @@ def _decode_kernel(
         else:
             dst = out_ptr + seq * stride_ot + heads[:, None] * stride_oh + dims[None, :]
             tl.store(dst, out.to(out_ptr.dtype.element_ty), mask=q_mask)
-    if SPLIT and FUSED_REDUCE:
-        tl.debug_barrier()  # every thread's partial stores are issued before the arrival is published
-        counter = counter_ptr + seq * tl.num_programs(1) + kv_head
-        if tl.atomic_add(counter, 1, sem="acq_rel") == max_partitions - 1:  # the last partition to finish
-            stat = (seq * tl.num_programs(1) * group + heads) * max_partitions  # [G] first partition's stats
-            part_out = part_out_ptr + seq * stride_ps + heads[:, None] * stride_ph + dims[None, :]  # [G, D]
-            # the partials were written by other programs: read them from L2 (".cg"), not this SM's L1
-            m = tl.load(part_max_ptr + stat, mask=row_mask, other=0.0, cache_modifier=".cg")
-            l = tl.load(part_sum_ptr + stat, mask=row_mask, other=1.0, cache_modifier=".cg")
-            acc = tl.load(part_out, mask=q_mask, other=0.0, cache_modifier=".cg") * l[:, None]
-            for p in range(1, tl.cdiv(seq_len, chunk)):  # partition 0 always holds a token
-                m_p = tl.load(part_max_ptr + stat + p, mask=row_mask, other=0.0, cache_modifier=".cg")
-                l_p = tl.load(part_sum_ptr + stat + p, mask=row_mask, other=1.0, cache_modifier=".cg")
-                o_p = tl.load(part_out + p * head_dim, mask=q_mask, other=0.0, cache_modifier=".cg")
-                m_new = tl.maximum(m, m_p)
-                a, b = tl.exp2(m - m_new), tl.exp2(m_p - m_new) * l_p
-                acc = acc * a[:, None] + o_p * b[:, None]
-                l = l * a + b
-                m = m_new
-            dst = out_ptr + seq * stride_ot + heads[:, None] * stride_oh + dims[None, :]
-            tl.store(dst, (acc / l[:, None]).to(out_ptr.dtype.element_ty), mask=q_mask)
-            tl.atomic_xchg(counter, 0)  # ready for the next launch (a replayed graph reuses the counters)
 
 
 @triton.jit
@@ -202,12 +163,6 @@ def paged_decode(
     block_n: int,
     num_warps: int = 4,
     num_stages: int = 2,
-    # [>= num_seqs * Hkv] int32, all zero: the split is combined inside the decode kernel (the kernel
-    # leaves them zero); None: by a second kernel
-    counters: torch.Tensor | None = None,
-    # (k, v, slot_mapping) of a decode-only step: the kernel writes them to the cache itself (no
-    # separate cache write); None: they are in the cache already
-    new_kv: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
 ) -> None:
     if num_seqs == 0:
         return
@@ -218,9 +173,6 @@ def paged_decode(
     # tl.dot needs M >= 16: pad the group's rows with zero queries that are never stored.
     group_pad = max(16, triton.next_power_of_2(group))
     dot_dtype, precision = dot_config(q.dtype)
-    k_new, v_new, slots = new_kv if new_kv is not None else (q, q, seq_lens)  # unused without WRITE_KV
-    if new_kv is not None:
-        assert k_new.stride(-1) == 1 and v_new.stride(-1) == 1, "head_dim must be contiguous"
     if scratch is not None:
         part_out, part_max, part_sum = scratch
         assert part_out.is_contiguous() and part_max.is_contiguous(), "the kernels index the scratch densely"
@@ -236,17 +188,13 @@ def paged_decode(
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         block_tables.stride(0),
         stride_ps, stride_ph,
-        counters if counters is not None else seq_lens,  # unused without FUSED_REDUCE
-        k_new, v_new, k_new.stride(0), k_new.stride(1), v_new.stride(0), v_new.stride(1), slots,
         block_size, head_dim, group, max_partitions,
         SPLIT=scratch is not None,
-        FUSED_REDUCE=counters is not None,
-        WRITE_KV=new_kv is not None,
         DOT_DTYPE=dot_dtype, DOT_PRECISION=precision,
         GROUP_PAD=group_pad, BLOCK_N=block_n, BLOCK_D=block_d,
         num_warps=num_warps, num_stages=num_stages,
     )
-    if scratch is not None and counters is None:
+    if scratch is not None:
         _reduce_kernel[(num_seqs, num_heads)](
             out, part_out, part_max, part_sum, seq_lens,
             out.stride(0), out.stride(1), stride_ps, stride_ph,
