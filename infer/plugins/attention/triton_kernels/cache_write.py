@@ -6,6 +6,8 @@ import torch
 import triton
 import triton.language as tl
 
+from infer.plugins import triton_pdl
+
 
 @triton.jit
 def _cache_write_kernel(
@@ -16,7 +18,9 @@ def _cache_write_kernel(
     stride_cb, stride_cs, stride_ch,  # cache strides (block, slot, head); D is contiguous
     block_size, num_kv_heads, head_dim,
     BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr,
+    USE_PDL: tl.constexpr,
 ):
+    triton_pdl.wait_and_release(USE_PDL)
     t = tl.program_id(0)
     slot = tl.load(slot_mapping_ptr + t)
     block, offset = slot // block_size, slot % block_size
@@ -49,4 +53,5 @@ def cache_write(
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         k_cache.shape[1], num_kv_heads, head_dim,
         BLOCK_H=triton.next_power_of_2(num_kv_heads), BLOCK_D=triton.next_power_of_2(head_dim),
+        USE_PDL=triton_pdl.use_pdl(k.device), **triton_pdl.launch_options(k.device),
     )

@@ -1,0 +1,54 @@
+"""Programmatic dependent launch (PDL) for this project's Triton kernels, on Hopper GPUs and newer.
+
+A decode step is some 350 small kernels, one after another on a stream (in a CUDA graph). Normally
+each starts only once the one before has finished and drained, so every boundary costs the launch
+of the next grid plus the ramp-up of its first wave. With PDL a kernel is launched as dependent
+(`launch_pdl=True`): its blocks may be scheduled while its predecessor's last wave still runs, and
+each block first waits (`gdc_wait`, which returns once the predecessor has completed and its writes
+are visible), then lets its own dependents be launched (`gdc_launch_dependents`). Every kernel here
+waits before it touches anything, so the results are those of plain launches whichever kernel
+comes before (a kernel that never signals, like cuBLAS's or NCCL's, counts as signalling when it
+finishes). CUDA graphs keep these launches as programmatic edges.
+
+Off unless `INFER_PDL=1` (until it is measured on a GPU): `scripts/gpu_pdl.py` compares the two.
+Never under TRITON_INTERPRET=1, on GPUs before compute capability 9.0, or with a Triton without it.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+from typing import Any
+
+import torch
+import triton
+import triton.language as tl
+
+
+@functools.cache
+def _enabled(device_index: int) -> bool:
+    if os.environ.get("INFER_PDL") != "1" or os.environ.get("TRITON_INTERPRET") == "1":
+        return False
+    cuda = getattr(getattr(tl, "extra", None), "cuda", None)
+    if cuda is None or not hasattr(cuda, "gdc_wait") or not hasattr(cuda, "gdc_launch_dependents"):
+        return False
+    return torch.cuda.get_device_capability(device_index) >= (9, 0)
+
+
+def use_pdl(device: torch.device) -> bool:
+    """Whether kernels on `device` launch as programmatic dependents (the `USE_PDL` constexpr)."""
+    return device.type == "cuda" and _enabled(device.index if device.index is not None else torch.cuda.current_device())
+
+
+def launch_options(device: torch.device) -> dict[str, Any]:
+    """Launch keywords for a kernel on `device`: `launch_pdl` where PDL is on, else none."""
+    return {"launch_pdl": True} if use_pdl(device) else {}
+
+
+@triton.jit
+def wait_and_release(USE_PDL: tl.constexpr):
+    """First thing in a kernel: wait for the kernel before (its writes visible), then let the next
+    kernel's blocks be scheduled. A no-op without PDL."""
+    if USE_PDL:
+        tl.extra.cuda.gdc_wait()
+        tl.extra.cuda.gdc_launch_dependents()
