@@ -40,9 +40,10 @@ def use_pdl(device: torch.device) -> bool:
     return device.type == "cuda" and _enabled(device.index if device.index is not None else torch.cuda.current_device())
 
 
-def launch_options(device: torch.device) -> dict[str, Any]:
-    """Launch keywords for a kernel on `device`: `launch_pdl` where PDL is on, else none."""
-    return {"launch_pdl": True} if use_pdl(device) else {}
+def kernel_args(device: torch.device) -> dict[str, Any]:
+    """Keywords for launching a kernel on `device`: its `USE_PDL` constexpr, and `launch_pdl` where
+    PDL is on."""
+    return {"USE_PDL": True, "launch_pdl": True} if use_pdl(device) else {"USE_PDL": False}
 
 
 @triton.jit

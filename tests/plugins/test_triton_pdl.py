@@ -21,7 +21,7 @@ def test_off_unless_asked(monkeypatch):
     monkeypatch.delenv("TRITON_INTERPRET", raising=False)
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda index: (9, 0))
     assert not triton_pdl.use_pdl(torch.device("cuda", 0))
-    assert triton_pdl.launch_options(torch.device("cuda", 0)) == {}
+    assert triton_pdl.kernel_args(torch.device("cuda", 0)) == {"USE_PDL": False}
 
 
 def test_on_when_asked_on_hopper_only(monkeypatch):
@@ -29,7 +29,7 @@ def test_on_when_asked_on_hopper_only(monkeypatch):
     monkeypatch.delenv("TRITON_INTERPRET", raising=False)
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda index: (9, 0))
     assert triton_pdl.use_pdl(torch.device("cuda", 0))
-    assert triton_pdl.launch_options(torch.device("cuda", 0)) == {"launch_pdl": True}
+    assert triton_pdl.kernel_args(torch.device("cuda", 0)) == {"USE_PDL": True, "launch_pdl": True}
     assert not triton_pdl.use_pdl(torch.device("cpu"))
     triton_pdl._enabled.cache_clear()
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda index: (8, 0))  # A100: no PDL

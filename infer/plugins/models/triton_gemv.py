@@ -21,7 +21,7 @@ import torch
 import triton
 import triton.language as tl
 
-from infer.plugins import triton_pdl
+from infer.plugins.triton_pdl import kernel_args, wait_and_release
 
 
 def _configs() -> list[triton.Config]:
@@ -48,7 +48,7 @@ def _gemv_kernel(x_ptr, w_ptr, y_ptr, N, K, stride_w, BLOCK_N: tl.constexpr, BLO
         cols = tl.arange(0, BLOCK_K)
         col_ok = cols < K
         w = tl.load(w_rows + cols[None, :], mask=col_ok[None, :], other=0.0, eviction_policy="evict_first")
-        triton_pdl.wait_and_release(USE_PDL)
+        wait_and_release(USE_PDL)
         x = tl.load(x_ptr + cols, mask=col_ok, other=0.0).to(tl.float32)
         acc = w.to(tl.float32) * x[None, :]
         start = BLOCK_K
@@ -65,13 +65,15 @@ def _gemv_kernel(x_ptr, w_ptr, y_ptr, N, K, stride_w, BLOCK_N: tl.constexpr, BLO
 
 
 def gemv(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-    """x [1, K] @ weight[N, K].T -> [1, N] in x's dtype (fp32 accumulation)."""
+    """x [1, K] @ weight[N, K].T -> [1, N] in x's dtype (fp32 accumulation). With PDL on, `weight`
+    is read before the kernel just before has finished: it must be no output of that kernel (model
+    weights never are)."""
     assert x.dim() == 2 and x.shape[0] == 1, f"gemv takes one row, got {tuple(x.shape)}"
     n, k = weight.shape
     assert x.shape[1] == k and weight.stride(1) == 1, "weight must be [N, K] with contiguous rows"
     x = x.contiguous()
     y = torch.empty(1, n, dtype=x.dtype, device=x.device)
     _gemv_kernel[lambda meta: (triton.cdiv(n, meta["BLOCK_N"]),)](
-        x, weight, y, n, k, weight.stride(0), USE_PDL=triton_pdl.use_pdl(x.device), **triton_pdl.launch_options(x.device)
+        x, weight, y, n, k, weight.stride(0), **kernel_args(x.device)
     )
     return y

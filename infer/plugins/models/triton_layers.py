@@ -6,13 +6,13 @@ import torch
 import triton
 import triton.language as tl
 
-from infer.plugins import triton_pdl
+from infer.plugins.triton_pdl import kernel_args, wait_and_release
 
 
 @triton.jit
 def _rms_norm_kernel(x_ptr, res_ptr, w_ptr, out_ptr, res_out_ptr, eps, N: tl.constexpr, BLOCK: tl.constexpr,
                      HAS_RESIDUAL: tl.constexpr, USE_PDL: tl.constexpr):
-    triton_pdl.wait_and_release(USE_PDL)
+    wait_and_release(USE_PDL)
     row = tl.program_id(0)
     cols = tl.arange(0, BLOCK)
     mask = cols < N
@@ -37,8 +37,7 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.
     res_in = residual.contiguous() if residual is not None else x
     if rows:
         _rms_norm_kernel[(rows,)](x, res_in, weight, out, res_out, eps, N=n, BLOCK=triton.next_power_of_2(n),
-                                  HAS_RESIDUAL=residual is not None, USE_PDL=triton_pdl.use_pdl(x.device),
-                                  **triton_pdl.launch_options(x.device))
+                                  HAS_RESIDUAL=residual is not None, **kernel_args(x.device))
     return out if residual is None else (out, res_out)
 
 
@@ -46,7 +45,7 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.
 def _rotary_kernel(pos_ptr, q_ptr, k_ptr, cos_ptr, sin_ptr, q_out_ptr, k_out_ptr, q_stride, k_stride,
                    NUM_Q: tl.constexpr, NUM_K: tl.constexpr, HALF: tl.constexpr, BLOCK_H: tl.constexpr,
                    USE_PDL: tl.constexpr):
-    triton_pdl.wait_and_release(USE_PDL)
+    wait_and_release(USE_PDL)
     token = tl.program_id(0)
     pos = tl.load(pos_ptr + token)
     d = tl.arange(0, HALF)
@@ -78,13 +77,13 @@ def rotary(positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, cos: torch
     if tokens:
         _rotary_kernel[(tokens,)](positions, q, k, cos, sin, q_out, k_out, q.stride(0), k.stride(0),
                                   NUM_Q=num_q, NUM_K=num_k, HALF=dim // 2, BLOCK_H=triton.next_power_of_2(max(num_q, num_k)),
-                                  USE_PDL=triton_pdl.use_pdl(q.device), **triton_pdl.launch_options(q.device))
+                                  **kernel_args(q.device))
     return q_out, k_out
 
 
 @triton.jit
 def _silu_and_mul_kernel(x_ptr, out_ptr, N: tl.constexpr, BLOCK: tl.constexpr, USE_PDL: tl.constexpr):
-    triton_pdl.wait_and_release(USE_PDL)
+    wait_and_release(USE_PDL)
     row = tl.program_id(0)
     start = tl.program_id(1) * BLOCK
     cols = start + tl.arange(0, BLOCK)
@@ -103,6 +102,5 @@ def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
     out = torch.empty(rows, n, dtype=x.dtype, device=x.device)
     block = min(1024, triton.next_power_of_2(n))
     if rows:
-        _silu_and_mul_kernel[(rows, triton.cdiv(n, block))](x, out, N=n, BLOCK=block, USE_PDL=triton_pdl.use_pdl(x.device),
-                                                             **triton_pdl.launch_options(x.device))
+        _silu_and_mul_kernel[(rows, triton.cdiv(n, block))](x, out, N=n, BLOCK=block, **kernel_args(x.device))
     return out

@@ -6,7 +6,7 @@ import torch
 import triton
 import triton.language as tl
 
-from infer.plugins import triton_pdl
+from infer.plugins.triton_pdl import kernel_args, wait_and_release
 
 
 @triton.jit
@@ -20,7 +20,7 @@ def _cache_write_kernel(
     BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr,
     USE_PDL: tl.constexpr,
 ):
-    triton_pdl.wait_and_release(USE_PDL)
+    wait_and_release(USE_PDL)
     t = tl.program_id(0)
     slot = tl.load(slot_mapping_ptr + t)
     block, offset = slot // block_size, slot % block_size
@@ -53,5 +53,5 @@ def cache_write(
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         k_cache.shape[1], num_kv_heads, head_dim,
         BLOCK_H=triton.next_power_of_2(num_kv_heads), BLOCK_D=triton.next_power_of_2(head_dim),
-        USE_PDL=triton_pdl.use_pdl(k.device), **triton_pdl.launch_options(k.device),
+        **kernel_args(k.device),
     )

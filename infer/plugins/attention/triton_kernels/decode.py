@@ -31,7 +31,7 @@ import torch
 import triton
 import triton.language as tl
 
-from infer.plugins import triton_pdl
+from infer.plugins.triton_pdl import kernel_args, wait_and_release
 from infer.plugins.attention.triton_kernels import dot_config
 
 LOG2E = 1.4426950408889634
@@ -61,7 +61,7 @@ def _decode_kernel(
     BLOCK_D: tl.constexpr,
     USE_PDL: tl.constexpr,
 ):
-    triton_pdl.wait_and_release(USE_PDL)
+    wait_and_release(USE_PDL)
     seq, kv_head, part = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     seq_len = tl.load(seq_lens_ptr + seq)
     if SPLIT:
@@ -128,7 +128,7 @@ def _reduce_kernel(
     BLOCK_D: tl.constexpr,
     USE_PDL: tl.constexpr,
 ):
-    triton_pdl.wait_and_release(USE_PDL)
+    wait_and_release(USE_PDL)
     seq, head = tl.program_id(0), tl.program_id(1)
     seq_len = tl.load(seq_lens_ptr + seq)
     chunk = tl.cdiv(tl.cdiv(seq_len, max_partitions), BLOCK_N) * BLOCK_N  # as in _decode_kernel
@@ -178,7 +178,7 @@ def paged_decode(
     # tl.dot needs M >= 16: pad the group's rows with zero queries that are never stored.
     group_pad = max(16, triton.next_power_of_2(group))
     dot_dtype, precision = dot_config(q.dtype)
-    pdl, launch = triton_pdl.use_pdl(q.device), triton_pdl.launch_options(q.device)
+    pdl = kernel_args(q.device)
     if scratch is not None:
         part_out, part_max, part_sum = scratch
         assert part_out.is_contiguous() and part_max.is_contiguous(), "the kernels index the scratch densely"
@@ -197,13 +197,13 @@ def paged_decode(
         block_size, head_dim, group, max_partitions,
         SPLIT=scratch is not None,
         DOT_DTYPE=dot_dtype, DOT_PRECISION=precision,
-        GROUP_PAD=group_pad, BLOCK_N=block_n, BLOCK_D=block_d, USE_PDL=pdl,
-        num_warps=num_warps, num_stages=num_stages, **launch,
+        GROUP_PAD=group_pad, BLOCK_N=block_n, BLOCK_D=block_d,
+        num_warps=num_warps, num_stages=num_stages, **pdl,
     )
     if scratch is not None:
         _reduce_kernel[(num_seqs, num_heads)](
             out, part_out, part_max, part_sum, seq_lens,
             out.stride(0), out.stride(1), stride_ps, stride_ph,
             head_dim, max_partitions,
-            BLOCK_N=block_n, BLOCK_D=block_d, USE_PDL=pdl, **launch,
+            BLOCK_N=block_n, BLOCK_D=block_d, **pdl,
         )
