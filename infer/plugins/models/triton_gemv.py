@@ -34,7 +34,7 @@ def _configs() -> list[triton.Config]:
     ]
 
 
-@triton.autotune(configs=_configs(), key=["N", "K"])
+@triton.autotune(configs=_configs(), key=["N", "K", "USE_PDL"])  # PDL changes the kernel: tuned apart
 @triton.jit
 def _gemv_kernel(x_ptr, w_ptr, y_ptr, N, K, stride_w, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                  USE_PDL: tl.constexpr):
