@@ -33,13 +33,14 @@ def copy_bandwidth() -> float:
 
 @pytest.fixture
 def pdl_switch():
+    from infer.core import pdl
     from infer.plugins import triton_pdl
 
     before = os.environ.get("INFER_PDL")
 
     def switch(on: bool) -> bool:
         os.environ["INFER_PDL"] = "1" if on else "0"
-        triton_pdl._enabled.cache_clear()
+        pdl.reset()
         return triton_pdl.use_pdl(torch.device("cuda"))
 
     yield switch
@@ -47,7 +48,7 @@ def pdl_switch():
         os.environ.pop("INFER_PDL", None)
     else:
         os.environ["INFER_PDL"] = before
-    triton_pdl._enabled.cache_clear()
+    pdl.reset()
 
 
 def layer_weights(tp: int) -> list[dict[str, tuple[torch.Tensor, torch.Tensor]]]:

@@ -18,6 +18,7 @@ from typing import Any
 
 import torch
 
+from infer.core import pdl
 from infer.core.distributed import peer_gpus_reason
 
 DTYPES = (torch.float16, torch.bfloat16)
@@ -72,7 +73,7 @@ class FlashInferAllReduce:
         args.update(outputs)
         self.comm.trtllm_allreduce_fusion(
             allreduce_in=x, world_size=self.world_size, world_rank=self.rank, token_num=x.shape[0],
-            hidden_dim=self.hidden_size, workspace_ptrs=self.workspace, launch_with_pdl=False,
+            hidden_dim=self.hidden_size, workspace_ptrs=self.workspace, launch_with_pdl=pdl.enabled(x.device),
             trigger_completion_at_end=True, fp32_acc=True, pattern_code=pattern, use_oneshot=None,
             quant_out=None, scale_out=None, scale_factor=None, layout_code=None, **args,
         )

@@ -10,34 +10,24 @@ waits before it touches anything, so the results are those of plain launches whi
 comes before (a kernel that never signals, like cuBLAS's or NCCL's, counts as signalling when it
 finishes). CUDA graphs keep these launches as programmatic edges.
 
-Off unless `INFER_PDL=1` (until it is measured on a GPU): `scripts/gpu_pdl.py` compares the two.
-Never under TRITON_INTERPRET=1, on GPUs before compute capability 9.0, or with a Triton without it.
+When it is on: `infer.core.pdl` (INFER_PDL=1, off until measured), and a Triton that has it.
 """
 
 from __future__ import annotations
 
-import functools
-import os
 from typing import Any
 
 import torch
 import triton
 import triton.language as tl
 
-
-@functools.cache
-def _enabled(device_index: int) -> bool:
-    if os.environ.get("INFER_PDL") != "1" or os.environ.get("TRITON_INTERPRET") == "1":
-        return False
-    cuda = getattr(getattr(tl, "extra", None), "cuda", None)
-    if cuda is None or not hasattr(cuda, "gdc_wait") or not hasattr(cuda, "gdc_launch_dependents"):
-        return False
-    return torch.cuda.get_device_capability(device_index) >= (9, 0)
+from infer.core import pdl
 
 
 def use_pdl(device: torch.device) -> bool:
     """Whether kernels on `device` launch as programmatic dependents (the `USE_PDL` constexpr)."""
-    return device.type == "cuda" and _enabled(device.index if device.index is not None else torch.cuda.current_device())
+    cuda = getattr(getattr(tl, "extra", None), "cuda", None)
+    return pdl.enabled(device) and hasattr(cuda, "gdc_wait") and hasattr(cuda, "gdc_launch_dependents")
 
 
 def kernel_args(device: torch.device) -> dict[str, Any]:

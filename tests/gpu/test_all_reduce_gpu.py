@@ -126,10 +126,12 @@ def _flashinfer_rank(rank: int, world_size: int, init_file: str) -> None:
         dist.destroy_process_group()
 
 
-def test_flashinfer_all_reduce_and_fused_norm_match_nccl(tmp_path):
+@pytest.mark.parametrize("pdl", ["0", "1"], ids=["plain", "pdl"])
+def test_flashinfer_all_reduce_and_fused_norm_match_nccl(tmp_path, monkeypatch, pdl):
     pytest.importorskip("flashinfer")
     import torch.multiprocessing as mp
 
+    monkeypatch.setenv("INFER_PDL", pdl)  # the spawned ranks launch it as a programmatic dependent (Hopper)
     os.environ.setdefault("TORCH_SYMM_MEM_DISABLE_MULTICAST", "1")
     os.environ.setdefault("NCCL_NVLS_ENABLE", "0")
     mp.start_processes(_flashinfer_rank, args=(2, str(tmp_path / "init")), nprocs=2, start_method="spawn", join=True)

@@ -5,24 +5,25 @@ replayed, and greedy tokens end to end. Skipped on GPUs before Hopper."""
 import pytest
 import torch
 
+from infer.core import pdl
 from infer.plugins import triton_pdl
 
 pytestmark = pytest.mark.gpu
 
 
 @pytest.fixture
-def pdl(monkeypatch):
-    """A switch: pdl(True) / pdl(False) sets INFER_PDL for the kernels launched after it."""
+def switch_pdl(monkeypatch):
+    """switch_pdl(True) / switch_pdl(False) sets INFER_PDL for the kernels launched after it."""
 
     def switch(on: bool) -> None:
         monkeypatch.setenv("INFER_PDL", "1" if on else "0")
-        triton_pdl._enabled.cache_clear()
+        pdl.reset()
 
     switch(True)
     if not triton_pdl.use_pdl(torch.device("cuda")):
         pytest.skip("no programmatic dependent launch on this GPU (compute capability < 9.0)")
     yield switch
-    triton_pdl._enabled.cache_clear()
+    pdl.reset()
 
 
 def _layer_chain(x, w_qkv, w_o, w_up, w_down, norm_w, cos, sin, positions, kv, case):
@@ -45,7 +46,7 @@ def _layer_chain(x, w_qkv, w_o, w_up, w_down, norm_w, cos, sin, positions, kv, c
     return gemv(up, w_down)
 
 
-def test_kernels_with_pdl_match_plain_launches(pdl):
+def test_kernels_with_pdl_match_plain_launches(switch_pdl):
     torch.manual_seed(0)
     dev, dt = "cuda", torch.bfloat16
     heads, kv_heads, dim, hidden, inter = 16, 16, 128, 2048, 5504
@@ -70,7 +71,7 @@ def test_kernels_with_pdl_match_plain_launches(pdl):
     x = torch.randn(1, hidden, device=dev, dtype=dt)
 
     def run(on: bool, graph: bool) -> torch.Tensor:
-        pdl(on)
+        switch_pdl(on)
         kv = (k_cache.clone(), v_cache.clone(), tables, seq_lens, slots, scratch)
         args = (x, w_qkv, w_o, w_up, w_down, norm_w, cos, sin, positions, kv, (heads, kv_heads, dim))
         if not graph:
@@ -92,7 +93,7 @@ def test_kernels_with_pdl_match_plain_launches(pdl):
     assert torch.equal(run(False, graph=True), plain)
 
 
-def test_greedy_tokens_with_pdl_match(pdl):
+def test_greedy_tokens_with_pdl_match(switch_pdl):
     from infer import SamplingParams
     from infer.llm import LLM
 
@@ -100,7 +101,7 @@ def test_greedy_tokens_with_pdl_match(pdl):
     prompts = [[1, 415, 5565, 302, 4843, 349], [1, 801, 10342, 28732]]
     tokens = {}
     for on in (False, True):
-        pdl(on)
+        switch_pdl(on)
         with LLM(model="smollm2-135m", load_format="dummy", max_model_len=2048, attention="paged-cuda",
                  dtype="bfloat16") as llm:
             tokens[on] = [o.outputs[0].token_ids for o in llm.generate(prompts, params)]

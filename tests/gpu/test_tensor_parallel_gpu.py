@@ -108,6 +108,25 @@ def test_tp2_matches_tp1_bf16_with_graphs(shape_dir, attention, prefill, all_red
     assert agree > 0.8, agree
 
 
+def test_tp2_with_pdl_matches_tp1(shape_dir, monkeypatch):
+    """INFER_PDL=1 (Hopper): the Triton kernels and FlashInfer's all-reduce launched as programmatic
+    dependents, in every rank's CUDA graphs; the tokens of plain launches."""
+    from infer.core import pdl
+
+    if not _available("flashinfer") or torch.cuda.get_device_capability() < (9, 0):
+        pytest.skip("needs flashinfer and a GPU of compute capability 9.0 or newer")
+    options = dict(attention="paged-cuda", dtype="bfloat16", cuda_graphs=True, all_reduce="flashinfer")
+    expected, _ = generate(shape_dir, 2, **options)
+    monkeypatch.setenv("INFER_PDL", "1")  # rank 0 reads it again; the spawned ranks inherit it
+    pdl.reset()
+    try:
+        tokens, _ = generate(shape_dir, 2, **options)
+    finally:
+        monkeypatch.delenv("INFER_PDL")
+        pdl.reset()
+    assert tokens == expected
+
+
 def test_tp2_pipelined_decode_matches_tp1(shape_dir):
     # no logprobs, so decode steps are pipelined: rank 1 takes each step's ids from rank 0's GPU
     params = SamplingParams(max_tokens=16, temperature=0, ignore_eos=True)

@@ -6,14 +6,15 @@ import torch
 
 pytest.importorskip("triton")
 
+from infer.core import pdl  # noqa: E402
 from infer.plugins import triton_pdl  # noqa: E402
 
 
 @pytest.fixture(autouse=True)
 def fresh():
-    triton_pdl._enabled.cache_clear()
+    pdl.reset()
     yield
-    triton_pdl._enabled.cache_clear()
+    pdl.reset()
 
 
 def test_off_unless_asked(monkeypatch):
@@ -31,7 +32,7 @@ def test_on_when_asked_on_hopper_only(monkeypatch):
     assert triton_pdl.use_pdl(torch.device("cuda", 0))
     assert triton_pdl.kernel_args(torch.device("cuda", 0)) == {"USE_PDL": True, "launch_pdl": True}
     assert not triton_pdl.use_pdl(torch.device("cpu"))
-    triton_pdl._enabled.cache_clear()
+    pdl.reset()
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda index: (8, 0))  # A100: no PDL
     assert not triton_pdl.use_pdl(torch.device("cuda", 0))
 

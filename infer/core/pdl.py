@@ -1,0 +1,29 @@
+"""Whether kernels launch as programmatic dependents (PDL) on a device: `INFER_PDL=1`, a GPU of
+compute capability 9.0 or newer, and no Triton interpreter. A dependent kernel's blocks may be
+scheduled while the kernel before it finishes; each waits on the GPU for that kernel before reading
+anything, so results are those of plain launches. This project's Triton kernels take it through
+`infer.plugins.triton_pdl`, FlashInfer's all-reduce through its `launch_with_pdl`. Off by default
+until measured (`scripts/gpu_pdl.py`)."""
+
+from __future__ import annotations
+
+import functools
+import os
+
+import torch
+
+
+@functools.cache
+def _enabled(device_index: int) -> bool:
+    if os.environ.get("INFER_PDL") != "1" or os.environ.get("TRITON_INTERPRET") == "1":
+        return False
+    return torch.cuda.get_device_capability(device_index) >= (9, 0)
+
+
+def enabled(device: torch.device) -> bool:
+    return device.type == "cuda" and _enabled(device.index if device.index is not None else torch.cuda.current_device())
+
+
+def reset() -> None:
+    """Read INFER_PDL again on the next launch (tests and benchmarks that switch it)."""
+    _enabled.cache_clear()
