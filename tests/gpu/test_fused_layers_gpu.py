@@ -42,3 +42,16 @@ def test_gemv_matches_cublas(dtype, n, k):
     expected = (x.double() @ w.double().t()).to(dtype)
     tol = 1e-4 if dtype == torch.float32 else 2e-2
     torch.testing.assert_close(gemv(x, w), expected, atol=tol, rtol=tol)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("n,k", [(4096, 11008), (4096, 5504), (2048, 8192)])
+def test_gemv_silu_mul_matches_two_kernels(dtype, n, k):
+    """The MLP's activation read inside the down GEMV: the same bits as SiLU-and-mul, then the GEMV."""
+    from infer.plugins.models import triton_layers as tl_layers
+    from infer.plugins.models.triton_gemv import gemv, gemv_silu_mul
+
+    torch.manual_seed(0)
+    w = torch.randn(n, k, device="cuda", dtype=dtype) / k**0.5
+    h = torch.randn(1, 2 * k, device="cuda", dtype=dtype)
+    assert torch.equal(gemv_silu_mul(h, w), gemv(tl_layers.silu_and_mul(h), w))

@@ -3,7 +3,8 @@
 Each replaces several eager kernels with one: RMSNorm with the residual add (add, square, mean,
 rsqrt, scale: 1 read of x and residual, 1 write of each), rotary embedding applied to q and k in
 place of ten elementwise ops, SiLU-and-mul, and a linear layer whose one-token case (batch-1
-decode) is a Triton matrix-vector product streaming the weights (more tokens go to cuBLAS). On
+decode) is a Triton matrix-vector product streaming the weights (more tokens go to cuBLAS). For
+one token the MLP's SiLU-and-mul is read inside its down projection's GEMV (`FusedSiluAndMul.down`). On
 the CPU the plain torch layers are used; the kernels also run there under TRITON_INTERPRET=1,
 which is how CI tests them.
 """
@@ -59,6 +60,21 @@ class FusedSiluAndMul(nn.Module):
         from infer.plugins.models.triton_layers import silu_and_mul
 
         return silu_and_mul(x)
+
+    @staticmethod
+    def fuses_with(projection: nn.Module) -> bool:
+        """Whether `projection` (the MLP's down projection: a linear layer, or a tensor-parallel shard
+        whose output is summed elsewhere) is `FusedLinear`'s plain matmul, which `down` may replace."""
+        return (getattr(projection, "matmul", None) is FusedLinear.matmul and getattr(projection, "bias", None) is None
+                and not getattr(projection, "reduce", False))
+
+    def down(self, h: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+        """matmul(self(h), weight); for one token one GEMV that applies SiLU-and-mul as it reads h."""
+        if h.dim() == 2 and h.shape[0] == 1:
+            from infer.plugins.models.triton_gemv import gemv_silu_mul
+
+            return gemv_silu_mul(h, weight)
+        return FusedLinear.matmul(self(h), weight)
 
 
 class FusedLinear(plain.Linear):

@@ -96,9 +96,14 @@ class LlamaMLP(nn.Module):
         else:
             self.gate_up_proj, self.down_proj = tp.mlp_projections(config, parallel, tp_matmul(layers))
         self.act = layers.silu_and_mul()
+        # an activation that can apply itself inside the down projection's matmul (one kernel)
+        self.fused_down = bool(getattr(self.act, "fuses_with", lambda projection: False)(self.down_proj))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(self.act(self.gate_up_proj(x)))
+        h = self.gate_up_proj(x)
+        if self.fused_down:
+            return self.act.down(h, self.down_proj.weight)
+        return self.down_proj(self.act(h))
 
 
 class LlamaDecoderLayer(nn.Module):

@@ -34,10 +34,24 @@ def _configs() -> list[triton.Config]:
     ]
 
 
-@triton.autotune(configs=_configs(), key=["N", "K", "USE_PDL"])  # PDL changes the kernel: tuned apart
+@triton.jit
+def _load_x(x_ptr, cols, col_ok, K, GATED: tl.constexpr):
+    """x[cols] in fp32; GATED: x is [gate | up] (2K wide) and the input is SiLU(gate) * up, rounded
+    to x's dtype as `triton_layers.silu_and_mul` rounds it (so both paths give the same bits)."""
+    if GATED:
+        gate = tl.load(x_ptr + cols, mask=col_ok, other=0.0).to(tl.float32)
+        up = tl.load(x_ptr + K + cols, mask=col_ok, other=0.0)
+        silu = (gate / (1.0 + tl.exp(-gate))).to(x_ptr.dtype.element_ty)
+        x = (silu * up).to(x_ptr.dtype.element_ty).to(tl.float32)
+    else:
+        x = tl.load(x_ptr + cols, mask=col_ok, other=0.0).to(tl.float32)
+    return x
+
+
+@triton.autotune(configs=_configs(), key=["N", "K", "USE_PDL", "GATED"])  # each form tuned apart
 @triton.jit
 def _gemv_kernel(x_ptr, w_ptr, y_ptr, N, K, stride_w, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                 USE_PDL: tl.constexpr):
+                 USE_PDL: tl.constexpr, GATED: tl.constexpr):
     rows = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     row_ok = rows < N
     rows = tl.where(row_ok, rows, 0)  # out-of-range rows re-read row 0 (harmless, never stored)
@@ -49,7 +63,7 @@ def _gemv_kernel(x_ptr, w_ptr, y_ptr, N, K, stride_w, BLOCK_N: tl.constexpr, BLO
         col_ok = cols < K
         w = tl.load(w_rows + cols[None, :], mask=col_ok[None, :], other=0.0, eviction_policy="evict_first")
         wait_and_release(USE_PDL)
-        x = tl.load(x_ptr + cols, mask=col_ok, other=0.0).to(tl.float32)
+        x = _load_x(x_ptr, cols, col_ok, K, GATED)
         acc = w.to(tl.float32) * x[None, :]
         start = BLOCK_K
     else:
@@ -58,7 +72,7 @@ def _gemv_kernel(x_ptr, w_ptr, y_ptr, N, K, stride_w, BLOCK_N: tl.constexpr, BLO
     for k0 in range(start, K, BLOCK_K):
         cols = k0 + tl.arange(0, BLOCK_K)
         col_ok = cols < K
-        x = tl.load(x_ptr + cols, mask=col_ok, other=0.0).to(tl.float32)
+        x = _load_x(x_ptr, cols, col_ok, K, GATED)
         w = tl.load(w_rows + cols[None, :], mask=col_ok[None, :], other=0.0, eviction_policy="evict_first")
         acc += w.to(tl.float32) * x[None, :]
     tl.store(y_ptr + rows, tl.sum(acc, axis=1).to(y_ptr.dtype.element_ty), mask=row_ok)
@@ -74,6 +88,21 @@ def gemv(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     x = x.contiguous()
     y = torch.empty(1, n, dtype=x.dtype, device=x.device)
     _gemv_kernel[lambda meta: (triton.cdiv(n, meta["BLOCK_N"]),)](
-        x, weight, y, n, k, weight.stride(0), **kernel_args(x.device)
+        x, weight, y, n, k, weight.stride(0), GATED=False, **kernel_args(x.device)
+    )
+    return y
+
+
+def gemv_silu_mul(h: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """(SiLU(gate) * up) @ weight.T for one row h = [gate | up] ([1, 2K]) and weight [N, K]: the MLP's
+    activation read inside its down projection's GEMV, one kernel instead of two (the same bits as
+    `gemv(silu_and_mul(h), weight)`)."""
+    assert h.dim() == 2 and h.shape[0] == 1, f"gemv_silu_mul takes one row, got {tuple(h.shape)}"
+    n, k = weight.shape
+    assert h.shape[1] == 2 * k and weight.stride(1) == 1, "h must be [1, 2K] and weight [N, K] with contiguous rows"
+    h = h.contiguous()
+    y = torch.empty(1, n, dtype=h.dtype, device=h.device)
+    _gemv_kernel[lambda meta: (triton.cdiv(n, meta["BLOCK_N"]),)](
+        h, weight, y, n, k, weight.stride(0), GATED=True, **kernel_args(h.device)
     )
     return y

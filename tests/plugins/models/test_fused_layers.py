@@ -70,3 +70,55 @@ def test_fused_linear_takes_gemv_for_one_token_only():
     one, many = torch.randn(1, 40), torch.randn(3, 40)
     torch.testing.assert_close(layer(one), ref(one, layer.weight), atol=1e-5, rtol=1e-5)
     torch.testing.assert_close(layer(many), ref(many, layer.weight), atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("n,k", [(13, 70), (64, 96), (5, 1)])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+def test_gemv_silu_mul_is_silu_and_mul_then_gemv(n, k, dtype):
+    from infer.plugins.models.triton_gemv import gemv, gemv_silu_mul
+
+    torch.manual_seed(0)
+    w = torch.randn(n, k, dtype=dtype) / k**0.5
+    h = torch.randn(1, 2 * k, dtype=dtype)
+    two_kernels = gemv(triton_layers.silu_and_mul(h), w)
+    assert torch.equal(gemv_silu_mul(h, w), two_kernels)  # the same rounding, so the same bits
+    expected = (plain.SiluAndMul()(h.double()) @ w.double().t()).to(dtype)
+    tol = 1e-5 if dtype == torch.float32 else 2e-2
+    torch.testing.assert_close(two_kernels, expected, atol=tol, rtol=tol)
+
+
+def test_mlp_reads_its_activation_inside_the_down_gemv(monkeypatch):
+    """One token: the Llama MLP's SiLU-and-mul and down projection are one GEMV (fused layers at
+    tp 1 and on a tensor-parallel shard); more tokens, or another linear layer, keep two steps."""
+    import types
+
+    from infer.core.interfaces import Layers
+    from infer.plugins.models import triton_gemv
+    from infer.plugins.models.fused_layers import FusedLinear, FusedRMSNorm, FusedRotaryEmbedding, FusedSiluAndMul
+    from infer.plugins.models.llama import LlamaMLP
+    from infer.plugins.models.parallel_layers import RowParallelLinear, Shard
+
+    calls = []
+    real = triton_gemv.gemv_silu_mul
+    monkeypatch.setattr(triton_gemv, "gemv_silu_mul", lambda h, w: calls.append(h.shape) or real(h, w))
+    config = types.SimpleNamespace(hidden_size=32, intermediate_size=48)
+    fused = Layers(rms_norm=FusedRMSNorm, rotary_embedding=FusedRotaryEmbedding, silu_and_mul=FusedSiluAndMul,
+                   linear=FusedLinear)
+    torch.manual_seed(0)
+    mlp = LlamaMLP(config, fused)
+    assert mlp.fused_down
+    for tokens, fused_calls in ((1, 1), (3, 0)):
+        calls.clear()
+        x = torch.randn(tokens, 32)
+        expected = plain.SiluAndMul()(x @ mlp.gate_up_proj.weight.t()) @ mlp.down_proj.weight.t()
+        torch.testing.assert_close(mlp(x), expected, atol=1e-5, rtol=1e-5)
+        assert len(calls) == fused_calls
+    # a shard whose partial sum is left to the next norm: fused; one that all-reduces itself, or
+    # another linear layer's matmul: not
+    parallel = types.SimpleNamespace(all_reduce=lambda y: y)
+    shard = Shard(1, (48,), ((0, 48),))
+    assert FusedSiluAndMul.fuses_with(RowParallelLinear(32, shard, parallel, FusedLinear.matmul, reduce=False))
+    assert not FusedSiluAndMul.fuses_with(RowParallelLinear(32, shard, parallel, FusedLinear.matmul, reduce=True))
+    assert not FusedSiluAndMul.fuses_with(RowParallelLinear(32, shard, parallel, torch.nn.functional.linear, reduce=False))
+    assert not FusedSiluAndMul.fuses_with(plain.Linear(48, 32))
+    assert not FusedSiluAndMul.fuses_with(FusedLinear(48, 32, bias=True))
