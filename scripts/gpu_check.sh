@@ -16,7 +16,7 @@ nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader | 
 python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__)" | tee -a "$OUT/gpu.txt"
 for step in $steps; do
   case $step in
-    tests) python3 -m pytest -m gpu tests/gpu -q -p no:cacheprovider 2>&1 | tee "$OUT/pytest_gpu.log" | tail -25 ;;
+    tests) python3 -m pytest -m gpu tests/gpu -v -rfs -p no:cacheprovider 2>&1 | tee "$OUT/pytest_gpu.log" | grep -v PASSED | tail -40 ;;
     bench) python3 -m pytest benchmarks -q -p no:cacheprovider --benchmark-enable --benchmark-only \
              --benchmark-json "$OUT/bench.json" --benchmark-columns=mean,median,min,rounds 2>&1 | tee "$OUT/bench.log" | tail -60 ;;
     e2e)   python3 scripts/gpu_bench.py --out "$OUT/e2e.json" ${E2E_ARGS:-} 2>&1 | tee "$OUT/e2e.log" | grep -v "^\s*$" | tail -30 ;;

@@ -39,7 +39,8 @@ run_tests() {
   [ -n "${want_tests:-}" ] || return 0
   # pytest-timeout (in the GPU image) fails a hung test with every thread's stack instead of losing the run
   timeout_flag=$(python3 -c "import pytest_timeout" 2>/dev/null && echo "--timeout ${TP_TEST_TIMEOUT_S:-240}")
-  python3 -m pytest -m gpu -q -p no:cacheprovider -rs $timeout_flag tests/gpu/test_all_reduce_gpu.py \
+  # -v: a line per test as it ends, so a call cut short still says which tests passed
+  python3 -m pytest -m gpu -v -p no:cacheprovider -rfs $timeout_flag tests/gpu/test_all_reduce_gpu.py \
     tests/gpu/test_tensor_parallel_gpu.py 2>&1 | tee "$OUT/pytest_tp.log" | tail -15
 }
 if [ $# -eq 0 ] && [ -n "${ran_allreduce:-}${want_tests:-}" ]; then  # no engine part asked for
