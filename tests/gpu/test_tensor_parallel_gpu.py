@@ -119,6 +119,9 @@ def test_tp2_with_pdl_matches_tp1(shape_dir, monkeypatch):
     expected, _ = generate(shape_dir, 2, **options)
     monkeypatch.setenv("INFER_PDL", "1")  # rank 0 reads it again; the spawned ranks inherit it
     pdl.reset()
+    from infer.plugins import triton_pdl
+
+    assert triton_pdl.use_pdl(torch.device("cuda", 0)), "INFER_PDL=1 on a Hopper GPU must turn PDL on"
     try:
         tokens, _ = generate(shape_dir, 2, **options)
     finally:
