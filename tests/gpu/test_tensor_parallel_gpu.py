@@ -121,8 +121,8 @@ def test_tp2_with_pdl_matches_tp1(shape_dir, monkeypatch):
     pdl.reset()
     from infer.plugins import triton_pdl
 
-    assert triton_pdl.use_pdl(torch.device("cuda", 0)), "INFER_PDL=1 on a Hopper GPU must turn PDL on"
     try:
+        assert triton_pdl.use_pdl(torch.device("cuda", 0)), "INFER_PDL=1 on a Hopper GPU must turn PDL on"
         tokens, _ = generate(shape_dir, 2, **options)
     finally:
         monkeypatch.delenv("INFER_PDL")
