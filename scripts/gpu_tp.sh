@@ -1,7 +1,10 @@
 #!/usr/bin/env bash
 # Tensor parallelism on a machine with 2 GPUs (nvidia-h200-x2), engine-spawned ranks over NCCL:
-#   bash scripts/gpu_tp.sh [allreduce] [70b] [7b] [spec] [tests]   (default: 70b 7b; each part fits one 10-minute command)
-# allreduce: NCCL against the symmetric-memory one-shot all-reduce per message size (scripts/gpu_allreduce.py).
+#   bash scripts/gpu_tp.sh [allreduce] [pdl] [70b] [7b] [spec] [tests]   (default: 70b 7b; each part fits one 10-minute command)
+# allreduce: NCCL against the symmetric-memory one-shot and FlashInfer's all-reduce per message size
+#      (scripts/gpu_allreduce.py).
+# pdl: llama2-7b latency-1 with programmatic dependent launch off and on, tp1 and tp2 (scripts/gpu_pdl.py,
+#      PDL_ROUNDS rounds, default 1).
 # 70b: llama2-70b, dummy bf16 weights (138 GB: 69 GB per H200 at --tp 2, the rest is KV cache),
 #      on the sharegpt-like workload, 200 requests (TP_REQUESTS to change).
 # 7b:  llama2-7b on latency-1 (one request: 128 prompt tokens, 256 new) at --tp 1 and --tp 2 (auto, then
@@ -26,10 +29,16 @@ fi
 export PYTHONPATH=$PWD:/tmp/site${PYTHONPATH:+:$PYTHONPATH}
 export PATH=/tmp/site/bin:$PATH
 nvidia-smi --query-gpu=index,name,memory.total --format=csv,noheader
+export FLASHINFER_WORKSPACE_BASE=${FLASHINFER_WORKSPACE_BASE:-$PWD/.cache/flashinfer}  # its JIT builds, kept between parts
 if [[ " $* " == *" allreduce "* ]]; then
   python3 scripts/gpu_allreduce.py 2>&1 | tee "$OUT/allreduce.log"
-  ran_allreduce=1
+  ran_part=1  # with nothing else asked, do not fall through to the default engines
   set -- ${*//allreduce/}
+fi
+if [[ " $* " == *" pdl "* ]]; then
+  python3 scripts/gpu_pdl.py --rounds "${PDL_ROUNDS:-1}" --out "$OUT/pdl.json" 2>&1 | tee "$OUT/pdl.log"
+  ran_part=1
+  set -- ${*//pdl/}
 fi
 if [[ " $* " == *" tests "* ]]; then  # the two-GPU tests, after the timed parts so they cannot crowd them out
   want_tests=1
@@ -43,7 +52,7 @@ run_tests() {
   python3 -m pytest -m gpu -v -p no:cacheprovider -rfs $timeout_flag tests/gpu/test_all_reduce_gpu.py \
     tests/gpu/test_tensor_parallel_gpu.py 2>&1 | tee "$OUT/pytest_tp.log" | tail -15
 }
-if [ $# -eq 0 ] && [ -n "${ran_allreduce:-}${want_tests:-}" ]; then  # no engine part asked for
+if [ $# -eq 0 ] && [ -n "${ran_part:-}${want_tests:-}" ]; then  # no engine part asked for
   run_tests
   exit 0
 fi
