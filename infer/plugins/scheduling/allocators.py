@@ -78,12 +78,15 @@ class PagedAllocator:
         """
         if self.is_swapped(request):
             return self._swap_in(request, num_tokens)
-        if not request.block_ids and request.num_computed_tokens == 0 and self.cache is not None:
+        table = request.block_ids
+        if not table and request.num_computed_tokens == 0 and self.cache is not None:
             return self._allocate_with_prefix(request, num_tokens)
         self._register_full_blocks(request)
-        table = request.block_ids
         to_copy = self._blocks_to_copy(request, num_tokens)
         grow = max(0, cdiv(num_tokens, self.block_size) - len(table))
+        if not to_copy and not grow:  # most decode steps: the next token fits a block of its own
+            self.owners[request.request_id] = request
+            return []
         new = self.pool.take(len(to_copy) + grow)
         if new is None:
             return None
@@ -127,12 +130,18 @@ class PagedAllocator:
         """Logical indices of blocks that the next writes (tokens computed..num_tokens) must not touch in place."""
         table, start = request.block_ids, request.num_computed_tokens // self.block_size
         stop = min(len(table), cdiv(num_tokens, self.block_size))
-        cached = self.cache.is_cached if self.cache is not None else (lambda b: False)
-        return [i for i in range(start, stop) if self.pool.ref_counts[table[i]] > 1 or cached(table[i])]
+        refs = self.pool.ref_counts
+        if self.cache is None:
+            return [i for i in range(start, stop) if refs[table[i]] > 1]
+        cached = self.cache.is_cached
+        return [i for i in range(start, stop) if refs[table[i]] > 1 or cached(table[i])]
 
     def _register_full_blocks(self, request: Request) -> None:
         if self.cache is None or not request.block_ids:
             return
+        keys = self.keys.get(request.request_id)
+        if keys is not None and request.num_computed_tokens // self.block_size <= len(keys):
+            return  # no block filled since the last call (num_full below is at most this)
         keys = self.keys.setdefault(request.request_id, [])
         num_full = min(request.num_computed_tokens, request.num_tokens, len(request.block_ids) * self.block_size) // self.block_size
         if num_full <= len(keys):
