@@ -24,10 +24,14 @@ import triton.language as tl
 from infer.core import pdl
 
 
+# this Triton has the device-side calls (checked once: use_pdl runs at every kernel launch)
+_CUDA = getattr(getattr(tl, "extra", None), "cuda", None)
+HAS_GDC = hasattr(_CUDA, "gdc_wait") and hasattr(_CUDA, "gdc_launch_dependents")
+
+
 def use_pdl(device: torch.device) -> bool:
     """Whether kernels on `device` launch as programmatic dependents (the `USE_PDL` constexpr)."""
-    cuda = getattr(getattr(tl, "extra", None), "cuda", None)
-    return pdl.enabled(device) and hasattr(cuda, "gdc_wait") and hasattr(cuda, "gdc_launch_dependents")
+    return HAS_GDC and pdl.enabled(device)
 
 
 def kernel_args(device: torch.device) -> dict[str, Any]:

@@ -85,14 +85,8 @@ def gemv(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     is read before the kernel just before has finished: it must be no output of that kernel (model
     weights never are)."""
     assert x.dim() == 2 and x.shape[0] == 1, f"gemv takes one row, got {tuple(x.shape)}"
-    n, k = weight.shape
-    assert x.shape[1] == k and weight.stride(1) == 1, "weight must be [N, K] with contiguous rows"
-    x = x.contiguous()
-    y = torch.empty(1, n, dtype=x.dtype, device=x.device)
-    _gemv_kernel[lambda meta: (triton.cdiv(n, meta["BLOCK_N"]),)](
-        x, weight, y, n, k, weight.stride(0), GATED=False, **kernel_args(x.device)
-    )
-    return y
+    assert x.shape[1] == weight.shape[1] and weight.stride(1) == 1, "weight must be [N, K] with contiguous rows"
+    return _launch(x, weight, gated=False)
 
 
 def gemv_silu_mul(h: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
@@ -100,11 +94,15 @@ def gemv_silu_mul(h: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     activation read inside its down projection's GEMV, one kernel instead of two (the same bits as
     `gemv(silu_and_mul(h), weight)`)."""
     assert h.dim() == 2 and h.shape[0] == 1, f"gemv_silu_mul takes one row, got {tuple(h.shape)}"
+    assert h.shape[1] == 2 * weight.shape[1] and weight.stride(1) == 1, "h must be [1, 2K] and weight [N, K] with contiguous rows"
+    return _launch(h, weight, gated=True)
+
+
+def _launch(x: torch.Tensor, weight: torch.Tensor, gated: bool) -> torch.Tensor:
     n, k = weight.shape
-    assert h.shape[1] == 2 * k and weight.stride(1) == 1, "h must be [1, 2K] and weight [N, K] with contiguous rows"
-    h = h.contiguous()
-    y = torch.empty(1, n, dtype=h.dtype, device=h.device)
+    x = x.contiguous()
+    y = torch.empty(1, n, dtype=x.dtype, device=x.device)
     _gemv_kernel[lambda meta: (triton.cdiv(n, meta["BLOCK_N"]),)](
-        h, weight, y, n, k, weight.stride(0), GATED=True, **kernel_args(h.device)
+        x, weight, y, n, k, weight.stride(0), GATED=gated, **kernel_args(x.device)
     )
     return y

@@ -31,8 +31,8 @@ import torch
 import triton
 import triton.language as tl
 
-from infer.plugins.triton_pdl import kernel_args, wait_and_release
 from infer.plugins.attention.triton_kernels import dot_config
+from infer.plugins.triton_pdl import kernel_args, wait_and_release
 
 LOG2E = 1.4426950408889634
 
