@@ -9,8 +9,13 @@ are read once per step, so they are loaded evict-first to keep the activations i
 programmatic dependent (`triton_pdl`), it loads its first weight tile before waiting for the
 kernel that wrote x.
 
-Tile shapes are autotuned per (N, K) on the GPU (the first call, which the engine makes in its
-warm-up, before any CUDA graph is captured); under TRITON_INTERPRET=1 one small tile is used.
+Tile shapes are tuned per (N, K, dtype, device) on the GPU at the first call (which the engine makes
+in its warm-up, before any CUDA graph is captured), the way a decode step runs them: each candidate
+launched back to back in a CUDA graph over weights that do not fit in L2 (copies of the weight's
+shape when it would), launched as programmatic dependents when those are on. Timed one call at a
+time instead (Triton's autotuner), the launch and ramp-up of each call weigh in and the winner is
+another tile: 5-10% slower in a step for the smaller shards. One tile per shape serves the plain,
+PDL and gated forms, so all give the same bits. Under TRITON_INTERPRET=1 one small tile is used.
 """
 
 from __future__ import annotations
@@ -24,15 +29,45 @@ import triton.language as tl
 from infer.plugins.triton_pdl import kernel_args, wait_and_release
 
 
-def _configs() -> list[triton.Config]:
-    if os.environ.get("TRITON_INTERPRET") == "1":
-        return [triton.Config({"BLOCK_N": 4, "BLOCK_K": 32}, num_warps=1)]
-    return [
-        triton.Config({"BLOCK_N": n, "BLOCK_K": k}, num_warps=w, num_stages=s)
-        for n, k, w in [(4, 512, 4), (8, 256, 4), (8, 512, 4), (16, 256, 4), (16, 512, 8), (32, 256, 8), (2, 1024, 4)]
-        for s in (1, 2)
-    ]
+# (BLOCK_N, BLOCK_K, num_warps): few rows and long, coalesced rows of 16-byte loads win at one token;
+# the small tiles serve narrow models (K of a few hundred)
+CANDIDATES = [(1, 512, 1), (1, 512, 2), (1, 1024, 4), (1, 4096, 4), (2, 512, 2), (2, 1024, 4), (2, 2048, 8),
+              (4, 1024, 4), (4, 256, 2), (8, 256, 4), (8, 128, 2), (16, 128, 4)]
+INTERPRETER_TILE = (4, 32, 1)
+_tiles: dict[tuple, tuple[int, int, int]] = {}
 
+
+def _tile(x: torch.Tensor, weight: torch.Tensor, gated: bool) -> tuple[int, int, int]:
+    if os.environ.get("TRITON_INTERPRET") == "1":
+        return INTERPRETER_TILE
+    key = (*weight.shape, weight.dtype, x.dtype, weight.device)
+    if key not in _tiles:
+        _tiles[key] = _tune(x, weight, gated)
+    return _tiles[key]
+
+
+def _tune(x: torch.Tensor, weight: torch.Tensor, gated: bool) -> tuple[int, int, int]:
+    """The candidate with the least device time per call, calls captured back to back in a graph."""
+    from infer.bench.ceilings import captured_seconds
+
+    if torch.cuda.is_current_stream_capturing():
+        raise RuntimeError("gemv: the first call for a weight shape tunes its tile and must run before graph capture")
+    n, k = weight.shape
+    l2 = torch.cuda.get_device_properties(weight.device).L2_cache_size
+    if weight.nbytes >= 2 * l2:  # streams from memory at every call as it is
+        weights = [weight]
+    else:  # copies enough to overflow L2 (their values do not matter to the time)
+        weights = list(torch.empty((-(-3 * l2 // weight.nbytes), n, k), dtype=weight.dtype, device=weight.device))
+    y = torch.empty(1, n, dtype=x.dtype, device=x.device)
+    times = {}
+    for tile in CANDIDATES:
+        try:
+            times[tile] = captured_seconds(lambda i: _run(x, weights[i % len(weights)], y, gated, tile),
+                                           calls=max(8, 2 * len(weights)), replays=3)
+        except triton.runtime.errors.OutOfResources:  # a tile this GPU cannot hold
+            continue
+    del weights
+    return min(times, key=times.get)
 
 @triton.jit
 def _load_x(x_ptr, cols, col_ok, K, GATED: tl.constexpr):
@@ -48,9 +83,6 @@ def _load_x(x_ptr, cols, col_ok, K, GATED: tl.constexpr):
     return x
 
 
-# one tuning per shape, shared by the PDL and gated forms: the same tiles sum in the same order, so
-# every form gives the same bits (a form tuned apart could pick other tiles and round differently)
-@triton.autotune(configs=_configs(), key=["N", "K"])
 @triton.jit
 def _gemv_kernel(x_ptr, w_ptr, y_ptr, N, K, stride_w, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                  USE_PDL: tl.constexpr, GATED: tl.constexpr):
@@ -99,10 +131,14 @@ def gemv_silu_mul(h: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
 
 
 def _launch(x: torch.Tensor, weight: torch.Tensor, gated: bool) -> torch.Tensor:
-    n, k = weight.shape
     x = x.contiguous()
-    y = torch.empty(1, n, dtype=x.dtype, device=x.device)
-    _gemv_kernel[lambda meta: (triton.cdiv(n, meta["BLOCK_N"]),)](
-        x, weight, y, n, k, weight.stride(0), GATED=gated, **kernel_args(x.device)
-    )
+    y = torch.empty(1, weight.shape[0], dtype=x.dtype, device=x.device)
+    _run(x, weight, y, gated, _tile(x, weight, gated))
     return y
+
+
+def _run(x: torch.Tensor, weight: torch.Tensor, y: torch.Tensor, gated: bool, tile: tuple[int, int, int]) -> None:
+    n, k = weight.shape
+    block_n, block_k, warps = tile
+    _gemv_kernel[(triton.cdiv(n, block_n),)](x, weight, y, n, k, weight.stride(0), BLOCK_N=block_n, BLOCK_K=block_k,
+                                             GATED=gated, num_warps=warps, num_stages=1, **kernel_args(x.device))
