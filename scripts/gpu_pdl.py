@@ -2,7 +2,7 @@
 each configuration in its own process (the switch is read once per process, and symmetric memory
 serves one tensor-parallel engine per process), in alternating rounds.
 
-    python scripts/gpu_pdl.py [--tp 1 2] [--all-reduce auto flashinfer] [--rounds 2] [--out pdl.json]
+    python scripts/gpu_pdl.py [--tp 1 2] [--all-reduce symm-mem flashinfer] [--rounds 2] [--out pdl.json]
 
 Per run: TPOT p50 of latency-1 and the decode forward's device time alone (back to back through
 CUDA graphs). Prints a line per run, then the medians and each tp2/tp1 per-token ratio.
@@ -50,7 +50,7 @@ def one(tp: int, all_reduce: str) -> dict:
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--tp", type=int, nargs="+", default=[1, 2])
-    ap.add_argument("--all-reduce", nargs="+", default=["auto", "flashinfer"], help="for tp > 1")
+    ap.add_argument("--all-reduce", nargs="+", default=["symm-mem", "flashinfer"], help="for tp > 1")
     ap.add_argument("--rounds", type=int, default=2)
     ap.add_argument("--out", default="pdl.json")
     ap.add_argument("--one", nargs=2, metavar=("TP", "ALL_REDUCE"), help=argparse.SUPPRESS)

@@ -1,9 +1,9 @@
-"""Whether kernels launch as programmatic dependents (PDL) on a device: `INFER_PDL=1`, a GPU of
-compute capability 9.0 or newer, and no Triton interpreter. A dependent kernel's blocks may be
-scheduled while the kernel before it finishes; each waits on the GPU for that kernel before reading
-anything, so results are those of plain launches. This project's Triton kernels take it through
-`infer.plugins.triton_pdl`, FlashInfer's all-reduce through its `launch_with_pdl`. Off by default
-until measured (`scripts/gpu_pdl.py`)."""
+"""Whether kernels launch as programmatic dependents (PDL) on a device: on a GPU of compute
+capability 9.0 or newer outside the Triton interpreter, unless `INFER_PDL=0`. A dependent kernel's
+blocks may be scheduled while the kernel before it finishes; each waits on the GPU for that kernel
+before reading anything, so results are those of plain launches. This project's Triton kernels take
+it through `infer.plugins.triton_pdl`, FlashInfer's all-reduce through its `launch_with_pdl`.
+Measured with `scripts/gpu_pdl.py` (each run its own process, INFER_PDL=0 and 1)."""
 
 from __future__ import annotations
 
@@ -15,7 +15,7 @@ import torch
 
 @functools.cache
 def _enabled(device_index: int) -> bool:
-    if os.environ.get("INFER_PDL") != "1" or os.environ.get("TRITON_INTERPRET") == "1":
+    if os.environ.get("INFER_PDL", "1") == "0" or os.environ.get("TRITON_INTERPRET") == "1":
         return False
     return torch.cuda.get_device_capability(device_index) >= (9, 0)
 

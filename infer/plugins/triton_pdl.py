@@ -10,7 +10,7 @@ waits before it touches anything, so the results are those of plain launches whi
 comes before (a kernel that never signals, like cuBLAS's or NCCL's, counts as signalling when it
 finishes). CUDA graphs keep these launches as programmatic edges.
 
-When it is on: `infer.core.pdl` (INFER_PDL=1, off until measured), and a Triton that has it.
+When it is on: `infer.core.pdl` (Hopper and newer, unless INFER_PDL=0), and a Triton that has it.
 """
 
 from __future__ import annotations

@@ -109,25 +109,25 @@ def test_tp2_matches_tp1_bf16_with_graphs(shape_dir, attention, prefill, all_red
 
 
 def test_tp2_with_pdl_matches_tp1(shape_dir, monkeypatch):
-    """INFER_PDL=1 (Hopper): the Triton kernels and FlashInfer's all-reduce launched as programmatic
-    dependents, in every rank's CUDA graphs; the tokens of plain launches."""
+    """PDL (on by default on Hopper): the Triton kernels and FlashInfer's all-reduce launched as
+    programmatic dependents, in every rank's CUDA graphs; the tokens of plain launches (INFER_PDL=0)."""
     from infer.core import pdl
+    from infer.plugins import triton_pdl
 
     if not _available("flashinfer") or torch.cuda.get_device_capability() < (9, 0):
         pytest.skip("needs flashinfer and a GPU of compute capability 9.0 or newer")
     options = dict(attention="paged-cuda", dtype="bfloat16", cuda_graphs=True, all_reduce="flashinfer")
-    expected, _ = generate(shape_dir, 2, **options)
-    monkeypatch.setenv("INFER_PDL", "1")  # rank 0 reads it again; the spawned ranks inherit it
-    pdl.reset()
-    from infer.plugins import triton_pdl
-
+    runs = {}
     try:
-        assert triton_pdl.use_pdl(torch.device("cuda", 0)), "INFER_PDL=1 on a Hopper GPU must turn PDL on"
-        tokens, _ = generate(shape_dir, 2, **options)
+        for setting in ("0", "1"):
+            monkeypatch.setenv("INFER_PDL", setting)  # rank 0 reads it again; the spawned ranks inherit it
+            pdl.reset()
+            assert triton_pdl.use_pdl(torch.device("cuda", 0)) == (setting == "1")
+            runs[setting], _ = generate(shape_dir, 2, **options)
     finally:
         monkeypatch.delenv("INFER_PDL")
         pdl.reset()
-    assert tokens == expected
+    assert runs["1"] == runs["0"]
 
 
 def test_tp2_pipelined_decode_matches_tp1(shape_dir):

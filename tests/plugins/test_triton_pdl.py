@@ -1,5 +1,5 @@
-"""When the Triton kernels launch as programmatic dependents (PDL): only where it is asked for
-(INFER_PDL=1) and can run (a compiled kernel on a GPU of compute capability 9.0 or newer)."""
+"""When the Triton kernels launch as programmatic dependents (PDL): where it can run (a compiled
+kernel on a GPU of compute capability 9.0 or newer), unless switched off (INFER_PDL=0)."""
 
 import pytest
 import torch
@@ -17,16 +17,20 @@ def fresh():
     pdl.reset()
 
 
-def test_off_unless_asked(monkeypatch):
-    monkeypatch.delenv("INFER_PDL", raising=False)
+def test_off_when_switched_off(monkeypatch):
+    monkeypatch.setenv("INFER_PDL", "0")
     monkeypatch.delenv("TRITON_INTERPRET", raising=False)
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda index: (9, 0))
     assert not triton_pdl.use_pdl(torch.device("cuda", 0))
     assert triton_pdl.kernel_args(torch.device("cuda", 0)) == {"USE_PDL": False}
 
 
-def test_on_when_asked_on_hopper_only(monkeypatch):
-    monkeypatch.setenv("INFER_PDL", "1")
+@pytest.mark.parametrize("setting", [None, "1"])
+def test_on_by_default_on_hopper_only(monkeypatch, setting):
+    if setting is None:
+        monkeypatch.delenv("INFER_PDL", raising=False)
+    else:
+        monkeypatch.setenv("INFER_PDL", setting)
     monkeypatch.delenv("TRITON_INTERPRET", raising=False)
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda index: (9, 0))
     assert triton_pdl.use_pdl(torch.device("cuda", 0))
