@@ -41,7 +41,7 @@ ENGINE_OPTIONS: list[Callable[[Callable[..., Any]], Callable[..., Any]]] = [
     click.option("--tp", "tensor_parallel_size", type=int, default=1, show_default=True, help="Tensor-parallel ranks."),
     click.option("--all-reduce", type=click.Choice(["auto", "nccl", "symm-mem", "flashinfer"]), default="auto", show_default=True,
                  help="How --tp sums: symm-mem (one-shot kernel over peer memory), flashinfer (fused with the residual add "
-                      "and RMSNorm), nccl, or auto (symm-mem when it can run)."),
+                      "and RMSNorm), nccl, or auto (flashinfer, else symm-mem, whichever can run first)."),
     click.option("--draft", default=None, help="For --decoding speculative: a model of the target's vocabulary, ngram, or self (with --exit-layer)."),
     click.option("--num-speculative-tokens", type=int, default=4, show_default=True, help="Draft tokens verified per request per step."),
     click.option("--exit-layer", type=int, default=None, help="Decoder layers kept by --decoding early-exit or --draft self."),

@@ -154,34 +154,44 @@ def peer_gpus_reason(device: torch.device, world_size: int) -> str | None:
 def make_all_reduce(choice: str, parallel: Any, dtype: torch.dtype, hidden_size: int) -> tuple[Any, str]:
     """The fast path for `--all-reduce CHOICE` on this rank (every rank calls this, in the same order)
     for a model whose activations are `dtype` x `hidden_size`, and a line saying what was chosen.
-    `auto` falls back to NCCL, with the reason; `symm-mem` and `flashinfer` fail with it."""
+    `auto` takes FlashInfer's fused all-reduce where it can run, else symmetric memory, else NCCL,
+    saying why; `symm-mem` and `flashinfer` fail with the reason."""
     backend = "nccl" if parallel.device.type == "cuda" else "gloo"
     if choice == "nccl" or not parallel.is_parallel:
         return None, backend
     from infer.core import flashinfer_all_reduce, symmetric_memory
 
-    strategy = flashinfer_all_reduce if choice == "flashinfer" else symmetric_memory
-    reason = strategy.unavailable_reason(parallel.device, parallel.world_size, dtype)  # the same on every rank
-    if strategy is symmetric_memory:  # collective: every rank asks, whatever its own reason
-        mismatch = symmetric_memory.rendezvous_mismatch(parallel)
-        reason = reason or mismatch
-    # every rank must agree before the collective set-up (one rank waiting in it alone would hang)
-    if not parallel.min(int(reason is None)):
+    strategies = {"flashinfer": flashinfer_all_reduce, "symm-mem": symmetric_memory}
+    reasons = []
+    for name in ([choice] if choice != "auto" else list(strategies)):
+        strategy = strategies[name]
+        reason = strategy.unavailable_reason(parallel.device, parallel.world_size, dtype)  # may differ by rank
+        if strategy is symmetric_memory:  # collective: every rank asks, whatever its own reason
+            mismatch = symmetric_memory.rendezvous_mismatch(parallel)
+            reason = reason or mismatch
+        # every rank must agree before the collective set-up (one rank waiting in it alone would hang)
+        if parallel.min(int(reason is None)):
+            return _set_up(name, parallel, dtype, hidden_size)
         if choice != "auto":
             fix = "auto or nccl" if choice == "flashinfer" else "nccl"
             raise ConfigError(f"--all-reduce {choice} cannot run: {reason or 'another rank cannot use it'}; use --all-reduce {fix}")
-        return None, f"{backend} (symmetric memory unavailable: {reason or 'on another rank'})"
-    if choice == "flashinfer":
+        label = "flashinfer" if name == "flashinfer" else "symmetric memory"
+        reasons.append(f"{label} unavailable: {reason or 'on another rank'}")
+    return None, f"{backend} ({'; '.join(reasons)})"
+
+
+def _set_up(name: str, parallel: Any, dtype: torch.dtype, hidden_size: int) -> tuple[Any, str]:
+    from infer.core import flashinfer_all_reduce, symmetric_memory
+
+    if name == "flashinfer":
         fast = flashinfer_all_reduce.FlashInferAllReduce(parallel, hidden_size, dtype)
         return fast, (f"flashinfer (one- or two-shot, fused with the residual add and RMSNorm) up to "
                       f"{fast.max_tokens} tokens, nccl above")
     try:
         fast = symmetric_memory.SymmetricAllReduce(parallel.group, parallel.device)
     except Exception as exc:  # set-up failed on this rank: the others may have failed too, or may wait
-        if choice == "symm-mem":
-            raise ConfigError(f"--all-reduce symm-mem could not be set up ({type(exc).__name__}: {exc}); "
-                              "use --all-reduce nccl") from exc
-        raise
+        raise ConfigError(f"the symmetric-memory all-reduce could not be set up ({type(exc).__name__}: {exc}); "
+                          "use --all-reduce nccl") from exc
     return fast, f"symm-mem one-shot up to {fast.max_bytes // 1024} KiB, nccl above"
 
 

@@ -225,8 +225,14 @@ def _all_reduce(config: EngineConfig, device: torch.device, dtype: torch.dtype) 
         return Verdict("all-reduce", "symm-mem", f"symmetric memory cannot run: {reason}", ("nccl", "auto"))
     if config.all_reduce == "auto":
         backend = "nccl" if device.type == "cuda" else "gloo"
-        return Verdict("all-reduce", "auto", note=f"auto picks {backend} (symmetric memory: {reason})" if reason
-                       else "auto picks symm-mem for small tensors, nccl above")
+        flashinfer_why = flashinfer_all_reduce.unavailable_reason(device, config.tensor_parallel_size, dtype)
+        if flashinfer_why is None:
+            note = "auto picks flashinfer (fused with the residual add and RMSNorm) up to 2048 tokens, nccl above"
+        elif reason is None:
+            note = f"auto picks symm-mem for small tensors, nccl above (flashinfer: {flashinfer_why})"
+        else:
+            note = f"auto picks {backend} (flashinfer: {flashinfer_why}; symmetric memory: {reason})"
+        return Verdict("all-reduce", "auto", note=note)
     return Verdict("all-reduce", config.all_reduce)
 
 

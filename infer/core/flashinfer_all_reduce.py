@@ -7,21 +7,26 @@ so no separate barrier), for more tokens in two shots. `kARResidualRMSNorm` then
 x + residual and RMSNorm(x + residual) in the same kernel, so a tensor-parallel decoder layer's two
 (all-reduce, add-and-norm) pairs become two kernels. fp16 and bf16; float32 tensors, and token
 counts above the workspace (long prefills), go to NCCL. The choice depends on shape and dtype
-only, so every rank takes the same path. The kernels are compiled by FlashInfer's JIT on first use.
+only, so every rank takes the same path. `--all-reduce auto` takes it where it can run. The kernels
+are compiled by FlashInfer's JIT on first use on a machine (about two minutes), then loaded from its
+cache; each rank builds or loads them before the ranks agree to use them.
 """
 
 from __future__ import annotations
 
 import contextlib
 import io
+import time
 from typing import Any
 
 import torch
 
 from infer.core import pdl
 from infer.core.distributed import peer_gpus_reason
+from infer.core.logging import get_logger
 
 DTYPES = (torch.float16, torch.bfloat16)
+log = get_logger(component="all-reduce")
 MAX_TOKENS = 2048  # the workspace's rows: decode batches and chunked prefills up to this use it
 
 
@@ -93,4 +98,14 @@ def unavailable_reason(device: torch.device, world_size: int, dtype: torch.dtype
         return f"flashinfer's all-reduce cannot be imported ({type(exc).__name__}: {exc}): pip install 'infer[gpu]'"
     if torch.cuda.get_device_capability(device) < (8, 0):
         return "its kernels need compute capability 8.0 or newer"
+    try:  # built here, on this rank alone, so that a failed build is a reason the ranks agree on
+        from flashinfer.comm.trtllm_ar import get_trtllm_comm_module
+
+        started = time.perf_counter()
+        get_trtllm_comm_module()
+        if (seconds := time.perf_counter() - started) > 5:
+            log.info("flashinfer all-reduce kernels built (first use on this machine, cached after)",
+                     seconds=round(seconds, 1))
+    except Exception as exc:  # no CUDA compiler, or it failed
+        return f"flashinfer's all-reduce kernels could not be built ({type(exc).__name__}: {exc})"
     return None

@@ -69,10 +69,19 @@ def test_flashinfer_all_reduce_says_why_it_cannot_run():
     assert "not float32" in flashinfer_all_reduce.unavailable_reason(torch.device("cuda", 0), 2, torch.float32)
 
 
-def test_float16_models_keep_nccl_and_say_why():
+@pytest.fixture
+def no_flashinfer(monkeypatch):
+    """FlashInfer's all-reduce unavailable on this rank (auto's first choice)."""
+    from infer.core import flashinfer_all_reduce
+
+    monkeypatch.setattr(flashinfer_all_reduce, "unavailable_reason", lambda device, world_size, dtype: "not installed")
+
+
+def test_float16_models_keep_nccl_and_say_why(no_flashinfer):
     parallel = types.SimpleNamespace(is_parallel=True, world_size=2, device=torch.device("cuda", 0), min=lambda v: v)
     fast, line = make_all_reduce("auto", parallel, torch.float16, 64)
     assert fast is None and "has no float16" in line and "--dtype bfloat16" in line
+    assert "flashinfer unavailable: not installed" in line
     with pytest.raises(Exception, match="--all-reduce symm-mem cannot run: .*float16"):
         make_all_reduce("symm-mem", parallel, torch.float16, 64)
     assert make_all_reduce("nccl", parallel, torch.bfloat16, 64) == (None, "nccl")
@@ -90,29 +99,64 @@ class RankZero:
         return min(value, self.peer_values.pop(0))
 
 
-def test_an_engine_after_one_that_used_symmetric_memory_keeps_nccl(fake_symm_mem, monkeypatch):
+def test_an_engine_after_one_that_used_symmetric_memory_keeps_nccl(fake_symm_mem, no_flashinfer, monkeypatch):
     # torch numbers a process's rendezvous: rank 0, which already did one for an earlier engine, and
     # a freshly spawned rank 1 would wait for each other's keys forever
     from infer.core import symmetric_memory
 
     monkeypatch.setattr(symmetric_memory, "_rendezvous_done", 0)
-    # first engine: both ranks have done none (count min, -count min, availability min)
-    fast, line = make_all_reduce("auto", RankZero([0, 0, 1]), torch.bfloat16, 64)
+    # first engine: both ranks have done none (flashinfer availability min, count min, -count min,
+    # availability min)
+    fast, line = make_all_reduce("auto", RankZero([0, 0, 0, 1]), torch.bfloat16, 64)
     assert isinstance(fast, SymmetricAllReduce) and line.startswith("symm-mem")
     assert symmetric_memory._rendezvous_done == 1 and fake_symm_mem == [("rendezvous", "0")]
     # second engine, new rank 1: no rendezvous is attempted, auto says why and keeps NCCL
-    fast, line = make_all_reduce("auto", RankZero([0, 0, 1]), torch.bfloat16, 64)
+    fast, line = make_all_reduce("auto", RankZero([0, 0, 0, 1]), torch.bfloat16, 64)
     assert fast is None and "an earlier tensor-parallel engine in this process" in line
     assert fake_symm_mem == [("rendezvous", "0")]
     with pytest.raises(Exception, match="--all-reduce symm-mem cannot run: an earlier tensor-parallel engine"):
         make_all_reduce("symm-mem", RankZero([0, 0, 1]), torch.bfloat16, 64)
     # ranks that all did one before (torchrun: every process ran the earlier engine) still agree
-    fast, _ = make_all_reduce("auto", RankZero([1, -1, 1]), torch.bfloat16, 64)
+    fast, _ = make_all_reduce("auto", RankZero([0, 1, -1, 1]), torch.bfloat16, 64)
     assert isinstance(fast, SymmetricAllReduce) and symmetric_memory._rendezvous_done == 2
 
 
-def test_ranks_ask_about_their_rendezvous_even_when_they_cannot_use_symmetric_memory():
+def test_ranks_ask_about_their_rendezvous_even_when_they_cannot_use_symmetric_memory(no_flashinfer):
     # the count comparison is collective: a rank that would skip it leaves the others waiting
-    parallel = RankZero([0, 0, 1])
+    parallel = RankZero([0, 0, 0, 1])
     fast, line = make_all_reduce("auto", parallel, torch.float16, 64)
     assert fast is None and "has no float16" in line and parallel.peer_values == []
+
+
+class FakeFlashInfer:
+    max_tokens = 2048
+
+    def __init__(self, parallel, hidden_size, dtype):
+        self.hidden_size, self.dtype = hidden_size, dtype
+
+
+@pytest.fixture
+def flashinfer_here(monkeypatch):
+    """FlashInfer's all-reduce available on this rank; its set-up recorded instead of run."""
+    from infer.core import flashinfer_all_reduce
+
+    monkeypatch.setattr(flashinfer_all_reduce, "unavailable_reason", lambda device, world_size, dtype: None)
+    monkeypatch.setattr(flashinfer_all_reduce, "FlashInferAllReduce", FakeFlashInfer)
+
+
+def test_auto_takes_flashinfer_when_every_rank_can(flashinfer_here, fake_symm_mem):
+    parallel = RankZero([1])
+    fast, line = make_all_reduce("auto", parallel, torch.float16, 64)  # FlashInfer sums fp16 too
+    assert isinstance(fast, FakeFlashInfer) and line.startswith("flashinfer") and parallel.peer_values == []
+    assert fake_symm_mem == []  # no symmetric-memory rendezvous asked for
+
+
+def test_auto_passes_flashinfer_over_when_another_rank_cannot(flashinfer_here, fake_symm_mem, monkeypatch):
+    from infer.core import symmetric_memory
+
+    monkeypatch.setattr(symmetric_memory, "_rendezvous_done", 0)
+    # rank 1 could not build FlashInfer's kernels: every rank goes on to symmetric memory together
+    fast, line = make_all_reduce("auto", RankZero([0, 0, 0, 1]), torch.bfloat16, 64)
+    assert isinstance(fast, SymmetricAllReduce) and line.startswith("symm-mem")
+    with pytest.raises(Exception, match="--all-reduce flashinfer cannot run: another rank cannot use it"):
+        make_all_reduce("flashinfer", RankZero([0]), torch.bfloat16, 64)
