@@ -1,8 +1,9 @@
-"""Programmatic dependent launch on and off (INFER_PDL), llama2-7b latency-1, bf16, dummy weights:
-each configuration in its own process (the switch is read once per process, and symmetric memory
-serves one tensor-parallel engine per process), in alternating rounds.
+"""A switch read from the environment at each setting, llama2-7b latency-1, bf16, dummy weights:
+by default programmatic dependent launch off and on (INFER_PDL=0,1); `--vary NAME=V1,V2`
+for another. Each configuration in its own process (the switches are read once per process, and
+symmetric memory serves one tensor-parallel engine per process), in alternating rounds.
 
-    python scripts/gpu_pdl.py [--tp 1 2] [--all-reduce symm-mem flashinfer] [--rounds 2] [--out pdl.json]
+    python scripts/gpu_pdl.py [--tp 1 2] [--all-reduce symm-mem flashinfer] [--vary NAME=V1,V2] [--rounds 2] [--out pdl.json]
 
 Per run: TPOT p50 of latency-1 and the decode forward's device time alone (back to back through
 CUDA graphs). Prints a line per run, then the medians and each tp2/tp1 per-token ratio.
@@ -53,42 +54,46 @@ def main() -> None:
     ap.add_argument("--all-reduce", nargs="+", default=["symm-mem", "flashinfer"], help="for tp > 1")
     ap.add_argument("--rounds", type=int, default=2)
     ap.add_argument("--out", default="pdl.json")
+    ap.add_argument("--vary", default="INFER_PDL=0,1", help="NAME=V1,V2,...: the environment variable set per run")
     ap.add_argument("--one", nargs=2, metavar=("TP", "ALL_REDUCE"), help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.one:
         print("RESULT " + json.dumps(one(int(args.one[0]), args.one[1])), flush=True)
         return
     configs = [(tp, ar) for tp in args.tp for ar in (["nccl"] if tp == 1 else args.all_reduce)]
+    name, _, values = args.vary.partition("=")
+    settings = values.split(",")
     runs: list[dict] = []
     for r in range(args.rounds):
         for tp, ar in configs:
-            for pdl in ("0", "1"):
+            for setting in settings:
                 done = subprocess.run([sys.executable, __file__, "--one", str(tp), ar], capture_output=True, text=True,
-                                      env={**os.environ, "INFER_PDL": pdl})
+                                      env={**os.environ, name: setting})
                 lines = [ln for ln in done.stdout.splitlines() if ln.startswith("RESULT ")]
                 if done.returncode or not lines:
-                    print(f"round {r} tp{tp} {ar} INFER_PDL={pdl}: failed ({done.returncode})\n{done.stderr[-3000:]}", flush=True)
+                    print(f"round {r} tp{tp} {ar} {name}={setting}: failed ({done.returncode})\n{done.stderr[-3000:]}", flush=True)
                     continue
-                run = {**json.loads(lines[-1][7:]), "round": r, "asked_all_reduce": ar, "INFER_PDL": pdl}
+                run = {**json.loads(lines[-1][7:]), "round": r, "asked_all_reduce": ar, name: setting}
                 runs.append(run)
-                print(f"round {r} tp{tp} {ar:10s} pdl={run['pdl']!s:5s} TPOT p50 {run['tpot_p50_ms']:.3f} ms, "
+                print(f"round {r} tp{tp} {ar:10s} {name}={setting} pdl={run['pdl']!s:5s} TPOT p50 {run['tpot_p50_ms']:.3f} ms, "
                       f"forward {run['forward_ms']:.3f} ms ({run['all_reduce']})", flush=True)
     with open(args.out, "w") as f:
         json.dump(runs, f, indent=2)
     print("\nmedians:")
     medians: dict[tuple, float] = {}
     for tp, ar in configs:
-        for pdl in ("0", "1"):
-            mine = [x for x in runs if x["tp"] == tp and x["asked_all_reduce"] == ar and x["INFER_PDL"] == pdl]
+        for setting in settings:
+            mine = [x for x in runs if x["tp"] == tp and x["asked_all_reduce"] == ar and x[name] == setting]
             if mine:
                 tpot = statistics.median(x["tpot_p50_ms"] for x in mine)
-                medians[(tp, ar, pdl)] = tpot
-                print(f"tp{tp} {ar:10s} INFER_PDL={pdl}: TPOT p50 {tpot:.3f} ms, forward "
+                medians[(tp, ar, setting)] = tpot
+                print(f"tp{tp} {ar:10s} {name}={setting}: TPOT p50 {tpot:.3f} ms, forward "
                       f"{statistics.median(x['forward_ms'] for x in mine):.3f} ms ({len(mine)} runs)")
-    for (tp, ar, pdl), tpot in medians.items():
-        base = medians.get((1, "nccl", pdl))
+    for (tp, ar, setting), tpot in medians.items():
+        base = medians.get((1, "nccl", setting))
         if tp > 1 and base:
-            print(f"tp{tp} {ar} INFER_PDL={pdl}: per-token speedup over tp1 (same INFER_PDL) {base / tpot:.3f}x")
+            print(f"tp{tp} {ar} {name}={setting}: per-token speedup over tp1 (same {name}) {base / tpot:.3f}x "
+                  f"({base:.3f} -> {tpot:.3f} ms)")
 
 
 if __name__ == "__main__":
