@@ -76,10 +76,13 @@ class FlashInferAllReduce:
         args: dict[str, Any] = dict(allreduce_out=None, residual_in=None, residual_out=None, norm_out=None,
                                     rms_gamma=None, rms_eps=None)
         args.update(outputs)
+        # with PDL, the kernel lets the next one launch as it starts, not as it ends: the next GEMV's
+        # blocks load their first weight tiles during the all-reduce and wait on the GPU for its sum
+        # (x2 H200, llama2-7b batch 1 at tp 2: 2.491 -> 2.434 ms per token)
         self.comm.trtllm_allreduce_fusion(
             allreduce_in=x, world_size=self.world_size, world_rank=self.rank, token_num=x.shape[0],
             hidden_dim=self.hidden_size, workspace_ptrs=self.workspace, launch_with_pdl=pdl.enabled(x.device),
-            trigger_completion_at_end=True, fp32_acc=True, pattern_code=pattern, use_oneshot=None,
+            trigger_completion_at_end=False, fp32_acc=True, pattern_code=pattern, use_oneshot=None,
             quant_out=None, scale_out=None, scale_factor=None, layout_code=None, **args,
         )
 
