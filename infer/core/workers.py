@@ -83,7 +83,8 @@ class RankGroup:
         """A WorkerError when another rank failed (its message, or its exit code), else `exc` itself."""
         if isinstance(exc, InferError):
             return exc
-        reasons = self._worker_errors(wait_s=2.0)
+        # a rank that crashed (a signal) may take seconds to exit while the OS writes its core
+        reasons = self._worker_errors(wait_s=10.0)
         if not reasons:
             return exc
         return WorkerError(f"tensor-parallel {'; '.join(reasons)}: the engine stopped (the rank's traceback is in its "

@@ -14,13 +14,14 @@ import pytest
 import torch
 
 from infer import SamplingParams
+from infer.core.errors import WorkerError
 from infer.llm import LLM
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 GPUs")]
 
 rng = random.Random(0)
 PROMPTS = [[rng.randrange(10, 1000) for _ in range(n)] for n in (1, 7, 16, 33, 200, 64)]
-PARAMS = SamplingParams(max_tokens=16, temperature=0, ignore_eos=True, logprobs=1)
+PARAMS = SamplingParams(max_tokens=16, temperature=0, ignore_eos=True, logprobs=2)  # top 2: the first token's margin
 SHAPE = dict(architectures=["LlamaForCausalLM"], vocab_size=1024, hidden_size=512, intermediate_size=1024,
              num_hidden_layers=2, num_attention_heads=8, num_key_value_heads=2, max_position_embeddings=1024,
              rms_norm_eps=1e-5, rope_theta=10000.0, tie_word_embeddings=False, bos_token_id=1, eos_token_id=2)
@@ -66,7 +67,13 @@ def generate(folder, tp, **options):
         outs = llm.generate(PROMPTS, PARAMS)
     tokens = [o.outputs[0].token_ids for o in outs]
     logprobs = [[lp[t] for lp, t in zip(o.outputs[0].logprobs, o.outputs[0].token_ids)] for o in outs]
-    return tokens, logprobs
+    return tokens, logprobs, [first_margin(o.outputs[0].logprobs[0]) for o in outs]
+
+
+def first_margin(top: dict) -> float:
+    """How far the first token's logprob is above the runner-up's."""
+    best = sorted(top.values(), reverse=True)
+    return best[0] - best[1]
 
 
 def _available(name):
@@ -82,8 +89,8 @@ def test_tp2_matches_tp1_fp32(shape_dir, attention, cuda_graphs):
     if not _available(attention):
         pytest.skip(f"{attention} cannot run here")
     options = dict(attention=attention, dtype="float32", cuda_graphs=cuda_graphs)
-    ref_tokens, ref_lps = reference(shape_dir, **options)
-    tokens, lps = generate(shape_dir, 2, **options)
+    ref_tokens, ref_lps, _ = reference(shape_dir, **options)
+    tokens, lps, _ = generate(shape_dir, 2, **options)
     assert tokens == ref_tokens
     for a, b in zip(lps, ref_lps):
         torch.testing.assert_close(torch.tensor(a), torch.tensor(b), atol=1e-3, rtol=0)
@@ -91,8 +98,8 @@ def test_tp2_matches_tp1_fp32(shape_dir, attention, cuda_graphs):
 
 def test_tp2_with_nccl_all_reduce_matches_tp1(shape_dir):
     options = dict(attention="paged-cuda", dtype="float32", cuda_graphs=True)
-    ref_tokens, ref_lps = reference(shape_dir, **options)
-    tokens, lps = generate(shape_dir, 2, all_reduce="nccl", **options)
+    ref_tokens, ref_lps, _ = reference(shape_dir, **options)
+    tokens, lps, _ = generate(shape_dir, 2, all_reduce="nccl", **options)
     assert tokens == ref_tokens
     for a, b in zip(lps, ref_lps):
         torch.testing.assert_close(torch.tensor(a), torch.tensor(b), atol=1e-3, rtol=0)
@@ -105,9 +112,17 @@ def test_tp2_matches_tp1_bf16_with_graphs(shape_dir, attention, prefill, all_red
         if not _available(name):
             pytest.skip(f"{name} cannot run here")
     options = dict(attention=attention, prefill_attention=prefill, dtype="bfloat16", cuda_graphs=True)
-    ref_tokens, ref_lps = reference(shape_dir, **options)
-    tokens, lps = generate(shape_dir, 2, **({"all_reduce": all_reduce} if all_reduce != "auto" else {}), **options)
-    assert [t[0] for t in tokens] == [t[0] for t in ref_tokens]
+    ref_tokens, ref_lps, ref_margins = reference(shape_dir, **options)
+    try:
+        tokens, lps, _ = generate(shape_dir, 2, **({"all_reduce": all_reduce} if all_reduce != "auto" else {}), **options)
+    except WorkerError as exc:  # a rank's own plugin check (xformers built for another torch, say)
+        if "cannot run here" in str(exc):
+            pytest.skip(str(exc)[:300])
+        raise
+    # bf16: tp 2 sums two rounded halves (and the fused all-reduce adds and normalises in fp32), so a
+    # first token whose lead over the runner-up is within bf16's error may flip; any other must not
+    for i, (got, want) in enumerate(zip((t[0] for t in tokens), (t[0] for t in ref_tokens))):
+        assert got == want or ref_margins[i] < 5e-2, f"prompt {i}: first token {got} != {want} (tp 1 leads by {ref_margins[i]:.3f})"
     torch.testing.assert_close(torch.tensor([x[0] for x in lps]), torch.tensor([x[0] for x in ref_lps]), atol=5e-2, rtol=0)
     agree = sum(a == b for x, y in zip(tokens, ref_tokens) for a, b in zip(x, y)) / sum(map(len, ref_tokens))
     assert agree > 0.8, agree
@@ -128,7 +143,7 @@ def test_tp2_with_pdl_matches_tp1(shape_dir, monkeypatch):
             monkeypatch.setenv("INFER_PDL", setting)  # rank 0 reads it again; the spawned ranks inherit it
             pdl.reset()
             assert triton_pdl.use_pdl(torch.device("cuda", 0)) == (setting == "1")
-            runs[setting], _ = generate(shape_dir, 2, **options)
+            runs[setting], _, _ = generate(shape_dir, 2, **options)
     finally:
         monkeypatch.delenv("INFER_PDL")
         pdl.reset()
