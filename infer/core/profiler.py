@@ -116,7 +116,8 @@ class StepProfiler:
             for module in layer.modules():
                 backend = module.__dict__.get("attention")
                 if backend is not None and callable(getattr(backend, "forward", None)):
-                    module.attention = _Proxy(backend, {"forward": f"attention|{i}"}, profiler)
+                    timed = {name: f"attention|{i}" for name in ("forward", "forward_with_rotary") if hasattr(backend, name)}
+                    module.attention = _Proxy(backend, timed, profiler)
         if isinstance(getattr(model, "norm", None), torch.nn.Module):
             profiler._hook(model.norm, "final norm + LM head")
         model.compute_logits = profiler.timed(model.compute_logits, "final norm + LM head")

@@ -133,6 +133,12 @@ class AttentionBackend(Protocol):
     once per layer: it writes the new tokens' K/V into their slots of that layer's cache and
     returns the attention output for the new tokens (causal within a sequence, attending to the
     sequence's whole cached context).
+
+    Optional: a backend whose cache write can apply the Neox-style rotary embedding on the way
+    offers `fuses_rotary() -> bool` and `forward_with_rotary(positions, q, k, v, kv_cache, cos, sin)`
+    (cos, sin: [max_position, head_dim / 2] float32): `forward` of q and k rotated at `positions`.
+    A model layer whose rotary layer lends its tables (`fuses_into_attention`) then calls it instead
+    of rotating first.
     """
 
     capabilities: ClassVar[Capabilities]

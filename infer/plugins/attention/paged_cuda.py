@@ -140,12 +140,31 @@ class PagedCudaAttention:
         return out[: n * d].view(num_decode, h, splits, d), mx[:n].view(num_decode, h, splits), sm[:n].view(num_decode, h, splits)
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: KVCache) -> torch.Tensor:
-        plan = self._plan
-        assert plan is not None, "plan() first"
-        batch = plan.batch
-        k_cache, v_cache = kv_cache  # [num_blocks, block_size, Hkv, D]
+        assert self._plan is not None, "plan() first"
         assert q.stride(-1) == 1, "head_dim must be contiguous"
-        self._cache_write.cache_write(k, v, k_cache, v_cache, batch.slot_mapping)
+        k_cache, v_cache = kv_cache  # [num_blocks, block_size, Hkv, D]
+        self._cache_write.cache_write(k, v, k_cache, v_cache, self._plan.batch.slot_mapping)
+        return self._attend(q, kv_cache)
+
+    def fuses_rotary(self) -> bool:
+        """Whether `forward_with_rotary` takes this model's heads (head_dim / 2 a power of two)."""
+        return self._cache_write.fits(self.spec.head_dim)
+
+    def forward_with_rotary(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                            kv_cache: KVCache, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        """`forward` of q and k rotated by the Neox-style rotary embedding at `positions` (cos, sin:
+        [max_position, D/2] float32 tables), the rotation done in the cache write's kernel: one
+        kernel fewer per layer, the same bits as rotating first."""
+        assert self._plan is not None, "plan() first"
+        k_cache, v_cache = kv_cache
+        q = self._cache_write.rotary_cache_write(positions, q, k, v, cos, sin, k_cache, v_cache,
+                                                 self._plan.batch.slot_mapping)
+        return self._attend(q, kv_cache)
+
+    def _attend(self, q: torch.Tensor, kv_cache: KVCache) -> torch.Tensor:
+        plan = self._plan
+        batch = plan.batch
+        k_cache, v_cache = kv_cache
         out = torch.empty_like(q)  # [T, H, D]
         self._decode.paged_decode(
             out, q, k_cache, v_cache, batch.block_tables_t, batch.seq_lens_t, self.spec.scale,

@@ -46,6 +46,9 @@ class FusedRMSNorm(plain.RMSNorm):
 
 class FusedRotaryEmbedding(plain.RotaryEmbedding):
     capabilities = CAPS
+    # its Neox-style cos/sin tables ([max_position, D/2] float32) may be applied by an attention
+    # backend that rotates q and k in its cache write (`forward_with_rotary`), one kernel fewer
+    fuses_into_attention = True
 
     def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         from infer.plugins.models.triton_layers import rotary

@@ -75,6 +75,10 @@ class LlamaAttention(nn.Module):
             self.head_dim, config.max_position_embeddings, config.rope_theta, config.rope_scaling
         )
         self.attention = attention
+        # a rotary layer that lends its tables to a backend whose cache write can rotate q and k
+        self.rotary_in_attention = bool(
+            getattr(self.rotary, "fuses_into_attention", False) and getattr(attention, "fuses_rotary", lambda: False)()
+        )
 
     def forward(self, positions: torch.Tensor, x: torch.Tensor, kv_cache: KVCache) -> torch.Tensor:
         # x: [T, hidden]
@@ -82,6 +86,9 @@ class LlamaAttention(nn.Module):
         q = q.view(-1, self.num_heads, self.head_dim)
         k = k.view(-1, self.num_kv_heads, self.head_dim)
         v = v.view(-1, self.num_kv_heads, self.head_dim)
+        if self.rotary_in_attention:
+            out = self.attention.forward_with_rotary(positions, q, k, v, kv_cache, self.rotary.cos, self.rotary.sin)
+            return self.o_proj(out.reshape(-1, self.q_size))
         q, k = self.rotary(positions, q, k)
         out = self.attention.forward(q, k, v, kv_cache)  # [T, H, D]
         return self.o_proj(out.reshape(-1, self.q_size))

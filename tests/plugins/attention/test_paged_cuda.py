@@ -114,6 +114,60 @@ def test_cache_write(dtype):
     torch.testing.assert_close(v_cache, expected_v, atol=0, rtol=0)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("heads", [(4, 2), (6, 3), (1, 1)])
+def test_rotary_cache_write_is_the_rotary_layer_then_cache_write(dtype, heads):
+    from infer.plugins.attention.triton_kernels.cache_write import cache_write, rotary_cache_write
+    from infer.plugins.models.layers import RotaryEmbedding
+    from infer.plugins.models.triton_layers import rotary
+
+    gen = torch.Generator().manual_seed(0)
+    (num_q, num_kv), head_dim, num_blocks, block_size, tokens = heads, 32, 5, 16, 9
+    tables = RotaryEmbedding(head_dim, 128, 10000.0, None)
+    cos, sin = tables.cos.to(DEVICE), tables.sin.to(DEVICE)
+    qkv = torch.randn(tokens, (num_q + 2 * num_kv) * head_dim, generator=gen).to(dtype=dtype, device=DEVICE)
+    q, k, v = (x.view(tokens, -1, head_dim) for x in qkv.split([num_q * head_dim, num_kv * head_dim, num_kv * head_dim], -1))
+    positions = torch.randint(0, 128, (tokens,), generator=gen).to(DEVICE)
+    slots = torch.randperm(num_blocks * block_size, generator=gen)[:tokens].to(DEVICE)
+    caches = [torch.randn(num_blocks, block_size, num_kv, head_dim, generator=gen).to(dtype=dtype, device=DEVICE)
+              for _ in range(2)]
+    expected_caches = [c.clone() for c in caches]
+    expected_q, rotated_k = rotary(positions, q, k, cos, sin)
+    cache_write(rotated_k, v, *expected_caches, slots)
+    got_q = rotary_cache_write(positions, q, k, v, cos, sin, *caches, slots)
+    torch.testing.assert_close(got_q, expected_q, atol=0, rtol=0)
+    for got, expected in zip(caches, expected_caches):  # every slot, written or not
+        torch.testing.assert_close(got, expected, atol=0, rtol=0)
+
+
+@pytest.mark.parametrize("batch_spec", [BATCH_SPECS[1], BATCH_SPECS[5]], ids=lambda s: s.name)
+def test_forward_with_rotary_is_forward_of_the_rotated_heads(batch_spec):
+    from infer.plugins.models.layers import RotaryEmbedding
+    from infer.plugins.models.triton_layers import rotary
+
+    case = make_case(batch_spec, device=DEVICE)
+    tables = RotaryEmbedding(case.spec.head_dim, case.spec.max_model_len, 10000.0, None)
+    cos, sin = tables.cos.to(DEVICE), tables.sin.to(DEVICE)
+    positions = torch.cat([torch.arange(s - q, s) for q, s in zip(batch_spec.query_lens, case.batch.seq_lens)]).to(DEVICE)
+    plain, fused = PagedCudaAttention(case.spec), PagedCudaAttention(case.spec)
+    assert fused.fuses_rotary()
+    caches = [tuple(c.clone() for c in case.kv_cache) for _ in range(2)]
+    plain.plan(case.batch)
+    expected = plain.forward(*rotary(positions, case.q, case.k, cos, sin), case.v, caches[0])
+    fused.plan(case.batch)
+    got = fused.forward_with_rotary(positions, case.q, case.k, case.v, caches[1], cos, sin)
+    torch.testing.assert_close(got, expected, atol=0, rtol=0)
+    for a, b in zip(*caches):
+        torch.testing.assert_close(a, b, atol=0, rtol=0)
+
+
+def test_rotary_fuses_only_for_power_of_two_halves():
+    from infer.plugins.attention.triton_kernels.cache_write import fits
+
+    assert fits(64) and fits(128) and fits(2)
+    assert not fits(96) and not fits(80) and not fits(0)
+
+
 def test_available_and_registered():
     assert PagedCudaAttention.capabilities.available() is None
     registered = {}

@@ -122,3 +122,47 @@ def test_mlp_reads_its_activation_inside_the_down_gemv(monkeypatch):
     assert not FusedSiluAndMul.fuses_with(RowParallelLinear(32, shard, parallel, torch.nn.functional.linear, reduce=False))
     assert not FusedSiluAndMul.fuses_with(plain.Linear(48, 32))
     assert not FusedSiluAndMul.fuses_with(FusedLinear(48, 32, bias=True))
+
+
+def test_attention_rotates_in_the_cache_write_where_the_backend_can():
+    """Fused layers over paged-cuda: the rotary embedding is applied by the backend's cache write
+    (one kernel), with the output and cache of the layer rotating first; a plain rotary layer, or a
+    backend without `forward_with_rotary`, rotates first."""
+    import types
+
+    from infer.core.interfaces import Layers
+    from infer.plugins.attention.paged_cuda import PagedCudaAttention
+    from infer.plugins.attention.reference import TorchAttention
+    from infer.plugins.models.fused_layers import FusedLinear, FusedRMSNorm, FusedRotaryEmbedding, FusedSiluAndMul
+    from infer.plugins.models.llama import LlamaAttention
+    from infer.testing.attention import BatchSpec, make_case
+
+    case = make_case(BatchSpec("mixed", (1, 5), (9, 3)), num_heads=4, num_kv_heads=2, head_dim=16)
+    config = types.SimpleNamespace(hidden_size=32, num_heads=4, num_kv_heads=2, head_dim=16, max_position_embeddings=64,
+                                   rope_theta=10000.0, rope_scaling=None)
+    fused = Layers(rms_norm=FusedRMSNorm, rotary_embedding=FusedRotaryEmbedding, silu_and_mul=FusedSiluAndMul,
+                   linear=FusedLinear)
+    torch.manual_seed(0)
+    layer = LlamaAttention(config, fused, PagedCudaAttention(case.spec))
+    assert layer.rotary_in_attention
+    assert not LlamaAttention(config, plain_layers(), PagedCudaAttention(case.spec)).rotary_in_attention
+    assert not LlamaAttention(config, fused, TorchAttention(case.spec)).rotary_in_attention
+    x = torch.randn(6, 32)
+    positions = torch.tensor([9, 3, 4, 5, 6, 7])
+    outs, caches = [], []
+    for rotary_in_attention in (True, False):
+        layer.rotary_in_attention = rotary_in_attention
+        kv_cache = tuple(c.clone() for c in case.kv_cache)
+        layer.attention.plan(case.batch)
+        outs.append(layer(positions, x, kv_cache))
+        caches.append(kv_cache)
+    torch.testing.assert_close(outs[0], outs[1], atol=0, rtol=0)
+    for a, b in zip(*caches):
+        torch.testing.assert_close(a, b, atol=0, rtol=0)
+
+
+def plain_layers():
+    from infer.core.interfaces import Layers
+
+    return Layers(rms_norm=plain.RMSNorm, rotary_embedding=plain.RotaryEmbedding, silu_and_mul=plain.SiluAndMul,
+                  linear=plain.Linear)
