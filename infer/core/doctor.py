@@ -217,17 +217,19 @@ def _all_reduce(config: EngineConfig, device: torch.device, dtype: torch.dtype) 
     """Which all-reduce --tp will use for small tensors (the set-up itself needs the ranks)."""
     from infer.core import flashinfer_all_reduce, symmetric_memory
 
+    # doctor does not build FlashInfer's kernels (minutes on first use): the engine does, and says so
     if config.all_reduce == "flashinfer":
-        why = flashinfer_all_reduce.unavailable_reason(device, config.tensor_parallel_size, dtype)
+        why = flashinfer_all_reduce.unavailable_reason(device, config.tensor_parallel_size, dtype, build=False)
         return Verdict("all-reduce", "flashinfer", why and f"flashinfer's all-reduce cannot run: {why}", ("nccl", "auto"))
     reason = symmetric_memory.unavailable_reason(device, config.tensor_parallel_size, dtype)
     if config.all_reduce == "symm-mem" and reason:
         return Verdict("all-reduce", "symm-mem", f"symmetric memory cannot run: {reason}", ("nccl", "auto"))
     if config.all_reduce == "auto":
         backend = "nccl" if device.type == "cuda" else "gloo"
-        flashinfer_why = flashinfer_all_reduce.unavailable_reason(device, config.tensor_parallel_size, dtype)
+        flashinfer_why = flashinfer_all_reduce.unavailable_reason(device, config.tensor_parallel_size, dtype, build=False)
         if flashinfer_why is None:
-            note = "auto picks flashinfer (fused with the residual add and RMSNorm) up to 2048 tokens, nccl above"
+            note = ("auto picks flashinfer (fused with the residual add and RMSNorm; its kernels are compiled on "
+                    "first use) up to 2048 tokens, nccl above")
         elif reason is None:
             note = f"auto picks symm-mem for small tensors, nccl above (flashinfer: {flashinfer_why})"
         else:

@@ -87,8 +87,9 @@ class FlashInferAllReduce:
         )
 
 
-def unavailable_reason(device: torch.device, world_size: int, dtype: torch.dtype) -> str | None:
-    """Why `--all-reduce flashinfer` cannot run in this process (None: it can try)."""
+def unavailable_reason(device: torch.device, world_size: int, dtype: torch.dtype, build: bool = True) -> str | None:
+    """Why `--all-reduce flashinfer` cannot run in this process (None: it can try). With `build`,
+    its kernels are built (or loaded from FlashInfer's cache) here, so a failed build is a reason."""
     if (reason := peer_gpus_reason(device, world_size)) is not None:
         return reason
     if dtype not in DTYPES:
@@ -101,6 +102,8 @@ def unavailable_reason(device: torch.device, world_size: int, dtype: torch.dtype
         return f"flashinfer's all-reduce cannot be imported ({type(exc).__name__}: {exc}): pip install 'infer[gpu]'"
     if torch.cuda.get_device_capability(device) < (8, 0):
         return "its kernels need compute capability 8.0 or newer"
+    if not build:
+        return None
     try:  # built here, on this rank alone, so that a failed build is a reason the ranks agree on
         from flashinfer.comm.trtllm_ar import get_trtllm_comm_module
 

@@ -74,7 +74,7 @@ def no_flashinfer(monkeypatch):
     """FlashInfer's all-reduce unavailable on this rank (auto's first choice)."""
     from infer.core import flashinfer_all_reduce
 
-    monkeypatch.setattr(flashinfer_all_reduce, "unavailable_reason", lambda device, world_size, dtype: "not installed")
+    monkeypatch.setattr(flashinfer_all_reduce, "unavailable_reason", lambda *args, **kwargs: "not installed")
 
 
 def test_float16_models_keep_nccl_and_say_why(no_flashinfer):
@@ -140,7 +140,7 @@ def flashinfer_here(monkeypatch):
     """FlashInfer's all-reduce available on this rank; its set-up recorded instead of run."""
     from infer.core import flashinfer_all_reduce
 
-    monkeypatch.setattr(flashinfer_all_reduce, "unavailable_reason", lambda device, world_size, dtype: None)
+    monkeypatch.setattr(flashinfer_all_reduce, "unavailable_reason", lambda *args, **kwargs: None)
     monkeypatch.setattr(flashinfer_all_reduce, "FlashInferAllReduce", FakeFlashInfer)
 
 
