@@ -6,8 +6,8 @@ the kernel's only job is to keep enough 16-byte loads in flight. Each program st
 rows of W (BLOCK_N rows, BLOCK_K columns per iteration: coalesced along k, as W is stored), keeps
 the x chunk in registers and accumulates in fp32, reducing across k once at the end. The weights
 are read once per step, so they are loaded evict-first to keep the activations in L2. Launched as a
-programmatic dependent (`triton_pdl`), it loads its first weight tile before waiting for the
-kernel that wrote x.
+programmatic dependent (`triton_pdl`), it loads its first weight tiles (`tiles_ahead`) before
+waiting for the kernel that wrote x.
 
 Tile shapes are tuned per (N, K, dtype, device) on the GPU at the first call (which the engine makes
 in its warm-up, before any CUDA graph is captured), the way a decode step runs them: each candidate
@@ -20,6 +20,7 @@ PDL and gated forms, so all give the same bits. Under TRITON_INTERPRET=1 one sma
 
 from __future__ import annotations
 
+import functools
 import os
 
 import torch
@@ -85,31 +86,44 @@ def _load_x(x_ptr, cols, col_ok, K, GATED: tl.constexpr):
 
 
 @triton.jit
+def _load_w(w_rows, k0, K, BLOCK_K: tl.constexpr):
+    cols = k0 + tl.arange(0, BLOCK_K)
+    return tl.load(w_rows + cols[None, :], mask=(cols < K)[None, :], other=0.0, eviction_policy="evict_first")
+
+
+@triton.jit
+def _tile_product(w, x_ptr, k0, K, BLOCK_K: tl.constexpr, GATED: tl.constexpr):
+    cols = k0 + tl.arange(0, BLOCK_K)
+    return w.to(tl.float32) * _load_x(x_ptr, cols, cols < K, K, GATED)[None, :]
+
+
+@triton.jit
 def _gemv_kernel(x_ptr, w_ptr, y_ptr, N, K, stride_w, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                 USE_PDL: tl.constexpr, GATED: tl.constexpr):
+                 USE_PDL: tl.constexpr, GATED: tl.constexpr, AHEAD: tl.constexpr):
     rows = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     row_ok = rows < N
     rows = tl.where(row_ok, rows, 0)  # out-of-range rows re-read row 0 (harmless, never stored)
     w_rows = w_ptr + rows[:, None].to(tl.int64) * stride_w
-    if USE_PDL:
-        # the weights are no kernel's output: the first tile's loads go out while the kernel before
-        # finishes, and only x waits for it
-        cols = tl.arange(0, BLOCK_K)
-        col_ok = cols < K
-        w = tl.load(w_rows + cols[None, :], mask=col_ok[None, :], other=0.0, eviction_policy="evict_first")
-        wait_and_release(USE_PDL)
-        x = _load_x(x_ptr, cols, col_ok, K, GATED)
-        acc = w.to(tl.float32) * x[None, :]
-        start = BLOCK_K
-    else:
-        acc = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
-        start = 0
-    for k0 in range(start, K, BLOCK_K):
-        cols = k0 + tl.arange(0, BLOCK_K)
-        col_ok = cols < K
-        x = _load_x(x_ptr, cols, col_ok, K, GATED)
-        w = tl.load(w_rows + cols[None, :], mask=col_ok[None, :], other=0.0, eviction_policy="evict_first")
-        acc += w.to(tl.float32) * x[None, :]
+    # the weights are no kernel's output: the first AHEAD tiles' loads go out before the wait for the
+    # kernel before (under PDL, while it finishes), and only x waits for it. Summed in k order, as the
+    # loop sums, so every AHEAD gives the same bits.
+    w0 = _load_w(w_rows, 0, K, BLOCK_K)
+    if AHEAD >= 2:
+        w1 = _load_w(w_rows, BLOCK_K, K, BLOCK_K)
+    if AHEAD >= 3:
+        w2 = _load_w(w_rows, 2 * BLOCK_K, K, BLOCK_K)
+    if AHEAD >= 4:
+        w3 = _load_w(w_rows, 3 * BLOCK_K, K, BLOCK_K)
+    wait_and_release(USE_PDL)
+    acc = _tile_product(w0, x_ptr, 0, K, BLOCK_K, GATED)
+    if AHEAD >= 2:
+        acc += _tile_product(w1, x_ptr, BLOCK_K, K, BLOCK_K, GATED)
+    if AHEAD >= 3:
+        acc += _tile_product(w2, x_ptr, 2 * BLOCK_K, K, BLOCK_K, GATED)
+    if AHEAD >= 4:
+        acc += _tile_product(w3, x_ptr, 3 * BLOCK_K, K, BLOCK_K, GATED)
+    for k0 in range(AHEAD * BLOCK_K, K, BLOCK_K):
+        acc += _tile_product(_load_w(w_rows, k0, K, BLOCK_K), x_ptr, k0, K, BLOCK_K, GATED)
     tl.store(y_ptr + rows, tl.sum(acc, axis=1).to(y_ptr.dtype.element_ty), mask=row_ok)
 
 
@@ -142,4 +156,16 @@ def _run(x: torch.Tensor, weight: torch.Tensor, y: torch.Tensor, gated: bool, ti
     n, k = weight.shape
     block_n, block_k, warps = tile
     _gemv_kernel[(triton.cdiv(n, block_n),)](x, weight, y, n, k, weight.stride(0), BLOCK_N=block_n, BLOCK_K=block_k,
-                                             GATED=gated, num_warps=warps, num_stages=1, **kernel_args(x.device))
+                                             GATED=gated, AHEAD=tiles_ahead(), num_warps=warps, num_stages=1,
+                                             **kernel_args(x.device))
+
+
+@functools.cache
+def tiles_ahead() -> int:
+    """Weight tiles each program loads before waiting for the kernel before (INFER_GEMV_TILES_AHEAD,
+    1 to 4; 1 until more is measured): under PDL, what streams while an all-reduce, attention or a
+    norm finishes."""
+    value = os.environ.get("INFER_GEMV_TILES_AHEAD", "1")
+    if value not in ("1", "2", "3", "4"):
+        raise ValueError(f"INFER_GEMV_TILES_AHEAD must be 1, 2, 3 or 4, got {value!r}")
+    return int(value)
