@@ -55,3 +55,37 @@ def test_gemv_silu_mul_matches_two_kernels(dtype, n, k):
     w = torch.randn(n, k, device="cuda", dtype=dtype) / k**0.5
     h = torch.randn(1, 2 * k, device="cuda", dtype=dtype)
     assert torch.equal(gemv_silu_mul(h, w), gemv(tl_layers.silu_and_mul(h), w))
+
+
+def test_gemv_tile_is_tuned_once_per_shape_before_any_capture():
+    """The first call for a weight shape picks a tile among the candidates and keeps it; a first call
+    inside a CUDA graph capture (where it cannot time anything) is refused with the reason."""
+    from infer.plugins.models import triton_gemv
+
+    w = torch.randn(768, 1536, device="cuda", dtype=torch.bfloat16)
+    x = torch.randn(1, 1536, device="cuda", dtype=torch.bfloat16)
+    triton_gemv.gemv(x, w)
+    key = (768, 1536, torch.bfloat16, torch.bfloat16, w.device)
+    tile = triton_gemv._tiles[key]
+    assert tile in triton_gemv.CANDIDATES
+    triton_gemv.gemv(x, w)
+    assert triton_gemv._tiles[key] is tile
+    fresh = torch.randn(640, 1536, device="cuda", dtype=torch.bfloat16)
+    graph, stream = torch.cuda.CUDAGraph(), torch.cuda.Stream()
+    with pytest.raises(RuntimeError, match="must run before graph capture"):
+        with torch.cuda.stream(stream), torch.cuda.graph(graph, stream=stream):
+            triton_gemv.gemv(x, fresh)
+
+
+@pytest.mark.parametrize("ahead", [2, 4])
+def test_gemv_tiles_ahead_gives_the_same_bits(monkeypatch, ahead):
+    from infer.plugins.models import triton_gemv
+
+    torch.manual_seed(0)
+    w = torch.randn(4096, 5504, device="cuda", dtype=torch.bfloat16) / 5504**0.5
+    h = torch.randn(1, 2 * 5504, device="cuda", dtype=torch.bfloat16)
+    x = h[:, :5504].contiguous()
+    expected = triton_gemv.gemv(x, w), triton_gemv.gemv_silu_mul(h, w)
+    monkeypatch.setattr(triton_gemv, "tiles_ahead", lambda: ahead)
+    for got, want in zip((triton_gemv.gemv(x, w), triton_gemv.gemv_silu_mul(h, w)), expected):
+        assert torch.equal(got, want)
