@@ -8,8 +8,8 @@ Prints one row per size: microseconds per all-reduce for each, and the ratio. Th
 rows x hidden bf16, the activations a tensor-parallel Llama sums twice per layer. Where FlashInfer
 runs, a second table compares what a decoder layer does with each sum: the symmetric-memory sum
 followed by this project's residual-add-and-RMSNorm kernel, against FlashInfer's one kernel for
-both (what `--all-reduce auto` and `--all-reduce flashinfer` choose between). INFER_PDL=1 launches
-FlashInfer's and the norm's kernels as programmatic dependents.
+both (what `--all-reduce auto` chooses between). On Hopper FlashInfer's and the norm's kernels
+launch as programmatic dependents unless INFER_PDL=0.
 """
 
 from __future__ import annotations
