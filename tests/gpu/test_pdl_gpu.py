@@ -1,6 +1,6 @@
-"""The Triton kernels launched as programmatic dependents (PDL, on by default on Hopper) give bitwise the results of
-plain launches: each kernel eagerly and a decode layer's chain of them captured in a CUDA graph and
-replayed, and greedy tokens end to end. Skipped on GPUs before Hopper."""
+"""The Triton kernels launched as programmatic dependents (PDL, on by default on Hopper) give bitwise
+the results of plain launches: each kernel eagerly and a decode layer's chain of them captured in a
+CUDA graph and replayed, and greedy tokens end to end. Skipped on GPUs before Hopper."""
 
 import pytest
 import torch
