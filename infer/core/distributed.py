@@ -10,6 +10,7 @@ as long as the engine stays idle.
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -151,6 +152,28 @@ def peer_gpus_reason(device: torch.device, world_size: int) -> str | None:
     return None
 
 
+def peer_access_reason(parallel: Any) -> str | None:
+    """Why this rank's GPU cannot map the other ranks' memory (None: it can): the ranks span several
+    hosts (torchrun's LOCAL_WORLD_SIZE below the world), or a GPU of this host's ranks has no peer
+    access to this one (no NVLink or PCIe peer path)."""
+    if parallel.device.type != "cuda" or not parallel.is_parallel:
+        return None
+    # torchrun says how many ranks this host runs and which one this is; ranks the engine spawned
+    # itself are all on this host, numbered from its GPU
+    torchrun = "RANK" in os.environ and "WORLD_SIZE" in os.environ
+    local_world = int(os.environ.get("LOCAL_WORLD_SIZE", parallel.world_size)) if torchrun else parallel.world_size
+    local_rank = int(os.environ.get("LOCAL_RANK", parallel.rank)) if torchrun else parallel.rank
+    if local_world < parallel.world_size:
+        return (f"the {parallel.world_size} ranks span several hosts ({local_world} on this one), and peer "
+                "memory is one host's")
+    here = parallel.device.index if parallel.device.index is not None else torch.cuda.current_device()
+    first = here - local_rank  # the ranks' GPUs are consecutive
+    for other in range(first, first + local_world):
+        if other != here and not torch.cuda.can_device_access_peer(here, other):
+            return f"GPU {here} has no peer access to GPU {other} (no NVLink or PCIe peer path between them)"
+    return None
+
+
 def make_all_reduce(choice: str, parallel: Any, dtype: torch.dtype, hidden_size: int) -> tuple[Any, str]:
     """The fast path for `--all-reduce CHOICE` on this rank (every rank calls this, in the same order)
     for a model whose activations are `dtype` x `hidden_size`, and a line saying what was chosen.
@@ -163,9 +186,11 @@ def make_all_reduce(choice: str, parallel: Any, dtype: torch.dtype, hidden_size:
 
     strategies = {"flashinfer": flashinfer_all_reduce, "symm-mem": symmetric_memory}
     reasons = []
+    no_peers = peer_access_reason(parallel)  # both sum over the GPUs' peer memory
     for name in ([choice] if choice != "auto" else list(strategies)):
         strategy = strategies[name]
-        reason = strategy.unavailable_reason(parallel.device, parallel.world_size, dtype)  # may differ by rank
+        # may differ by rank
+        reason = no_peers or strategy.unavailable_reason(parallel.device, parallel.world_size, dtype)
         if strategy is symmetric_memory:  # collective: every rank asks, whatever its own reason
             mismatch = symmetric_memory.rendezvous_mismatch(parallel)
             reason = reason or mismatch

@@ -14,6 +14,14 @@ from infer.core.distributed import make_all_reduce  # noqa: E402
 from infer.core.symmetric_memory import SymmetricAllReduce, forget_group  # noqa: E402
 
 
+@pytest.fixture(autouse=True)
+def peers_reachable(monkeypatch):
+    """The "GPUs" these tests name see each other's memory (this machine may have no CUDA at all)."""
+    monkeypatch.setattr(torch.cuda, "can_device_access_peer", lambda a, b: True)
+    monkeypatch.delenv("RANK", raising=False)
+    monkeypatch.delenv("WORLD_SIZE", raising=False)
+
+
 @pytest.fixture
 def fake_symm_mem(monkeypatch):
     """symm_mem.empty/rendezvous on the CPU, recording the calls."""
@@ -78,7 +86,7 @@ def no_flashinfer(monkeypatch):
 
 
 def test_float16_models_keep_nccl_and_say_why(no_flashinfer):
-    parallel = types.SimpleNamespace(is_parallel=True, world_size=2, device=torch.device("cuda", 0), min=lambda v: v)
+    parallel = types.SimpleNamespace(is_parallel=True, world_size=2, rank=0, device=torch.device("cuda", 0), min=lambda v: v)
     fast, line = make_all_reduce("auto", parallel, torch.float16, 64)
     assert fast is None and "has no float16" in line and "--dtype bfloat16" in line
     assert "flashinfer unavailable: not installed" in line
@@ -91,7 +99,7 @@ class RankZero:
     """Rank 0 of two: `min` answers with the other rank's values, one per collective call, in order."""
 
     def __init__(self, peer_values):
-        self.is_parallel, self.world_size, self.device = True, 2, torch.device("cuda", 0)
+        self.is_parallel, self.world_size, self.rank, self.device = True, 2, 0, torch.device("cuda", 0)
         self.group = GROUP
         self.peer_values = list(peer_values)
 
@@ -160,3 +168,32 @@ def test_auto_passes_flashinfer_over_when_another_rank_cannot(flashinfer_here, f
     assert isinstance(fast, SymmetricAllReduce) and line.startswith("symm-mem")
     with pytest.raises(Exception, match="--all-reduce flashinfer cannot run: another rank cannot use it"):
         make_all_reduce("flashinfer", RankZero([0]), torch.bfloat16, 64)
+
+
+def test_peer_memory_needs_one_host_and_peer_access(monkeypatch):
+    from infer.core.distributed import peer_access_reason
+
+    rank0 = types.SimpleNamespace(is_parallel=True, world_size=2, rank=0, device=torch.device("cuda", 0))
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "1")  # not torchrun's: ranks the engine spawns share this host
+    asked = []
+    monkeypatch.setattr(torch.cuda, "can_device_access_peer", lambda a, b: asked.append((a, b)) or True)
+    assert peer_access_reason(rank0) is None and asked == [(0, 1)]
+    monkeypatch.setattr(torch.cuda, "can_device_access_peer", lambda a, b: False)
+    assert "GPU 0 has no peer access to GPU 1" in peer_access_reason(rank0)
+    # torchrun over two hosts, one rank each
+    monkeypatch.setenv("RANK", "0")
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    monkeypatch.setenv("LOCAL_RANK", "0")
+    assert "span several hosts (1 on this one)" in peer_access_reason(rank0)
+    assert peer_access_reason(types.SimpleNamespace(is_parallel=True, world_size=2, rank=0, device=torch.device("cpu"))) is None
+
+
+def test_no_peer_access_keeps_nccl_and_says_why(monkeypatch):
+    from infer.core import distributed
+
+    monkeypatch.setattr(distributed, "peer_access_reason", lambda parallel: "GPU 0 has no peer access to GPU 1")
+    parallel = RankZero([1, 0, 0, 1])  # this rank's zeros decide: nothing is set up
+    fast, line = make_all_reduce("auto", parallel, torch.bfloat16, 64)
+    assert fast is None and line.count("no peer access") == 2
+    with pytest.raises(Exception, match="--all-reduce flashinfer cannot run: GPU 0 has no peer access"):
+        make_all_reduce("flashinfer", RankZero([1]), torch.bfloat16, 64)
