@@ -216,17 +216,22 @@ def format_matrix(rows: list[tuple[tuple[str, ...], str | None]], device: str) -
 def _all_reduce(config: EngineConfig, device: torch.device, dtype: torch.dtype) -> Verdict:
     """Which all-reduce --tp will use for small tensors (the set-up itself needs the ranks)."""
     from infer.core import flashinfer_all_reduce, symmetric_memory
+    from infer.core.distributed import ParallelState, peer_access_reason
 
+    tp = config.tensor_parallel_size
+    # rank 0's view of the GPUs the ranks would take (too few GPUs is the tensor-parallel verdict's)
+    no_peers = (peer_access_reason(ParallelState(0, tp, device))
+                if device.type == "cuda" and torch.cuda.device_count() >= (device.index or 0) + tp else None)
     # doctor does not build FlashInfer's kernels (minutes on first use): the engine does, and says so
+    flashinfer_why = no_peers or flashinfer_all_reduce.unavailable_reason(device, tp, dtype, build=False)
     if config.all_reduce == "flashinfer":
-        why = flashinfer_all_reduce.unavailable_reason(device, config.tensor_parallel_size, dtype, build=False)
+        why = flashinfer_why
         return Verdict("all-reduce", "flashinfer", why and f"flashinfer's all-reduce cannot run: {why}", ("nccl", "auto"))
-    reason = symmetric_memory.unavailable_reason(device, config.tensor_parallel_size, dtype)
+    reason = no_peers or symmetric_memory.unavailable_reason(device, tp, dtype)
     if config.all_reduce == "symm-mem" and reason:
         return Verdict("all-reduce", "symm-mem", f"symmetric memory cannot run: {reason}", ("nccl", "auto"))
     if config.all_reduce == "auto":
         backend = "nccl" if device.type == "cuda" else "gloo"
-        flashinfer_why = flashinfer_all_reduce.unavailable_reason(device, config.tensor_parallel_size, dtype, build=False)
         if flashinfer_why is None:
             note = ("auto picks flashinfer (fused with the residual add and RMSNorm; its kernels are compiled on "
                     "first use) up to 2048 tokens, nccl above")

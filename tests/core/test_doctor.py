@@ -119,3 +119,19 @@ def test_bad_extra_plugins_variable_is_one_line(tmp_path):
     result = CliRunner().invoke(cli, ["plugins"], env={"INFER_EXTRA_PLUGINS": "no_such_module:Plugin"})
     assert result.exit_code == 2
     assert "INFER_EXTRA_PLUGINS names 'no_such_module:Plugin', which cannot be loaded" in result.output
+
+
+def test_all_reduce_verdict_names_missing_peer_access(monkeypatch):
+    import torch
+
+    from infer.core import doctor
+    from infer.core.config import EngineConfig
+
+    monkeypatch.delenv("RANK", raising=False)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
+    monkeypatch.setattr(torch.cuda, "can_device_access_peer", lambda a, b: False)
+    cuda = torch.device("cuda", 0)
+    auto = doctor._all_reduce(EngineConfig(tensor_parallel_size=2), cuda, torch.bfloat16)
+    assert auto.ok and auto.note.startswith("auto picks nccl") and "GPU 0 has no peer access to GPU 1" in auto.note
+    asked = doctor._all_reduce(EngineConfig(tensor_parallel_size=2, all_reduce="flashinfer"), cuda, torch.bfloat16)
+    assert not asked.ok and "no peer access" in asked.reason and "nccl" in asked.alternatives
