@@ -42,6 +42,16 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.
 
 
 @triton.jit
+def rotate_halves(src, ok, cos, sin, HALF: tl.constexpr):
+    """The Neox-style rotary embedding of the heads whose first halves `src` points at ([H, HALF];
+    `ok` masks the heads): (x1 * cos - x2 * sin, x2 * cos + x1 * sin) in fp32. The rotary kernel and
+    the cache write that rotates (`rotary_cache_write`) both take it, so both round alike."""
+    x1 = tl.load(src, mask=ok, other=0.0).to(tl.float32)
+    x2 = tl.load(src + HALF, mask=ok, other=0.0).to(tl.float32)
+    return x1 * cos - x2 * sin, x2 * cos + x1 * sin
+
+
+@triton.jit
 def _rotary_kernel(pos_ptr, q_ptr, k_ptr, cos_ptr, sin_ptr, q_out_ptr, k_out_ptr, q_stride, k_stride,
                    NUM_Q: tl.constexpr, NUM_K: tl.constexpr, HALF: tl.constexpr, BLOCK_H: tl.constexpr,
                    USE_PDL: tl.constexpr):
@@ -58,12 +68,10 @@ def _rotary_kernel(pos_ptr, q_ptr, k_ptr, cos_ptr, sin_ptr, q_out_ptr, k_out_ptr
         stride = k_stride if is_k else q_stride
         num = NUM_K if is_k else NUM_Q
         mask = heads < num
-        base = token * stride + heads * (2 * HALF) + d[None, :]
-        x1 = tl.load(src + base, mask=mask, other=0.0).to(tl.float32)
-        x2 = tl.load(src + base + HALF, mask=mask, other=0.0).to(tl.float32)
+        r1, r2 = rotate_halves(src + token * stride + heads * (2 * HALF) + d[None, :], mask, cos, sin, HALF)
         out_base = token * num * 2 * HALF + heads * (2 * HALF) + d[None, :]
-        tl.store(dst + out_base, (x1 * cos - x2 * sin).to(dst.dtype.element_ty), mask=mask)
-        tl.store(dst + out_base + HALF, (x2 * cos + x1 * sin).to(dst.dtype.element_ty), mask=mask)
+        tl.store(dst + out_base, r1.to(dst.dtype.element_ty), mask=mask)
+        tl.store(dst + out_base + HALF, r2.to(dst.dtype.element_ty), mask=mask)
 
 
 def rotary(positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):

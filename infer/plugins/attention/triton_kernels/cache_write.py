@@ -7,7 +7,16 @@ import torch
 import triton
 import triton.language as tl
 
+from infer.plugins.models.triton_layers import rotate_halves
 from infer.plugins.triton_pdl import kernel_args, wait_and_release
+
+
+@triton.jit
+def _slot_base(slot_mapping_ptr, t, block_size, stride_cb, stride_cs):
+    """Where token t's slot starts in a paged cache [num_blocks, block_size, ...] (int64: block *
+    stride_cb overflows int32 for caches over 2^31 elements)."""
+    slot = tl.load(slot_mapping_ptr + t)
+    return (slot // block_size).to(tl.int64) * stride_cb + (slot % block_size) * stride_cs
 
 
 @triton.jit
@@ -23,13 +32,10 @@ def _cache_write_kernel(
 ):
     wait_and_release(USE_PDL)
     t = tl.program_id(0)
-    slot = tl.load(slot_mapping_ptr + t)
-    block, offset = slot // block_size, slot % block_size
     heads = tl.arange(0, BLOCK_H)[:, None]
     dims = tl.arange(0, BLOCK_D)[None, :]
     mask = (heads < num_kv_heads) & (dims < head_dim)
-    # int64: block * stride_cb overflows int32 for caches over 2^31 elements.
-    dst = block.to(tl.int64) * stride_cb + offset * stride_cs + heads * stride_ch + dims
+    dst = _slot_base(slot_mapping_ptr, t, block_size, stride_cb, stride_cs) + heads * stride_ch + dims
     k = tl.load(k_ptr + t * stride_kt + heads * stride_kh + dims, mask=mask)
     v = tl.load(v_ptr + t * stride_vt + heads * stride_vh + dims, mask=mask)
     tl.store(k_cache_ptr + dst, k.to(k_cache_ptr.dtype.element_ty), mask=mask)
@@ -81,25 +87,17 @@ def _rotary_cache_write_kernel(
     # q: rotated halves, rounded to q's dtype as the rotary layer rounds them
     hq = tl.arange(0, BLOCK_HQ)[:, None]
     q_ok = hq < NUM_Q
-    src = q_ptr + t * stride_qt + hq * (2 * HALF) + d
-    x1 = tl.load(src, mask=q_ok, other=0.0).to(tl.float32)
-    x2 = tl.load(src + HALF, mask=q_ok, other=0.0).to(tl.float32)
+    q1, q2 = rotate_halves(q_ptr + t * stride_qt + hq * (2 * HALF) + d, q_ok, cos, sin, HALF)
     dst = q_out_ptr + t * (NUM_Q * 2 * HALF) + hq * (2 * HALF) + d
-    tl.store(dst, (x1 * cos - x2 * sin).to(q_out_ptr.dtype.element_ty), mask=q_ok)
-    tl.store(dst + HALF, (x2 * cos + x1 * sin).to(q_out_ptr.dtype.element_ty), mask=q_ok)
+    tl.store(dst, q1.to(q_out_ptr.dtype.element_ty), mask=q_ok)
+    tl.store(dst + HALF, q2.to(q_out_ptr.dtype.element_ty), mask=q_ok)
     # k rotated (rounded to k's dtype, then the cache's) and v as it is, into the token's cache slot
-    slot = tl.load(slot_mapping_ptr + t)
-    block, offset = slot // block_size, slot % block_size
     hk = tl.arange(0, BLOCK_HKV)[:, None]
     kv_ok = hk < NUM_KV
-    cache = block.to(tl.int64) * stride_cb + offset * stride_cs + hk * stride_ch + d
-    src = k_ptr + t * stride_kt + hk * (2 * HALF) + d
-    x1 = tl.load(src, mask=kv_ok, other=0.0).to(tl.float32)
-    x2 = tl.load(src + HALF, mask=kv_ok, other=0.0).to(tl.float32)
-    k1 = (x1 * cos - x2 * sin).to(k_ptr.dtype.element_ty)
-    k2 = (x2 * cos + x1 * sin).to(k_ptr.dtype.element_ty)
-    tl.store(k_cache_ptr + cache, k1.to(k_cache_ptr.dtype.element_ty), mask=kv_ok)
-    tl.store(k_cache_ptr + cache + HALF, k2.to(k_cache_ptr.dtype.element_ty), mask=kv_ok)
+    cache = _slot_base(slot_mapping_ptr, t, block_size, stride_cb, stride_cs) + hk * stride_ch + d
+    k1, k2 = rotate_halves(k_ptr + t * stride_kt + hk * (2 * HALF) + d, kv_ok, cos, sin, HALF)
+    tl.store(k_cache_ptr + cache, k1.to(k_ptr.dtype.element_ty).to(k_cache_ptr.dtype.element_ty), mask=kv_ok)
+    tl.store(k_cache_ptr + cache + HALF, k2.to(k_ptr.dtype.element_ty).to(k_cache_ptr.dtype.element_ty), mask=kv_ok)
     src = v_ptr + t * stride_vt + hk * (2 * HALF) + d
     for part in tl.static_range(2):
         v = tl.load(src + part * HALF, mask=kv_ok)
