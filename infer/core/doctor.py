@@ -225,8 +225,8 @@ def _all_reduce(config: EngineConfig, device: torch.device, dtype: torch.dtype) 
     # doctor does not build FlashInfer's kernels (minutes on first use): the engine does, and says so
     flashinfer_why = no_peers or flashinfer_all_reduce.unavailable_reason(device, tp, dtype, build=False)
     if config.all_reduce == "flashinfer":
-        why = flashinfer_why
-        return Verdict("all-reduce", "flashinfer", why and f"flashinfer's all-reduce cannot run: {why}", ("nccl", "auto"))
+        return Verdict("all-reduce", "flashinfer", flashinfer_why and f"flashinfer's all-reduce cannot run: {flashinfer_why}",
+                       ("nccl", "auto"))
     reason = no_peers or symmetric_memory.unavailable_reason(device, tp, dtype)
     if config.all_reduce == "symm-mem" and reason:
         return Verdict("all-reduce", "symm-mem", f"symmetric memory cannot run: {reason}", ("nccl", "auto"))

@@ -88,9 +88,9 @@ class LlamaAttention(nn.Module):
         v = v.view(-1, self.num_kv_heads, self.head_dim)
         if self.rotary_in_attention:
             out = self.attention.forward_with_rotary(positions, q, k, v, kv_cache, self.rotary.cos, self.rotary.sin)
-            return self.o_proj(out.reshape(-1, self.q_size))
-        q, k = self.rotary(positions, q, k)
-        out = self.attention.forward(q, k, v, kv_cache)  # [T, H, D]
+        else:
+            q, k = self.rotary(positions, q, k)
+            out = self.attention.forward(q, k, v, kv_cache)  # [T, H, D]
         return self.o_proj(out.reshape(-1, self.q_size))
 
 

@@ -14,8 +14,9 @@ in its warm-up, before any CUDA graph is captured), the way a decode step runs t
 launched back to back in a CUDA graph over weights that do not fit in L2 (copies of the weight's
 shape when it would), launched as programmatic dependents when those are on. Timed one call at a
 time instead (Triton's autotuner), the launch and ramp-up of each call weigh in and the winner is
-another tile: on an H200 3-10% slower back to back for Llama-2-7B's o and down projections. One tile per shape serves the plain,
-PDL and gated forms, so all give the same bits. Under TRITON_INTERPRET=1 one small tile is used.
+another tile: on an H200 3-10% slower back to back for Llama-2-7B's o and down projections. One
+tile per shape serves the plain, PDL and gated forms, so all give the same bits. Under
+TRITON_INTERPRET=1 one small tile is used.
 """
 
 from __future__ import annotations
