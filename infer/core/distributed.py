@@ -152,17 +152,22 @@ def peer_gpus_reason(device: torch.device, world_size: int) -> str | None:
     return None
 
 
+def torchrun_host() -> tuple[int, int] | None:
+    """(ranks torchrun runs on this host, this process's index among them) when torchrun started this
+    process, else None (the engine spawns its ranks itself, all on this host)."""
+    if "RANK" not in os.environ or "WORLD_SIZE" not in os.environ:
+        return None
+    return (int(os.environ.get("LOCAL_WORLD_SIZE", os.environ["WORLD_SIZE"])),
+            int(os.environ.get("LOCAL_RANK", os.environ["RANK"])))
+
+
 def peer_access_reason(parallel: Any) -> str | None:
     """Why this rank's GPU cannot map the other ranks' memory (None: it can): the ranks span several
     hosts (torchrun's LOCAL_WORLD_SIZE below the world), or a GPU of this host's ranks has no peer
     access to this one (no NVLink or PCIe peer path)."""
     if parallel.device.type != "cuda" or not parallel.is_parallel:
         return None
-    # torchrun says how many ranks this host runs and which one this is; ranks the engine spawned
-    # itself are all on this host, numbered from its GPU
-    torchrun = "RANK" in os.environ and "WORLD_SIZE" in os.environ
-    local_world = int(os.environ.get("LOCAL_WORLD_SIZE", parallel.world_size)) if torchrun else parallel.world_size
-    local_rank = int(os.environ.get("LOCAL_RANK", parallel.rank)) if torchrun else parallel.rank
+    local_world, local_rank = torchrun_host() or (parallel.world_size, parallel.rank)
     if local_world < parallel.world_size:
         return (f"the {parallel.world_size} ranks span several hosts ({local_world} on this one), and peer "
                 "memory is one host's")

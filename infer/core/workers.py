@@ -35,7 +35,7 @@ from typing import Any, Iterable, Iterator
 
 import torch
 
-from infer.core.distributed import ParallelState, check_tensor_parallel, error_key
+from infer.core.distributed import ParallelState, check_tensor_parallel, error_key, torchrun_host
 from infer.core.errors import ConfigError, InferError, WorkerError
 from infer.core.interfaces import BlockOps
 from infer.core.logging import get_logger
@@ -254,8 +254,8 @@ def _launch(config: Any, extra_plugins: list[Any], device: torch.device) -> tupl
     if dist.is_initialized():
         raise ConfigError("this process already has a torch.distributed group (another --tp engine that is still "
                           "open?): close that engine first (engine.close(), or `with LLM(...)`)")
-    torchrun = "RANK" in os.environ and "WORLD_SIZE" in os.environ
-    num_local = int(os.environ.get("LOCAL_WORLD_SIZE", os.environ["WORLD_SIZE"])) if torchrun else world_size
+    torchrun = torchrun_host()  # (ranks on this host, this one's index) under torchrun
+    num_local = torchrun[0] if torchrun else world_size
     if device.type == "cuda":
         first, visible = device.index or 0, torch.cuda.device_count()
         if first + num_local > visible:
@@ -275,7 +275,7 @@ def _join_torchrun(world_size: int, device: torch.device) -> ParallelState:
         raise ConfigError(f"torchrun started {launched} processes but --tp is {world_size}: make them equal "
                           f"(torchrun --nproc-per-node {world_size} ... --tp {world_size})")
     store, _, _ = next(dist.rendezvous("env://", rank=rank, world_size=world_size, timeout=COLLECTIVE_TIMEOUT))
-    local_rank = int(os.environ.get("LOCAL_RANK", rank))
+    _, local_rank = torchrun_host()
     return _init_groups(dist.PrefixStore("infer-tp/", store), rank, world_size, _rank_device(device, local_rank))
 
 
