@@ -84,16 +84,48 @@ def decode_step_seconds(engine: "object", context: int = 256, iters: int = 50, p
 
 def kernel_times(fn: "Callable[[], object]", steps: int = 5) -> list[dict]:
     """The GPU kernels of `steps` calls of `fn` (torch.profiler; CUPTI also reports the kernels inside
-    a replayed CUDA graph), per call: {kernel, count_per_step, us_per_step}, longest first."""
+    a replayed CUDA graph), per call: {kernel, count_per_step, us_per_step, critical_us_per_step},
+    longest first. `us_per_step` is each kernel's own span: under programmatic dependent launch a
+    kernel starts while the one before it runs and waits, so these overlap and sum to more than the
+    step. `critical_us_per_step` is what the kernel adds to the step: how far it moves the end of the
+    work done so far past where it was (kernels in start order), and sums with the idle gaps (row
+    "(idle)") to the span of the calls."""
+    import json
+    import os
+    import tempfile
+
     from torch.profiler import ProfilerActivity, profile
 
     with profile(activities=[ProfilerActivity.CUDA]) as prof:  # no CPU ops: they would count their kernels again
         for _ in range(steps):
             fn()
         torch.cuda.synchronize()
-    rows = []
-    for e in prof.key_averages():
-        dev = getattr(e, "device_time_total", None) or getattr(e, "cuda_time_total", 0)
-        if dev and e.key != "cudaGraphLaunch":  # the launch call is charged its graph's kernels: counted once
-            rows.append({"kernel": e.key[:90], "count_per_step": e.count / steps, "us_per_step": dev / steps})
-    return sorted(rows, key=lambda r: -r["us_per_step"])
+    with tempfile.TemporaryDirectory() as tmp:
+        path = os.path.join(tmp, "trace.json")
+        prof.export_chrome_trace(path)
+        with open(path) as f:
+            events = json.load(f).get("traceEvents", [])
+    return _attribute([e for e in events if e.get("cat") in ("kernel", "gpu_memcpy", "gpu_memset")], steps)
+
+
+def _attribute(events: list[dict], steps: int) -> list[dict]:
+    """Per-name rows from trace events ({name, ts, dur} in microseconds): count, own span and critical
+    time per step (see `kernel_times`)."""
+    rows: dict[str, dict] = {}
+    idle = 0.0
+    frontier = None
+    for e in sorted(events, key=lambda e: float(e["ts"])):
+        start, end = float(e["ts"]), float(e["ts"]) + float(e.get("dur", 0))
+        row = rows.setdefault(e["name"][:90], {"kernel": e["name"][:90], "count_per_step": 0.0, "us_per_step": 0.0,
+                                               "critical_us_per_step": 0.0})
+        row["count_per_step"] += 1 / steps
+        row["us_per_step"] += (end - start) / steps
+        if frontier is None:
+            frontier = start
+        idle += max(0.0, start - frontier) / steps
+        row["critical_us_per_step"] += max(0.0, end - max(frontier, start)) / steps
+        frontier = max(frontier, end)
+    out = sorted(rows.values(), key=lambda r: -r["us_per_step"])
+    if idle:
+        out.append({"kernel": "(idle)", "count_per_step": 0.0, "us_per_step": 0.0, "critical_us_per_step": idle})
+    return out
