@@ -54,7 +54,7 @@ def main() -> None:
 
                 def call(i: int) -> None:
                     triton_gemv._gemv_kernel[(triton.cdiv(n, bn),)](
-                        x, ws[i % COPIES], y, n, k, k, BLOCK_N=bn, BLOCK_K=bk, GATED=False, AHEAD=triton_gemv.tiles_ahead(),
+                        x, ws[i % COPIES], y, y, n, k, k, 0, BLOCK_N=bn, BLOCK_K=bk, GATED=False, PEERS=0,
                         num_warps=warps, num_stages=stages, **extra)
 
                 try:

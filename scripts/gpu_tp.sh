@@ -4,7 +4,7 @@
 # allreduce: NCCL against the symmetric-memory one-shot and FlashInfer's all-reduce per message size
 #      (scripts/gpu_allreduce.py).
 # pdl: llama2-7b latency-1 with programmatic dependent launch off and on, tp1 and tp2 (scripts/gpu_pdl.py,
-#      PDL_ROUNDS rounds, default 1; PDL_VARY=NAME=V1,V2 varies another switch, e.g. INFER_GEMV_TILES_AHEAD=1,2,4;
+#      PDL_ROUNDS rounds, default 1; PDL_VARY=NAME=V1,V2 varies another switch, e.g. INFER_PDL=0,1;
 #      PDL_ALL_REDUCE: tp2's --all-reduce choices, default "symm-mem flashinfer").
 # 70b: llama2-70b, dummy bf16 weights (138 GB: 69 GB per H200 at --tp 2, the rest is KV cache),
 #      on the sharegpt-like workload, 200 requests (TP_REQUESTS to change).

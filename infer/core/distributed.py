@@ -88,6 +88,8 @@ class ParallelState:
 
     def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
         """Sum `x` over the ranks, in place (row-parallel outputs, the vocab-parallel embedding)."""
+        if (exchange := self.exchange) is not None and exchange.takes(x):  # pushed by its GEMV: summed there
+            return exchange.reduce(x)  # not in place: x is the exchange's slot, reset by now
         fast = self.fast_all_reduce
         if fast is not None and fast.fits(x):
             return fast(x)
@@ -101,10 +103,27 @@ class ParallelState:
         output `x`: one all-reduce, fused with the residual add and RMSNorm when the fast all-reduce
         has such a kernel and `norm` is a plain RMSNorm (the layers hook's `rms_norm` contract)."""
         fast = self.fast_all_reduce
+        plain = getattr(norm, "plain_rms_norm", False)
+        if (exchange := self.exchange) is not None and exchange.takes(x):  # pushed by its GEMV
+            return exchange.reduce(x, residual, norm.weight, norm.eps) if plain else norm(exchange.reduce(x), residual)
         fused = getattr(fast, "add_rms_norm", None)
-        if fused is not None and getattr(norm, "plain_rms_norm", False) and fast.fits(x):
+        if fused is not None and plain and fast.fits(x):
             return fused(x, residual, norm.weight, norm.eps)
         return norm(self.all_reduce(x), residual)
+
+    @property
+    def exchange(self) -> Any:
+        """The fast all-reduce's `LamportExchange` (one-token steps' partial sums pushed by the
+        row-parallel GEMVs), or None."""
+        return getattr(self.fast_all_reduce, "exchange", None)
+
+    def push_target(self, x: torch.Tensor, out_features: int) -> Any:
+        """Where a row-parallel layer's GEMV over `x` pushes its partial sum (`PushTarget`), or None
+        when this step's sums go through the all-reduce. The same answer on every rank."""
+        exchange = self.exchange
+        if exchange is None or out_features != exchange.hidden_size or not exchange.fits(x):
+            return None
+        return exchange.target()
 
     def gather_columns(self, x: torch.Tensor) -> torch.Tensor:
         # x: [R, C] on every rank -> [R, world_size * C], rank i's columns i*C:(i+1)*C.
@@ -215,8 +234,9 @@ def _set_up(name: str, parallel: Any, dtype: torch.dtype, hidden_size: int) -> t
 
     if name == "flashinfer":
         fast = flashinfer_all_reduce.FlashInferAllReduce(parallel, hidden_size, dtype)
+        pushed = "; one-token steps' sums pushed by the row-parallel GEMVs" if fast.exchange is not None else ""
         return fast, (f"flashinfer (one- or two-shot, fused with the residual add and RMSNorm) up to "
-                      f"{fast.max_tokens} tokens, nccl above")
+                      f"{fast.max_tokens} tokens, nccl above{pushed}")
     try:
         fast = symmetric_memory.SymmetricAllReduce(parallel.group, parallel.device)
     except Exception as exc:  # set-up failed on this rank: the others may have failed too, or may wait

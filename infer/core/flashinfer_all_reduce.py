@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import contextlib
 import io
+import os
 import time
 from typing import Any
 
@@ -46,6 +47,13 @@ class FlashInferAllReduce:
             self.handles, self.workspace = comm.trtllm_create_ipc_workspace_for_all_reduce_fusion(
                 parallel.rank, parallel.world_size, max_tokens, hidden_size, group=parallel.control_group
             )
+        # one-token steps: the row-parallel GEMVs push their partial sums (`infer.core.lamport`), unless
+        # INFER_GEMV_PUSH=0 on any rank (the ranks agree: the set-up is collective)
+        self.exchange = None
+        if parallel.min(int(os.environ.get("INFER_GEMV_PUSH", "1") != "0")):
+            from infer.core.lamport import LamportExchange
+
+            self.exchange = LamportExchange(parallel, hidden_size, dtype)
 
     def close(self) -> None:
         """Free this rank's shared buffers (~128 MB for a 4096-wide model at 2 ranks). Collective over
@@ -53,6 +61,8 @@ class FlashInferAllReduce:
         with contextlib.redirect_stdout(io.StringIO()):
             self.comm.trtllm_destroy_ipc_workspace_for_all_reduce_fusion(self.handles, group=self.group)
         self.handles = []
+        if self.exchange is not None:
+            self.exchange.close()
 
     def fits(self, x: torch.Tensor) -> bool:
         """Same answer on every rank: shape and dtype only."""

@@ -44,7 +44,12 @@ def reference(folder, **options):
     return _TP1[key]
 
 
-def generate(folder, tp, **options):
+PUSHES: dict = {}  # the last tp > 1 engine's partial sums pushed by its GEMVs (rank 0), when it could
+
+
+def generate(folder, tp, prompts=None, **options):
+    """Greedy tokens, their logprobs and margins for PROMPTS in one batch, or for `prompts` one at a
+    time (one-token decode steps)."""
     from infer.core import flashinfer_all_reduce, symmetric_memory
 
     # auto takes FlashInfer's all-reduce where it can run; else symmetric memory, on these GPUs for
@@ -64,7 +69,9 @@ def generate(folder, tp, **options):
                 assert line.startswith("symm-mem"), line
             else:
                 assert line.startswith("nccl"), line
-        outs = llm.generate(PROMPTS, PARAMS)
+        outs = llm.generate(PROMPTS, PARAMS) if prompts is None else [llm.generate([p], PARAMS)[0] for p in prompts]
+        exchange = getattr(getattr(llm.engine.decoder.runner.model, "parallel", None), "exchange", None)
+        PUSHES["last"] = None if exchange is None else exchange.pushes
     tokens = [o.outputs[0].token_ids for o in outs]
     logprobs = [[lp[t] for lp, t in zip(o.outputs[0].logprobs, o.outputs[0].token_ids)] for o in outs]
     return tokens, logprobs, [[margin(top) for top in o.outputs[0].logprobs] for o in outs]
@@ -155,6 +162,26 @@ def test_tp2_with_pdl_matches_tp1(shape_dir, monkeypatch):
         monkeypatch.delenv("INFER_PDL")
         pdl.reset()
     assert runs["1"] == runs["0"]
+
+
+@pytest.mark.parametrize("cuda_graphs", [True, False])
+def test_tp2_one_token_steps_push_their_partial_sums(shape_dir, monkeypatch, cuda_graphs):
+    """One sequence at a time at tp 2 with FlashInfer's all-reduce: the row-parallel GEMVs push their
+    partial sums into the ranks' exchange (infer.core.lamport); greedy tokens as tp 1's and as the
+    all-reduce's (INFER_GEMV_PUSH=0), up to a near tie."""
+    if not _available("flashinfer"):
+        pytest.skip("needs flashinfer")
+    options = dict(attention="paged-cuda", dtype="bfloat16", cuda_graphs=cuda_graphs, all_reduce="flashinfer")
+    prompts = [PROMPTS[0], PROMPTS[3], PROMPTS[4]]
+    ref = generate(shape_dir, 1, prompts, **options)
+    pushed = generate(shape_dir, 2, prompts, **options)
+    assert PUSHES["last"] > 0
+    monkeypatch.setenv("INFER_GEMV_PUSH", "0")  # the spawned ranks inherit it
+    reduced = generate(shape_dir, 2, prompts, **options)
+    assert PUSHES["last"] is None
+    assert_same_until_a_near_tie(pushed, ref)
+    assert_same_until_a_near_tie(reduced, ref)
+    assert_same_until_a_near_tie(pushed, reduced)
 
 
 def test_tp2_pipelined_decode_matches_tp1(shape_dir):

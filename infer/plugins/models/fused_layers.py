@@ -71,25 +71,35 @@ class FusedSiluAndMul(nn.Module):
         return (getattr(projection, "matmul", None) is FusedLinear.matmul and getattr(projection, "bias", None) is None
                 and not getattr(projection, "reduce", False))
 
-    def down(self, h: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    def down(self, h: torch.Tensor, weight: torch.Tensor, push: Any = None) -> torch.Tensor:
         """matmul(self(h), weight); for one token one GEMV that applies SiLU-and-mul as it reads h."""
         if h.dim() == 2 and h.shape[0] == 1:
             from infer.plugins.models.triton_gemv import gemv_silu_mul
 
-            return gemv_silu_mul(h, weight)
-        return FusedLinear.matmul(self(h), weight)
+            return gemv_silu_mul(h, weight, push=push)
+        return FusedLinear.matmul(self(h), weight, push=push)
+
+    down.pushes = True  # type: ignore[attr-defined]
+
+
+def _matmul(x: torch.Tensor, weight: torch.Tensor, push: Any = None) -> torch.Tensor:
+    """x @ weight.T; one token through the Triton GEMV, which can push a tensor-parallel partial sum
+    into the ranks' exchange (`push`, a `infer.core.lamport.PushTarget`: one-token steps only)."""
+    if x.dim() == 2 and x.shape[0] == 1:
+        from infer.plugins.models.triton_gemv import gemv
+
+        return gemv(x, weight, push=push)
+    if push is not None:
+        raise ValueError(f"a pushed partial sum is one token's, got {tuple(x.shape)}")
+    return torch.nn.functional.linear(x, weight)
+
+
+_matmul.pushes = True  # type: ignore[attr-defined]
 
 
 class FusedLinear(plain.Linear):
     capabilities = CAPS
-
-    @staticmethod
-    def matmul(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-        if x.dim() == 2 and x.shape[0] == 1:
-            from infer.plugins.models.triton_gemv import gemv
-
-            return gemv(x, weight)
-        return torch.nn.functional.linear(x, weight)
+    matmul = staticmethod(_matmul)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.matmul(x, self.weight) if self.bias is None else super().forward(x)

@@ -105,10 +105,17 @@ class LlamaMLP(nn.Module):
         self.act = layers.silu_and_mul()
         # an activation that can apply itself inside the down projection's matmul (one kernel)
         self.fused_down = bool(getattr(self.act, "fuses_with", lambda projection: False)(self.down_proj))
+        self.row_parallel = parallel is not None
+
+    @property
+    def down_matmul(self) -> Any:
+        return self.act.down if self.fused_down else self.down_proj.matmul
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         h = self.gate_up_proj(x)
         if self.fused_down:
+            if self.row_parallel:  # through the shard's forward, which may push its partial sum
+                return self.down_proj(h, matmul=self.act.down)
             return self.act.down(h, self.down_proj.weight)
         return self.down_proj(self.act(h))
 
@@ -168,6 +175,14 @@ class Llama(nn.Module):
             LlamaDecoderLayer(config, layers, attention, parallel) for _ in range(config.num_layers)
         )
         self.norm = layers.rms_norm(config.hidden_size, config.rms_norm_eps)
+        if parallel is not None:
+            # a one-token step's partial sums may be pushed into the ranks' exchange by the GEMVs that
+            # make them (infer.core.lamport), which takes them in pairs: every row-parallel layer
+            # pushes, or none does
+            pushes = all(getattr(layer.self_attn.o_proj.matmul, "pushes", False)
+                         and getattr(layer.mlp.down_matmul, "pushes", False) for layer in self.layers)
+            for layer in self.layers:
+                layer.self_attn.o_proj.push = layer.mlp.down_proj.push = pushes
         self.lm_head = None
         if not config.tie_word_embeddings:
             self.lm_head = (

@@ -91,7 +91,9 @@ class ColumnParallelLinear(nn.Module):
 class RowParallelLinear(nn.Module):
     """y = sum_r x_r W_r^T: this rank's input columns, then one all-reduce. With `reduce=False` the
     output is this rank's partial sum, and whoever takes it sums it (`ParallelState.reduce_add_norm`,
-    which can fuse the all-reduce with the residual add and RMSNorm that follow)."""
+    which can fuse the all-reduce with the residual add and RMSNorm that follow). With `push` (set by
+    a model whose every partial sum is taken so), a matmul that can (`matmul.pushes`) stores a
+    one-token partial sum straight into the ranks' exchange (`infer.core.lamport`)."""
 
     def __init__(self, out_features: int, shard: Shard, parallel: ParallelState, matmul: Matmul = F.linear,
                  reduce: bool = True) -> None:
@@ -100,10 +102,17 @@ class RowParallelLinear(nn.Module):
         self.parallel = parallel
         self.matmul = matmul
         self.reduce = reduce
+        self.push = False
         self.weight = nn.Parameter(torch.empty(out_features, shard.local_size))
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = self.matmul(x, self.weight)
+    def forward(self, x: torch.Tensor, matmul: Matmul | None = None) -> torch.Tensor:
+        """`matmul`: another with the same contract (e.g. the activation's fused down projection)."""
+        matmul = matmul or self.matmul
+        if self.push and getattr(matmul, "pushes", False):
+            target = self.parallel.push_target(x, self.weight.shape[0])
+            if target is not None:
+                return matmul(x, self.weight, push=target)
+        y = matmul(x, self.weight)
         return self.parallel.all_reduce(y) if self.reduce else y
 
 

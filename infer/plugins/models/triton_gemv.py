@@ -6,7 +6,7 @@ the kernel's only job is to keep enough 16-byte loads in flight. Each program st
 rows of W (BLOCK_N rows, BLOCK_K columns per iteration: coalesced along k, as W is stored), keeps
 the x chunk in registers and accumulates in fp32, reducing across k once at the end. The weights
 are read once per step, so they are loaded evict-first to keep the activations in L2. Launched as a
-programmatic dependent (`triton_pdl`), it loads its first weight tiles (`tiles_ahead`) before
+programmatic dependent (`triton_pdl`), it loads its first weight tile before
 waiting for the kernel that wrote x.
 
 Tile shapes are tuned per (N, K, dtype, device) on the GPU at the first call (which the engine makes
@@ -21,8 +21,8 @@ TRITON_INTERPRET=1 one small tile is used.
 
 from __future__ import annotations
 
-import functools
 import os
+from typing import Any
 
 import torch
 import triton
@@ -99,74 +99,68 @@ def _tile_product(w, x_ptr, k0, K, BLOCK_K: tl.constexpr, GATED: tl.constexpr):
 
 
 @triton.jit
-def _gemv_kernel(x_ptr, w_ptr, y_ptr, N, K, stride_w, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                 USE_PDL: tl.constexpr, GATED: tl.constexpr, AHEAD: tl.constexpr):
+def _gemv_kernel(x_ptr, w_ptr, y_ptr, peers_ptr, N, K, stride_w, part_offset, BLOCK_N: tl.constexpr,
+                 BLOCK_K: tl.constexpr, USE_PDL: tl.constexpr, GATED: tl.constexpr, PEERS: tl.constexpr):
     rows = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     row_ok = rows < N
     rows = tl.where(row_ok, rows, 0)  # out-of-range rows re-read row 0 (harmless, never stored)
     w_rows = w_ptr + rows[:, None].to(tl.int64) * stride_w
-    # the weights are no kernel's output: the first AHEAD tiles' loads go out before the wait for the
-    # kernel before (under PDL, while it finishes), and only x waits for it. Summed in k order, as the
-    # loop sums, so every AHEAD gives the same bits.
-    w0 = _load_w(w_rows, 0, K, BLOCK_K)
-    if AHEAD >= 2:
-        w1 = _load_w(w_rows, BLOCK_K, K, BLOCK_K)
-    if AHEAD >= 3:
-        w2 = _load_w(w_rows, 2 * BLOCK_K, K, BLOCK_K)
-    if AHEAD >= 4:
-        w3 = _load_w(w_rows, 3 * BLOCK_K, K, BLOCK_K)
+    # the weights are no kernel's output: the first tile's loads go out before the wait for the kernel
+    # before (under PDL, while it finishes), and only x waits for it. (Loading 2 or 4 tiles ahead was
+    # slower: x2 H200, llama2-7b batch 1, tp1 3.629 -> 3.880 / 3.783 ms, tp2 2.333 -> 2.454 / 2.484.)
+    w = _load_w(w_rows, 0, K, BLOCK_K)
     wait_and_release(USE_PDL)
-    acc = _tile_product(w0, x_ptr, 0, K, BLOCK_K, GATED)
-    if AHEAD >= 2:
-        acc += _tile_product(w1, x_ptr, BLOCK_K, K, BLOCK_K, GATED)
-    if AHEAD >= 3:
-        acc += _tile_product(w2, x_ptr, 2 * BLOCK_K, K, BLOCK_K, GATED)
-    if AHEAD >= 4:
-        acc += _tile_product(w3, x_ptr, 3 * BLOCK_K, K, BLOCK_K, GATED)
-    for k0 in range(AHEAD * BLOCK_K, K, BLOCK_K):
+    acc = _tile_product(w, x_ptr, 0, K, BLOCK_K, GATED)
+    for k0 in range(BLOCK_K, K, BLOCK_K):
         acc += _tile_product(_load_w(w_rows, k0, K, BLOCK_K), x_ptr, k0, K, BLOCK_K, GATED)
-    tl.store(y_ptr + rows, tl.sum(acc, axis=1).to(y_ptr.dtype.element_ty), mask=row_ok)
+    y = tl.sum(acc, axis=1).to(y_ptr.dtype.element_ty)
+    if PEERS == 0:
+        tl.store(y_ptr + rows, y, mask=row_ok)
+    else:  # a tensor-parallel partial sum, pushed into every rank's exchange slot (`push`)
+        y = tl.where(y == 0.0, tl.zeros_like(y), y)  # -0.0 means "not written yet" there: store +0.0
+        for r in tl.static_range(PEERS):
+            dst = tl.load(peers_ptr + r).to(tl.pointer_type(y_ptr.dtype.element_ty))
+            tl.store(dst + part_offset + rows, y, mask=row_ok)
 
 
-def gemv(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+def gemv(x: torch.Tensor, weight: torch.Tensor, push: Any = None) -> torch.Tensor:
     """x [1, K] @ weight[N, K].T -> [1, N] in x's dtype (fp32 accumulation). With PDL on, `weight`
     is read before the kernel just before has finished: it must be no output of that kernel (model
-    weights never are)."""
+    weights never are). `push`: see `_launch`."""
     assert x.dim() == 2 and x.shape[0] == 1, f"gemv takes one row, got {tuple(x.shape)}"
     assert x.shape[1] == weight.shape[1] and weight.stride(1) == 1, "weight must be [N, K] with contiguous rows"
-    return _launch(x, weight, gated=False)
+    return _launch(x, weight, gated=False, push=push)
 
 
-def gemv_silu_mul(h: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+def gemv_silu_mul(h: torch.Tensor, weight: torch.Tensor, push: Any = None) -> torch.Tensor:
     """(SiLU(gate) * up) @ weight.T for one row h = [gate | up] ([1, 2K]) and weight [N, K]: the MLP's
     activation read inside its down projection's GEMV, one kernel instead of two (the same bits as
     `gemv(silu_and_mul(h), weight)`)."""
     assert h.dim() == 2 and h.shape[0] == 1, f"gemv_silu_mul takes one row, got {tuple(h.shape)}"
     assert h.shape[1] == 2 * weight.shape[1] and weight.stride(1) == 1, "h must be [1, 2K] and weight [N, K] with contiguous rows"
-    return _launch(h, weight, gated=True)
+    return _launch(h, weight, gated=True, push=push)
 
 
-def _launch(x: torch.Tensor, weight: torch.Tensor, gated: bool) -> torch.Tensor:
+def _launch(x: torch.Tensor, weight: torch.Tensor, gated: bool, push: Any) -> torch.Tensor:
+    """`push`: a tensor-parallel exchange's target (`infer.core.lamport.PushTarget`): the result, this
+    rank's partial sum, is stored into every rank's slot for it (peer memory) and returned as the
+    view of this rank's own copy, which the exchange then sums (`ParallelState.reduce_add_norm`) and
+    resets: the view holds the partial sum until then."""
     x = x.contiguous()
-    y = torch.empty(1, weight.shape[0], dtype=x.dtype, device=x.device)
-    _run(x, weight, y, gated, _tile(x, weight, gated))
+    if push is None:
+        y = torch.empty(1, weight.shape[0], dtype=x.dtype, device=x.device)
+    else:
+        y = push.local
+        assert y.shape == (1, weight.shape[0]) and y.dtype == x.dtype, "the push target is one row of the output"
+    _run(x, weight, y, gated, _tile(x, weight, gated), push)
     return y
 
 
-def _run(x: torch.Tensor, weight: torch.Tensor, y: torch.Tensor, gated: bool, tile: tuple[int, int, int]) -> None:
+def _run(x: torch.Tensor, weight: torch.Tensor, y: torch.Tensor, gated: bool, tile: tuple[int, int, int],
+         push: Any = None) -> None:
     n, k = weight.shape
     block_n, block_k, warps = tile
-    _gemv_kernel[(triton.cdiv(n, block_n),)](x, weight, y, n, k, weight.stride(0), BLOCK_N=block_n, BLOCK_K=block_k,
-                                             GATED=gated, AHEAD=tiles_ahead(), num_warps=warps, num_stages=1,
-                                             **kernel_args(x.device))
-
-
-@functools.cache
-def tiles_ahead() -> int:
-    """Weight tiles each program loads before waiting for the kernel before (INFER_GEMV_TILES_AHEAD,
-    1 to 4; 1 until more is measured): under PDL, what streams while an all-reduce, attention or a
-    norm finishes."""
-    value = os.environ.get("INFER_GEMV_TILES_AHEAD", "1")
-    if value not in ("1", "2", "3", "4"):
-        raise ValueError(f"INFER_GEMV_TILES_AHEAD must be 1, 2, 3 or 4, got {value!r}")
-    return int(value)
+    peers, offset = (y, 0) if push is None else (push.peers, push.offset)
+    _gemv_kernel[(triton.cdiv(n, block_n),)](x, weight, y, peers, n, k, weight.stride(0), offset, BLOCK_N=block_n,
+                                             BLOCK_K=block_k, GATED=gated, PEERS=0 if push is None else len(push.peers),
+                                             num_warps=warps, num_stages=1, **kernel_args(x.device))

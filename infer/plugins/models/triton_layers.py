@@ -17,15 +17,25 @@ def _rms_norm_kernel(x_ptr, res_ptr, w_ptr, out_ptr, res_out_ptr, eps, N: tl.con
     cols = tl.arange(0, BLOCK)
     mask = cols < N
     x = tl.load(x_ptr + row * N + cols, mask=mask, other=0.0).to(tl.float32)
+    _add_norm_store(x, res_ptr + row * N, w_ptr, out_ptr + row * N, res_out_ptr + row * N, eps, cols, mask, N,
+                    HAS_RESIDUAL)
+
+
+@triton.jit
+def _add_norm_store(x, res_ptr, w_ptr, out_ptr, res_out_ptr, eps, cols, mask, N: tl.constexpr,
+                    HAS_RESIDUAL: tl.constexpr):
+    """One row's RMSNorm(x + residual) * w and x + residual (x fp32), stored in the activation dtype."""
     if HAS_RESIDUAL:
-        x += tl.load(res_ptr + row * N + cols, mask=mask, other=0.0).to(tl.float32)
+        x += tl.load(res_ptr + cols, mask=mask, other=0.0).to(tl.float32)
         x = x.to(res_out_ptr.dtype.element_ty)  # the eager layer adds in the activation dtype
-        tl.store(res_out_ptr + row * N + cols, x, mask=mask)
+        tl.store(res_out_ptr + cols, x, mask=mask)
         x = x.to(tl.float32)
     # match the eager layer: normalise in fp32, cast to the activation dtype, then scale
     normed = (x * tl.rsqrt(tl.sum(x * x, axis=0) / N + eps)).to(out_ptr.dtype.element_ty)
-    w = tl.load(w_ptr + cols, mask=mask, other=0.0)
-    tl.store(out_ptr + row * N + cols, (w * normed).to(out_ptr.dtype.element_ty), mask=mask)
+    # w * normed rounded once, as the eager layer's product (an fp32 product of two 16-bit floats is exact;
+    # multiplied in bfloat16 Triton's interpreter gets it wrong)
+    w = tl.load(w_ptr + cols, mask=mask, other=0.0).to(tl.float32)
+    tl.store(out_ptr + cols, (w * normed.to(tl.float32)).to(out_ptr.dtype.element_ty), mask=mask)
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None = None):
@@ -112,3 +122,46 @@ def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
     if rows:
         _silu_and_mul_kernel[(rows, triton.cdiv(n, block))](x, out, N=n, BLOCK=block, **kernel_args(x.device))
     return out
+
+
+@triton.jit
+def _lamport_add_norm_kernel(slot_ptr, res_ptr, w_ptr, out_ptr, res_out_ptr, eps, N: tl.constexpr,
+                             WORLD: tl.constexpr, BLOCK: tl.constexpr, NORM: tl.constexpr, USE_PDL: tl.constexpr):
+    wait_and_release(USE_PDL)
+    cols = tl.arange(0, BLOCK)
+    mask = cols < N
+    # the ranks' parts arrive over peer memory: read them until none holds -0.0 (the reset value;
+    # a pushed -0.0 is stored as +0.0), summing in rank order so every rank gets the same bits
+    x = tl.zeros([BLOCK], tl.float32)
+    waiting = 1
+    while waiting > 0:
+        waiting = 0
+        x = tl.zeros([BLOCK], tl.float32)
+        for r in tl.static_range(WORLD):
+            part = tl.load(slot_ptr + r * N + cols, mask=mask, other=0.0, volatile=True)
+            waiting += tl.sum((part.to(tl.int16, bitcast=True) == -32768).to(tl.int32), axis=0)
+            x += part.to(tl.float32)
+    tl.debug_barrier()  # every thread has read its elements before any is reset
+    reset = tl.full([BLOCK], -32768, tl.int16).to(slot_ptr.dtype.element_ty, bitcast=True)
+    for r in tl.static_range(WORLD):
+        tl.store(slot_ptr + r * N + cols, reset, mask=mask)
+    if NORM:
+        _add_norm_store(x, res_ptr, w_ptr, out_ptr, res_out_ptr, eps, cols, mask, N, True)
+    else:
+        tl.store(out_ptr + cols, x.to(out_ptr.dtype.element_ty), mask=mask)
+
+
+def lamport_reduce(slot: torch.Tensor, residual: torch.Tensor | None = None, weight: torch.Tensor | None = None,
+                   eps: float = 0.0):
+    """The sum of the ranks' parts in `slot` ([world, N] on this rank, written by the ranks over peer
+    memory, -0.0 where not yet written), waiting on the GPU until all have arrived, then resetting
+    the slot to -0.0. With `residual` and `weight`: (RMSNorm(sum + residual) * weight, sum + residual)
+    as `rms_norm` gives them, else the sum [1, N]."""
+    world, n = slot.shape
+    out = torch.empty(1, n, dtype=slot.dtype, device=slot.device)
+    norm = residual is not None
+    res_out = torch.empty_like(out) if norm else out
+    _lamport_add_norm_kernel[(1,)](slot, residual.contiguous() if norm else out, weight if norm else out, out, res_out,
+                                   eps, N=n, WORLD=world, BLOCK=triton.next_power_of_2(n), NORM=norm,
+                                   num_warps=8, **kernel_args(slot.device))
+    return (out, res_out) if norm else out

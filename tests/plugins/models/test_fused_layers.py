@@ -100,7 +100,7 @@ def test_mlp_reads_its_activation_inside_the_down_gemv(monkeypatch):
 
     calls = []
     real = triton_gemv.gemv_silu_mul
-    monkeypatch.setattr(triton_gemv, "gemv_silu_mul", lambda h, w: calls.append(h.shape) or real(h, w))
+    monkeypatch.setattr(triton_gemv, "gemv_silu_mul", lambda h, w, push=None: calls.append(h.shape) or real(h, w, push))
     config = types.SimpleNamespace(hidden_size=32, intermediate_size=48)
     fused = Layers(rms_norm=FusedRMSNorm, rotary_embedding=FusedRotaryEmbedding, silu_and_mul=FusedSiluAndMul,
                    linear=FusedLinear)
@@ -166,33 +166,3 @@ def plain_layers():
 
     return Layers(rms_norm=plain.RMSNorm, rotary_embedding=plain.RotaryEmbedding, silu_and_mul=plain.SiluAndMul,
                   linear=plain.Linear)
-
-
-@pytest.mark.parametrize("ahead", [2, 3, 4])
-@pytest.mark.parametrize("n,k", [(13, 70), (64, 96), (5, 1)])
-def test_gemv_loading_tiles_ahead_gives_the_same_bits(monkeypatch, ahead, n, k):
-    """Loading up to four weight tiles before the wait (more than K has, too) sums in the same order."""
-    from infer.plugins.models import triton_gemv
-
-    torch.manual_seed(0)
-    x, h, w = torch.randn(1, k), torch.randn(1, 2 * k), torch.randn(n, k)
-    monkeypatch.setattr(triton_gemv, "tiles_ahead", lambda: 1)
-    expected = triton_gemv.gemv(x, w), triton_gemv.gemv_silu_mul(h, w)
-    monkeypatch.setattr(triton_gemv, "tiles_ahead", lambda: ahead)
-    got = triton_gemv.gemv(x, w), triton_gemv.gemv_silu_mul(h, w)
-    for a, b in zip(got, expected):
-        torch.testing.assert_close(a, b, atol=0, rtol=0)
-
-
-def test_gemv_tiles_ahead_is_checked(monkeypatch):
-    from infer.plugins.models import triton_gemv
-
-    monkeypatch.setenv("INFER_GEMV_TILES_AHEAD", "8")
-    triton_gemv.tiles_ahead.cache_clear()
-    try:
-        with pytest.raises(ValueError, match="INFER_GEMV_TILES_AHEAD must be 1, 2, 3 or 4"):
-            triton_gemv.tiles_ahead()
-    finally:
-        monkeypatch.delenv("INFER_GEMV_TILES_AHEAD")
-        triton_gemv.tiles_ahead.cache_clear()
-    assert triton_gemv.tiles_ahead() == 1
