@@ -50,7 +50,11 @@ class FlashInferAllReduce:
         # one-token steps: the row-parallel GEMVs push their partial sums (`infer.core.lamport`), unless
         # INFER_GEMV_PUSH=0 on any rank (the ranks agree: the set-up is collective)
         self.exchange = None
-        if parallel.min(int(os.environ.get("INFER_GEMV_PUSH", "1") != "0")):
+        import torch.distributed as dist
+
+        wanted = torch.tensor([int(os.environ.get("INFER_GEMV_PUSH", "1") != "0")])
+        dist.all_reduce(wanted, op=dist.ReduceOp.MIN, group=self.group)
+        if wanted.item():
             from infer.core.lamport import LamportExchange
 
             self.exchange = LamportExchange(parallel, hidden_size, dtype)

@@ -10,7 +10,9 @@ where a plain RMSNorm adds 2.5.
 Here the row-parallel GEMV (`triton_gemv`, a plugin's matmul that takes `push=`) stores each output
 row straight into every rank's exchange slot as it is computed, and the kernel after it
 (`triton_layers.lamport_reduce`) only waits for the parts, sums them in rank order (the same bits on
-every rank), adds the residual and normalises. Arrival needs no flags (the Lamport protocol, as in
+every rank), adds the residual and normalises; under PDL it starts while the GEMV still runs and
+reads the parts as they arrive. Llama-2-7B, batch 1, two H200s: 2.320 -> 2.262 ms per token
+(decode forward 2.277 -> 2.220 ms). Arrival needs no flags (the Lamport protocol, as in
 TensorRT-LLM's one-shot kernels): a slot holds -0.0 until written, a pushed -0.0 is stored as +0.0,
 and the reader polls until no -0.0 is left, then resets the slot to -0.0.
 
@@ -61,16 +63,17 @@ class LamportExchange:
         self._ipc = cuda_ipc
         self.group = parallel.control_group
         self.rank, self.world_size, self.hidden_size, self.dtype = parallel.rank, parallel.world_size, hidden_size, dtype
+        device = getattr(parallel, "device", None) or torch.device("cuda", torch.cuda.current_device())
         numel = 2 * self.world_size * hidden_size
         self.pointers = cuda_ipc.create_shared_buffer(numel * 2, group=self.group)  # collective
-        raw = torch.as_tensor(_Raw(self.pointers[self.rank], numel), device=parallel.device)
+        raw = torch.as_tensor(_Raw(self.pointers[self.rank], numel), device=device)
         raw.fill_(RESET)
         self.slots = raw.view(dtype).view(2, self.world_size, hidden_size)
         element = self.slots.element_size()
         self.peers = torch.tensor(  # [slot, rank]: the address of rank's copy of the slot
             [[p + s * self.world_size * hidden_size * element for p in self.pointers] for s in range(2)],
-            dtype=torch.int64, device=parallel.device)
-        torch.cuda.synchronize(parallel.device)
+            dtype=torch.int64, device=device)
+        torch.cuda.synchronize(device)
         import torch.distributed as dist
 
         dist.barrier(group=self.group)  # every rank's slots reset before anyone pushes

@@ -6,8 +6,9 @@ of the next grid plus the ramp-up of its first wave. With PDL a kernel is launch
 (`launch_pdl=True`): its blocks may be scheduled while its predecessor's last wave still runs, and
 each block first waits (`gdc_wait`, which returns once the predecessor has completed and its writes
 are visible), then lets its own dependents be launched (`gdc_launch_dependents`). Every kernel here
-waits before it touches anything, so the results are those of plain launches whichever kernel
-comes before (a kernel that never signals, like cuBLAS's or NCCL's, counts as signalling when it
+waits before it touches anything (the tensor-parallel exchange's reader, `lamport_reduce`, reads
+only its peer-written slot before it waits, and writes after), so the results are those of plain
+launches whichever kernel comes before (a kernel that never signals, like cuBLAS's or NCCL's, counts as signalling when it
 finishes). CUDA graphs keep these launches as programmatic edges.
 
 When it is on: `infer.core.pdl` (Hopper and newer, unless INFER_PDL=0), and a Triton that has it.

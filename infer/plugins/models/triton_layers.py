@@ -127,7 +127,12 @@ def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
 @triton.jit
 def _lamport_add_norm_kernel(slot_ptr, res_ptr, w_ptr, out_ptr, res_out_ptr, eps, N: tl.constexpr,
                              WORLD: tl.constexpr, BLOCK: tl.constexpr, NORM: tl.constexpr, USE_PDL: tl.constexpr):
-    wait_and_release(USE_PDL)
+    # Under PDL this kernel starts while the GEMV that pushes this rank's part still runs: the parts
+    # are read as they arrive, and the wait for the GEMV to finish comes only before the stores (the
+    # outputs may be memory the GEMV still reads, handed on by the caching allocator). Waiting first,
+    # as the other kernels do: x2 H200, llama2-7b tp 2, 2.295 ms a token, against 2.262.
+    if USE_PDL:
+        tl.extra.cuda.gdc_launch_dependents()
     cols = tl.arange(0, BLOCK)
     mask = cols < N
     # the ranks' parts arrive over peer memory: read them until none holds -0.0 (the reset value;
@@ -142,6 +147,8 @@ def _lamport_add_norm_kernel(slot_ptr, res_ptr, w_ptr, out_ptr, res_out_ptr, eps
             waiting += tl.sum((part.to(tl.int16, bitcast=True) == -32768).to(tl.int32), axis=0)
             x += part.to(tl.float32)
     tl.debug_barrier()  # every thread has read its elements before any is reset
+    if USE_PDL:
+        tl.extra.cuda.gdc_wait()
     reset = tl.full([BLOCK], -32768, tl.int16).to(slot_ptr.dtype.element_ty, bitcast=True)
     for r in tl.static_range(WORLD):
         tl.store(slot_ptr + r * N + cols, reset, mask=mask)
@@ -163,5 +170,5 @@ def lamport_reduce(slot: torch.Tensor, residual: torch.Tensor | None = None, wei
     res_out = torch.empty_like(out) if norm else out
     _lamport_add_norm_kernel[(1,)](slot, residual.contiguous() if norm else out, weight if norm else out, out, res_out,
                                    eps, N=n, WORLD=world, BLOCK=triton.next_power_of_2(n), NORM=norm,
-                                   num_warps=8, **kernel_args(slot.device))
+                                   num_warps=16, **kernel_args(slot.device))  # x2 H200, llama2-7b tp 2: 8 warps 2.247 ms a step, 16 2.238
     return (out, res_out) if norm else out
