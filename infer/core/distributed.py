@@ -87,7 +87,8 @@ class ParallelState:
         return HeadLayout(per_rank, 1, r * per_rank, r // (n // num_kv_heads))  # replicated KV head
 
     def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
-        """Sum `x` over the ranks, in place (row-parallel outputs, the vocab-parallel embedding)."""
+        """Sum `x` over the ranks (row-parallel outputs, the vocab-parallel embedding): in place, or a
+        new tensor where a fast path or the exchange sums it; use the result."""
         if (exchange := self.exchange) is not None and exchange.takes(x):  # pushed by its GEMV: summed there
             return exchange.reduce(x)  # not in place: x is the exchange's slot, reset by now
         fast = self.fast_all_reduce

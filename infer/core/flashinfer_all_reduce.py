@@ -57,7 +57,7 @@ class FlashInferAllReduce:
         if wanted.item():
             from infer.core.lamport import LamportExchange
 
-            self.exchange = LamportExchange(parallel, hidden_size, dtype)
+            self.exchange = LamportExchange.create(parallel, hidden_size, dtype)
 
     def close(self) -> None:
         """Free this rank's shared buffers (~128 MB for a 4096-wide model at 2 ranks). Collective over

@@ -28,9 +28,6 @@ from typing import Any, NamedTuple
 
 import torch
 
-from infer.core.logging import get_logger
-
-log = get_logger(component="all-reduce")
 DTYPES = (torch.float16, torch.bfloat16)  # -0.0 is 0x8000 in both
 RESET = -32768  # -0.0's bits as int16
 
@@ -53,33 +50,39 @@ class _Raw:
 
 
 class LamportExchange:
-    """Two slots of [world, hidden] per rank, mapped by every rank (CUDA IPC over the control group).
-    `target()` hands the next GEMV its slot; `reduce(x, ...)` sums the slot `x` is this rank's part of."""
+    """Two slots of [world, hidden] per rank, mapped by every rank. `target()` hands the next GEMV
+    its slot; `reduce(x, ...)` sums the slot `x` is this rank's part of. `create` maps them over
+    CUDA IPC; the constructor takes this rank's slots ([2, world, hidden], reset) and the address of
+    each rank's copy."""
 
-    def __init__(self, parallel: Any, hidden_size: int, dtype: torch.dtype) -> None:
-        from flashinfer.comm import cuda_ipc
-
-        assert dtype in DTYPES, dtype
-        self._ipc = cuda_ipc
-        self.group = parallel.control_group
-        self.rank, self.world_size, self.hidden_size, self.dtype = parallel.rank, parallel.world_size, hidden_size, dtype
-        device = getattr(parallel, "device", None) or torch.device("cuda", torch.cuda.current_device())
-        numel = 2 * self.world_size * hidden_size
-        self.pointers = cuda_ipc.create_shared_buffer(numel * 2, group=self.group)  # collective
-        raw = torch.as_tensor(_Raw(self.pointers[self.rank], numel), device=device)
-        raw.fill_(RESET)
-        self.slots = raw.view(dtype).view(2, self.world_size, hidden_size)
-        element = self.slots.element_size()
+    def __init__(self, slots: torch.Tensor, addresses: list[int], rank: int, close: Any = None) -> None:
+        self.slots, self.rank, self._close = slots, rank, close
+        _, self.world_size, self.hidden_size = slots.shape
+        self.dtype = slots.dtype
+        assert self.dtype in DTYPES, self.dtype
+        slot_bytes = self.world_size * self.hidden_size * slots.element_size()
         self.peers = torch.tensor(  # [slot, rank]: the address of rank's copy of the slot
-            [[p + s * self.world_size * hidden_size * element for p in self.pointers] for s in range(2)],
-            dtype=torch.int64, device=device)
-        torch.cuda.synchronize(device)
-        import torch.distributed as dist
-
-        dist.barrier(group=self.group)  # every rank's slots reset before anyone pushes
+            [[a + s * slot_bytes for a in addresses] for s in range(2)], dtype=torch.int64, device=slots.device)
         self._next = 0
         self._pending: tuple[int, int] | None = None  # (slot, data_ptr of the part handed out)
         self.pushes = 0  # targets handed out (launches: a captured graph's replays push again uncounted)
+
+    @classmethod
+    def create(cls, parallel: Any, hidden_size: int, dtype: torch.dtype) -> "LamportExchange":
+        """Every rank's slots in CUDA IPC memory, mapped by all (collective over the control group)."""
+        import torch.distributed as dist
+        from flashinfer.comm import cuda_ipc
+
+        group = parallel.control_group
+        device = getattr(parallel, "device", None) or torch.device("cuda", torch.cuda.current_device())
+        numel = 2 * parallel.world_size * hidden_size
+        pointers = cuda_ipc.create_shared_buffer(numel * 2, group=group)
+        raw = torch.as_tensor(_Raw(pointers[parallel.rank], numel), device=device)
+        raw.fill_(RESET)
+        torch.cuda.synchronize(device)
+        dist.barrier(group=group)  # every rank's slots reset before anyone pushes
+        return cls(raw.view(dtype).view(2, parallel.world_size, hidden_size), pointers, parallel.rank,
+                   close=lambda: cuda_ipc.free_shared_buffer(pointers, group=group))
 
     def fits(self, x: torch.Tensor) -> bool:
         """Whether a GEMV with input rows like `x` pushes (the same answer on every rank)."""
@@ -110,6 +113,7 @@ class LamportExchange:
         return lamport_reduce(self.slots[slot], residual, weight, eps)
 
     def close(self) -> None:
-        """Collective over the control group, at teardown."""
-        self._ipc.free_shared_buffer(self.pointers, group=self.group)
-        self.pointers = []
+        """Frees the IPC memory of `create`: collective over the control group, at teardown."""
+        close, self._close = self._close, None
+        if close is not None:
+            close()

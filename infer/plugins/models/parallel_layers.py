@@ -108,11 +108,10 @@ class RowParallelLinear(nn.Module):
     def forward(self, x: torch.Tensor, matmul: Matmul | None = None) -> torch.Tensor:
         """`matmul`: another with the same contract (e.g. the activation's fused down projection)."""
         matmul = matmul or self.matmul
+        target = None
         if self.push and getattr(matmul, "pushes", False):
             target = self.parallel.push_target(x, self.weight.shape[0])
-            if target is not None:
-                return matmul(x, self.weight, push=target)
-        y = matmul(x, self.weight)
+        y = matmul(x, self.weight) if target is None else matmul(x, self.weight, push=target)
         return self.parallel.all_reduce(y) if self.reduce else y
 
 

@@ -78,3 +78,56 @@ def test_the_gated_down_projection_pushes_and_the_sum_alone_is_given_without_a_n
     # fp32 sum rounded once (the interpreter rounds bfloat16 toward zero, the GPU to nearest: within a step)
     torch.testing.assert_close(summed, (parts[0].float() + parts[1].float()).to(dtype), atol=1e-2, rtol=1e-2)
     assert (slots[0].view(torch.int16) == RESET).all()
+
+
+def test_a_row_parallel_mlp_pushes_one_token_and_the_norm_after_takes_it_from_the_exchange():
+    """The model's wiring, one rank: the down projection's fused GEMV pushes a one-token partial sum,
+    `reduce_add_norm` finds it in the exchange; more tokens take the all-reduce."""
+    import types
+
+    from infer.core.distributed import ParallelState
+    from infer.core.interfaces import Layers
+    from infer.core.lamport import LamportExchange
+    from infer.plugins.models.fused_layers import FusedLinear, FusedRMSNorm, FusedRotaryEmbedding, FusedSiluAndMul
+    from infer.plugins.models.llama import LlamaMLP
+
+    dtype, hidden = torch.float16, 32
+    slots = torch.full((2, 1, hidden), RESET, dtype=torch.int16).view(dtype)
+    exchange = LamportExchange(slots, [slots.data_ptr()], rank=0)
+
+    class OneRankAllReduce:  # what the other steps' sums go through: over one rank, x itself
+        def __init__(self):
+            self.exchange = exchange
+
+        def fits(self, x):
+            return True
+
+        def __call__(self, x):
+            return x
+
+    fast = OneRankAllReduce()
+    parallel = ParallelState(rank=0, world_size=1, fast_all_reduce=fast)
+    fused = Layers(rms_norm=FusedRMSNorm, rotary_embedding=FusedRotaryEmbedding, silu_and_mul=FusedSiluAndMul,
+                   linear=FusedLinear)
+    config = types.SimpleNamespace(hidden_size=hidden, intermediate_size=48)
+    torch.manual_seed(0)
+    mlp = LlamaMLP(config, fused, parallel).to(dtype)
+    for weight in mlp.parameters():  # the shards are allocated, not initialised
+        torch.nn.init.normal_(weight, std=0.2)
+    assert mlp.fused_down and getattr(mlp.down_matmul, "pushes", False)
+    mlp.down_proj.push = True
+    norm = FusedRMSNorm(hidden, 1e-5).to(dtype)
+    with torch.no_grad():
+        norm.weight.normal_()
+    for tokens, pushes in ((1, 1), (3, 0)):
+        x, residual = torch.randn(tokens, hidden, dtype=dtype), torch.randn(tokens, hidden, dtype=dtype)
+        before = exchange.pushes
+        part = mlp(x)
+        assert exchange.pushes - before == pushes and exchange.takes(part) == bool(pushes)
+        expected = norm(part.clone(), residual)
+        out, res = parallel.reduce_add_norm(part, residual, norm)
+        torch.testing.assert_close(res, expected[1], atol=0, rtol=0)
+        torch.testing.assert_close(out, expected[0], atol=0, rtol=0)
+        assert (slots.view(torch.int16) == RESET).all() and not exchange.takes(part)
+    with pytest.raises(RuntimeError, match="never reduced"):
+        exchange.target(), exchange.target()
