@@ -1,7 +1,8 @@
 """Tensor parallelism's all-reduces on two GPUs against NCCL's. The symmetric-memory one-shot: sums
 equal (fp32 exactly for two ranks, bf16 as NCCL rounds), in place, for decode- and prefill-sized
 tensors, unaligned views, and inside a CUDA graph replayed with new inputs. FlashInfer's: the sum and
-the sum fused with the residual add and RMSNorm, eagerly and replayed from a graph."""
+the sum fused with the residual add and RMSNorm, eagerly and replayed from a graph. The GEMVs' partial
+sums pushed into the ranks' exchange (`infer.core.lamport`) and summed there, likewise."""
 
 from __future__ import annotations
 
@@ -135,3 +136,96 @@ def test_flashinfer_all_reduce_and_fused_norm_match_nccl(tmp_path, monkeypatch, 
     os.environ.setdefault("TORCH_SYMM_MEM_DISABLE_MULTICAST", "1")
     os.environ.setdefault("NCCL_NVLS_ENABLE", "0")
     mp.start_processes(_flashinfer_rank, args=(2, str(tmp_path / "init")), nprocs=2, start_method="spawn", join=True)
+
+
+def _exchange_rank(rank: int, world_size: int, init_file: str) -> None:
+    """The GEMVs' pushed partial sums (infer.core.lamport) against NCCL's sum of the same GEMVs'
+    outputs: eagerly over alternating slots, through the gated down projection, and replayed from a
+    CUDA graph on new inputs. Every rank gets the same bits."""
+    import types
+
+    import torch.distributed as dist
+
+    from infer.core.lamport import RESET, LamportExchange
+    from infer.plugins.models.triton_gemv import gemv, gemv_silu_mul
+    from infer.plugins.models.triton_layers import rms_norm
+
+    torch.cuda.set_device(rank)
+    device = torch.device("cuda", rank)
+    dist.init_process_group("nccl", init_method=f"file://{init_file}", rank=rank, world_size=world_size)
+    control = dist.new_group(backend="gloo")
+    try:
+        hidden, width = 4096, 1024
+        parallel = types.SimpleNamespace(rank=rank, world_size=world_size, control_group=control, device=device)
+        exchange = LamportExchange.create(parallel, hidden, torch.bfloat16)
+        gen = torch.Generator(device=device).manual_seed(rank)
+        w = torch.randn(hidden, width, device=device, dtype=torch.bfloat16, generator=gen) / width**0.5
+        norm_w = torch.rand(hidden, device=device, dtype=torch.bfloat16,
+                            generator=torch.Generator(device=device).manual_seed(7)) + 0.5  # same on all ranks
+
+        def expected(part, residual):
+            total = part.float()
+            dist.all_reduce(total)
+            return rms_norm(total.to(torch.bfloat16), norm_w, 1e-5, residual)
+
+        def same_on_every_rank(t):
+            gathered = [torch.empty_like(t) for _ in range(world_size)]
+            dist.all_gather(gathered, t.contiguous())
+            assert all(torch.equal(g, gathered[0]) for g in gathered)
+
+        for step in range(6):  # both slots, three times each
+            x = torch.randn(1, width, device=device, dtype=torch.bfloat16, generator=gen)
+            residual = torch.full((1, hidden), float(step), device=device, dtype=torch.bfloat16)
+            if step == 3:  # the MLP's down projection: SiLU(gate) * up read inside the GEMV
+                h = torch.randn(1, 2 * width, device=device, dtype=torch.bfloat16, generator=gen)
+                plain, part = gemv_silu_mul(h, w), gemv_silu_mul(h, w, push=exchange.target())
+            else:
+                plain, part = gemv(x, w), gemv(x, w, push=exchange.target())
+            assert torch.equal(part, plain)
+            ref_out, ref_res = expected(plain, residual)
+            out, res = exchange.reduce(part, residual, norm_w, 1e-5)
+            torch.testing.assert_close(res, ref_res, atol=3e-2, rtol=2e-2)
+            torch.testing.assert_close(out, ref_out, atol=5e-2, rtol=3e-2)
+            same_on_every_rank(out)
+        torch.cuda.synchronize()
+        assert (exchange.slots.view(torch.int16) == RESET).all(), "every slot read is reset"
+
+        # a captured chain of four (push, reduce) pairs, replayed on new inputs
+        x = torch.zeros(1, width, device=device, dtype=torch.bfloat16)
+        residual = torch.zeros(1, hidden, device=device, dtype=torch.bfloat16)
+
+        def chain():
+            y, r = x, residual
+            for _ in range(4):
+                y, r = exchange.reduce(gemv(y[:, :width], w, push=exchange.target()), r, norm_w, 1e-5)
+            return y, r
+
+        chain()  # warm-up: compiles, tunes the GEMV's tile
+        torch.cuda.synchronize()
+        dist.barrier()
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            captured = chain()
+        for trial in range(3):
+            x.copy_(torch.randn(1, width, device=device, dtype=torch.bfloat16, generator=gen))
+            residual.fill_(0.25 * trial)
+            eager = chain()
+            graph.replay()
+            torch.cuda.synchronize()
+            for got, want in zip(captured, eager):
+                assert torch.equal(got, want), trial
+            same_on_every_rank(captured[0])
+        dist.barrier()
+        exchange.close()
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.mark.parametrize("pdl", ["0", "1"], ids=["plain", "pdl"])
+def test_gemv_pushed_partial_sums_match_nccl(tmp_path, monkeypatch, pdl):
+    pytest.importorskip("flashinfer")
+    import torch.multiprocessing as mp
+
+    monkeypatch.setenv("INFER_PDL", pdl)  # under PDL the exchange's reader starts while the GEMV runs
+    os.environ.setdefault("NCCL_NVLS_ENABLE", "0")
+    mp.start_processes(_exchange_rank, args=(2, str(tmp_path / "init")), nprocs=2, start_method="spawn", join=True)
