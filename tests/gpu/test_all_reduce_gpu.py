@@ -189,6 +189,7 @@ def _exchange_rank(rank: int, world_size: int, init_file: str) -> None:
             same_on_every_rank(out)
         torch.cuda.synchronize()
         assert (exchange.slots.view(torch.int16) == RESET).all(), "every slot read is reset"
+        dist.barrier()  # before any rank pushes again
 
         # a captured chain of four (push, reduce) pairs, replayed on new inputs
         x = torch.zeros(1, width, device=device, dtype=torch.bfloat16)
