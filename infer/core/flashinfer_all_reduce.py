@@ -50,11 +50,7 @@ class FlashInferAllReduce:
         # one-token steps: the row-parallel GEMVs push their partial sums (`infer.core.lamport`), unless
         # INFER_GEMV_PUSH=0 on any rank (the ranks agree: the set-up is collective)
         self.exchange = None
-        import torch.distributed as dist
-
-        wanted = torch.tensor([int(os.environ.get("INFER_GEMV_PUSH", "1") != "0")])
-        dist.all_reduce(wanted, op=dist.ReduceOp.MIN, group=self.group)
-        if wanted.item():
+        if parallel.min(int(os.environ.get("INFER_GEMV_PUSH", "1") != "0")):
             from infer.core.lamport import LamportExchange
 
             self.exchange = LamportExchange.create(parallel, hidden_size, dtype)

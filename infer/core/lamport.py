@@ -74,7 +74,7 @@ class LamportExchange:
         from flashinfer.comm import cuda_ipc
 
         group = parallel.control_group
-        device = getattr(parallel, "device", None) or torch.device("cuda", torch.cuda.current_device())
+        device = parallel.device
         numel = 2 * parallel.world_size * hidden_size
         pointers = cuda_ipc.create_shared_buffer(numel * 2, group=group)
         raw = torch.as_tensor(_Raw(pointers[parallel.rank], numel), device=device)

@@ -14,6 +14,15 @@ import torch
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 GPUs")]
 
 
+def _on_two_ranks(fn, tmp_path) -> None:
+    """`fn(rank, 2, init_file)` in two spawned processes, NVLink multicast off (not lent here)."""
+    import torch.multiprocessing as mp
+
+    os.environ.setdefault("TORCH_SYMM_MEM_DISABLE_MULTICAST", "1")
+    os.environ.setdefault("NCCL_NVLS_ENABLE", "0")
+    mp.start_processes(fn, args=(2, str(tmp_path / "init")), nprocs=2, start_method="spawn", join=True)
+
+
 def _rank(rank: int, world_size: int, init_file: str) -> None:
     import torch.distributed as dist
 
@@ -66,18 +75,13 @@ def _rank(rank: int, world_size: int, init_file: str) -> None:
 
 
 def test_symmetric_all_reduce_matches_nccl(tmp_path):
-    import torch.multiprocessing as mp
-
-    os.environ.setdefault("TORCH_SYMM_MEM_DISABLE_MULTICAST", "1")
-    os.environ.setdefault("NCCL_NVLS_ENABLE", "0")
-    mp.start_processes(_rank, args=(2, str(tmp_path / "init")), nprocs=2, start_method="spawn", join=True)
+    _on_two_ranks(_rank, tmp_path)
 
 
 def _flashinfer_rank(rank: int, world_size: int, init_file: str) -> None:
-    import types
-
     import torch.distributed as dist
 
+    from infer.core.distributed import ParallelState
     from infer.core.flashinfer_all_reduce import FlashInferAllReduce, unavailable_reason
     from infer.plugins.models.layers import RMSNorm
 
@@ -88,7 +92,7 @@ def _flashinfer_rank(rank: int, world_size: int, init_file: str) -> None:
     try:
         hidden = 1024
         assert unavailable_reason(device, world_size, torch.bfloat16) is None
-        parallel = types.SimpleNamespace(rank=rank, world_size=world_size, control_group=control)
+        parallel = ParallelState(rank, world_size, device, dist.group.WORLD, control)
         fast = FlashInferAllReduce(parallel, hidden, torch.bfloat16, max_tokens=256)
         norm = RMSNorm(hidden, eps=1e-5).to(device, torch.bfloat16)
         norm.weight.data.uniform_(0.5, 1.5, generator=torch.Generator(device=device).manual_seed(7))  # same on all ranks
@@ -130,22 +134,17 @@ def _flashinfer_rank(rank: int, world_size: int, init_file: str) -> None:
 @pytest.mark.parametrize("pdl", ["0", "1"], ids=["plain", "pdl"])
 def test_flashinfer_all_reduce_and_fused_norm_match_nccl(tmp_path, monkeypatch, pdl):
     pytest.importorskip("flashinfer")
-    import torch.multiprocessing as mp
-
     monkeypatch.setenv("INFER_PDL", pdl)  # the spawned ranks launch it as a programmatic dependent (Hopper)
-    os.environ.setdefault("TORCH_SYMM_MEM_DISABLE_MULTICAST", "1")
-    os.environ.setdefault("NCCL_NVLS_ENABLE", "0")
-    mp.start_processes(_flashinfer_rank, args=(2, str(tmp_path / "init")), nprocs=2, start_method="spawn", join=True)
+    _on_two_ranks(_flashinfer_rank, tmp_path)
 
 
 def _exchange_rank(rank: int, world_size: int, init_file: str) -> None:
     """The GEMVs' pushed partial sums (infer.core.lamport) against NCCL's sum of the same GEMVs'
     outputs: eagerly over alternating slots, through the gated down projection, and replayed from a
     CUDA graph on new inputs. Every rank gets the same bits."""
-    import types
-
     import torch.distributed as dist
 
+    from infer.core.distributed import ParallelState
     from infer.core.lamport import RESET, LamportExchange
     from infer.plugins.models.triton_gemv import gemv, gemv_silu_mul
     from infer.plugins.models.triton_layers import rms_norm
@@ -156,7 +155,7 @@ def _exchange_rank(rank: int, world_size: int, init_file: str) -> None:
     control = dist.new_group(backend="gloo")
     try:
         hidden, width = 4096, 1024
-        parallel = types.SimpleNamespace(rank=rank, world_size=world_size, control_group=control, device=device)
+        parallel = ParallelState(rank, world_size, device, dist.group.WORLD, control)
         exchange = LamportExchange.create(parallel, hidden, torch.bfloat16)
         gen = torch.Generator(device=device).manual_seed(rank)
         w = torch.randn(hidden, width, device=device, dtype=torch.bfloat16, generator=gen) / width**0.5
@@ -225,8 +224,5 @@ def _exchange_rank(rank: int, world_size: int, init_file: str) -> None:
 @pytest.mark.parametrize("pdl", ["0", "1"], ids=["plain", "pdl"])
 def test_gemv_pushed_partial_sums_match_nccl(tmp_path, monkeypatch, pdl):
     pytest.importorskip("flashinfer")
-    import torch.multiprocessing as mp
-
     monkeypatch.setenv("INFER_PDL", pdl)  # under PDL the exchange's reader starts while the GEMV runs
-    os.environ.setdefault("NCCL_NVLS_ENABLE", "0")
-    mp.start_processes(_exchange_rank, args=(2, str(tmp_path / "init")), nprocs=2, start_method="spawn", join=True)
+    _on_two_ranks(_exchange_rank, tmp_path)
