@@ -112,6 +112,25 @@ class ParallelState:
             return fused(x, residual, norm.weight, norm.eps)
         return norm(self.all_reduce(x), residual)
 
+    def reduce_norm(self, x: torch.Tensor, norm: Any) -> tuple[torch.Tensor, torch.Tensor]:
+        """(norm(x), x) for the first layer's input: summed first where the vocab-parallel embedding
+        pushed it into the exchange, else whole on every rank already."""
+        if (exchange := self.exchange) is None or not exchange.takes(x):
+            return norm(x), x
+        if getattr(norm, "plain_rms_norm", False):
+            return exchange.reduce(x, None, norm.weight, norm.eps)
+        total = exchange.reduce(x)
+        return norm(total), total
+
+    def embed_push_target(self, input_ids: torch.Tensor, weight: torch.Tensor) -> Any:
+        """Where a vocab-parallel embedding of `input_ids` with `weight` pushes its rows, or None
+        (more than one token, or no exchange for these rows). The same answer on every rank."""
+        exchange = self.exchange
+        if (exchange is None or input_ids.numel() != 1 or weight.dtype != exchange.dtype
+                or weight.shape[1] != exchange.hidden_size):
+            return None
+        return exchange.embed_target()
+
     @property
     def exchange(self) -> Any:
         """The fast all-reduce's `LamportExchange` (one-token steps' partial sums pushed by the

@@ -16,7 +16,11 @@ reads the parts as they arrive. Llama-2-7B, batch 1, two H200s: 2.320 -> 2.262 m
 TensorRT-LLM's one-shot kernels): a slot holds -0.0 until written, a pushed -0.0 is stored as +0.0,
 and the reader polls until no -0.0 is left, then resets the slot to -0.0.
 
-Two slots, used in turn, suffice: a rank writes a slot again only after every rank has pushed the
+A one-token step's vocab-parallel embedding goes the same way: each rank pushes its row (or
+zeros) into a third slot, and the first layer's norm sums and normalises it (`embed_target`); one
+slot serves every step, as all of a step's sums come between two of its uses.
+
+Two slots, used in turn, suffice for the layers' sums: a rank writes a slot again only after every rank has pushed the
 part after it, and a rank pushes only after its reader of the slot before has finished (and reset
 it). A step makes two sums per layer, an even number, so each step starts on slot 0 and a captured
 CUDA graph replays the same slots. Only one-row steps push; others take the all-reduce.
@@ -30,6 +34,7 @@ import torch
 
 DTYPES = (torch.float16, torch.bfloat16)  # -0.0 is 0x8000 in both
 RESET = -32768  # -0.0's bits as int16
+EMBED_SLOT = 2
 
 
 class PushTarget(NamedTuple):
@@ -50,10 +55,11 @@ class _Raw:
 
 
 class LamportExchange:
-    """Two slots of [world, hidden] per rank, mapped by every rank. `target()` hands the next GEMV
-    its slot; `reduce(x, ...)` sums the slot `x` is this rank's part of. `create` maps them over
-    CUDA IPC; the constructor takes this rank's slots ([2, world, hidden], reset) and the address of
-    each rank's copy."""
+    """Three slots of [world, hidden] per rank, mapped by every rank: two for the layers' sums, in
+    turn, and one for the embedding. `target()` hands the next GEMV its slot, `embed_target()` the
+    embedding its; `reduce(x, ...)` sums the slot `x` is this rank's part of. `create` maps them
+    over CUDA IPC; the constructor takes this rank's slots ([3, world, hidden], reset) and the
+    address of each rank's copy."""
 
     def __init__(self, slots: torch.Tensor, addresses: list[int], rank: int, close: Any = None) -> None:
         self.slots, self.rank, self._close = slots, rank, close
@@ -62,7 +68,7 @@ class LamportExchange:
         assert self.dtype in DTYPES, self.dtype
         slot_bytes = self.world_size * self.hidden_size * slots.element_size()
         self.peers = torch.tensor(  # [slot, rank]: the address of rank's copy of the slot
-            [[a + s * slot_bytes for a in addresses] for s in range(2)], dtype=torch.int64, device=slots.device)
+            [[a + s * slot_bytes for a in addresses] for s in range(3)], dtype=torch.int64, device=slots.device)
         self._next = 0
         self._pending: tuple[int, int] | None = None  # (slot, data_ptr of the part handed out)
         self.pushes = 0  # targets handed out (launches: a captured graph's replays push again uncounted)
@@ -75,13 +81,13 @@ class LamportExchange:
 
         group = parallel.control_group
         device = parallel.device
-        numel = 2 * parallel.world_size * hidden_size
+        numel = 3 * parallel.world_size * hidden_size
         pointers = cuda_ipc.create_shared_buffer(numel * 2, group=group)
         raw = torch.as_tensor(_Raw(pointers[parallel.rank], numel), device=device)
         raw.fill_(RESET)
         torch.cuda.synchronize(device)
         dist.barrier(group=group)  # every rank's slots reset before anyone pushes
-        return cls(raw.view(dtype).view(2, parallel.world_size, hidden_size), pointers, parallel.rank,
+        return cls(raw.view(dtype).view(3, parallel.world_size, hidden_size), pointers, parallel.rank,
                    close=lambda: cuda_ipc.free_shared_buffer(pointers, group=group))
 
     def fits(self, x: torch.Tensor) -> bool:
@@ -89,10 +95,18 @@ class LamportExchange:
         return x.dim() == 2 and x.shape[0] == 1 and x.dtype == self.dtype
 
     def target(self) -> PushTarget:
-        if self._pending is not None:
-            raise RuntimeError("a pushed partial sum was never reduced: every push needs its reduce first")
+        """A layer's sum: the two slots in turn."""
         slot = self._next
         self._next ^= 1
+        return self._target(slot)
+
+    def embed_target(self) -> PushTarget:
+        """A step's embedding: its own slot."""
+        return self._target(EMBED_SLOT)
+
+    def _target(self, slot: int) -> PushTarget:
+        if self._pending is not None:
+            raise RuntimeError("a pushed partial sum was never reduced: every push needs its reduce first")
         self.pushes += 1
         local = self.slots[slot, self.rank].view(1, self.hidden_size)
         self._pending = (slot, local.data_ptr())

@@ -132,13 +132,13 @@ class LlamaDecoderLayer(nn.Module):
         # tensor parallel: o_proj and down_proj return partial sums, which the next residual add and
         # norm take through the parallel state (one all-reduce, fused with them where it can be)
         self.add_norm = add_norm_for(parallel)
+        self.first_norm = first_norm if parallel is None else parallel.reduce_norm
 
     def forward(
         self, positions: torch.Tensor, x: torch.Tensor, residual: torch.Tensor | None, kv_cache: KVCache
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        if residual is None:  # the first layer: x is the embedding, whole on every rank
-            residual = x
-            x = self.input_layernorm(x)
+        if residual is None:  # the first layer: x is the embedding (under tensor parallelism maybe still to be summed)
+            x, residual = self.first_norm(x, self.input_layernorm)
         else:  # x is the previous layer's MLP output
             x, residual = self.add_norm(x, residual, self.input_layernorm)
         x = self.self_attn(positions, x, kv_cache)
@@ -149,6 +149,11 @@ class LlamaDecoderLayer(nn.Module):
 def add_norm(x: torch.Tensor, residual: torch.Tensor, norm: nn.Module) -> tuple[torch.Tensor, torch.Tensor]:
     """norm(x + residual) and x + residual, at tp = 1 (the norm adds)."""
     return norm(x, residual)
+
+
+def first_norm(x: torch.Tensor, norm: nn.Module) -> tuple[torch.Tensor, torch.Tensor]:
+    """norm(x) and x: the first layer's input and the residual it starts, at tp = 1."""
+    return norm(x), x
 
 
 def add_norm_for(parallel: ParallelState | None) -> Any:
@@ -183,6 +188,7 @@ class Llama(nn.Module):
                          and getattr(layer.mlp.down_matmul, "pushes", False) for layer in self.layers)
             for layer in self.layers:
                 layer.self_attn.o_proj.push = layer.mlp.down_proj.push = pushes
+            self.embed_tokens.push = pushes
         self.lm_head = None
         if not config.tie_word_embeddings:
             self.lm_head = (

@@ -129,9 +129,14 @@ class VocabParallelEmbedding(nn.Module):
         self.parallel = parallel
         self.shard = Shard(0, (vocab_size,), ((self.start, self.num_local),))
         self.weight = nn.Parameter(torch.zeros(per_rank, hidden_size))
+        self.push = False  # set by a model whose layers push: a one-token embedding goes to the exchange
 
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
         # input_ids: [T] -> [T, hidden]; an id outside this rank's rows contributes zeros
+        if self.push and (target := self.parallel.embed_push_target(input_ids, self.weight)) is not None:
+            from infer.plugins.models.triton_layers import embedding_push
+
+            return embedding_push(input_ids, self.weight, self.start, self.num_local, target)  # summed by the next norm
         local = input_ids - self.start
         outside = (local < 0) | (local >= self.num_local)
         x = F.embedding(local.masked_fill(outside, 0), self.weight)

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 import triton
 import triton.language as tl
@@ -23,10 +25,12 @@ def _rms_norm_kernel(x_ptr, res_ptr, w_ptr, out_ptr, res_out_ptr, eps, N: tl.con
 
 @triton.jit
 def _add_norm_store(x, res_ptr, w_ptr, out_ptr, res_out_ptr, eps, cols, mask, N: tl.constexpr,
-                    HAS_RESIDUAL: tl.constexpr):
-    """One row's RMSNorm(x + residual) * w and x + residual (x fp32), stored in the activation dtype."""
+                    HAS_RESIDUAL: tl.constexpr, STORE_X: tl.constexpr = False):
+    """One row's RMSNorm(x + residual) * w and x + residual (x fp32), stored in the activation dtype.
+    Without a residual, STORE_X stores x itself (rounded) as the residual out."""
     if HAS_RESIDUAL:
         x += tl.load(res_ptr + cols, mask=mask, other=0.0).to(tl.float32)
+    if HAS_RESIDUAL or STORE_X:
         x = x.to(res_out_ptr.dtype.element_ty)  # the eager layer adds in the activation dtype
         tl.store(res_out_ptr + cols, x, mask=mask)
         x = x.to(tl.float32)
@@ -126,7 +130,8 @@ def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
 
 @triton.jit
 def _lamport_add_norm_kernel(slot_ptr, res_ptr, w_ptr, out_ptr, res_out_ptr, eps, N: tl.constexpr,
-                             WORLD: tl.constexpr, BLOCK: tl.constexpr, NORM: tl.constexpr, USE_PDL: tl.constexpr):
+                             WORLD: tl.constexpr, BLOCK: tl.constexpr, NORM: tl.constexpr, RESIDUAL: tl.constexpr,
+                             USE_PDL: tl.constexpr):
     # Under PDL this kernel starts while the GEMV that pushes this rank's part still runs: the parts
     # are read as they arrive, and the wait for the GEMV to finish comes only before the stores (the
     # outputs may be memory the GEMV still reads, handed on by the caching allocator). Waiting first,
@@ -152,8 +157,8 @@ def _lamport_add_norm_kernel(slot_ptr, res_ptr, w_ptr, out_ptr, res_out_ptr, eps
     reset = tl.full([BLOCK], -32768, tl.int16).to(slot_ptr.dtype.element_ty, bitcast=True)
     for r in tl.static_range(WORLD):
         tl.store(slot_ptr + r * N + cols, reset, mask=mask)
-    if NORM:
-        _add_norm_store(x, res_ptr, w_ptr, out_ptr, res_out_ptr, eps, cols, mask, N, True)
+    if NORM:  # with the residual added, or the sum being the residual (the first layer's input)
+        _add_norm_store(x, res_ptr, w_ptr, out_ptr, res_out_ptr, eps, cols, mask, N, RESIDUAL, not RESIDUAL)
     else:
         tl.store(out_ptr + cols, x.to(out_ptr.dtype.element_ty), mask=mask)
 
@@ -162,13 +167,42 @@ def lamport_reduce(slot: torch.Tensor, residual: torch.Tensor | None = None, wei
                    eps: float = 0.0):
     """The sum of the ranks' parts in `slot` ([world, N] on this rank, written by the ranks over peer
     memory, -0.0 where not yet written), waiting on the GPU until all have arrived, then resetting
-    the slot to -0.0. With `residual` and `weight`: (RMSNorm(sum + residual) * weight, sum + residual)
-    as `rms_norm` gives them, else the sum [1, N]."""
+    the slot to -0.0. With `weight`: (RMSNorm(sum + residual) * weight, sum + residual) as `rms_norm`
+    gives them (without `residual`: of the sum alone, which is returned as the residual), else the
+    sum [1, N]."""
     world, n = slot.shape
     out = torch.empty(1, n, dtype=slot.dtype, device=slot.device)
-    norm = residual is not None
+    norm = weight is not None
     res_out = torch.empty_like(out) if norm else out
-    _lamport_add_norm_kernel[(1,)](slot, residual.contiguous() if norm else out, weight if norm else out, out, res_out,
-                                   eps, N=n, WORLD=world, BLOCK=triton.next_power_of_2(n), NORM=norm,
+    _lamport_add_norm_kernel[(1,)](slot, out if residual is None else residual.contiguous(), weight if norm else out,
+                                   out, res_out, eps, N=n, WORLD=world, BLOCK=triton.next_power_of_2(n), NORM=norm,
+                                   RESIDUAL=residual is not None,
                                    num_warps=16, **kernel_args(slot.device))  # x2 H200, llama2-7b tp 2: 8 warps 2.247 ms a step, 16 2.238
     return (out, res_out) if norm else out
+
+
+@triton.jit
+def _embed_push_kernel(ids_ptr, w_ptr, peers_ptr, start, num_local, part_offset, N: tl.constexpr,
+                       PEERS: tl.constexpr, BLOCK: tl.constexpr, USE_PDL: tl.constexpr):
+    wait_and_release(USE_PDL)
+    cols = tl.arange(0, BLOCK)
+    mask = cols < N
+    local = tl.load(ids_ptr) - start
+    inside = (local >= 0) & (local < num_local)
+    row = tl.load(w_ptr + tl.where(inside, local, 0).to(tl.int64) * N + cols, mask=mask, other=0.0)
+    # zeros for an id outside this rank's rows, and +0.0 for -0.0, which means "not written yet" there
+    row = tl.where(inside & (row != 0.0), row, tl.zeros_like(row))
+    for r in tl.static_range(PEERS):
+        dst = tl.load(peers_ptr + r).to(tl.pointer_type(w_ptr.dtype.element_ty))
+        tl.store(dst + part_offset + cols, row, mask=mask)
+
+
+def embedding_push(ids: torch.Tensor, weight: torch.Tensor, start: int, num_local: int, push: Any) -> torch.Tensor:
+    """A vocab-parallel embedding of one token pushed into the ranks' exchange (`push`, a
+    `infer.core.lamport.PushTarget`): this rank's row of `weight` ([per_rank, N], rows for ids
+    start .. start + num_local) or zeros. Returns this rank's part (the exchange sums it)."""
+    n = weight.shape[1]
+    assert ids.numel() == 1 and weight.stride(1) == 1 and push.local.shape == (1, n)
+    _embed_push_kernel[(1,)](ids, weight, push.peers, start, num_local, push.offset, N=n, PEERS=len(push.peers),
+                             BLOCK=triton.next_power_of_2(n), num_warps=4, **kernel_args(weight.device))
+    return push.local

@@ -92,7 +92,7 @@ def test_a_row_parallel_mlp_pushes_one_token_and_the_norm_after_takes_it_from_th
     from infer.plugins.models.llama import LlamaMLP
 
     dtype, hidden = torch.float16, 32
-    slots = torch.full((2, 1, hidden), RESET, dtype=torch.int16).view(dtype)
+    slots = torch.full((3, 1, hidden), RESET, dtype=torch.int16).view(dtype)
     exchange = LamportExchange(slots, [slots.data_ptr()], rank=0)
 
     class OneRankAllReduce:  # what the other steps' sums go through: over one rank, x itself
@@ -131,3 +131,56 @@ def test_a_row_parallel_mlp_pushes_one_token_and_the_norm_after_takes_it_from_th
         assert (slots.view(torch.int16) == RESET).all() and not exchange.takes(part)
     with pytest.raises(RuntimeError, match="never reduced"):
         exchange.target(), exchange.target()
+
+
+def test_a_one_token_vocab_parallel_embedding_is_pushed_and_summed_by_the_first_norm():
+    """Two ranks' embedding shards (CPU tensors for their exchanges): each pushes its row or zeros
+    into the embedding slot of both; the first layer's norm sums and normalises, and the sum is the
+    residual. Then the same through the model's layer on one rank."""
+    from infer.core.distributed import ParallelState
+    from infer.core.lamport import EMBED_SLOT, LamportExchange
+    from infer.plugins.models.fused_layers import FusedRMSNorm
+    from infer.plugins.models.parallel_layers import VocabParallelEmbedding
+
+    dtype, hidden, vocab = torch.float16, 32, 10
+    torch.manual_seed(0)
+    table = torch.randn(vocab, hidden, dtype=dtype)
+    slots = [torch.full((3, WORLD, hidden), RESET, dtype=torch.int16).view(dtype) for _ in range(WORLD)]
+    exchanges = [LamportExchange(slots[r], [s.data_ptr() for s in slots], rank=r) for r in range(WORLD)]
+    norm = FusedRMSNorm(hidden, 1e-5).to(dtype)
+    with torch.no_grad():
+        norm.weight.normal_()
+    for token in (2, 7):  # rank 0's rows 0-4, rank 1's 5-9
+        ids = torch.tensor([token])
+        parts = [triton_layers.embedding_push(ids, table[5 * r : 5 * r + 5], 5 * r, 5, exchanges[r].embed_target())
+                 for r in range(WORLD)]
+        owner = token // 5
+        assert torch.equal(slots[1 - owner][EMBED_SLOT, owner], table[token])
+        assert (slots[owner][EMBED_SLOT, 1 - owner] == 0).all() and (slots[owner][EMBED_SLOT, 1 - owner].view(torch.int16) == 0).all()
+        for r in range(WORLD):
+            out, residual = exchanges[r].reduce(parts[r], None, norm.weight, norm.eps)
+            assert torch.equal(residual, table[token : token + 1])
+            torch.testing.assert_close(out, norm(table[token : token + 1]), atol=0, rtol=0)
+            assert (slots[r].view(torch.int16) == RESET).all()
+
+    class OneRankAllReduce:
+        def __init__(self, exchange):
+            self.exchange = exchange
+
+        def fits(self, x):
+            return True
+
+        def __call__(self, x):
+            return x
+
+    one = torch.full((3, 1, hidden), RESET, dtype=torch.int16).view(dtype)
+    parallel = ParallelState(world_size=1, fast_all_reduce=OneRankAllReduce(LamportExchange(one, [one.data_ptr()], 0)))
+    embed = VocabParallelEmbedding(vocab, hidden, parallel).to(dtype)
+    with torch.no_grad():
+        embed.weight.copy_(table)
+    embed.push = True
+    for ids, pushed in ((torch.tensor([4]), True), (torch.tensor([4, 8]), False)):
+        x = embed(ids)
+        assert parallel.exchange.takes(x) == pushed
+        out, residual = parallel.reduce_norm(x, norm)
+        assert torch.equal(residual, table[ids]) and torch.equal(out, norm(table[ids]))
