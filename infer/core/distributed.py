@@ -254,7 +254,7 @@ def _set_up(name: str, parallel: Any, dtype: torch.dtype, hidden_size: int) -> t
 
     if name == "flashinfer":
         fast = flashinfer_all_reduce.FlashInferAllReduce(parallel, hidden_size, dtype)
-        pushed = "; one-token steps' sums pushed by the row-parallel GEMVs" if getattr(fast, "exchange", None) else ""
+        pushed = "; one-token steps' sums pushed by the row-parallel GEMVs and the embedding" if getattr(fast, "exchange", None) else ""
         return fast, (f"flashinfer (one- or two-shot, fused with the residual add and RMSNorm) up to "
                       f"{fast.max_tokens} tokens, nccl above{pushed}")
     try:
