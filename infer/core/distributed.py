@@ -254,9 +254,8 @@ def _set_up(name: str, parallel: Any, dtype: torch.dtype, hidden_size: int) -> t
 
     if name == "flashinfer":
         fast = flashinfer_all_reduce.FlashInferAllReduce(parallel, hidden_size, dtype)
-        pushed = "; one-token steps' sums pushed by the row-parallel GEMVs and the embedding" if getattr(fast, "exchange", None) else ""
         return fast, (f"flashinfer (one- or two-shot, fused with the residual add and RMSNorm) up to "
-                      f"{fast.max_tokens} tokens, nccl above{pushed}")
+                      f"{fast.max_tokens} tokens, nccl above")
     try:
         fast = symmetric_memory.SymmetricAllReduce(parallel.group, parallel.device)
     except Exception as exc:  # set-up failed on this rank: the others may have failed too, or may wait

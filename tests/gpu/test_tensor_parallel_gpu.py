@@ -72,6 +72,8 @@ def generate(folder, tp, prompts=None, **options):
         outs = llm.generate(PROMPTS, PARAMS) if prompts is None else [llm.generate([p], PARAMS)[0] for p in prompts]
         exchange = getattr(getattr(llm.engine.decoder.runner.model, "parallel", None), "exchange", None)
         PUSHES["last"] = None if exchange is None else exchange.pushes
+        if tp > 1:  # the engine's line says whether one-token steps' sums are pushed
+            assert ("pushed by the row-parallel GEMVs" in line) == (exchange is not None), line
     tokens = [o.outputs[0].token_ids for o in outs]
     logprobs = [[lp[t] for lp, t in zip(o.outputs[0].logprobs, o.outputs[0].token_ids)] for o in outs]
     return tokens, logprobs, [[margin(top) for top in o.outputs[0].logprobs] for o in outs]

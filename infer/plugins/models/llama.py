@@ -180,6 +180,7 @@ class Llama(nn.Module):
             LlamaDecoderLayer(config, layers, attention, parallel) for _ in range(config.num_layers)
         )
         self.norm = layers.rms_norm(config.hidden_size, config.rms_norm_eps)
+        self.pushes = False  # whether one-token steps' partial sums go to the ranks' exchange, where it exists
         if parallel is not None:
             # a one-token step's partial sums may be pushed into the ranks' exchange by the GEMVs that
             # make them (infer.core.lamport), which takes them in pairs: every row-parallel layer
@@ -188,7 +189,7 @@ class Llama(nn.Module):
                          and getattr(layer.mlp.down_matmul, "pushes", False) for layer in self.layers)
             for layer in self.layers:
                 layer.self_attn.o_proj.push = layer.mlp.down_proj.push = pushes
-            self.embed_tokens.push = pushes
+            self.embed_tokens.push = self.pushes = pushes
         self.lm_head = None
         if not config.tie_word_embeddings:
             self.lm_head = (
