@@ -186,6 +186,24 @@ def test_tp2_one_token_steps_push_their_partial_sums(shape_dir, monkeypatch, cud
     assert_same_until_a_near_tie(pushed, reduced)
 
 
+def test_tp2_speculative_with_pushed_sums_is_lossless(shape_dir, tmp_path):
+    """Speculative decoding at tp 2 with a separate one-layer draft: the draft's one-token steps push
+    their sums into the same exchange as the target's, whose verify steps (K + 1 tokens) take the
+    all-reduce; greedy tokens as plain decoding's at tp 2, up to a near tie (the two sum in another order)."""
+    if not _available("flashinfer"):
+        pytest.skip("needs flashinfer")
+    draft = tmp_path / "draft"
+    draft.mkdir()
+    (draft / "config.json").write_text(json.dumps({**SHAPE, "num_hidden_layers": 1}))
+    options = dict(attention="paged-cuda", dtype="bfloat16", cuda_graphs=True, all_reduce="flashinfer")
+    prompts = [PROMPTS[1], PROMPTS[3]]
+    plain = generate(shape_dir, 2, prompts, **options)
+    spec = generate(shape_dir, 2, prompts, decoding="speculative", draft=str(draft), num_speculative_tokens=3,
+                    **options)
+    assert PUSHES["last"] > 0
+    assert_same_until_a_near_tie(spec, plain)
+
+
 def test_tp2_pipelined_decode_matches_tp1(shape_dir):
     # no logprobs, so decode steps are pipelined: rank 1 takes each step's ids from rank 0's GPU
     params = SamplingParams(max_tokens=16, temperature=0, ignore_eos=True)
