@@ -70,7 +70,9 @@ def generate(folder, tp, prompts=None, **options):
             else:
                 assert line.startswith("nccl"), line
         outs = llm.generate(PROMPTS, PARAMS) if prompts is None else [llm.generate([p], PARAMS)[0] for p in prompts]
-        exchange = getattr(getattr(llm.engine.decoder.runner.model, "parallel", None), "exchange", None)
+        decoder = llm.engine.decoder
+        runner = decoder.target if hasattr(decoder, "target") else decoder.runner  # speculative: the target's
+        exchange = getattr(getattr(runner.model, "parallel", None), "exchange", None)
         PUSHES["last"] = None if exchange is None else exchange.pushes
         if tp > 1:  # the engine's line says whether one-token steps' sums are pushed
             assert ("pushed by the row-parallel GEMVs" in line) == (exchange is not None), line
