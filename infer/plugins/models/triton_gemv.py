@@ -28,6 +28,7 @@ import torch
 import triton
 import triton.language as tl
 
+from infer.plugins.models.triton_layers import lamport_push
 from infer.plugins.triton_pdl import kernel_args, wait_and_release
 
 
@@ -117,10 +118,7 @@ def _gemv_kernel(x_ptr, w_ptr, y_ptr, peers_ptr, N, K, stride_w, part_offset, BL
     if PEERS == 0:
         tl.store(y_ptr + rows, y, mask=row_ok)
     else:  # a tensor-parallel partial sum, pushed into every rank's exchange slot (`push`)
-        y = tl.where(y == 0.0, tl.zeros_like(y), y)  # -0.0 means "not written yet" there: store +0.0
-        for r in tl.static_range(PEERS):
-            dst = tl.load(peers_ptr + r).to(tl.pointer_type(y_ptr.dtype.element_ty))
-            tl.store(dst + part_offset + rows, y, mask=row_ok)
+        lamport_push(peers_ptr, part_offset, rows, y, row_ok, PEERS)
 
 
 def gemv(x: torch.Tensor, weight: torch.Tensor, push: Any = None) -> torch.Tensor:

@@ -129,6 +129,17 @@ def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
 
 
 @triton.jit
+def lamport_push(peers_ptr, part_offset, idx, y, mask, PEERS: tl.constexpr):
+    """The writer's half of the exchange (`infer.core.lamport`): stores this rank's part `y` at
+    `part_offset + idx` of every rank's slot (`peers_ptr`: PEERS addresses), a -0.0 as +0.0, since
+    -0.0 means "not written yet" there. The GEMV's epilogue and the embedding's push take it."""
+    y = tl.where(y == 0.0, tl.zeros_like(y), y)
+    for r in tl.static_range(PEERS):
+        dst = tl.load(peers_ptr + r).to(tl.pointer_type(y.dtype))
+        tl.store(dst + part_offset + idx, y, mask=mask)
+
+
+@triton.jit
 def _lamport_add_norm_kernel(slot_ptr, res_ptr, w_ptr, out_ptr, res_out_ptr, eps, N: tl.constexpr,
                              WORLD: tl.constexpr, BLOCK: tl.constexpr, NORM: tl.constexpr, RESIDUAL: tl.constexpr,
                              USE_PDL: tl.constexpr):
@@ -190,11 +201,8 @@ def _embed_push_kernel(ids_ptr, w_ptr, peers_ptr, start, num_local, part_offset,
     local = tl.load(ids_ptr) - start
     inside = (local >= 0) & (local < num_local)
     row = tl.load(w_ptr + tl.where(inside, local, 0).to(tl.int64) * N + cols, mask=mask, other=0.0)
-    # zeros for an id outside this rank's rows, and +0.0 for -0.0, which means "not written yet" there
-    row = tl.where(inside & (row != 0.0), row, tl.zeros_like(row))
-    for r in tl.static_range(PEERS):
-        dst = tl.load(peers_ptr + r).to(tl.pointer_type(w_ptr.dtype.element_ty))
-        tl.store(dst + part_offset + cols, row, mask=mask)
+    # zeros for an id outside this rank's rows
+    lamport_push(peers_ptr, part_offset, cols, tl.where(inside, row, tl.zeros_like(row)), mask, PEERS)
 
 
 def embedding_push(ids: torch.Tensor, weight: torch.Tensor, start: int, num_local: int, push: Any) -> torch.Tensor:
