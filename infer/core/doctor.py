@@ -234,7 +234,7 @@ def _all_reduce(config: EngineConfig, device: torch.device, dtype: torch.dtype) 
         backend = "nccl" if device.type == "cuda" else "gloo"
         if flashinfer_why is None:
             note = ("auto picks flashinfer (fused with the residual add and RMSNorm; its kernels are compiled on "
-                    "first use) up to 2048 tokens, nccl above")
+                    f"first use) up to {flashinfer_all_reduce.MAX_TOKENS} tokens, nccl above")
         elif reason is None:
             note = f"auto picks symm-mem for small tensors, nccl above (flashinfer: {flashinfer_why})"
         else:
