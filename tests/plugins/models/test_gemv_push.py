@@ -27,6 +27,19 @@ def push(rank, slot, slots, peers, x, w, gated=False):
     return fn(x, w, push=target)
 
 
+class OneRankAllReduce:
+    """A fast all-reduce over one rank holding `exchange`: the steps that do not push sum through it, x itself."""
+
+    def __init__(self, exchange):
+        self.exchange = exchange
+
+    def fits(self, x):
+        return True
+
+    def __call__(self, x):
+        return x
+
+
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 def test_pushed_partial_sums_are_summed_normed_and_the_slots_reset(dtype):
     torch.manual_seed(0)
@@ -95,18 +108,7 @@ def test_a_row_parallel_mlp_pushes_one_token_and_the_norm_after_takes_it_from_th
     slots = torch.full((3, 1, hidden), RESET, dtype=torch.int16).view(dtype)
     exchange = LamportExchange(slots, [slots.data_ptr()], rank=0)
 
-    class OneRankAllReduce:  # what the other steps' sums go through: over one rank, x itself
-        def __init__(self):
-            self.exchange = exchange
-
-        def fits(self, x):
-            return True
-
-        def __call__(self, x):
-            return x
-
-    fast = OneRankAllReduce()
-    parallel = ParallelState(rank=0, world_size=1, fast_all_reduce=fast)
+    parallel = ParallelState(rank=0, world_size=1, fast_all_reduce=OneRankAllReduce(exchange))
     fused = Layers(rms_norm=FusedRMSNorm, rotary_embedding=FusedRotaryEmbedding, silu_and_mul=FusedSiluAndMul,
                    linear=FusedLinear)
     config = types.SimpleNamespace(hidden_size=hidden, intermediate_size=48)
@@ -162,16 +164,6 @@ def test_a_one_token_vocab_parallel_embedding_is_pushed_and_summed_by_the_first_
             assert torch.equal(residual, table[token : token + 1])
             torch.testing.assert_close(out, norm(table[token : token + 1]), atol=0, rtol=0)
             assert (slots[r].view(torch.int16) == RESET).all()
-
-    class OneRankAllReduce:
-        def __init__(self, exchange):
-            self.exchange = exchange
-
-        def fits(self, x):
-            return True
-
-        def __call__(self, x):
-            return x
 
     one = torch.full((3, 1, hidden), RESET, dtype=torch.int16).view(dtype)
     parallel = ParallelState(world_size=1, fast_all_reduce=OneRankAllReduce(LamportExchange(one, [one.data_ptr()], 0)))
