@@ -8,6 +8,8 @@ import time
 from dataclasses import dataclass
 from typing import Any, Iterable, Sequence
 
+import torch
+
 from infer.core.block_mover import BlockMover
 from infer.core.errors import RequestError
 from infer.core.interfaces import Decoder, KVUsage, Scheduler
@@ -48,6 +50,7 @@ class Engine:
         self._seed_rng = random.Random(parts.config.seed)
         self.num_steps = 0
         self.decoder_totals: dict[str, float] = {}  # StepResult.stats summed over steps
+        self.closed = False
 
     @classmethod
     def from_config(cls, config: Any, extra_plugins: Iterable[Any] = ()) -> "Engine":
@@ -72,6 +75,8 @@ class Engine:
         return None, ids
 
     def add_request(self, prompt: str | Sequence[int], params: SamplingParams | None = None, request_id: str | None = None) -> str:
+        if self.closed:
+            raise RequestError("this engine is closed (its memory was given back): build a new LLM")
         params = params or SamplingParams()
         params.validate()
         text, ids = self.tokenize(prompt)
@@ -156,6 +161,8 @@ class Engine:
         self, prompts: Sequence[str | Sequence[int]], params: SamplingParams | Sequence[SamplingParams] | None = None
     ) -> list[RequestOutput]:
         """Run prompts to completion; a bad prompt gets an output with `error` set, the rest run."""
+        if self.closed:
+            raise RequestError("this engine is closed (its memory was given back): build a new LLM")
         params_list = list(params) if isinstance(params, (list, tuple)) else [params or SamplingParams()] * len(prompts)
         if len(params_list) != len(prompts):
             raise RequestError(f"got {len(prompts)} prompts but {len(params_list)} SamplingParams: pass one, or one per prompt")
@@ -203,6 +210,17 @@ class Engine:
         return {**self.decoder_totals, **(summarize(self.decoder_totals) if summarize is not None else {})}
 
     def close(self) -> None:
-        self.output.close()
-        for closer in self.parts.closers:
-            closer()
+        """Stop the workers and give the device memory back, even while this engine is still referenced.
+        Idempotent; the engine cannot run after it."""
+        if self.closed:
+            return
+        self.closed = True
+        try:
+            self.output.close()
+            for closer in self.parts.closers:
+                closer()
+        finally:
+            for runner in self.parts.runners:
+                runner.release()
+            if any(r.device.type == "cuda" for r in self.parts.runners):
+                torch.cuda.empty_cache()  # the next engine's KV budget is read from the device's free memory

@@ -107,6 +107,21 @@ class ModelRunner:
         self._backoff = 0  # after a miss while requests wait: steps to go without queuing ahead (doubles per miss)
         self._skip = 0
 
+    def release(self) -> None:
+        """Give this runner's device memory back now: the CUDA graphs and their pool, then the storage
+        of the weights, the buffers and the KV cache, whoever still holds the tensors (a caller's frame,
+        a traceback, a backend's views). The runner cannot run again. A self-draft shares the target's
+        model and cache: releasing both is the same as releasing one."""
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)  # a forward queued ahead may still read the cache
+        if self.graphs is not None:
+            self.graphs.release()
+        self._ahead = None
+        tensors = [*self.model.parameters(), *self.model.buffers(), *(t for layer in self.kv_caches for t in layer)]
+        for tensor in tensors:
+            tensor.untyped_storage().resize_(0)
+        self.kv_caches.clear()
+
     @torch.inference_mode()
     def forward(self, seqs: list[ForwardSeq], input_ids_t: torch.Tensor | None = None) -> torch.Tensor:
         """Run the model over `seqs` (decodes first); returns logits [sum(logits_rows), vocab] float32.
