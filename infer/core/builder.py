@@ -105,7 +105,7 @@ def build_engine(config: EngineConfig, extra_plugins: Iterable[Any] = (), parall
     model, attention = _build_model(source, model_config, composition, layers, config, device, dtype, max_model_len, parallel)
     if all_reduce and parallel.exchange is not None and getattr(model, "pushes", False):
         all_reduce += "; one-token steps' sums pushed by the row-parallel GEMVs and the embedding"
-    tokenizer = load_tokenizer(source.path)
+    tokenizer = load_tokenizer(source.tokenizer_path)
 
     sampler = composition.sampler.factory(model_config.vocab_size, device)
     # KV caches are allocated once the decoder is built: it may set the layers that run (early exit)
