@@ -77,7 +77,7 @@ def build_engine(config: EngineConfig, extra_plugins: Iterable[Any] = (), parall
     registry = PluginRegistry.load(extra_plugins)
     device = parallel.device if parallel is not None else config.resolve_device()
     compose(config, registry, device, config.resolve_dtype(device))  # fail fast, before any download
-    source = resolve_source(config.model, registry, config.load_format)
+    source = resolve_source(config.model, registry, config.load_format, revision=config.revision)
     model_config = source.model_config()
     dtype = config.resolve_dtype(device, model_config.torch_dtype)
     composition = compose(config, registry, device, dtype)

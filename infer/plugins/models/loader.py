@@ -48,19 +48,29 @@ def _from_folder(name: str, folder: Path, registry: PluginRegistry, load_format:
     return ModelSource(name, hf, None if load_format == "dummy" else folder, arch, tokenizer)
 
 
-def resolve_source(model: str, registry: PluginRegistry, load_format: str, pull: bool = True) -> ModelSource:
-    """model: a folder, a model in infer's cache, or a named shape. pull: download what is missing (else only look)."""
+def resolve_source(
+    model: str, registry: PluginRegistry, load_format: str, pull: bool = True, revision: str | None = None
+) -> ModelSource:
+    """model: a folder (always wins), an HF repo id `org/name` (from the HF cache, at `revision`), a
+    model in infer's cache, or a named shape. pull: download what is missing (else only look)."""
+    from infer.plugins.models import hub
+
     if not model.strip():
         raise ModelLoadError(
-            f"--model is empty: name a model ({', '.join(registry.preset_names())}) or a model folder"
+            f"--model is empty: name a model ({', '.join(registry.preset_names())}), an HF repo id (org/name) or a model folder"
         )
     folder = Path(model).expanduser()
+    repo = not folder.is_dir() and hub.is_repo_id(model)
+    if revision is not None and not repo:
+        raise ModelLoadError(f"--revision {revision} applies to HF repo ids (org/name), not to {model}: drop --revision")
     if folder.is_dir():
         return _from_folder(folder.name, folder, registry, load_format)
+    if repo:
+        return _from_folder(model, hub.snapshot_of(model, revision, download=pull, weights=load_format != "dummy"), registry, load_format)
     if "/" in model or model.startswith((".", "~")):
         raise ModelLoadError(
-            f"model folder {model} does not exist: check the path, "
-            f"or use a named model ({', '.join(registry.preset_names())})"
+            f"model folder {model} does not exist: check the path, or use an HF repo id (org/name) "
+            f"or a named model ({', '.join(registry.preset_names())})"
         )
     return _from_name(model, registry, load_format, pull)
 
@@ -86,7 +96,7 @@ def _from_name(model: str, registry: PluginRegistry, load_format: str, pull: boo
             f"or point --model at an HF model folder"
         )
     raise ModelLoadError(
-        f"unknown model {model!r}: use an HF model folder, a named shape "
+        f"unknown model {model!r}: use an HF model folder, an HF repo id (org/name), a named shape "
         f"({', '.join(registry.preset_names())}), or pull one with `infer models pull NAME` ({', '.join(sorted(hub.KNOWN_SOURCES))})"
     )
 
