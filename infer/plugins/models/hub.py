@@ -204,10 +204,12 @@ def hf_cache_dir() -> Path:
 
 
 def hf_offline() -> bool:
-    """HF_HUB_OFFLINE as huggingface_hub reads it (its constant, or the variable set since import)."""
+    """HF_HUB_OFFLINE (or TRANSFORMERS_OFFLINE) as huggingface_hub reads it: its constant, or the
+    variable set since it was imported."""
     from huggingface_hub import constants
 
-    return bool(constants.HF_HUB_OFFLINE) or os.environ.get("HF_HUB_OFFLINE", "").upper() in constants.ENV_VARS_TRUE_VALUES
+    value = os.environ.get("HF_HUB_OFFLINE") or os.environ.get("TRANSFORMERS_OFFLINE") or ""
+    return bool(constants.HF_HUB_OFFLINE) or value.upper() in constants.ENV_VARS_TRUE_VALUES
 
 
 def _fetch_hint(repo_id: str, revision: str) -> str:
@@ -227,14 +229,17 @@ def snapshot_of(repo_id: str, revision: str | None = None, download: bool = True
     cache = hf_cache_dir()
     where = f"{repo_id} (revision {revision})"
     try:
-        return Path(snapshot_download(repo_id, revision=revision, cache_dir=cache, local_files_only=True, allow_patterns=patterns))
+        found = Path(snapshot_download(repo_id, revision=revision, cache_dir=cache, local_files_only=True, allow_patterns=patterns))
     except LocalEntryNotFoundError:
-        pass  # not cached, or cached incompletely
+        found = None  # not cached, or cached incompletely
     except (OSError, ValueError) as exc:
         raise ModelLoadError(f"cannot read {where} from the HF cache {cache} ({_first_line(exc)}): {_fetch_hint(repo_id, revision)}") from exc
-    if not download or hf_offline():
-        why = "HF_HUB_OFFLINE is set" if hf_offline() else "downloads are off here"
-        raise ModelLoadError(f"{where} is not in the HF cache {cache} and {why}: {_fetch_hint(repo_id, revision)}")
+    offline = not download or hf_offline()
+    if found is not None and (offline or not weights or any(found.glob("*.safetensors"))):
+        return found  # (a snapshot cached without its weights is completed below when the network is allowed)
+    if found is None and offline:
+        why = " and HF_HUB_OFFLINE is set" if hf_offline() else ""
+        raise ModelLoadError(f"{where} is not in the HF cache {cache}{why}: {_fetch_hint(repo_id, revision)}")
     try:
         return Path(snapshot_download(repo_id, revision=revision, cache_dir=cache, allow_patterns=patterns))
     except (OSError, ValueError) as exc:  # huggingface_hub's errors (not found, gated, no network) are OSErrors

@@ -159,6 +159,15 @@ def test_download_asks_only_for_the_files_the_engine_reads(hf_cache, monkeypatch
     calls.clear()
     resolve_source("org/new", PluginRegistry.load(), "dummy")  # random weights: no weight files
     assert not any(fnmatch.fnmatch("model.safetensors", p) for p in calls[-1][1]["allow_patterns"])
+
+    def cached_without_weights(repo_id, **kwargs):  # a folder with no *.safetensors, then the full download
+        calls.append((repo_id, kwargs))
+        return str(hf_cache if kwargs.get("local_files_only") else tiny_llama_dir)
+
+    calls.clear()
+    monkeypatch.setattr(huggingface_hub, "snapshot_download", cached_without_weights)
+    assert resolve_source("org/new", PluginRegistry.load(), "auto").path == tiny_llama_dir and len(calls) == 2
+    monkeypatch.setattr(huggingface_hub, "snapshot_download", fake_snapshot_download)
     calls.clear()
     with pytest.raises(ModelLoadError, match="hf download org/new"):
         resolve_source("org/new", PluginRegistry.load(), "auto", pull=False)  # `infer doctor`: never downloads
