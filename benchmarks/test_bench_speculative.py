@@ -31,7 +31,7 @@ CHAT = ["What is the capital of France?", "Write a haiku about the sea.", "Name 
         "Give me three tips for learning to cook."]
 
 
-def prompts_for(llm: LLM, kind: str, n: int) -> list[str]:
+def prompts_for(llm: LLM, kind: str, n: int) -> list[list[int]]:
     texts = [f"Repeat exactly: {t}" for t in TEXTS] if kind == "repeat" else CHAT
     return [apply_chat_template(llm.tokenizer, [{"role": "user", "content": texts[i % len(texts)]}]) for i in range(n)]
 

@@ -16,6 +16,8 @@ from infer.core.errors import ConfigError, InferError
 
 ENGINE_OPTIONS: list[Callable[[Callable[..., Any]], Callable[..., Any]]] = [
     click.option("--model", default="smollm2-135m", show_default=True, help="Named model or shape, or an HF model folder."),
+    click.option("--revision", default=None, help="For an HF repo id (org/name): the branch, tag or commit to load.  [default: main]"),
+    click.option("--chat-template", default=None, help="A jinja chat template (a file's path, or the text itself) replacing the model's."),
     click.option("--load-format", type=click.Choice(["auto", "safetensors", "dummy"]), default="auto", show_default=True, help="dummy: random weights of the model's shape."),
     click.option("--dtype", default="auto", show_default=True, help="auto, float32, float16, bfloat16."),
     click.option("--device", default="auto", show_default=True, help="auto, cpu, cuda, cuda:N."),

@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from typing import Any, Iterable, Sequence
 
 from infer.core.config import EngineConfig
 from infer.core.engine import Engine
+from infer.core.errors import RequestError
 from infer.core.request import RequestOutput, SamplingParams
 
 
@@ -44,14 +46,46 @@ class LLM:
 
     def chat(
         self,
-        conversations: Sequence[dict[str, str]] | Sequence[Sequence[dict[str, str]]],
+        messages: Sequence[Mapping[str, Any]] | Sequence[Sequence[Mapping[str, Any]]],
         sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+        chat_template: str | None = None,
+        add_generation_prompt: bool = True,
+        chat_template_kwargs: Mapping[str, Any] | None = None,
+        tools: Sequence[Mapping[str, Any]] | None = None,
     ) -> list[RequestOutput]:
-        """Apply the model's chat template to each conversation, then generate."""
-        if conversations and isinstance(conversations[0], dict):
-            conversations = [conversations]  # type: ignore[list-item]
-        prompts = [apply_chat_template(self.engine.tokenizer, list(c)) for c in conversations]  # type: ignore[arg-type]
-        return self.generate(prompts, sampling_params)
+        """messages: one conversation (a list of {"role", "content"} dicts) or a list of them, rendered
+        by `chat_template` (a jinja file's path or text; default: the model's or --chat-template's).
+        chat_template_kwargs reach the template (enable_thinking, ...); tools are OpenAI-style dicts.
+        A conversation the template cannot render gets an output with `error` set; the others run."""
+        from infer.core.chat_template import check_template_kwargs, load_chat_template, template_for
+
+        conversations = [messages] if messages and isinstance(messages[0], Mapping) else list(messages)
+        template = template_for(self.engine.tokenizer, load_chat_template(chat_template))
+        check_template_kwargs(self.engine.tokenizer, chat_template_kwargs)  # the call's, not one conversation's
+        if isinstance(sampling_params, (list, tuple)) and len(sampling_params) != len(conversations):
+            raise RequestError(
+                f"got {len(conversations)} conversations but {len(sampling_params)} SamplingParams: pass one, or one per conversation"
+            )
+        prompts: dict[int, list[int]] = {}  # conversation index -> prompt ids, for those that render
+        errors: dict[int, str] = {}
+        for i, conversation in enumerate(conversations):
+            try:
+                prompts[i] = apply_chat_template(self.engine.tokenizer, conversation, template, add_generation_prompt,  # type: ignore[arg-type]
+                                                 chat_template_kwargs, tools)
+            except RequestError as exc:
+                errors[i] = str(exc)
+        params = [sampling_params[i] for i in prompts] if isinstance(sampling_params, (list, tuple)) else sampling_params
+        outputs = iter(self.generate(list(prompts.values()), params) if prompts else [])
+        results = []
+        for i in range(len(conversations)):
+            if i in errors:
+                results.append(RequestOutput(f"chat-rejected-{i}", None, [], [], finished=True, error=errors[i]))
+                continue
+            out = next(outputs)
+            if out.prompt is None and out.error is None:  # the rendered conversation, as text
+                out.prompt = self.engine.tokenizer.decode(prompts[i])
+            results.append(out)
+        return results
 
     def close(self) -> None:
         self.engine.close()
@@ -63,9 +97,16 @@ class LLM:
         self.close()
 
 
-def apply_chat_template(tokenizer: Any, messages: list[dict[str, str]]) -> str:
-    from infer.core.errors import RequestError
+def apply_chat_template(
+    tokenizer: Any,
+    messages: Sequence[Mapping[str, Any]],
+    chat_template: str | None = None,
+    add_generation_prompt: bool = True,
+    chat_template_kwargs: Mapping[str, Any] | None = None,
+    tools: Sequence[Mapping[str, Any]] | None = None,
+) -> list[int]:
+    """One conversation's prompt ids, as `tokenizer.apply_chat_template(..., tokenize=True)` gives them
+    (one BOS when the template writes it). chat_template: the template's text; None: the tokenizer's."""
+    from infer.core.chat_template import chat_token_ids
 
-    if tokenizer is None or not getattr(tokenizer, "chat_template", None):
-        raise RequestError("this model has no chat template: use generate() with plain prompts")
-    return tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+    return chat_token_ids(tokenizer, messages, chat_template, add_generation_prompt, chat_template_kwargs, tools)

