@@ -1,6 +1,6 @@
 """`llama`: the Llama-2 / Llama-3 architecture (and SmolLM2, which shares it).
 
-RMSNorm, rotary embeddings with the config's theta and scaling, grouped-query attention over
+RMSNorm, rotary embeddings as transformers computes them for the config's rope_parameters, grouped-query attention over
 the paged KV cache, SwiGLU, tied or untied embeddings. Q/K/V and gate/up are fused into one
 matmul each; `load_weights` maps HF checkpoint names onto the fused parameters. Given a
 tensor-parallel `parallel` state (`--tp N`), the projections, embedding and LM head are the
@@ -19,6 +19,7 @@ from infer.core.config import ModelConfig
 from infer.core.distributed import ParallelState
 from infer.core.hookspecs import hookimpl
 from infer.core.interfaces import AttentionBackend, KVCache, Layers
+from infer.core.rope import Rope
 from infer.plugins.models import parallel_layers as tp
 
 _LLAMA2 = dict(architectures=["LlamaForCausalLM"], vocab_size=32000, max_position_embeddings=4096,
@@ -57,7 +58,8 @@ def tp_matmul(layers: Layers) -> Any:
 
 class LlamaAttention(nn.Module):
     def __init__(
-        self, config: ModelConfig, layers: Layers, attention: AttentionBackend, parallel: ParallelState | None = None
+        self, config: ModelConfig, layers: Layers, attention: AttentionBackend, parallel: ParallelState | None = None,
+        rope: Rope | None = None,  # default: config.rope(); the model computes it once for all layers
     ) -> None:
         super().__init__()
         self.num_heads, self.num_kv_heads, self.head_dim = config.num_heads, config.num_kv_heads, config.head_dim
@@ -71,9 +73,7 @@ class LlamaAttention(nn.Module):
             self.o_proj = layers.linear(self.q_size, config.hidden_size)
         else:
             self.qkv_proj, self.o_proj = tp.attention_projections(config, parallel, tp_matmul(layers))
-        self.rotary = layers.rotary_embedding(
-            self.head_dim, config.max_position_embeddings, config.rope_theta, config.rope_scaling
-        )
+        self.rotary = layers.rotary_embedding(rope or config.rope(), config.max_position_embeddings)
         self.attention = attention
         # a rotary layer that lends its tables to a backend whose cache write can rotate q and k
         self.rotary_in_attention = bool(
@@ -122,10 +122,11 @@ class LlamaMLP(nn.Module):
 
 class LlamaDecoderLayer(nn.Module):
     def __init__(
-        self, config: ModelConfig, layers: Layers, attention: AttentionBackend, parallel: ParallelState | None = None
+        self, config: ModelConfig, layers: Layers, attention: AttentionBackend, parallel: ParallelState | None = None,
+        rope: Rope | None = None,
     ) -> None:
         super().__init__()
-        self.self_attn = LlamaAttention(config, layers, attention, parallel)
+        self.self_attn = LlamaAttention(config, layers, attention, parallel, rope)
         self.mlp = LlamaMLP(config, layers, parallel)
         self.input_layernorm = layers.rms_norm(config.hidden_size, config.rms_norm_eps)
         self.post_attention_layernorm = layers.rms_norm(config.hidden_size, config.rms_norm_eps)
@@ -176,8 +177,9 @@ class Llama(nn.Module):
             self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
         else:
             self.embed_tokens = tp.VocabParallelEmbedding(config.vocab_size, config.hidden_size, parallel, tp_matmul(layers))
+        rope = config.rope()
         self.layers = nn.ModuleList(
-            LlamaDecoderLayer(config, layers, attention, parallel) for _ in range(config.num_layers)
+            LlamaDecoderLayer(config, layers, attention, parallel, rope) for _ in range(config.num_layers)
         )
         self.norm = layers.rms_norm(config.hidden_size, config.rms_norm_eps)
         self.pushes = False  # whether one-token steps' partial sums go to the ranks' exchange, where it exists

@@ -27,13 +27,25 @@ class ModelSource:
 
 
 def _read_config(folder: Path) -> dict[str, Any]:
+    """config.json read by transformers (AutoConfig), as its standardised dict: RoPE settings under
+    rope_parameters whichever layout the file has."""
+    from transformers import AutoConfig
+
     path = folder / "config.json"
     if not path.is_file():
         raise ModelLoadError(f"model folder {folder} has no config.json: point --model at an HF model folder")
     try:
-        return json.loads(path.read_text())
-    except (OSError, json.JSONDecodeError) as exc:
+        raw = json.loads(path.read_text())
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
         raise ModelLoadError(f"cannot read {path} ({exc}): re-download or re-convert the model") from exc
+    if not isinstance(raw, dict) or "model_type" not in raw:
+        raise ModelLoadError(f"{path} has no model_type, which transformers needs to read it: "
+                             f'add "model_type": "llama" (the family of LlamaForCausalLM)')
+    try:
+        return AutoConfig.from_pretrained(str(folder), local_files_only=True).to_dict()
+    except Exception as exc:  # transformers raises ValueError, KeyError, OSError, ... for a config it cannot read
+        raise ModelLoadError(f"transformers cannot read {path} ({type(exc).__name__}: {exc}): "
+                             f"fix config.json, or upgrade transformers for a newer model_type") from exc
 
 
 def resolve_source(model: str, registry: PluginRegistry, load_format: str, pull: bool = True) -> ModelSource:
