@@ -10,7 +10,7 @@ from typing import Any, Iterator
 import torch
 from torch import nn
 
-from infer.core.config import ModelConfig
+from infer.core.config import ModelConfig, transformers_config
 from infer.core.errors import ModelLoadError
 from infer.core.registry import PluginRegistry, Strategy
 
@@ -38,9 +38,14 @@ def _read_config(folder: Path) -> dict[str, Any]:
         raw = json.loads(path.read_text())
     except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
         raise ModelLoadError(f"cannot read {path} ({exc}): re-download or re-convert the model") from exc
-    if not isinstance(raw, dict) or "model_type" not in raw:
-        raise ModelLoadError(f"{path} has no model_type, which transformers needs to read it: "
-                             f'add "model_type": "llama" (the family of LlamaForCausalLM)')
+    if not isinstance(raw, dict):
+        raise ModelLoadError(f"{path} is not a JSON object: re-download or re-convert the model")
+    if "model_type" not in raw:  # hand-written Llama shapes often omit it; transformers needs it for the rest
+        architectures = raw.get("architectures") or ["LlamaForCausalLM"]
+        if architectures != ["LlamaForCausalLM"]:
+            raise ModelLoadError(f"{path} has no model_type, which transformers needs to read it: add the "
+                                 f"model_type of {architectures} (\"llama\" for LlamaForCausalLM)")
+        return transformers_config(raw, str(path)).to_dict()
     try:
         return AutoConfig.from_pretrained(str(folder), local_files_only=True).to_dict()
     except Exception as exc:  # transformers raises ValueError, KeyError, OSError, ... for a config it cannot read
