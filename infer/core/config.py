@@ -9,7 +9,7 @@ from typing import TYPE_CHECKING, Any, Literal, Mapping
 
 import torch
 
-from infer.core.errors import ConfigError, ModelLoadError
+from infer.core.errors import ConfigError, ModelLoadError, one_line
 
 if TYPE_CHECKING:
     from infer.core.rope import Rope
@@ -179,7 +179,7 @@ class ModelConfig:
                 name=name,
             )
         except (AttributeError, TypeError, ValueError) as exc:
-            raise ModelLoadError(f"{source} is missing a field or has a bad one ({exc}): fix config.json") from exc
+            raise ModelLoadError(f"{source} is missing a field or has a bad one ({one_line(exc)}): fix config.json") from exc
         rope_for(config.rope_parameters, config.head_dim, config.hidden_size, config.num_heads,
                  config.max_position_embeddings, source)
         return config
@@ -212,4 +212,4 @@ def transformers_config(hf: Mapping[str, Any], source: str = "config.json") -> A
     try:
         return CONFIG_MAPPING[model_type].from_dict(dict(hf))
     except (KeyError, TypeError, ValueError) as exc:
-        raise ModelLoadError(f"transformers cannot read {source} ({exc}): fix config.json") from exc
+        raise ModelLoadError(f"transformers cannot read {source} ({one_line(exc)}): fix config.json") from exc

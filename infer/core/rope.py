@@ -18,7 +18,7 @@ from typing import Any, Mapping
 
 import torch
 
-from infer.core.errors import ModelLoadError
+from infer.core.errors import ModelLoadError, one_line
 
 # the RoPE types transformers' Llama accepts (LlamaRotaryEmbedding: "default" or ROPE_INIT_FUNCTIONS)
 LLAMA_ROPE_TYPES = ("default", "linear", "dynamic", "yarn", "longrope", "llama3")
@@ -67,7 +67,7 @@ def rope_for(rope_parameters: Mapping[str, Any], head_dim: int, hidden_size: int
         with torch.device("cpu"):  # not the meta or CUDA device a model may be built under
             inv_freq, scaling = init(hf)
     except (KeyError, TypeError, ValueError, RuntimeError) as exc:
-        raise ModelLoadError(f"{source}'s rope_parameters ({kind}) are incomplete or wrong ({exc}): "
+        raise ModelLoadError(f"{source}'s rope_parameters ({kind}) are incomplete or wrong ({one_line(exc)}): "
                              f"fix them as transformers' RopeParameters documents") from exc
     if inv_freq.numel() != head_dim // 2:  # partial rotary, or longrope factors of another length
         raise ModelLoadError(f"{source}'s {kind} RoPE rotates {2 * inv_freq.numel()} of {head_dim} head dims, which "

@@ -10,7 +10,7 @@ sharded ones of `parallel_layers` and each rank loads only its slices.
 from __future__ import annotations
 
 import itertools
-from typing import Any, Iterable
+from typing import Any, Iterable, Iterator
 
 import torch
 from torch import nn
@@ -21,6 +21,7 @@ from infer.core.hookspecs import hookimpl
 from infer.core.interfaces import AttentionBackend, KVCache, Layers
 from infer.core.rope import Rope
 from infer.plugins.models import parallel_layers as tp
+from infer.plugins.models.loader import check_shape
 
 _LLAMA2 = dict(architectures=["LlamaForCausalLM"], vocab_size=32000, max_position_embeddings=4096,
                rms_norm_eps=1e-5, rope_theta=10000.0, bos_token_id=1, eos_token_id=2, torch_dtype="float16")
@@ -223,6 +224,7 @@ class Llama(nn.Module):
     def load_weights(self, weights: Iterable[tuple[str, Any]]) -> set[str]:
         """Copy HF-named tensors into the (fused) parameters; returns the parameter names loaded.
         Tensor parallel: the values may be safetensors slices, and each rank reads only its part."""
+        weights = self._checked(weights)
         if self.parallel is not None:
             return tp.load_sharded(self, weights, self._target)
         params = dict(self.named_parameters())
@@ -239,6 +241,30 @@ class Llama(nn.Module):
                 params[name].data[offset : offset + size].copy_(tensor)
             loaded.add(name)
         return loaded
+
+    def checkpoint_shape(self, name: str) -> tuple[int, ...] | None:
+        """The full shape checkpoint tensor `name` must have (a fused parameter's piece: its rows; a
+        tensor-parallel shard: the whole tensor), or None for one this model does not use."""
+        found = self._target(name)
+        if found is None:
+            return None
+        target, piece = found
+        try:
+            shape = list(self.get_parameter(target).shape)
+        except AttributeError:  # layers beyond an early-exit cut, or tensors this model does not use
+            return None
+        shard = tp.shard_of(self, target) if self.parallel is not None else None
+        if shard is not None:
+            shape[shard.dim] = shard.full_sizes[piece or 0]
+        elif piece is not None:
+            shape[0] = self._shard_range(target.split(".")[-2], piece)[1]
+        return tuple(shape)
+
+    def _checked(self, weights: Iterable[tuple[str, Any]]) -> Iterator[tuple[str, Any]]:
+        for name, tensor in weights:  # a tensor, or a safetensors slice (tensor parallel)
+            shape = tensor.shape if isinstance(tensor, torch.Tensor) else tensor.get_shape()
+            check_shape(name, shape, self.checkpoint_shape(name))
+            yield name, tensor
 
     def _target(self, hf_name: str) -> tuple[str, int | None] | None:
         """The parameter an HF tensor fills and its shard of a fused one (q, k, v; gate, up), or None."""
