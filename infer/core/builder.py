@@ -85,12 +85,11 @@ def build_engine(config: EngineConfig, extra_plugins: Iterable[Any] = (), parall
     model_config = source.model_config()
     dtype = config.resolve_dtype(device, model_config.torch_dtype)
     composition = compose(config, registry, device, dtype)
-    max_model_len = config.max_model_len or model_config.max_position_embeddings
-    if max_model_len > model_config.max_position_embeddings:
-        raise ConfigError(
-            f"--max-model-len {max_model_len} exceeds {source.name}'s context of "
-            f"{model_config.max_position_embeddings} tokens: use at most that"
-        )
+    context, why = model_config.context_limit()
+    max_model_len = config.max_model_len or context
+    if max_model_len > context:
+        raise ConfigError(f"--max-model-len {max_model_len} exceeds {source.name}'s context of {context} tokens "
+                          f"({why}): use at most {context}")
     if config.exit_layer is not None and not 1 <= config.exit_layer <= model_config.num_layers:
         raise ConfigError(f"--exit-layer must be in [1, {model_config.num_layers}] for {source.name}")
     if config.tensor_parallel_size > 1 and parallel is None:  # start (or join) the ranks, then build each

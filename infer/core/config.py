@@ -5,11 +5,14 @@ from __future__ import annotations
 import hashlib
 import json
 from dataclasses import asdict, dataclass, field, fields, replace
-from typing import Any, Literal
+from typing import TYPE_CHECKING, Any, Literal, Mapping
 
 import torch
 
-from infer.core.errors import ConfigError
+from infer.core.errors import ConfigError, ModelLoadError, one_line
+
+if TYPE_CHECKING:
+    from infer.core.rope import Rope
 
 LoadFormat = Literal["auto", "safetensors", "dummy"]
 PreemptionMode = Literal["recompute", "swap"]
@@ -122,7 +125,7 @@ class EngineConfig:
 
 @dataclass(frozen=True, slots=True)
 class ModelConfig:
-    """The architecture's numbers, read from config.json (or a named preset)."""
+    """The engine's typed view of a transformers config (a folder's config.json, or a named preset)."""
 
     architecture: str
     vocab_size: int
@@ -134,8 +137,8 @@ class ModelConfig:
     head_dim: int
     max_position_embeddings: int
     rms_norm_eps: float = 1e-5
-    rope_theta: float = 10000.0
-    rope_scaling: dict[str, Any] | None = None
+    # transformers' standardised RoPE settings: rope_type, rope_theta and the type's own keys
+    rope_parameters: dict[str, Any] = field(default_factory=lambda: {"rope_type": "default", "rope_theta": 10000.0})
     tie_word_embeddings: bool = False
     bos_token_id: int | None = None
     eos_token_ids: tuple[int, ...] = ()
@@ -144,34 +147,71 @@ class ModelConfig:
     extra: dict[str, Any] = field(default_factory=dict)
 
     @classmethod
-    def from_hf(cls, hf: dict[str, Any], name: str = "") -> "ModelConfig":
+    def from_hf(cls, hf: Any, name: str = "") -> "ModelConfig":
+        """From a transformers `PretrainedConfig`, or a config.json-style dict that transformers reads
+        (old layout: top-level rope_theta / rope_scaling; new: rope_parameters). The RoPE is checked
+        here, so a config transformers cannot use fails before any weight is read."""
+        from infer.core.rope import rope_for
+
+        source = f"config.json of {name}" if name else "the model's config.json"
+        if isinstance(hf, Mapping):
+            hf = transformers_config(hf, source)
         try:
-            num_heads = int(hf["num_attention_heads"])
-            hidden = int(hf["hidden_size"])
-            eos = hf.get("eos_token_id")
-            eos_ids = tuple(eos) if isinstance(eos, list) else (() if eos is None else (int(eos),))
-            dtype = DTYPES.get(str(hf.get("torch_dtype") or hf.get("dtype") or ""), None)
-            return cls(
-                architecture=(hf.get("architectures") or ["LlamaForCausalLM"])[0],
-                vocab_size=int(hf["vocab_size"]),
+            num_heads = int(hf.num_attention_heads)
+            hidden = int(hf.hidden_size)
+            eos = hf.eos_token_id
+            eos_ids = tuple(int(e) for e in eos) if isinstance(eos, (list, tuple)) else (() if eos is None else (int(eos),))
+            dtype = hf.dtype if isinstance(hf.dtype, torch.dtype) else DTYPES.get(str(hf.dtype or ""))
+            config = cls(
+                architecture=(hf.architectures or ["LlamaForCausalLM"])[0],
+                vocab_size=int(hf.vocab_size),
                 hidden_size=hidden,
-                intermediate_size=int(hf["intermediate_size"]),
-                num_layers=int(hf["num_hidden_layers"]),
+                intermediate_size=int(hf.intermediate_size),
+                num_layers=int(hf.num_hidden_layers),
                 num_heads=num_heads,
-                num_kv_heads=int(hf.get("num_key_value_heads") or num_heads),
-                head_dim=int(hf.get("head_dim") or hidden // num_heads),
-                max_position_embeddings=int(hf.get("max_position_embeddings", 2048)),
-                rms_norm_eps=float(hf.get("rms_norm_eps", 1e-5)),
-                rope_theta=float(hf.get("rope_theta", 10000.0)),
-                rope_scaling=hf.get("rope_scaling"),
-                tie_word_embeddings=bool(hf.get("tie_word_embeddings", False)),
-                bos_token_id=hf.get("bos_token_id"),
+                num_kv_heads=int(getattr(hf, "num_key_value_heads", None) or num_heads),
+                head_dim=int(getattr(hf, "head_dim", None) or hidden // num_heads),
+                max_position_embeddings=int(hf.max_position_embeddings),
+                rms_norm_eps=float(hf.rms_norm_eps),
+                rope_parameters=dict(hf.rope_parameters or {"rope_type": "default", "rope_theta": 10000.0}),
+                tie_word_embeddings=bool(hf.tie_word_embeddings),
+                bos_token_id=hf.bos_token_id,
                 eos_token_ids=eos_ids,
                 torch_dtype=dtype,
                 name=name,
             )
-        except (KeyError, TypeError, ValueError) as exc:
-            raise ConfigError(f"model config for {name or 'the model'} is missing or has a bad field ({exc}): check config.json") from exc
+        except (AttributeError, TypeError, ValueError) as exc:
+            raise ModelLoadError(f"{source} is missing a field or has a bad one ({one_line(exc)}): fix config.json") from exc
+        rope_for(config.rope_parameters, config.head_dim, config.hidden_size, config.num_heads,
+                 config.max_position_embeddings, source)
+        return config
+
+    def rope(self) -> "Rope":
+        from infer.core.rope import rope_for
+
+        return rope_for(self.rope_parameters, self.head_dim, self.hidden_size, self.num_heads,
+                        self.max_position_embeddings, f"config.json of {self.name or 'the model'}")
+
+    def context_limit(self) -> tuple[int, str]:
+        """The longest context this model runs exactly (positions), and the reason it is no longer."""
+        from infer.core.rope import rope_context_limit
+
+        return rope_context_limit(self.rope_parameters, self.max_position_embeddings)
 
     def with_layers(self, num_layers: int) -> "ModelConfig":
         return replace(self, num_layers=num_layers)
+
+
+def transformers_config(hf: Mapping[str, Any], source: str = "config.json") -> Any:
+    """A transformers config object from a config.json-style dict (model_type defaults to llama, the
+    family of the named presets). Refuses, naming `source`, what transformers refuses."""
+    from transformers import CONFIG_MAPPING
+
+    model_type = hf.get("model_type", "llama")
+    if model_type not in CONFIG_MAPPING:
+        raise ModelLoadError(f"{source} has model_type {model_type!r}, which transformers does not know: "
+                             f"fix model_type, or upgrade transformers")
+    try:
+        return CONFIG_MAPPING[model_type].from_dict(dict(hf))
+    except (KeyError, TypeError, ValueError) as exc:
+        raise ModelLoadError(f"transformers cannot read {source} ({one_line(exc)}): fix config.json") from exc

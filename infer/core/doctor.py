@@ -99,7 +99,7 @@ def _verdict(registry: PluginRegistry, slot: str, name: str, config: EngineConfi
 
 def _model(config: EngineConfig, registry: PluginRegistry) -> tuple[Verdict, torch.dtype | None]:
     from infer.plugins.models import hub
-    from infer.plugins.models.loader import resolve_source
+    from infer.plugins.models.loader import check_weight_shapes, meta_model, resolve_source
 
     try:
         source = resolve_source(config.model, registry, config.load_format, pull=False, revision=config.revision)
@@ -108,7 +108,12 @@ def _model(config: EngineConfig, registry: PluginRegistry) -> tuple[Verdict, tor
             return Verdict("model", config.model, note="not cached yet: `infer run` downloads it once"), None
         return Verdict("model", config.model, str(exc), tuple(n for n in registry.preset_names() if n != config.model)[:6]
                        ), None
-    mc = source.model_config()
+    try:
+        mc = source.model_config()
+        if source.path is not None:  # the safetensors headers against the config's shapes; no weight is read
+            check_weight_shapes(meta_model(source, mc), source.path)
+    except InferError as exc:
+        return Verdict("model", config.model, str(exc)), None
     weights = "dummy weights" if source.path is None else f"weights in {source.path}"
     note = f"{source.architecture.name}, {mc.num_layers} layers, {mc.num_heads}/{mc.num_kv_heads} heads, {weights}"
     if config.exit_layer is not None and not 1 <= config.exit_layer <= mc.num_layers:
@@ -117,7 +122,8 @@ def _model(config: EngineConfig, registry: PluginRegistry) -> tuple[Verdict, tor
 
 
 def diagnose(config: EngineConfig, registry: PluginRegistry, check_model: bool = True) -> Diagnosis:
-    """Every slot's verdict for `config` on this machine; reads config.json files, never weights."""
+    """Every slot's verdict for `config` on this machine; reads config.json files and safetensors
+    headers, never weights."""
     verdicts: list[Verdict] = []
     try:
         config.validate()

@@ -29,6 +29,11 @@ class ModelLoadError(InferError):
     """A model folder, weight file or tokenizer is missing or unreadable."""
 
 
+def one_line(exc: BaseException) -> str:
+    """A library's exception message on one line (some span several), for a message of ours to quote."""
+    return " ".join(str(exc).split())
+
+
 class DatasetError(InferError):
     """A prompt file or workload cannot be read."""
 

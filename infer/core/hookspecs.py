@@ -25,6 +25,8 @@ model                     an architecture class: hf_architectures, presets, and
                           factory(config: ModelConfig, layers: Layers, attention) -> CausalLM
 layer                     factory(*args) -> torch.nn.Module, registered under a layer kind
                           ("rms_norm", "rotary_embedding", "silu_and_mul", "linear");
+                          rotary_embedding(rope: Rope, max_position) takes transformers'
+                          frequencies and attention scaling (infer.core.rope);
                           the highest `capabilities.priority` runnable on the device wins
 ========================  ===============================================================
 """

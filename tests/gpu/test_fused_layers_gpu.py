@@ -3,6 +3,7 @@
 import pytest
 import torch
 
+from infer.core.rope import Rope
 from infer.plugins.models import layers as plain
 
 pytestmark = pytest.mark.gpu
@@ -20,7 +21,7 @@ def test_fused_layers_match_plain(dtype):
     exp_out, exp_res = norm(x, r)
     torch.testing.assert_close(res, exp_res, atol=0, rtol=0)
     torch.testing.assert_close(out, exp_out, atol=2e-2, rtol=2e-2)
-    rope = plain.RotaryEmbedding(128, 4096, 500000.0, None).to(dev)
+    rope = plain.RotaryEmbedding(Rope.default(128, 500000.0), 4096).to(dev)
     qkv = torch.randn(64, (32 + 16) * 128, device=dev, dtype=dtype)
     q, k, _ = qkv.split([32 * 128, 8 * 128, 8 * 128], dim=-1)
     q, k = q.view(64, 32, 128), k.view(64, 8, 128)

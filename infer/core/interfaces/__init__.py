@@ -15,7 +15,7 @@ from infer.core.interfaces.scheduling import ScheduledSeq, SchedulerOutput, Step
 from infer.core.interfaces.sampling import SamplerOutput, Sampler
 from infer.core.interfaces.decoding import ModelRunnerLike, DecoderContext, Decoder
 from infer.core.interfaces.text import DetokenizedDelta, Detokenizer
-from infer.core.interfaces.models import LAYER_KINDS, Layers, CausalLM, ModelArchitecture, RegisterFn
+from infer.core.interfaces.models import LAYER_KINDS, CheckpointShapes, Layers, CausalLM, ModelArchitecture, RegisterFn
 
 __all__ = [
     "Capabilities",
@@ -43,5 +43,6 @@ __all__ = [
     "Layers",
     "CausalLM",
     "ModelArchitecture",
+    "CheckpointShapes",
     "RegisterFn",
 ]

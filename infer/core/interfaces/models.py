@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Callable, ClassVar, Protocol
+from typing import TYPE_CHECKING, Any, Callable, ClassVar, Protocol, runtime_checkable
 
 import torch
 
@@ -21,7 +21,7 @@ class Layers:
     """The layer implementations a model builds itself from, resolved once per engine."""
 
     rms_norm: Any  # (hidden_size, eps) -> module; forward(x, residual=None)
-    rotary_embedding: Any  # (head_dim, max_position, theta, scaling) -> module; forward(positions, q, k)
+    rotary_embedding: Any  # (rope: infer.core.rope.Rope, max_position) -> module with cos, sin; forward(positions, q, k)
     silu_and_mul: Any  # () -> module; forward(x [T, 2I]) -> [T, I]
     linear: Any  # (in_features, out_features, bias=False) -> module
 
@@ -34,6 +34,16 @@ class CausalLM(Protocol):
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor: ...
 
     def load_weights(self, weights: Any) -> None: ...
+
+
+@runtime_checkable
+class CheckpointShapes(Protocol):
+    """Optional: a model that says which shape each checkpoint tensor must have, so the loader checks
+    the safetensors headers against the config before reading any weight."""
+
+    def checkpoint_shape(self, name: str) -> tuple[int, ...] | None:
+        """The full (unsharded) shape of checkpoint tensor `name`; None for a tensor the model ignores."""
+        ...
 
 
 class ModelArchitecture(Protocol):

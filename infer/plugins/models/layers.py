@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import math
 from typing import Any
 
 import torch
@@ -11,6 +10,7 @@ from torch import nn
 
 from infer.core.hookspecs import hookimpl
 from infer.core.interfaces import Capabilities, Layers
+from infer.core.rope import Rope
 
 class RMSNorm(nn.Module):
     capabilities = Capabilities(priority=0)
@@ -34,39 +34,18 @@ class RMSNorm(nn.Module):
         return out if residual is None else (out, residual)
 
 
-def rope_inv_freq(head_dim: int, theta: float, scaling: dict[str, Any] | None) -> torch.Tensor:
-    inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.float64) / head_dim))
-    if not scaling:
-        return inv_freq
-    kind = scaling.get("rope_type") or scaling.get("type")
-    if kind in (None, "default"):
-        return inv_freq
-    factor = float(scaling["factor"])
-    if kind == "linear":
-        return inv_freq / factor
-    if kind == "llama3":
-        low, high = float(scaling.get("low_freq_factor", 1.0)), float(scaling.get("high_freq_factor", 4.0))
-        old_len = float(scaling["original_max_position_embeddings"])
-        wavelen = 2 * math.pi / inv_freq
-        low_wavelen, high_wavelen = old_len / low, old_len / high
-        smooth = (old_len / wavelen - low) / (high - low)
-        scaled = torch.where(wavelen > low_wavelen, inv_freq / factor, inv_freq)
-        mid = (wavelen <= low_wavelen) & (wavelen >= high_wavelen)
-        return torch.where(mid, (1 - smooth) * inv_freq / factor + smooth * inv_freq, scaled)
-    raise ValueError(f"unsupported rope_scaling type {kind!r}: supported are default, linear, llama3")
-
-
 class RotaryEmbedding(nn.Module):
-    """Neox-style rotary embedding (rotate halves), as HF Llama applies it."""
+    """Neox-style rotary embedding (rotate halves), as HF Llama applies it, from the model's `Rope`
+    (transformers' frequencies and attention scaling). Its `cos` and `sin` tables ([max_position,
+    head_dim / 2] float32, scaled) are the whole contract: fused kernels apply the same tables."""
 
     capabilities = Capabilities(priority=0)
 
-    def __init__(self, head_dim: int, max_position: int, theta: float, scaling: dict[str, Any] | None) -> None:
+    def __init__(self, rope: Rope, max_position: int) -> None:
         super().__init__()
-        inv_freq = rope_inv_freq(head_dim, theta, scaling)
-        freqs = torch.outer(torch.arange(max_position, dtype=torch.float64), inv_freq)  # [P, D/2]
-        self.register_buffer("cos", freqs.cos().float(), persistent=False)
-        self.register_buffer("sin", freqs.sin().float(), persistent=False)
+        cos, sin = rope.tables(max_position)
+        self.register_buffer("cos", cos, persistent=False)
+        self.register_buffer("sin", sin, persistent=False)
 
     def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         # positions: [T]; q: [T, H, D]; k: [T, Hkv, D]

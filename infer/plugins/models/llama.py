@@ -1,6 +1,6 @@
 """`llama`: the Llama-2 / Llama-3 architecture (and SmolLM2, which shares it).
 
-RMSNorm, rotary embeddings with the config's theta and scaling, grouped-query attention over
+RMSNorm, rotary embeddings as transformers computes them for the config's rope_parameters, grouped-query attention over
 the paged KV cache, SwiGLU, tied or untied embeddings. Q/K/V and gate/up are fused into one
 matmul each; `load_weights` maps HF checkpoint names onto the fused parameters. Given a
 tensor-parallel `parallel` state (`--tp N`), the projections, embedding and LM head are the
@@ -10,7 +10,7 @@ sharded ones of `parallel_layers` and each rank loads only its slices.
 from __future__ import annotations
 
 import itertools
-from typing import Any, Iterable
+from typing import Any, Iterable, Iterator
 
 import torch
 from torch import nn
@@ -19,7 +19,9 @@ from infer.core.config import ModelConfig
 from infer.core.distributed import ParallelState
 from infer.core.hookspecs import hookimpl
 from infer.core.interfaces import AttentionBackend, KVCache, Layers
+from infer.core.rope import Rope
 from infer.plugins.models import parallel_layers as tp
+from infer.plugins.models.loader import check_shape
 
 _LLAMA2 = dict(architectures=["LlamaForCausalLM"], vocab_size=32000, max_position_embeddings=4096,
                rms_norm_eps=1e-5, rope_theta=10000.0, bos_token_id=1, eos_token_id=2, torch_dtype="float16")
@@ -57,7 +59,8 @@ def tp_matmul(layers: Layers) -> Any:
 
 class LlamaAttention(nn.Module):
     def __init__(
-        self, config: ModelConfig, layers: Layers, attention: AttentionBackend, parallel: ParallelState | None = None
+        self, config: ModelConfig, layers: Layers, attention: AttentionBackend, parallel: ParallelState | None = None,
+        rope: Rope | None = None,  # default: config.rope(); the model computes it once for all layers
     ) -> None:
         super().__init__()
         self.num_heads, self.num_kv_heads, self.head_dim = config.num_heads, config.num_kv_heads, config.head_dim
@@ -71,9 +74,7 @@ class LlamaAttention(nn.Module):
             self.o_proj = layers.linear(self.q_size, config.hidden_size)
         else:
             self.qkv_proj, self.o_proj = tp.attention_projections(config, parallel, tp_matmul(layers))
-        self.rotary = layers.rotary_embedding(
-            self.head_dim, config.max_position_embeddings, config.rope_theta, config.rope_scaling
-        )
+        self.rotary = layers.rotary_embedding(rope or config.rope(), config.max_position_embeddings)
         self.attention = attention
         # a rotary layer that lends its tables to a backend whose cache write can rotate q and k
         self.rotary_in_attention = bool(
@@ -122,10 +123,11 @@ class LlamaMLP(nn.Module):
 
 class LlamaDecoderLayer(nn.Module):
     def __init__(
-        self, config: ModelConfig, layers: Layers, attention: AttentionBackend, parallel: ParallelState | None = None
+        self, config: ModelConfig, layers: Layers, attention: AttentionBackend, parallel: ParallelState | None = None,
+        rope: Rope | None = None,
     ) -> None:
         super().__init__()
-        self.self_attn = LlamaAttention(config, layers, attention, parallel)
+        self.self_attn = LlamaAttention(config, layers, attention, parallel, rope)
         self.mlp = LlamaMLP(config, layers, parallel)
         self.input_layernorm = layers.rms_norm(config.hidden_size, config.rms_norm_eps)
         self.post_attention_layernorm = layers.rms_norm(config.hidden_size, config.rms_norm_eps)
@@ -176,8 +178,9 @@ class Llama(nn.Module):
             self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
         else:
             self.embed_tokens = tp.VocabParallelEmbedding(config.vocab_size, config.hidden_size, parallel, tp_matmul(layers))
+        rope = config.rope()
         self.layers = nn.ModuleList(
-            LlamaDecoderLayer(config, layers, attention, parallel) for _ in range(config.num_layers)
+            LlamaDecoderLayer(config, layers, attention, parallel, rope) for _ in range(config.num_layers)
         )
         self.norm = layers.rms_norm(config.hidden_size, config.rms_norm_eps)
         self.pushes = False  # whether one-token steps' partial sums go to the ranks' exchange, where it exists
@@ -221,6 +224,7 @@ class Llama(nn.Module):
     def load_weights(self, weights: Iterable[tuple[str, Any]]) -> set[str]:
         """Copy HF-named tensors into the (fused) parameters; returns the parameter names loaded.
         Tensor parallel: the values may be safetensors slices, and each rank reads only its part."""
+        weights = self._checked(weights)
         if self.parallel is not None:
             return tp.load_sharded(self, weights, self._target)
         params = dict(self.named_parameters())
@@ -237,6 +241,30 @@ class Llama(nn.Module):
                 params[name].data[offset : offset + size].copy_(tensor)
             loaded.add(name)
         return loaded
+
+    def checkpoint_shape(self, name: str) -> tuple[int, ...] | None:
+        """The full shape checkpoint tensor `name` must have (a fused parameter's piece: its rows; a
+        tensor-parallel shard: the whole tensor), or None for one this model does not use."""
+        found = self._target(name)
+        if found is None:
+            return None
+        target, piece = found
+        try:
+            shape = list(self.get_parameter(target).shape)
+        except AttributeError:  # layers beyond an early-exit cut, or tensors this model does not use
+            return None
+        shard = tp.shard_of(self, target) if self.parallel is not None else None
+        if shard is not None:
+            shape[shard.dim] = shard.full_sizes[piece or 0]
+        elif piece is not None:
+            shape[0] = self._shard_range(target.split(".")[-2], piece)[1]
+        return tuple(shape)
+
+    def _checked(self, weights: Iterable[tuple[str, Any]]) -> Iterator[tuple[str, Any]]:
+        for name, tensor in weights:  # a tensor, or a safetensors slice (tensor parallel)
+            shape = tensor.shape if isinstance(tensor, torch.Tensor) else tensor.get_shape()
+            check_shape(name, shape, self.checkpoint_shape(name))
+            yield name, tensor
 
     def _target(self, hf_name: str) -> tuple[str, int | None] | None:
         """The parameter an HF tensor fills and its shard of a fused one (q, k, v; gate, up), or None."""

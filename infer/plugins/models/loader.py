@@ -5,13 +5,14 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any, Iterator, Sequence
 
 import torch
 from torch import nn
 
-from infer.core.config import ModelConfig
-from infer.core.errors import ModelLoadError
+from infer.core.config import ModelConfig, transformers_config
+from infer.core.errors import ModelLoadError, one_line
+from infer.core.interfaces.models import CheckpointShapes
 from infer.core.registry import PluginRegistry, Strategy
 
 
@@ -28,13 +29,30 @@ class ModelSource:
 
 
 def _read_config(folder: Path) -> dict[str, Any]:
+    """config.json read by transformers (AutoConfig), as its standardised dict: RoPE settings under
+    rope_parameters whichever layout the file has."""
+    from transformers import AutoConfig
+
     path = folder / "config.json"
     if not path.is_file():
         raise ModelLoadError(f"model folder {folder} has no config.json: point --model at an HF model folder")
     try:
-        return json.loads(path.read_text())
-    except (OSError, json.JSONDecodeError) as exc:
-        raise ModelLoadError(f"cannot read {path} ({exc}): re-download or re-convert the model") from exc
+        raw = json.loads(path.read_text())
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise ModelLoadError(f"cannot read {path} ({one_line(exc)}): re-download or re-convert the model") from exc
+    if not isinstance(raw, dict):
+        raise ModelLoadError(f"{path} is not a JSON object: re-download or re-convert the model")
+    if "model_type" not in raw:  # hand-written Llama shapes often omit it; transformers needs it for the rest
+        architectures = raw.get("architectures") or ["LlamaForCausalLM"]
+        if architectures != ["LlamaForCausalLM"]:
+            raise ModelLoadError(f"{path} has no model_type, which transformers needs to read it: add the "
+                                 f"model_type of {architectures} (\"llama\" for LlamaForCausalLM)")
+        return transformers_config(raw, str(path)).to_dict()
+    try:
+        return AutoConfig.from_pretrained(str(folder), local_files_only=True).to_dict()
+    except Exception as exc:  # transformers raises ValueError, KeyError, OSError, ... for a config it cannot read
+        raise ModelLoadError(f"transformers cannot read {path} ({type(exc).__name__}: {one_line(exc)}): "
+                             f"fix config.json, or upgrade transformers for a newer model_type") from exc
 
 
 def _has_tokenizer(folder: Path | None) -> bool:
@@ -101,25 +119,70 @@ def _from_name(model: str, registry: PluginRegistry, load_format: str, pull: boo
     )
 
 
+def _weight_files(folder: Path) -> list[Path]:
+    files = sorted(folder.glob("*.safetensors"))
+    if not files:
+        raise ModelLoadError(f"no *.safetensors files in {folder}: the folder needs its weights, or use --load-format dummy")
+    return files
+
+
 def iter_safetensors(folder: Path, lazy: bool = False) -> Iterator[tuple[str, Any]]:
     """(name, tensor) for every tensor of the folder's safetensors files; lazy: (name, slice), where
     indexing the slice (`s[rows]`, `s[:, cols]`) reads only those bytes (tensor-parallel ranks)."""
     from safetensors import SafetensorError, safe_open
 
-    files = sorted(folder.glob("*.safetensors"))
-    if not files:
-        raise ModelLoadError(f"no *.safetensors files in {folder}: the folder needs its weights, or use --load-format dummy")
-    for file in files:
+    for file in _weight_files(folder):
         try:
             with safe_open(str(file), framework="pt") as f:
                 for name in f.keys():
                     yield name, f.get_slice(name) if lazy else f.get_tensor(name)
         except (SafetensorError, OSError, RuntimeError, ValueError) as exc:
-            raise ModelLoadError(f"corrupt weight file {file} ({exc}): re-download or re-convert the model") from exc
+            raise ModelLoadError(f"corrupt weight file {file} ({one_line(exc)}): re-download or re-convert the model") from exc
+
+
+def iter_shapes(folder: Path) -> Iterator[tuple[str, tuple[int, ...], Path]]:
+    """(name, shape, file) for every tensor of the folder's safetensors files, from their headers alone."""
+    from safetensors import SafetensorError, safe_open
+
+    for file in _weight_files(folder):
+        try:
+            with safe_open(str(file), framework="pt") as f:
+                shapes = [(name, tuple(f.get_slice(name).get_shape())) for name in f.keys()]
+        except (SafetensorError, OSError, RuntimeError, ValueError) as exc:
+            raise ModelLoadError(f"corrupt weight file {file} ({one_line(exc)}): re-download or re-convert the model") from exc
+        yield from ((name, shape, file) for name, shape in shapes)
+
+
+def check_shape(name: str, shape: Sequence[int], expected: Sequence[int] | None, where: str = "the checkpoint") -> None:
+    """Refuse a checkpoint tensor whose shape is not the one the model's config implies (None: unused)."""
+    if expected is not None and tuple(shape) != tuple(expected):
+        raise ModelLoadError(
+            f"tensor {name} in {where} has shape {list(shape)} but config.json implies {list(expected)}: the weights "
+            f"and config.json disagree (hidden_size, intermediate_size, heads, head_dim or vocab_size); "
+            f"use the config.json saved with these weights"
+        )
+
+
+def check_weight_shapes(model: nn.Module, folder: Path) -> None:
+    """Every tensor's shape against what `model` expects, from the safetensors headers: no weight is
+    read. A model that cannot say what it expects (no `checkpoint_shape`) is checked as it loads."""
+    if isinstance(model, CheckpointShapes):
+        for name, shape, file in iter_shapes(folder):
+            check_shape(name, shape, model.checkpoint_shape(name), str(file))
+
+
+def meta_model(source: ModelSource, config: ModelConfig) -> nn.Module:
+    """The model of `source` at --tp 1 on the meta device: its parameters' shapes and no memory."""
+    from infer.plugins.models.layers import default_layers
+
+    with torch.device("meta"):
+        return source.architecture.factory(config, default_layers(), None)
 
 
 def load_weights(model: nn.Module, folder: Path, sharded: bool = False) -> None:
-    """sharded: the model is one tensor-parallel rank's; it reads only its slices of each tensor."""
+    """sharded: the model is one tensor-parallel rank's; it reads only its slices of each tensor.
+    Shapes are checked from the headers first, so a config that disagrees fails before any read."""
+    check_weight_shapes(model, folder)
     loaded = model.load_weights(iter_safetensors(folder, lazy=sharded))  # type: ignore[operator]
     missing = sorted(n for n, _ in model.named_parameters() if n not in loaded)
     if missing:
@@ -151,4 +214,4 @@ def load_tokenizer(folder: Path | None) -> Any | None:
     try:
         return AutoTokenizer.from_pretrained(str(folder), local_files_only=True)
     except Exception as exc:  # transformers raises many types for a broken tokenizer folder
-        raise ModelLoadError(f"cannot load the tokenizer in {folder} ({type(exc).__name__}: {exc}): re-convert the model") from exc
+        raise ModelLoadError(f"cannot load the tokenizer in {folder} ({type(exc).__name__}: {one_line(exc)}): re-convert the model") from exc

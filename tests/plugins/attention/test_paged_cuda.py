@@ -13,6 +13,7 @@ if not torch.cuda.is_available():
 
 pytest.importorskip("triton")
 
+from infer.core.rope import Rope
 from infer.plugins.attention.paged_cuda import PagedCudaAttention, infer_register_attention_backends
 from infer.testing.attention import BATCH_SPECS, BatchSpec, check_backend, make_case, naive_attention
 
@@ -123,7 +124,7 @@ def test_rotary_cache_write_is_the_rotary_layer_then_cache_write(dtype, heads):
 
     gen = torch.Generator().manual_seed(0)
     (num_q, num_kv), head_dim, num_blocks, block_size, tokens = heads, 32, 5, 16, 9
-    tables = RotaryEmbedding(head_dim, 128, 10000.0, None)
+    tables = RotaryEmbedding(Rope.default(head_dim, 10000.0), 128)
     cos, sin = tables.cos.to(DEVICE), tables.sin.to(DEVICE)
     qkv = torch.randn(tokens, (num_q + 2 * num_kv) * head_dim, generator=gen).to(dtype=dtype, device=DEVICE)
     q, k, v = (x.view(tokens, -1, head_dim) for x in qkv.split([num_q * head_dim, num_kv * head_dim, num_kv * head_dim], -1))
@@ -146,7 +147,7 @@ def test_forward_with_rotary_is_forward_of_the_rotated_heads(batch_spec):
     from infer.plugins.models.triton_layers import rotary
 
     case = make_case(batch_spec, device=DEVICE)
-    tables = RotaryEmbedding(case.spec.head_dim, case.spec.max_model_len, 10000.0, None)
+    tables = RotaryEmbedding(Rope.default(case.spec.head_dim, 10000.0), case.spec.max_model_len)
     cos, sin = tables.cos.to(DEVICE), tables.sin.to(DEVICE)
     positions = torch.cat([torch.arange(s - q, s) for q, s in zip(batch_spec.query_lens, case.batch.seq_lens)]).to(DEVICE)
     plain, fused = PagedCudaAttention(case.spec), PagedCudaAttention(case.spec)

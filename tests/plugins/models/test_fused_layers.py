@@ -3,6 +3,7 @@
 import pytest
 import torch
 
+from infer.core.rope import Rope, rope_for
 from infer.plugins.models import layers as plain
 
 triton_layers = pytest.importorskip("infer.plugins.models.triton_layers")
@@ -31,7 +32,7 @@ def test_rms_norm(dtype, with_residual):
 def test_rotary_on_fused_qkv_views(heads):
     torch.manual_seed(0)
     num_q, num_k, dim = heads[0], heads[1], 32
-    ref = plain.RotaryEmbedding(dim, 64, 10000.0, None)
+    ref = plain.RotaryEmbedding(Rope.default(dim, 10000.0), 64)
     qkv = torch.randn(7, (num_q + 2 * num_k) * dim)
     q, k, _ = qkv.split([num_q * dim, num_k * dim, num_k * dim], dim=-1)
     q, k = q.view(7, num_q, dim), k.view(7, num_k, dim)
@@ -138,8 +139,11 @@ def test_attention_rotates_in_the_cache_write_where_the_backend_can():
     from infer.testing.attention import BatchSpec, make_case
 
     case = make_case(BatchSpec("mixed", (1, 5), (9, 3)), num_heads=4, num_kv_heads=2, head_dim=16)
+    # yarn: cos and sin carry an attention scaling, which the cache write must apply as the layer does
+    yarn = rope_for(dict(rope_type="yarn", rope_theta=10000.0, factor=4.0, original_max_position_embeddings=16), 16, 32, 4, 64)
+    assert yarn.attention_scaling != 1.0
     config = types.SimpleNamespace(hidden_size=32, num_heads=4, num_kv_heads=2, head_dim=16, max_position_embeddings=64,
-                                   rope_theta=10000.0, rope_scaling=None)
+                                   rope=lambda: yarn)
     fused = Layers(rms_norm=FusedRMSNorm, rotary_embedding=FusedRotaryEmbedding, silu_and_mul=FusedSiluAndMul,
                    linear=FusedLinear)
     torch.manual_seed(0)
