@@ -28,7 +28,9 @@ from infer.core.output import OutputProcessor
 from infer.core.registry import PluginRegistry
 from infer.core.runner import CERTAIN, LIKELY, UNLIKELY, ModelRunner
 from infer.core.hybrid_attention import HybridAttention
-from infer.plugins.models.loader import init_dummy_weights, load_tokenizer, load_weights, resolve_source
+from infer.plugins.models.loader import (
+    check_weight_shapes, init_dummy_weights, load_tokenizer, load_weights, meta_model, resolve_source,
+)
 
 
 @contextlib.contextmanager
@@ -92,6 +94,8 @@ def build_engine(config: EngineConfig, extra_plugins: Iterable[Any] = (), parall
                           f"({why}): use at most {context}")
     if config.exit_layer is not None and not 1 <= config.exit_layer <= model_config.num_layers:
         raise ConfigError(f"--exit-layer must be in [1, {model_config.num_layers}] for {source.name}")
+    if source.path is not None and (parallel is None or parallel.is_driver):  # headers only: no weight is read
+        check_weight_shapes(meta_model(source, model_config), source.path)
     if config.tensor_parallel_size > 1 and parallel is None:  # start (or join) the ranks, then build each
         from infer.core.workers import build_parallel
 
