@@ -4,6 +4,7 @@ with a one-line `error`, and the good prompts beside a bad one come out exactly 
 
 from __future__ import annotations
 
+import re
 import threading
 
 import pytest
@@ -169,8 +170,8 @@ def test_text_prompts_beside_bad_ones_on_smollm2(smollm2_dir):
 
 def test_abort_unknown_and_finished_ids_are_reported(tiny_llama_dir):
     llm = LLM(model=str(tiny_llama_dir), **OPTIONS)
-    for rid in ["nope", "0"]:
-        with pytest.raises(RequestError, match=f"no unfinished request has id '{rid}'") as err:
+    for rid in ["nope", "0", 0, ["0"]]:
+        with pytest.raises(RequestError, match=re.escape(f"no unfinished request has id {rid!r}")) as err:
             llm.abort(rid)
         one_line(str(err.value))
     (done,) = llm.generate([GOOD[0]], SamplingParams(**GREEDY))

@@ -51,7 +51,7 @@ class Engine:
         self._arrivals = itertools.count()
         self._ids = itertools.count()
         self._rejected = itertools.count()  # ids of refused prompts: a separate count, so refusals shift no other id
-        self._abort_queue: queue.SimpleQueue[str] = queue.SimpleQueue()  # ids to abort at the next step
+        self._abort_queue: queue.SimpleQueue[Group] = queue.SimpleQueue()  # requests to abort at the next step
         self._seed_rng = random.Random(parts.config.seed)
         self.num_steps = 0
         self.decoder_totals: dict[str, float] = {}  # StepResult.stats summed over steps
@@ -125,17 +125,19 @@ class Engine:
 
     def request_abort(self, request_id: str) -> None:
         """Safe from any thread: the request ends at the start of the next step (or `abort`)."""
-        group = self.output.groups.get(request_id)
+        group = self.output.groups.get(request_id) if isinstance(request_id, str) else None
         if group is None or all(c.is_finished for c in group.children):
             raise RequestError(f"no unfinished request has id {request_id!r} (unknown, or already finished): "
                                f"nothing to abort; check the id add_request returned")
-        self._abort_queue.put(request_id)
+        self._abort_queue.put(group)  # the group, not its id: a later request may reuse the id
 
     def abort_pending(self) -> None:
         """Apply the aborts `request_abort` queued; runs on the thread that steps the engine."""
         while not self._abort_queue.empty():
-            group = self.output.groups.get(self._abort_queue.get())
-            for child in group.children if group else []:  # gone meanwhile: it finished by itself
+            group = self._abort_queue.get()
+            if self.output.groups.get(group.request_id) is not group:  # it finished and was output meanwhile
+                continue
+            for child in group.children:
                 if not child.is_finished:
                     self.scheduler.finish(child, FinishReason.ABORT)
                 self.output.mark_final(child)
