@@ -35,7 +35,11 @@ class LLM:
     def tokenizer(self) -> Any:
         return self.engine.tokenizer
 
-    def generate(self, prompts: Prompt | Sequence[Prompt], sampling_params: SamplingParams | Sequence[SamplingParams] | None = None) -> list[RequestOutput]:
+    def generate(
+        self,
+        prompts: Prompt | Sequence[Prompt],
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+    ) -> list[RequestOutput]:
         """One prompt or a list: strings, token-id lists, {"prompt": str} or {"prompt_token_ids": [...]}.
 
         A bad prompt or params gets an output with `error` set; the others run as they would alone.

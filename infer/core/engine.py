@@ -179,7 +179,9 @@ class Engine:
                 i += 1
         return outputs
 
-    def generate(self, prompts: Sequence[Prompt], params: SamplingParams | Sequence[SamplingParams] | None = None) -> list[RequestOutput]:
+    def generate(
+        self, prompts: Sequence[Prompt], params: SamplingParams | Sequence[SamplingParams] | None = None
+    ) -> list[RequestOutput]:
         """Run prompts to completion; a bad prompt (or params) gets an output with `error` set, the rest run.
 
         If stepping raises (a plugin's error, KeyboardInterrupt), this call's requests are dropped
