@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Mapping
 from typing import Any, Iterable, Sequence
 
 from infer.core.config import EngineConfig
-from infer.core.engine import Engine
+from infer.core.engine import Engine, Prompt
 from infer.core.errors import RequestError
+from infer.core.prompts import as_batch
 from infer.core.request import RequestOutput, SamplingParams
 
 
@@ -29,6 +31,7 @@ class LLM:
         config = EngineConfig().replace(model=model, tensor_parallel_size=tensor_parallel_size, **options)
         self.config = config
         self.engine = Engine.from_config(config, extra_plugins=plugins)
+        self._lock = threading.RLock()  # one caller steps the engine at a time; abort only queues
 
     @property
     def tokenizer(self) -> Any:
@@ -36,13 +39,41 @@ class LLM:
 
     def generate(
         self,
-        prompts: str | Sequence[int] | Sequence[str | Sequence[int]],
+        prompts: Prompt | Sequence[Prompt],
         sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
     ) -> list[RequestOutput]:
-        """Prompts are strings or token-id lists. A bad prompt gets an output with `error` set."""
-        if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
-            prompts = [prompts]  # type: ignore[list-item]
-        return self.engine.generate(list(prompts), sampling_params)  # type: ignore[arg-type]
+        """One prompt or a list: strings, token-id lists, {"prompt": str} or {"prompt_token_ids": [...]}.
+
+        A bad prompt or params gets an output with `error` set; the others run as they would alone.
+        If stepping raises (KeyboardInterrupt included), this call's requests are dropped and their
+        KV blocks freed before the exception propagates; the LLM stays usable."""
+        with self._lock:
+            return self.engine.generate(as_batch(prompts), sampling_params)
+
+    # vLLM LLMEngine-style calls: add requests, step until done, abort from any thread
+
+    def add_request(self, prompt: Prompt, sampling_params: SamplingParams | None = None, request_id: str | None = None) -> str:
+        """Queue one prompt (RequestError if it is bad); returns its request id."""
+        with self._lock:
+            return self.engine.add_request(prompt, sampling_params, request_id)
+
+    def step(self) -> list[RequestOutput]:
+        """Run one engine step; returns the requests that finished in it."""
+        with self._lock:
+            return self.engine.step()
+
+    def has_unfinished(self) -> bool:
+        return self.engine.has_unfinished()
+
+    def abort(self, request_id: str) -> None:
+        """End an unfinished request; a RequestError names an unknown or finished id. From another
+        thread during `generate` it takes effect at the next step (its output says "abort")."""
+        self.engine.request_abort(request_id)
+        if self._lock.acquire(blocking=False):  # idle: apply it now rather than at some later step
+            try:
+                self.engine.abort_pending()
+            finally:
+                self._lock.release()
 
     def chat(
         self,
@@ -88,7 +119,8 @@ class LLM:
         return results
 
     def close(self) -> None:
-        self.engine.close()
+        with self._lock:
+            self.engine.close()
 
     def __enter__(self) -> "LLM":
         return self

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import contextlib
 import itertools
+import queue
 import random
 import time
 from dataclasses import dataclass
@@ -14,7 +16,12 @@ from infer.core.block_mover import BlockMover
 from infer.core.errors import RequestError
 from infer.core.interfaces import Decoder, KVUsage, Scheduler
 from infer.core.output import Group, OutputProcessor
+from infer.core.prompts import split_prompt
 from infer.core.request import FinishReason, Request, RequestOutput, SamplingParams
+
+CLOSED = "this engine is closed (its memory was given back): build a new LLM"
+
+Prompt = Any  # str, token ids, {"prompt": str} or {"prompt_token_ids": [...]}: see infer.core.prompts
 
 
 @dataclass(slots=True)
@@ -47,6 +54,8 @@ class Engine:
         self.requests: dict[str, Request] = {}  # child id -> request, while unfinished
         self._arrivals = itertools.count()
         self._ids = itertools.count()
+        self._rejected = itertools.count()  # ids of refused prompts: a separate count, so refusals shift no other id
+        self._abort_queue: queue.SimpleQueue[Group] = queue.SimpleQueue()  # requests to abort at the next step
         self._seed_rng = random.Random(parts.config.seed)
         self.num_steps = 0
         self.decoder_totals: dict[str, float] = {}  # StepResult.stats summed over steps
@@ -60,25 +69,27 @@ class Engine:
 
     # ------------------------------------------------------------------ requests
 
-    def tokenize(self, prompt: str | Sequence[int]) -> tuple[str | None, list[int]]:
-        if isinstance(prompt, str):
-            if not prompt:
-                raise RequestError("empty prompt: give at least one character or token id")
-            if self.tokenizer is None:
-                raise RequestError(f"model {self.parts.model_config.name} has no tokenizer: pass prompts as token id lists")
-            return prompt, list(self.tokenizer.encode(prompt))
-        ids = list(prompt)
-        if not ids:
-            raise RequestError("empty prompt: give at least one token id")
-        if not all(isinstance(t, int) and 0 <= t < self.parts.vocab_size for t in ids):
-            raise RequestError(f"prompt token ids must be integers in [0, {self.parts.vocab_size}): fix the token list")
-        return None, ids
+    def tokenize(self, prompt: Prompt) -> tuple[str | None, list[int]]:
+        text, ids = split_prompt(prompt, self.parts.vocab_size)
+        if ids is not None:
+            return None, ids
+        if self.tokenizer is None:
+            raise RequestError(f"model {self.parts.model_config.name} has no tokenizer: pass prompts as token id lists")
+        return text, list(self.tokenizer.encode(text))
 
-    def add_request(self, prompt: str | Sequence[int], params: SamplingParams | None = None, request_id: str | None = None) -> str:
+    def add_request(self, prompt: Prompt, params: SamplingParams | None = None, request_id: str | None = None) -> str:
         if self.closed:
-            raise RequestError("this engine is closed (its memory was given back): build a new LLM")
-        params = params or SamplingParams()
+            raise RequestError(CLOSED)
+        if params is None:
+            params = SamplingParams()
+        if not isinstance(params, SamplingParams):
+            raise RequestError(f"sampling params must be a SamplingParams, not {type(params).__name__}: "
+                               f"write SamplingParams(...) (SamplingParams(**d) for a dict d)")
         params.validate()
+        if params.logprobs is not None and params.logprobs > self.parts.vocab_size:
+            raise RequestError(f"invalid logprobs={params.logprobs}: the vocabulary has {self.parts.vocab_size} tokens")
+        if request_id is not None and not isinstance(request_id, str):
+            raise RequestError(f"request_id must be a string, not {type(request_id).__name__}")
         text, ids = self.tokenize(prompt)
         limit = self.parts.max_model_len
         if len(ids) >= limit:
@@ -115,12 +126,29 @@ class Engine:
         return parent_id
 
     def abort(self, request_id: str) -> None:
-        group = self.output.groups.get(request_id)
-        for child in group.children if group else []:
-            if not child.is_finished:
-                self.scheduler.finish(child, FinishReason.ABORT)
-            self.output.mark_final(child)
-            self.requests.pop(child.request_id, None)
+        """End an unfinished request now; its output (finish reason "abort") comes from the next step."""
+        self.request_abort(request_id)
+        self.abort_pending()
+
+    def request_abort(self, request_id: str) -> None:
+        """Safe from any thread: the request ends at the start of the next step (or `abort`)."""
+        group = self.output.groups.get(request_id) if isinstance(request_id, str) else None
+        if group is None or all(c.is_finished for c in group.children):
+            raise RequestError(f"no unfinished request has id {request_id!r} (unknown, or already finished): "
+                               f"nothing to abort; check the id add_request returned")
+        self._abort_queue.put(group)  # the group, not its id: a later request may reuse the id
+
+    def abort_pending(self) -> None:
+        """Apply the aborts `request_abort` queued; runs on the thread that steps the engine."""
+        while not self._abort_queue.empty():
+            group = self._abort_queue.get()
+            if self.output.groups.get(group.request_id) is not group:  # it finished and was output meanwhile
+                continue
+            for child in group.children:
+                if not child.is_finished:
+                    self.scheduler.finish(child, FinishReason.ABORT)
+                self.output.mark_final(child)
+                self.requests.pop(child.request_id, None)
 
     def has_unfinished(self) -> bool:
         return self.scheduler.has_unfinished() or self.output.has_pending()
@@ -128,6 +156,7 @@ class Engine:
     # ------------------------------------------------------------------ the loop
 
     def step(self) -> list[RequestOutput]:
+        self.abort_pending()  # asked for from other threads since the last step
         out = self.scheduler.schedule()
         self.block_mover.apply(out.block_ops)  # copy-on-write and swap copies, batched, before the forward
         result = self.decoder.execute(out)  # forward pass (+ sampling)
@@ -158,29 +187,51 @@ class Engine:
         return outputs
 
     def generate(
-        self, prompts: Sequence[str | Sequence[int]], params: SamplingParams | Sequence[SamplingParams] | None = None
+        self, prompts: Sequence[Prompt], params: SamplingParams | Sequence[SamplingParams] | None = None
     ) -> list[RequestOutput]:
-        """Run prompts to completion; a bad prompt gets an output with `error` set, the rest run."""
+        """Run prompts to completion; a bad prompt (or params) gets an output with `error` set, the rest run.
+
+        If stepping raises (a plugin's error, KeyboardInterrupt), this call's requests are dropped
+        and their blocks freed before the exception propagates: the engine is left empty and usable."""
         if self.closed:
-            raise RequestError("this engine is closed (its memory was given back): build a new LLM")
-        params_list = list(params) if isinstance(params, (list, tuple)) else [params or SamplingParams()] * len(prompts)
+            raise RequestError(CLOSED)
+        if self.has_unfinished():
+            raise RequestError(f"{len(self.output.groups)} request(s) added with add_request are unfinished: step() "
+                               f"until has_unfinished() is False, or abort() them, before generate()")
+        params_list = list(params) if isinstance(params, (list, tuple)) else [params] * len(prompts)
         if len(params_list) != len(prompts):
             raise RequestError(f"got {len(prompts)} prompts but {len(params_list)} SamplingParams: pass one, or one per prompt")
         order: list[str] = []
         results: dict[str, RequestOutput] = {}
-        for prompt, p in zip(prompts, params_list):
-            try:
-                order.append(self.add_request(prompt, p))
-            except RequestError as exc:
-                rid = f"rejected-{next(self._ids)}"
-                order.append(rid)
-                text = prompt if isinstance(prompt, str) else None
-                ids = [] if isinstance(prompt, str) else list(prompt)
-                results[rid] = RequestOutput(rid, text, ids, [], finished=True, error=str(exc))
-        while self.has_unfinished():
-            for o in self.step():
-                results[o.request_id] = o
+        try:
+            for prompt, p in zip(prompts, params_list):
+                try:
+                    order.append(self.add_request(prompt, p))
+                except Exception as exc:  # this prompt alone is refused; its neighbours' ids and seeds are untouched
+                    rid = f"rejected-{next(self._rejected)}"
+                    order.append(rid)
+                    results[rid] = rejected_output(rid, prompt, exc)
+            while self.has_unfinished():
+                for o in self.step():
+                    results[o.request_id] = o
+        except BaseException:
+            self._abandon([rid for rid in order if rid not in results])
+            raise
         return [results[rid] for rid in order]
+
+    def _abandon(self, request_ids: list[str]) -> None:
+        """After a failed step: end these requests, free their blocks and forget them, leaving the
+        runners (no forward queued ahead) and the detokenizer (no job in flight) idle."""
+        for runner in self.parts.runners:
+            runner.discard_ahead()
+        with contextlib.suppress(Exception):  # the detokenizer may be what failed
+            self._stop_strings(self.output.collect())
+        for rid in request_ids:
+            group = self.output.groups.get(rid)
+            for child in group.children if group else []:
+                self.scheduler.finish(child, FinishReason.ABORT)  # frees its blocks; no-op when finished
+                self.requests.pop(child.request_id, None)
+            self.output.discard(rid)
 
     # ------------------------------------------------------------------ reporting
 
@@ -224,3 +275,10 @@ class Engine:
                 runner.release()
             if any(r.device.type == "cuda" for r in self.parts.runners):
                 torch.cuda.empty_cache()  # the next engine's KV budget is read from the device's free memory
+
+
+def rejected_output(request_id: str, prompt: Any, exc: Exception) -> RequestOutput:
+    """The output of a prompt refused before it ran: `error` is one line naming the problem and the fix."""
+    error = str(exc) if isinstance(exc, RequestError) else f"this prompt could not be added ({type(exc).__name__}: {exc})"
+    text = prompt if isinstance(prompt, str) else None
+    return RequestOutput(request_id, text, [], [], finished=True, error=" ".join(error.split()))

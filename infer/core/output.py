@@ -75,6 +75,19 @@ class OutputProcessor:
         if request not in self.in_flight:
             self.ready.add(request.request_id)
 
+    def discard(self, parent_id: str) -> None:
+        """Forget a group without an output (its `generate` failed); its children must be finished."""
+        group = self.groups.pop(parent_id, None)
+        if group is None:
+            return
+        ids = {c.request_id for c in group.children}
+        self.in_flight = [r for r in self.in_flight if r.request_id not in ids]
+        for rid in ids:
+            self.parent_of.pop(rid, None)
+            self.ready.discard(rid)
+            if self.detokenizer is not None:
+                self.detokenizer.release(rid)
+
     def finished_outputs(self) -> list[RequestOutput]:
         """Outputs of the groups whose every child is finished with final text; forgets them."""
         done = []

@@ -226,6 +226,11 @@ class ModelRunner:
             self._ahead.tokens = [by_request[r.request_id] for r in self._ahead.requests]
         return token_ids
 
+    def discard_ahead(self) -> None:
+        """Drop a forward queued ahead (its step failed). On a GPU it still runs, in stream order
+        before any later forward; it writes only slots that nothing reads before writing them again."""
+        self._ahead = None
+
     def _count(self, hit: bool) -> None:
         if hit:
             self.pipeline_hits += 1

@@ -27,6 +27,7 @@ import contextlib
 import datetime
 import os
 import pickle
+import signal
 import threading
 import time
 import types
@@ -40,6 +41,7 @@ from infer.core.errors import ConfigError, InferError, WorkerError
 from infer.core.interfaces import BlockOps
 from infer.core.logging import get_logger
 from infer.core.runner import StepInputs
+from infer.core.spawn_guard import MAIN_GUARD_EXIT, exit_if_rerunning_main, main_guard_message, terminal_interrupts_ignored
 from infer.core.step_channel import StepChannel, serve
 from infer.core.teardown import meet_for_teardown, release_graphs, take_down_groups
 
@@ -254,6 +256,7 @@ def _launch(config: Any, extra_plugins: list[Any], device: torch.device) -> tupl
     if dist.is_initialized():
         raise ConfigError("this process already has a torch.distributed group (another --tp engine that is still "
                           "open?): close that engine first (engine.close(), or `with LLM(...)`)")
+    exit_if_rerunning_main()
     torchrun = torchrun_host()  # (ranks on this host, this one's index) under torchrun
     num_local = torchrun[0] if torchrun else world_size
     if device.type == "cuda":
@@ -292,14 +295,17 @@ def _spawn(config: Any, extra_plugins: list[Any], device: torch.device, world_si
     context = mp.get_context("spawn")
     processes: dict[int, Any] = {}
     try:
-        for rank in range(1, world_size):
-            args = (rank, world_size, store.port, _rank_device(device, rank), config, refs, os.getpid())
-            process = context.Process(target=_spawned_rank, args=args, name=f"infer-tp-rank-{rank}", daemon=True)
-            process.start()  # a script without `if __name__ == "__main__":` fails here, in the child
-            processes[rank] = process
+        with terminal_interrupts_ignored():  # Ctrl-C is rank 0's to handle: the ranks are born ignoring it
+            for rank in range(1, world_size):
+                args = (rank, world_size, store.port, _rank_device(device, rank), config, refs, os.getpid())
+                process = context.Process(target=_spawned_rank, args=args, name=f"infer-tp-rank-{rank}", daemon=True)
+                process.start()
+                processes[rank] = process
         deadline = time.monotonic() + START_TIMEOUT_S
         while store.add(JOINED, 0) < world_size - 1:
             dead = {r: p.exitcode for r, p in processes.items() if p.exitcode is not None}
+            if MAIN_GUARD_EXIT in dead.values():
+                raise SystemExit(main_guard_message())
             if dead:
                 raise WorkerError(f"tensor-parallel rank(s) exited while starting (exit codes {dead}): see their error above")
             if time.monotonic() > deadline:
@@ -324,6 +330,7 @@ def _spawned_rank(rank: int, world_size: int, port: int, device: torch.device, c
     from infer.core.logging import configure
 
     _exit_with_parent(parent_pid)
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # see spawn_guard: rank 0 alone answers Ctrl-C
     configure(level="warning")
     if device.type == "cpu":
         torch.set_num_threads(_threads_per_rank(world_size))

@@ -225,9 +225,17 @@ class ParallelDetokenizer:
         return {rid: s.delta() for rid, s in submitted}
 
     def _wait(self) -> None:
-        if self._pending is not None:
-            pending, self._pending = self._pending, None
-            self._ready.update(pending.result())
+        pending = self._pending
+        if pending is None:
+            return
+        try:
+            deltas = pending.result()
+        except BaseException:
+            if pending.done():  # the job failed: report it once; interrupted waiting keeps the job
+                self._pending = None
+            raise
+        self._pending = None
+        self._ready.update(deltas)
 
     def collect(self) -> dict[str, DetokenizedDelta]:
         self._wait()
