@@ -86,14 +86,17 @@ class EngineConfig:
         """A short hash of the configuration, bound into every log record of the run."""
         return hashlib.sha256(json.dumps(self.to_dict(), sort_keys=True).encode()).hexdigest()[:12]
 
-    def resolve_device(self) -> torch.device:
+    def resolve_device(self, require_present: bool = True) -> torch.device:
+        """require_present=False: the device named, present or not (what would run on it)."""
         if self.device == "auto":
             return torch.device("cuda" if torch.cuda.is_available() else "cpu")
         try:
             device = torch.device(self.device)
         except RuntimeError as exc:
             raise ConfigError(f"unknown --device {self.device!r}: use cpu, cuda or cuda:N") from exc
-        if device.type == "cuda" and not torch.cuda.is_available():
+        if device.type not in ("cpu", "cuda"):
+            raise ConfigError(f"unknown --device {self.device!r}: use cpu, cuda or cuda:N")
+        if device.type == "cuda" and not torch.cuda.is_available() and require_present:
             raise ConfigError("--device cuda was asked for but no CUDA device is visible: use --device cpu")
         return device
 
