@@ -193,7 +193,8 @@ def cli(log_json: bool, log_level: str) -> None:
 @click.option("--baseline", default=None, help="Run this variant first and report speedup, e.g. scheduler=static,sampler=naive.")
 @click.option("--json-out", type=click.Path(dir_okay=False, path_type=Path), callback=_writable, default=None, help="Write the records as JSON.")
 @click.option("--show", type=click.IntRange(min=0), default=3, show_default=True, help="Generations to print.")
-@click.option("--progress/--no-progress", default=None, help="Progress bar (default: when stderr is a terminal).")
+@click.option("--progress/--no-progress", default=None,
+              help="Progress on stderr (default: a bar on a terminal, else a line every few seconds).")
 @click.option("--n", "n", type=click.IntRange(min=1), default=1, show_default=True, help="Parallel samples per prompt (they share its KV blocks).")
 @click.option("--beam-width", type=click.IntRange(min=1), default=None, help="Beam search with this many beams (HF-equivalent; --n best returned).")
 @click.option("--length-penalty", type=float, default=1.0, show_default=True, help="Beam search: score = logprob / length ** this.")
@@ -211,7 +212,8 @@ def run(dataset: str, prompts: tuple[str, ...], num_prompts: int | None, max_tok
         config=_engine_config(engine_opts), dataset=dataset, prompts=list(prompts), num_prompts=num_prompts,
         max_tokens=max_tokens, temperature=temperature, top_p=top_p, top_k=top_k,
         baseline=_parse_baseline(baseline) if baseline else None, json_out=json_out, show=show,
-        progress=sys.stderr.isatty() if progress is None else progress, extra_plugins=_extra_plugins(),
+        progress=("bar" if sys.stderr.isatty() else "lines") if progress is None else ("bar" if progress else "off"),
+        extra_plugins=_extra_plugins(),
         profile=profile, profile_chart=profile_chart, n=n, beam_width=beam_width, length_penalty=length_penalty,
     )
 
