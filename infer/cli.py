@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import functools
 import importlib
-import json
 import os
 import sys
 from pathlib import Path

@@ -129,7 +129,7 @@ def test_kv_budget_counts_both_models_and_the_draft_shares_block_ids(tiny_llama_
     block_size, blocks = 4, 50
     per_block = bytes_per_block(3, block_size, 2, 16, torch.float32) + bytes_per_block(1, block_size, 1, 16, torch.float32)
     llm = LLM(model=str(tiny_llama_dir), block_size=block_size, decoding="speculative", draft=str(tiny_draft_dir),
-              kv_cache_memory_gib=blocks * per_block / 2**30)
+              kv_cache_memory_gib=blocks * per_block / 2**30, max_model_len=blocks * block_size - 4)  # 4 lookahead slots
     assert llm.engine.parts.describe["kv_blocks"] == blocks
     draft = llm.engine.decoder.proposer.runner
     assert len(draft.kv_caches) == 1 and draft.kv_caches[0][0].shape[:3] == (blocks + 1, block_size, 1)  # + the null block
