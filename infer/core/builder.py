@@ -97,8 +97,8 @@ def _check_kv_fits(num_blocks: int, config: EngineConfig, max_model_len: int, lo
     fits = num_blocks * config.block_size - lookahead
     lower = f", or lower --max-model-len to {fits} or less" if fits >= 1 else ""
     raise ConfigError(
-        f"the KV cache holds {num_blocks} block{'s' if num_blocks != 1 else ''} of {config.block_size} tokens but one request of --max-model-len "
-        f"{max_model_len}{f' plus {lookahead} draft tokens' if lookahead else ''} needs {needed}: raise {raise_flag}"
+        f"the KV cache holds {num_blocks} block{'s' if num_blocks != 1 else ''} of {config.block_size} tokens but one "
+        f"request of --max-model-len {max_model_len}{f' plus {lookahead} draft tokens' if lookahead else ''} needs {needed}: raise {raise_flag}"
         f"{' to ' + str(needed) if raise_flag == '--num-kv-blocks' else ''}{lower}"
     )
 
@@ -126,7 +126,7 @@ def build_engine(config: EngineConfig, extra_plugins: Iterable[Any] = (), parall
     draft_source = None
     if composition.decoder.capabilities.needs_draft and config.draft not in ("ngram", "self"):
         draft_source = _check_draft(config, registry, source.name, model_config, max_model_len)
-    lookahead = config.num_speculative_tokens if composition.decoder.capabilities.needs_draft else 0
+    lookahead = config.num_speculative_tokens if composition.decoder.capabilities.needs_draft else 0  # the decoder's, once built
     if config.num_kv_blocks is not None:
         _check_kv_fits(config.num_kv_blocks, config, max_model_len, lookahead, "--num-kv-blocks")
     if config.tensor_parallel_size > 1 and parallel is None:  # start (or join) the ranks, then build each
@@ -183,7 +183,7 @@ def build_engine(config: EngineConfig, extra_plugins: Iterable[Any] = (), parall
         config.max_num_seqs * blocks_per_seq,
     )
     num_blocks = parallel.min(num_blocks)  # every tensor-parallel rank's cache holds the same blocks
-    _check_kv_fits(num_blocks, config, max_model_len, lookahead,
+    _check_kv_fits(num_blocks, config, max_model_len, decoder.num_lookahead_tokens,
                    "--num-kv-blocks" if config.num_kv_blocks else "--kv-cache-memory / --gpu-memory-utilization")
     for r, c in models:  # one block more than the allocator owns: the null block
         r.kv_caches.extend(allocate_kv_cache(
