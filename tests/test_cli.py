@@ -58,9 +58,9 @@ def _corrupt_copy(src, tmp_path):
 
 BAD_INPUTS = {
     "empty prompt": (["--prompt", ""], "empty prompt"),
-    "max tokens 0": (["--max-tokens", "0"], "max_tokens"),
-    "top-p 1.5": (["--top-p", "1.5"], "top_p"),
-    "negative temperature": (["--temperature", "-0.5"], "temperature"),
+    "max tokens 0": (["--max-tokens", "0"], "--max-tokens"),
+    "top-p 1.5": (["--top-p", "1.5"], "--top-p"),
+    "negative temperature": (["--temperature", "-0.5"], "--temperature"),
     "unknown plugin": (["--scheduler", "lifo"], "valid names are"),
     "impossible combination": (["--attention", "torch", "--prefill-attention", "nope"], "valid names are"),
     "CUDA-only backend on the CPU": (["--device", "cpu", "--attention", "paged-cuda"], "runs only on cuda"),

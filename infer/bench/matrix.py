@@ -5,16 +5,16 @@ from __future__ import annotations
 
 import itertools
 import json
-from dataclasses import dataclass, fields, replace
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any, Iterable
 
 import click
 
 from infer.bench.report import RunRecord, prepare_prompts, run_workload
-from infer.bench.workloads import Workload, load_workload
+from infer.bench.workloads import NEEDS_VOCAB, Workload, load_workload
 from infer.core.config import EngineConfig
-from infer.core.doctor import diagnose
+from infer.core.doctor import SLOT_FIELDS, diagnose
 from infer.core.errors import ConfigError, InferError
 from infer.core.registry import PluginRegistry
 from infer.core.request import SamplingParams
@@ -31,30 +31,40 @@ class Combination:
 
 
 def parse_axes(axes: Iterable[str]) -> dict[str, list[Any]]:
-    """["attention=torch,paged-cuda", "block_size=16,32"] -> {"attention": [...], "block_size": [16, 32]}."""
-    types = {f.name: type(getattr(EngineConfig(), f.name)) for f in fields(EngineConfig)}
+    """["attention=torch,paged-cuda", "block_size=16,32"] -> {"attention": [...], "block_size": [16, 32]},
+    each value converted by its EngineConfig field's declared type."""
     parsed: dict[str, list[Any]] = {}
     for axis in axes:
         key, sep, values = axis.partition("=")
         key = ALIASES.get(key.strip(), key.strip().replace("-", "_"))
-        if not sep or key not in types or not values.strip():
+        if not sep or not values.strip():
             raise ConfigError(f"--matrix {axis!r}: write FIELD=A,B with FIELD an engine option "
                               f"(attention, sampler, scheduler, decoding, kv_allocator, block_size, ...)")
-        cast = types[key] if types[key] in (int, float) else str
-        try:
-            parsed[key] = [cast(v.strip()) for v in values.split(",") if v.strip()]
-        except ValueError as exc:
-            raise ConfigError(f"--matrix {axis!r}: {key} takes {types[key].__name__} values") from exc
+        parsed[key] = [EngineConfig.parse_option(key, v, f"--matrix {axis!r}") for v in values.split(",") if v.strip()]
     if not parsed:
         raise ConfigError("--matrix needs at least one axis, e.g. --matrix attention=torch,paged-cuda sampler=naive,vectorized")
     return parsed
 
 
+def _check_names(axes: dict[str, list[Any]], registry: PluginRegistry) -> None:
+    """A misspelled strategy name is the user's error (exit 2), not a combination that cannot run here."""
+    for slot, config_field in (*SLOT_FIELDS.items(), ("attention", "prefill_attention")):
+        for name in axes.get(config_field, ()):
+            if name is not None and not (config_field == "attention" and name == "auto"):
+                registry.get(slot, name)
+
+
 def combinations(base: EngineConfig, axes: dict[str, list[Any]], registry: PluginRegistry) -> list[Combination]:
+    _check_names(axes, registry)
     found = []
     for values in itertools.product(*axes.values()):
         changes = dict(zip(axes, values))
         config = replace(base, **changes)
+        config.validate()  # a value out of range is the user's error, whatever the combination
+        if "decoding" in axes:  # --draft / --exit-layer belong to the decoders that read them
+            caps = registry.get("decoder", config.decoding).capabilities
+            if not caps.needs_draft:
+                config = replace(config, draft=None, exit_layer=None if not caps.uses_exit_layer else config.exit_layer)
         refusals = diagnose(config, registry, check_model=False).refusals
         label = ",".join(f"{k}={v}" for k, v in changes.items())
         found.append(Combination(label, config, refusals[0].reason if refusals else None))
@@ -130,6 +140,8 @@ def _run_combinations(runnable: list[Combination], dataset: str, num_prompts: in
     from infer.core.engine import Engine
 
     params = SamplingParams(max_tokens=64 if max_tokens is None else max_tokens, temperature=0.0, ignore_eos=True, seed=seed)
+    # a file or named text workload is read before the first engine: its errors come before any weights
+    early = None if dataset in NEEDS_VOCAB else load_workload(dataset, 0, num_prompts, max_tokens, seed)
     run: MatrixRun | None = None
     for i, combo in enumerate(runnable):
         click.echo(f"running {combo.label} ({i + 1}/{len(runnable)})", err=True)
@@ -141,7 +153,7 @@ def _run_combinations(runnable: list[Combination], dataset: str, num_prompts: in
             continue
         try:
             if run is None:
-                workload = load_workload(dataset, engine.parts.vocab_size, num_prompts, max_tokens, seed)
+                workload = early or load_workload(dataset, engine.parts.vocab_size, num_prompts, max_tokens, seed)
                 prompts = prepare_prompts(engine, workload)
                 run = MatrixRun([], workload, prompts, dict(engine.parts.describe))  # type: ignore[arg-type]
             run_workload(engine, Workload("warm-up", [run.prompts[0]], [2]), params, "warm-up")

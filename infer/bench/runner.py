@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import contextlib
 import json
 from pathlib import Path
 from typing import Any, Sequence
@@ -10,9 +9,11 @@ from typing import Any, Sequence
 import click
 
 from infer.bench.report import RunRecord, format_table, run_workload
-from infer.bench.workloads import Workload, load_workload
+from infer.bench.progress import ProgressMode, progress
+from infer.bench.workloads import NEEDS_VOCAB, Workload, load_workload
 from infer.core.config import EngineConfig
 from infer.core.engine import Engine
+from infer.core.errors import ConfigError
 from infer.core.profiler import StepProfiler, format_profile
 from infer.core.request import RequestOutput, SamplingParams
 
@@ -24,19 +25,22 @@ def _label(config: EngineConfig, base: EngineConfig | None) -> str:
     return ",".join(f"{k}={v}" for k, v in diff.items()) or "infer"
 
 
-def _run_one(config: EngineConfig, workload_args: dict[str, Any], prompts: list[str], params: SamplingParams,
-             label: str, progress: bool, extra_plugins: Sequence[Any] = (),
+LARGE_WORKLOAD = 64  # prompts: preparing them (tokenizing, drawing ids) is announced on stderr
+
+
+def _run_one(config: EngineConfig, workload: Workload | None, workload_args: dict[str, Any], params: SamplingParams,
+             label: str, mode: ProgressMode, extra_plugins: Sequence[Any] = (),
              profile: bool = False) -> tuple[RunRecord, list[RequestOutput], Workload, dict[str, Any] | None]:
+    """workload: None for the workloads drawn from the model's vocabulary, built once the engine is."""
     engine = Engine.from_config(config, extra_plugins)
     profiler = StepProfiler.install(engine) if profile else None
     try:
-        if prompts:
-            workload = Workload("prompts", list(prompts), [params.max_tokens] * len(prompts), chat=True)
-        else:
+        if workload is None:
             workload = load_workload(vocab_size=engine.parts.vocab_size, **workload_args)
-        bar_cm = click.progressbar(length=len(workload.prompts), label=label, file=click.get_text_stream("stderr")) if progress else contextlib.nullcontext()
-        with bar_cm as bar:
-            record, outputs = run_workload(engine, workload, params, label, on_finish=(lambda _o: bar.update(1)) if progress else None)
+        if mode != "off" and len(workload.prompts) >= LARGE_WORKLOAD:
+            click.echo(f"preparing {workload.name}: {len(workload.prompts)} prompts", err=True)
+        with progress(mode, label, len(workload.prompts)) as on_finish:
+            record, outputs = run_workload(engine, workload, params, label, on_finish=on_finish)
         return record, outputs, workload, profiler.summary() if profiler is not None else None
     finally:
         engine.close()
@@ -44,21 +48,36 @@ def _run_one(config: EngineConfig, workload_args: dict[str, Any], prompts: list[
 
 def run_command(config: EngineConfig, dataset: str, prompts: list[str], num_prompts: int | None, max_tokens: int | None,
                 temperature: float, top_p: float, top_k: int, baseline: dict[str, Any] | None, json_out: Path | None,
-                show: int, progress: bool, extra_plugins: Sequence[Any] = (), profile: bool = False,
+                show: int, progress: ProgressMode, extra_plugins: Sequence[Any] = (), profile: bool = False,
                 profile_chart: Path | None = None, n: int = 1, beam_width: int | None = None,
                 length_penalty: float = 1.0) -> None:
+    # Everything the user wrote is checked before the first engine is built (and its weights read).
     config.validate()
+    base_config = config.replace(**baseline) if baseline is not None else None
+    if base_config is not None:
+        base_config.validate()
+    if show < 0:
+        raise ConfigError(f"--show must be >= 0, got {show}")
+    if beam_width is not None and beam_width < n:
+        raise ConfigError(f"--beam-width {beam_width} is less than --n {n}: beam search returns the best --n of "
+                          f"--beam-width beams, so use --beam-width {n} or more")
+    if beam_width is None and length_penalty != 1.0:
+        raise ConfigError("--length-penalty scores beams and does nothing without --beam-width: add --beam-width N, or drop it")
     params = SamplingParams(max_tokens=64 if max_tokens is None else max_tokens, temperature=temperature, top_p=top_p,
                             top_k=top_k, seed=config.seed, n=n, use_beam_search=beam_width is not None,
                             best_of=beam_width, length_penalty=length_penalty)
     workload_args = dict(name=dataset, num_prompts=num_prompts, max_tokens=max_tokens, seed=config.seed)
+    workload: Workload | None = None
+    if prompts:
+        workload = Workload("prompts", list(prompts), [params.max_tokens] * len(prompts), chat=True)
+    elif dataset not in NEEDS_VOCAB:  # files are read and parsed now, not after the weights load
+        workload = load_workload(vocab_size=0, **workload_args)
     records: list[RunRecord] = []
-    if baseline is not None:
-        base_config = config.replace(**baseline)
-        base_record, _, _, _ = _run_one(base_config, workload_args, prompts, params, "baseline: " + _label(base_config, config),
+    if base_config is not None:
+        base_record, _, _, _ = _run_one(base_config, workload, workload_args, params, "baseline: " + _label(base_config, config),
                                         progress, extra_plugins)
         records.append(base_record)
-    record, outputs, workload, profiled = _run_one(config, workload_args, prompts, params, "infer", progress, extra_plugins,
+    record, outputs, workload, profiled = _run_one(config, workload, workload_args, params, "infer", progress, extra_plugins,
                                                    profile or profile_chart is not None)
     if baseline is not None:
         record.speedup = record.total_tokens_per_s / records[0].total_tokens_per_s

@@ -5,6 +5,7 @@ All synthetic workloads are seeded and ignore EOS, so every run computes the sam
 
 from __future__ import annotations
 
+import difflib
 import json
 import math
 import random
@@ -87,13 +88,23 @@ def from_file(path: Path, default_max_tokens: int) -> Workload:
         text = path.read_text()
     except OSError as exc:
         raise DatasetError(f"cannot read dataset file {path} ({exc.strerror}): check the --dataset path") from exc
-    try:
-        if path.suffix == ".jsonl":
-            items = [json.loads(line) for line in text.splitlines() if line.strip()]
-        else:
+    where: list[str]  # each item's place in the file, for messages: "line 7" (JSONL) or "item 3" (JSON)
+    if path.suffix == ".jsonl":
+        items, where = [], []
+        for lineno, line in enumerate(text.splitlines(), 1):
+            if not line.strip():
+                continue
+            try:
+                items.append(json.loads(line))
+            except json.JSONDecodeError as exc:
+                raise DatasetError(f"dataset file {path} is not valid JSONL (line {lineno}, column {exc.colno}: {exc.msg}): fix the file") from exc
+            where.append(f"line {lineno}")
+    else:
+        try:
             items = json.loads(text)
-    except json.JSONDecodeError as exc:
-        raise DatasetError(f"dataset file {path} is not valid {'JSONL' if path.suffix == '.jsonl' else 'JSON'} (line {exc.lineno}: {exc.msg}): fix the file") from exc
+        except json.JSONDecodeError as exc:
+            raise DatasetError(f"dataset file {path} is not valid JSON (line {exc.lineno}, column {exc.colno}: {exc.msg}): fix the file") from exc
+        where = [f"item {i}" for i in range(len(items))] if isinstance(items, list) else []
     if not isinstance(items, list) or not items:
         raise DatasetError(f"dataset file {path} must hold a non-empty list of prompts")
     prompts: list[str | list[int]] = []
@@ -103,21 +114,29 @@ def from_file(path: Path, default_max_tokens: int) -> Workload:
             prompt, n = item.get("prompt"), item.get("max_tokens", default_max_tokens)
         else:
             prompt, n = item, default_max_tokens
-        ok = isinstance(prompt, str) or (isinstance(prompt, list) and all(isinstance(t, int) for t in prompt))
-        if not ok or not isinstance(n, int):
+        ok = isinstance(prompt, str) or (isinstance(prompt, list) and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt))
+        if not ok:
             raise DatasetError(
-                f"dataset file {path}, item {i}: expected a string, a list of token ids, or "
-                f'{{"prompt": ..., "max_tokens": n}}; got {type(item).__name__}'
+                f"dataset file {path}, {where[i]}: expected a string, a list of token ids, or "
+                f'{{"prompt": ..., "max_tokens": n}}; got {type(prompt if isinstance(item, dict) else item).__name__}'
             )
+        if not isinstance(n, int) or isinstance(n, bool) or n < 1:
+            raise DatasetError(f"dataset file {path}, {where[i]}: max_tokens must be an integer >= 1, got {n!r}")
         prompts.append(prompt)
         max_tokens.append(n)
     return Workload(path.name, prompts, max_tokens, chat=False)
 
 
 NAMED = ("builtin", "random-256x256", "sharegpt-like", "latency-1", "chat")
+NEEDS_VOCAB = ("random-256x256", "sharegpt-like", "latency-1")  # token ids drawn from the model's vocabulary
 
 
 def load_workload(name: str, vocab_size: int, num_prompts: int | None, max_tokens: int | None, seed: int) -> Workload:
+    """vocab_size is read only by the NEEDS_VOCAB workloads: the others load before any model does."""
+    if num_prompts is not None and (not isinstance(num_prompts, int) or num_prompts < 1):
+        raise DatasetError(f"--num-prompts must be an integer >= 1, got {num_prompts!r}")
+    if max_tokens is not None and (not isinstance(max_tokens, int) or max_tokens < 1):
+        raise DatasetError(f"--max-tokens must be an integer >= 1, got {max_tokens!r}")
     if name == "builtin":
         n = num_prompts or len(BUILTIN_PROMPTS)
         prompts: list[str | list[int]] = [BUILTIN_PROMPTS[i % len(BUILTIN_PROMPTS)] for i in range(n)]
@@ -133,7 +152,9 @@ def load_workload(name: str, vocab_size: int, num_prompts: int | None, max_token
     else:
         path = Path(name)
         if not path.exists() and path.suffix not in (".json", ".jsonl"):
-            raise DatasetError(f"unknown dataset {name!r}: use a JSON/JSONL file or one of {', '.join(NAMED)}")
+            close = difflib.get_close_matches(name, NAMED, n=1)
+            guess = f"did you mean {close[0]!r}? " if close else ""
+            raise DatasetError(f"unknown dataset {name!r}: {guess}use a JSON/JSONL file or one of {', '.join(NAMED)}")
         w = from_file(path, 64 if max_tokens is None else max_tokens)
         if num_prompts:
             w.prompts, w.max_tokens = w.prompts[:num_prompts], w.max_tokens[:num_prompts]

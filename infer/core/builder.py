@@ -73,6 +73,39 @@ def _build_model(source: Any, model_config: Any, composition: Any, layers: Layer
     return model, attention
 
 
+def _check_draft(config: EngineConfig, registry: PluginRegistry, target: str, model_config: Any, max_model_len: int,
+                 name_or_path: str | None = None) -> Any:
+    """The draft model's source, found and checked against the target (config.json only, no weights)."""
+    draft_source = resolve_source(name_or_path or str(config.draft), registry, config.load_format)
+    draft_config = draft_source.model_config()
+    if draft_config.vocab_size != model_config.vocab_size:
+        raise ConfigError(
+            f"draft {draft_source.name} has a vocabulary of {draft_config.vocab_size} tokens but {target} has "
+            f"{model_config.vocab_size}: pick a draft with the target's tokenizer"
+        )
+    if draft_config.max_position_embeddings < max_model_len:
+        raise ConfigError(
+            f"draft {draft_source.name} holds {draft_config.max_position_embeddings} positions, fewer than the "
+            f"context of {max_model_len}: lower --max-model-len to at most that"
+        )
+    return draft_source
+
+
+def _check_kv_fits(num_blocks: int, config: EngineConfig, max_model_len: int, lookahead: int, raise_flag: str) -> None:
+    """The cache must hold one request of max_model_len (and the decoder's lookahead slots), as vLLM
+    requires: a smaller one would end every long request for want of room, after the weights loaded."""
+    needed = -(-(max_model_len + lookahead) // config.block_size)
+    if num_blocks >= needed:
+        return
+    fits = num_blocks * config.block_size - lookahead
+    lower = f", or lower --max-model-len to {fits} or less" if fits >= 1 else ""
+    raise ConfigError(
+        f"the KV cache holds {num_blocks} block{'s' if num_blocks != 1 else ''} of {config.block_size} tokens but one "
+        f"request of --max-model-len {max_model_len}{f' plus {lookahead} draft tokens' if lookahead else ''} needs {needed}: raise {raise_flag}"
+        f"{' to ' + str(needed) if raise_flag == '--num-kv-blocks' else ''}{lower}"
+    )
+
+
 def build_engine(config: EngineConfig, extra_plugins: Iterable[Any] = (), parallel: ParallelState | None = None) -> EngineParts:
     """parallel: this rank's place when --tp > 1 (the ranks are started first, then each builds here)."""
     started = time.perf_counter()
@@ -96,6 +129,13 @@ def build_engine(config: EngineConfig, extra_plugins: Iterable[Any] = (), parall
         raise ConfigError(f"--exit-layer must be in [1, {model_config.num_layers}] for {source.name}")
     if source.path is not None and (parallel is None or parallel.is_driver):  # headers only: no weight is read
         check_weight_shapes(meta_model(source, model_config), source.path)
+    # every check that needs no weights comes before the first weights load: the draft's, the cache's
+    draft_source = None
+    if composition.decoder.capabilities.needs_draft and config.draft not in ("ngram", "self"):
+        draft_source = _check_draft(config, registry, source.name, model_config, max_model_len)
+    lookahead = config.num_speculative_tokens if composition.decoder.capabilities.needs_draft else 0  # the decoder's, once built
+    if config.num_kv_blocks is not None:
+        _check_kv_fits(config.num_kv_blocks, config, max_model_len, lookahead, "--num-kv-blocks")
     if config.tensor_parallel_size > 1 and parallel is None:  # start (or join) the ranks, then build each
         from infer.core.workers import build_parallel
 
@@ -124,18 +164,10 @@ def build_engine(config: EngineConfig, extra_plugins: Iterable[Any] = (), parall
     models: list[tuple[ModelRunner, Any]] = [(runner, model_config)]
 
     def build_model(name_or_path: str, num_layers: int | None = None) -> ModelRunner:
-        draft_source = resolve_source(name_or_path, registry, config.load_format)
+        nonlocal draft_source
+        if draft_source is None or name_or_path != config.draft:  # checked above when it is --draft
+            draft_source = _check_draft(config, registry, source.name, model_config, max_model_len, name_or_path)
         draft_config = draft_source.model_config()
-        if draft_config.vocab_size != model_config.vocab_size:
-            raise ConfigError(
-                f"draft {draft_source.name} has a vocabulary of {draft_config.vocab_size} tokens but {source.name} has "
-                f"{model_config.vocab_size}: pick a draft with the target's tokenizer"
-            )
-        if draft_config.max_position_embeddings < max_model_len:
-            raise ConfigError(
-                f"draft {draft_source.name} holds {draft_config.max_position_embeddings} positions, fewer than the "
-                f"context of {max_model_len}: lower --max-model-len to at most that"
-            )
         if num_layers is not None:
             draft_config = draft_config.with_layers(num_layers)
         draft_model, draft_attention = _build_model(draft_source, draft_config, composition, layers, config, device, dtype, max_model_len, parallel)
@@ -160,8 +192,8 @@ def build_engine(config: EngineConfig, extra_plugins: Iterable[Any] = (), parall
         config.max_num_seqs * blocks_per_seq,
     )
     num_blocks = parallel.min(num_blocks)  # every tensor-parallel rank's cache holds the same blocks
-    if num_blocks < 1:
-        raise ConfigError("no memory is left for the KV cache: lower the model size, or raise --kv-cache-memory / --gpu-memory-utilization")
+    _check_kv_fits(num_blocks, config, max_model_len, decoder.num_lookahead_tokens,
+                   "--num-kv-blocks" if config.num_kv_blocks else "--kv-cache-memory / --gpu-memory-utilization")
     for r, c in models:  # one block more than the allocator owns: the null block
         r.kv_caches.extend(allocate_kv_cache(
             r.num_layers or c.num_layers, num_blocks + 1, config.block_size, kv_heads(c), c.head_dim, dtype, device

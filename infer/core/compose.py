@@ -10,7 +10,7 @@ from dataclasses import dataclass
 import torch
 
 from infer.core.config import EngineConfig
-from infer.core.errors import IncompatiblePluginsError
+from infer.core.errors import ConfigError, IncompatiblePluginsError
 from infer.core.registry import PluginRegistry, Strategy
 
 
@@ -129,6 +129,24 @@ def compose(config: EngineConfig, registry: PluginRegistry, device: torch.device
         (composition.detokenizer, "--detokenizer"),
     ):
         _check_runs_here(s, flag, device, dtype, config)
-    if composition.decoder.capabilities.needs_draft and not config.draft:
-        raise IncompatiblePluginsError(f"--decoding {composition.decoder.name} needs a draft model: add --draft NAME")
+    _check_decoder_options(composition.decoder, config)
     return composition
+
+
+def _check_decoder_options(decoder: Strategy, config: EngineConfig) -> None:
+    """--draft and --exit-layer against the decoder that would read them: missing, or doing nothing."""
+    caps, name = decoder.capabilities, decoder.name
+    if caps.needs_draft and not config.draft:
+        raise IncompatiblePluginsError(f"--decoding {name} needs a draft model: add --draft NAME (a model, ngram, or self)")
+    if config.draft and not caps.needs_draft:
+        raise IncompatiblePluginsError(
+            f"--draft {config.draft} does nothing with --decoding {name}: add --decoding speculative, or drop --draft")
+    self_draft = caps.needs_draft and config.draft == "self"  # the target's first --exit-layer layers
+    if (caps.uses_exit_layer or self_draft) and config.exit_layer is None:
+        what = "--draft self" if self_draft else f"--decoding {name}"
+        raise ConfigError(f"{what} needs --exit-layer N: the number of the target's decoder layers to keep")
+    if config.exit_layer is not None and not (caps.uses_exit_layer or self_draft):
+        raise IncompatiblePluginsError(
+            f"--exit-layer {config.exit_layer} does nothing with --decoding {name}"
+            + (f" --draft {config.draft}" if config.draft else "")
+            + ": use --decoding early-exit or --decoding speculative --draft self, or drop --exit-layer")

@@ -4,11 +4,12 @@ from __future__ import annotations
 
 import hashlib
 import json
-from dataclasses import asdict, dataclass, field, fields, replace
+from dataclasses import asdict, dataclass, field, replace
 from typing import TYPE_CHECKING, Any, Literal, Mapping
 
 import torch
 
+from infer.core.config_fields import check_fields, check_known, parse_option
 from infer.core.errors import ConfigError, ModelLoadError, one_line
 
 if TYPE_CHECKING:
@@ -67,34 +68,20 @@ class EngineConfig:
     trust_chat_template: bool = True
 
     def validate(self) -> None:
-        for name in ("block_size", "max_num_seqs", "max_num_batched_tokens", "tensor_parallel_size"):
-            value = getattr(self, name)
-            if not isinstance(value, int) or value < 1:
-                raise ConfigError(f"{name.replace('_', '-')} must be a positive integer, got {value!r}")
-        if self.block_size & (self.block_size - 1):
-            raise ConfigError(f"--block-size must be a power of two (8, 16, 32, ...), got {self.block_size}")
-        if self.num_kv_blocks is not None and self.num_kv_blocks < 1:
-            raise ConfigError(f"--num-kv-blocks must be >= 1, got {self.num_kv_blocks}")
+        """Every field's type and range, then the names a string field must be one of."""
+        check_fields(self)
         if self.dtype != "auto" and self.dtype not in DTYPES:
             raise ConfigError(f"unknown --dtype {self.dtype!r}: use one of auto, {', '.join(sorted(set(DTYPES)))}")
-        if self.load_format not in ("auto", "safetensors", "dummy"):
-            raise ConfigError(f"unknown --load-format {self.load_format!r}: use auto, safetensors or dummy")
-        if not 0.0 < self.gpu_memory_utilization <= 1.0:
-            raise ConfigError("--gpu-memory-utilization must be in (0, 1]")
-        if self.num_speculative_tokens < 1:
-            raise ConfigError("--num-speculative-tokens must be >= 1")
-        if self.preemption_mode not in ("recompute", "swap"):
-            raise ConfigError(f"unknown --preemption-mode {self.preemption_mode!r}: use recompute or swap")
         if self.all_reduce not in ALL_REDUCE:
             raise ConfigError(f"unknown --all-reduce {self.all_reduce!r}: use {', '.join(ALL_REDUCE[:-1])} or {ALL_REDUCE[-1]}")
-        if not self.swap_space_gib >= 0:
-            raise ConfigError(f"--swap-space must be >= 0 GiB, got {self.swap_space_gib!r}")
+
+    @classmethod
+    def parse_option(cls, name: str, text: str, where: str) -> Any:
+        """A field's value from text (`--baseline`, `bench --matrix`), converted by its declared type."""
+        return parse_option(cls, name, text, where)
 
     def replace(self, **changes: Any) -> "EngineConfig":
-        known = {f.name for f in fields(self)}
-        unknown = sorted(set(changes) - known)
-        if unknown:
-            raise ConfigError(f"unknown engine option(s) {', '.join(unknown)}: valid options are {', '.join(sorted(known))}")
+        check_known(type(self), list(changes))
         return replace(self, **changes)
 
     def to_dict(self) -> dict[str, Any]:
@@ -104,14 +91,17 @@ class EngineConfig:
         """A short hash of the configuration, bound into every log record of the run."""
         return hashlib.sha256(json.dumps(self.to_dict(), sort_keys=True).encode()).hexdigest()[:12]
 
-    def resolve_device(self) -> torch.device:
+    def resolve_device(self, require_present: bool = True) -> torch.device:
+        """require_present=False: the device named, present or not (what would run on it)."""
         if self.device == "auto":
             return torch.device("cuda" if torch.cuda.is_available() else "cpu")
         try:
             device = torch.device(self.device)
         except RuntimeError as exc:
             raise ConfigError(f"unknown --device {self.device!r}: use cpu, cuda or cuda:N") from exc
-        if device.type == "cuda" and not torch.cuda.is_available():
+        if device.type not in ("cpu", "cuda"):
+            raise ConfigError(f"unknown --device {self.device!r}: use cpu, cuda or cuda:N")
+        if device.type == "cuda" and not torch.cuda.is_available() and require_present:
             raise ConfigError("--device cuda was asked for but no CUDA device is visible: use --device cpu")
         return device
 

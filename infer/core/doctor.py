@@ -121,19 +121,21 @@ def _model(config: EngineConfig, registry: PluginRegistry) -> tuple[Verdict, tor
     return Verdict("model", config.model, note=note), mc.torch_dtype
 
 
-def diagnose(config: EngineConfig, registry: PluginRegistry, check_model: bool = True) -> Diagnosis:
-    """Every slot's verdict for `config` on this machine; reads config.json files and safetensors
-    headers, never weights."""
+def diagnose(config: EngineConfig, registry: PluginRegistry, check_model: bool = True,
+             device: torch.device | None = None) -> Diagnosis:
+    """Every slot's verdict for `config` on this machine (on `device`, when given, present or not);
+    reads config.json files and safetensors headers, never weights."""
     verdicts: list[Verdict] = []
     try:
         config.validate()
     except ConfigError as exc:
         verdicts.append(Verdict("config", "", str(exc)))
-    try:
-        device = config.resolve_device()
-    except ConfigError as exc:
-        verdicts.append(Verdict("device", config.device, str(exc), ("cpu",)))
-        device = torch.device("cuda" if config.device.startswith("cuda") else "cpu")
+    if device is None:
+        try:
+            device = config.resolve_device()
+        except ConfigError as exc:
+            verdicts.append(Verdict("device", config.device, str(exc), ("cpu",)))
+            device = torch.device("cuda" if config.device.startswith("cuda") else "cpu")
     model_dtype = None
     if check_model:
         model_verdict, model_dtype = _model(config, registry)
@@ -194,13 +196,15 @@ def format_diagnosis(d: Diagnosis) -> str:
 MATRIX_SLOTS = ("attention", "sampler", "scheduler", "decoder")
 
 
-def matrix(registry: PluginRegistry, base: EngineConfig) -> list[tuple[tuple[str, ...], str | None]]:
-    """Every attention x sampler x scheduler x decoding combination with None (runs) or its first refusal."""
+def matrix(registry: PluginRegistry, base: EngineConfig,
+           device: torch.device | None = None) -> list[tuple[tuple[str, ...], str | None]]:
+    """Every attention x sampler x scheduler x decoding combination with None (runs) or its first refusal
+    (on `device`, when given, whether or not this machine has one)."""
     names = [sorted(s.name for s in registry.all(slot)) for slot in MATRIX_SLOTS]
     rows = []
     for combo in itertools.product(*names):
         config = base.replace(**{SLOT_FIELDS[slot]: name for slot, name in zip(MATRIX_SLOTS, combo)})
-        refusals = diagnose(config, registry, check_model=False).refusals
+        refusals = diagnose(config, registry, check_model=False, device=device).refusals
         rows.append((combo, refusals[0].reason if refusals else None))
     return rows
 

@@ -7,6 +7,7 @@ strategy it would have provided is asked for.
 
 from __future__ import annotations
 
+import difflib
 import importlib.metadata as md
 from dataclasses import dataclass, field
 from typing import Any, Iterable
@@ -144,7 +145,9 @@ class PluginRegistry:
             hint = "; plugins that failed to load: " + ", ".join(
                 f"{b.plugin} from {b.distribution} ({b.error})" for b in self.broken
             )
-        raise PluginNotFoundError(f"unknown {FLAGS[slot]} {name!r}: valid names are {known}{hint}")
+        close = difflib.get_close_matches(name, list(self.strategies[slot]), n=1)
+        guess = f"did you mean {close[0]!r}? " if close else ""
+        raise PluginNotFoundError(f"unknown {FLAGS[slot]} {name!r}: {guess}valid names are {known}{hint}")
 
     def all(self, slot: str) -> list[Strategy]:
         return list(self.strategies[slot].values())

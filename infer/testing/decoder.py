@@ -25,7 +25,7 @@ PROMPT_LENS = (3, 9, 17, 24, 5, 12)
 MAX_TOKENS = 16
 SETTINGS: dict[str, dict[str, Any]] = {
     "roomy KV cache": {},
-    "KV cache of 14 blocks of 4 tokens (requests preempted)": dict(num_kv_blocks=14, block_size=4, max_num_seqs=4),
+    "KV cache of 14 blocks of 4 tokens (requests preempted)": dict(num_kv_blocks=14, block_size=4, max_model_len=52, max_num_seqs=4),
 }
 
 

@@ -31,7 +31,8 @@ def expected(tiny_llama_dir):
 @pytest.mark.parametrize("sampler", ["vectorized", "naive"])
 @pytest.mark.parametrize("num_kv_blocks", [None, 16])
 def test_greedy_matches_hf(tiny_llama_dir, expected, scheduler, sampler, num_kv_blocks):
-    llm = LLM(model=str(tiny_llama_dir), scheduler=scheduler, sampler=sampler, block_size=4, num_kv_blocks=num_kv_blocks)
+    llm = LLM(model=str(tiny_llama_dir), scheduler=scheduler, sampler=sampler, block_size=4, num_kv_blocks=num_kv_blocks,
+              max_model_len=num_kv_blocks and num_kv_blocks * 4)  # a fixed cache must hold one request of max_model_len
     outs = llm.generate(PROMPTS, SamplingParams(max_tokens=12, temperature=0, ignore_eos=True))
     assert [o.outputs[0].token_ids for o in outs] == expected
     if num_kv_blocks and scheduler == "fcfs":
@@ -44,10 +45,10 @@ def test_chunked_prefill_matches_hf(tiny_llama_dir, expected):
     assert [o.outputs[0].token_ids for o in outs] == expected
 
 
-def test_request_that_can_never_fit_ends_with_capacity(tiny_llama_dir):
-    llm = LLM(model=str(tiny_llama_dir), block_size=4, num_kv_blocks=6)
+def test_request_longer_than_a_small_cache_is_rejected(tiny_llama_dir):
+    llm = LLM(model=str(tiny_llama_dir), block_size=4, num_kv_blocks=6, max_model_len=24)
     outs = llm.generate([list(range(10, 50)), [5, 6, 7]], SamplingParams(max_tokens=4, temperature=0, ignore_eos=True))
-    assert outs[0].outputs[0].finish_reason == "capacity"
+    assert "shorten the prompt" in outs[0].error
     assert outs[1].outputs[0].finish_reason == "length" and len(outs[1].outputs[0].token_ids) == 4
 
 
@@ -73,7 +74,7 @@ def test_invalid_sampling_params_rejected_per_request(tiny_llama_dir, expected):
 
 
 def test_abort_frees_all_blocks(tiny_llama_dir):
-    llm = LLM(model=str(tiny_llama_dir), block_size=4, num_kv_blocks=64)
+    llm = LLM(model=str(tiny_llama_dir), block_size=4, num_kv_blocks=64, max_model_len=256)
     engine = llm.engine
     ids = [engine.add_request(p, SamplingParams(max_tokens=50, temperature=0, ignore_eos=True)) for p in PROMPTS]
     for _ in range(3):

@@ -49,8 +49,8 @@ KV_CONFIGS = {
     "chunked prefill, no prefix caching": dict(enable_prefix_caching=False, max_num_batched_tokens=16),
     "chunked prefill, prefix caching": dict(max_num_batched_tokens=16),
     # 8 blocks of 16 tokens: two or three requests at a time, the later ones preempted
-    "swap": dict(num_kv_blocks=8, max_num_batched_tokens=64, preemption_mode="swap", swap_space_gib=0.01),
-    "recompute": dict(num_kv_blocks=8, max_num_batched_tokens=64),
+    "swap": dict(num_kv_blocks=8, max_model_len=128, max_num_batched_tokens=64, preemption_mode="swap", swap_space_gib=0.01),
+    "recompute": dict(num_kv_blocks=8, max_model_len=128, max_num_batched_tokens=64),
 }
 
 

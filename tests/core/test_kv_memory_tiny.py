@@ -31,10 +31,11 @@ KV_CONFIGS = {
     "prefix caching": dict(),
     "prefix caching, chunked": dict(max_num_batched_tokens=7),
     "no prefix caching, chunked": dict(enable_prefix_caching=False, max_num_batched_tokens=7),
-    "swap, tiny KV": dict(num_kv_blocks=16, preemption_mode="swap"),
-    "swap, tiny KV, tiny CPU pool": dict(num_kv_blocks=16, preemption_mode="swap", swap_space_gib=12 * 2**-20),
-    "recompute, tiny KV": dict(num_kv_blocks=16),
-    "contiguous": dict(kv_allocator="contiguous", num_kv_blocks=24),  # reserves whole lengths: never preempts
+    # a fixed cache holds one request of max_model_len (16 blocks of 4 tokens: 64)
+    "swap, tiny KV": dict(num_kv_blocks=16, max_model_len=64, preemption_mode="swap"),
+    "swap, tiny KV, tiny CPU pool": dict(num_kv_blocks=16, max_model_len=64, preemption_mode="swap", swap_space_gib=12 * 2**-20),
+    "recompute, tiny KV": dict(num_kv_blocks=16, max_model_len=64),
+    "contiguous": dict(kv_allocator="contiguous", num_kv_blocks=24, max_model_len=96),  # reserves whole lengths: never preempts
 }
 
 
@@ -58,7 +59,7 @@ def test_greedy_tokens_do_not_depend_on_kv_management(tiny_llama_dir, reference,
 
 
 def test_abort_frees_device_and_cpu_blocks(tiny_llama_dir):
-    llm = LLM(model=str(tiny_llama_dir), block_size=4, num_kv_blocks=20, preemption_mode="swap")
+    llm = LLM(model=str(tiny_llama_dir), block_size=4, num_kv_blocks=20, max_model_len=80, preemption_mode="swap")
     engine = llm.engine
     ids = [engine.add_request(p, SamplingParams(max_tokens=60, temperature=0, ignore_eos=True, n=2)) for p in PROMPTS]
     for _ in range(40):

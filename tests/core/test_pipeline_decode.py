@@ -39,8 +39,8 @@ def stop_tokens_mid_run(model_dir, params):
 @pytest.mark.parametrize("options", [
     {},
     {"max_num_seqs": 1},
-    {"num_kv_blocks": 12, "block_size": 4, "max_num_seqs": 4},  # preemption
-    {"num_kv_blocks": 12, "block_size": 4, "max_num_seqs": 4, "preemption_mode": "swap"},
+    {"num_kv_blocks": 12, "block_size": 4, "max_model_len": 48, "max_num_seqs": 4},  # preemption
+    {"num_kv_blocks": 12, "block_size": 4, "max_model_len": 48, "max_num_seqs": 4, "preemption_mode": "swap"},
     {"enable_prefix_caching": False, "max_num_batched_tokens": 16},  # chunked prefill
 ], ids=["batch", "batch-1", "recompute", "swap", "chunked"])
 def test_greedy_tokens_identical_with_and_without_pipelining(tiny_llama_dir, options):

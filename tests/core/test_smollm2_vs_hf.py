@@ -44,7 +44,7 @@ def test_greedy_identical_to_hf(smollm2_dir, hf_tokens, params, scheduler, sampl
 
 def test_greedy_identical_to_hf_under_preemption(smollm2_dir, hf_tokens, params):
     # 8 blocks of 16 tokens: two or three requests at a time, so later arrivals are preempted.
-    llm = LLM(model=str(smollm2_dir), dtype="float32", num_kv_blocks=8, max_num_batched_tokens=64)
+    llm = LLM(model=str(smollm2_dir), dtype="float32", num_kv_blocks=8, max_model_len=128, max_num_batched_tokens=64)
     outs = llm.generate(PROMPTS, params)
     assert [o.outputs[0].token_ids for o in outs] == hf_tokens
     assert llm.engine.stats()["preemptions"] > 0

@@ -84,7 +84,8 @@ def test_tiny_tp2_logprobs_match_tp1_under_swaps_and_shared_blocks(tiny_llama_di
     # 16 blocks of 4 tokens force preemption by swap; n=2 shares prompt blocks (copy-on-write):
     # every rank's cache must see the same block copies
     params = [SamplingParams(max_tokens=10, temperature=0, ignore_eos=True, logprobs=5, n=1 + i % 2) for i in range(5)]
-    options = dict(model=str(tiny_llama_dir), block_size=4, num_kv_blocks=16, preemption_mode="swap", max_num_batched_tokens=64)
+    options = dict(model=str(tiny_llama_dir), block_size=4, num_kv_blocks=16, max_model_len=64, preemption_mode="swap",
+                   max_num_batched_tokens=64)
     expected = generate(1, PROMPTS, params, **options)
     with LLM(tensor_parallel_size=2, **options) as llm:
         actual = llm.generate(PROMPTS, params)

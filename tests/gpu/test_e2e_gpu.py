@@ -80,14 +80,14 @@ SHARED_PROMPTS = [SHARED + [rng.randrange(10, 49000) for _ in range(n)] for n in
 
 @pytest.mark.parametrize(
     "opts",
-    [dict(enable_prefix_caching=False), dict(max_num_batched_tokens=64), dict(num_kv_blocks=40, preemption_mode="swap"),
-     dict(num_kv_blocks=40, preemption_mode="recompute")],
+    [dict(enable_prefix_caching=False), dict(max_num_batched_tokens=64), dict(num_kv_blocks=40, max_model_len=640, preemption_mode="swap"),
+     dict(num_kv_blocks=40, max_model_len=640, preemption_mode="recompute")],
     ids=["no-prefix-cache", "chunked-64", "swap", "recompute"],
 )
 def test_kv_management_does_not_change_greedy_tokens_on_gpu(opts):
     def run(**extra):
-        llm = LLM(model="smollm2-135m", load_format="dummy", max_model_len=2048, attention="paged-cuda",
-                  dtype="float32", **extra)
+        llm = LLM(model="smollm2-135m", load_format="dummy", attention="paged-cuda",
+                  dtype="float32", **{"max_model_len": 2048, **extra})
         outs = llm.generate(SHARED_PROMPTS, SamplingParams(max_tokens=24, temperature=0, ignore_eos=True))
         stats = llm.engine.stats()
         llm.close()
@@ -130,7 +130,7 @@ def first_new_token(tokens, start):
     return next(([t] for j, t in enumerate(tokens) if j >= start and t not in tokens[:j]), [])
 
 
-@pytest.mark.parametrize("kv", [{}, dict(num_kv_blocks=7, block_size=8, max_num_seqs=4)], ids=["roomy", "preempted"])
+@pytest.mark.parametrize("kv", [{}, dict(num_kv_blocks=7, block_size=8, max_model_len=52, max_num_seqs=4)], ids=["roomy", "preempted"])
 def test_speculative_draft_model_is_lossless_on_gpu(tmp_path_factory, kv):
     """A draft model's proposal steps replay its own CUDA graphs; the verified output must still be
     autoregressive's, token for token (paged-cuda, fp32, tiny real-weight Llamas; paged-cuda's

@@ -22,6 +22,7 @@ class Capabilities:
     # ModelRunner.execute, one token per sequence
     pipeline_safe: bool = False
     needs_draft: bool = False  # decoder: requires --draft
+    uses_exit_layer: bool = False  # decoder: requires --exit-layer (the layers it keeps)
     lossy: bool = False  # decoder: changes the outputs (early exit); the run report says so
     distributed: bool = True  # works under tensor parallelism
     priority: int = 0  # higher wins when a slot is resolved "auto"

@@ -15,7 +15,7 @@ from infer.core.interfaces import Capabilities, DecoderContext, SchedulerOutput,
 
 
 class EarlyExitDecoder:
-    capabilities = Capabilities(cuda_graph_safe=True, pipeline_safe=True, lossy=True)
+    capabilities = Capabilities(cuda_graph_safe=True, pipeline_safe=True, lossy=True, uses_exit_layer=True)
     num_lookahead_tokens = 0
 
     def __init__(self, ctx: DecoderContext) -> None:

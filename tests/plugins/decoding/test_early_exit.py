@@ -7,7 +7,7 @@ from click.testing import CliRunner
 
 from infer import SamplingParams
 from infer.cli import cli
-from infer.core.errors import ConfigError
+from infer.core.errors import ConfigError, IncompatiblePluginsError
 from infer.core.registry import PluginRegistry
 from infer.llm import LLM
 
@@ -34,10 +34,9 @@ def test_fewer_layers_run_keep_a_smaller_cache_and_report_the_cut(tiny_llama_dir
     assert len(llm.engine.decoder.runner.kv_caches) == 1  # only the layers that run hold KV
 
 
-def test_exit_layer_changes_nothing_without_a_decoder_that_uses_it(tiny_llama_dir, expected):
-    llm = LLM(model=str(tiny_llama_dir), block_size=4, exit_layer=1)  # autoregressive
-    assert [o.outputs[0].token_ids for o in llm.generate(PROMPTS, PARAMS)] == expected
-    assert "lossy" not in llm.engine.parts.describe
+def test_exit_layer_without_a_decoder_that_uses_it_is_refused(tiny_llama_dir):
+    with pytest.raises(IncompatiblePluginsError, match="--exit-layer 1 does nothing with --decoding autoregressive"):
+        LLM(model=str(tiny_llama_dir), block_size=4, exit_layer=1)
 
 
 def test_early_exit_needs_an_exit_layer_in_range(tiny_llama_dir):

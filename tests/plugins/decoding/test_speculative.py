@@ -71,7 +71,7 @@ PROPOSERS = ["same-model", "dummy-draft", "ngram", "self-1", "self-2"]
 def test_tiny_greedy_identical_to_autoregressive(tiny_llama_dir, tiny_draft_dir, tiny_expected, proposer, mode):
     options = dict(block_size=4, decoding="speculative", **draft_options(proposer, tiny_llama_dir, tiny_draft_dir))
     if mode == "preemption":
-        options.update(num_kv_blocks=16)  # 64 token slots for 8 requests of up to 40 + 16 + 4 lookahead
+        options.update(num_kv_blocks=16, max_model_len=60)  # 64 token slots for 8 requests of up to 40 + 16 + 4 lookahead
     llm = LLM(model=str(tiny_llama_dir), **options)
     assert run(llm, TINY_PROMPTS, one_at_a_time=mode == "batch-1") == tiny_expected  # no request lost either
     stats = llm.engine.stats()
@@ -81,7 +81,7 @@ def test_tiny_greedy_identical_to_autoregressive(tiny_llama_dir, tiny_draft_dir,
     assert llm.engine.kv_usage().num_used_blocks == 0 or llm.config.enable_prefix_caching
 
 
-@pytest.mark.parametrize("extra", [dict(num_kv_blocks=20, max_num_batched_tokens=7), dict(num_speculative_tokens=7, scheduler="static")])
+@pytest.mark.parametrize("extra", [dict(num_kv_blocks=20, max_model_len=76, max_num_batched_tokens=7), dict(num_speculative_tokens=7, scheduler="static")])
 @pytest.mark.parametrize("proposer", ["same-model", "self-all"])
 def test_a_draft_equal_to_the_target_is_always_accepted(tiny_llama_dir, tiny_expected, proposer, extra):
     # the draft's KV bookkeeping (catch-up over prefill chunks, rollback, preemption) is exact
@@ -129,7 +129,7 @@ def test_kv_budget_counts_both_models_and_the_draft_shares_block_ids(tiny_llama_
     block_size, blocks = 4, 50
     per_block = bytes_per_block(3, block_size, 2, 16, torch.float32) + bytes_per_block(1, block_size, 1, 16, torch.float32)
     llm = LLM(model=str(tiny_llama_dir), block_size=block_size, decoding="speculative", draft=str(tiny_draft_dir),
-              kv_cache_memory_gib=blocks * per_block / 2**30)
+              kv_cache_memory_gib=blocks * per_block / 2**30, max_model_len=blocks * block_size - 4)  # 4 lookahead slots
     assert llm.engine.parts.describe["kv_blocks"] == blocks
     draft = llm.engine.decoder.proposer.runner
     assert len(draft.kv_caches) == 1 and draft.kv_caches[0][0].shape[:3] == (blocks + 1, block_size, 1)  # + the null block
@@ -180,7 +180,7 @@ def test_smollm2_greedy_identical_to_autoregressive(smollm2_dir, smol_draft_dir,
 def test_smollm2_greedy_identical_under_preemption(smollm2_dir, smol_expected):
     # 8 blocks of 8 tokens: a few requests at a time, and running ones outgrow them, so later arrivals are preempted
     llm = LLM(model=str(smollm2_dir), dtype="float32", decoding="speculative", draft="self", exit_layer=4,
-              num_speculative_tokens=2, block_size=8, num_kv_blocks=8, max_num_batched_tokens=48)
+              num_speculative_tokens=2, block_size=8, num_kv_blocks=8, max_model_len=62, max_num_batched_tokens=48)
     assert run(llm, SMOL_PROMPTS, SMOL_GREEDY) == smol_expected
     assert llm.engine.stats()["preemptions"] > 0
 
