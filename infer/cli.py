@@ -164,9 +164,10 @@ class OneLineErrors(click.Group):
         except InferError as exc:  # a command registered by a plugin, without @user_errors
             click.echo(f"error: {_one_line(str(exc))}", err=True)
             sys.exit(exc.exit_code)
-        except click.Abort:
-            click.echo("aborted", err=True)
-            sys.exit(1)
+        except click.Abort as exc:  # Ctrl-C (click turns KeyboardInterrupt into Abort) or EOF at a prompt
+            interrupted = isinstance(exc.__cause__, KeyboardInterrupt)
+            click.echo("interrupted" if interrupted else "aborted", err=True)
+            sys.exit(130 if interrupted else 1)  # 130: the shell's code for SIGINT
         sys.exit(code if isinstance(code, int) else 0)
 
 

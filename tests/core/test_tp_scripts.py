@@ -67,3 +67,27 @@ def test_ctrl_c_reaches_rank_zero_only(tmp_path, tiny_llama_dir):
     assert proc.returncode == 130, (out, err)
     assert out.strip() == "interrupted; unfinished: False"
     assert "Traceback" not in err and "KeyboardInterrupt" not in err, err
+
+
+def test_ctrl_c_during_infer_run_with_ranks_is_one_line(tmp_path, tiny_llama_dir):
+    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    cmd = [sys.executable, "-m", "infer.cli", "run", "--model", str(tiny_llama_dir), "--device", "cpu", "--attention", "torch",
+           "--tp", "2", "--dataset", "random-256x256", "--num-prompts", "1000", "--max-tokens", "250", "--max-model-len", "512",
+           "--no-progress"]
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env, start_new_session=True,
+                            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
+    import time
+
+    seen = []
+    while not any("engine built" in line for line in seen):  # the ranks are up
+        seen.append(proc.stderr.readline())
+        assert seen[-1] or proc.poll() is None, seen
+    time.sleep(3.0)  # stepping: 1000 x 250 tokens take far longer on two CPU cores
+    assert proc.poll() is None, proc.communicate()
+    os.killpg(proc.pid, signal.SIGINT)
+    out, err = proc.communicate(timeout=120)
+    err = "".join(seen) + err
+    assert proc.returncode == 130, (out, err)
+    assert "Traceback" not in err and "KeyboardInterrupt" not in err, err
+    assert err.strip().splitlines()[-1] == "interrupted", err
+    assert len([line for line in err.splitlines() if "interrupted" in line]) == 1, err
