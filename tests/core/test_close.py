@@ -22,7 +22,7 @@ def _storage_bytes(llm: LLM) -> int:
 
 @pytest.mark.parametrize("options", [{}, {"decoding": "speculative", "draft": "self", "exit_layer": 1}])
 def test_close_frees_weights_and_cache_while_still_referenced(tiny_llama_dir, options):
-    llm = LLM(model=str(tiny_llama_dir), attention="torch", num_kv_blocks=32, **options)
+    llm = LLM(model=str(tiny_llama_dir), attention="torch", num_kv_blocks=32, max_model_len=256, **options)
     kv = [t for layer in llm.engine.parts.runners[0].kv_caches for t in layer]
     first = llm.generate([[5, 6, 7, 8]], SamplingParams(max_tokens=6, temperature=0, ignore_eos=True))[0]
     assert len(first.outputs[0].token_ids) == 6 and _storage_bytes(llm) > 0
@@ -34,7 +34,7 @@ def test_close_frees_weights_and_cache_while_still_referenced(tiny_llama_dir, op
 
 
 def test_closed_engine_is_collected(tiny_llama_dir):
-    llm = LLM(model=str(tiny_llama_dir), attention="torch", num_kv_blocks=32)
+    llm = LLM(model=str(tiny_llama_dir), attention="torch", num_kv_blocks=32, max_model_len=256)
     llm.generate(["ab", [3, 4, 5]], SamplingParams(max_tokens=4, temperature=0.7, seed=1))
     engine = weakref.ref(llm.engine)
     llm.close()

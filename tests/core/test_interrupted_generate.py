@@ -79,7 +79,7 @@ def trip_after_sampling(llm: LLM, trip: dict) -> None:
 @pytest.mark.parametrize("pipeline", [False, True], ids=["plain", "pipelined"])
 def test_interrupted_generate_frees_everything_and_next_call_runs_alone(tiny_llama_dir, error, pipeline, where):
     trip: dict = {}
-    options = dict(attention="torch", block_size=4, num_kv_blocks=40, pipeline_decode=pipeline)
+    options = dict(attention="torch", block_size=4, num_kv_blocks=40, max_model_len=160, pipeline_decode=pipeline)
     llm = LLM(model=str(tiny_llama_dir), sampler="tripwire", plugins=[tripwire_plugin(trip)], **options)
     if where == "after-sampling":
         trip_after_sampling(llm, trip)
