@@ -31,7 +31,7 @@ class LLM:
         config = EngineConfig().replace(model=model, tensor_parallel_size=tensor_parallel_size, **options)
         self.config = config
         self.engine = Engine.from_config(config, extra_plugins=plugins)
-        self._lock = threading.RLock()  # one caller steps the engine at a time; abort only queues
+        self._lock = threading.Lock()  # one caller steps the engine at a time; abort only queues
 
     @property
     def tokenizer(self) -> Any:
@@ -46,7 +46,8 @@ class LLM:
 
         A bad prompt or params gets an output with `error` set; the others run as they would alone.
         If stepping raises (KeyboardInterrupt included), this call's requests are dropped and their
-        KV blocks freed before the exception propagates; the LLM stays usable."""
+        KV blocks freed before the exception propagates; the LLM stays usable (under tensor parallelism an
+        interrupt inside a forward leaves the ranks out of step, and the next call asks for a new LLM)."""
         with self._lock:
             return self.engine.generate(as_batch(prompts), sampling_params)
 

@@ -97,7 +97,9 @@ class Engine:
                 f"prompt has {len(ids)} tokens but the context holds {limit} (prompt + at least one new token): "
                 f"shorten the prompt or raise --max-model-len"
             )
-        parent_id = request_id if request_id is not None else str(next(self._ids))
+        parent_id = request_id
+        while parent_id is None or (request_id is None and parent_id in self.output.groups):  # skip ids a caller took
+            parent_id = str(next(self._ids))
         if parent_id in self.output.groups:
             raise RequestError(f"request id {parent_id!r} is already in use: pick a unique id")
         now = time.perf_counter()
@@ -120,9 +122,13 @@ class Engine:
             )
             children.append(child)
         self.output.add(Group(parent_id, text, children))
-        for child in children:
-            self.requests[child.request_id] = child
-            self.scheduler.add(child)
+        try:
+            for child in children:
+                self.requests[child.request_id] = child
+                self.scheduler.add(child)
+        except BaseException:  # all or nothing: a request half added would run as an orphan
+            self._forget(parent_id)
+            raise
         return parent_id
 
     def abort(self, request_id: str) -> None:
@@ -156,6 +162,8 @@ class Engine:
     # ------------------------------------------------------------------ the loop
 
     def step(self) -> list[RequestOutput]:
+        if self.closed:
+            raise RequestError(CLOSED)
         self.abort_pending()  # asked for from other threads since the last step
         out = self.scheduler.schedule()
         self.block_mover.apply(out.block_ops)  # copy-on-write and swap copies, batched, before the forward
@@ -192,7 +200,9 @@ class Engine:
         """Run prompts to completion; a bad prompt (or params) gets an output with `error` set, the rest run.
 
         If stepping raises (a plugin's error, KeyboardInterrupt), this call's requests are dropped
-        and their blocks freed before the exception propagates: the engine is left empty and usable."""
+        and their blocks freed before the exception propagates: the engine is left empty and usable
+        (under tensor parallelism, an interrupt inside a forward leaves the ranks out of step: the next
+        call raises a WorkerError asking for a new engine)."""
         if self.closed:
             raise RequestError(CLOSED)
         if self.has_unfinished():
@@ -214,8 +224,8 @@ class Engine:
             while self.has_unfinished():
                 for o in self.step():
                     results[o.request_id] = o
-        except BaseException:
-            self._abandon([rid for rid in order if rid not in results])
+        except BaseException:  # nothing else was unfinished when this call began: every group is this call's
+            self._abandon(list(self.output.groups))
             raise
         return [results[rid] for rid in order]
 
@@ -227,11 +237,15 @@ class Engine:
         with contextlib.suppress(Exception):  # the detokenizer may be what failed
             self._stop_strings(self.output.collect())
         for rid in request_ids:
-            group = self.output.groups.get(rid)
-            for child in group.children if group else []:
-                self.scheduler.finish(child, FinishReason.ABORT)  # frees its blocks; no-op when finished
-                self.requests.pop(child.request_id, None)
-            self.output.discard(rid)
+            self._forget(rid)
+
+    def _forget(self, request_id: str) -> None:
+        """End a request group, free its blocks and drop it without an output."""
+        group = self.output.groups.get(request_id)
+        for child in group.children if group else []:
+            self.scheduler.finish(child, FinishReason.ABORT)  # frees its blocks; no-op when finished or never added
+            self.requests.pop(child.request_id, None)
+        self.output.discard(request_id)
 
     # ------------------------------------------------------------------ reporting
 
