@@ -231,13 +231,14 @@ def plugins(matrix: bool, device: str) -> None:
 
     registry = PluginRegistry.load(_extra_plugins())
     if matrix:
-        from infer.core.doctor import format_matrix
+        from infer.core.doctor import device_present, format_matrix, unavailable_here
         from infer.core.doctor import matrix as plugin_matrix
 
         config = _engine_config({"device": device})
         config.validate()
         target = config.resolve_device(require_present=False)  # cuda on a CPU machine: what would run there
-        click.echo(format_matrix(plugin_matrix(registry, config, target), str(target)))
+        not_checked = None if device_present(target) else unavailable_here(registry)
+        click.echo(format_matrix(plugin_matrix(registry, config, target), str(target), not_checked))
         return
     rows = [("slot", "name", "distribution", "version", "capabilities")]
     for slot in SLOTS:
