@@ -11,6 +11,8 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+from types import SimpleNamespace
+
 import click
 import pytest
 import torch
@@ -347,6 +349,17 @@ def test_progress_lines_come_every_interval_and_at_the_end():
         p(_output(10))
     assert lines == ["infer: 3/4 requests, 5.0 out tok/s, 6s elapsed, ETA 2s",
                      "infer: 4/4 requests, 5.7 out tok/s, 7s elapsed"]
+
+
+def test_progress_lines_come_while_no_request_finishes():
+    now, lines = [0.0], []
+    p = ProgressLines("infer", total=2, echo=lambda text: lines.append(text), interval_s=5.0, clock=lambda: now[0])
+    engine = SimpleNamespace(requests={"0": SimpleNamespace(output_token_ids=[1] * 30),
+                                       "1": SimpleNamespace(output_token_ids=[1] * 20)})
+    for t in (1.0, 4.0, 5.0, 9.0, 10.0):  # steps; nothing finishes
+        now[0] = t
+        p.tick(engine)
+    assert lines == ["infer: 0/2 requests, 10.0 out tok/s, 5s elapsed", "infer: 0/2 requests, 5.0 out tok/s, 10s elapsed"]
 
 
 def test_run_without_a_terminal_prints_progress_lines(tiny_llama_dir):

@@ -53,6 +53,20 @@ class ProgressLines:
             self.last = now
             self.echo(self.line(now))
 
+    def tick(self, engine: Any) -> None:
+        """After a step: a line when `interval_s` passed, counting the tokens of unfinished requests
+        too, so long requests that all finish late still report every few seconds."""
+        now = self.clock()
+        if now - self.last < self.interval_s:
+            return
+        self.last = now
+        in_flight = sum(len(r.output_token_ids) for r in engine.requests.values())
+        self.output_tokens += in_flight
+        try:
+            self.echo(self.line(now))
+        finally:
+            self.output_tokens -= in_flight
+
 
 @contextlib.contextmanager
 def progress(mode: ProgressMode, label: str, total: int) -> Iterator[Callable[[RequestOutput], Any] | None]:

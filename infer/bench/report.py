@@ -104,6 +104,7 @@ def run_workload(
     base: SamplingParams,
     label: str,
     on_finish: Callable[[RequestOutput], None] | None = None,
+    on_step: Callable[[Engine], None] | None = None,  # after every step (progress that needs no finished request)
 ) -> tuple[RunRecord, list[RequestOutput]]:
     prompts = prepare_prompts(engine, workload)
     params = workload.params(base)
@@ -119,6 +120,8 @@ def run_workload(
             results[out.request_id] = out
             if on_finish is not None:
                 on_finish(out)
+        if on_step is not None:
+            on_step(engine)
         usage = engine.kv_usage()
         saved = max(saved, usage.num_saved_blocks)
         if usage.num_reserved_slots:

@@ -9,7 +9,7 @@ from typing import Any, Sequence
 import click
 
 from infer.bench.report import RunRecord, format_table, run_workload
-from infer.bench.progress import ProgressMode, progress
+from infer.bench.progress import ProgressLines, ProgressMode, progress
 from infer.bench.workloads import NEEDS_VOCAB, Workload, load_workload
 from infer.core.config import EngineConfig
 from infer.core.engine import Engine
@@ -40,7 +40,8 @@ def _run_one(config: EngineConfig, workload: Workload | None, workload_args: dic
         if mode != "off" and len(workload.prompts) >= LARGE_WORKLOAD:
             click.echo(f"preparing {workload.name}: {len(workload.prompts)} prompts", err=True)
         with progress(mode, label, len(workload.prompts)) as on_finish:
-            record, outputs = run_workload(engine, workload, params, label, on_finish=on_finish)
+            on_step = on_finish.tick if isinstance(on_finish, ProgressLines) else None
+            record, outputs = run_workload(engine, workload, params, label, on_finish=on_finish, on_step=on_step)
         return record, outputs, workload, profiler.summary() if profiler is not None else None
     finally:
         engine.close()
