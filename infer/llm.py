@@ -111,7 +111,7 @@ class LLM:
         results = []
         for i in range(len(conversations)):
             if i in errors:
-                results.append(RequestOutput(f"chat-rejected-{i}", None, [], [], finished=True, error=errors[i]))
+                results.append(self.engine.refused(None, RequestError(errors[i])))
                 continue
             out = next(outputs)
             if out.prompt is None and out.error is None:  # the rendered conversation, as text

@@ -38,6 +38,8 @@ CASES: dict[str, tuple[list[str], str]] = {
     "max-tokens -1": (["run", "--max-tokens", "-1"], "'--max-tokens'"),
     "n 0": (["run", "--n", "0"], "'--n'"),
     "show -1": (["run", "--show", "-1"], "'--show'"),
+    "empty prompt": (["run", "--prompt", "hi", "--prompt", ""], "--prompt 2: empty prompt"),
+    "lone surrogate prompt": (["run", "--prompt", "a\ud800b"], "lone surrogate"),
     "top-p 2": (["run", "--top-p", "2"], "'--top-p'"),
     "top-p 0": (["run", "--top-p", "0"], "'--top-p'"),
     "temperature -1": (["run", "--temperature", "-1"], "'--temperature'"),
@@ -135,7 +137,6 @@ CASES: dict[str, tuple[list[str], str]] = {
 
 # inputs that can only be judged once the model is built (the tokenizer counts a prompt's tokens)
 AFTER_LOAD: dict[str, tuple[list[str], str]] = {
-    "empty prompt": (["run", "--prompt", ""], "empty prompt"),
     "prompt longer than the context": (["run", "--max-model-len", "8", "--dataset", "{files}/long.json"], "shorten"),
 }
 

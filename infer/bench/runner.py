@@ -13,8 +13,9 @@ from infer.bench.progress import ProgressLines, ProgressMode, progress
 from infer.bench.workloads import NEEDS_VOCAB, Workload, load_workload
 from infer.core.config import EngineConfig
 from infer.core.engine import Engine
-from infer.core.errors import ConfigError
+from infer.core.errors import ConfigError, RequestError
 from infer.core.profiler import StepProfiler, format_profile
+from infer.core.prompts import check_text
 from infer.core.request import RequestOutput, SamplingParams
 
 
@@ -57,8 +58,6 @@ def run_command(config: EngineConfig, dataset: str, prompts: list[str], num_prom
     base_config = config.replace(**baseline) if baseline is not None else None
     if base_config is not None:
         base_config.validate()
-    if show < 0:
-        raise ConfigError(f"--show must be >= 0, got {show}")
     if beam_width is not None and beam_width < n:
         raise ConfigError(f"--beam-width {beam_width} is less than --n {n}: beam search returns the best --n of "
                           f"--beam-width beams, so use --beam-width {n} or more")
@@ -70,6 +69,11 @@ def run_command(config: EngineConfig, dataset: str, prompts: list[str], num_prom
     workload_args = dict(name=dataset, num_prompts=num_prompts, max_tokens=max_tokens, seed=config.seed)
     workload: Workload | None = None
     if prompts:
+        for i, text in enumerate(prompts):
+            try:
+                check_text(text)
+            except RequestError as exc:
+                raise RequestError(f"--prompt {i + 1}: {exc}") from None
         workload = Workload("prompts", list(prompts), [params.max_tokens] * len(prompts), chat=True)
     elif dataset not in NEEDS_VOCAB:  # files are read and parsed now, not after the weights load
         workload = load_workload(vocab_size=0, **workload_args)

@@ -12,7 +12,7 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-from infer.core.errors import ConfigError, RequestError
+from infer.core.errors import ConfigError, RequestError, one_line
 
 
 def load_chat_template(value: str | None) -> str | None:
@@ -79,6 +79,13 @@ def chat_token_ids(
     for i, m in enumerate(messages):
         if not isinstance(m, Mapping) or not isinstance(m.get("role"), str):
             raise RequestError(f"message {i} of the conversation is not a dict with a 'role' string: fix the messages")
+        content = m.get("content")
+        if isinstance(content, str):
+            try:
+                content.encode("utf-8")
+            except UnicodeEncodeError as exc:  # a lone surrogate ("\ud800"): no tokenizer can encode it
+                raise RequestError(f"message {i}'s content is not valid Unicode: {content[exc.start]!r} at index "
+                                   f"{exc.start} is a lone surrogate; fix the text") from None
     kwargs = check_template_kwargs(tokenizer, chat_template_kwargs)
     try:
         out = tokenizer.apply_chat_template(
@@ -101,4 +108,4 @@ def _is_file(path: Path) -> bool:
 
 
 def _one_line(exc: BaseException) -> str:
-    return " ".join(str(exc).split()) or type(exc).__name__
+    return one_line(exc) or type(exc).__name__

@@ -218,9 +218,9 @@ class Engine:
                 try:
                     order.append(self.add_request(prompt, p))
                 except Exception as exc:  # this prompt alone is refused; its neighbours' ids and seeds are untouched
-                    rid = f"rejected-{next(self._rejected)}"
-                    order.append(rid)
-                    results[rid] = rejected_output(rid, prompt, exc)
+                    refused = self.refused(prompt, exc)
+                    order.append(refused.request_id)
+                    results[refused.request_id] = refused
             while self.has_unfinished():
                 for o in self.step():
                     results[o.request_id] = o
@@ -228,6 +228,10 @@ class Engine:
             self._abandon(list(self.output.groups))
             raise
         return [results[rid] for rid in order]
+
+    def refused(self, prompt: Any, exc: Exception) -> RequestOutput:
+        """The output of a prompt refused before it ran, under an id of its own (`rejected-N`)."""
+        return rejected_output(f"rejected-{next(self._rejected)}", prompt, exc)
 
     def _abandon(self, request_ids: list[str]) -> None:
         """After a failed step: end these requests, free their blocks and forget them, leaving the

@@ -34,7 +34,7 @@ def split_prompt(prompt: Any, vocab_size: int) -> tuple[str | None, list[int] | 
     if isinstance(prompt, dict):
         return _split_dict(prompt, vocab_size)
     if isinstance(prompt, str):
-        return _check_text(prompt), None
+        return check_text(prompt), None
     if isinstance(prompt, (bytes, bytearray)):
         raise RequestError(f"prompt is {type(prompt).__name__}, not text: decode it first (prompt.decode('utf-8'))")
     if isinstance(prompt, (list, tuple)):
@@ -53,14 +53,14 @@ def _split_dict(prompt: dict, vocab_size: int) -> tuple[str | None, list[int] | 
         text = prompt[TEXT_KEY]
         if not isinstance(text, str):
             raise RequestError(f"'{TEXT_KEY}' must be a string, not {type(text).__name__}: put token ids under '{TOKENS_KEY}'")
-        return _check_text(text), None
+        return check_text(text), None
     ids = prompt[TOKENS_KEY]
     if not isinstance(ids, (list, tuple)):
         raise RequestError(f"'{TOKENS_KEY}' must be a list of token ids, not {type(ids).__name__}")
     return None, _check_ids(ids, vocab_size)
 
 
-def _check_text(text: str) -> str:
+def check_text(text: str) -> str:
     if not text:
         raise RequestError("empty prompt: give at least one character or token id")
     try:

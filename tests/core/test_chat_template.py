@@ -136,10 +136,12 @@ def test_unrenderable_conversations_get_an_error_and_the_others_run(llm):
     alone = [llm.chat(c, GREEDY)[0].outputs[0].token_ids for c in good]
     two_users = [{"role": "user", "content": "a"}, {"role": "user", "content": "b"}]
     no_content = [{"role": "user"}]
-    outs = llm.chat([good[0], two_users, good[1], no_content, "not a conversation"], GREEDY)
-    assert [o.error is None for o in outs] == [True, False, True, False, False]
+    surrogate = [{"role": "user", "content": "a\ud800b"}]
+    outs = llm.chat([good[0], two_users, good[1], no_content, "not a conversation", surrogate], GREEDY)
+    assert [o.error is None for o in outs] == [True, False, True, False, False, False]
     assert "roles must alternate" in outs[1].error and "\n" not in outs[1].error
     assert "content" in outs[3].error
+    assert "lone surrogate" in outs[5].error and len({o.request_id for o in outs}) == len(outs)
     assert [outs[0].outputs[0].token_ids, outs[2].outputs[0].token_ids] == alone
     assert llm.chat(good[1], GREEDY)[0].outputs[0].token_ids == alone[1]  # the engine is still usable
 
