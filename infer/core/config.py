@@ -65,7 +65,6 @@ class EngineConfig:
     draft: str | None = None  # draft model for speculative decoding
     num_speculative_tokens: int = 4
     exit_layer: int | None = None  # early exit: layers kept
-    trust_chat_template: bool = True
 
     def validate(self) -> None:
         """Every field's type and range, then the names a string field must be one of."""

@@ -52,6 +52,8 @@ RANGES: dict[str, tuple[Callable[[Any], bool], str]] = {
     "num_speculative_tokens": (lambda v: v >= 1, "an integer >= 1"),
     "exit_layer": (lambda v: v >= 1, "an integer >= 1 (decoder layers kept), or None"),
     "draft": (lambda v: v.strip() != "", "ngram, self, or a model name or folder"),
+    "revision": (lambda v: v.strip() != "", "a branch, tag or commit of the HF repo, or None for main"),
+    "chat_template": (lambda v: v.strip() != "", "a jinja file's path or the template's text, or None for the model's"),
     **{slot: (lambda v: v.strip() != "", "a registered strategy name (see `infer plugins`)")
        for slot in ("attention", "prefill_attention", "kv_allocator", "scheduler", "sampler", "decoding", "detokenizer")},
 }
@@ -124,6 +126,8 @@ def parse_option(cls: type, name: str, text: str, where: str) -> Any:
     """`where` ("--baseline 'block_size=abc'") starts the message. Field names may use dashes."""
     types = field_types(cls)
     key = name.strip().replace("-", "_")
+    if not key:
+        raise ConfigError(f"{where}: no option name before '=': write FIELD=VALUE, e.g. block_size=32")
     if key not in types:
         raise _unknown([name.strip()], types)
     kind = types[key]

@@ -67,7 +67,10 @@ def test_resaved_smollm2_is_greedy_equal_to_hf(resaved_smollm2):
 # --------------------------------------------------------------------------- tiny Llama, every RoPE type
 
 HEAD_DIM = TINY_CONFIG["hidden_size"] // TINY_CONFIG["num_attention_heads"]  # 16: 8 frequencies
-ROPES = {  # rope_parameters; each changes the frequencies (or the scaling) at the prompts' positions
+# rope_parameters. Each but dynamic changes the frequencies (or the scaling) at the prompts' positions;
+# dynamic equals default up to max_position_embeddings, the context it is capped at (HF rescales only
+# past it), so its case checks that the engine reads the type and keeps the default frequencies there.
+ROPES = {
     "llama3": dict(rope_type="llama3", rope_theta=500000.0, factor=8.0, low_freq_factor=1.0, high_freq_factor=4.0,
                    original_max_position_embeddings=64),
     "linear": dict(rope_type="linear", rope_theta=10000.0, factor=4.0),
