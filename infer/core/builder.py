@@ -127,8 +127,9 @@ def build_engine(config: EngineConfig, extra_plugins: Iterable[Any] = (), parall
                           f"({why}): use at most {context}")
     if config.exit_layer is not None and not 1 <= config.exit_layer <= model_config.num_layers:
         raise ConfigError(f"--exit-layer must be in [1, {model_config.num_layers}] for {source.name}")
+    layers = Layers(**{kind: registry.layer(kind, device.type) for kind in LAYER_KINDS})
     if source.path is not None and (parallel is None or parallel.is_driver):  # headers only: no weight is read
-        check_weight_shapes(meta_model(source, model_config), source.path)
+        check_weight_shapes(meta_model(source, model_config, layers), source.path)
     # every check that needs no weights comes before the first weights load: the draft's, the cache's
     draft_source = None
     if composition.decoder.capabilities.needs_draft and config.draft not in ("ngram", "self"):
@@ -148,7 +149,6 @@ def build_engine(config: EngineConfig, extra_plugins: Iterable[Any] = (), parall
             parallel.teardown.append(fast.close)
         parallel = dataclasses.replace(parallel, fast_all_reduce=fast)
 
-    layers = Layers(**{kind: registry.layer(kind, device.type) for kind in LAYER_KINDS})
     model, attention = _build_model(source, model_config, composition, layers, config, device, dtype, max_model_len, parallel)
     if all_reduce and parallel.exchange is not None and getattr(model, "pushes", False):
         all_reduce += "; one-token steps' sums pushed by the row-parallel GEMVs and the embedding"

@@ -171,12 +171,13 @@ def check_weight_shapes(model: nn.Module, folder: Path) -> None:
             check_shape(name, shape, model.checkpoint_shape(name), str(file))
 
 
-def meta_model(source: ModelSource, config: ModelConfig) -> nn.Module:
-    """The model of `source` at --tp 1 on the meta device: its parameters' shapes and no memory."""
+def meta_model(source: ModelSource, config: ModelConfig, layers: Any = None) -> nn.Module:
+    """The model of `source` at --tp 1 on the meta device: its parameters' shapes and no memory.
+    layers: the run's (a quantized linear's weights have other shapes); None: the plain torch ones."""
     from infer.plugins.models.layers import default_layers
 
     with torch.device("meta"):
-        return source.architecture.factory(config, default_layers(), None)
+        return source.architecture.factory(config, layers if layers is not None else default_layers(), None)
 
 
 def load_weights(model: nn.Module, folder: Path, sharded: bool = False) -> None:
