@@ -11,7 +11,7 @@ from typing import Any, Callable
 
 import click
 
-from infer.core.errors import ConfigError, InferError
+from infer.core.errors import ConfigError, InferError, one_line
 
 def _slot_help(what: str, builtin: str) -> str:
     return f"{what}: {builtin}, or a plugin's (`infer plugins` lists every installed name)."
@@ -83,7 +83,7 @@ def user_errors(f: Callable[..., Any]) -> Callable[..., Any]:
         try:
             return f(*args, **kwargs)
         except InferError as exc:
-            click.echo(f"error: {_one_line(str(exc))}", err=True)
+            click.echo(f"error: {one_line(str(exc))}", err=True)
             sys.exit(exc.exit_code)
 
     return wrapper
@@ -139,10 +139,6 @@ def _writable(ctx: click.Context, param: click.Parameter, path: Path | None) -> 
     return path
 
 
-def _one_line(text: str) -> str:
-    return " ".join(text.split())
-
-
 class OneLineErrors(click.Group):
     """Every user error, click's usage errors and InferErrors alike, is one `error: ...` line on stderr."""
 
@@ -159,10 +155,10 @@ class OneLineErrors(click.Group):
             ctx = getattr(exc, "ctx", None)
             hint = f" (see `{ctx.command_path} --help`)" if ctx is not None else ""
             message = exc.format_message()
-            click.echo(f"error: {_one_line(message[:1].lower() + message[1:]).rstrip('.')}{hint}", err=True)
+            click.echo(f"error: {one_line(message[:1].lower() + message[1:]).rstrip('.')}{hint}", err=True)
             sys.exit(exc.exit_code)
         except InferError as exc:  # a command registered by a plugin, without @user_errors
-            click.echo(f"error: {_one_line(str(exc))}", err=True)
+            click.echo(f"error: {one_line(str(exc))}", err=True)
             sys.exit(exc.exit_code)
         except click.Abort as exc:  # Ctrl-C (click turns KeyboardInterrupt into Abort) or EOF at a prompt
             interrupted = isinstance(exc.__cause__, KeyboardInterrupt)

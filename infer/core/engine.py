@@ -13,7 +13,7 @@ from typing import Any, Iterable, Sequence
 import torch
 
 from infer.core.block_mover import BlockMover
-from infer.core.errors import RequestError
+from infer.core.errors import RequestError, one_line
 from infer.core.interfaces import Decoder, KVUsage, Scheduler
 from infer.core.output import Group, OutputProcessor
 from infer.core.prompts import split_prompt
@@ -299,4 +299,4 @@ def rejected_output(request_id: str, prompt: Any, exc: Exception) -> RequestOutp
     """The output of a prompt refused before it ran: `error` is one line naming the problem and the fix."""
     error = str(exc) if isinstance(exc, RequestError) else f"this prompt could not be added ({type(exc).__name__}: {exc})"
     text = prompt if isinstance(prompt, str) else None
-    return RequestOutput(request_id, text, [], [], finished=True, error=" ".join(error.split()))
+    return RequestOutput(request_id, text, [], [], finished=True, error=one_line(error))

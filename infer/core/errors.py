@@ -29,8 +29,8 @@ class ModelLoadError(InferError):
     """A model folder, weight file or tokenizer is missing or unreadable."""
 
 
-def one_line(exc: BaseException) -> str:
-    """A library's exception message on one line (some span several), for a message of ours to quote."""
+def one_line(exc: BaseException | str) -> str:
+    """A message on one line (a library's may span several), for an error line or a message of ours to quote."""
     return " ".join(str(exc).split())
 
 
