@@ -67,8 +67,10 @@ class LLM:
         return self.engine.has_unfinished()
 
     def abort(self, request_id: str) -> None:
-        """End an unfinished request; a RequestError names an unknown or finished id. From another
-        thread during `generate` it takes effect at the next step (its output says "abort")."""
+        """End an unfinished request; a RequestError names an unknown or finished id. Ids are those
+        `add_request` returned; `generate` gives its prompts the engine's automatic ids in order (the
+        outputs' `request_id`). From another thread during `generate` or `step` it takes effect at the
+        next step (the output's finish reason is "abort")."""
         self.engine.request_abort(request_id)
         if self._lock.acquire(blocking=False):  # idle: apply it now rather than at some later step
             try:
