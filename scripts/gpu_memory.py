@@ -55,6 +55,8 @@ def main() -> int:
     p.add_argument("--engines", type=int, default=3)
     p.add_argument("--why", action="store_true")
     p.add_argument("--text", action="store_true", help="text prompts and a mix of sampling settings (needs a tokenizer)")
+    p.add_argument("--single", action="store_true", help="one prompt (batch-1 decode: the GEMV path)")
+    p.add_argument("--keep-memory", action="store_true", help="close() without releasing the runners (as before it did)")
     p.add_argument("--vary", nargs="*", default=[], help="FIELD=VALUE overrides (Python literals)")
     args = p.parse_args()
     import ast
@@ -62,13 +64,19 @@ def main() -> int:
     from infer import LLM, SamplingParams
 
     overrides = {k: ast.literal_eval(v) for k, v in (s.split("=", 1) for s in args.vary)}
+    if args.keep_memory:
+        from infer.core.runner import ModelRunner
+
+        ModelRunner.release = lambda self: None
     start = used_gib()
     print(f"start {start:.2f} GiB used; overrides {overrides}")
     worst = 0.0
     for i in range(args.engines):
         llm = LLM(model=args.model, load_format=args.load_format, **overrides)
         built = used_gib()
-        if args.text:
+        if args.single:
+            outs = llm.generate([[(13 * k) % 30000 + 10 for k in range(128)]], SamplingParams(max_tokens=64, temperature=0, ignore_eos=True))
+        elif args.text:
             mix = [SamplingParams(max_tokens=24, temperature=0), SamplingParams(max_tokens=24, temperature=0.8, seed=1),
                    SamplingParams(max_tokens=24, n=2, temperature=1.0), SamplingParams(max_tokens=24, logprobs=3),
                    SamplingParams(max_tokens=24, stop=["e"]), SamplingParams(max_tokens=16, use_beam_search=True, best_of=3)]
