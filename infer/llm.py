@@ -91,7 +91,7 @@ class LLM:
         by `chat_template` (a jinja file's path or text; default: the model's or --chat-template's).
         chat_template_kwargs reach the template (enable_thinking, ...); tools are OpenAI-style dicts.
         A conversation the template cannot render gets an output with `error` set; the others run."""
-        from infer.core.chat_template import check_template_kwargs, load_chat_template, template_for
+        from infer.core.chat_template import chat_token_ids, check_template_kwargs, load_chat_template, template_for
 
         conversations = [messages] if messages and isinstance(messages[0], Mapping) else list(messages)
         template = template_for(self.engine.tokenizer, load_chat_template(chat_template))
@@ -104,7 +104,7 @@ class LLM:
         errors: dict[int, str] = {}
         for i, conversation in enumerate(conversations):
             try:
-                prompts[i] = apply_chat_template(self.engine.tokenizer, conversation, template, add_generation_prompt,  # type: ignore[arg-type]
+                prompts[i] = chat_token_ids(self.engine.tokenizer, conversation, template, add_generation_prompt,  # type: ignore[arg-type]
                                                  chat_template_kwargs, tools)
             except RequestError as exc:
                 errors[i] = str(exc)
@@ -131,17 +131,3 @@ class LLM:
     def __exit__(self, *exc: object) -> None:
         self.close()
 
-
-def apply_chat_template(
-    tokenizer: Any,
-    messages: Sequence[Mapping[str, Any]],
-    chat_template: str | None = None,
-    add_generation_prompt: bool = True,
-    chat_template_kwargs: Mapping[str, Any] | None = None,
-    tools: Sequence[Mapping[str, Any]] | None = None,
-) -> list[int]:
-    """One conversation's prompt ids, as `tokenizer.apply_chat_template(..., tokenize=True)` gives them
-    (one BOS when the template writes it). chat_template: the template's text; None: the tokenizer's."""
-    from infer.core.chat_template import chat_token_ids
-
-    return chat_token_ids(tokenizer, messages, chat_template, add_generation_prompt, chat_template_kwargs, tools)

@@ -73,13 +73,13 @@ def _percentile(values: list[float], q: float) -> float:
 
 def prepare_prompts(engine: Engine, workload: Workload) -> list[str | list[int]]:
     """Apply the chat template where asked and check every prompt before anything runs."""
-    from infer.llm import apply_chat_template
+    from infer.core.chat_template import chat_token_ids
 
     prompts: list[str | list[int]] = []
     for i, prompt in enumerate(workload.prompts):
         try:
             if workload.chat and isinstance(prompt, str) and engine.tokenizer is not None and getattr(engine.tokenizer, "chat_template", None):
-                prompt = apply_chat_template(engine.tokenizer, [{"role": "user", "content": prompt}])  # ids: one BOS at most
+                prompt = chat_token_ids(engine.tokenizer, [{"role": "user", "content": prompt}])  # ids: one BOS at most
             _, ids = engine.tokenize(prompt)
         except RequestError as exc:
             raise RequestError(f"prompt {i} of {workload.name}: {exc}") from exc
