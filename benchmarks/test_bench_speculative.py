@@ -19,7 +19,8 @@ import pytest
 import torch
 
 from infer import SamplingParams
-from infer.llm import LLM, apply_chat_template
+from infer.core.chat_template import chat_token_ids
+from infer.llm import LLM
 
 TEXTS = [
     "The quick brown fox jumps over the lazy dog, and the lazy dog sleeps under the old oak tree.",
@@ -33,7 +34,7 @@ CHAT = ["What is the capital of France?", "Write a haiku about the sea.", "Name 
 
 def prompts_for(llm: LLM, kind: str, n: int) -> list[list[int]]:
     texts = [f"Repeat exactly: {t}" for t in TEXTS] if kind == "repeat" else CHAT
-    return [apply_chat_template(llm.tokenizer, [{"role": "user", "content": texts[i % len(texts)]}]) for i in range(n)]
+    return [chat_token_ids(llm.tokenizer, [{"role": "user", "content": texts[i % len(texts)]}]) for i in range(n)]
 
 
 def timed_run(llm: LLM, prompts, params) -> tuple[float, int]:
