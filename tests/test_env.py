@@ -29,9 +29,10 @@ def environ_reads(source: str) -> list[int]:
         if isinstance(node, ast.Attribute) and isinstance(node.value, ast.Name) and node.value.id == "os":
             if node.attr == "getenv" or (node.attr == "environ" and id(node) not in writes):
                 lines.append(node.lineno)
-        elif isinstance(node, ast.ImportFrom) and node.module == "os":
-            if any(alias.name in ("environ", "getenv") for alias in node.names):
-                lines.append(node.lineno)
+        elif isinstance(node, ast.ImportFrom) and node.module == "os" and any(
+            alias.name in ("environ", "getenv") for alias in node.names
+        ):
+            lines.append(node.lineno)
     return sorted(lines)
 
 
