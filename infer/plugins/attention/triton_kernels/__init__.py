@@ -18,8 +18,8 @@ from infer import env
 
 __all__ = ["dot_config"]
 
-# read once: the submodules' kernels are interpreted or compiled as TRITON_INTERPRET was when they
-# were decorated (imported with this package), and dot_config runs at every launch
+# read once, at import: Triton fixes TRITON_INTERPRET for a kernel when it decorates it (at the import
+# of its submodule, which imports this package first), and dot_config runs at every launch
 _INTERPRETED = env.triton_interpret()
 
 
