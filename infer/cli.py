@@ -11,6 +11,7 @@ from typing import Any, Callable
 
 import click
 
+from infer import env
 from infer.core.errors import ConfigError, InferError, one_line
 
 def _slot_help(what: str, builtin: str) -> str:
@@ -99,7 +100,7 @@ def _extra_plugins() -> list[Any]:
     """Plugins named in INFER_EXTRA_PLUGINS ("module:attr,module2"): unpublished plugins for tests and
     plugin development, read by the CLI only (embedding apps pass `LLM(plugins=[...])`)."""
     found = []
-    for item in filter(None, (s.strip() for s in os.environ.get("INFER_EXTRA_PLUGINS", "").split(","))):
+    for item in env.extra_plugins():
         module_name, _, attr = item.partition(":")
         try:
             module = importlib.import_module(module_name)

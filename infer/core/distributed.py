@@ -10,12 +10,12 @@ as long as the engine stays idle.
 
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 
+from infer import env
 from infer.core.errors import ConfigError
 
 
@@ -194,10 +194,8 @@ def peer_gpus_reason(device: torch.device, world_size: int) -> str | None:
 def torchrun_host() -> tuple[int, int] | None:
     """(ranks torchrun runs on this host, this process's index among them) when torchrun started this
     process, else None (the engine spawns its ranks itself, all on this host)."""
-    if "RANK" not in os.environ or "WORLD_SIZE" not in os.environ:
-        return None
-    return (int(os.environ.get("LOCAL_WORLD_SIZE", os.environ["WORLD_SIZE"])),
-            int(os.environ.get("LOCAL_RANK", os.environ["RANK"])))
+    placement = env.torchrun()
+    return None if placement is None else (placement.local_world_size, placement.local_rank)
 
 
 def peer_access_reason(parallel: Any) -> str | None:

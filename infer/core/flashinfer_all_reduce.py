@@ -16,12 +16,12 @@ from __future__ import annotations
 
 import contextlib
 import io
-import os
 import time
 from typing import Any
 
 import torch
 
+from infer import env
 from infer.core import pdl
 from infer.core.distributed import peer_gpus_reason
 from infer.core.logging import get_logger
@@ -50,7 +50,7 @@ class FlashInferAllReduce:
         # one-token steps: the row-parallel GEMVs push their partial sums (`infer.core.lamport`), unless
         # INFER_GEMV_PUSH=0 on any rank (the ranks agree: the set-up is collective)
         self.exchange = None
-        if parallel.min(int(os.environ.get("INFER_GEMV_PUSH", "1") != "0")):
+        if parallel.min(int(env.gemv_push())):
             from infer.core.lamport import LamportExchange
 
             self.exchange = LamportExchange.create(parallel, hidden_size, dtype)

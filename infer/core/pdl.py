@@ -8,14 +8,15 @@ Measured with `scripts/gpu_pdl.py` (each run its own process, INFER_PDL=0 and 1)
 from __future__ import annotations
 
 import functools
-import os
 
 import torch
 
+from infer import env
 
-@functools.cache
+
+@functools.cache  # enabled() runs at every kernel launch: the variables are read once per GPU
 def _enabled(device_index: int) -> bool:
-    if os.environ.get("INFER_PDL", "1") == "0" or os.environ.get("TRITON_INTERPRET") == "1":
+    if not env.pdl() or env.triton_interpret():
         return False
     return torch.cuda.get_device_capability(device_index) >= (9, 0)
 

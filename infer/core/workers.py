@@ -36,6 +36,7 @@ from typing import Any, Iterable, Iterator
 
 import torch
 
+from infer import env
 from infer.core.distributed import ParallelState, check_tensor_parallel, error_key, torchrun_host
 from infer.core.errors import ConfigError, InferError, WorkerError
 from infer.core.interfaces import BlockOps
@@ -273,13 +274,15 @@ def _launch(config: Any, extra_plugins: list[Any], device: torch.device) -> tupl
 def _join_torchrun(world_size: int, device: torch.device) -> ParallelState:
     import torch.distributed as dist
 
-    rank, launched = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    placement = env.torchrun()
+    assert placement is not None, "called only under torchrun (build_parallel saw its variables)"
+    rank, launched = placement.rank, placement.world_size
     if launched != world_size:
         raise ConfigError(f"torchrun started {launched} processes but --tp is {world_size}: make them equal "
                           f"(torchrun --nproc-per-node {world_size} ... --tp {world_size})")
     store, _, _ = next(dist.rendezvous("env://", rank=rank, world_size=world_size, timeout=COLLECTIVE_TIMEOUT))
-    _, local_rank = torchrun_host()
-    return _init_groups(dist.PrefixStore("infer-tp/", store), rank, world_size, _rank_device(device, local_rank))
+    return _init_groups(dist.PrefixStore("infer-tp/", store), rank, world_size,
+                        _rank_device(device, placement.local_rank))
 
 
 def _spawn(config: Any, extra_plugins: list[Any], device: torch.device, world_size: int) -> tuple[ParallelState, RankGroup]:

@@ -12,11 +12,11 @@ they can be captured in a CUDA graph (one graph per decode batch size).
 
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass
 
 import torch
 
+from infer import env
 from infer.core.hookspecs import hookimpl
 from infer.core.interfaces import AttentionBatch, AttentionSpec, Capabilities, KVCache
 
@@ -26,7 +26,7 @@ def _available() -> str | None:
         import triton  # noqa: F401
     except ImportError as exc:
         return f"triton is not importable ({exc}); install it with `pip install 'infer[triton]'`"
-    if os.environ.get("TRITON_INTERPRET") == "1":  # CI: the kernels run on the CPU, interpreted
+    if env.triton_interpret():  # CI: the kernels run on the CPU, interpreted
         return None
     if not torch.cuda.is_available():
         return "no CUDA device (set TRITON_INTERPRET=1 to run the Triton kernels on the CPU)"

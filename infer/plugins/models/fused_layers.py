@@ -11,12 +11,12 @@ which is how CI tests them.
 
 from __future__ import annotations
 
-import os
 from typing import Any
 
 import torch
 from torch import nn
 
+from infer import env
 from infer.core.hookspecs import hookimpl
 from infer.core.interfaces import Capabilities
 from infer.plugins.models import layers as plain
@@ -27,7 +27,7 @@ def _triton_reason() -> str | None:
         import triton  # noqa: F401
     except ImportError:
         return "triton is not installed: pip install 'infer[triton]'"
-    if not torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET") != "1":
+    if not torch.cuda.is_available() and not env.triton_interpret():
         return "no CUDA device (set TRITON_INTERPRET=1 to run the kernels on the CPU)"
     return None
 

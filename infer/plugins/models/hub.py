@@ -8,7 +8,6 @@ Nothing here touches the network until `pull` or a download in `snapshot_of` is 
 
 from __future__ import annotations
 
-import os
 import shutil
 import subprocess
 import sys
@@ -19,6 +18,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
+from infer import env
 from infer.core.errors import ModelLoadError
 from infer.plugins.models.gguf_convert import convert_gguf
 
@@ -44,12 +44,8 @@ KNOWN_SOURCES: dict[str, Source] = {
 
 
 def cache_dir() -> Path:
-    """$INFER_CACHE_DIR, else $XDG_CACHE_HOME/infer, else ~/.cache/infer."""
-    if env := os.environ.get("INFER_CACHE_DIR"):
-        return Path(env).expanduser()
-    if xdg := os.environ.get("XDG_CACHE_HOME"):
-        return Path(xdg).expanduser() / "infer"
-    return Path.home() / ".cache" / "infer"
+    """$INFER_CACHE_DIR, else $XDG_CACHE_HOME/infer, else ~/.cache/infer (`infer.env.cache_dir`)."""
+    return env.cache_dir()
 
 
 def _models_dir() -> Path:
@@ -196,11 +192,7 @@ def hf_cache_dir() -> Path:
     huggingface_hub's own constants are fixed when it is first imported."""
     from huggingface_hub import constants
 
-    if env := os.environ.get("HF_HUB_CACHE") or os.environ.get("HUGGINGFACE_HUB_CACHE"):
-        return Path(env).expanduser()
-    if home := os.environ.get("HF_HOME"):
-        return Path(home).expanduser() / "hub"
-    return Path(constants.HF_HUB_CACHE)
+    return env.hf_hub_cache() or Path(constants.HF_HUB_CACHE)
 
 
 def hf_offline() -> bool:
@@ -208,8 +200,7 @@ def hf_offline() -> bool:
     variable set since it was imported."""
     from huggingface_hub import constants
 
-    value = os.environ.get("HF_HUB_OFFLINE") or os.environ.get("TRANSFORMERS_OFFLINE") or ""
-    return bool(constants.HF_HUB_OFFLINE) or value.upper() in constants.ENV_VARS_TRUE_VALUES
+    return bool(constants.HF_HUB_OFFLINE) or env.hf_offline()
 
 
 def _fetch_hint(repo_id: str, revision: str) -> str:

@@ -21,13 +21,13 @@ TRITON_INTERPRET=1 one small tile is used.
 
 from __future__ import annotations
 
-import os
 from typing import Any
 
 import torch
 import triton
 import triton.language as tl
 
+from infer import env
 from infer.plugins.models.triton_layers import lamport_push
 from infer.plugins.triton_pdl import kernel_args, wait_and_release
 
@@ -37,11 +37,14 @@ from infer.plugins.triton_pdl import kernel_args, wait_and_release
 CANDIDATES = [(1, 512, 1), (1, 512, 2), (1, 1024, 4), (1, 4096, 4), (2, 512, 2), (2, 1024, 4), (2, 2048, 8),
               (4, 1024, 4), (4, 256, 2), (8, 256, 4), (8, 128, 2), (16, 128, 4)]
 INTERPRETER_TILE = (4, 32, 1)
+# read once: the kernels below are interpreted or compiled as TRITON_INTERPRET was when they were
+# decorated (at this import), and _tile runs at every launch
+_INTERPRETED = env.triton_interpret()
 _tiles: dict[tuple, tuple[int, int, int]] = {}
 
 
 def _tile(x: torch.Tensor, weight: torch.Tensor, gated: bool) -> tuple[int, int, int]:
-    if os.environ.get("TRITON_INTERPRET") == "1":
+    if _INTERPRETED:
         return INTERPRETER_TILE
     key = (*weight.shape, weight.dtype, x.dtype, weight.device)
     if key not in _tiles:

@@ -10,12 +10,17 @@ Each submodule imports triton at its top, so import them only where they are abo
 
 from __future__ import annotations
 
-import os
 from typing import Any
 
 import torch
 
+from infer import env
+
 __all__ = ["dot_config"]
+
+# read once, at import: Triton fixes TRITON_INTERPRET for a kernel when it decorates it (at the import
+# of its submodule, which imports this package first), and dot_config runs at every launch
+_INTERPRETED = env.triton_interpret()
 
 
 def dot_config(dtype: torch.dtype) -> tuple[Any, str]:
@@ -24,7 +29,7 @@ def dot_config(dtype: torch.dtype) -> tuple[Any, str]:
 
     if dtype == torch.float32:
         return tl.float32, "ieee"  # fp32 caches keep fp32 accuracy, not tf32's 10-bit mantissa
-    if os.environ.get("TRITON_INTERPRET") == "1" and dtype == torch.bfloat16:
+    if _INTERPRETED and dtype == torch.bfloat16:
         # Triton's interpreter multiplies bf16 operands as their raw uint16 bits (numpy has no
         # bf16), so under it bf16 dots run in fp32; compiled kernels use bf16 MMAs.
         return tl.float32, "ieee"
