@@ -91,8 +91,8 @@ def run_kit(*args: str, cwd: Path, env: dict[str, str] | None = None) -> subproc
     return subprocess.run(command, capture_output=True, text=True, cwd=cwd, env=env, timeout=300)
 
 
-def test_example_plugin_passes_the_kit(example_installed, tmp_path):
-    ran = run_kit("--infer-kit", "sampler=temperature-only", cwd=tmp_path)
+def test_example_plugin_passes_the_kit(example_plugin_env, tmp_path):
+    ran = run_kit("--infer-kit", "sampler=temperature-only", cwd=tmp_path, env=example_plugin_env)
     assert ran.returncode == 0, ran.stdout + ran.stderr
     assert "passed" in ran.stdout and "failed" not in ran.stdout
 
