@@ -16,6 +16,7 @@ def infer_cli(*args: str, env: dict[str, str] | None = None) -> subprocess.Compl
     return subprocess.run([sys.executable, "-m", "infer.cli", *args], capture_output=True, text=True, env=env, timeout=300)
 
 
+@pytest.mark.slow  # three CLI processes; the conformance kit test finds the same install quickly
 def test_example_plugin_is_listed_and_runs(example_plugin_env, tiny_llama_dir, tmp_path):
     with pytest.raises(md.PackageNotFoundError):  # installed for the subprocesses only, not into this venv
         md.distribution("infer-example-plugin")
@@ -50,6 +51,7 @@ def broken_plugin_env(tmp_path) -> dict[str, str]:
     return env
 
 
+@pytest.mark.slow
 def test_broken_plugin_is_reported_and_does_not_break_a_run(broken_plugin_env, tiny_llama_dir, tmp_path):
     listed = infer_cli("plugins", env=broken_plugin_env)
     assert listed.returncode == 0
