@@ -1,9 +1,10 @@
 """Shared fixtures: a tiny random Llama saved as an HF folder, the real SmolLM2 (pulled once), and
-the example plugin pip-installed for a test module."""
+the example plugin installed into a private folder that subprocesses see through PYTHONPATH."""
 
 from __future__ import annotations
 
 import os
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -67,10 +68,17 @@ def smollm2_dir() -> Path:
 EXAMPLE = Path(__file__).resolve().parents[1] / "examples" / "infer-example-plugin"
 
 
-@pytest.fixture(scope="module")
-def example_installed():
-    """examples/infer-example-plugin installed (no deps) for the module's tests, uninstalled after."""
-    pip = [sys.executable, "-m", "pip", "install", "-q", "--no-deps", "--no-build-isolation", str(EXAMPLE)]
+@pytest.fixture(scope="session")
+def example_plugin_env(tmp_path_factory) -> dict[str, str]:
+    """The environment of a subprocess that sees examples/infer-example-plugin as installed.
+
+    pip installs a copy (the build writes build/ and *.egg-info beside its sources) into a private
+    target, never into the running venv; the target on PYTHONPATH puts the plugin's dist-info on
+    sys.path, so importlib.metadata finds its entry points as it finds a real install's."""
+    scratch = tmp_path_factory.mktemp("example-plugin")
+    source, target = scratch / "src", scratch / "site"
+    shutil.copytree(EXAMPLE, source, ignore=shutil.ignore_patterns("build", "*.egg-info", "__pycache__"))
+    pip = [sys.executable, "-m", "pip", "install", "-q", "--no-deps", "--no-build-isolation", "--no-compile",
+           "--target", str(target), str(source)]
     subprocess.run(pip, check=True, capture_output=True, timeout=300)
-    yield
-    subprocess.run([sys.executable, "-m", "pip", "uninstall", "-y", "-q", "infer-example-plugin"], check=True, timeout=300)
+    return {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(target), os.environ.get("PYTHONPATH")]))}

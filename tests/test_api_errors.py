@@ -151,6 +151,7 @@ def test_vllm_prompt_dicts_run_like_plain_prompts(tiny_llama_dir, alone):
     assert [c.token_ids for c in single[0].outputs] == [alone[1][2][0][1]]
 
 
+@pytest.mark.slow
 def test_text_prompts_beside_bad_ones_on_smollm2(smollm2_dir):
     llm = LLM(model=str(smollm2_dir), attention="torch")
     params = SamplingParams(max_tokens=6, temperature=0)

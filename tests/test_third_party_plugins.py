@@ -1,7 +1,8 @@
-"""Third-party plugins: the example package pip-installed and run through the CLI; a broken one isolated."""
+"""Third-party plugins: the example package installed beside the venv and run through the CLI; a broken one isolated."""
 
 from __future__ import annotations
 
+import importlib.metadata as md
 import json
 import os
 import subprocess
@@ -15,8 +16,11 @@ def infer_cli(*args: str, env: dict[str, str] | None = None) -> subprocess.Compl
     return subprocess.run([sys.executable, "-m", "infer.cli", *args], capture_output=True, text=True, env=env, timeout=300)
 
 
-def test_example_plugin_is_listed_and_runs(example_installed, tiny_llama_dir, tmp_path):
-    listed = infer_cli("plugins")
+@pytest.mark.slow  # three CLI processes; the conformance kit test finds the same install quickly
+def test_example_plugin_is_listed_and_runs(example_plugin_env, tiny_llama_dir, tmp_path):
+    with pytest.raises(md.PackageNotFoundError):  # installed for the subprocesses only, not into this venv
+        md.distribution("infer-example-plugin")
+    listed = infer_cli("plugins", env=example_plugin_env)
     assert listed.returncode == 0, listed.stderr
     row = next(line.split() for line in listed.stdout.splitlines() if "temperature-only" in line)
     assert row[:4] == ["sampler", "temperature-only", "infer-example-plugin", "0.1.0"]
@@ -25,12 +29,12 @@ def test_example_plugin_is_listed_and_runs(example_installed, tiny_llama_dir, tm
     data.write_text(json.dumps([[5, 6, 7], [8, 9]]))
     out = tmp_path / "r.json"
     ran = infer_cli("run", "--model", str(tiny_llama_dir), "--sampler", "temperature-only", "--dataset", str(data),
-                    "--max-tokens", "4", "--no-progress", "--json-out", str(out))
+                    "--max-tokens", "4", "--no-progress", "--json-out", str(out), env=example_plugin_env)
     assert ran.returncode == 0, ran.stderr
     record = json.loads(out.read_text())["records"][0]
     assert record["config"]["sampler"] == "temperature-only" and record["output_tokens"] == 8
 
-    hello = infer_cli("example-hello")  # a command added through infer_register_commands
+    hello = infer_cli("example-hello", env=example_plugin_env)  # a command added through infer_register_commands
     assert hello.returncode == 0 and "hello from infer-example-plugin" in hello.stdout
 
 
@@ -47,6 +51,7 @@ def broken_plugin_env(tmp_path) -> dict[str, str]:
     return env
 
 
+@pytest.mark.slow
 def test_broken_plugin_is_reported_and_does_not_break_a_run(broken_plugin_env, tiny_llama_dir, tmp_path):
     listed = infer_cli("plugins", env=broken_plugin_env)
     assert listed.returncode == 0

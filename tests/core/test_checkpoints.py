@@ -54,6 +54,7 @@ def resaved_smollm2(smollm2_dir, tmp_path_factory) -> Path:
     return folder
 
 
+@pytest.mark.slow
 def test_resaved_smollm2_is_greedy_equal_to_hf(resaved_smollm2):
     config = json.loads((resaved_smollm2 / "config.json").read_text())
     assert "rope_theta" not in config and config["rope_parameters"]["rope_theta"] == 100000.0  # not vacuous

@@ -14,6 +14,9 @@ import torch
 from infer import SamplingParams
 from infer.llm import LLM
 
+# test_kv_memory_tiny.py runs the same KV paths quickly; beam search against HF is checked only here
+pytestmark = pytest.mark.slow
+
 SYSTEM = "You are a helpful assistant who answers briefly and precisely, in plain English, without lists. "
 PROMPTS = [
     SYSTEM + "The capital of France is",

@@ -34,6 +34,7 @@ def params():
     return SamplingParams(max_tokens=MAX_TOKENS, temperature=0, ignore_eos=True)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("scheduler", ["fcfs", "static"])
 @pytest.mark.parametrize("sampler", ["vectorized", "naive"])
 def test_greedy_identical_to_hf(smollm2_dir, hf_tokens, params, scheduler, sampler):
@@ -42,6 +43,7 @@ def test_greedy_identical_to_hf(smollm2_dir, hf_tokens, params, scheduler, sampl
     assert [o.outputs[0].token_ids for o in outs] == hf_tokens
 
 
+@pytest.mark.slow
 def test_greedy_identical_to_hf_under_preemption(smollm2_dir, hf_tokens, params):
     # 8 blocks of 16 tokens: two or three requests at a time, so later arrivals are preempted.
     llm = LLM(model=str(smollm2_dir), dtype="float32", num_kv_blocks=8, max_model_len=128, max_num_batched_tokens=64)

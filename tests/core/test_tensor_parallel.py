@@ -72,6 +72,7 @@ def assert_close_logprobs(expected, actual, atol=1e-4):
                 assert max(abs(step_e[t] - step_a[t]) for t in step_e) < atol
 
 
+@pytest.mark.slow
 def test_smollm2_tp3_greedy_identical_to_tp1(smollm2_dir):
     # 9 query heads, 3 KV heads: each rank computes 3 query heads over its one KV head
     params = SamplingParams(max_tokens=24, temperature=0, ignore_eos=True)
@@ -93,16 +94,19 @@ def test_tiny_tp2_logprobs_match_tp1_under_swaps_and_shared_blocks(tiny_llama_di
     assert_close_logprobs(expected, actual)
 
 
+@pytest.mark.slow
 def test_replicated_kv_head_tp2_matches_tp1(one_kv_head_dir):
     options = dict(model=str(one_kv_head_dir), block_size=4)
     assert_close_logprobs(generate(1, PROMPTS, LOGPROBS, **options), generate(2, PROMPTS, LOGPROBS, **options))
 
 
+@pytest.mark.slow
 def test_dummy_weights_are_the_same_model_at_any_tp(tiny_llama_dir):
     options = dict(model=str(tiny_llama_dir), load_format="dummy", block_size=4, seed=3)
     assert_close_logprobs(generate(1, PROMPTS, LOGPROBS, **options), generate(2, PROMPTS, LOGPROBS, **options), atol=1e-5)
 
 
+@pytest.mark.slow
 def test_speculative_self_draft_under_tp(tiny_llama_dir):
     # the draft runner is built by the decoder, outside the builder: its forwards must reach every rank too
     params = SamplingParams(max_tokens=10, temperature=0, ignore_eos=True)
@@ -111,6 +115,7 @@ def test_speculative_self_draft_under_tp(tiny_llama_dir):
     assert [o.outputs[0].token_ids for o in generate(2, PROMPTS, params, **options)] == expected
 
 
+@pytest.mark.slow
 def test_pipelined_decode_under_tp(tiny_llama_dir):
     # the forward queued ahead takes its ids from rank 0's sampled tensor: rank 1 receives them by a broadcast
     params = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)
@@ -132,6 +137,7 @@ llm.close()
 """
 
 
+@pytest.mark.slow
 def test_ranks_started_by_torchrun(tiny_llama_dir, tmp_path):
     # every process runs the same program; rank 0 returns from LLM(...) and drives, rank 1 serves inside it
     import json
@@ -157,6 +163,7 @@ def test_ranks_started_by_torchrun(tiny_llama_dir, tmp_path):
     assert json.loads(lines[0].removeprefix("TOKENS ")) == expected
 
 
+@pytest.mark.slow
 def test_killed_rank_is_a_clear_error_not_a_hang(tiny_llama_dir):
     params = SamplingParams(max_tokens=4, temperature=0, ignore_eos=True)
     llm = LLM(model=str(tiny_llama_dir), block_size=4, tensor_parallel_size=2)
@@ -174,6 +181,7 @@ def test_killed_rank_is_a_clear_error_not_a_hang(tiny_llama_dir):
         llm.close()
 
 
+@pytest.mark.slow
 def test_cli_runs_with_tp(tiny_llama_dir):
     from click.testing import CliRunner
 
@@ -219,6 +227,7 @@ def test_more_ranks_than_gpus_is_refused(tiny_llama_dir, monkeypatch):
         _launch(EngineConfig(tensor_parallel_size=2), [], torch.device("cuda"))
 
 
+@pytest.mark.slow
 def test_symmetric_memory_all_reduce_is_refused_on_the_cpu(tiny_llama_dir):
     # every rank finds it cannot run and says so before any collective set-up: a clear error, no hang
     with pytest.raises(ConfigError, match="--all-reduce symm-mem cannot run: it needs CUDA devices .*use --all-reduce nccl"):

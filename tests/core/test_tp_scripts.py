@@ -11,6 +11,10 @@ import sys
 import textwrap
 from pathlib import Path
 
+import pytest
+
+pytestmark = pytest.mark.slow  # each script starts ranks and waits out a signal
+
 REPO = Path(__file__).resolve().parents[2]
 
 

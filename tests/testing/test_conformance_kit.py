@@ -91,12 +91,13 @@ def run_kit(*args: str, cwd: Path, env: dict[str, str] | None = None) -> subproc
     return subprocess.run(command, capture_output=True, text=True, cwd=cwd, env=env, timeout=300)
 
 
-def test_example_plugin_passes_the_kit(example_installed, tmp_path):
-    ran = run_kit("--infer-kit", "sampler=temperature-only", cwd=tmp_path)
+def test_example_plugin_passes_the_kit(example_plugin_env, tmp_path):
+    ran = run_kit("--infer-kit", "sampler=temperature-only", cwd=tmp_path, env=example_plugin_env)
     assert ran.returncode == 0, ran.stdout + ran.stderr
     assert "passed" in ran.stdout and "failed" not in ran.stdout
 
 
+@pytest.mark.slow
 def test_builtin_strategies_pass_the_kit(tmp_path):
     ran = run_kit("--infer-kit", "attention=torch", "--infer-kit", "kv_allocator=paged,contiguous",
                   "--infer-kit", "decoder=speculative,early-exit", "--infer-kit", "sampler=vectorized,naive", "-rs",
@@ -117,6 +118,7 @@ def broken_plugin_env(tmp_path) -> dict[str, str]:
     return {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(tmp_path), os.environ.get("PYTHONPATH")]))}
 
 
+@pytest.mark.slow
 def test_broken_plugins_fail_the_kit_pointing_at_the_fault(broken_plugin_env, tmp_path):
     ran = run_kit("--infer-kit", "attention=misread-table", "--infer-kit", "sampler=ignores-temperature",
                   cwd=tmp_path, env=broken_plugin_env)

@@ -32,7 +32,7 @@ def small(**knobs):
 
 @pytest.mark.parametrize("batch_spec", BATCH_SPECS, ids=lambda s: s.name)
 @pytest.mark.parametrize("heads", HEADS.values(), ids=HEADS.keys())
-@pytest.mark.parametrize("block_size", [16, 32])
+@pytest.mark.parametrize("block_size", [16, pytest.param(32, marks=pytest.mark.slow)])  # interpreted Triton
 def test_matches_naive(batch_spec, heads, block_size):
     case = make_case(batch_spec, *heads, block_size=block_size, device=DEVICE, seed=7)
     check_backend(PagedCudaAttention, case, atol=1e-5, rtol=1e-5)
@@ -47,7 +47,7 @@ def test_small_prefill_tiles(batch_spec, heads):
 
 
 @pytest.mark.parametrize("heads", HEADS.values(), ids=HEADS.keys())
-@pytest.mark.parametrize("block_size", [16, 32])
+@pytest.mark.parametrize("block_size", [16, pytest.param(32, marks=pytest.mark.slow)])  # interpreted Triton
 def test_split_decode_matches_naive(heads, block_size):
     case = make_case(LONG_DECODE, *heads, block_size=block_size, device=DEVICE, seed=3)
     backend_cls = small(max_splits=8, decode_block_n=16)

@@ -25,6 +25,7 @@ def test_an_empty_model_is_refused(model, monkeypatch, tiny_llama_dir):
     assert len(errors) == 1 and "--model is empty" in errors[0], result.output
 
 
+@pytest.mark.slow
 def test_dummy_weights_keep_the_tokenizer_on_disk(smollm2_dir):
     from transformers import AutoTokenizer
 
