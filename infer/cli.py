@@ -14,6 +14,7 @@ import click
 from infer import env
 from infer.core.errors import ConfigError, InferError, one_line
 
+
 def _slot_help(what: str, builtin: str) -> str:
     return f"{what}: {builtin}, or a plugin's (`infer plugins` lists every installed name)."
 

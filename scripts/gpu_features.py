@@ -18,7 +18,7 @@ from typing import Any
 import torch
 
 from infer.bench.report import run_workload, warm_up
-from infer.bench.workloads import Workload, load_workload
+from infer.bench.workloads import Workload
 from infer.core.config import EngineConfig
 from infer.core.engine import Engine
 from infer.core.request import SamplingParams
@@ -75,8 +75,8 @@ def edit_workload(out_tokens: int = 160) -> Workload:
         f"Copy this Python code exactly as it is:\n\n{CODE}",
         f"Rename the function `mean` to `average` everywhere in this code and print the whole code:\n\n{CODE}",
         f"Add a docstring to each function in this code and print the whole code:\n\n{CODE}",
-        f"Fix the spelling and print the corrected text: The comittee met on Tusday to reveiw the budjet for the new "
-        f"libary. They agred to fund the childrens section first.",
+        "Fix the spelling and print the corrected text: The comittee met on Tusday to reveiw the budjet for the new "
+        "libary. They agred to fund the childrens section first.",
         f"Translate this text into plain bullet points, keeping every fact:\n\n{PASSAGE}",
         f"Print this code twice, one copy after the other:\n\n{CODE}",
     ]

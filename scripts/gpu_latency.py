@@ -16,7 +16,13 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from infer.bench.ceilings import captured_seconds, copy_bandwidth, graph_replay_seconds, kernel_times, kv_bytes_per_token
+from infer.bench.ceilings import (
+    captured_seconds,
+    copy_bandwidth,
+    graph_replay_seconds,
+    kernel_times,
+    kv_bytes_per_token,
+)
 from infer.bench.report import run_workload, warm_up
 from infer.bench.workloads import Workload
 from infer.core.config import EngineConfig
@@ -46,7 +52,7 @@ def gemv_table(bw: float) -> list[dict[str, Any]]:
         rows.append(row)
         print(f"{name:8s} {n:6d}x{k:<6d} cuBLAS {row['cublas_us']:7.1f} us {row['cublas_of_copy']:6.1%}   "
               f"triton {row['triton_us']:7.1f} us {row['triton_of_copy']:6.1%}  [{row['triton_config']}]", flush=True)
-        del ws
+        ws = []  # the copies go before the next shape is allocated
         torch.cuda.empty_cache()
     return rows
 

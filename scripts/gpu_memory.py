@@ -37,7 +37,6 @@ def holders(limit: int = 6) -> None:
             ignore.add(id(obj))
             desc = type(obj).__name__
             if isinstance(obj, dict):
-                keys = [k for k, v in obj.items() if v is chain[-1][1] if chain] if chain else []
                 desc += f" keys~{list(obj)[:4]}"
             elif isinstance(obj, types.FunctionType):
                 desc += f" {obj.__qualname__}"

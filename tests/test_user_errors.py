@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
-
 from types import SimpleNamespace
 
 import click

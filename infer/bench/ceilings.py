@@ -14,7 +14,6 @@ def copy_bandwidth(device: torch.device, num_bytes: int = 2 * 2**30, iters: int 
     src = torch.empty(num_bytes // 2, dtype=torch.float16, device=device)
     dst = torch.empty_like(src)
     seconds = seconds_per_call(lambda: dst.copy_(src), iters, warmup=3)
-    del src, dst
     return 2 * num_bytes / seconds
 
 

@@ -8,8 +8,8 @@ from typing import Any, Sequence
 
 import click
 
-from infer.bench.report import RunRecord, format_table, run_workload
 from infer.bench.progress import ProgressLines, ProgressMode, progress
+from infer.bench.report import RunRecord, format_table, run_workload
 from infer.bench.workloads import NEEDS_VOCAB, Workload, load_workload
 from infer.core.config import EngineConfig
 from infer.core.engine import Engine

@@ -17,19 +17,24 @@ from infer.core.block_mover import BlockMover
 from infer.core.chat_template import load_chat_template
 from infer.core.compose import compose
 from infer.core.config import EngineConfig
-from infer.core.distributed import ParallelState, make_all_reduce, model_kwargs
 from infer.core.cuda_graphs import CudaGraphRunner
+from infer.core.distributed import ParallelState, make_all_reduce, model_kwargs
 from infer.core.engine import EngineParts
 from infer.core.errors import ConfigError
+from infer.core.hybrid_attention import HybridAttention
 from infer.core.interfaces import LAYER_KINDS, AttentionSpec, DecoderContext, Layers
 from infer.core.kv_cache import allocate_kv_cache, budget_bytes, bytes_per_block, num_blocks_for_budget
 from infer.core.logging import get_logger
 from infer.core.output import OutputProcessor
 from infer.core.registry import PluginRegistry
 from infer.core.runner import CERTAIN, LIKELY, UNLIKELY, ModelRunner
-from infer.core.hybrid_attention import HybridAttention
 from infer.plugins.models.loader import (
-    check_weight_shapes, init_dummy_weights, load_tokenizer, load_weights, meta_model, resolve_source,
+    check_weight_shapes,
+    init_dummy_weights,
+    load_tokenizer,
+    load_weights,
+    meta_model,
+    resolve_source,
 )
 
 

@@ -7,11 +7,10 @@ The verdict agrees with `compose` (the builder's own check), which runs last.
 from __future__ import annotations
 
 import dataclasses
-from types import SimpleNamespace
-
 import itertools
 from collections import Counter
 from dataclasses import dataclass, field
+from types import SimpleNamespace
 
 import torch
 

@@ -23,7 +23,6 @@ import torch
 
 from infer.core.distributed import peer_gpus_reason
 
-
 SUPPORTED_DTYPES = (torch.bfloat16, torch.float32)  # what the one-shot kernel is compiled for
 # tensors up to this size go through symmetric memory, larger ones NCCL: on two H200s the one-shot
 # kernel took 6.6 us for 8 KiB (NCCL 19.4), 36.4 us for 4 MiB (NCCL 42.0) and lost at 8 MiB (62.9 vs 57.6)

@@ -42,7 +42,12 @@ from infer.core.errors import ConfigError, InferError, WorkerError
 from infer.core.interfaces import BlockOps
 from infer.core.logging import get_logger
 from infer.core.runner import StepInputs
-from infer.core.spawn_guard import MAIN_GUARD_EXIT, exit_if_rerunning_main, main_guard_message, terminal_interrupts_ignored
+from infer.core.spawn_guard import (
+    MAIN_GUARD_EXIT,
+    exit_if_rerunning_main,
+    main_guard_message,
+    terminal_interrupts_ignored,
+)
 from infer.core.step_channel import StepChannel, serve
 from infer.core.teardown import meet_for_teardown, release_graphs, take_down_groups
 

@@ -24,7 +24,6 @@ import triton.language as tl
 
 from infer.core import pdl
 
-
 # this Triton has the device-side calls (checked once: use_pdl runs at every kernel launch)
 _CUDA = getattr(getattr(tl, "extra", None), "cuda", None)
 HAS_GDC = hasattr(_CUDA, "gdc_wait") and hasattr(_CUDA, "gdc_launch_dependents")

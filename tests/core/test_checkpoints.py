@@ -14,8 +14,8 @@ import torch
 from infer import SamplingParams
 from infer.core.errors import ConfigError, ModelLoadError
 from infer.llm import LLM
-from infer.testing.prompts import SMOLLM2_PROMPTS
 from infer.testing.decoder import TINY_LLAMA as TINY_CONFIG
+from infer.testing.prompts import SMOLLM2_PROMPTS
 
 MAX_TOKENS = 32
 GREEDY = SamplingParams(max_tokens=MAX_TOKENS, temperature=0, ignore_eos=True)

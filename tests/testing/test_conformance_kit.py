@@ -23,7 +23,6 @@ from infer.testing.attention_kit import check_attention, kit_cases, specs_for
 from infer.testing.decoder import check_lossless
 from infer.testing.sampling import check_distribution, check_seeds, distribution_cases
 
-
 BROKEN_PLUGIN = '''
 import torch
 import infer

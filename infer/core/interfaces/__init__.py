@@ -8,14 +8,14 @@ One module per noun (capabilities, attention, kv, scheduling, sampling, decoding
 models); everything is importable from here: `from infer.core.interfaces import AttentionBackend`.
 """
 
-from infer.core.interfaces.capabilities import Capabilities, DEFAULT_CAPABILITIES, capabilities_of
-from infer.core.interfaces.attention import AttentionSpec, AttentionBatch, KVCache, AttentionBackend
-from infer.core.interfaces.kv import KVAllocator, KVUsage, BlockOps
-from infer.core.interfaces.scheduling import ScheduledSeq, SchedulerOutput, StepResult, Scheduler
-from infer.core.interfaces.sampling import SamplerOutput, Sampler
-from infer.core.interfaces.decoding import ModelRunnerLike, DecoderContext, Decoder
+from infer.core.interfaces.attention import AttentionBackend, AttentionBatch, AttentionSpec, KVCache
+from infer.core.interfaces.capabilities import DEFAULT_CAPABILITIES, Capabilities, capabilities_of
+from infer.core.interfaces.decoding import Decoder, DecoderContext, ModelRunnerLike
+from infer.core.interfaces.kv import BlockOps, KVAllocator, KVUsage
+from infer.core.interfaces.models import LAYER_KINDS, CausalLM, CheckpointShapes, Layers, ModelArchitecture, RegisterFn
+from infer.core.interfaces.sampling import Sampler, SamplerOutput
+from infer.core.interfaces.scheduling import ScheduledSeq, Scheduler, SchedulerOutput, StepResult
 from infer.core.interfaces.text import DetokenizedDelta, Detokenizer
-from infer.core.interfaces.models import LAYER_KINDS, CheckpointShapes, Layers, CausalLM, ModelArchitecture, RegisterFn
 
 __all__ = [
     "Capabilities",

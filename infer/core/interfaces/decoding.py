@@ -8,7 +8,7 @@ from typing import TYPE_CHECKING, Any, Callable, Protocol
 from infer.core.interfaces.scheduling import SchedulerOutput, StepResult
 
 if TYPE_CHECKING:
-    from infer.core.config import ModelConfig
+    pass
 
 
 class ModelRunnerLike(Protocol):

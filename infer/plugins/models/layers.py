@@ -12,6 +12,7 @@ from infer.core.hookspecs import hookimpl
 from infer.core.interfaces import Capabilities, Layers
 from infer.core.rope import Rope
 
+
 class RMSNorm(nn.Module):
     capabilities = Capabilities(priority=0)
     # weight * x / rms(x) with `weight` and `eps` as here: a tensor-parallel all-reduce may compute it

@@ -31,7 +31,6 @@ from infer import env
 from infer.plugins.models.triton_layers import lamport_push
 from infer.plugins.triton_pdl import kernel_args, wait_and_release
 
-
 # (BLOCK_N, BLOCK_K, num_warps): few rows and long, coalesced rows of 16-byte loads win at one token;
 # the small tiles serve narrow models (K of a few hundred)
 CANDIDATES = [(1, 512, 1), (1, 512, 2), (1, 1024, 4), (1, 4096, 4), (2, 512, 2), (2, 1024, 4), (2, 2048, 8),
@@ -72,7 +71,6 @@ def _tune(x: torch.Tensor, weight: torch.Tensor, gated: bool) -> tuple[int, int,
                                            calls=max(8, 2 * len(weights)), replays=3)
         except triton.runtime.errors.OutOfResources:  # a tile this GPU cannot hold
             continue
-    del weights
     return min(times, key=times.get)
 
 

@@ -19,7 +19,6 @@ from infer.cli import cli
 from infer.core.errors import ModelLoadError
 from infer.core.registry import PluginRegistry
 from infer.llm import LLM
-from infer.plugins.models import hub
 from infer.plugins.models.loader import resolve_source
 
 MAIN = "a" * 40  # commit hashes of the two snapshots
