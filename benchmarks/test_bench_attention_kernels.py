@@ -87,7 +87,11 @@ def decode_batch(num_kv_heads: int, batch_size: int = BATCH, seq_len: int = SEQ_
         return torch.randn(*shape, generator=gen, device="cuda").to(DTYPE)
 
     kv_cache = tuple(rand(num_blocks, BLOCK_SIZE, num_kv_heads, HEAD_DIM) for _ in range(2))
-    q, k, v = rand(batch_size, num_heads, HEAD_DIM), rand(batch_size, num_kv_heads, HEAD_DIM), rand(batch_size, num_kv_heads, HEAD_DIM)
+    q, k, v = (
+        rand(batch_size, num_heads, HEAD_DIM),
+        rand(batch_size, num_kv_heads, HEAD_DIM),
+        rand(batch_size, num_kv_heads, HEAD_DIM),
+    )
     return spec, batch, kv_cache, q, k, v
 
 
@@ -102,8 +106,12 @@ def decode_fn(name: str, spec, batch, kv_cache, q, k, v):
             torch.arange(0, num_seqs + 1, dtype=torch.int32, device="cuda") * blocks_per_seq,  # indptr
             batch.block_tables_t.flatten(),  # indices
             torch.full((num_seqs,), BLOCK_SIZE, dtype=torch.int32, device="cuda"),  # last_page_len
-            spec.num_heads, spec.num_kv_heads, spec.head_dim, BLOCK_SIZE,
-            q_data_type=DTYPE, kv_data_type=DTYPE,
+            spec.num_heads,
+            spec.num_kv_heads,
+            spec.head_dim,
+            BLOCK_SIZE,
+            q_data_type=DTYPE,
+            kv_data_type=DTYPE,
         )
         return lambda: wrapper.run(q, kv_cache)
     if name == "paged-cuda":

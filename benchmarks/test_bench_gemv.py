@@ -20,8 +20,12 @@ pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a C
 
 HIDDEN, INTERMEDIATE, LAYERS, DTYPE = 4096, 11008, 8, torch.bfloat16
 # (rows, columns) of each projection's weight at tp 1, and the dimension tp splits (0: rows, 1: columns)
-PROJECTIONS = {"qkv": (3 * HIDDEN, HIDDEN, 0), "o": (HIDDEN, HIDDEN, 1),
-               "gate_up": (2 * INTERMEDIATE, HIDDEN, 0), "down": (HIDDEN, INTERMEDIATE, 1)}
+PROJECTIONS = {
+    "qkv": (3 * HIDDEN, HIDDEN, 0),
+    "o": (HIDDEN, HIDDEN, 1),
+    "gate_up": (2 * INTERMEDIATE, HIDDEN, 0),
+    "down": (HIDDEN, INTERMEDIATE, 1),
+}
 
 
 @pytest.fixture(scope="module")
@@ -91,8 +95,11 @@ def test_gemv_layers(benchmark, copy_bandwidth, pdl_switch, tp, impl):
     layer_bytes = sum(w.nbytes for w, _ in layers[0].values())
     per = {name: captured_seconds(lambda i, name=name: project(name, i), calls=LAYERS) for name in PROJECTIONS}
     benchmark.extra_info.update(
-        layer_us=seconds * 1e6, layer_bytes=layer_bytes, achieved_gbps=layer_bytes / seconds / 1e9,
-        ratio_to_copy=layer_bytes / seconds / copy_bandwidth, copy_gbps=copy_bandwidth / 1e9,
+        layer_us=seconds * 1e6,
+        layer_bytes=layer_bytes,
+        achieved_gbps=layer_bytes / seconds / 1e9,
+        ratio_to_copy=layer_bytes / seconds / copy_bandwidth,
+        copy_gbps=copy_bandwidth / 1e9,
         **{f"{name}_us": s * 1e6 for name, s in per.items()},
     )
 

@@ -28,8 +28,12 @@ TEXTS = [
     "Roses are red, violets are blue, sugar is sweet, and so are you.",
     "In the beginning there was the word, and the word was with the engine, and the engine was fast.",
 ]
-CHAT = ["What is the capital of France?", "Write a haiku about the sea.", "Name three planets of the solar system.",
-        "Give me three tips for learning to cook."]
+CHAT = [
+    "What is the capital of France?",
+    "Write a haiku about the sea.",
+    "Name three planets of the solar system.",
+    "Give me three tips for learning to cook.",
+]
 
 
 def prompts_for(llm: LLM, kind: str, n: int) -> list[list[int]]:
@@ -117,11 +121,24 @@ def test_speculative_llama2_7b_cuda(benchmark, tmp_path, draft):
     # timing only: dummy weights, prompts of random ids; a 4-layer 1024-wide draft with the 32000 vocabulary
     folder = tmp_path / "llama-draft"
     folder.mkdir()
-    (folder / "config.json").write_text(json.dumps({
-        "architectures": ["LlamaForCausalLM"], "vocab_size": 32000, "hidden_size": 1024, "intermediate_size": 2816,
-        "num_hidden_layers": 4, "num_attention_heads": 16, "num_key_value_heads": 16, "max_position_embeddings": 4096,
-        "rms_norm_eps": 1e-5, "bos_token_id": 1, "eos_token_id": 2, "torch_dtype": "float16",
-    }))
+    (folder / "config.json").write_text(
+        json.dumps(
+            {
+                "architectures": ["LlamaForCausalLM"],
+                "vocab_size": 32000,
+                "hidden_size": 1024,
+                "intermediate_size": 2816,
+                "num_hidden_layers": 4,
+                "num_attention_heads": 16,
+                "num_key_value_heads": 16,
+                "max_position_embeddings": 4096,
+                "rms_norm_eps": 1e-5,
+                "bos_token_id": 1,
+                "eos_token_id": 2,
+                "torch_dtype": "float16",
+            }
+        )
+    )
     options = dict(draft=str(folder)) if draft == "small-dummy" else dict(draft="self", exit_layer=8)
     common = dict(model="llama2-7b", load_format="dummy", max_num_seqs=8)
     prompts = [[(i * 7919 + j * 104729) % 31000 + 100 for j in range(128)] for i in range(8)]

@@ -18,8 +18,17 @@ import os
 from dataclasses import dataclass
 from pathlib import Path
 
-__all__ = ["Torchrun", "cache_dir", "extra_plugins", "gemv_push", "hf_hub_cache", "hf_offline", "pdl",
-           "torchrun", "triton_interpret"]
+__all__ = [
+    "Torchrun",
+    "cache_dir",
+    "extra_plugins",
+    "gemv_push",
+    "hf_hub_cache",
+    "hf_offline",
+    "pdl",
+    "torchrun",
+    "triton_interpret",
+]
 
 
 def pdl() -> bool:
@@ -92,5 +101,9 @@ def torchrun() -> Torchrun | None:
     if "RANK" not in os.environ or "WORLD_SIZE" not in os.environ:
         return None
     rank, world_size = os.environ["RANK"], os.environ["WORLD_SIZE"]
-    return Torchrun(rank=int(rank), world_size=int(world_size), local_rank=int(os.environ.get("LOCAL_RANK", rank)),
-                    local_world_size=int(os.environ.get("LOCAL_WORLD_SIZE", world_size)))
+    return Torchrun(
+        rank=int(rank),
+        world_size=int(world_size),
+        local_rank=int(os.environ.get("LOCAL_RANK", rank)),
+        local_world_size=int(os.environ.get("LOCAL_WORLD_SIZE", world_size)),
+    )

@@ -20,7 +20,9 @@ class LLM:
     >>> out = llm.generate(["Hello"], SamplingParams(max_tokens=8, temperature=0))
     """
 
-    def __init__(self, model: str = "smollm2-135m", plugins: Iterable[Any] = (), tensor_parallel_size: int = 1, **options: Any) -> None:
+    def __init__(
+        self, model: str = "smollm2-135m", plugins: Iterable[Any] = (), tensor_parallel_size: int = 1, **options: Any
+    ) -> None:
         # options: any EngineConfig field (attention, scheduler, sampler, block_size, num_kv_blocks, ...)
         import structlog
 
@@ -53,7 +55,9 @@ class LLM:
 
     # vLLM LLMEngine-style calls: add requests, step until done, abort from any thread
 
-    def add_request(self, prompt: Prompt, sampling_params: SamplingParams | None = None, request_id: str | None = None) -> str:
+    def add_request(
+        self, prompt: Prompt, sampling_params: SamplingParams | None = None, request_id: str | None = None
+    ) -> str:
         """Queue one prompt (RequestError if it is bad); returns its request id."""
         with self._lock:
             return self.engine.add_request(prompt, sampling_params, request_id)
@@ -104,11 +108,19 @@ class LLM:
         errors: dict[int, str] = {}
         for i, conversation in enumerate(conversations):
             try:
-                prompts[i] = chat_token_ids(self.engine.tokenizer, conversation, template, add_generation_prompt,  # type: ignore[arg-type]
-                                                 chat_template_kwargs, tools)
+                prompts[i] = chat_token_ids(
+                    self.engine.tokenizer,
+                    conversation,
+                    template,
+                    add_generation_prompt,  # type: ignore[arg-type]
+                    chat_template_kwargs,
+                    tools,
+                )
             except RequestError as exc:
                 errors[i] = str(exc)
-        params = [sampling_params[i] for i in prompts] if isinstance(sampling_params, (list, tuple)) else sampling_params
+        params = (
+            [sampling_params[i] for i in prompts] if isinstance(sampling_params, (list, tuple)) else sampling_params
+        )
         outputs = iter(self.generate(list(prompts.values()), params) if prompts else [])
         results = []
         for i in range(len(conversations)):
@@ -130,4 +142,3 @@ class LLM:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
-

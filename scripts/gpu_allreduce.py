@@ -45,19 +45,27 @@ def _rank(rank: int, world_size: int, init_file: str, hidden: int, calls: int) -
         if flashinfer is not None:
             from infer.plugins.models.triton_layers import rms_norm
 
-            row += [captured_seconds(lambda _: flashinfer(x), calls),
-                    captured_seconds(lambda _: rms_norm(fast(x), weight, 1e-5, residual), calls),
-                    captured_seconds(lambda _: flashinfer.add_rms_norm(x, residual, weight, 1e-5), calls)]
+            row += [
+                captured_seconds(lambda _: flashinfer(x), calls),
+                captured_seconds(lambda _: rms_norm(fast(x), weight, 1e-5, residual), calls),
+                captured_seconds(lambda _: flashinfer.add_rms_norm(x, residual, weight, 1e-5), calls),
+            ]
         rows_out.append(row)
         dist.barrier()
     if rank == 0:
-        print(f"all-reduce of [rows, {hidden}] bf16 over {world_size} GPUs ({torch.cuda.get_device_name(0)}), "
-              f"{calls} per CUDA graph, us per all-reduce")
-        print(f"{'rows':>6} {'bytes':>9} {'nccl us':>9} {'symm-mem us':>12} {'nccl/symm':>10}"
-              + (f" {'flashinfer us':>14}" if flashinfer is not None else ""))
+        print(
+            f"all-reduce of [rows, {hidden}] bf16 over {world_size} GPUs ({torch.cuda.get_device_name(0)}), "
+            f"{calls} per CUDA graph, us per all-reduce"
+        )
+        print(
+            f"{'rows':>6} {'bytes':>9} {'nccl us':>9} {'symm-mem us':>12} {'nccl/symm':>10}"
+            + (f" {'flashinfer us':>14}" if flashinfer is not None else "")
+        )
         for rows, nbytes, nccl, symm, *fi in rows_out:
-            print(f"{rows:6d} {nbytes:9d} {nccl * 1e6:9.2f} {symm * 1e6:12.2f} {nccl / symm:9.2f}x"
-                  + (f" {fi[0] * 1e6:14.2f}" if fi else ""))
+            print(
+                f"{rows:6d} {nbytes:9d} {nccl * 1e6:9.2f} {symm * 1e6:12.2f} {nccl / symm:9.2f}x"
+                + (f" {fi[0] * 1e6:14.2f}" if fi else "")
+            )
         if flashinfer is not None:
             print("\nsum + residual add + RMSNorm, us per layer half:")
             print(f"{'rows':>6} {'symm-mem + norm kernel':>23} {'flashinfer fused':>17} {'ratio':>7}")
@@ -97,8 +105,13 @@ def main() -> None:
     import torch.multiprocessing as mp
 
     with tempfile.TemporaryDirectory() as tmp:
-        mp.start_processes(_rank, args=(args.world_size, os.path.join(tmp, "init"), args.hidden, args.calls),
-                           nprocs=args.world_size, start_method="spawn", join=True)
+        mp.start_processes(
+            _rank,
+            args=(args.world_size, os.path.join(tmp, "init"), args.hidden, args.calls),
+            nprocs=args.world_size,
+            start_method="spawn",
+            join=True,
+        )
 
 
 if __name__ == "__main__":

@@ -53,7 +53,9 @@ def run_infer(name: str, workload: str, num_prompts: int | None, **opts: Any) ->
         free_memory()
 
 
-def run_peers(preset: str, workload: str, num_prompts: int, batch_sizes: list[int], with_cb: bool) -> list[dict[str, Any]]:
+def run_peers(
+    preset: str, workload: str, num_prompts: int, batch_sizes: list[int], with_cb: bool
+) -> list[dict[str, Any]]:
     from infer.plugins.models.llama import PRESETS
 
     model = build_hf_model(PRESETS[preset], torch.bfloat16, torch.device("cuda"))
@@ -87,10 +89,16 @@ def main() -> None:
     ap.add_argument("--quick", action="store_true", help="fewer requests (a smoke run)")
     ap.add_argument("--only", default="latency,random,sharegpt,peers")
     ap.add_argument("--attention", default="auto")
-    ap.add_argument("--kv-cache-memory", type=float, default=None,
-                    help="KV cache GiB (default: the engine's, 90%% of the free GPU memory)")
+    ap.add_argument(
+        "--kv-cache-memory",
+        type=float,
+        default=None,
+        help="KV cache GiB (default: the engine's, 90%% of the free GPU memory)",
+    )
     ap.add_argument("--peers", default="latency-1,random-256x256,sharegpt-like", help="workloads the HF peers run")
-    ap.add_argument("--peer-requests", type=int, default=None, help="requests per peer workload (default 128, 64 with --quick)")
+    ap.add_argument(
+        "--peer-requests", type=int, default=None, help="requests per peer workload (default 128, 64 with --quick)"
+    )
     args = ap.parse_args()
     parts = set(args.only.split(","))
     device = torch.device("cuda")
@@ -114,20 +122,28 @@ def main() -> None:
     if "sharegpt" in parts:
         runs.append(run_infer("llama2-7b sharegpt-like", "sharegpt-like", n_big, model="llama2-7b", **common))
     for r in runs:  # as soon as they are known: a cut-short run still reports them
-        print(f"{r['label']}: {r['output_tokens_per_s']:.0f} out tok/s, TPOT p50 {r['tpot_p50_s'] * 1e3:.2f} ms"
-              + (f", MBU {r['mbu']:.0%}" if "mbu" in r else ""), flush=True)
+        print(
+            f"{r['label']}: {r['output_tokens_per_s']:.0f} out tok/s, TPOT p50 {r['tpot_p50_s'] * 1e3:.2f} ms"
+            + (f", MBU {r['mbu']:.0%}" if "mbu" in r else ""),
+            flush=True,
+        )
     peers: list[dict[str, Any]] = []
     if "peers" in parts:
         n_peer = args.peer_requests or (64 if args.quick else 128)
-        for model, workload, n, batches, cb in (("llama2-7b", "latency-1", 1, [1], False),
-                                                ("llama3-8b", "random-256x256", n_peer, [64], True),
-                                                ("llama2-7b", "sharegpt-like", n_peer, [64], True)):
+        for model, workload, n, batches, cb in (
+            ("llama2-7b", "latency-1", 1, [1], False),
+            ("llama3-8b", "random-256x256", n_peer, [64], True),
+            ("llama2-7b", "sharegpt-like", n_peer, [64], True),
+        ):
             if workload not in args.peers.split(","):
                 continue
             done = run_peers(model, workload, n, batches, with_cb=cb)
             for p in done:
-                print(f"{p['label']} {model} {workload} {p['num_requests']} req: {p['output_tokens_per_s']:.0f} out tok/s "
-                      f"{p['error'] or ''}", flush=True)
+                print(
+                    f"{p['label']} {model} {workload} {p['num_requests']} req: {p['output_tokens_per_s']:.0f} out tok/s "
+                    f"{p['error'] or ''}",
+                    flush=True,
+                )
             peers += done
     results["infer"] = runs
     results["peers"] = peers
@@ -142,20 +158,32 @@ def main() -> None:
             extra = f"MBU {r['mbu']:.0%}"
             if "graph_mbu" in r:
                 extra += f" (GPU alone {r['graph_replay_batch1_s'] * 1e3:.2f} ms, {r['graph_mbu']:.0%})"
-        print(f"{r['label']:40s} {r['requests_per_s']:8.2f} {r['output_tokens_per_s']:10.0f} {r['tpot_p50_s'] * 1e3:12.2f} {r['ttft_p50_s'] * 1e3:12.1f} {extra:>40s}")
+        print(
+            f"{r['label']:40s} {r['requests_per_s']:8.2f} {r['output_tokens_per_s']:10.0f} {r['tpot_p50_s'] * 1e3:12.2f} {r['ttft_p50_s'] * 1e3:12.1f} {extra:>40s}"
+        )
     for p in peers:
         label = f"{p['label']} ({p['model']}, {p['num_requests']} req)"
-        print(f"{label:40s} {p['num_requests'] / p['wall_s'] if p['wall_s'] else 0:8.2f} {p['output_tokens_per_s']:10.0f} {'':12s} {'':12s} {(p['error'] or '')[:30]:>30s}")
+        print(
+            f"{label:40s} {p['num_requests'] / p['wall_s'] if p['wall_s'] else 0:8.2f} {p['output_tokens_per_s']:10.0f} {'':12s} {'':12s} {(p['error'] or '')[:30]:>30s}"
+        )
     by = {(p["workload"], p["label"]): p for p in peers}
     for workload, model in (("random-256x256", "llama3-8b"), ("sharegpt-like", "llama2-7b")):
         ours = next((r for r in runs if workload in r["label"]), None)
-        static = [p for p in peers if p["workload"] == workload and p["label"].startswith("hf-static-")
-                  and p["label"] != "hf-static-1" and not p["error"]]
+        static = [
+            p
+            for p in peers
+            if p["workload"] == workload
+            and p["label"].startswith("hf-static-")
+            and p["label"] != "hf-static-1"
+            and not p["error"]
+        ]
         for peer in ([static[0]["label"]] if static else []) + ["hf-continuous"]:
             theirs = by.get((workload, peer))
             if ours is not None and theirs is not None and theirs["output_tokens_per_s"] and not theirs["error"]:
-                print(f"{workload} {model}: infer {ours['output_tokens_per_s']:.0f} / {peer} "
-                      f"{theirs['output_tokens_per_s']:.0f} out tok/s = {ours['output_tokens_per_s'] / theirs['output_tokens_per_s']:.2f}x")
+                print(
+                    f"{workload} {model}: infer {ours['output_tokens_per_s']:.0f} / {peer} "
+                    f"{theirs['output_tokens_per_s']:.0f} out tok/s = {ours['output_tokens_per_s'] / theirs['output_tokens_per_s']:.2f}x"
+                )
     sys.stdout.flush()
 
 

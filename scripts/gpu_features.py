@@ -35,8 +35,10 @@ def run(label: str, workload: Workload, keep_outputs: bool = False, **opts: Any)
         if keep_outputs:
             out["token_ids"] = [o.outputs[0].token_ids for o in outputs]
         out["engine_stats"] = engine.stats()
-        print(f"{label:48s} out tok/s {out['output_tokens_per_s']:8.1f}  TPOT p50 {out['tpot_p50_s'] * 1e3:7.2f} ms  "
-              f"steps {out['steps']}  {json.dumps({k: round(v, 3) for k, v in out['engine_stats'].items() if isinstance(v, float)})}")
+        print(
+            f"{label:48s} out tok/s {out['output_tokens_per_s']:8.1f}  TPOT p50 {out['tpot_p50_s'] * 1e3:7.2f} ms  "
+            f"steps {out['steps']}  {json.dumps({k: round(v, 3) for k, v in out['engine_stats'].items() if isinstance(v, float)})}"
+        )
         return out
     finally:
         engine.close()
@@ -60,11 +62,15 @@ def repetitive_workload(vocab: int, n: int = 8, out_tokens: int = 128) -> Worklo
     return Workload("repetitive", prompts, [out_tokens] * n, ignore_eos=True)
 
 
-PASSAGE = ("The committee met on Tuesday to review the budget for the new library. After a long discussion, "
-           "they agreed to fund the children's section first, then the reading room, and finally the archive. "
-           "The work will start in March and should be finished before the end of the year.")
-CODE = ("def mean(values):\n    total = 0\n    for v in values:\n        total += v\n    return total / len(values)\n\n"
-        "def variance(values):\n    m = mean(values)\n    return sum((v - m) ** 2 for v in values) / len(values)\n")
+PASSAGE = (
+    "The committee met on Tuesday to review the budget for the new library. After a long discussion, "
+    "they agreed to fund the children's section first, then the reading room, and finally the archive. "
+    "The work will start in March and should be finished before the end of the year."
+)
+CODE = (
+    "def mean(values):\n    total = 0\n    for v in values:\n        total += v\n    return total / len(values)\n\n"
+    "def variance(values):\n    m = mean(values)\n    return sum((v - m) ** 2 for v in values) / len(values)\n"
+)
 
 
 def edit_workload(out_tokens: int = 160) -> Workload:
@@ -101,16 +107,26 @@ def main() -> None:
         wl = latency_workload(32000)
         target = run("llama2-13b autoregressive", wl, model="llama2-13b")
         draft = run("llama2-7b autoregressive (the draft alone)", wl, model="llama2-7b")
-        spec = run("llama2-13b speculative, draft llama2-7b, K=4", wl, model="llama2-13b", decoding="speculative",
-                   draft="llama2-7b", num_speculative_tokens=k)
+        spec = run(
+            "llama2-13b speculative, draft llama2-7b, K=4",
+            wl,
+            model="llama2-13b",
+            decoding="speculative",
+            draft="llama2-7b",
+            num_speculative_tokens=k,
+        )
         stats = spec["engine_stats"]
         steps = max(spec["steps"], 1)
         t_t, t_d = target["tpot_p50_s"], draft["tpot_p50_s"]
         t_verify = stats.get("spec_verify_s", 0.0) / steps
         t_draft_step = stats.get("spec_draft_s", 0.0) / steps
         results["spec"] = {
-            "target_step_s": t_t, "draft_step_s": t_d, "draft_target_ratio": t_d / t_t,
-            "verify_step_s": t_verify, "verify_overhead": t_verify / t_t, "draft_k_tokens_s": t_draft_step,
+            "target_step_s": t_t,
+            "draft_step_s": t_d,
+            "draft_target_ratio": t_d / t_t,
+            "verify_step_s": t_verify,
+            "verify_overhead": t_verify / t_t,
+            "draft_k_tokens_s": t_draft_step,
             "predicted_speedup_0.6": predicted_speedup(0.6, k, t_t, t_d, t_verify),
             "predicted_speedup_0.8": predicted_speedup(0.8, k, t_t, t_d, t_verify),
             "measured_draft_model": spec["output_tokens_per_s"] / target["output_tokens_per_s"],
@@ -118,8 +134,14 @@ def main() -> None:
         }
         rep = repetitive_workload(32000)
         base = run("llama2-7b autoregressive, repetitive", rep, model="llama2-7b")
-        ngram = run("llama2-7b speculative ngram K=4, repetitive", rep, model="llama2-7b", decoding="speculative",
-                    draft="ngram", num_speculative_tokens=k)
+        ngram = run(
+            "llama2-7b speculative ngram K=4, repetitive",
+            rep,
+            model="llama2-7b",
+            decoding="speculative",
+            draft="ngram",
+            num_speculative_tokens=k,
+        )
         results["spec"].update(
             ngram_speedup=ngram["output_tokens_per_s"] / base["output_tokens_per_s"],
             ngram_acceptance=ngram["engine_stats"].get("acceptance_rate"),
@@ -131,7 +153,9 @@ def main() -> None:
         full = run("llama2-7b all 32 layers", wl, model="llama2-7b")
         rows = {"32": full["output_tokens_per_s"]}
         for layers in (8, 16, 24):
-            r = run(f"llama2-7b early exit at {layers}/32", wl, model="llama2-7b", decoding="early-exit", exit_layer=layers)
+            r = run(
+                f"llama2-7b early exit at {layers}/32", wl, model="llama2-7b", decoding="early-exit", exit_layer=layers
+            )
             rows[str(layers)] = r["output_tokens_per_s"]
         results["early_exit_tokens_per_s"] = rows
     if "prefix" in parts:
@@ -140,13 +164,20 @@ def main() -> None:
         prompts: list[str | list[int]] = [system + [rng.randrange(10, 32000) for _ in range(32)] for _ in range(256)]
         wl = Workload("shared-system-prompt", prompts, [32] * len(prompts), ignore_eos=True)
         on = run("llama2-7b shared 1024-token prompt, prefix caching on", wl, model="llama2-7b")
-        off = run("llama2-7b shared 1024-token prompt, prefix caching off", wl, model="llama2-7b", enable_prefix_caching=False)
+        off = run(
+            "llama2-7b shared 1024-token prompt, prefix caching off", wl, model="llama2-7b", enable_prefix_caching=False
+        )
         results["prefix"] = {"on": on, "off": off, "speedup": on["total_tokens_per_s"] / off["total_tokens_per_s"]}
     if "real" in parts:
         results["real"] = real_weights(args.real_model, k)
     with open(args.out, "w") as f:
         json.dump(results, f, indent=2, default=str)
-    print("\n" + json.dumps({k: v for k, v in results.items() if k in ("spec", "early_exit_tokens_per_s")}, indent=1, default=str))
+    print(
+        "\n"
+        + json.dumps(
+            {k: v for k, v in results.items() if k in ("spec", "early_exit_tokens_per_s")}, indent=1, default=str
+        )
+    )
     if "prefix" in results:
         print(f"prefix caching on/off total tok/s: {results['prefix']['speedup']:.2f}x")
 
@@ -159,12 +190,21 @@ def real_weights(model: str, k: int) -> dict[str, Any]:
     for batch in (1, 8):
         opts: dict[str, Any] = dict(model=model, load_format="auto", max_num_seqs=batch, keep_outputs=True)
         base = run(f"smollm2 autoregressive, edit prompts, batch {batch}", wl, **opts)
-        rows = {"autoregressive": {"output_tokens_per_s": base["output_tokens_per_s"], "tpot_p50_s": base["tpot_p50_s"]}}
-        variants = [("ngram", dict(draft="ngram"))] + [(f"self-draft L={layer}", dict(draft="self", exit_layer=layer))
-                                                      for layer in (8, 16, 24)]
+        rows = {
+            "autoregressive": {"output_tokens_per_s": base["output_tokens_per_s"], "tpot_p50_s": base["tpot_p50_s"]}
+        }
+        variants = [("ngram", dict(draft="ngram"))] + [
+            (f"self-draft L={layer}", dict(draft="self", exit_layer=layer)) for layer in (8, 16, 24)
+        ]
         for name, extra in variants:
-            r = run(f"smollm2 speculative {name} K={k}, batch {batch}", wl, decoding="speculative",
-                    num_speculative_tokens=k, **extra, **opts)
+            r = run(
+                f"smollm2 speculative {name} K={k}, batch {batch}",
+                wl,
+                decoding="speculative",
+                num_speculative_tokens=k,
+                **extra,
+                **opts,
+            )
             stats = r["engine_stats"]
             same = sum(a == b for a, b in zip(r["token_ids"], base["token_ids"]))
             rows[name] = {

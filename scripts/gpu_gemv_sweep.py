@@ -21,15 +21,37 @@ from infer.plugins.models import triton_gemv
 
 HIDDEN, INTERMEDIATE, COPIES = 4096, 11008, 8
 SHAPES = {  # (N, K) of each rank's weight
-    "tp1 qkv": (3 * HIDDEN, HIDDEN), "tp1 o": (HIDDEN, HIDDEN), "tp1 gate_up": (2 * INTERMEDIATE, HIDDEN),
+    "tp1 qkv": (3 * HIDDEN, HIDDEN),
+    "tp1 o": (HIDDEN, HIDDEN),
+    "tp1 gate_up": (2 * INTERMEDIATE, HIDDEN),
     "tp1 down": (HIDDEN, INTERMEDIATE),
-    "tp2 qkv": (3 * HIDDEN // 2, HIDDEN), "tp2 o": (HIDDEN, HIDDEN // 2), "tp2 gate_up": (INTERMEDIATE, HIDDEN),
-    "tp2 down": (HIDDEN, INTERMEDIATE // 2), "tp2 lm_head": (16000, HIDDEN),
+    "tp2 qkv": (3 * HIDDEN // 2, HIDDEN),
+    "tp2 o": (HIDDEN, HIDDEN // 2),
+    "tp2 gate_up": (INTERMEDIATE, HIDDEN),
+    "tp2 down": (HIDDEN, INTERMEDIATE // 2),
+    "tp2 lm_head": (16000, HIDDEN),
 }
-CONFIGS = [(n, k, w, s) for n, k, w in [(1, 1024, 4), (2, 512, 2), (2, 1024, 4), (4, 256, 2), (4, 512, 4), (4, 1024, 8),
-                                        (8, 128, 2), (8, 256, 4), (8, 512, 4), (8, 512, 8), (16, 128, 4), (16, 256, 4),
-                                        (16, 512, 8), (32, 128, 4), (32, 256, 8)]
-           for s in (1, 2, 3)]
+CONFIGS = [
+    (n, k, w, s)
+    for n, k, w in [
+        (1, 1024, 4),
+        (2, 512, 2),
+        (2, 1024, 4),
+        (4, 256, 2),
+        (4, 512, 4),
+        (4, 1024, 8),
+        (8, 128, 2),
+        (8, 256, 4),
+        (8, 512, 4),
+        (8, 512, 8),
+        (16, 128, 4),
+        (16, 256, 4),
+        (16, 512, 8),
+        (32, 128, 4),
+        (32, 256, 8),
+    ]
+    for s in (1, 2, 3)
+]
 
 
 def main() -> None:
@@ -54,8 +76,22 @@ def main() -> None:
 
                 def call(i: int) -> None:
                     triton_gemv._gemv_kernel[(triton.cdiv(n, bn),)](
-                        x, ws[i % COPIES], y, y, n, k, k, 0, BLOCK_N=bn, BLOCK_K=bk, GATED=False, PEERS=0,
-                        num_warps=warps, num_stages=stages, **extra)
+                        x,
+                        ws[i % COPIES],
+                        y,
+                        y,
+                        n,
+                        k,
+                        k,
+                        0,
+                        BLOCK_N=bn,
+                        BLOCK_K=bk,
+                        GATED=False,
+                        PEERS=0,
+                        num_warps=warps,
+                        num_stages=stages,
+                        **extra,
+                    )
 
                 try:
                     s = captured_seconds(call, calls=2 * COPIES, replays=20)
@@ -67,22 +103,31 @@ def main() -> None:
         for pdl in (True, False):  # tuned on the first call, as an engine's (PDL on) tunes it
             os.environ["INFER_PDL"] = "1" if pdl else "0"
             from infer.core import pdl as switch
+
             switch.reset()
             s = captured_seconds(lambda i: triton_gemv.gemv(x, ws[i % COPIES]), calls=2 * COPIES, replays=20)
             auto[pdl] = {"us": s * 1e6, "tbps": nbytes / s / 1e12}
-        print(f"{name} N={n} K={k} {nbytes / 1e6:.1f} MB: tuned tile plain {auto[False]['us']:.2f} us "
-              f"({auto[False]['tbps']:.2f} TB/s), pdl {auto[True]['us']:.2f} us ({auto[True]['tbps']:.2f}); "
-              f"tuned {[v for kk, v in triton_gemv._tiles.items() if kk[:2] == (n, k)]}", flush=True)
+        print(
+            f"{name} N={n} K={k} {nbytes / 1e6:.1f} MB: tuned tile plain {auto[False]['us']:.2f} us "
+            f"({auto[False]['tbps']:.2f} TB/s), pdl {auto[True]['us']:.2f} us ({auto[True]['tbps']:.2f}); "
+            f"tuned {[v for kk, v in triton_gemv._tiles.items() if kk[:2] == (n, k)]}",
+            flush=True,
+        )
         for pdl in (False, True):
             top = sorted((r for r in rows if r["pdl"] == pdl), key=lambda r: r["us"])[:4]
-            print(f"   best {'pdl  ' if pdl else 'plain'}: " + "; ".join(
-                f"{tuple(r['config'])} {r['us']:.2f} us {r['tbps']:.2f}" for r in top), flush=True)
+            print(
+                f"   best {'pdl  ' if pdl else 'plain'}: "
+                + "; ".join(f"{tuple(r['config'])} {r['us']:.2f} us {r['tbps']:.2f}" for r in top),
+                flush=True,
+            )
         if name.endswith("down"):  # SiLU-and-mul inside the GEMV against its own kernel before it
             from infer.plugins.models.triton_layers import silu_and_mul
 
             h = torch.randn(1, 2 * k, device=dev, dtype=torch.bfloat16)
-            for label, f in (("silu kernel + gemv", lambda i: triton_gemv.gemv(silu_and_mul(h), ws[i % COPIES])),
-                             ("gemv_silu_mul", lambda i: triton_gemv.gemv_silu_mul(h, ws[i % COPIES]))):
+            for label, f in (
+                ("silu kernel + gemv", lambda i: triton_gemv.gemv(silu_and_mul(h), ws[i % COPIES])),
+                ("gemv_silu_mul", lambda i: triton_gemv.gemv_silu_mul(h, ws[i % COPIES])),
+            ):
                 s = captured_seconds(f, calls=2 * COPIES, replays=20)
                 auto[label] = {"us": s * 1e6}
                 print(f"   {label} (pdl): {s * 1e6:.2f} us", flush=True)

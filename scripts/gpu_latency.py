@@ -31,7 +31,13 @@ from infer.core.request import SamplingParams
 from infer.plugins.models import fused_layers, triton_gemv
 from infer.plugins.models.triton_gemv import gemv
 
-SHAPES = {"qkv": (12288, 4096), "o": (4096, 4096), "gate_up": (22016, 4096), "down": (4096, 11008), "lm_head": (32000, 4096)}
+SHAPES = {
+    "qkv": (12288, 4096),
+    "o": (4096, 4096),
+    "gate_up": (22016, 4096),
+    "down": (4096, 11008),
+    "lm_head": (32000, 4096),
+}
 
 
 def gemv_table(bw: float) -> list[dict[str, Any]]:
@@ -43,15 +49,21 @@ def gemv_table(bw: float) -> list[dict[str, Any]]:
         gemv(x, ws[0])  # autotune outside the graph
         torch.testing.assert_close(gemv(x, ws[1]), F.linear(x, ws[1]), atol=2e-2, rtol=2e-2)
         row: dict[str, Any] = {"shape": name, "n": n, "k": k, "weight_mb": n * k * 2 / 1e6}
-        for impl, f in (("cublas", lambda i: F.linear(x, ws[i % copies])), ("triton", lambda i: gemv(x, ws[i % copies]))):
+        for impl, f in (
+            ("cublas", lambda i: F.linear(x, ws[i % copies])),
+            ("triton", lambda i: gemv(x, ws[i % copies])),
+        ):
             t = captured_seconds(f)
             row[f"{impl}_us"] = t * 1e6
             row[f"{impl}_tbs"] = n * k * 2 / t / 1e12
             row[f"{impl}_of_copy"] = n * k * 2 / t / bw
         row["triton_config"] = str(triton_gemv._tiles.get((n, k, x.dtype, x.dtype, x.device)))
         rows.append(row)
-        print(f"{name:8s} {n:6d}x{k:<6d} cuBLAS {row['cublas_us']:7.1f} us {row['cublas_of_copy']:6.1%}   "
-              f"triton {row['triton_us']:7.1f} us {row['triton_of_copy']:6.1%}  [{row['triton_config']}]", flush=True)
+        print(
+            f"{name:8s} {n:6d}x{k:<6d} cuBLAS {row['cublas_us']:7.1f} us {row['cublas_of_copy']:6.1%}   "
+            f"triton {row['triton_us']:7.1f} us {row['triton_of_copy']:6.1%}  [{row['triton_config']}]",
+            flush=True,
+        )
         ws = []  # the copies go before the next shape is allocated
         torch.cuda.empty_cache()
     return rows
@@ -92,12 +104,17 @@ def host_profile(engine: Engine, wl: Workload, top: int = 30) -> str:
     return text
 
 
-def latency(model: str, tokens: int, linear: str, bw: float, profile_kernels: bool, pipeline: bool = True) -> dict[str, Any]:
+def latency(
+    model: str, tokens: int, linear: str, bw: float, profile_kernels: bool, pipeline: bool = True
+) -> dict[str, Any]:
     saved = fused_layers.FusedLinear.forward
     if linear == "cublas":
         fused_layers.FusedLinear.forward = torch.nn.Linear.forward
-    engine = Engine.from_config(EngineConfig(model=model, load_format="dummy", dtype="bfloat16", kv_cache_memory_gib=4.0,
-                                             pipeline_decode=pipeline))
+    engine = Engine.from_config(
+        EngineConfig(
+            model=model, load_format="dummy", dtype="bfloat16", kv_cache_memory_gib=4.0, pipeline_decode=pipeline
+        )
+    )
     try:
         import random
 
@@ -113,12 +130,23 @@ def latency(model: str, tokens: int, linear: str, bw: float, profile_kernels: bo
         mc = engine.parts.model_config
         kv = kv_bytes_per_token(mc.num_layers, mc.num_kv_heads, mc.head_dim, torch.bfloat16) * (128 + tokens // 2)
         step_bytes = weights + kv  # BENCHMARKS.md: weight bytes + KV bytes read per step (mean context)
-        out.update(linear=linear, pipeline=pipeline, graph_replay_s=replay, weight_bytes=weights, kv_bytes=kv,
-                   graph_mbu=step_bytes / replay / bw, mbu=step_bytes / out["tpot_p50_s"] / bw,
-                   pipeline_hits=engine.decoder.runner.pipeline_hits, pipeline_misses=engine.decoder.runner.pipeline_misses)
-        print(f"latency-1 {model} linear={linear} pipeline={pipeline}: TPOT p50 {out['tpot_p50_s'] * 1e3:.3f} ms (MBU {out['mbu']:.1%}), "
-              f"graph replay {replay * 1e3:.3f} ms (MBU {out['graph_mbu']:.1%}), host share "
-              f"{(out['tpot_p50_s'] - replay) * 1e3:.3f} ms; pipelined steps {out['pipeline_hits']}, missed {out['pipeline_misses']}", flush=True)
+        out.update(
+            linear=linear,
+            pipeline=pipeline,
+            graph_replay_s=replay,
+            weight_bytes=weights,
+            kv_bytes=kv,
+            graph_mbu=step_bytes / replay / bw,
+            mbu=step_bytes / out["tpot_p50_s"] / bw,
+            pipeline_hits=engine.decoder.runner.pipeline_hits,
+            pipeline_misses=engine.decoder.runner.pipeline_misses,
+        )
+        print(
+            f"latency-1 {model} linear={linear} pipeline={pipeline}: TPOT p50 {out['tpot_p50_s'] * 1e3:.3f} ms (MBU {out['mbu']:.1%}), "
+            f"graph replay {replay * 1e3:.3f} ms (MBU {out['graph_mbu']:.1%}), host share "
+            f"{(out['tpot_p50_s'] - replay) * 1e3:.3f} ms; pipelined steps {out['pipeline_hits']}, missed {out['pipeline_misses']}",
+            flush=True,
+        )
         if profile_kernels:
             out["kernels"] = kernel_profile(engine)
             out["host_profile"] = host_profile(engine, wl)
@@ -145,9 +173,13 @@ def main() -> None:
     result: dict[str, Any] = {"device": torch.cuda.get_device_name(), "copy_bandwidth": bw}
     if not args.skip_gemv:
         result["gemv"] = gemv_table(bw)
-    result["latency"] = [] if args.skip_cublas else [latency(args.model, args.tokens, "cublas", bw, False, pipeline=False)]
-    result["latency"] += [latency(args.model, args.tokens, "triton", bw, False, pipeline=False),
-                          latency(args.model, args.tokens, "triton", bw, True, pipeline=True)]
+    result["latency"] = (
+        [] if args.skip_cublas else [latency(args.model, args.tokens, "cublas", bw, False, pipeline=False)]
+    )
+    result["latency"] += [
+        latency(args.model, args.tokens, "triton", bw, False, pipeline=False),
+        latency(args.model, args.tokens, "triton", bw, True, pipeline=True),
+    ]
     result["seconds"] = time.time() - started
     with open(args.out, "w") as f:
         json.dump(result, f, indent=1, default=str)

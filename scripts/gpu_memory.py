@@ -29,8 +29,11 @@ def holders(limit: int = 6) -> None:
     for t in tensors[:limit]:
         chain, obj = [], t
         for _ in range(12):
-            refs = [r for r in gc.get_referrers(obj) if id(r) not in ignore and not isinstance(r, types.FrameType)
-                    and r is not chain]
+            refs = [
+                r
+                for r in gc.get_referrers(obj)
+                if id(r) not in ignore and not isinstance(r, types.FrameType) and r is not chain
+            ]
             if not refs:
                 break
             obj = refs[0]
@@ -43,7 +46,10 @@ def holders(limit: int = 6) -> None:
             elif hasattr(obj, "__class__") and not isinstance(obj, (list, tuple)):
                 desc += f" ({type(obj).__module__})"
             chain.append((desc, obj))
-        print(f"  {tuple(t.shape)} {t.dtype} {t.untyped_storage().nbytes() / 2**20:.0f} MiB <- " + " <- ".join(d for d, _ in chain))
+        print(
+            f"  {tuple(t.shape)} {t.dtype} {t.untyped_storage().nbytes() / 2**20:.0f} MiB <- "
+            + " <- ".join(d for d, _ in chain)
+        )
     del tensors
 
 
@@ -53,9 +59,13 @@ def main() -> int:
     p.add_argument("--load-format", default="dummy")
     p.add_argument("--engines", type=int, default=3)
     p.add_argument("--why", action="store_true")
-    p.add_argument("--text", action="store_true", help="text prompts and a mix of sampling settings (needs a tokenizer)")
+    p.add_argument(
+        "--text", action="store_true", help="text prompts and a mix of sampling settings (needs a tokenizer)"
+    )
     p.add_argument("--single", action="store_true", help="one prompt (batch-1 decode: the GEMV path)")
-    p.add_argument("--keep-memory", action="store_true", help="close() without releasing the runners (as before it did)")
+    p.add_argument(
+        "--keep-memory", action="store_true", help="close() without releasing the runners (as before it did)"
+    )
     p.add_argument("--vary", nargs="*", default=[], help="FIELD=VALUE overrides (Python literals)")
     args = p.parse_args()
     import ast
@@ -74,11 +84,19 @@ def main() -> int:
         llm = LLM(model=args.model, load_format=args.load_format, **overrides)
         built = used_gib()
         if args.single:
-            outs = llm.generate([[(13 * k) % 30000 + 10 for k in range(128)]], SamplingParams(max_tokens=64, temperature=0, ignore_eos=True))
+            outs = llm.generate(
+                [[(13 * k) % 30000 + 10 for k in range(128)]],
+                SamplingParams(max_tokens=64, temperature=0, ignore_eos=True),
+            )
         elif args.text:
-            mix = [SamplingParams(max_tokens=24, temperature=0), SamplingParams(max_tokens=24, temperature=0.8, seed=1),
-                   SamplingParams(max_tokens=24, n=2, temperature=1.0), SamplingParams(max_tokens=24, logprobs=3),
-                   SamplingParams(max_tokens=24, stop=["e"]), SamplingParams(max_tokens=16, use_beam_search=True, best_of=3)]
+            mix = [
+                SamplingParams(max_tokens=24, temperature=0),
+                SamplingParams(max_tokens=24, temperature=0.8, seed=1),
+                SamplingParams(max_tokens=24, n=2, temperature=1.0),
+                SamplingParams(max_tokens=24, logprobs=3),
+                SamplingParams(max_tokens=24, stop=["e"]),
+                SamplingParams(max_tokens=16, use_beam_search=True, best_of=3),
+            ]
             outs = llm.generate([f"Tell me about the number {j}." for j in range(len(mix))], mix)
             outs += llm.chat([{"role": "user", "content": "Hello!"}], SamplingParams(max_tokens=16))
             assert not any(o.error for o in outs), [o.error for o in outs]

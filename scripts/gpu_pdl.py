@@ -33,17 +33,30 @@ def one(tp: int, all_reduce: str) -> dict:
     from infer.plugins import triton_pdl
 
     configure(level="warning")
-    engine = Engine.from_config(EngineConfig(model="llama2-7b", load_format="dummy", dtype="bfloat16",
-                                             tensor_parallel_size=tp, all_reduce=all_reduce, kv_cache_memory_gib=8))
+    engine = Engine.from_config(
+        EngineConfig(
+            model="llama2-7b",
+            load_format="dummy",
+            dtype="bfloat16",
+            tensor_parallel_size=tp,
+            all_reduce=all_reduce,
+            kv_cache_memory_gib=8,
+        )
+    )
     try:
         vocab = engine.parts.vocab_size
         warm_up(engine, load_workload("latency-1", vocab, 4, 8, seed=1))
-        record, _ = run_workload(engine, load_workload("latency-1", vocab, None, None, seed=0),
-                                 SamplingParams(temperature=0), "latency-1")
+        record, _ = run_workload(
+            engine, load_workload("latency-1", vocab, None, None, seed=0), SamplingParams(temperature=0), "latency-1"
+        )
         forward_s, _ = decode_step_seconds(engine)
-        return {"tp": tp, "all_reduce": engine.parts.describe.get("all_reduce", "-"),
-                "pdl": triton_pdl.use_pdl(torch.device("cuda", 0)),
-                "tpot_p50_ms": record.tpot_p50_s * 1e3, "forward_ms": forward_s * 1e3}
+        return {
+            "tp": tp,
+            "all_reduce": engine.parts.describe.get("all_reduce", "-"),
+            "pdl": triton_pdl.use_pdl(torch.device("cuda", 0)),
+            "tpot_p50_ms": record.tpot_p50_s * 1e3,
+            "forward_ms": forward_s * 1e3,
+        }
     finally:
         engine.close()
 
@@ -67,16 +80,26 @@ def main() -> None:
     for r in range(args.rounds):
         for tp, ar in configs:
             for setting in settings:
-                done = subprocess.run([sys.executable, __file__, "--one", str(tp), ar], capture_output=True, text=True,
-                                      env={**os.environ, name: setting})
+                done = subprocess.run(
+                    [sys.executable, __file__, "--one", str(tp), ar],
+                    capture_output=True,
+                    text=True,
+                    env={**os.environ, name: setting},
+                )
                 lines = [ln for ln in done.stdout.splitlines() if ln.startswith("RESULT ")]
                 if done.returncode or not lines:
-                    print(f"round {r} tp{tp} {ar} {name}={setting}: failed ({done.returncode})\n{done.stderr[-3000:]}", flush=True)
+                    print(
+                        f"round {r} tp{tp} {ar} {name}={setting}: failed ({done.returncode})\n{done.stderr[-3000:]}",
+                        flush=True,
+                    )
                     continue
                 run = {**json.loads(lines[-1][7:]), "round": r, "asked_all_reduce": ar, name: setting}
                 runs.append(run)
-                print(f"round {r} tp{tp} {ar:10s} {name}={setting} pdl={run['pdl']!s:5s} TPOT p50 {run['tpot_p50_ms']:.3f} ms, "
-                      f"forward {run['forward_ms']:.3f} ms ({run['all_reduce']})", flush=True)
+                print(
+                    f"round {r} tp{tp} {ar:10s} {name}={setting} pdl={run['pdl']!s:5s} TPOT p50 {run['tpot_p50_ms']:.3f} ms, "
+                    f"forward {run['forward_ms']:.3f} ms ({run['all_reduce']})",
+                    flush=True,
+                )
     with open(args.out, "w") as f:
         json.dump(runs, f, indent=2)
     print("\nmedians:")
@@ -87,13 +110,17 @@ def main() -> None:
             if mine:
                 tpot = statistics.median(x["tpot_p50_ms"] for x in mine)
                 medians[(tp, ar, setting)] = tpot
-                print(f"tp{tp} {ar:10s} {name}={setting}: TPOT p50 {tpot:.3f} ms, forward "
-                      f"{statistics.median(x['forward_ms'] for x in mine):.3f} ms ({len(mine)} runs)")
+                print(
+                    f"tp{tp} {ar:10s} {name}={setting}: TPOT p50 {tpot:.3f} ms, forward "
+                    f"{statistics.median(x['forward_ms'] for x in mine):.3f} ms ({len(mine)} runs)"
+                )
     for (tp, ar, setting), tpot in medians.items():
         base = medians.get((1, "nccl", setting))
         if tp > 1 and base:
-            print(f"tp{tp} {ar} {name}={setting}: per-token speedup over tp1 (same {name}) {base / tpot:.3f}x "
-                  f"({base:.3f} -> {tpot:.3f} ms)")
+            print(
+                f"tp{tp} {ar} {name}={setting}: per-token speedup over tp1 (same {name}) {base / tpot:.3f}x "
+                f"({base:.3f} -> {tpot:.3f} ms)"
+            )
 
 
 if __name__ == "__main__":

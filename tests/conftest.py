@@ -78,7 +78,18 @@ def example_plugin_env(tmp_path_factory) -> dict[str, str]:
     scratch = tmp_path_factory.mktemp("example-plugin")
     source, target = scratch / "src", scratch / "site"
     shutil.copytree(EXAMPLE, source, ignore=shutil.ignore_patterns("build", "*.egg-info", "__pycache__"))
-    pip = [sys.executable, "-m", "pip", "install", "-q", "--no-deps", "--no-build-isolation", "--no-compile",
-           "--target", str(target), str(source)]
+    pip = [
+        sys.executable,
+        "-m",
+        "pip",
+        "install",
+        "-q",
+        "--no-deps",
+        "--no-build-isolation",
+        "--no-compile",
+        "--target",
+        str(target),
+        str(source),
+    ]
     subprocess.run(pip, check=True, capture_output=True, timeout=300)
     return {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(target), os.environ.get("PYTHONPATH")]))}

@@ -116,11 +116,15 @@ def test_bad_sampling_params(tiny_llama_dir, alone, fields, fragment):
     check_batch(llm.generate([GOOD[0], GOOD[0], GOOD[1]], [good, bad, good]), alone, fragment)
 
 
-@pytest.mark.parametrize("params, fragment", [
-    ({"max_tokens": 6}, "not dict"),
-    ("greedy", "not str"),
-    (6, "not int"),
-], ids=["dict", "str", "int"])
+@pytest.mark.parametrize(
+    "params, fragment",
+    [
+        ({"max_tokens": 6}, "not dict"),
+        ("greedy", "not str"),
+        (6, "not int"),
+    ],
+    ids=["dict", "str", "int"],
+)
 def test_params_of_the_wrong_type_are_the_items_error(tiny_llama_dir, alone, params, fragment):
     llm = LLM(model=str(tiny_llama_dir), **OPTIONS)
     good = SamplingParams(**GREEDY)
@@ -132,8 +136,11 @@ def test_params_of_the_wrong_type_are_the_items_error(tiny_llama_dir, alone, par
 def test_logprobs_beyond_the_vocabulary(tiny_llama_dir, alone):
     llm = LLM(model=str(tiny_llama_dir), **OPTIONS)
     good = SamplingParams(**GREEDY)
-    check_batch(llm.generate([GOOD[0], GOOD[0], GOOD[1]], [good, SamplingParams(**GREEDY, logprobs=300), good]),
-                alone, "the vocabulary has 256 tokens")
+    check_batch(
+        llm.generate([GOOD[0], GOOD[0], GOOD[1]], [good, SamplingParams(**GREEDY, logprobs=300), good]),
+        alone,
+        "the vocabulary has 256 tokens",
+    )
 
 
 def test_wrong_number_of_params_raises(tiny_llama_dir):
@@ -163,7 +170,10 @@ def test_text_prompts_beside_bad_ones_on_smollm2(smollm2_dir):
     assert [(o.prompt, o.outputs) for o in first] == [(o.prompt, o.outputs) for o in (batch[0], batch[3])]
     assert first[0].outputs[0].text.strip()  # real text, not an empty string on both sides
     # refusals take no id: the good ones are numbered as a batch of two would be
-    assert [int(o.request_id) for o in (batch[0], batch[3])] == [int(first[1].request_id) + 1, int(first[1].request_id) + 2]
+    assert [int(o.request_id) for o in (batch[0], batch[3])] == [
+        int(first[1].request_id) + 1,
+        int(first[1].request_id) + 2,
+    ]
 
 
 # ------------------------------------------------------------------ abort and step-by-step

@@ -23,8 +23,17 @@ def test_run_prints_table_and_writes_json(tiny_llama_dir, tmp_path):
     data = tmp_path / "prompts.json"
     data.write_text(json.dumps([[5, 6, 7], {"prompt": [9, 10, 11, 12], "max_tokens": 3}]))
     out = tmp_path / "run.json"
-    result = invoke(*tiny_args(tiny_llama_dir), "--dataset", str(data), "--max-tokens", "5",
-                    "--baseline", "scheduler=static,sampler=naive", "--json-out", str(out))
+    result = invoke(
+        *tiny_args(tiny_llama_dir),
+        "--dataset",
+        str(data),
+        "--max-tokens",
+        "5",
+        "--baseline",
+        "scheduler=static,sampler=naive",
+        "--json-out",
+        str(out),
+    )
     assert result.exit_code == 0, result.output
     assert "req/s" in result.output and "speedup" in result.output
     records = json.loads(out.read_text())["records"]
@@ -36,8 +45,16 @@ def test_run_prints_table_and_writes_json(tiny_llama_dir, tmp_path):
 def test_plugins_lists_every_slot():
     result = invoke("plugins")
     assert result.exit_code == 0
-    for slot, name in [("attention", "torch"), ("scheduler", "fcfs"), ("scheduler", "static"), ("sampler", "naive"),
-                       ("sampler", "vectorized"), ("detokenizer", "parallel"), ("kv_allocator", "paged"), ("model", "llama")]:
+    for slot, name in [
+        ("attention", "torch"),
+        ("scheduler", "fcfs"),
+        ("scheduler", "static"),
+        ("sampler", "naive"),
+        ("sampler", "vectorized"),
+        ("detokenizer", "parallel"),
+        ("kv_allocator", "paged"),
+        ("model", "llama"),
+    ]:
         assert any(line.split()[:2] == [slot, name] for line in result.output.splitlines()), (slot, name)
 
 

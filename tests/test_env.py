@@ -29,17 +29,28 @@ def environ_reads(source: str) -> list[int]:
         if isinstance(node, ast.Attribute) and isinstance(node.value, ast.Name) and node.value.id == "os":
             if node.attr == "getenv" or (node.attr == "environ" and id(node) not in writes):
                 lines.append(node.lineno)
-        elif isinstance(node, ast.ImportFrom) and node.module == "os" and any(
-            alias.name in ("environ", "getenv") for alias in node.names
+        elif (
+            isinstance(node, ast.ImportFrom)
+            and node.module == "os"
+            and any(alias.name in ("environ", "getenv") for alias in node.names)
         ):
             lines.append(node.lineno)
     return sorted(lines)
 
 
-@pytest.mark.parametrize("source", [
-    'os.environ.get("X")', 'os.environ["X"]', '"X" in os.environ', 'os.getenv("X")', "dict(os.environ)",
-    'os.environ.setdefault("X", "1")', "from os import environ", "from os import getenv",
-])
+@pytest.mark.parametrize(
+    "source",
+    [
+        'os.environ.get("X")',
+        'os.environ["X"]',
+        '"X" in os.environ',
+        'os.getenv("X")',
+        "dict(os.environ)",
+        'os.environ.setdefault("X", "1")',
+        "from os import environ",
+        "from os import getenv",
+    ],
+)
 def test_the_check_sees_reads(source):
     assert environ_reads(f"import os\n{source}\n") == [2]
 
@@ -60,9 +71,23 @@ def test_only_env_reads_the_environment():
 
 
 def test_defaults(monkeypatch, tmp_path):
-    for name in ("INFER_PDL", "INFER_GEMV_PUSH", "TRITON_INTERPRET", "INFER_CACHE_DIR", "XDG_CACHE_HOME",
-                 "INFER_EXTRA_PLUGINS", "HF_HUB_CACHE", "HUGGINGFACE_HUB_CACHE", "HF_HOME", "HF_HUB_OFFLINE",
-                 "TRANSFORMERS_OFFLINE", "RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE"):
+    for name in (
+        "INFER_PDL",
+        "INFER_GEMV_PUSH",
+        "TRITON_INTERPRET",
+        "INFER_CACHE_DIR",
+        "XDG_CACHE_HOME",
+        "INFER_EXTRA_PLUGINS",
+        "HF_HUB_CACHE",
+        "HUGGINGFACE_HUB_CACHE",
+        "HF_HOME",
+        "HF_HUB_OFFLINE",
+        "TRANSFORMERS_OFFLINE",
+        "RANK",
+        "WORLD_SIZE",
+        "LOCAL_RANK",
+        "LOCAL_WORLD_SIZE",
+    ):
         monkeypatch.delenv(name, raising=False)
     monkeypatch.setenv("HOME", str(tmp_path))
     assert env.pdl() and env.gemv_push() and not env.triton_interpret()
@@ -101,10 +126,18 @@ def test_hf_hub_cache_precedence(monkeypatch, tmp_path):
     assert env.hf_hub_cache() == tmp_path / "new"
 
 
-@pytest.mark.parametrize("hub, transformers, offline", [
-    ("1", None, True), ("on", None, True), ("TRUE", None, True), ("0", "1", False), ("", "yes", True),
-    (None, "1", True), (None, "no", False),
-])
+@pytest.mark.parametrize(
+    "hub, transformers, offline",
+    [
+        ("1", None, True),
+        ("on", None, True),
+        ("TRUE", None, True),
+        ("0", "1", False),
+        ("", "yes", True),
+        (None, "1", True),
+        (None, "no", False),
+    ],
+)
 def test_hf_offline_as_huggingface_hub_reads_it(monkeypatch, hub, transformers, offline):
     for name, value in (("HF_HUB_OFFLINE", hub), ("TRANSFORMERS_OFFLINE", transformers)):
         if value is None:

@@ -12,7 +12,9 @@ import pytest
 
 
 def infer_cli(*args: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "infer.cli", *args], capture_output=True, text=True, env=env, timeout=300)
+    return subprocess.run(
+        [sys.executable, "-m", "infer.cli", *args], capture_output=True, text=True, env=env, timeout=300
+    )
 
 
 @pytest.mark.slow  # three CLI processes; the conformance kit test finds the same install quickly
@@ -27,8 +29,21 @@ def test_example_plugin_is_listed_and_runs(example_plugin_env, tiny_llama_dir, t
     data = tmp_path / "p.json"
     data.write_text(json.dumps([[5, 6, 7], [8, 9]]))
     out = tmp_path / "r.json"
-    ran = infer_cli("run", "--model", str(tiny_llama_dir), "--sampler", "temperature-only", "--dataset", str(data),
-                    "--max-tokens", "4", "--no-progress", "--json-out", str(out), env=example_plugin_env)
+    ran = infer_cli(
+        "run",
+        "--model",
+        str(tiny_llama_dir),
+        "--sampler",
+        "temperature-only",
+        "--dataset",
+        str(data),
+        "--max-tokens",
+        "4",
+        "--no-progress",
+        "--json-out",
+        str(out),
+        env=example_plugin_env,
+    )
     assert ran.returncode == 0, ran.stderr
     record = json.loads(out.read_text())["records"][0]
     assert record["config"]["sampler"] == "temperature-only" and record["output_tokens"] == 8
@@ -57,13 +72,25 @@ def test_broken_plugin_is_reported_and_does_not_break_a_run(broken_plugin_env, t
     assert "broken-infer-plugin" in listed.stderr and "broken on purpose" in listed.stderr
     data = tmp_path / "p.json"
     data.write_text(json.dumps([[5, 6, 7]]))
-    ran = infer_cli("run", "--model", str(tiny_llama_dir), "--dataset", str(data), "--max-tokens", "3", "--no-progress", env=broken_plugin_env)
+    ran = infer_cli(
+        "run",
+        "--model",
+        str(tiny_llama_dir),
+        "--dataset",
+        str(data),
+        "--max-tokens",
+        "3",
+        "--no-progress",
+        env=broken_plugin_env,
+    )
     assert ran.returncode == 0, ran.stderr
     assert "Traceback" not in ran.stderr
 
 
 def test_asking_for_a_strategy_of_a_broken_plugin_fails_clearly(broken_plugin_env, tiny_llama_dir):
-    ran = infer_cli("run", "--model", str(tiny_llama_dir), "--sampler", "from-broken", "--no-progress", env=broken_plugin_env)
+    ran = infer_cli(
+        "run", "--model", str(tiny_llama_dir), "--sampler", "from-broken", "--no-progress", env=broken_plugin_env
+    )
     assert ran.returncode == 2
     assert "Traceback" not in ran.stderr
     line = ran.stderr.strip().splitlines()[-1]

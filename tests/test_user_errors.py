@@ -57,7 +57,10 @@ CASES: dict[str, tuple[list[str], str]] = {
     "block-size 0": (["run", "--block-size", "0"], "power of two"),
     "block-size abc": (["run", "--block-size", "abc"], "'--block-size'"),
     "num-kv-blocks 0": (["run", "--num-kv-blocks", "0"], "(--num-kv-blocks): use an integer >= 1"),
-    "num-kv-blocks 1": (["run", "--num-kv-blocks", "1"], "needs 32: raise --num-kv-blocks to 32, or lower --max-model-len to 16"),
+    "num-kv-blocks 1": (
+        ["run", "--num-kv-blocks", "1"],
+        "needs 32: raise --num-kv-blocks to 32, or lower --max-model-len to 16",
+    ),
     "num-kv-blocks too few for max-model-len": (["run", "--num-kv-blocks", "4", "--max-model-len", "128"], "needs 8"),
     "max-model-len 0": (["run", "--max-model-len", "0"], "max_model_len=0 (--max-model-len)"),
     "max-model-len -5": (["run", "--max-model-len", "-5"], "max_model_len=-5"),
@@ -66,7 +69,10 @@ CASES: dict[str, tuple[list[str], str]] = {
     "max-num-batched-tokens 0": (["run", "--max-num-batched-tokens", "0"], "(--max-num-batched-tokens)"),
     "kv-cache-memory 0": (["run", "--kv-cache-memory", "0"], "(--kv-cache-memory): use a number of GiB > 0"),
     "kv-cache-memory -1": (["run", "--kv-cache-memory", "-1"], "(--kv-cache-memory)"),
-    "gpu-memory-utilization 0": (["run", "--gpu-memory-utilization", "0"], "(--gpu-memory-utilization): use a fraction in (0, 1]"),
+    "gpu-memory-utilization 0": (
+        ["run", "--gpu-memory-utilization", "0"],
+        "(--gpu-memory-utilization): use a fraction in (0, 1]",
+    ),
     "gpu-memory-utilization 1.5": (["run", "--gpu-memory-utilization", "1.5"], "(--gpu-memory-utilization)"),
     "num-speculative-tokens 0": (["run", "--num-speculative-tokens", "0"], "(--num-speculative-tokens)"),
     "seed -1": (["run", "--seed", "-1"], "(--seed): use an integer >= 0"),
@@ -81,14 +87,29 @@ CASES: dict[str, tuple[list[str], str]] = {
     # decoders and the options only some of them read
     "exit-layer 0": (["run", "--exit-layer", "0"], "(--exit-layer)"),
     "exit-layer alone": (["run", "--exit-layer", "2"], "--exit-layer 2 does nothing with --decoding autoregressive"),
-    "exit-layer with an ngram draft": (["run", "--decoding", "speculative", "--draft", "ngram", "--exit-layer", "2"], "does nothing"),
-    "early-exit without exit-layer": (["run", "--decoding", "early-exit"], "--decoding early-exit needs --exit-layer N"),
+    "exit-layer with an ngram draft": (
+        ["run", "--decoding", "speculative", "--draft", "ngram", "--exit-layer", "2"],
+        "does nothing",
+    ),
+    "early-exit without exit-layer": (
+        ["run", "--decoding", "early-exit"],
+        "--decoding early-exit needs --exit-layer N",
+    ),
     "early-exit past the last layer": (["run", "--decoding", "early-exit", "--exit-layer", "9"], "[1, 3]"),
-    "draft without speculative": (["run", "--draft", "ngram"], "--draft ngram does nothing with --decoding autoregressive"),
+    "draft without speculative": (
+        ["run", "--draft", "ngram"],
+        "--draft ngram does nothing with --decoding autoregressive",
+    ),
     "speculative without draft": (["run", "--decoding", "speculative"], "needs a draft model"),
-    "draft self without exit-layer": (["run", "--decoding", "speculative", "--draft", "self"], "--draft self needs --exit-layer N"),
+    "draft self without exit-layer": (
+        ["run", "--decoding", "speculative", "--draft", "self"],
+        "--draft self needs --exit-layer N",
+    ),
     "draft folder missing": (["run", "--decoding", "speculative", "--draft", NO_DIR], "does not exist"),
-    "draft of another vocabulary": (["run", "--decoding", "speculative", "--draft", "{files}/vocab512"], "vocabulary of 512"),
+    "draft of another vocabulary": (
+        ["run", "--decoding", "speculative", "--draft", "{files}/vocab512"],
+        "vocabulary of 512",
+    ),
     # plugin names: the registry's error, with the closest name
     "sampler misspelled": (["run", "--sampler", "vectorised"], "did you mean 'vectorized'?"),
     "scheduler unknown": (["run", "--scheduler", "lifo"], "valid names are"),
@@ -101,14 +122,20 @@ CASES: dict[str, tuple[list[str], str]] = {
     # --baseline: typed values, checked before the first engine
     "baseline value not an integer": (["run", "--baseline", "num_kv_blocks=abc"], "num_kv_blocks takes an integer"),
     "baseline block_size abc": (["run", "--baseline", "block_size=abc"], "block_size takes an integer"),
-    "baseline unknown field": (["run", "--baseline", "colour=red"], "unknown engine option(s) colour: valid options are"),
+    "baseline unknown field": (
+        ["run", "--baseline", "colour=red"],
+        "unknown engine option(s) colour: valid options are",
+    ),
     "baseline without =": (["run", "--baseline", "scheduler"], "FIELD=VALUE pairs"),
     "baseline out of range": (["run", "--baseline", "block_size=12"], "power of two"),
     "baseline bool": (["run", "--baseline", "cuda_graphs=maybe"], "cuda_graphs takes true or false"),
     "baseline misspelled plugin": (["run", "--baseline", "sampler=vectorised"], "did you mean 'vectorized'?"),
     "baseline literal": (["run", "--baseline", "preemption_mode=lazy"], "preemption_mode takes one of recompute, swap"),
     # output paths, checked before running
-    "json-out into a missing folder": (["run", "--json-out", NO_DIR + "/r.json"], "folder /no/such/folder does not exist"),
+    "json-out into a missing folder": (
+        ["run", "--json-out", NO_DIR + "/r.json"],
+        "folder /no/such/folder does not exist",
+    ),
     "json-out is a folder": (["run", "--json-out", "{tmp}"], "is a directory"),
     "profile-chart into a missing folder": (["run", "--profile-chart", NO_DIR + "/p.png"], "'--profile-chart'"),
     # datasets: read and parsed before the engine is built; JSONL errors name the file's line
@@ -131,8 +158,14 @@ CASES: dict[str, tuple[list[str], str]] = {
     "bench value not an integer": (["bench", "--matrix", "num_kv_blocks=8,abc"], "num_kv_blocks takes an integer"),
     "bench value out of range": (["bench", "--matrix", "block_size=12,16"], "power of two"),
     "bench axis without values": (["bench", "--matrix", "sampler="], "write FIELD=A,B"),
-    "bench unknown baseline": (["bench", "--matrix", "sampler=naive", "--baseline", "hf-dynamic"], "unknown --baseline hf-dynamic"),
-    "bench chart into a missing folder": (["bench", "--matrix", "sampler=naive", "--chart", NO_DIR + "/c.png"], "'--chart'"),
+    "bench unknown baseline": (
+        ["bench", "--matrix", "sampler=naive", "--baseline", "hf-dynamic"],
+        "unknown --baseline hf-dynamic",
+    ),
+    "bench chart into a missing folder": (
+        ["bench", "--matrix", "sampler=naive", "--chart", NO_DIR + "/c.png"],
+        "'--chart'",
+    ),
     "bench dataset missing": (["bench", "--matrix", "sampler=naive", "--dataset", "nope.jsonl"], "cannot read"),
     "plugins matrix on no device": (["plugins", "--matrix", "--device", "tpu"], "unknown --device 'tpu'"),
 }
@@ -152,9 +185,20 @@ def files(tmp_path: Path) -> Path:
     (tmp_path / "empty.json").write_text("[]")
     (tmp_path / "long.json").write_text(json.dumps([list(range(3, 40))]))
     (tmp_path / "vocab512").mkdir()  # a draft is checked from its config.json alone
-    (tmp_path / "vocab512" / "config.json").write_text(json.dumps({
-        "architectures": ["LlamaForCausalLM"], "vocab_size": 512, "hidden_size": 64, "intermediate_size": 160,
-        "num_hidden_layers": 1, "num_attention_heads": 4, "num_key_value_heads": 2, "max_position_embeddings": 512}))
+    (tmp_path / "vocab512" / "config.json").write_text(
+        json.dumps(
+            {
+                "architectures": ["LlamaForCausalLM"],
+                "vocab_size": 512,
+                "hidden_size": 64,
+                "intermediate_size": 160,
+                "num_hidden_layers": 1,
+                "num_attention_heads": 4,
+                "num_key_value_heads": 2,
+                "max_position_embeddings": 512,
+            }
+        )
+    )
     return tmp_path
 
 
@@ -168,7 +212,9 @@ def weight_loads(monkeypatch) -> list[str]:
     for module in (builder, loader):
         load, init = module.load_weights, module.init_dummy_weights
         monkeypatch.setattr(module, "load_weights", lambda *a, _f=load, **k: (calls.append("load"), _f(*a, **k))[1])
-        monkeypatch.setattr(module, "init_dummy_weights", lambda *a, _f=init, **k: (calls.append("init"), _f(*a, **k))[1])
+        monkeypatch.setattr(
+            module, "init_dummy_weights", lambda *a, _f=init, **k: (calls.append("init"), _f(*a, **k))[1]
+        )
     return calls
 
 
@@ -221,7 +267,11 @@ API_CASES: dict[str, tuple[dict, type[InferError], str]] = {
     "max_num_seqs 0": (dict(max_num_seqs=0), ConfigError, "max_num_seqs=0"),
     "max_num_batched_tokens None": (dict(max_num_batched_tokens=None), ConfigError, "max_num_batched_tokens=None"),
     "gpu_memory_utilization 0": (dict(gpu_memory_utilization=0.0), ConfigError, "gpu_memory_utilization=0.0"),
-    "gpu_memory_utilization nan": (dict(gpu_memory_utilization=float("nan")), ConfigError, "gpu_memory_utilization=nan"),
+    "gpu_memory_utilization nan": (
+        dict(gpu_memory_utilization=float("nan")),
+        ConfigError,
+        "gpu_memory_utilization=nan",
+    ),
     "kv_cache_memory_gib 0": (dict(kv_cache_memory_gib=0), ConfigError, "kv_cache_memory_gib=0"),
     "swap_space_gib -1": (dict(swap_space_gib=-1.0), ConfigError, "swap_space_gib=-1.0"),
     "swap_space_gib inf": (dict(swap_space_gib=float("inf")), ConfigError, "swap_space_gib=inf"),
@@ -259,11 +309,20 @@ def test_bad_llm_option_raises_before_any_weights(case, tiny_llama_dir, weight_l
     assert weight_loads == []
 
 
-@pytest.mark.parametrize("name,text,value", [
-    ("num_kv_blocks", "64", 64), ("num_kv_blocks", "none", None), ("max_model_len", " 512 ", 512),
-    ("kv_cache_memory_gib", "1.5", 1.5), ("cuda_graphs", "no", False), ("enable-prefix-caching", "true", True),
-    ("pipeline_decode", "None", None), ("load_format", "dummy", "dummy"), ("sampler", "naive", "naive"),
-])
+@pytest.mark.parametrize(
+    "name,text,value",
+    [
+        ("num_kv_blocks", "64", 64),
+        ("num_kv_blocks", "none", None),
+        ("max_model_len", " 512 ", 512),
+        ("kv_cache_memory_gib", "1.5", 1.5),
+        ("cuda_graphs", "no", False),
+        ("enable-prefix-caching", "true", True),
+        ("pipeline_decode", "None", None),
+        ("load_format", "dummy", "dummy"),
+        ("sampler", "naive", "naive"),
+    ],
+)
 def test_option_text_converts_by_the_field_type(name, text, value):
     assert EngineConfig.parse_option(name, text, "test") == value
 
@@ -280,10 +339,26 @@ def test_baseline_with_typed_values_runs_and_reports_speedup(tiny_llama_dir, tmp
     data = tmp_path / "prompts.json"
     data.write_text(json.dumps([[5, 6, 7], [9, 10, 11, 12]]))
     out = tmp_path / "run.json"
-    result = CliRunner().invoke(cli, [
-        "--log-level", "warning", "run", "--model", str(tiny_llama_dir), "--no-progress", "--dataset", str(data),
-        "--max-tokens", "3", "--baseline", "num_kv_blocks=64,max_model_len=256,exit_layer=none,cuda_graphs=false",
-        "--json-out", str(out)], catch_exceptions=False)
+    result = CliRunner().invoke(
+        cli,
+        [
+            "--log-level",
+            "warning",
+            "run",
+            "--model",
+            str(tiny_llama_dir),
+            "--no-progress",
+            "--dataset",
+            str(data),
+            "--max-tokens",
+            "3",
+            "--baseline",
+            "num_kv_blocks=64,max_model_len=256,exit_layer=none,cuda_graphs=false",
+            "--json-out",
+            str(out),
+        ],
+        catch_exceptions=False,
+    )
     assert result.exit_code == 0, result.output
     records = json.loads(out.read_text())["records"]
     assert records[0]["label"].startswith("baseline: ") and "num_kv_blocks=64" in records[0]["label"]
@@ -293,10 +368,27 @@ def test_baseline_with_typed_values_runs_and_reports_speedup(tiny_llama_dir, tmp
 def test_bench_matrix_of_numbers_runs(tiny_llama_dir, tmp_path):
     out, data = tmp_path / "bench.json", tmp_path / "prompts.json"
     data.write_text(json.dumps([[5, 6, 7], [9, 10, 11, 12]]))
-    result = CliRunner().invoke(cli, [
-        "--log-level", "warning", "bench", "--model", str(tiny_llama_dir), "--max-model-len", "128",
-        "--matrix", "num_kv_blocks=8,64", "--dataset", str(data), "--max-tokens", "2", "--json-out", str(out)],
-        catch_exceptions=False)
+    result = CliRunner().invoke(
+        cli,
+        [
+            "--log-level",
+            "warning",
+            "bench",
+            "--model",
+            str(tiny_llama_dir),
+            "--max-model-len",
+            "128",
+            "--matrix",
+            "num_kv_blocks=8,64",
+            "--dataset",
+            str(data),
+            "--max-tokens",
+            "2",
+            "--json-out",
+            str(out),
+        ],
+        catch_exceptions=False,
+    )
     assert result.exit_code == 0, result.output
     runs = json.loads(out.read_text())["runs"]
     assert [r["label"] for r in runs] == ["num_kv_blocks=8", "num_kv_blocks=64"]
@@ -327,11 +419,18 @@ def test_every_option_of_every_command_has_help():
     assert missing == []
 
 
-@pytest.mark.parametrize("flag,names", [
-    ("--attention", ["torch", "paged-cuda"]), ("--kv-allocator", ["paged", "contiguous"]), ("--scheduler", ["fcfs", "static"]),
-    ("--sampler", ["vectorized", "naive"]), ("--decoding", ["autoregressive", "speculative", "early-exit"]),
-    ("--detokenizer", ["parallel", "sequential"]), ("--prefill-attention", ["torch"]),
-])
+@pytest.mark.parametrize(
+    "flag,names",
+    [
+        ("--attention", ["torch", "paged-cuda"]),
+        ("--kv-allocator", ["paged", "contiguous"]),
+        ("--scheduler", ["fcfs", "static"]),
+        ("--sampler", ["vectorized", "naive"]),
+        ("--decoding", ["autoregressive", "speculative", "early-exit"]),
+        ("--detokenizer", ["parallel", "sequential"]),
+        ("--prefill-attention", ["torch"]),
+    ],
+)
 def test_slot_flags_list_their_names(flag, names):
     param = next(p for where, p in _options(cli.commands["run"], "run") if where == f"run {flag}")
     assert all(name in param.help for name in names), param.help
@@ -350,25 +449,49 @@ def test_progress_lines_come_every_interval_and_at_the_end():
     for t in (1.0, 2.0, 6.0, 7.0):
         now[0] = t
         p(_output(10))
-    assert lines == ["infer: 3/4 requests, 5.0 out tok/s, 6s elapsed, ETA 2s",
-                     "infer: 4/4 requests, 5.7 out tok/s, 7s elapsed"]
+    assert lines == [
+        "infer: 3/4 requests, 5.0 out tok/s, 6s elapsed, ETA 2s",
+        "infer: 4/4 requests, 5.7 out tok/s, 7s elapsed",
+    ]
 
 
 def test_progress_lines_come_while_no_request_finishes():
     now, lines = [0.0], []
     p = ProgressLines("infer", total=2, echo=lambda text: lines.append(text), interval_s=5.0, clock=lambda: now[0])
-    engine = SimpleNamespace(requests={"0": SimpleNamespace(output_token_ids=[1] * 30),
-                                       "1": SimpleNamespace(output_token_ids=[1] * 20)})
+    engine = SimpleNamespace(
+        requests={"0": SimpleNamespace(output_token_ids=[1] * 30), "1": SimpleNamespace(output_token_ids=[1] * 20)}
+    )
     for t in (1.0, 4.0, 5.0, 9.0, 10.0):  # steps; nothing finishes
         now[0] = t
         p.tick(engine)
-    assert lines == ["infer: 0/2 requests, 10.0 out tok/s, 5s elapsed", "infer: 0/2 requests, 5.0 out tok/s, 10s elapsed"]
+    assert lines == [
+        "infer: 0/2 requests, 10.0 out tok/s, 5s elapsed",
+        "infer: 0/2 requests, 5.0 out tok/s, 10s elapsed",
+    ]
 
 
 def test_run_without_a_terminal_prints_progress_lines(tiny_llama_dir):
-    result = CliRunner().invoke(cli, ["--log-level", "warning", "run", "--model", str(tiny_llama_dir), "--dataset",
-                                      "random-256x256", "--num-prompts", "64", "--max-tokens", "1", "--show", "0",
-                                      "--max-model-len", "512"], catch_exceptions=False)
+    result = CliRunner().invoke(
+        cli,
+        [
+            "--log-level",
+            "warning",
+            "run",
+            "--model",
+            str(tiny_llama_dir),
+            "--dataset",
+            "random-256x256",
+            "--num-prompts",
+            "64",
+            "--max-tokens",
+            "1",
+            "--show",
+            "0",
+            "--max-model-len",
+            "512",
+        ],
+        catch_exceptions=False,
+    )
     assert result.exit_code == 0, result.output
     assert "preparing random-256x256: 64 prompts" in result.stderr
     assert "infer: 64/64 requests" in result.stderr

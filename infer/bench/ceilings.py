@@ -61,7 +61,9 @@ def kv_bytes_per_token(num_layers: int, num_kv_heads: int, head_dim: int, dtype:
     return 2 * num_layers * num_kv_heads * head_dim * torch.empty((), dtype=dtype).element_size()
 
 
-def decode_step_seconds(engine: "object", context: int = 256, iters: int = 50, profile: bool = False) -> tuple[float, list[dict]]:
+def decode_step_seconds(
+    engine: "object", context: int = 256, iters: int = 50, profile: bool = False
+) -> tuple[float, list[dict]]:
     """Seconds per batch-1 decode forward, run back to back through the engine's runner with CUDA
     graphs: under tensor parallelism each forward goes to every rank, as in a real step, so this is
     the GPUs' time for a step without the scheduler and sampler. With `profile`, also the kernels of
@@ -115,8 +117,10 @@ def _attribute(events: list[dict], steps: int) -> list[dict]:
     frontier = None
     for e in sorted(events, key=lambda e: float(e["ts"])):
         start, end = float(e["ts"]), float(e["ts"]) + float(e.get("dur", 0))
-        row = rows.setdefault(e["name"][:90], {"kernel": e["name"][:90], "count_per_step": 0.0, "us_per_step": 0.0,
-                                               "critical_us_per_step": 0.0})
+        row = rows.setdefault(
+            e["name"][:90],
+            {"kernel": e["name"][:90], "count_per_step": 0.0, "us_per_step": 0.0, "critical_us_per_step": 0.0},
+        )
         row["count_per_step"] += 1 / steps
         row["us_per_step"] += (end - start) / steps
         if frontier is None:

@@ -10,8 +10,14 @@ from typing import Any
 MISSING = "matplotlib is not installed (pip install 'infer[bench]'): no chart written"
 PALETTE = {"infer": "#3b6fb6", "baseline": "#9a9a9a", "reference": "#1f3d73"}
 COMPONENT_COLOURS = {
-    "embedding": "#8c6bb1", "attention": "#3b6fb6", "layer rest": "#7fb3e0", "final norm + LM head": "#41ab5d",
-    "sampler": "#f0a830", "detokenizer": "#e6550d", "scheduler": "#b8452a", "other host work": "#bdbdbd",
+    "embedding": "#8c6bb1",
+    "attention": "#3b6fb6",
+    "layer rest": "#7fb3e0",
+    "final norm + LM head": "#41ab5d",
+    "sampler": "#f0a830",
+    "detokenizer": "#e6550d",
+    "scheduler": "#b8452a",
+    "other host work": "#bdbdbd",
 }
 
 
@@ -51,7 +57,9 @@ def bench_chart(rows: list[dict[str, Any]], path: Path, title: str, reference: s
     names = {"infer": "infer", "baseline": "HF baseline", "reference": "speedup reference"}
     shown = [k for k in names if k == "reference" or any(r["kind"] == k and r["label"] != reference for r in rows)]
     handles = [plt.Rectangle((0, 0), 1, 1, color=PALETTE[k]) for k in shown]
-    ax.legend(handles, [names[k] for k in shown], loc="upper left", bbox_to_anchor=(1.01, 1.0), fontsize=8, frameon=False)
+    ax.legend(
+        handles, [names[k] for k in shown], loc="upper left", bbox_to_anchor=(1.01, 1.0), fontsize=8, frameon=False
+    )
     fig.tight_layout()
     fig.savefig(path)
     plt.close(fig)
@@ -65,9 +73,13 @@ def profile_chart(summary: dict[str, Any], path: Path, title: str) -> str | None
         return MISSING
     rows = dict(summary["rows"])
     parts = [
-        ("embedding", rows.get("embedding", 0.0)), ("attention", summary["attention_s"]),
+        ("embedding", rows.get("embedding", 0.0)),
+        ("attention", summary["attention_s"]),
         ("layer rest", summary["layer_rest_s"]),
-        *((k, rows.get(k, 0.0)) for k in ("final norm + LM head", "sampler", "detokenizer", "scheduler", "other host work")),
+        *(
+            (k, rows.get(k, 0.0))
+            for k in ("final norm + LM head", "sampler", "detokenizer", "scheduler", "other host work")
+        ),
     ]
     step_ms = summary["step_s"] * 1e3
     fig, (top, bottom) = plt.subplots(2, 1, figsize=(11, 6.5), dpi=120, gridspec_kw={"height_ratios": [1, 2]})
@@ -80,8 +92,10 @@ def profile_chart(summary: dict[str, Any], path: Path, title: str) -> str | None
         left += ms
     top.set_yticks([])
     top.set_xlim(0, max(step_ms, left) * 1.02)
-    top.set_xlabel(f"ms per decode step (mean of {summary['decode_steps']}; step {step_ms:.2f} ms; "
-                   f"device idle {summary['device_idle_share']:.0%})")
+    top.set_xlabel(
+        f"ms per decode step (mean of {summary['decode_steps']}; step {step_ms:.2f} ms; "
+        f"device idle {summary['device_idle_share']:.0%})"
+    )
     top.legend(loc="upper center", bbox_to_anchor=(0.5, -0.55), ncol=4, fontsize=8, frameon=False)
     layers = [name.split(" ")[1] for name in rows if name.endswith(" attention") and name.startswith("layer ")]
     attention = [rows[f"layer {i} attention"] * 1e3 for i in layers]

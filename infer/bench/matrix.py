@@ -38,11 +38,15 @@ def parse_axes(axes: Iterable[str]) -> dict[str, list[Any]]:
         key, sep, values = axis.partition("=")
         key = ALIASES.get(key.strip(), key.strip().replace("-", "_"))
         if not sep or not values.strip():
-            raise ConfigError(f"--matrix {axis!r}: write FIELD=A,B with FIELD an engine option "
-                              f"(attention, sampler, scheduler, decoding, kv_allocator, block_size, ...)")
+            raise ConfigError(
+                f"--matrix {axis!r}: write FIELD=A,B with FIELD an engine option "
+                f"(attention, sampler, scheduler, decoding, kv_allocator, block_size, ...)"
+            )
         parsed[key] = [EngineConfig.parse_option(key, v, f"--matrix {axis!r}") for v in values.split(",") if v.strip()]
     if not parsed:
-        raise ConfigError("--matrix needs at least one axis, e.g. --matrix attention=torch,paged-cuda sampler=naive,vectorized")
+        raise ConfigError(
+            "--matrix needs at least one axis, e.g. --matrix attention=torch,paged-cuda sampler=naive,vectorized"
+        )
     return parsed
 
 
@@ -71,15 +75,18 @@ def combinations(base: EngineConfig, axes: dict[str, list[Any]], registry: Plugi
     return found
 
 
-def _peer_runs(names: list[str], config: EngineConfig, described: dict[str, Any], workload: Workload,
-               prompts: list[list[int]]) -> list[dict[str, Any]]:
+def _peer_runs(
+    names: list[str], config: EngineConfig, described: dict[str, Any], workload: Workload, prompts: list[list[int]]
+) -> list[dict[str, Any]]:
     import torch
 
     from infer.bench.peers import build_hf_model, hf_continuous, hf_static
     from infer.core.config import DTYPES
     from infer.plugins.models.loader import resolve_source
 
-    source = resolve_source(config.model, PluginRegistry.load(), config.load_format, pull=False, revision=config.revision)
+    source = resolve_source(
+        config.model, PluginRegistry.load(), config.load_format, pull=False, revision=config.revision
+    )
     device, dtype = torch.device(described["device"]), DTYPES[described["dtype"]]
     folder = str(source.path) if source.path else None
     model = build_hf_model(source.hf_config, dtype, device, folder=folder, seed=config.seed)
@@ -91,8 +98,13 @@ def _peer_runs(names: list[str], config: EngineConfig, described: dict[str, Any]
         else:
             record = hf_static(model, prompts, workload.max_tokens, int(name.rsplit("-", 1)[1]))
         row = record.to_dict()
-        row.update(kind="baseline", label=name, total_tokens_per_s=(
-            (record.prompt_tokens + record.output_tokens) / record.wall_s if record.wall_s else 0.0))
+        row.update(
+            kind="baseline",
+            label=name,
+            total_tokens_per_s=(
+                (record.prompt_tokens + record.output_tokens) / record.wall_s if record.wall_s else 0.0
+            ),
+        )
         runs.append(row)
     return runs
 
@@ -116,12 +128,19 @@ def format_rows(rows: list[dict[str, Any]]) -> str:
     table = []
     for r in rows:
         infer_only = r["kind"] == "infer"
-        table.append([
-            r["label"], r["kind"], f"{r['num_requests'] / r['wall_s']:.2f}" if r["wall_s"] else "—",
-            f"{r['output_tokens_per_s']:.1f}", f"{r['total_tokens_per_s']:.1f}", f"{r['wall_s']:.2f}",
-            f"{r['ttft_p50_s'] * 1e3:.1f}" if infer_only else "—", f"{r['tpot_p50_s'] * 1e3:.1f}" if infer_only else "—",
-            "—" if r.get("speedup") is None else f"{r['speedup']:.2f}x",
-        ])
+        table.append(
+            [
+                r["label"],
+                r["kind"],
+                f"{r['num_requests'] / r['wall_s']:.2f}" if r["wall_s"] else "—",
+                f"{r['output_tokens_per_s']:.1f}",
+                f"{r['total_tokens_per_s']:.1f}",
+                f"{r['wall_s']:.2f}",
+                f"{r['ttft_p50_s'] * 1e3:.1f}" if infer_only else "—",
+                f"{r['tpot_p50_s'] * 1e3:.1f}" if infer_only else "—",
+                "—" if r.get("speedup") is None else f"{r['speedup']:.2f}x",
+            ]
+        )
     widths = [max(len(h), *(len(row[i]) for row in table)) for i, h in enumerate(headers)]
     line = lambda cells: "  ".join(c.ljust(w) if i < 2 else c.rjust(w) for i, (c, w) in enumerate(zip(cells, widths)))  # noqa: E731
     return "\n".join([line(headers), line(["-" * w for w in widths]), *(line(row) for row in table)])
@@ -135,11 +154,20 @@ class MatrixRun:
     described: dict[str, Any]  # model, device, dtype of the first engine
 
 
-def _run_combinations(runnable: list[Combination], dataset: str, num_prompts: int | None, max_tokens: int | None,
-                      seed: int, repeat: int, extra_plugins: list[Any]) -> MatrixRun | None:
+def _run_combinations(
+    runnable: list[Combination],
+    dataset: str,
+    num_prompts: int | None,
+    max_tokens: int | None,
+    seed: int,
+    repeat: int,
+    extra_plugins: list[Any],
+) -> MatrixRun | None:
     from infer.core.engine import Engine
 
-    params = SamplingParams(max_tokens=64 if max_tokens is None else max_tokens, temperature=0.0, ignore_eos=True, seed=seed)
+    params = SamplingParams(
+        max_tokens=64 if max_tokens is None else max_tokens, temperature=0.0, ignore_eos=True, seed=seed
+    )
     # a file or named text workload is read before the first engine: its errors come before any weights
     early = None if dataset in NEEDS_VOCAB else load_workload(dataset, 0, num_prompts, max_tokens, seed)
     run: MatrixRun | None = None
@@ -166,9 +194,18 @@ def _run_combinations(runnable: list[Combination], dataset: str, num_prompts: in
     return run
 
 
-def run_matrix(base: EngineConfig, axes: list[str], baselines: list[str], dataset: str, num_prompts: int | None,
-               max_tokens: int | None, json_out: Path | None, chart: Path | None, extra_plugins: list[Any],
-               repeat: int = 1) -> None:
+def run_matrix(
+    base: EngineConfig,
+    axes: list[str],
+    baselines: list[str],
+    dataset: str,
+    num_prompts: int | None,
+    max_tokens: int | None,
+    json_out: Path | None,
+    chart: Path | None,
+    extra_plugins: list[Any],
+    repeat: int = 1,
+) -> None:
     if repeat < 1:
         raise ConfigError(f"--repeat must be >= 1, got {repeat}")
     unknown = [b for b in baselines if b not in PEERS]
@@ -180,7 +217,11 @@ def run_matrix(base: EngineConfig, axes: list[str], baselines: list[str], datase
         if c.reason is not None:
             click.echo(f"skipped {c.label}: {c.reason}")
     runnable = [c for c in combos if c.reason is None]
-    run = _run_combinations(runnable, dataset, num_prompts, max_tokens, base.seed, repeat, extra_plugins) if runnable else None
+    run = (
+        _run_combinations(runnable, dataset, num_prompts, max_tokens, base.seed, repeat, extra_plugins)
+        if runnable
+        else None
+    )
     if run is None:
         raise ConfigError("no combination of --matrix runs here: see the reasons above (`infer doctor` explains one)")
     rows, described, workload = run.rows, run.described, run.workload
@@ -190,9 +231,11 @@ def run_matrix(base: EngineConfig, axes: list[str], baselines: list[str], datase
     ref_rate = next(r["total_tokens_per_s"] for r in rows if r["label"] == reference)
     for r in rows:
         r["speedup"] = r["total_tokens_per_s"] / ref_rate if ref_rate and not r.get("error") else None
-    title = (f"infer bench: {described['model']} on {described['device']} ({described['dtype']}), "
-             f"workload {workload.name} x{len(workload.prompts)}, {max(workload.max_tokens)} new tokens, EOS ignored"
-             + (f", best of {repeat}" if repeat > 1 else ""))
+    title = (
+        f"infer bench: {described['model']} on {described['device']} ({described['dtype']}), "
+        f"workload {workload.name} x{len(workload.prompts)}, {max(workload.max_tokens)} new tokens, EOS ignored"
+        + (f", best of {repeat}" if repeat > 1 else "")
+    )
     click.echo(title)
     click.echo(format_rows(rows))
     click.echo(f"speedup: total tokens/s against {reference}")
@@ -201,8 +244,13 @@ def run_matrix(base: EngineConfig, axes: list[str], baselines: list[str], datase
             click.echo(f"baseline {r['label']} failed: {r['error']}")
     if json_out is not None:
         skipped = [{"label": c.label, "reason": c.reason} for c in combos if c.reason is not None]
-        json_out.write_text(json.dumps({"title": title, "describe": described, "speedup_against": reference,
-                                        "runs": rows, "skipped": skipped}, indent=2, default=str))
+        json_out.write_text(
+            json.dumps(
+                {"title": title, "describe": described, "speedup_against": reference, "runs": rows, "skipped": skipped},
+                indent=2,
+                default=str,
+            )
+        )
         click.echo(f"wrote {json_out}")
     if chart is not None:
         from infer.bench.charts import bench_chart

@@ -27,13 +27,19 @@ class PeerRecord:
 
     def to_dict(self) -> dict[str, Any]:
         return {
-            "label": self.label, "num_requests": self.num_requests, "prompt_tokens": self.prompt_tokens,
-            "output_tokens": self.output_tokens, "wall_s": self.wall_s, "error": self.error,
+            "label": self.label,
+            "num_requests": self.num_requests,
+            "prompt_tokens": self.prompt_tokens,
+            "output_tokens": self.output_tokens,
+            "wall_s": self.wall_s,
+            "error": self.error,
             "output_tokens_per_s": self.output_tokens_per_s,
         }
 
 
-def build_hf_model(hf_config: dict[str, Any], dtype: torch.dtype, device: torch.device, folder: str | None = None, seed: int = 0):
+def build_hf_model(
+    hf_config: dict[str, Any], dtype: torch.dtype, device: torch.device, folder: str | None = None, seed: int = 0
+):
     """The HF LlamaForCausalLM for a folder, or with random weights for a named shape."""
     from transformers import LlamaConfig, LlamaForCausalLM
 
@@ -59,8 +65,10 @@ def hf_static(model: Any, prompts: list[list[int]], max_tokens: list[int], batch
         need = static_kv_bytes(model.config, weight.dtype, prompts, max_tokens, batch_size)
         free = torch.cuda.mem_get_info(device)[0]
         if need > KV_SHARE_OF_FREE * free:
-            return record(error=f"out of memory at batch {batch_size} (its padded KV cache needs {need / 2**30:.1f} "
-                                f"GiB, {free / 2**30:.1f} GiB free)")
+            return record(
+                error=f"out of memory at batch {batch_size} (its padded KV cache needs {need / 2**30:.1f} "
+                f"GiB, {free / 2**30:.1f} GiB free)"
+            )
     sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
     sync()
     started = time.perf_counter()
@@ -79,7 +87,9 @@ def hf_static(model: Any, prompts: list[list[int]], max_tokens: list[int], batch
 KV_SHARE_OF_FREE = 0.45
 
 
-def static_kv_bytes(config: Any, dtype: torch.dtype, prompts: list[list[int]], max_tokens: list[int], batch_size: int) -> int:
+def static_kv_bytes(
+    config: Any, dtype: torch.dtype, prompts: list[list[int]], max_tokens: list[int], batch_size: int
+) -> int:
     """The largest KV cache one padded static batch reaches: rows x (longest prompt + longest output)."""
     head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
     kv_heads = getattr(config, "num_key_value_heads", None) or config.num_attention_heads
@@ -91,7 +101,9 @@ def static_kv_bytes(config: Any, dtype: torch.dtype, prompts: list[list[int]], m
     return worst * per_token
 
 
-def _static_batches(model: Any, prompts: list[list[int]], max_tokens: list[int], batch_size: int, device: torch.device) -> int:
+def _static_batches(
+    model: Any, prompts: list[list[int]], max_tokens: list[int], batch_size: int, device: torch.device
+) -> int:
     out_tokens = 0
     for i in range(0, len(prompts), batch_size):
         batch = prompts[i : i + batch_size]
@@ -99,11 +111,18 @@ def _static_batches(model: Any, prompts: list[list[int]], max_tokens: list[int],
         ids = torch.zeros(len(batch), width, dtype=torch.long, device=device)
         mask = torch.zeros_like(ids)
         for row, p in enumerate(batch):  # left padding, as decoder-only generation needs
-            ids[row, width - len(p):] = torch.tensor(p, device=device)
-            mask[row, width - len(p):] = 1
+            ids[row, width - len(p) :] = torch.tensor(p, device=device)
+            mask[row, width - len(p) :] = 1
         n = max(max_tokens[i : i + batch_size])
-        y = model.generate(ids, attention_mask=mask, max_new_tokens=n, min_new_tokens=n, do_sample=False,
-                           eos_token_id=None, pad_token_id=0)
+        y = model.generate(
+            ids,
+            attention_mask=mask,
+            max_new_tokens=n,
+            min_new_tokens=n,
+            do_sample=False,
+            eos_token_id=None,
+            pad_token_id=0,
+        )
         out_tokens += sum(min(m, y.shape[1] - width) for m in max_tokens[i : i + batch_size])
         del y
     return out_tokens
@@ -116,8 +135,9 @@ def hf_continuous(model: Any, prompts: list[list[int]], max_tokens: int, attn: s
     device = next(model.parameters()).device
     try:
         model.set_attn_implementation(attn)
-        config = GenerationConfig(max_new_tokens=max_tokens, min_new_tokens=max_tokens, do_sample=False,
-                                  eos_token_id=None, pad_token_id=0)
+        config = GenerationConfig(
+            max_new_tokens=max_tokens, min_new_tokens=max_tokens, do_sample=False, eos_token_id=None, pad_token_id=0
+        )
         if device.type == "cuda":
             torch.cuda.synchronize()
         started = time.perf_counter()

@@ -42,8 +42,10 @@ class ProgressLines:
         elapsed = max(now - self.started, 1e-9)
         rate = self.done / elapsed  # requests per second so far
         eta = f", ETA {_duration((self.total - self.done) / rate)}" if 0 < self.done < self.total else ""
-        return (f"{self.label}: {self.done}/{self.total} requests, {self.output_tokens / elapsed:,.1f} out tok/s, "
-                f"{_duration(elapsed)} elapsed{eta}")
+        return (
+            f"{self.label}: {self.done}/{self.total} requests, {self.output_tokens / elapsed:,.1f} out tok/s, "
+            f"{_duration(elapsed)} elapsed{eta}"
+        )
 
     def __call__(self, out: RequestOutput) -> None:
         self.done += 1

@@ -78,7 +78,12 @@ def prepare_prompts(engine: Engine, workload: Workload) -> list[str | list[int]]
     prompts: list[str | list[int]] = []
     for i, prompt in enumerate(workload.prompts):
         try:
-            if workload.chat and isinstance(prompt, str) and engine.tokenizer is not None and getattr(engine.tokenizer, "chat_template", None):
+            if (
+                workload.chat
+                and isinstance(prompt, str)
+                and engine.tokenizer is not None
+                and getattr(engine.tokenizer, "chat_template", None)
+            ):
                 prompt = chat_token_ids(engine.tokenizer, [{"role": "user", "content": prompt}])  # ids: one BOS at most
             _, ids = engine.tokenize(prompt)
         except RequestError as exc:
@@ -163,26 +168,42 @@ def run_workload(
 
 
 def format_table(records: list[RunRecord]) -> str:
-    headers = ["run", "req/s", "out tok/s", "total tok/s", "prompt tok", "total tok", "time s", "TTFT p50 ms", "TPOT p50 ms", "KV util", "prefix hit",
-               "preempt swap/recomp", "shared blk", "speedup"]
+    headers = [
+        "run",
+        "req/s",
+        "out tok/s",
+        "total tok/s",
+        "prompt tok",
+        "total tok",
+        "time s",
+        "TTFT p50 ms",
+        "TPOT p50 ms",
+        "KV util",
+        "prefix hit",
+        "preempt swap/recomp",
+        "shared blk",
+        "speedup",
+    ]
     rows = []
     for r in records:
-        rows.append([
-            r.label,
-            f"{r.requests_per_s:.2f}",
-            f"{r.output_tokens_per_s:.1f}",
-            f"{r.total_tokens_per_s:.1f}",
-            str(r.prompt_tokens),
-            str(r.total_tokens),
-            f"{r.wall_s:.2f}",
-            f"{r.ttft_p50_s * 1e3:.1f}",
-            f"{r.tpot_p50_s * 1e3:.1f}",
-            f"{r.kv_utilisation:.1%}",
-            f"{r.prefix_hit_rate:.1%}",
-            f"{r.preemptions} ({r.preemptions_swap}/{r.preemptions_recompute})",
-            str(r.blocks_saved_by_sharing),
-            "—" if r.speedup is None else f"{r.speedup:.2f}x",
-        ])
+        rows.append(
+            [
+                r.label,
+                f"{r.requests_per_s:.2f}",
+                f"{r.output_tokens_per_s:.1f}",
+                f"{r.total_tokens_per_s:.1f}",
+                str(r.prompt_tokens),
+                str(r.total_tokens),
+                f"{r.wall_s:.2f}",
+                f"{r.ttft_p50_s * 1e3:.1f}",
+                f"{r.tpot_p50_s * 1e3:.1f}",
+                f"{r.kv_utilisation:.1%}",
+                f"{r.prefix_hit_rate:.1%}",
+                f"{r.preemptions} ({r.preemptions_swap}/{r.preemptions_recompute})",
+                str(r.blocks_saved_by_sharing),
+                "—" if r.speedup is None else f"{r.speedup:.2f}x",
+            ]
+        )
     widths = [max(len(h), *(len(row[i]) for row in rows)) for i, h in enumerate(headers)]
     line = lambda cells: "  ".join(c.ljust(w) if i == 0 else c.rjust(w) for i, (c, w) in enumerate(zip(cells, widths)))  # noqa: E731
     return "\n".join([line(headers), line(["-" * w for w in widths]), *(line(r) for r in rows)])

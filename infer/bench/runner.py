@@ -29,9 +29,16 @@ def _label(config: EngineConfig, base: EngineConfig | None) -> str:
 LARGE_WORKLOAD = 64  # prompts: preparing them (tokenizing, drawing ids) is announced on stderr
 
 
-def _run_one(config: EngineConfig, workload: Workload | None, workload_args: dict[str, Any], params: SamplingParams,
-             label: str, mode: ProgressMode, extra_plugins: Sequence[Any] = (),
-             profile: bool = False) -> tuple[RunRecord, list[RequestOutput], Workload, dict[str, Any] | None]:
+def _run_one(
+    config: EngineConfig,
+    workload: Workload | None,
+    workload_args: dict[str, Any],
+    params: SamplingParams,
+    label: str,
+    mode: ProgressMode,
+    extra_plugins: Sequence[Any] = (),
+    profile: bool = False,
+) -> tuple[RunRecord, list[RequestOutput], Workload, dict[str, Any] | None]:
     """workload: None for the workloads drawn from the model's vocabulary, built once the engine is."""
     engine = Engine.from_config(config, extra_plugins)
     profiler = StepProfiler.install(engine) if profile else None
@@ -48,24 +55,51 @@ def _run_one(config: EngineConfig, workload: Workload | None, workload_args: dic
         engine.close()
 
 
-def run_command(config: EngineConfig, dataset: str, prompts: list[str], num_prompts: int | None, max_tokens: int | None,
-                temperature: float, top_p: float, top_k: int, baseline: dict[str, Any] | None, json_out: Path | None,
-                show: int, progress: ProgressMode, extra_plugins: Sequence[Any] = (), profile: bool = False,
-                profile_chart: Path | None = None, n: int = 1, beam_width: int | None = None,
-                length_penalty: float = 1.0) -> None:
+def run_command(
+    config: EngineConfig,
+    dataset: str,
+    prompts: list[str],
+    num_prompts: int | None,
+    max_tokens: int | None,
+    temperature: float,
+    top_p: float,
+    top_k: int,
+    baseline: dict[str, Any] | None,
+    json_out: Path | None,
+    show: int,
+    progress: ProgressMode,
+    extra_plugins: Sequence[Any] = (),
+    profile: bool = False,
+    profile_chart: Path | None = None,
+    n: int = 1,
+    beam_width: int | None = None,
+    length_penalty: float = 1.0,
+) -> None:
     # Everything the user wrote is checked before the first engine is built (and its weights read).
     config.validate()
     base_config = config.replace(**baseline) if baseline is not None else None
     if base_config is not None:
         base_config.validate()
     if beam_width is not None and beam_width < n:
-        raise ConfigError(f"--beam-width {beam_width} is less than --n {n}: beam search returns the best --n of "
-                          f"--beam-width beams, so use --beam-width {n} or more")
+        raise ConfigError(
+            f"--beam-width {beam_width} is less than --n {n}: beam search returns the best --n of "
+            f"--beam-width beams, so use --beam-width {n} or more"
+        )
     if beam_width is None and length_penalty != 1.0:
-        raise ConfigError("--length-penalty scores beams and does nothing without --beam-width: add --beam-width N, or drop it")
-    params = SamplingParams(max_tokens=64 if max_tokens is None else max_tokens, temperature=temperature, top_p=top_p,
-                            top_k=top_k, seed=config.seed, n=n, use_beam_search=beam_width is not None,
-                            best_of=beam_width, length_penalty=length_penalty)
+        raise ConfigError(
+            "--length-penalty scores beams and does nothing without --beam-width: add --beam-width N, or drop it"
+        )
+    params = SamplingParams(
+        max_tokens=64 if max_tokens is None else max_tokens,
+        temperature=temperature,
+        top_p=top_p,
+        top_k=top_k,
+        seed=config.seed,
+        n=n,
+        use_beam_search=beam_width is not None,
+        best_of=beam_width,
+        length_penalty=length_penalty,
+    )
     workload_args = dict(name=dataset, num_prompts=num_prompts, max_tokens=max_tokens, seed=config.seed)
     workload: Workload | None = None
     if prompts:
@@ -79,11 +113,19 @@ def run_command(config: EngineConfig, dataset: str, prompts: list[str], num_prom
         workload = load_workload(vocab_size=0, **workload_args)
     records: list[RunRecord] = []
     if base_config is not None:
-        base_record, _, _, _ = _run_one(base_config, workload, workload_args, params, "baseline: " + _label(base_config, config),
-                                        progress, extra_plugins)
+        base_record, _, _, _ = _run_one(
+            base_config,
+            workload,
+            workload_args,
+            params,
+            "baseline: " + _label(base_config, config),
+            progress,
+            extra_plugins,
+        )
         records.append(base_record)
-    record, outputs, workload, profiled = _run_one(config, workload, workload_args, params, "infer", progress, extra_plugins,
-                                                   profile or profile_chart is not None)
+    record, outputs, workload, profiled = _run_one(
+        config, workload, workload_args, params, "infer", progress, extra_plugins, profile or profile_chart is not None
+    )
     if baseline is not None:
         record.speedup = record.total_tokens_per_s / records[0].total_tokens_per_s
     records.append(record)
@@ -95,13 +137,20 @@ def run_command(config: EngineConfig, dataset: str, prompts: list[str], num_prom
             text = completion.text if completion.text else f"<{len(completion.token_ids)} token ids>"
             click.echo(f"  {text.strip()}  [{completion.finish_reason}]")
     click.echo("")
-    click.echo(f"model={config.model} " + " ".join(f"{k}={v}" for k, v in record.config.items() if k not in ("model", "config_hash", "weight_bytes", "lossy")))
+    click.echo(
+        f"model={config.model} "
+        + " ".join(
+            f"{k}={v}" for k, v in record.config.items() if k not in ("model", "config_hash", "weight_bytes", "lossy")
+        )
+    )
     if "lossy" in record.config:  # a decoder that changes outputs says how
         click.echo(f"lossy: {record.config['lossy']}")
     if "acceptance_rate" in record.decoding:
         d = record.decoding
-        click.echo(f"speculative: acceptance {d['acceptance_rate']:.1%}, {d['mean_accepted_tokens']:.2f} draft tokens accepted "
-                   f"and {d['mean_tokens_per_step']:.2f} tokens per request-step, draft/verify time {d['draft_verify_time_ratio']:.2f}")
+        click.echo(
+            f"speculative: acceptance {d['acceptance_rate']:.1%}, {d['mean_accepted_tokens']:.2f} draft tokens accepted "
+            f"and {d['mean_tokens_per_step']:.2f} tokens per request-step, draft/verify time {d['draft_verify_time_ratio']:.2f}"
+        )
     click.echo(format_table(records))
     if profiled is not None:
         _report_profile(profiled, record, profile_chart)

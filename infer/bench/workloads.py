@@ -73,7 +73,9 @@ def chitchat(num_prompts: int, max_tokens: int, seed: int) -> Workload:
     try:
         import chitchat_dataset  # type: ignore[import-not-found]
     except ImportError as exc:
-        raise DatasetError("the `chat` workload needs the chitchat-dataset package: pip install chitchat-dataset==0.9.0") from exc
+        raise DatasetError(
+            "the `chat` workload needs the chitchat-dataset package: pip install chitchat-dataset==0.9.0"
+        ) from exc
     data = chitchat_dataset.Dataset()
     rng = random.Random(seed)
     texts = [msgs[0][0]["text"] for msgs in (conv["messages"] for conv in data.values()) if msgs and msgs[0]]
@@ -97,13 +99,17 @@ def from_file(path: Path, default_max_tokens: int) -> Workload:
             try:
                 items.append(json.loads(line))
             except json.JSONDecodeError as exc:
-                raise DatasetError(f"dataset file {path} is not valid JSONL (line {lineno}, column {exc.colno}: {exc.msg}): fix the file") from exc
+                raise DatasetError(
+                    f"dataset file {path} is not valid JSONL (line {lineno}, column {exc.colno}: {exc.msg}): fix the file"
+                ) from exc
             where.append(f"line {lineno}")
     else:
         try:
             items = json.loads(text)
         except json.JSONDecodeError as exc:
-            raise DatasetError(f"dataset file {path} is not valid JSON (line {exc.lineno}, column {exc.colno}: {exc.msg}): fix the file") from exc
+            raise DatasetError(
+                f"dataset file {path} is not valid JSON (line {exc.lineno}, column {exc.colno}: {exc.msg}): fix the file"
+            ) from exc
         where = [f"item {i}" for i in range(len(items))] if isinstance(items, list) else []
     if not isinstance(items, list) or not items:
         raise DatasetError(f"dataset file {path} must hold a non-empty list of prompts")
@@ -114,7 +120,9 @@ def from_file(path: Path, default_max_tokens: int) -> Workload:
             prompt, n = item.get("prompt"), item.get("max_tokens", default_max_tokens)
         else:
             prompt, n = item, default_max_tokens
-        ok = isinstance(prompt, str) or (isinstance(prompt, list) and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt))
+        ok = isinstance(prompt, str) or (
+            isinstance(prompt, list) and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt)
+        )
         if not ok:
             raise DatasetError(
                 f"dataset file {path}, {where[i]}: expected a string, a list of token ids, or "

@@ -48,8 +48,17 @@ def default_dtype(dtype: torch.dtype) -> Iterator[None]:
         torch.set_default_dtype(previous)
 
 
-def _build_model(source: Any, model_config: Any, composition: Any, layers: Layers, config: EngineConfig,
-                 device: torch.device, dtype: torch.dtype, max_model_len: int, parallel: ParallelState) -> tuple[Any, Any]:
+def _build_model(
+    source: Any,
+    model_config: Any,
+    composition: Any,
+    layers: Layers,
+    config: EngineConfig,
+    device: torch.device,
+    dtype: torch.dtype,
+    max_model_len: int,
+    parallel: ParallelState,
+) -> tuple[Any, Any]:
     """One model of the run (the target or a draft) and its attention backend, weights in place
     (under tensor parallelism: this rank's heads and shards)."""
     kwargs = model_kwargs(source.name, source.architecture.factory, model_config, parallel)
@@ -78,8 +87,14 @@ def _build_model(source: Any, model_config: Any, composition: Any, layers: Layer
     return model, attention
 
 
-def _check_draft(config: EngineConfig, registry: PluginRegistry, target: str, model_config: Any, max_model_len: int,
-                 name_or_path: str | None = None) -> Any:
+def _check_draft(
+    config: EngineConfig,
+    registry: PluginRegistry,
+    target: str,
+    model_config: Any,
+    max_model_len: int,
+    name_or_path: str | None = None,
+) -> Any:
     """The draft model's source, found and checked against the target (config.json only, no weights)."""
     draft_source = resolve_source(name_or_path or str(config.draft), registry, config.load_format)
     draft_config = draft_source.model_config()
@@ -111,7 +126,9 @@ def _check_kv_fits(num_blocks: int, config: EngineConfig, max_model_len: int, lo
     )
 
 
-def build_engine(config: EngineConfig, extra_plugins: Iterable[Any] = (), parallel: ParallelState | None = None) -> EngineParts:
+def build_engine(
+    config: EngineConfig, extra_plugins: Iterable[Any] = (), parallel: ParallelState | None = None
+) -> EngineParts:
     """parallel: this rank's place when --tp > 1 (the ranks are started first, then each builds here)."""
     started = time.perf_counter()
     config.validate()
@@ -121,15 +138,19 @@ def build_engine(config: EngineConfig, extra_plugins: Iterable[Any] = (), parall
     chat_template = load_chat_template(config.chat_template)
     source = resolve_source(config.model, registry, config.load_format, revision=config.revision)
     if chat_template is not None and source.tokenizer_path is None:
-        raise ConfigError(f"--chat-template needs a tokenizer, and {source.name} has none on disk: drop --chat-template")
+        raise ConfigError(
+            f"--chat-template needs a tokenizer, and {source.name} has none on disk: drop --chat-template"
+        )
     model_config = source.model_config()
     dtype = config.resolve_dtype(device, model_config.torch_dtype)
     composition = compose(config, registry, device, dtype)
     context, why = model_config.context_limit()
     max_model_len = config.max_model_len or context
     if max_model_len > context:
-        raise ConfigError(f"--max-model-len {max_model_len} exceeds {source.name}'s context of {context} tokens "
-                          f"({why}): use at most {context}")
+        raise ConfigError(
+            f"--max-model-len {max_model_len} exceeds {source.name}'s context of {context} tokens "
+            f"({why}): use at most {context}"
+        )
     if config.exit_layer is not None and not 1 <= config.exit_layer <= model_config.num_layers:
         raise ConfigError(f"--exit-layer must be in [1, {model_config.num_layers}] for {source.name}")
     layers = Layers(**{kind: registry.layer(kind, device.type) for kind in LAYER_KINDS})
@@ -139,7 +160,9 @@ def build_engine(config: EngineConfig, extra_plugins: Iterable[Any] = (), parall
     draft_source = None
     if composition.decoder.capabilities.needs_draft and config.draft not in ("ngram", "self"):
         draft_source = _check_draft(config, registry, source.name, model_config, max_model_len)
-    lookahead = config.num_speculative_tokens if composition.decoder.capabilities.needs_draft else 0  # the decoder's, once built
+    lookahead = (
+        config.num_speculative_tokens if composition.decoder.capabilities.needs_draft else 0
+    )  # the decoder's, once built
     if config.num_kv_blocks is not None:
         _check_kv_fits(config.num_kv_blocks, config, max_model_len, lookahead, "--num-kv-blocks")
     if config.tensor_parallel_size > 1 and parallel is None:  # start (or join) the ranks, then build each
@@ -154,7 +177,9 @@ def build_engine(config: EngineConfig, extra_plugins: Iterable[Any] = (), parall
             parallel.teardown.append(fast.close)
         parallel = dataclasses.replace(parallel, fast_all_reduce=fast)
 
-    model, attention = _build_model(source, model_config, composition, layers, config, device, dtype, max_model_len, parallel)
+    model, attention = _build_model(
+        source, model_config, composition, layers, config, device, dtype, max_model_len, parallel
+    )
     if all_reduce and parallel.exchange is not None and getattr(model, "pushes", False):
         all_reduce += "; one-token steps' sums pushed by the row-parallel GEMVs and the embedding"
     tokenizer = load_tokenizer(source.tokenizer_path)
@@ -175,7 +200,9 @@ def build_engine(config: EngineConfig, extra_plugins: Iterable[Any] = (), parall
         draft_config = draft_source.model_config()
         if num_layers is not None:
             draft_config = draft_config.with_layers(num_layers)
-        draft_model, draft_attention = _build_model(draft_source, draft_config, composition, layers, config, device, dtype, max_model_len, parallel)
+        draft_model, draft_attention = _build_model(
+            draft_source, draft_config, composition, layers, config, device, dtype, max_model_len, parallel
+        )
         draft_sampler = composition.sampler.factory(draft_config.vocab_size, device)
         draft = ModelRunner(draft_model, draft_attention, [], draft_sampler, config.block_size, device)
         models.append((draft, draft_config))
@@ -189,20 +216,30 @@ def build_engine(config: EngineConfig, extra_plugins: Iterable[Any] = (), parall
         return parallel.heads(c.num_heads, c.num_kv_heads).num_kv_heads
 
     per_block = sum(
-        bytes_per_block(r.num_layers or c.num_layers, config.block_size, kv_heads(c), c.head_dim, dtype) for r, c in models
+        bytes_per_block(r.num_layers or c.num_layers, config.block_size, kv_heads(c), c.head_dim, dtype)
+        for r, c in models
     )
     blocks_per_seq = -(-(max_model_len + config.num_speculative_tokens + 1) // config.block_size)
     num_blocks = config.num_kv_blocks or min(  # never more than max_num_seqs full-length requests use
-        num_blocks_for_budget(budget_bytes(device, config.kv_cache_memory_gib, config.gpu_memory_utilization), per_block),
+        num_blocks_for_budget(
+            budget_bytes(device, config.kv_cache_memory_gib, config.gpu_memory_utilization), per_block
+        ),
         config.max_num_seqs * blocks_per_seq,
     )
     num_blocks = parallel.min(num_blocks)  # every tensor-parallel rank's cache holds the same blocks
-    _check_kv_fits(num_blocks, config, max_model_len, decoder.num_lookahead_tokens,
-                   "--num-kv-blocks" if config.num_kv_blocks else "--kv-cache-memory / --gpu-memory-utilization")
+    _check_kv_fits(
+        num_blocks,
+        config,
+        max_model_len,
+        decoder.num_lookahead_tokens,
+        "--num-kv-blocks" if config.num_kv_blocks else "--kv-cache-memory / --gpu-memory-utilization",
+    )
     for r, c in models:  # one block more than the allocator owns: the null block
-        r.kv_caches.extend(allocate_kv_cache(
-            r.num_layers or c.num_layers, num_blocks + 1, config.block_size, kv_heads(c), c.head_dim, dtype, device
-        ))
+        r.kv_caches.extend(
+            allocate_kv_cache(
+                r.num_layers or c.num_layers, num_blocks + 1, config.block_size, kv_heads(c), c.head_dim, dtype, device
+            )
+        )
     num_cpu_blocks = 0  # the CPU pool for preemption by swap, sized like the device cache (every model's bytes)
     if config.preemption_mode == "swap":
         num_cpu_blocks = min(int(config.swap_space_gib * 2**30) // per_block, config.max_num_seqs * blocks_per_seq)
@@ -221,12 +258,21 @@ def build_engine(config: EngineConfig, extra_plugins: Iterable[Any] = (), parall
             if r is runner and not composition.decoder.capabilities.cuda_graph_safe:
                 continue
             r.graphs = CudaGraphRunner(
-                r.model, r.attention, r.kv_caches, config.block_size, config.max_num_seqs, max_model_len,
-                null_block=num_blocks, device=device, num_layers=r.num_layers,
+                r.model,
+                r.attention,
+                r.kv_caches,
+                config.block_size,
+                config.max_num_seqs,
+                max_model_len,
+                null_block=num_blocks,
+                device=device,
+                num_layers=r.num_layers,
             )
             r.graphs.capture()
     pipeline = config.pipeline_decode if config.pipeline_decode is not None else device.type == "cuda"
-    runner.pipeline = pipeline and attention.capabilities.pipeline_safe and composition.decoder.capabilities.pipeline_safe
+    runner.pipeline = (
+        pipeline and attention.capabilities.pipeline_safe and composition.decoder.capabilities.pipeline_safe
+    )
     if parallel.is_parallel:  # every rank: a pipelined step's ids come from rank 0's device
         for r, _ in models:
             r.parallel = parallel
@@ -256,7 +302,9 @@ def build_engine(config: EngineConfig, extra_plugins: Iterable[Any] = (), parall
         **getattr(decoder, "describe", {}),
         **({"all_reduce": all_reduce} if all_reduce else {}),
     }
-    get_logger(**describe).info("engine built", seconds=round(time.perf_counter() - started, 2), load_format=config.load_format)
+    get_logger(**describe).info(
+        "engine built", seconds=round(time.perf_counter() - started, 2), load_format=config.load_format
+    )
     return EngineParts(
         config=config,
         model_config=model_config,

@@ -30,7 +30,9 @@ def load_chat_template(value: str | None) -> str | None:
         return text
     if "{{" in value or "{%" in value:  # the template itself
         return value
-    raise ConfigError(f"chat template file {value} does not exist: pass a jinja file's path or the template text itself")
+    raise ConfigError(
+        f"chat template file {value} does not exist: pass a jinja file's path or the template text itself"
+    )
 
 
 def template_for(tokenizer: Any, chat_template: str | None = None) -> str:
@@ -75,7 +77,9 @@ def chat_token_ids(
 
     template = template_for(tokenizer, chat_template)
     if isinstance(messages, (str, bytes, Mapping)) or not isinstance(messages, Sequence) or not messages:
-        raise RequestError("a conversation is a non-empty list of {'role': ..., 'content': ...} dicts: fix the messages")
+        raise RequestError(
+            "a conversation is a non-empty list of {'role': ..., 'content': ...} dicts: fix the messages"
+        )
     for i, m in enumerate(messages):
         if not isinstance(m, Mapping) or not isinstance(m.get("role"), str):
             raise RequestError(f"message {i} of the conversation is not a dict with a 'role' string: fix the messages")
@@ -84,8 +88,10 @@ def chat_token_ids(
             try:
                 content.encode("utf-8")
             except UnicodeEncodeError as exc:  # a lone surrogate ("\ud800"): no tokenizer can encode it
-                raise RequestError(f"message {i}'s content is not valid Unicode: {content[exc.start]!r} at index "
-                                   f"{exc.start} is a lone surrogate; fix the text") from None
+                raise RequestError(
+                    f"message {i}'s content is not valid Unicode: {content[exc.start]!r} at index "
+                    f"{exc.start} is a lone surrogate; fix the text"
+                ) from None
     kwargs = check_template_kwargs(tokenizer, chat_template_kwargs)
     try:
         out = tokenizer.apply_chat_template(
@@ -93,9 +99,13 @@ def chat_token_ids(
             add_generation_prompt=add_generation_prompt, tokenize=True, **kwargs,
         )  # fmt: skip
     except TemplateError as exc:  # raise_exception(...) in the template, an undefined field, a syntax error
-        raise RequestError(f"the chat template cannot render this conversation ({_one_line(exc)}): fix the messages or the template") from exc
+        raise RequestError(
+            f"the chat template cannot render this conversation ({_one_line(exc)}): fix the messages or the template"
+        ) from exc
     except (ValueError, TypeError, KeyError, IndexError) as exc:
-        raise RequestError(f"cannot apply the chat template to this conversation ({type(exc).__name__}: {_one_line(exc)}): fix the messages") from exc
+        raise RequestError(
+            f"cannot apply the chat template to this conversation ({type(exc).__name__}: {_one_line(exc)}): fix the messages"
+        ) from exc
     ids = out["input_ids"] if isinstance(out, Mapping) else out  # transformers 5 returns a BatchEncoding
     return [int(t) for t in ids]
 

@@ -47,12 +47,18 @@ def _check_runs_here(s: Strategy, flag: str, device: torch.device, dtype: torch.
         )
     if caps.dtypes is not None and dtype not in caps.dtypes:
         ok = ", ".join(sorted(str(d).removeprefix("torch.") for d in caps.dtypes))
-        raise IncompatiblePluginsError(f"{flag} {s.name} does not support dtype {str(dtype).removeprefix('torch.')}: use --dtype {ok}")
+        raise IncompatiblePluginsError(
+            f"{flag} {s.name} does not support dtype {str(dtype).removeprefix('torch.')}: use --dtype {ok}"
+        )
     if caps.block_sizes is not None and config.block_size not in caps.block_sizes:
         ok = ", ".join(map(str, sorted(caps.block_sizes)))
-        raise IncompatiblePluginsError(f"{flag} {s.name} does not support --block-size {config.block_size}: use one of {ok}")
+        raise IncompatiblePluginsError(
+            f"{flag} {s.name} does not support --block-size {config.block_size}: use one of {ok}"
+        )
     if config.tensor_parallel_size > 1 and not caps.distributed:
-        raise IncompatiblePluginsError(f"{flag} {s.name} cannot run with --tp {config.tensor_parallel_size}: use --tp 1")
+        raise IncompatiblePluginsError(
+            f"{flag} {s.name} cannot run with --tp {config.tensor_parallel_size}: use --tp 1"
+        )
     reason = s.unavailable_reason()
     if reason:
         raise IncompatiblePluginsError(f"{flag} {s.name} cannot run here: {reason}")
@@ -67,7 +73,9 @@ def refusal(s: Strategy, flag: str, device: torch.device, dtype: torch.dtype, co
     return None
 
 
-def _auto_attention(registry: PluginRegistry, device: torch.device, dtype: torch.dtype, config: EngineConfig) -> Strategy:
+def _auto_attention(
+    registry: PluginRegistry, device: torch.device, dtype: torch.dtype, config: EngineConfig
+) -> Strategy:
     candidates = []
     for s in registry.all("attention"):
         caps = s.capabilities
@@ -79,7 +87,9 @@ def _auto_attention(registry: PluginRegistry, device: torch.device, dtype: torch
             continue
         candidates.append(s)
     if not candidates:
-        raise IncompatiblePluginsError(f"no attention backend runs on {device.type} with {dtype}: install one or change --device")
+        raise IncompatiblePluginsError(
+            f"no attention backend runs on {device.type} with {dtype}: install one or change --device"
+        )
     return max(candidates, key=lambda s: (s.capabilities.priority, s.name == "torch"))
 
 
@@ -137,10 +147,13 @@ def _check_decoder_options(decoder: Strategy, config: EngineConfig) -> None:
     """--draft and --exit-layer against the decoder that would read them: missing, or doing nothing."""
     caps, name = decoder.capabilities, decoder.name
     if caps.needs_draft and not config.draft:
-        raise IncompatiblePluginsError(f"--decoding {name} needs a draft model: add --draft NAME (a model, ngram, or self)")
+        raise IncompatiblePluginsError(
+            f"--decoding {name} needs a draft model: add --draft NAME (a model, ngram, or self)"
+        )
     if config.draft and not caps.needs_draft:
         raise IncompatiblePluginsError(
-            f"--draft {config.draft} does nothing with --decoding {name}: add --decoding speculative, or drop --draft")
+            f"--draft {config.draft} does nothing with --decoding {name}: add --decoding speculative, or drop --draft"
+        )
     self_draft = caps.needs_draft and config.draft == "self"  # the target's first --exit-layer layers
     if (caps.uses_exit_layer or self_draft) and config.exit_layer is None:
         what = "--draft self" if self_draft else f"--decoding {name}"
@@ -149,4 +162,5 @@ def _check_decoder_options(decoder: Strategy, config: EngineConfig) -> None:
         raise IncompatiblePluginsError(
             f"--exit-layer {config.exit_layer} does nothing with --decoding {name}"
             + (f" --draft {config.draft}" if config.draft else "")
-            + ": use --decoding early-exit or --decoding speculative --draft self, or drop --exit-layer")
+            + ": use --decoding early-exit or --decoding speculative --draft self, or drop --exit-layer"
+        )

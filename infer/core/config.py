@@ -59,7 +59,9 @@ class EngineConfig:
     max_model_len: int | None = None  # default: the model's context length
     seed: int = 0  # seeds dummy weights and unseeded sampling
     cuda_graphs: bool = True
-    pipeline_decode: bool | None = None  # queue the next decode forward before this step's tokens reach the host; None: on CUDA
+    pipeline_decode: bool | None = (
+        None  # queue the next decode forward before this step's tokens reach the host; None: on CUDA
+    )
     tensor_parallel_size: int = 1
     all_reduce: str = "auto"  # tensor parallelism's all-reduce: auto | nccl | symm-mem | flashinfer
     draft: str | None = None  # draft model for speculative decoding
@@ -72,7 +74,9 @@ class EngineConfig:
         if self.dtype != "auto" and self.dtype not in DTYPES:
             raise ConfigError(f"unknown --dtype {self.dtype!r}: use one of auto, {', '.join(sorted(set(DTYPES)))}")
         if self.all_reduce not in ALL_REDUCE:
-            raise ConfigError(f"unknown --all-reduce {self.all_reduce!r}: use {', '.join(ALL_REDUCE[:-1])} or {ALL_REDUCE[-1]}")
+            raise ConfigError(
+                f"unknown --all-reduce {self.all_reduce!r}: use {', '.join(ALL_REDUCE[:-1])} or {ALL_REDUCE[-1]}"
+            )
 
     @classmethod
     def parse_option(cls, name: str, text: str, where: str) -> Any:
@@ -149,7 +153,9 @@ class ModelConfig:
             num_heads = int(hf.num_attention_heads)
             hidden = int(hf.hidden_size)
             eos = hf.eos_token_id
-            eos_ids = tuple(int(e) for e in eos) if isinstance(eos, (list, tuple)) else (() if eos is None else (int(eos),))
+            eos_ids = (
+                tuple(int(e) for e in eos) if isinstance(eos, (list, tuple)) else (() if eos is None else (int(eos),))
+            )
             dtype = hf.dtype if isinstance(hf.dtype, torch.dtype) else DTYPES.get(str(hf.dtype or ""))
             config = cls(
                 architecture=(hf.architectures or ["LlamaForCausalLM"])[0],
@@ -170,16 +176,30 @@ class ModelConfig:
                 name=name,
             )
         except (AttributeError, TypeError, ValueError) as exc:
-            raise ModelLoadError(f"{source} is missing a field or has a bad one ({one_line(exc)}): fix config.json") from exc
-        rope_for(config.rope_parameters, config.head_dim, config.hidden_size, config.num_heads,
-                 config.max_position_embeddings, source)
+            raise ModelLoadError(
+                f"{source} is missing a field or has a bad one ({one_line(exc)}): fix config.json"
+            ) from exc
+        rope_for(
+            config.rope_parameters,
+            config.head_dim,
+            config.hidden_size,
+            config.num_heads,
+            config.max_position_embeddings,
+            source,
+        )
         return config
 
     def rope(self) -> "Rope":
         from infer.core.rope import rope_for
 
-        return rope_for(self.rope_parameters, self.head_dim, self.hidden_size, self.num_heads,
-                        self.max_position_embeddings, f"config.json of {self.name or 'the model'}")
+        return rope_for(
+            self.rope_parameters,
+            self.head_dim,
+            self.hidden_size,
+            self.num_heads,
+            self.max_position_embeddings,
+            f"config.json of {self.name or 'the model'}",
+        )
 
     def context_limit(self) -> tuple[int, str]:
         """The longest context this model runs exactly (positions), and the reason it is no longer."""
@@ -198,8 +218,10 @@ def transformers_config(hf: Mapping[str, Any], source: str = "config.json") -> A
 
     model_type = hf.get("model_type", "llama")
     if model_type not in CONFIG_MAPPING:
-        raise ModelLoadError(f"{source} has model_type {model_type!r}, which transformers does not know: "
-                             f"fix model_type, or upgrade transformers")
+        raise ModelLoadError(
+            f"{source} has model_type {model_type!r}, which transformers does not know: "
+            f"fix model_type, or upgrade transformers"
+        )
     try:
         return CONFIG_MAPPING[model_type].from_dict(dict(hf))
     except (KeyError, TypeError, ValueError) as exc:

@@ -54,8 +54,18 @@ RANGES: dict[str, tuple[Callable[[Any], bool], str]] = {
     "draft": (lambda v: v.strip() != "", "ngram, self, or a model name or folder"),
     "revision": (lambda v: v.strip() != "", "a branch, tag or commit of the HF repo, or None for main"),
     "chat_template": (lambda v: v.strip() != "", "a jinja file's path or the template's text, or None for the model's"),
-    **{slot: (lambda v: v.strip() != "", "a registered strategy name (see `infer plugins`)")
-       for slot in ("attention", "prefill_attention", "kv_allocator", "scheduler", "sampler", "decoding", "detokenizer")},
+    **{
+        slot: (lambda v: v.strip() != "", "a registered strategy name (see `infer plugins`)")
+        for slot in (
+            "attention",
+            "prefill_attention",
+            "kv_allocator",
+            "scheduler",
+            "sampler",
+            "decoding",
+            "detokenizer",
+        )
+    },
 }
 
 
@@ -71,8 +81,11 @@ class FieldType:
         return typing.get_args(self.base) if typing.get_origin(self.base) is Literal else None
 
     def describe(self) -> str:
-        what = ("one of " + ", ".join(map(str, self.choices))) if self.choices else {
-            int: "an integer", float: "a number", bool: "true or false", str: "a string"}[self.base]
+        what = (
+            ("one of " + ", ".join(map(str, self.choices)))
+            if self.choices
+            else {int: "an integer", float: "a number", bool: "true or false", str: "a string"}[self.base]
+        )
         return what + (", or None" if self.optional else "")
 
     def holds(self, value: Any) -> bool:

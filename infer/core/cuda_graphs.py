@@ -53,7 +53,10 @@ class CudaGraphRunner:
         self.i64 = torch.zeros(3 * b, dtype=torch.int64, device=device)
         self.i32 = torch.zeros(b + (b + 1) + b * w, dtype=torch.int32, device=device)
         self.staging = [
-            (torch.zeros(3 * b, dtype=torch.int64).pin_memory(), torch.zeros(b + (b + 1) + b * w, dtype=torch.int32).pin_memory())
+            (
+                torch.zeros(3 * b, dtype=torch.int64).pin_memory(),
+                torch.zeros(b + (b + 1) + b * w, dtype=torch.int32).pin_memory(),
+            )
             for _ in range(2)
         ]
         self.turn = 0
@@ -71,13 +74,26 @@ class CudaGraphRunner:
     def _batch(self, n: int, seq_lens: list[int], tables: list[list[int]]) -> AttentionBatch:
         _, pos, slots, seq_lens_t, cu, tables_t = self._views(n)
         return AttentionBatch(
-            query_lens=[1] * n, seq_lens=seq_lens, block_tables=tables, block_size=self.block_size,
-            num_decode_seqs=n, cu_seqlens_q=cu, seq_lens_t=seq_lens_t, block_tables_t=tables_t,
-            slot_mapping=slots, positions=pos,
+            query_lens=[1] * n,
+            seq_lens=seq_lens,
+            block_tables=tables,
+            block_size=self.block_size,
+            num_decode_seqs=n,
+            cu_seqlens_q=cu,
+            seq_lens_t=seq_lens_t,
+            block_tables_t=tables_t,
+            slot_mapping=slots,
+            positions=pos,
         )
 
-    def _fill(self, n: int, token_ids: list[int], seq_lens: list[int], tables: list[list[int]],
-              ids: torch.Tensor | None = None) -> None:
+    def _fill(
+        self,
+        n: int,
+        token_ids: list[int],
+        seq_lens: list[int],
+        tables: list[list[int]],
+        ids: torch.Tensor | None = None,
+    ) -> None:
         b, w, bs = self.max_batch, self.max_blocks, self.block_size
         num_real = len(seq_lens)
         if ids is not None:
@@ -140,8 +156,9 @@ class CudaGraphRunner:
         self.graphs.clear()
         self.pool = None
 
-    def run(self, token_ids: list[int], seq_lens: list[int], tables: list[list[int]],
-            ids: torch.Tensor | None = None) -> torch.Tensor:
+    def run(
+        self, token_ids: list[int], seq_lens: list[int], tables: list[list[int]], ids: torch.Tensor | None = None
+    ) -> torch.Tensor:
         """Decode one token for each sequence; returns logits [len(seq_lens), vocab]. `ids`: the
         token ids as a device tensor instead of `token_ids`."""
         num_real = len(seq_lens)

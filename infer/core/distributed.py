@@ -30,7 +30,9 @@ class HeadLayout:
     kv_start: int  # first KV head (of the model's)
 
 
-def check_tensor_parallel(name: str, num_heads: int, num_kv_heads: int, intermediate_size: int, world_size: int) -> None:
+def check_tensor_parallel(
+    name: str, num_heads: int, num_kv_heads: int, intermediate_size: int, world_size: int
+) -> None:
     """Refuse a model whose heads (or MLP width) do not split evenly over `world_size` ranks."""
     if world_size == 1:
         return
@@ -64,7 +66,9 @@ class ParallelState:
     group: Any = None  # ProcessGroup for the model's collectives (all-reduce, all-gather)
     control_group: Any = None  # gloo ProcessGroup for rank 0's step messages (CPU tensors)
     store: Any = None  # the rendezvous store: a failing rank posts its error under error_key(rank)
-    fast_all_reduce: Any = None  # SymmetricAllReduce or FlashInferAllReduce for small tensors (--all-reduce); None: NCCL only
+    fast_all_reduce: Any = (
+        None  # SymmetricAllReduce or FlashInferAllReduce for small tensors (--all-reduce); None: NCCL only
+    )
     # collective clean-ups (freeing buffers the ranks share): run by every rank, in this order, when
     # the ranks take their groups down together; a copy of this state (dataclasses.replace) shares the list
     teardown: list[Any] = field(default_factory=list, repr=False, compare=False)
@@ -126,8 +130,12 @@ class ParallelState:
         """Where a vocab-parallel embedding of `input_ids` with `weight` pushes its rows, or None
         (more than one token, or no exchange for these rows). The same answer on every rank."""
         exchange = self.exchange
-        if (exchange is None or input_ids.numel() != 1 or weight.dtype != exchange.dtype
-                or weight.shape[1] != exchange.hidden_size):
+        if (
+            exchange is None
+            or input_ids.numel() != 1
+            or weight.dtype != exchange.dtype
+            or weight.shape[1] != exchange.hidden_size
+        ):
             return None
         return exchange.embed_target()
 
@@ -206,8 +214,10 @@ def peer_access_reason(parallel: Any) -> str | None:
         return None
     local_world, local_rank = torchrun_host() or (parallel.world_size, parallel.rank)
     if local_world < parallel.world_size:
-        return (f"the {parallel.world_size} ranks span several hosts ({local_world} on this one), and peer "
-                "memory is one host's")
+        return (
+            f"the {parallel.world_size} ranks span several hosts ({local_world} on this one), and peer "
+            "memory is one host's"
+        )
     here = parallel.device.index if parallel.device.index is not None else torch.cuda.current_device()
     first = here - local_rank  # the ranks' GPUs are consecutive
     for other in range(first, first + local_world):
@@ -229,7 +239,7 @@ def make_all_reduce(choice: str, parallel: Any, dtype: torch.dtype, hidden_size:
     strategies = {"flashinfer": flashinfer_all_reduce, "symm-mem": symmetric_memory}
     reasons = []
     no_peers = peer_access_reason(parallel)  # both sum over the GPUs' peer memory
-    for name in ([choice] if choice != "auto" else list(strategies)):
+    for name in [choice] if choice != "auto" else list(strategies):
         strategy = strategies[name]
         # may differ by rank
         reason = no_peers or strategy.unavailable_reason(parallel.device, parallel.world_size, dtype)
@@ -241,7 +251,9 @@ def make_all_reduce(choice: str, parallel: Any, dtype: torch.dtype, hidden_size:
             return _set_up(name, parallel, dtype, hidden_size)
         if choice != "auto":
             fix = "auto or nccl" if choice == "flashinfer" else "nccl"
-            raise ConfigError(f"--all-reduce {choice} cannot run: {reason or 'another rank cannot use it'}; use --all-reduce {fix}")
+            raise ConfigError(
+                f"--all-reduce {choice} cannot run: {reason or 'another rank cannot use it'}; use --all-reduce {fix}"
+            )
         label = "flashinfer" if name == "flashinfer" else "symmetric memory"
         reasons.append(f"{label} unavailable: {reason or 'on another rank'}")
     return None, f"{backend} ({'; '.join(reasons)})"
@@ -252,13 +264,16 @@ def _set_up(name: str, parallel: Any, dtype: torch.dtype, hidden_size: int) -> t
 
     if name == "flashinfer":
         fast = flashinfer_all_reduce.FlashInferAllReduce(parallel, hidden_size, dtype)
-        return fast, (f"flashinfer (one- or two-shot, fused with the residual add and RMSNorm) up to "
-                      f"{fast.max_tokens} tokens, nccl above")
+        return fast, (
+            f"flashinfer (one- or two-shot, fused with the residual add and RMSNorm) up to "
+            f"{fast.max_tokens} tokens, nccl above"
+        )
     try:
         fast = symmetric_memory.SymmetricAllReduce(parallel.group, parallel.device)
     except Exception as exc:  # set-up failed on this rank: the others may have failed too, or may wait
-        raise ConfigError(f"the symmetric-memory all-reduce could not be set up ({type(exc).__name__}: {exc}); "
-                          "use --all-reduce nccl") from exc
+        raise ConfigError(
+            f"the symmetric-memory all-reduce could not be set up ({type(exc).__name__}: {exc}); use --all-reduce nccl"
+        ) from exc
     return fast, f"symm-mem one-shot up to {fast.max_bytes // 1024} KiB, nccl above"
 
 
@@ -279,5 +294,7 @@ def model_kwargs(name: str, architecture: Any, config: Any, parallel: ParallelSt
     except (TypeError, ValueError):
         accepts = False
     if not accepts:
-        raise ConfigError(f"the model architecture of {name} has no tensor-parallel form (no `parallel` argument): use --tp 1")
+        raise ConfigError(
+            f"the model architecture of {name} has no tensor-parallel form (no `parallel` argument): use --tp 1"
+        )
     return {"parallel": parallel}

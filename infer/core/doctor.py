@@ -65,15 +65,18 @@ def _phase_refusal(s: Strategy, as_prefill: bool, has_prefill_backend: bool) -> 
             return f"--prefill-attention {s.name} does not serve prefill (it serves {', '.join(sorted(phases))})"
         return None
     if "decode" not in phases:
-        return (f"--attention {s.name} serves only {', '.join(sorted(phases))}: use it as --prefill-attention "
-                f"{s.name} with a decode backend")
+        return (
+            f"--attention {s.name} serves only {', '.join(sorted(phases))}: use it as --prefill-attention "
+            f"{s.name} with a decode backend"
+        )
     if "prefill" not in phases and not has_prefill_backend:
         return f"--attention {s.name} does not serve prefill: add --prefill-attention with a prefill backend"
     return None
 
 
-def _slot_refusal(slot: str, s: Strategy, config: EngineConfig, device: torch.device, dtype: torch.dtype,
-                  as_prefill: bool = False) -> str | None:
+def _slot_refusal(
+    slot: str, s: Strategy, config: EngineConfig, device: torch.device, dtype: torch.dtype, as_prefill: bool = False
+) -> str | None:
     flag = "--prefill-attention" if as_prefill else FLAGS[slot]
     if slot == "attention":
         phase = _phase_refusal(s, as_prefill, bool(config.prefill_attention))
@@ -84,8 +87,15 @@ def _slot_refusal(slot: str, s: Strategy, config: EngineConfig, device: torch.de
     return refusal(s, flag, device, dtype, config)
 
 
-def _verdict(registry: PluginRegistry, slot: str, name: str, config: EngineConfig, device: torch.device,
-             dtype: torch.dtype, as_prefill: bool = False) -> Verdict:
+def _verdict(
+    registry: PluginRegistry,
+    slot: str,
+    name: str,
+    config: EngineConfig,
+    device: torch.device,
+    dtype: torch.dtype,
+    as_prefill: bool = False,
+) -> Verdict:
     label = "prefill_attention" if as_prefill else slot
     try:
         chosen = registry.get(slot, name)
@@ -94,8 +104,11 @@ def _verdict(registry: PluginRegistry, slot: str, name: str, config: EngineConfi
         reason = str(exc)
     if reason is None:
         return Verdict(label, name)
-    runs = tuple(s.name + (" (lossy)" if s.capabilities.lossy else "") for s in sorted(registry.all(slot), key=lambda s: s.name)
-                 if s.name != name and _slot_refusal(slot, s, config, device, dtype, as_prefill) is None)
+    runs = tuple(
+        s.name + (" (lossy)" if s.capabilities.lossy else "")
+        for s in sorted(registry.all(slot), key=lambda s: s.name)
+        if s.name != name and _slot_refusal(slot, s, config, device, dtype, as_prefill) is None
+    )
     return Verdict(label, name, reason, runs)
 
 
@@ -108,8 +121,9 @@ def _model(config: EngineConfig, registry: PluginRegistry) -> tuple[Verdict, tor
     except InferError as exc:
         if config.load_format != "dummy" and config.model in hub.KNOWN_SOURCES and registry.preset(config.model):
             return Verdict("model", config.model, note="not cached yet: `infer run` downloads it once"), None
-        return Verdict("model", config.model, str(exc), tuple(n for n in registry.preset_names() if n != config.model)[:6]
-                       ), None
+        return Verdict(
+            "model", config.model, str(exc), tuple(n for n in registry.preset_names() if n != config.model)[:6]
+        ), None
     try:
         mc = source.model_config()
         if source.path is not None:  # the safetensors headers against the config's shapes; no weight is read
@@ -123,8 +137,9 @@ def _model(config: EngineConfig, registry: PluginRegistry) -> tuple[Verdict, tor
     return Verdict("model", config.model, note=note), mc.torch_dtype
 
 
-def diagnose(config: EngineConfig, registry: PluginRegistry, check_model: bool = True,
-             device: torch.device | None = None) -> Diagnosis:
+def diagnose(
+    config: EngineConfig, registry: PluginRegistry, check_model: bool = True, device: torch.device | None = None
+) -> Diagnosis:
     """Every slot's verdict for `config` on this machine (on `device`, when given, present or not);
     reads config.json files and safetensors headers, never weights."""
     verdicts: list[Verdict] = []
@@ -142,20 +157,26 @@ def diagnose(config: EngineConfig, registry: PluginRegistry, check_model: bool =
     if check_model:
         model_verdict, model_dtype = _model(config, registry)
         verdicts.append(model_verdict)
-    dtype = config.resolve_dtype(device, model_dtype) if config.dtype == "auto" or config.dtype in DTYPES else torch.float32
+    dtype = (
+        config.resolve_dtype(device, model_dtype) if config.dtype == "auto" or config.dtype in DTYPES else torch.float32
+    )
     if config.tensor_parallel_size > 1:
         verdicts.append(_tensor_parallel(config, registry))
         verdicts.append(_all_reduce(config, device, dtype))
     if config.attention == "auto":
         try:
-            verdicts.append(Verdict("attention", "auto", note=f"auto picks {_auto_attention(registry, device, dtype, config).name}"))
+            verdicts.append(
+                Verdict("attention", "auto", note=f"auto picks {_auto_attention(registry, device, dtype, config).name}")
+            )
         except InferError as exc:
             verdicts.append(Verdict("attention", "auto", str(exc)))
     for slot, config_field in SLOT_FIELDS.items():
         if not (slot == "attention" and config.attention == "auto"):
             verdicts.append(_verdict(registry, slot, getattr(config, config_field), config, device, dtype))
         if slot == "attention" and config.prefill_attention:
-            verdicts.append(_verdict(registry, "attention", config.prefill_attention, config, device, dtype, as_prefill=True))
+            verdicts.append(
+                _verdict(registry, "attention", config.prefill_attention, config, device, dtype, as_prefill=True)
+            )
     if check_model and config.draft and config.draft not in ("ngram", "self"):
         from infer.plugins.models.loader import resolve_source
 
@@ -190,8 +211,11 @@ def format_diagnosis(d: Diagnosis) -> str:
     for b in d.broken:
         lines.append(f"  plugin {b.plugin} from {b.distribution} failed to load: {b.error}")
     refused = len(d.refusals)
-    lines.append("verdict: runs here" if not refused else
-                 f"verdict: cannot run here ({refused} refusal{'s' if refused > 1 else ''}); change the flags named above")
+    lines.append(
+        "verdict: runs here"
+        if not refused
+        else f"verdict: cannot run here ({refused} refusal{'s' if refused > 1 else ''}); change the flags named above"
+    )
     return "\n".join(lines)
 
 
@@ -202,8 +226,12 @@ def _on_a_machine_with_the_device(registry: PluginRegistry) -> PluginRegistry:
     """The registry as a machine with the asked-for device would see it: each strategy's own availability
     check (installed packages, a visible GPU) is about this machine, so it is left out."""
     strategies = {
-        slot: {name: dataclasses.replace(s, factory=SimpleNamespace(capabilities=dataclasses.replace(s.capabilities, available=None)))
-               for name, s in by_name.items()}
+        slot: {
+            name: dataclasses.replace(
+                s, factory=SimpleNamespace(capabilities=dataclasses.replace(s.capabilities, available=None))
+            )
+            for name, s in by_name.items()
+        }
         for slot, by_name in registry.strategies.items()
     }
     return dataclasses.replace(registry, strategies=strategies)
@@ -211,12 +239,17 @@ def _on_a_machine_with_the_device(registry: PluginRegistry) -> PluginRegistry:
 
 def unavailable_here(registry: PluginRegistry) -> list[tuple[str, str]]:
     """(strategy, reason) for every strategy whose availability check fails on this machine."""
-    return [(f"{FLAGS[slot]} {s.name}", reason) for slot in MATRIX_SLOTS for s in sorted(registry.all(slot), key=lambda s: s.name)
-            if (reason := s.unavailable_reason())]
+    return [
+        (f"{FLAGS[slot]} {s.name}", reason)
+        for slot in MATRIX_SLOTS
+        for s in sorted(registry.all(slot), key=lambda s: s.name)
+        if (reason := s.unavailable_reason())
+    ]
 
 
-def matrix(registry: PluginRegistry, base: EngineConfig,
-           device: torch.device | None = None) -> list[tuple[tuple[str, ...], str | None]]:
+def matrix(
+    registry: PluginRegistry, base: EngineConfig, device: torch.device | None = None
+) -> list[tuple[tuple[str, ...], str | None]]:
     """Every attention x sampler x scheduler x decoding combination with None (runs) or its first refusal
     (on `device`, when given; on a device this machine lacks, as a machine with it would see them,
     without the strategies' own availability checks: see `unavailable_here`)."""
@@ -235,15 +268,18 @@ def device_present(device: torch.device) -> bool:
     return device.type != "cuda" or (torch.cuda.is_available() and (device.index or 0) < torch.cuda.device_count())
 
 
-def format_matrix(rows: list[tuple[tuple[str, ...], str | None]], device: str,
-                  not_checked: list[tuple[str, str]] | None = None) -> str:
+def format_matrix(
+    rows: list[tuple[tuple[str, ...], str | None]], device: str, not_checked: list[tuple[str, str]] | None = None
+) -> str:
     """not_checked: for a device this machine lacks, the availability checks the rows leave out."""
     runs = [combo for combo, reason in rows if reason is None]
     headers = ("attention", "sampler", "scheduler", "decoding")
     widths = [max(len(h), *(len(c[i]) for c, _ in rows)) for i, h in enumerate(headers)]
     where = f"on {device}" if not_checked is None else f"on a machine with {device} (none here)"
-    lines = [f"{len(runs)} of {len(rows)} combinations of {' x '.join(headers)} run {where}:",
-             ("  " + "  ".join(h.ljust(w) for h, w in zip(headers, widths))).rstrip()]
+    lines = [
+        f"{len(runs)} of {len(rows)} combinations of {' x '.join(headers)} run {where}:",
+        ("  " + "  ".join(h.ljust(w) for h, w in zip(headers, widths))).rstrip(),
+    ]
     lines += [("  " + "  ".join(c.ljust(w) for c, w in zip(combo, widths))).rstrip() for combo in runs]
     refused = Counter(reason for _, reason in rows if reason is not None)
     if refused:
@@ -262,21 +298,30 @@ def _all_reduce(config: EngineConfig, device: torch.device, dtype: torch.dtype) 
 
     tp = config.tensor_parallel_size
     # rank 0's view of the GPUs the ranks would take (too few GPUs is the tensor-parallel verdict's)
-    no_peers = (peer_access_reason(ParallelState(0, tp, device))
-                if device.type == "cuda" and torch.cuda.device_count() >= (device.index or 0) + tp else None)
+    no_peers = (
+        peer_access_reason(ParallelState(0, tp, device))
+        if device.type == "cuda" and torch.cuda.device_count() >= (device.index or 0) + tp
+        else None
+    )
     # doctor does not build FlashInfer's kernels (minutes on first use): the engine does, and says so
     flashinfer_why = no_peers or flashinfer_all_reduce.unavailable_reason(device, tp, dtype, build=False)
     if config.all_reduce == "flashinfer":
-        return Verdict("all-reduce", "flashinfer", flashinfer_why and f"flashinfer's all-reduce cannot run: {flashinfer_why}",
-                       ("nccl", "auto"))
+        return Verdict(
+            "all-reduce",
+            "flashinfer",
+            flashinfer_why and f"flashinfer's all-reduce cannot run: {flashinfer_why}",
+            ("nccl", "auto"),
+        )
     reason = no_peers or symmetric_memory.unavailable_reason(device, tp, dtype)
     if config.all_reduce == "symm-mem" and reason:
         return Verdict("all-reduce", "symm-mem", f"symmetric memory cannot run: {reason}", ("nccl", "auto"))
     if config.all_reduce == "auto":
         backend = "nccl" if device.type == "cuda" else "gloo"
         if flashinfer_why is None:
-            note = ("auto picks flashinfer (fused with the residual add and RMSNorm; its kernels are compiled on "
-                    f"first use) up to {flashinfer_all_reduce.MAX_TOKENS} tokens, nccl above")
+            note = (
+                "auto picks flashinfer (fused with the residual add and RMSNorm; its kernels are compiled on "
+                f"first use) up to {flashinfer_all_reduce.MAX_TOKENS} tokens, nccl above"
+            )
         elif reason is None:
             note = f"auto picks symm-mem for small tensors, nccl above (flashinfer: {flashinfer_why})"
         else:
@@ -292,7 +337,9 @@ def _tensor_parallel(config: EngineConfig, registry: PluginRegistry) -> Verdict:
 
     tp = str(config.tensor_parallel_size)
     try:
-        mc = resolve_source(config.model, registry, config.load_format, pull=False, revision=config.revision).model_config()
+        mc = resolve_source(
+            config.model, registry, config.load_format, pull=False, revision=config.revision
+        ).model_config()
         check_tensor_parallel(mc.name, mc.num_heads, mc.num_kv_heads, mc.intermediate_size, config.tensor_parallel_size)
     except InferError as exc:
         return Verdict("tp", tp, str(exc))

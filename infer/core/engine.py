@@ -40,7 +40,9 @@ class EngineParts:
     describe: dict[str, Any]  # plugin set, device, dtype, KV blocks: bound into logs and reports
     closers: tuple[Any, ...] = ()
     block_mover: BlockMover | None = None  # applies each step's KV block copies (copy-on-write, swap)
-    runners: tuple[Any, ...] = ()  # every model's ModelRunner in build order (target, then drafts); tensor parallelism mirrors them
+    runners: tuple[
+        Any, ...
+    ] = ()  # every model's ModelRunner in build order (target, then drafts); tensor parallelism mirrors them
 
 
 class Engine:
@@ -83,8 +85,10 @@ class Engine:
         if params is None:
             params = SamplingParams()
         if not isinstance(params, SamplingParams):
-            raise RequestError(f"sampling params must be a SamplingParams, not {type(params).__name__}: "
-                               f"write SamplingParams(...) (SamplingParams(**d) for a dict d)")
+            raise RequestError(
+                f"sampling params must be a SamplingParams, not {type(params).__name__}: "
+                f"write SamplingParams(...) (SamplingParams(**d) for a dict d)"
+            )
         params.validate()
         if params.logprobs is not None and params.logprobs > self.parts.vocab_size:
             raise RequestError(f"invalid logprobs={params.logprobs}: the vocabulary has {self.parts.vocab_size} tokens")
@@ -140,8 +144,10 @@ class Engine:
         """Safe from any thread: the request ends at the start of the next step (or `abort`)."""
         group = self.output.groups.get(request_id) if isinstance(request_id, str) else None
         if group is None or all(c.is_finished for c in group.children):
-            raise RequestError(f"no unfinished request has id {request_id!r} (unknown, or already finished): "
-                               f"nothing to abort; check the id add_request returned")
+            raise RequestError(
+                f"no unfinished request has id {request_id!r} (unknown, or already finished): "
+                f"nothing to abort; check the id add_request returned"
+            )
         self._abort_queue.put(group)  # the group, not its id: a later request may reuse the id
 
     def abort_pending(self) -> None:
@@ -206,11 +212,15 @@ class Engine:
         if self.closed:
             raise RequestError(CLOSED)
         if self.has_unfinished():
-            raise RequestError(f"{len(self.output.groups)} request(s) added with add_request are unfinished: step() "
-                               f"until has_unfinished() is False, or abort() them, before generate()")
+            raise RequestError(
+                f"{len(self.output.groups)} request(s) added with add_request are unfinished: step() "
+                f"until has_unfinished() is False, or abort() them, before generate()"
+            )
         params_list = list(params) if isinstance(params, (list, tuple)) else [params] * len(prompts)
         if len(params_list) != len(prompts):
-            raise RequestError(f"got {len(prompts)} prompts but {len(params_list)} SamplingParams: pass one, or one per prompt")
+            raise RequestError(
+                f"got {len(prompts)} prompts but {len(params_list)} SamplingParams: pass one, or one per prompt"
+            )
         order: list[str] = []
         results: dict[str, RequestOutput] = {}
         try:
@@ -297,6 +307,8 @@ class Engine:
 
 def rejected_output(request_id: str, prompt: Any, exc: Exception) -> RequestOutput:
     """The output of a prompt refused before it ran: `error` is one line naming the problem and the fix."""
-    error = str(exc) if isinstance(exc, RequestError) else f"this prompt could not be added ({type(exc).__name__}: {exc})"
+    error = (
+        str(exc) if isinstance(exc, RequestError) else f"this prompt could not be added ({type(exc).__name__}: {exc})"
+    )
     text = prompt if isinstance(prompt, str) else None
     return RequestOutput(request_id, text, [], [], finished=True, error=one_line(error))

@@ -66,34 +66,60 @@ class FlashInferAllReduce:
 
     def fits(self, x: torch.Tensor) -> bool:
         """Same answer on every rank: shape and dtype only."""
-        return (x.dim() == 2 and x.shape[1] == self.hidden_size and 0 < x.shape[0] <= self.max_tokens
-                and x.dtype == self.dtype and x.is_contiguous())
+        return (
+            x.dim() == 2
+            and x.shape[1] == self.hidden_size
+            and 0 < x.shape[0] <= self.max_tokens
+            and x.dtype == self.dtype
+            and x.is_contiguous()
+        )
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         out = torch.empty_like(x)
         self._run(x, self.comm.AllReduceFusionPattern.kAllReduce, allreduce_out=out)
         return out
 
-    def add_rms_norm(self, x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,
-                     eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+    def add_rms_norm(
+        self, x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         """(RMSNorm(sum_r x_r + residual) * weight, sum_r x_r + residual)."""
         norm_out, residual_out = torch.empty_like(x), torch.empty_like(residual)
-        self._run(x, self.comm.AllReduceFusionPattern.kARResidualRMSNorm, residual_in=residual.contiguous(),
-                  residual_out=residual_out, norm_out=norm_out, rms_gamma=weight, rms_eps=eps)
+        self._run(
+            x,
+            self.comm.AllReduceFusionPattern.kARResidualRMSNorm,
+            residual_in=residual.contiguous(),
+            residual_out=residual_out,
+            norm_out=norm_out,
+            rms_gamma=weight,
+            rms_eps=eps,
+        )
         return norm_out, residual_out
 
     def _run(self, x: torch.Tensor, pattern: int, **outputs: Any) -> None:
-        args: dict[str, Any] = dict(allreduce_out=None, residual_in=None, residual_out=None, norm_out=None,
-                                    rms_gamma=None, rms_eps=None)
+        args: dict[str, Any] = dict(
+            allreduce_out=None, residual_in=None, residual_out=None, norm_out=None, rms_gamma=None, rms_eps=None
+        )
         args.update(outputs)
         # with PDL, the kernel lets the next one launch as it starts, not as it ends: the next GEMV's
         # blocks load their first weight tiles during the all-reduce and wait on the GPU for its sum
         # (x2 H200, llama2-7b batch 1 at tp 2: 2.491 -> 2.434 ms per token)
         self.comm.trtllm_allreduce_fusion(
-            allreduce_in=x, world_size=self.world_size, world_rank=self.rank, token_num=x.shape[0],
-            hidden_dim=self.hidden_size, workspace_ptrs=self.workspace, launch_with_pdl=pdl.enabled(x.device),
-            trigger_completion_at_end=False, fp32_acc=True, pattern_code=pattern, use_oneshot=None,
-            quant_out=None, scale_out=None, scale_factor=None, layout_code=None, **args,
+            allreduce_in=x,
+            world_size=self.world_size,
+            world_rank=self.rank,
+            token_num=x.shape[0],
+            hidden_dim=self.hidden_size,
+            workspace_ptrs=self.workspace,
+            launch_with_pdl=pdl.enabled(x.device),
+            trigger_completion_at_end=False,
+            fp32_acc=True,
+            pattern_code=pattern,
+            use_oneshot=None,
+            quant_out=None,
+            scale_out=None,
+            scale_factor=None,
+            layout_code=None,
+            **args,
         )
 
 
@@ -120,8 +146,10 @@ def unavailable_reason(device: torch.device, world_size: int, dtype: torch.dtype
         started = time.perf_counter()
         get_trtllm_comm_module()
         if (seconds := time.perf_counter() - started) > 5:
-            log.info("flashinfer all-reduce kernels built (first use on this machine, cached after)",
-                     seconds=round(seconds, 1))
+            log.info(
+                "flashinfer all-reduce kernels built (first use on this machine, cached after)",
+                seconds=round(seconds, 1),
+            )
     except Exception as exc:  # no CUDA compiler, or it failed
         return f"flashinfer's all-reduce kernels could not be built ({type(exc).__name__}: {exc})"
     return None

@@ -68,7 +68,8 @@ class LamportExchange:
         assert self.dtype in DTYPES, self.dtype
         slot_bytes = self.world_size * self.hidden_size * slots.element_size()
         self.peers = torch.tensor(  # [slot, rank]: the address of rank's copy of the slot
-            [[a + s * slot_bytes for a in addresses] for s in range(3)], dtype=torch.int64, device=slots.device)
+            [[a + s * slot_bytes for a in addresses] for s in range(3)], dtype=torch.int64, device=slots.device
+        )
         self._next = 0
         self._pending: tuple[int, int] | None = None  # (slot, data_ptr of the part handed out)
         self.pushes = 0  # targets handed out (launches: a captured graph's replays push again uncounted)
@@ -87,8 +88,12 @@ class LamportExchange:
         raw.fill_(RESET)
         torch.cuda.synchronize(device)
         dist.barrier(group=group)  # every rank's slots reset before anyone pushes
-        return cls(raw.view(dtype).view(3, parallel.world_size, hidden_size), pointers, parallel.rank,
-                   close=lambda: cuda_ipc.free_shared_buffer(pointers, group=group))
+        return cls(
+            raw.view(dtype).view(3, parallel.world_size, hidden_size),
+            pointers,
+            parallel.rank,
+            close=lambda: cuda_ipc.free_shared_buffer(pointers, group=group),
+        )
 
     def fits(self, x: torch.Tensor) -> bool:
         """Whether a GEMV with input rows like `x` pushes (the same answer on every rank)."""
@@ -116,8 +121,13 @@ class LamportExchange:
         """Whether `x` is the part the last `target()` handed out (its sum waits in the exchange)."""
         return self._pending is not None and x.data_ptr() == self._pending[1]
 
-    def reduce(self, x: torch.Tensor, residual: torch.Tensor | None = None, weight: torch.Tensor | None = None,
-               eps: float = 0.0) -> Any:
+    def reduce(
+        self,
+        x: torch.Tensor,
+        residual: torch.Tensor | None = None,
+        weight: torch.Tensor | None = None,
+        eps: float = 0.0,
+    ) -> Any:
         """The ranks' sum of the part `x` (see `triton_layers.lamport_reduce` for the arguments)."""
         from infer.plugins.models.triton_layers import lamport_reduce
 

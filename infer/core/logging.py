@@ -9,7 +9,9 @@ import structlog
 
 
 def configure(json_logs: bool = False, level: str = "info") -> None:
-    renderer = structlog.processors.JSONRenderer() if json_logs else structlog.dev.ConsoleRenderer(colors=sys.stderr.isatty())
+    renderer = (
+        structlog.processors.JSONRenderer() if json_logs else structlog.dev.ConsoleRenderer(colors=sys.stderr.isatty())
+    )
     structlog.configure(
         processors=[
             structlog.contextvars.merge_contextvars,

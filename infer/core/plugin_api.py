@@ -20,7 +20,12 @@ from infer.core.hookspecs import PLUGIN_API_VERSION
 
 ATTRIBUTES = ("INFER_PLUGIN_API", "infer_plugin_api")
 _OPS: dict[str, Callable[[int, int], bool]] = {
-    ">=": operator.ge, "<=": operator.le, ">": operator.gt, "<": operator.lt, "==": operator.eq, "!=": operator.ne,
+    ">=": operator.ge,
+    "<=": operator.le,
+    ">": operator.gt,
+    "<": operator.lt,
+    "==": operator.eq,
+    "!=": operator.ne,
 }
 _CLAUSE = re.compile(r"^\s*(>=|<=|==|!=|>|<)?\s*(\d+)\s*$")
 

@@ -95,11 +95,19 @@ class StepProfiler:
 
     @classmethod
     def install(cls, engine: Any) -> "StepProfiler":
-        runner = next((getattr(engine.decoder, a, None) for a in ("runner", "target")
-                       if isinstance(getattr(engine.decoder, a, None), ModelRunner)), None)
+        runner = next(
+            (
+                getattr(engine.decoder, a, None)
+                for a in ("runner", "target")
+                if isinstance(getattr(engine.decoder, a, None), ModelRunner)
+            ),
+            None,
+        )
         if runner is None:
-            raise ConfigError(f"--profile needs a decoder that runs the model through a ModelRunner; "
-                              f"{type(engine.decoder).__name__} does not: profile with --decoding autoregressive")
+            raise ConfigError(
+                f"--profile needs a decoder that runs the model through a ModelRunner; "
+                f"{type(engine.decoder).__name__} does not: profile with --decoding autoregressive"
+            )
         model = runner.model
         layers = list(getattr(model, "layers", []))[: runner.num_layers or None]
         profiler = cls(runner.device, len(layers))
@@ -108,15 +116,21 @@ class StepProfiler:
             profiler.notes.append("CUDA graphs off while profiling (hooks cannot see inside a graph)")
         if runner.pipeline:  # a step's forward would be timed inside the step before it
             runner.pipeline = False
-            profiler.notes.append("decode pipelining off while profiling (each step's forward is timed in its own step)")
-        embedding = getattr(model, "embed_tokens", None) or next(m for m in model.modules() if isinstance(m, torch.nn.Embedding))
+            profiler.notes.append(
+                "decode pipelining off while profiling (each step's forward is timed in its own step)"
+            )
+        embedding = getattr(model, "embed_tokens", None) or next(
+            m for m in model.modules() if isinstance(m, torch.nn.Embedding)
+        )
         profiler._hook(embedding, "embedding")
         for i, layer in enumerate(layers):
             profiler._hook(layer, f"rest|{i}")
             for module in layer.modules():
                 backend = module.__dict__.get("attention")
                 if backend is not None and callable(getattr(backend, "forward", None)):
-                    timed = {name: f"attention|{i}" for name in ("forward", "forward_with_rotary") if hasattr(backend, name)}
+                    timed = {
+                        name: f"attention|{i}" for name in ("forward", "forward_with_rotary") if hasattr(backend, name)
+                    }
                     module.attention = _Proxy(backend, timed, profiler)
         if isinstance(getattr(model, "norm", None), torch.nn.Module):
             profiler._hook(model.norm, "final norm + LM head")
@@ -186,18 +200,26 @@ class StepProfiler:
         rows.append(("other host work", max(0.0, step - sum(t for _, t in rows))))
         busy = sum(t for name, t in rows if name.split(" ")[0] in ("embedding", "layer", "final", "sampler"))
         return {
-            "timer": self.timer, "decode_steps": len(self.steps), "other_steps": self.num_other_steps,
-            "notes": list(self.notes), "step_s": step, "rows": rows,
+            "timer": self.timer,
+            "decode_steps": len(self.steps),
+            "other_steps": self.num_other_steps,
+            "notes": list(self.notes),
+            "step_s": step,
+            "rows": rows,
             "attention_s": sum(t for name, t in rows if name.endswith(" attention")),
             "layer_rest_s": sum(t for name, t in rows if name.endswith(" rest")),
-            "device_busy_s": busy, "device_idle_share": max(0.0, 1.0 - busy / step) if step else 0.0,
+            "device_busy_s": busy,
+            "device_idle_share": max(0.0, 1.0 - busy / step) if step else 0.0,
         }
 
 
 def format_profile(summary: dict[str, Any]) -> str:
     step = summary["step_s"] or 1.0
-    idle_meaning = ("time between device work: host only" if "CUDA" in summary["timer"]
-                    else "the CPU is the device: time outside the model forward and the sampler")
+    idle_meaning = (
+        "time between device work: host only"
+        if "CUDA" in summary["timer"]
+        else "the CPU is the device: time outside the model forward and the sampler"
+    )
     lines = [
         f"profile: {summary['decode_steps']} decode steps (prefill and mixed steps left out: {summary['other_steps']}), "
         f"timed with {summary['timer']}" + "".join(f"; {n}" for n in summary["notes"]),

@@ -45,14 +45,18 @@ def split_prompt(prompt: Any, vocab_size: int) -> tuple[str | None, list[int] | 
 def _split_dict(prompt: dict, vocab_size: int) -> tuple[str | None, list[int] | None]:
     unknown = sorted(map(str, set(prompt) - {TEXT_KEY, TOKENS_KEY}))
     if unknown:
-        raise RequestError(f"prompt dict has unsupported key(s) {', '.join(map(repr, unknown))}: use only "
-                           f"'{TEXT_KEY}' or '{TOKENS_KEY}'")
+        raise RequestError(
+            f"prompt dict has unsupported key(s) {', '.join(map(repr, unknown))}: use only "
+            f"'{TEXT_KEY}' or '{TOKENS_KEY}'"
+        )
     if (TEXT_KEY in prompt) == (TOKENS_KEY in prompt):
         raise RequestError(f"a prompt dict needs exactly one of '{TEXT_KEY}' (text) or '{TOKENS_KEY}' (token ids)")
     if TEXT_KEY in prompt:
         text = prompt[TEXT_KEY]
         if not isinstance(text, str):
-            raise RequestError(f"'{TEXT_KEY}' must be a string, not {type(text).__name__}: put token ids under '{TOKENS_KEY}'")
+            raise RequestError(
+                f"'{TEXT_KEY}' must be a string, not {type(text).__name__}: put token ids under '{TOKENS_KEY}'"
+            )
         return check_text(text), None
     ids = prompt[TOKENS_KEY]
     if not isinstance(ids, (list, tuple)):
@@ -66,8 +70,10 @@ def check_text(text: str) -> str:
     try:
         text.encode("utf-8")
     except UnicodeEncodeError as exc:  # a lone surrogate ("\ud800"): no tokenizer can encode it
-        raise RequestError(f"prompt is not valid Unicode: {text[exc.start]!r} at index {exc.start} is a lone "
-                           f"surrogate; fix the text (decode bytes with errors='replace')") from None
+        raise RequestError(
+            f"prompt is not valid Unicode: {text[exc.start]!r} at index {exc.start} is a lone "
+            f"surrogate; fix the text (decode bytes with errors='replace')"
+        ) from None
     return text
 
 
@@ -76,8 +82,9 @@ def _check_ids(ids: list | tuple, vocab_size: int) -> list[int]:
         raise RequestError("empty prompt: give at least one token id")
     for i, t in enumerate(ids):
         if not is_token_id(t) or not 0 <= t < vocab_size:
-            raise RequestError(f"prompt token ids must be integers in [0, {vocab_size}); item {i} is {_short(t)}: "
-                               f"fix the token list")
+            raise RequestError(
+                f"prompt token ids must be integers in [0, {vocab_size}); item {i} is {_short(t)}: fix the token list"
+            )
     return [int(t) for t in ids]
 
 

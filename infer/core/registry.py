@@ -155,7 +155,8 @@ class PluginRegistry:
     def layer(self, kind: str, device_type: str) -> Any:
         """The highest-priority runnable implementation of a layer kind on this device."""
         options = [
-            s for s in self.strategies["layer"].values()
+            s
+            for s in self.strategies["layer"].values()
             if s.name == kind and device_type in s.capabilities.devices and s.unavailable_reason() is None
         ]
         if not options:

@@ -80,7 +80,11 @@ class SamplingParams:
             _integer("best_of", self.best_of, self.n, fix=f"use an integer >= n ({self.n}), or None")
         if not self.use_beam_search:
             if self.best_of not in (None, self.n):
-                raise _bad("best_of", self.best_of, "best_of > n is used by beam search only: set use_beam_search=True (--beam-width)")
+                raise _bad(
+                    "best_of",
+                    self.best_of,
+                    "best_of > n is used by beam search only: set use_beam_search=True (--beam-width)",
+                )
             return
         if not (isinstance(self.early_stopping, bool) or self.early_stopping == "never"):
             raise _bad("early_stopping", self.early_stopping, "use True, False or 'never'")
@@ -101,13 +105,23 @@ def _bad(field_name: str, value: object, fix: str) -> RequestError:
 
 def _integer(name: str, value: object, lo: int, hi: int | None = None, *, fix: str) -> None:
     # bool is an int subclass, but True as a count or a seed is a mistake
-    if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < lo or (hi is not None and value > hi):
+    if (
+        isinstance(value, bool)
+        or not isinstance(value, numbers.Integral)
+        or value < lo
+        or (hi is not None and value > hi)
+    ):
         raise _bad(name, value, fix)
 
 
 def _real(name: str, value: object, in_range: Callable[[float], bool], fix: str) -> None:
     # NaN fails every comparison, so it is caught by isfinite before the range test
-    if isinstance(value, bool) or not isinstance(value, numbers.Real) or not math.isfinite(value) or not in_range(value):
+    if (
+        isinstance(value, bool)
+        or not isinstance(value, numbers.Real)
+        or not math.isfinite(value)
+        or not in_range(value)
+    ):
         raise _bad(name, value, fix)
 
 

@@ -48,8 +48,14 @@ class Rope:
         return (freqs.cos() * self.attention_scaling).float(), (freqs.sin() * self.attention_scaling).float()
 
 
-def rope_for(rope_parameters: Mapping[str, Any], head_dim: int, hidden_size: int, num_heads: int,
-             max_position_embeddings: int, source: str = "config.json") -> Rope:
+def rope_for(
+    rope_parameters: Mapping[str, Any],
+    head_dim: int,
+    hidden_size: int,
+    num_heads: int,
+    max_position_embeddings: int,
+    source: str = "config.json",
+) -> Rope:
     """transformers' inv_freq and attention scaling for these `rope_parameters` (its standardised dict:
     rope_type, rope_theta and the type's own keys). Refuses, by name, a type Llama does not know."""
     from transformers import LlamaConfig
@@ -58,20 +64,31 @@ def rope_for(rope_parameters: Mapping[str, Any], head_dim: int, hidden_size: int
 
     kind = rope_parameters.get("rope_type", rope_parameters.get("type", "default"))
     if kind not in LLAMA_ROPE_TYPES:
-        raise ModelLoadError(f"{source} asks for rope_type {kind!r}, which transformers does not know for Llama: "
-                             f"use one of {', '.join(LLAMA_ROPE_TYPES)} in its rope_parameters")
+        raise ModelLoadError(
+            f"{source} asks for rope_type {kind!r}, which transformers does not know for Llama: "
+            f"use one of {', '.join(LLAMA_ROPE_TYPES)} in its rope_parameters"
+        )
     try:
-        hf = LlamaConfig(hidden_size=hidden_size, num_attention_heads=num_heads, head_dim=head_dim,
-                         max_position_embeddings=max_position_embeddings, rope_parameters=dict(rope_parameters))
+        hf = LlamaConfig(
+            hidden_size=hidden_size,
+            num_attention_heads=num_heads,
+            head_dim=head_dim,
+            max_position_embeddings=max_position_embeddings,
+            rope_parameters=dict(rope_parameters),
+        )
         init = LlamaRotaryEmbedding.compute_default_rope_parameters if kind == "default" else ROPE_INIT_FUNCTIONS[kind]
         with torch.device("cpu"):  # not the meta or CUDA device a model may be built under
             inv_freq, scaling = init(hf)
     except (KeyError, TypeError, ValueError, RuntimeError) as exc:
-        raise ModelLoadError(f"{source}'s rope_parameters ({kind}) are incomplete or wrong ({one_line(exc)}): "
-                             f"fix them as transformers' RopeParameters documents") from exc
+        raise ModelLoadError(
+            f"{source}'s rope_parameters ({kind}) are incomplete or wrong ({one_line(exc)}): "
+            f"fix them as transformers' RopeParameters documents"
+        ) from exc
     if inv_freq.numel() != head_dim // 2:  # partial rotary, or longrope factors of another length
-        raise ModelLoadError(f"{source}'s {kind} RoPE rotates {2 * inv_freq.numel()} of {head_dim} head dims, which "
-                             f"Llama does not: drop partial_rotary_factor, or give {head_dim // 2} factors")
+        raise ModelLoadError(
+            f"{source}'s {kind} RoPE rotates {2 * inv_freq.numel()} of {head_dim} head dims, which "
+            f"Llama does not: drop partial_rotary_factor, or give {head_dim // 2} factors"
+        )
     return Rope(tuple(inv_freq.float().tolist()), float(scaling), kind)
 
 
@@ -81,9 +98,13 @@ def rope_context_limit(rope_parameters: Mapping[str, Any], max_position_embeddin
     if kind == "longrope":
         original = int(rope_parameters.get("original_max_position_embeddings") or max_position_embeddings)
         if original < max_position_embeddings:
-            return original, (f"longrope switches to its long factors past original_max_position_embeddings "
-                              f"({original}), which a cache of already-rotated keys cannot follow")
+            return original, (
+                f"longrope switches to its long factors past original_max_position_embeddings "
+                f"({original}), which a cache of already-rotated keys cannot follow"
+            )
     if kind == "dynamic":
-        return max_position_embeddings, (f"dynamic RoPE rescales its frequencies past max_position_embeddings "
-                                         f"({max_position_embeddings}), which a cache of already-rotated keys cannot follow")
+        return max_position_embeddings, (
+            f"dynamic RoPE rescales its frequencies past max_position_embeddings "
+            f"({max_position_embeddings}), which a cache of already-rotated keys cannot follow"
+        )
     return max_position_embeddings, f"max_position_embeddings is {max_position_embeddings}"

@@ -126,8 +126,10 @@ class ModelRunner:
     def forward(self, seqs: list[ForwardSeq], input_ids_t: torch.Tensor | None = None) -> torch.Tensor:
         """Run the model over `seqs` (decodes first); returns logits [sum(logits_rows), vocab] float32.
         `input_ids_t`: the step's ids as a device tensor (decode pipelining; seqs' token_ids unused)."""
-        use_graphs = self.graphs is not None and self.graphs.can_run(len(seqs)) and all(
-            len(s.token_ids) == 1 and s.logits_rows == 1 for s in seqs
+        use_graphs = (
+            self.graphs is not None
+            and self.graphs.can_run(len(seqs))
+            and all(len(s.token_ids) == 1 and s.logits_rows == 1 for s in seqs)
         )
         step = StepInputs([], [], [], [], [], self.num_layers, use_graphs, input_ids_t)
         for seq in seqs:

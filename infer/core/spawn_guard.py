@@ -29,8 +29,10 @@ def exit_if_rerunning_main() -> None:
 def main_guard_message() -> str:
     """Not an InferError but the script's end: without the guard every rank would run it again."""
     script = getattr(sys.modules.get("__main__"), "__file__", None) or "your script"
-    return (f"error: tensor-parallel ranks are spawned processes that import {script} again, and its top level "
-            f"builds an engine with tensor_parallel_size > 1: put that code under `if __name__ == \"__main__\":`")
+    return (
+        f"error: tensor-parallel ranks are spawned processes that import {script} again, and its top level "
+        f'builds an engine with tensor_parallel_size > 1: put that code under `if __name__ == "__main__":`'
+    )
 
 
 @contextlib.contextmanager

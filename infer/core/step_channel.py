@@ -42,8 +42,14 @@ class StepChannel:
 
     def send_forward(self, model_id: int, step: StepInputs) -> None:
         tables = step.block_tables
-        payload = [*step.input_ids, *step.query_lens, *step.seq_lens, *step.logits_rows,
-                   *map(len, tables), *chain.from_iterable(tables)]
+        payload = [
+            *step.input_ids,
+            *step.query_lens,
+            *step.seq_lens,
+            *step.logits_rows,
+            *map(len, tables),
+            *chain.from_iterable(tables),
+        ]
         counts = [len(step.query_lens), len(step.input_ids), len(step.logits_rows)]
         flags = int(step.use_graphs) | int(step.input_ids_t is not None) << 1  # bit 1: ids follow on the device
         self._send([FORWARD, model_id, step.num_layers or 0, flags, *counts], payload)
@@ -86,8 +92,16 @@ class StepChannel:
         num_seqs, num_tokens, num_rows = a, b, c
         input_ids, query_lens, seq_lens, rows = take(num_tokens), take(num_seqs), take(num_seqs), take(num_rows)
         tables = [take(length) for length in take(num_seqs)]
-        step = StepInputs(input_ids, query_lens, seq_lens, tables, rows, num_layers or None, bool(flags & 1),
-                          ids_from_rank0=bool(flags & 2))
+        step = StepInputs(
+            input_ids,
+            query_lens,
+            seq_lens,
+            tables,
+            rows,
+            num_layers or None,
+            bool(flags & 1),
+            ids_from_rank0=bool(flags & 2),
+        )
         return Forward(model_id, step)
 
 

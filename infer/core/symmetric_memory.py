@@ -93,8 +93,10 @@ def unavailable_reason(device: torch.device, world_size: int, dtype: torch.dtype
     if (reason := peer_gpus_reason(device, world_size)) is not None:
         return reason
     if dtype not in SUPPORTED_DTYPES:
-        return (f"PyTorch's one-shot kernel has no {str(dtype).removeprefix('torch.')} (it sums bfloat16 and "
-                "float32): use --dtype bfloat16")
+        return (
+            f"PyTorch's one-shot kernel has no {str(dtype).removeprefix('torch.')} (it sums bfloat16 and "
+            "float32): use --dtype bfloat16"
+        )
     try:
         import torch.distributed._symmetric_memory  # noqa: F401
     except ImportError as exc:
@@ -110,6 +112,8 @@ def rendezvous_mismatch(parallel: Any) -> str | None:
     fewest, most = parallel.min(_rendezvous_done), -parallel.min(-_rendezvous_done)
     if fewest == most:
         return None
-    return ("an earlier tensor-parallel engine in this process set up symmetric memory, and torch counts "
-            "rendezvous per process, so this engine's new ranks cannot meet rank 0 (the first engine of a "
-            "process can use it): use --all-reduce flashinfer or nccl, or one engine per process")
+    return (
+        "an earlier tensor-parallel engine in this process set up symmetric memory, and torch counts "
+        "rendezvous per process, so this engine's new ranks cannot meet rank 0 (the first engine of a "
+        "process can use it): use --all-reduce flashinfer or nccl, or one engine per process"
+    )

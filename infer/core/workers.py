@@ -77,7 +77,9 @@ class RankGroup:
     @contextlib.contextmanager
     def guard(self) -> Iterator[None]:
         if self.broken:
-            raise WorkerError("a tensor-parallel step failed earlier, so the ranks are out of step: close this engine and build a new one")
+            raise WorkerError(
+                "a tensor-parallel step failed earlier, so the ranks are out of step: close this engine and build a new one"
+            )
         try:
             yield
         except BaseException as exc:
@@ -95,8 +97,10 @@ class RankGroup:
         reasons = self._worker_errors(wait_s=10.0)
         if not reasons:
             return exc
-        return WorkerError(f"tensor-parallel {'; '.join(reasons)}: the engine stopped (the rank's traceback is in its "
-                           f"output); close it and start again")
+        return WorkerError(
+            f"tensor-parallel {'; '.join(reasons)}: the engine stopped (the rank's traceback is in its "
+            f"output); close it and start again"
+        )
 
     def _worker_errors(self, wait_s: float) -> list[str]:
         # a killed rank posts nothing and its exit code shows up a moment after its sockets close
@@ -199,7 +203,9 @@ class MirroredBlockMover:
 # --------------------------------------------------------------------------- starting the ranks
 
 
-def build_parallel(config: Any, extra_plugins: Iterable[Any], name: str, model_config: Any, device: torch.device) -> Any:
+def build_parallel(
+    config: Any, extra_plugins: Iterable[Any], name: str, model_config: Any, device: torch.device
+) -> Any:
     """`build_engine` for --tp N > 1: check the split, start (or join) the ranks, build this rank's
     engine. Rank 0 gets EngineParts whose forwards and block copies are mirrored to the others; a
     torchrun rank > 0 serves rank 0 here and then exits the process."""
@@ -260,16 +266,20 @@ def _launch(config: Any, extra_plugins: list[Any], device: torch.device) -> tupl
     if not dist.is_available():
         raise ConfigError("this torch build has no torch.distributed: use --tp 1")
     if dist.is_initialized():
-        raise ConfigError("this process already has a torch.distributed group (another --tp engine that is still "
-                          "open?): close that engine first (engine.close(), or `with LLM(...)`)")
+        raise ConfigError(
+            "this process already has a torch.distributed group (another --tp engine that is still "
+            "open?): close that engine first (engine.close(), or `with LLM(...)`)"
+        )
     exit_if_rerunning_main()
     torchrun = torchrun_host()  # (ranks on this host, this one's index) under torchrun
     num_local = torchrun[0] if torchrun else world_size
     if device.type == "cuda":
         first, visible = device.index or 0, torch.cuda.device_count()
         if first + num_local > visible:
-            raise ConfigError(f"--tp {world_size} needs {num_local} CUDA devices from cuda:{first} on this machine but "
-                              f"{visible} are visible: lower --tp, or make more GPUs visible (CUDA_VISIBLE_DEVICES)")
+            raise ConfigError(
+                f"--tp {world_size} needs {num_local} CUDA devices from cuda:{first} on this machine but "
+                f"{visible} are visible: lower --tp, or make more GPUs visible (CUDA_VISIBLE_DEVICES)"
+            )
     if torchrun:
         parallel = _join_torchrun(world_size, device)
         return parallel, RankGroup(parallel, {})
@@ -283,19 +293,26 @@ def _join_torchrun(world_size: int, device: torch.device) -> ParallelState:
     assert placement is not None, "called only under torchrun (build_parallel saw its variables)"
     rank, launched = placement.rank, placement.world_size
     if launched != world_size:
-        raise ConfigError(f"torchrun started {launched} processes but --tp is {world_size}: make them equal "
-                          f"(torchrun --nproc-per-node {world_size} ... --tp {world_size})")
+        raise ConfigError(
+            f"torchrun started {launched} processes but --tp is {world_size}: make them equal "
+            f"(torchrun --nproc-per-node {world_size} ... --tp {world_size})"
+        )
     store, _, _ = next(dist.rendezvous("env://", rank=rank, world_size=world_size, timeout=COLLECTIVE_TIMEOUT))
-    return _init_groups(dist.PrefixStore("infer-tp/", store), rank, world_size,
-                        _rank_device(device, placement.local_rank))
+    return _init_groups(
+        dist.PrefixStore("infer-tp/", store), rank, world_size, _rank_device(device, placement.local_rank)
+    )
 
 
-def _spawn(config: Any, extra_plugins: list[Any], device: torch.device, world_size: int) -> tuple[ParallelState, RankGroup]:
+def _spawn(
+    config: Any, extra_plugins: list[Any], device: torch.device, world_size: int
+) -> tuple[ParallelState, RankGroup]:
     import torch.distributed as dist
     import torch.multiprocessing as mp
 
     refs = _plugin_refs(extra_plugins)
-    store = dist.TCPStore("127.0.0.1", 0, world_size, is_master=True, wait_for_workers=False, timeout=COLLECTIVE_TIMEOUT)
+    store = dist.TCPStore(
+        "127.0.0.1", 0, world_size, is_master=True, wait_for_workers=False, timeout=COLLECTIVE_TIMEOUT
+    )
     cpu_threads = None
     if device.type == "cpu":  # N ranks share the cores: without this they oversubscribe them N times
         cpu_threads = torch.get_num_threads()
@@ -315,7 +332,9 @@ def _spawn(config: Any, extra_plugins: list[Any], device: torch.device, world_si
             if MAIN_GUARD_EXIT in dead.values():
                 raise SystemExit(main_guard_message())
             if dead:
-                raise WorkerError(f"tensor-parallel rank(s) exited while starting (exit codes {dead}): see their error above")
+                raise WorkerError(
+                    f"tensor-parallel rank(s) exited while starting (exit codes {dead}): see their error above"
+                )
             if time.monotonic() > deadline:
                 raise WorkerError(f"tensor-parallel ranks did not start within {START_TIMEOUT_S:.0f} s")
             time.sleep(0.02)
@@ -328,8 +347,15 @@ def _spawn(config: Any, extra_plugins: list[Any], device: torch.device, world_si
     return parallel, RankGroup(parallel, processes, cpu_threads)
 
 
-def _spawned_rank(rank: int, world_size: int, port: int, device: torch.device, config: Any,
-                  plugin_refs: list[tuple[str, Any]], parent_pid: int) -> None:
+def _spawned_rank(
+    rank: int,
+    world_size: int,
+    port: int,
+    device: torch.device,
+    config: Any,
+    plugin_refs: list[tuple[str, Any]],
+    parent_pid: int,
+) -> None:
     """Entry point of a spawned rank, in a fresh interpreter."""
     import sys
 
@@ -391,8 +417,10 @@ def _plugin_refs(plugins: list[Any]) -> list[tuple[str, Any]]:
         try:
             pickle.dumps(plugin)
         except Exception as exc:
-            raise ConfigError(f"plugin {plugin!r} cannot be sent to the tensor-parallel ranks ({exc}): pass an "
-                              f"importable module or a picklable object, or use --tp 1") from exc
+            raise ConfigError(
+                f"plugin {plugin!r} cannot be sent to the tensor-parallel ranks ({exc}): pass an "
+                f"importable module or a picklable object, or use --tp 1"
+            ) from exc
         refs.append(("object", plugin))
     return refs
 

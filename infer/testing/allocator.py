@@ -25,8 +25,9 @@ from hypothesis.stateful import (
 
 from infer.core.request import Request, SamplingParams
 
-MACHINE_SETTINGS = settings(max_examples=60, stateful_step_count=30, deadline=None,
-                            suppress_health_check=[HealthCheck.too_slow])
+MACHINE_SETTINGS = settings(
+    max_examples=60, stateful_step_count=30, deadline=None, suppress_health_check=[HealthCheck.too_slow]
+)
 
 
 def _cdiv(a: int, b: int) -> int:
@@ -50,8 +51,10 @@ def allocator_machine(name: str, factory: Any, block_sizes: list[int]) -> type[R
 
         def fail(self, what: str) -> AssertionError:
             calls = "; ".join(self.log[-6:])
-            return AssertionError(f"kv_allocator {name} ({self.alloc.num_blocks} blocks of {self.alloc.block_size} "
-                                  f"tokens): {what} [last calls: {calls}]")
+            return AssertionError(
+                f"kv_allocator {name} ({self.alloc.num_blocks} blocks of {self.alloc.block_size} "
+                f"tokens): {what} [last calls: {calls}]"
+            )
 
         @initialize(num_blocks=st.integers(1, 12), block_size=st.sampled_from(block_sizes), caching=st.booleans())
         def setup(self, num_blocks: int, block_size: int, caching: bool) -> None:
@@ -69,16 +72,22 @@ def allocator_machine(name: str, factory: Any, block_sizes: list[int]) -> type[R
             self.log.append(f"allocate_slots({r.request_id}, {num_tokens}) -> {got}")
             if got is None:
                 if _state(self.alloc, everyone) != before:
-                    raise self.fail(f"allocate_slots({r.request_id}, {num_tokens}) returned None (no room) but changed "
-                                    f"state ({before} -> {_state(self.alloc, everyone)}); a refusal must change nothing, "
-                                    f"so that the scheduler can preempt and retry")
+                    raise self.fail(
+                        f"allocate_slots({r.request_id}, {num_tokens}) returned None (no room) but changed "
+                        f"state ({before} -> {_state(self.alloc, everyone)}); a refusal must change nothing, "
+                        f"so that the scheduler can preempt and retry"
+                    )
                 return False
             if r.block_ids[: len(old)] != old or r.block_ids[len(old) :] != list(got):
-                raise self.fail(f"allocate_slots({r.request_id}, {num_tokens}) returned {got} but the table went from "
-                                f"{old} to {r.block_ids}: return exactly the ids appended to request.block_ids")
+                raise self.fail(
+                    f"allocate_slots({r.request_id}, {num_tokens}) returned {got} but the table went from "
+                    f"{old} to {r.block_ids}: return exactly the ids appended to request.block_ids"
+                )
             if len(r.block_ids) * self.alloc.block_size < num_tokens:
-                raise self.fail(f"allocate_slots({r.request_id}, {num_tokens}) granted a table of {len(r.block_ids)} "
-                                f"blocks, which holds fewer than {num_tokens} tokens")
+                raise self.fail(
+                    f"allocate_slots({r.request_id}, {num_tokens}) granted a table of {len(r.block_ids)} "
+                    f"blocks, which holds fewer than {num_tokens} tokens"
+                )
             return True
 
         @precondition(lambda self: self.alloc is not None)
@@ -108,8 +117,10 @@ def allocator_machine(name: str, factory: Any, block_sizes: list[int]) -> type[R
             if r.block_ids:
                 raise self.fail(f"free({r.request_id}) left the table {r.block_ids}: free must empty request.block_ids")
             if self.alloc.num_free_blocks() != free_before + held:
-                raise self.fail(f"free({r.request_id}) of {held} blocks moved num_free_blocks() from {free_before} to "
-                                f"{self.alloc.num_free_blocks()}; every freed block must be free again")
+                raise self.fail(
+                    f"free({r.request_id}) of {held} blocks moved num_free_blocks() from {free_before} to "
+                    f"{self.alloc.num_free_blocks()}; every freed block must be free again"
+                )
             del self.live[r.request_id]
 
         @precondition(lambda self: self.alloc is not None and self.live)
@@ -144,8 +155,10 @@ def allocator_machine(name: str, factory: Any, block_sizes: list[int]) -> type[R
                     if not 0 <= b < self.alloc.num_blocks:
                         raise self.fail(f"{r.request_id} holds block {b}, outside [0, {self.alloc.num_blocks})")
                     if b in owner:
-                        raise self.fail(f"block {b} is owned by both {owner[b]} and {r.request_id}, which share no "
-                                        f"prefix: a block may have two owners only through fork or a cached prefix")
+                        raise self.fail(
+                            f"block {b} is owned by both {owner[b]} and {r.request_id}, which share no "
+                            f"prefix: a block may have two owners only through fork or a cached prefix"
+                        )
                     owner[b] = r.request_id
             for r in self.preempted.values():
                 if r.block_ids:

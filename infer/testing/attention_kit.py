@@ -25,8 +25,10 @@ class KitCase:
 
     def describe(self) -> str:
         num_heads, num_kv = HEADS[self.heads]
-        return (f"batch spec '{self.batch_spec.name}' (block tables randomly permuted; {self.heads}: {num_heads} query "
-                f"heads, {num_kv} KV heads; block size {self.block_size}; {str(self.dtype).removeprefix('torch.')})")
+        return (
+            f"batch spec '{self.batch_spec.name}' (block tables randomly permuted; {self.heads}: {num_heads} query "
+            f"heads, {num_kv} KV heads; block size {self.block_size}; {str(self.dtype).removeprefix('torch.')})"
+        )
 
     @property
     def id(self) -> str:
@@ -39,6 +41,7 @@ def tolerance(dtype: torch.dtype) -> float:
 
 def specs_for(phases: frozenset[str]) -> list[BatchSpec]:
     """The named batches a backend serving `phases` gets (a prefill-only one never sees a decode)."""
+
     def serves(spec: BatchSpec) -> bool:
         has_decode = any(q == 1 for q in spec.query_lens)
         has_prefill = any(q > 1 for q in spec.query_lens)
@@ -66,17 +69,25 @@ def kit_cases(capabilities: Any, dtype: torch.dtype) -> list[KitCase]:
 def _hint(case: AttentionCase, bad: list[int]) -> str:
     batch, spec = case.batch, case.spec
     if all(batch.seq_lens[i] > batch.block_size for i in bad) and any(s <= batch.block_size for s in batch.seq_lens):
-        return ("only sequences longer than one block differ: is the block table read through "
-                "block_tables[seq, pos // block_size] (offset pos % block_size) for every position?")
+        return (
+            "only sequences longer than one block differ: is the block table read through "
+            "block_tables[seq, pos // block_size] (offset pos % block_size) for every position?"
+        )
     if all(batch.seq_lens[i] > batch.block_size for i in bad):
-        return ("every failing sequence spans several blocks: is the block table read through "
-                "block_tables[seq, pos // block_size] (offset pos % block_size) for every position?")
+        return (
+            "every failing sequence spans several blocks: is the block table read through "
+            "block_tables[seq, pos // block_size] (offset pos % block_size) for every position?"
+        )
     if spec.num_kv_heads != spec.num_heads:
-        return (f"does query head h read KV head h // {spec.num_heads // spec.num_kv_heads} "
-                f"(grouped-query attention: num_heads // num_kv_heads query heads per KV head)?")
+        return (
+            f"does query head h read KV head h // {spec.num_heads // spec.num_kv_heads} "
+            f"(grouped-query attention: num_heads // num_kv_heads query heads per KV head)?"
+        )
     if any(batch.query_lens[i] > 1 for i in bad):
-        return ("is the causal mask applied among the new tokens (query j of a sequence sees positions "
-                "< seq_len - query_len + j + 1)?")
+        return (
+            "is the causal mask applied among the new tokens (query j of a sequence sees positions "
+            "< seq_len - query_len + j + 1)?"
+        )
     return "are the scale (spec.scale) and the context length (seq_lens[i] tokens, all of them) right?"
 
 
@@ -103,8 +114,10 @@ def check_cache_writes(name: str, where: str, case: AttentionCase) -> None:
 
 def check_output(name: str, where: str, case: AttentionCase, out: torch.Tensor, tol: float) -> None:
     if tuple(out.shape) != tuple(case.q.shape):
-        raise AssertionError(f"attention backend {name}: {where}: forward returned shape {tuple(out.shape)}, "
-                             f"expected [num_tokens, num_heads, head_dim] = {tuple(case.q.shape)}")
+        raise AssertionError(
+            f"attention backend {name}: {where}: forward returned shape {tuple(out.shape)}, "
+            f"expected [num_tokens, num_heads, head_dim] = {tuple(case.q.shape)}"
+        )
     expected = naive_attention(case).to(out.device)
     err = (out.float() - expected).abs()
     too_far = err > tol + tol * expected.abs()
@@ -148,9 +161,18 @@ def check_cuda_graph(name: str, factory: Any, case: AttentionCase, where: str, t
     cu = torch.arange(n + 1, dtype=torch.int32, device=device)
 
     def layout(lens: list[int], block_tables: list[list[int]]):
-        return type(batch)(query_lens=[1] * n, seq_lens=lens, block_tables=block_tables, block_size=batch.block_size,
-                           num_decode_seqs=n, cu_seqlens_q=cu, seq_lens_t=seq_lens, block_tables_t=tables,
-                           slot_mapping=slots, positions=positions)
+        return type(batch)(
+            query_lens=[1] * n,
+            seq_lens=lens,
+            block_tables=block_tables,
+            block_size=batch.block_size,
+            num_decode_seqs=n,
+            cu_seqlens_q=cu,
+            seq_lens_t=seq_lens,
+            block_tables_t=tables,
+            slot_mapping=slots,
+            positions=positions,
+        )
 
     backend = factory(case.spec)
     q, k, v = torch.zeros_like(case.q), torch.zeros_like(case.k), torch.zeros_like(case.v)
@@ -165,12 +187,23 @@ def check_cuda_graph(name: str, factory: Any, case: AttentionCase, where: str, t
         with torch.cuda.graph(graph):
             out = backend.forward(q, k, v, case.kv_cache)
     except Exception as exc:
-        raise AssertionError(f"attention backend {name} declares cuda_graph_safe but forward() cannot be captured "
-                             f"in a CUDA graph ({type(exc).__name__}: {exc}): no host syncs or allocations in forward") from exc
-    for static, real in ((seq_lens, batch.seq_lens_t), (tables, batch.block_tables_t), (slots, batch.slot_mapping),
-                         (positions, batch.positions), (q, case.q), (k, case.k), (v, case.v)):
+        raise AssertionError(
+            f"attention backend {name} declares cuda_graph_safe but forward() cannot be captured "
+            f"in a CUDA graph ({type(exc).__name__}: {exc}): no host syncs or allocations in forward"
+        ) from exc
+    for static, real in (
+        (seq_lens, batch.seq_lens_t),
+        (tables, batch.block_tables_t),
+        (slots, batch.slot_mapping),
+        (positions, batch.positions),
+        (q, case.q),
+        (k, case.k),
+        (v, case.v),
+    ):
         static.copy_(real)
     backend.plan(layout(list(batch.seq_lens), [list(t) for t in batch.block_tables]))
     graph.replay()
     torch.cuda.synchronize(device)
-    check_output(name, f"{where}, replayed from a CUDA graph captured on another batch of the same size", case, out, tol)
+    check_output(
+        name, f"{where}, replayed from a CUDA graph captured on another batch of the same size", case, out, tol
+    )

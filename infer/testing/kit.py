@@ -25,7 +25,8 @@ class Selection:
     def describe(self) -> str:
         return ", ".join(
             f"{slot}={s.name} ({' '.join(filter(None, (s.distribution, s.version)))})"
-            for slot, found in self.strategies.items() for s in found
+            for slot, found in self.strategies.items()
+            for s in found
         )
 
 

@@ -25,7 +25,7 @@ def pytest_addoption(parser: pytest.Parser) -> None:
         default=[],
         metavar="SLOT=NAME",
         help="run infer's conformance suite for SLOT (attention, sampler, kv_allocator, decoder) against the "
-             "installed strategy NAME; repeatable",
+        "installed strategy NAME; repeatable",
     )
 
 

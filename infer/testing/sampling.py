@@ -40,7 +40,7 @@ HINTS = {
     "temperature": "are the logits divided by the temperature before the softmax?",
     "top_k": "are all but the k most likely tokens removed (after the temperature)?",
     "top_p": "is the kept set the smallest prefix of tokens by probability whose mass reaches top_p "
-             "(the token that crosses top_p is kept)?",
+    "(the token that crosses top_p is kept)?",
     "min_p": "are tokens whose probability is below min_p times the largest probability removed?",
     "combined": "are the filters applied in vLLM's order: temperature, min-p, top-k, then top-p on the renormalised rest?",
 }
@@ -103,12 +103,15 @@ def check_distribution(name: str, factory: Any, case: str, vary: str, device: to
     params = DISTRIBUTION_CASES[case]
     probs = ref_distribution(LOGITS8, params)
     counts = Counter(draw(factory, params, vary, device))
-    where = (f"sampler {name}: {_show(params)}, {NUM_DRAWS} draws from one row of logits "
-             f"{LOGITS8}, a different {vary} per draw")
+    where = (
+        f"sampler {name}: {_show(params)}, {NUM_DRAWS} draws from one row of logits "
+        f"{LOGITS8}, a different {vary} per draw"
+    )
     filtered = sorted(t for t in counts if not 0 <= t < 8 or probs[t] == 0)
     if filtered:
-        raise AssertionError(f"{where}: drew token(s) {filtered} that the filters remove (reference probability 0); "
-                             f"{HINTS[case]}")
+        raise AssertionError(
+            f"{where}: drew token(s) {filtered} that the filters remove (reference probability 0); {HINTS[case]}"
+        )
     stat, dof = chi_square([counts[t] for t in range(8)], probs)
     if stat >= CHI2_P001[dof]:
         freq = ", ".join(f"{t}: {counts[t] / NUM_DRAWS:.3f} vs {probs[t]:.3f}" for t in range(8))
@@ -135,7 +138,11 @@ def check_greedy(name: str, factory: Any, device: torch.device | str = "cpu") ->
 
 def _show(params: SamplingParams) -> str:
     fields = [f"temperature={params.temperature}"]
-    fields += [f"{k}={getattr(params, k)}" for k, off in (("top_k", 0), ("top_p", 1.0), ("min_p", 0.0)) if getattr(params, k) != off]
+    fields += [
+        f"{k}={getattr(params, k)}"
+        for k, off in (("top_k", 0), ("top_p", 1.0), ("min_p", 0.0))
+        if getattr(params, k) != off
+    ]
     return f"SamplingParams({', '.join(fields)})"
 
 
@@ -163,13 +170,17 @@ def check_seeds(name: str, factory: Any, device: torch.device | str = "cpu") -> 
     logits = logits.to(device)
     sampler = factory(vocab, torch.device(device))
     batch = list(sampler.sample(logits, reqs, positions).token_ids)
-    rule = ("seeded sampling must depend only on the request's seed, its position and its logits row, "
-            "never on the other rows: derive each row's randomness from requests[i].seed and positions[i]")
+    rule = (
+        "seeded sampling must depend only on the request's seed, its position and its logits row, "
+        "never on the other rows: derive each row's randomness from requests[i].seed and positions[i]"
+    )
 
     def fail(i: int, got: int, how: str) -> AssertionError:
         r = reqs[i]
-        return AssertionError(f"sampler {name}: request {r.request_id} (seed {r.seed}, position {positions[i]}) drew "
-                              f"token {batch[i]} in a batch of 8 but token {got} {how}; {rule}")
+        return AssertionError(
+            f"sampler {name}: request {r.request_id} (seed {r.seed}, position {positions[i]}) drew "
+            f"token {batch[i]} in a batch of 8 but token {got} {how}; {rule}"
+        )
 
     for i in range(8):
         alone = sampler.sample(logits[i : i + 1], [reqs[i]], [positions[i]]).token_ids[0]
@@ -185,8 +196,11 @@ def check_seeds(name: str, factory: Any, device: torch.device | str = "cpu") -> 
     others = others.to(device)
     for i in range(8):
         rows = torch.cat([others[:5], logits[i : i + 1], others[5:]])
-        mixed = sampler.sample(rows, [*other_reqs[:5], reqs[i], *other_reqs[5:]],
-                               [*other_positions[:5], positions[i], *other_positions[5:]]).token_ids
+        mixed = sampler.sample(
+            rows,
+            [*other_reqs[:5], reqs[i], *other_reqs[5:]],
+            [*other_positions[:5], positions[i], *other_positions[5:]],
+        ).token_ids
         if mixed[5] != batch[i]:
             raise fail(i, mixed[5], "beside seven other requests")
     flat = torch.zeros(40, vocab, device=device)
@@ -213,9 +227,13 @@ def check_sample_tokens(name: str, factory: Any, device: torch.device | str = "c
     sampler = factory(vocab, torch.device(device))
     tokens = sampler.sample_tokens(logits, reqs, positions)
     if tokens is None:
-        raise AssertionError(f"sampler {name}: sample_tokens returned None for a batch without logprobs; it may "
-                             f"return None only for batches it cannot serve on the device (logprobs asked)")
+        raise AssertionError(
+            f"sampler {name}: sample_tokens returned None for a batch without logprobs; it may "
+            f"return None only for batches it cannot serve on the device (logprobs asked)"
+        )
     expected = sampler.sample(logits, reqs, positions).token_ids
     if tokens.tolist() != list(expected):
-        raise AssertionError(f"sampler {name}: sample_tokens gave {tokens.tolist()} but sample gave {list(expected)} "
-                             f"for the same rows: decode pipelining uses sample_tokens, so they must be one computation")
+        raise AssertionError(
+            f"sampler {name}: sample_tokens gave {tokens.tolist()} but sample gave {list(expected)} "
+            f"for the same rows: decode pipelining uses sample_tokens, so they must be one computation"
+        )

@@ -23,8 +23,12 @@ def test_overlapping_kernels_are_charged_what_they_add_to_the_step():
 
 
 def test_a_kernel_inside_anothers_span_adds_nothing_and_steps_divide():
-    events = [{"name": "long", "ts": 0.0, "dur": 20.0}, {"name": "short", "ts": 5.0, "dur": 5.0},
-              {"name": "long", "ts": 20.0, "dur": 20.0}, {"name": "short", "ts": 25.0, "dur": 5.0}]
+    events = [
+        {"name": "long", "ts": 0.0, "dur": 20.0},
+        {"name": "short", "ts": 5.0, "dur": 5.0},
+        {"name": "long", "ts": 20.0, "dur": 20.0},
+        {"name": "short", "ts": 25.0, "dur": 5.0},
+    ]
     rows = {r["kernel"]: r for r in _attribute(events, steps=2)}
     assert rows["short"]["critical_us_per_step"] == 0.0
     assert rows["short"]["count_per_step"] == pytest.approx(1.0)

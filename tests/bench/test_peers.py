@@ -24,7 +24,9 @@ class Model(torch.nn.Module):
 def test_static_batch_out_of_memory_is_a_record_with_the_reason():
     prompts, max_tokens = [[1, 2, 3]] * 8, [5] * 8
     failed = hf_static(Model(fits=2), prompts, max_tokens, batch_size=4)
-    assert failed.error == "out of memory at batch 4" and failed.output_tokens == 0 and failed.output_tokens_per_s == 0.0
+    assert (
+        failed.error == "out of memory at batch 4" and failed.output_tokens == 0 and failed.output_tokens_per_s == 0.0
+    )
     ran = hf_static(Model(fits=2), prompts, max_tokens, batch_size=2)
     assert ran.error is None and ran.output_tokens == 40 and ran.label == "hf-static-2"
 

@@ -33,8 +33,16 @@ TEMPLATE = (
 CUSTOM = "{{ bos_token }}{% for m in messages %}[{{ m['role'] }}] {{ m['content'] }}\n{% endfor %}answer:"
 GREEDY = SamplingParams(max_tokens=6, temperature=0, ignore_eos=True)
 HELLO = [{"role": "user", "content": "Hello there!"}]
-TOOLS = [{"type": "function", "function": {"name": "get_weather", "description": "Weather of a city",
-                                             "parameters": {"type": "object", "properties": {"city": {"type": "string"}}}}}]
+TOOLS = [
+    {
+        "type": "function",
+        "function": {
+            "name": "get_weather",
+            "description": "Weather of a city",
+            "parameters": {"type": "object", "properties": {"city": {"type": "string"}}},
+        },
+    }
+]
 
 
 def _char_tokenizer(template: str | None):
@@ -47,7 +55,9 @@ def _char_tokenizer(template: str | None):
     tok = Tokenizer(models.WordLevel({t: i for i, t in enumerate(specials + chars)}, unk_token="<unk>"))
     tok.pre_tokenizer = pre_tokenizers.Split(Regex(r"[\s\S]"), behavior="isolated")
     tok.decoder = decoders.Fuse()
-    tok.post_processor = processors.TemplateProcessing(single="<s> $A", pair="<s> $A <s> $B", special_tokens=[("<s>", BOS)])
+    tok.post_processor = processors.TemplateProcessing(
+        single="<s> $A", pair="<s> $A <s> $B", special_tokens=[("<s>", BOS)]
+    )
     hf = PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<s>", eos_token="</s>", unk_token="<unk>")
     hf.add_special_tokens({"additional_special_tokens": specials[3:]})
     hf.chat_template = template
@@ -99,9 +109,16 @@ def test_chat_ids_are_apply_chat_templates_with_one_bos(llm, hf_tok, chat_dir):
 
     model = LlamaForCausalLM.from_pretrained(chat_dir, torch_dtype=torch.float32).eval()
     ids = torch.tensor([out.prompt_token_ids])
-    ref = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=6, min_new_tokens=6, do_sample=False,
-                         eos_token_id=None, pad_token_id=0)
-    assert out.outputs[0].token_ids == ref[0, ids.shape[1]:].tolist()
+    ref = model.generate(
+        ids,
+        attention_mask=torch.ones_like(ids),
+        max_new_tokens=6,
+        min_new_tokens=6,
+        do_sample=False,
+        eos_token_id=None,
+        pad_token_id=0,
+    )
+    assert out.outputs[0].token_ids == ref[0, ids.shape[1] :].tolist()
 
 
 def test_template_kwargs_and_tools_reach_the_template(llm, hf_tok):
@@ -171,8 +188,20 @@ def test_missing_template_file_fails_before_the_model_loads(chat_dir, monkeypatc
     monkeypatch.setattr(builder, "_build_model", lambda *a, **k: pytest.fail("the model was built"))
     with pytest.raises(ConfigError, match="does not exist"):
         LLM(model=str(chat_dir), attention="torch", chat_template="/no/such/template.jinja")
-    result = CliRunner().invoke(cli, ["run", "--model", str(chat_dir), "--attention", "torch",
-                                      "--chat-template", "/no/such/template.jinja", "--prompt", "hi"])
+    result = CliRunner().invoke(
+        cli,
+        [
+            "run",
+            "--model",
+            str(chat_dir),
+            "--attention",
+            "torch",
+            "--chat-template",
+            "/no/such/template.jinja",
+            "--prompt",
+            "hi",
+        ],
+    )
     assert result.exit_code == 2, result.output
     errors = [line for line in result.output.splitlines() if line.startswith("error:")]
     assert len(errors) == 1 and "/no/such/template.jinja does not exist" in errors[0], result.output

@@ -29,9 +29,16 @@ def hf_greedy(folder: Path, prompts: list[list[int]]) -> list[list[int]]:
     outs = []
     for prompt in prompts:
         ids = torch.tensor([prompt])
-        y = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=MAX_TOKENS, min_new_tokens=MAX_TOKENS,
-                           do_sample=False, eos_token_id=None, pad_token_id=0)
-        outs.append(y[0, ids.shape[1]:].tolist())
+        y = model.generate(
+            ids,
+            attention_mask=torch.ones_like(ids),
+            max_new_tokens=MAX_TOKENS,
+            min_new_tokens=MAX_TOKENS,
+            do_sample=False,
+            eos_token_id=None,
+            pad_token_id=0,
+        )
+        outs.append(y[0, ids.shape[1] :].tolist())
     return outs
 
 
@@ -72,14 +79,24 @@ HEAD_DIM = TINY_CONFIG["hidden_size"] // TINY_CONFIG["num_attention_heads"]  # 1
 # dynamic equals default up to max_position_embeddings, the context it is capped at (HF rescales only
 # past it), so its case checks that the engine reads the type and keeps the default frequencies there.
 ROPES = {
-    "llama3": dict(rope_type="llama3", rope_theta=500000.0, factor=8.0, low_freq_factor=1.0, high_freq_factor=4.0,
-                   original_max_position_embeddings=64),
+    "llama3": dict(
+        rope_type="llama3",
+        rope_theta=500000.0,
+        factor=8.0,
+        low_freq_factor=1.0,
+        high_freq_factor=4.0,
+        original_max_position_embeddings=64,
+    ),
     "linear": dict(rope_type="linear", rope_theta=10000.0, factor=4.0),
     "yarn": dict(rope_type="yarn", rope_theta=10000.0, factor=4.0, original_max_position_embeddings=128),
     "dynamic": dict(rope_type="dynamic", rope_theta=10000.0, factor=2.0),
-    "longrope": dict(rope_type="longrope", rope_theta=10000.0, original_max_position_embeddings=128,
-                     short_factor=[1.0, 1.1, 1.3, 1.6, 2.0, 2.5, 3.0, 4.0],
-                     long_factor=[1.0, 2.0, 4.0, 8.0, 16.0, 24.0, 32.0, 48.0]),
+    "longrope": dict(
+        rope_type="longrope",
+        rope_theta=10000.0,
+        original_max_position_embeddings=128,
+        short_factor=[1.0, 1.1, 1.3, 1.6, 2.0, 2.5, 3.0, 4.0],
+        long_factor=[1.0, 2.0, 4.0, 8.0, 16.0, 24.0, 32.0, 48.0],
+    ),
 }
 # prompts of random ids, long enough that a low frequency turns a visible angle; prompt + output stay
 # within longrope's original_max_position_embeddings (128), the context it is exact for
@@ -141,12 +158,18 @@ def test_longrope_context_is_capped_at_its_original_length(tmp_path):
         LLM(model=str(folder), attention="torch", dtype="float32", max_model_len=256)
 
 
-@pytest.mark.parametrize("rope_parameters, named", [
-    (dict(rope_type="proportional", rope_theta=10000.0, factor=2.0), "rope_type 'proportional'"),
-    (dict(rope_type="bogus", rope_theta=10000.0), "rope_type 'bogus'"),
-    (dict(rope_type="llama3", rope_theta=10000.0, factor=8.0), "llama3"),  # its other keys missing
-    (dict(rope_type="linear", rope_theta=10000.0, factor=2.0, partial_rotary_factor=0.5), "rotates 8 of 16 head dims"),
-])
+@pytest.mark.parametrize(
+    "rope_parameters, named",
+    [
+        (dict(rope_type="proportional", rope_theta=10000.0, factor=2.0), "rope_type 'proportional'"),
+        (dict(rope_type="bogus", rope_theta=10000.0), "rope_type 'bogus'"),
+        (dict(rope_type="llama3", rope_theta=10000.0, factor=8.0), "llama3"),  # its other keys missing
+        (
+            dict(rope_type="linear", rope_theta=10000.0, factor=2.0, partial_rotary_factor=0.5),
+            "rotates 8 of 16 head dims",
+        ),
+    ],
+)
 def test_a_rope_llama_cannot_use_is_refused_by_name(tmp_path, rope_parameters, named):
     folder = tiny_llama(tmp_path, None)
     config = json.loads((folder / "config.json").read_text())
@@ -175,7 +198,9 @@ def smollm2_with(folder: Path, smollm2_dir: Path, **changes) -> Path:
     for f in smollm2_dir.iterdir():
         (folder / f.name).symlink_to(f)
     (folder / "config.json").unlink()
-    (folder / "config.json").write_text(json.dumps({**json.loads((smollm2_dir / "config.json").read_text()), **changes}))
+    (folder / "config.json").write_text(
+        json.dumps({**json.loads((smollm2_dir / "config.json").read_text()), **changes})
+    )
     return folder
 
 
@@ -184,8 +209,11 @@ WIDER = dict(hidden_size=640, num_attention_heads=10, num_key_value_heads=5)  # 
 
 def test_config_wider_than_its_weights_is_refused_before_weights_load(tmp_path, smollm2_dir, no_weight_reads):
     folder = smollm2_with(tmp_path / "wider", smollm2_dir, **WIDER)
-    with pytest.raises(ModelLoadError, match=r"tensor model\.\S+ in \S+ has shape \[.*576.*\] but config.json implies "
-                                             r"\[.*640.*\]") as err:
+    with pytest.raises(
+        ModelLoadError,
+        match=r"tensor model\.\S+ in \S+ has shape \[.*576.*\] but config.json implies "
+        r"\[.*640.*\]",
+    ) as err:
         LLM(model=str(folder), attention="torch", dtype="float32")
     assert "\n" not in str(err.value)
 
@@ -193,8 +221,11 @@ def test_config_wider_than_its_weights_is_refused_before_weights_load(tmp_path, 
 def test_fused_pieces_are_checked_by_their_own_rows(tmp_path, no_weight_reads):
     """gate_proj and up_proj fill one fused parameter: each is checked against its own piece."""
     folder = tiny_llama(tmp_path, None, intermediate_size=192)
-    with pytest.raises(ModelLoadError, match=r"mlp\.(gate|up|down)_proj\.weight .* has shape \[(160, 64|64, 160)\] "
-                                             r"but config.json implies \[(192, 64|64, 192)\]"):
+    with pytest.raises(
+        ModelLoadError,
+        match=r"mlp\.(gate|up|down)_proj\.weight .* has shape \[(160, 64|64, 160)\] "
+        r"but config.json implies \[(192, 64|64, 192)\]",
+    ):
         LLM(model=str(folder), attention="torch", dtype="float32")
 
 
@@ -206,10 +237,16 @@ def test_tensors_handed_to_the_model_are_checked_too(tiny_llama_dir):
     from infer.plugins.models.loader import _read_config
 
     model = Llama(ModelConfig.from_hf(_read_config(tiny_llama_dir)), default_layers(), None)
-    with pytest.raises(ModelLoadError, match=r"model\.layers\.0\.self_attn\.k_proj\.weight .* \[64, 64\] .* \[32, 64\]"):
+    with pytest.raises(
+        ModelLoadError, match=r"model\.layers\.0\.self_attn\.k_proj\.weight .* \[64, 64\] .* \[32, 64\]"
+    ):
         model.load_weights([("model.layers.0.self_attn.k_proj.weight", torch.zeros(64, 64))])
-    assert model.load_weights([("model.layers.0.self_attn.k_proj.weight", torch.zeros(32, 64)),
-                               ("model.layers.0.unexpected.weight", torch.zeros(3))]) == {"layers.0.self_attn.qkv_proj.weight"}
+    assert model.load_weights(
+        [
+            ("model.layers.0.self_attn.k_proj.weight", torch.zeros(32, 64)),
+            ("model.layers.0.unexpected.weight", torch.zeros(3)),
+        ]
+    ) == {"layers.0.self_attn.qkv_proj.weight"}
 
 
 def test_doctor_reads_the_headers_and_names_the_tensor(tmp_path, smollm2_dir, no_weight_reads):

@@ -8,7 +8,7 @@ from click.testing import CliRunner
 
 from infer.cli import cli
 
-INLINE_PLUGINS = '''
+INLINE_PLUGINS = """
 import torch
 import infer
 from infer.plugins.attention.reference import TorchAttention
@@ -38,22 +38,46 @@ class Plugin:
         register("block16-only", Block16Only)
         register("bf16-only", Bf16Only)
         register("needs-library", NeedsLibrary)
-'''
+"""
 SHAPE = ["--model", "smollm2-135m", "--load-format", "dummy", "--device", "cpu"]
 
 IMPOSSIBLE = {
-    "CUDA-only backend on the CPU": (["--attention", "paged-cuda"], "attention",
-                                     "--attention paged-cuda runs only on cuda, not on cpu", "torch"),
-    "prefill-only backend as decode attention": (["--attention", "prefill-only"], "attention",
-                                                 "--attention prefill-only serves only prefill: use it as --prefill-attention", "torch"),
-    "needs-draft decoder without --draft": (["--decoding", "speculative"], "decoder",
-                                            "--decoding speculative needs a draft model: add --draft NAME", "autoregressive"),
-    "unsupported block size": (["--attention", "block16-only", "--block-size", "32"], "attention",
-                               "--attention block16-only does not support --block-size 32: use one of 16", "torch"),
-    "unsupported dtype": (["--attention", "bf16-only", "--dtype", "float32"], "attention",
-                          "--attention bf16-only does not support dtype float32: use --dtype bfloat16", "torch"),
-    "unavailable library": (["--attention", "needs-library"], "attention",
-                            "--attention needs-library cannot run here: fancykernels is not importable", "torch"),
+    "CUDA-only backend on the CPU": (
+        ["--attention", "paged-cuda"],
+        "attention",
+        "--attention paged-cuda runs only on cuda, not on cpu",
+        "torch",
+    ),
+    "prefill-only backend as decode attention": (
+        ["--attention", "prefill-only"],
+        "attention",
+        "--attention prefill-only serves only prefill: use it as --prefill-attention",
+        "torch",
+    ),
+    "needs-draft decoder without --draft": (
+        ["--decoding", "speculative"],
+        "decoder",
+        "--decoding speculative needs a draft model: add --draft NAME",
+        "autoregressive",
+    ),
+    "unsupported block size": (
+        ["--attention", "block16-only", "--block-size", "32"],
+        "attention",
+        "--attention block16-only does not support --block-size 32: use one of 16",
+        "torch",
+    ),
+    "unsupported dtype": (
+        ["--attention", "bf16-only", "--dtype", "float32"],
+        "attention",
+        "--attention bf16-only does not support dtype float32: use --dtype bfloat16",
+        "torch",
+    ),
+    "unavailable library": (
+        ["--attention", "needs-library"],
+        "attention",
+        "--attention needs-library cannot run here: fancykernels is not importable",
+        "torch",
+    ),
 }
 
 
@@ -63,8 +87,9 @@ def invoke(tmp_path, monkeypatch):
     monkeypatch.syspath_prepend(str(tmp_path))
 
     def run(*args: str):
-        return CliRunner().invoke(cli, list(args), env={"INFER_EXTRA_PLUGINS": "doctor_inline_plugins:Plugin"},
-                                  catch_exceptions=False)
+        return CliRunner().invoke(
+            cli, list(args), env={"INFER_EXTRA_PLUGINS": "doctor_inline_plugins:Plugin"}, catch_exceptions=False
+        )
 
     return run
 
@@ -79,15 +104,27 @@ def test_doctor_explains_an_impossible_combination(invoke, case):
     assert lines[refused].split()[0] == slot and reason in lines[refused]
     assert "runs here instead:" in lines[refused + 1] and alternative in lines[refused + 1].split(": ")[1]
     assert lines[-1].startswith("verdict: cannot run here (1 refusal)")
-    assert all(line.split()[2] == "OK" for line in lines[2:-1] if line.strip() and "REFUSED" not in line
-               and "runs here instead" not in line)
+    assert all(
+        line.split()[2] == "OK"
+        for line in lines[2:-1]
+        if line.strip() and "REFUSED" not in line and "runs here instead" not in line
+    )
 
 
 def test_doctor_passes_a_runnable_combination_and_checks_every_slot(invoke):
     result = invoke("doctor", *SHAPE, "--prefill-attention", "prefill-only", "--scheduler", "static")
     assert result.exit_code == 0, result.output
     slots = [line.split()[0] for line in result.output.splitlines()[2:-1]]
-    assert slots == ["model", "attention", "prefill_attention", "kv_allocator", "scheduler", "sampler", "decoder", "detokenizer"]
+    assert slots == [
+        "model",
+        "attention",
+        "prefill_attention",
+        "kv_allocator",
+        "scheduler",
+        "sampler",
+        "decoder",
+        "detokenizer",
+    ]
     assert "(llama, 30 layers, 9/3 heads, dummy weights)" in result.output
     assert result.output.splitlines()[-1] == "verdict: runs here"
 
@@ -110,8 +147,12 @@ def test_matrix_lists_the_combinations_that_run_here(invoke):
     assert not any(r[0] in ("paged-cuda", "prefill-only", "needs-library") or r[3] == "speculative" for r in runs)
     assert lines[0].startswith(f"{len(runs)} of ") and lines[0].endswith("run on cpu:")
     reasons = "\n".join(lines[lines.index("refused (combinations: reason):") :])
-    for reason in ("--attention paged-cuda runs only on cuda", "--attention prefill-only serves only prefill",
-                   "fancykernels is not importable", "--decoding speculative needs a draft model"):
+    for reason in (
+        "--attention paged-cuda runs only on cuda",
+        "--attention prefill-only serves only prefill",
+        "fancykernels is not importable",
+        "--decoding speculative needs a draft model",
+    ):
         assert reason in reasons
 
 

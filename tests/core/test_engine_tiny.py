@@ -16,9 +16,16 @@ def hf_greedy(folder, prompts, max_tokens):
     outs = []
     for ids in prompts:
         x = torch.tensor([ids])
-        y = model.generate(x, attention_mask=torch.ones_like(x), max_new_tokens=max_tokens, do_sample=False,
-                           eos_token_id=None, pad_token_id=0, min_new_tokens=max_tokens)
-        outs.append(y[0, len(ids):].tolist())
+        y = model.generate(
+            x,
+            attention_mask=torch.ones_like(x),
+            max_new_tokens=max_tokens,
+            do_sample=False,
+            eos_token_id=None,
+            pad_token_id=0,
+            min_new_tokens=max_tokens,
+        )
+        outs.append(y[0, len(ids) :].tolist())
     return outs
 
 
@@ -31,8 +38,14 @@ def expected(tiny_llama_dir):
 @pytest.mark.parametrize("sampler", ["vectorized", "naive"])
 @pytest.mark.parametrize("num_kv_blocks", [None, 16])
 def test_greedy_matches_hf(tiny_llama_dir, expected, scheduler, sampler, num_kv_blocks):
-    llm = LLM(model=str(tiny_llama_dir), scheduler=scheduler, sampler=sampler, block_size=4, num_kv_blocks=num_kv_blocks,
-              max_model_len=num_kv_blocks and num_kv_blocks * 4)  # a fixed cache must hold one request of max_model_len
+    llm = LLM(
+        model=str(tiny_llama_dir),
+        scheduler=scheduler,
+        sampler=sampler,
+        block_size=4,
+        num_kv_blocks=num_kv_blocks,
+        max_model_len=num_kv_blocks and num_kv_blocks * 4,
+    )  # a fixed cache must hold one request of max_model_len
     outs = llm.generate(PROMPTS, SamplingParams(max_tokens=12, temperature=0, ignore_eos=True))
     assert [o.outputs[0].token_ids for o in outs] == expected
     if num_kv_blocks and scheduler == "fcfs":

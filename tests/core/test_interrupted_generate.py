@@ -122,6 +122,8 @@ def test_interrupted_generate_leaves_the_detokenizer_consistent(smollm2_dir):
 
     trip.update(sample_at=None)
     again = [o.outputs[0] for o in llm.generate(prompts, params)]
-    assert [(o.text, o.token_ids, o.finish_reason) for o in again] == [(o.text, o.token_ids, o.finish_reason) for o in fresh]
+    assert [(o.text, o.token_ids, o.finish_reason) for o in again] == [
+        (o.text, o.token_ids, o.finish_reason) for o in fresh
+    ]
     assert fresh[0].finish_reason == "stop" and all(o.text for o in fresh[1:])  # the stop string ended the first
     check_idle(llm, free_at_start)

@@ -52,7 +52,9 @@ KV_CONFIGS = {
     "chunked prefill, no prefix caching": dict(enable_prefix_caching=False, max_num_batched_tokens=16),
     "chunked prefill, prefix caching": dict(max_num_batched_tokens=16),
     # 8 blocks of 16 tokens: two or three requests at a time, the later ones preempted
-    "swap": dict(num_kv_blocks=8, max_model_len=128, max_num_batched_tokens=64, preemption_mode="swap", swap_space_gib=0.01),
+    "swap": dict(
+        num_kv_blocks=8, max_model_len=128, max_num_batched_tokens=64, preemption_mode="swap", swap_space_gib=0.01
+    ),
     "recompute": dict(num_kv_blocks=8, max_model_len=128, max_num_batched_tokens=64),
 }
 
@@ -81,8 +83,10 @@ def _chat(question: str) -> str:
 # each group: prompts of one token length, so HF runs them as one batch without padding
 BEAM_GROUPS = {
     "chat, ends at EOS": ([_chat(f"What is the capital of {c}?") for c in ("France", "Spain", "Italy", "Japan")], 1.0),
-    "text, max length": (["The capital of France is", "The three primary colors are", "The best way to learn",
-                          "The meaning of life is"], 2.0),
+    "text, max length": (
+        ["The capital of France is", "The three primary colors are", "The best way to learn", "The meaning of life is"],
+        2.0,
+    ),
 }
 
 
@@ -90,7 +94,9 @@ BEAM_GROUPS = {
 def hf(smollm2_dir):
     from transformers import AutoTokenizer, LlamaForCausalLM
 
-    return AutoTokenizer.from_pretrained(smollm2_dir), LlamaForCausalLM.from_pretrained(smollm2_dir, torch_dtype=torch.float32).eval()
+    return AutoTokenizer.from_pretrained(smollm2_dir), LlamaForCausalLM.from_pretrained(
+        smollm2_dir, torch_dtype=torch.float32
+    ).eval()
 
 
 @pytest.mark.parametrize("group", list(BEAM_GROUPS), ids=list(BEAM_GROUPS))
@@ -99,11 +105,20 @@ def test_beam_search_matches_hf_transformers(hf, cached_llm, group):
     tok, model = hf
     ids = torch.tensor([tok.encode(p) for p in prompts])
     eos = sorted(cached_llm.engine.parts.eos_token_ids)
-    hf = model.generate(ids, attention_mask=torch.ones_like(ids), num_beams=4, num_return_sequences=2, do_sample=False,
-                        max_new_tokens=14, length_penalty=length_penalty, early_stopping=False, eos_token_id=eos,
-                        pad_token_id=eos[0])
+    hf = model.generate(
+        ids,
+        attention_mask=torch.ones_like(ids),
+        num_beams=4,
+        num_return_sequences=2,
+        do_sample=False,
+        max_new_tokens=14,
+        length_penalty=length_penalty,
+        early_stopping=False,
+        eos_token_id=eos,
+        pad_token_id=eos[0],
+    )
     expected = []
-    for row in hf[:, ids.shape[1]:].tolist():  # HF pads finished beams with the pad (= EOS) token
+    for row in hf[:, ids.shape[1] :].tolist():  # HF pads finished beams with the pad (= EOS) token
         cut = next((i for i, t in enumerate(row) if t in eos), len(row) - 1)
         expected.append(row[: cut + 1])
     params = SamplingParams(use_beam_search=True, best_of=4, n=2, max_tokens=14, length_penalty=length_penalty)

@@ -33,9 +33,13 @@ KV_CONFIGS = {
     "no prefix caching, chunked": dict(enable_prefix_caching=False, max_num_batched_tokens=7),
     # a fixed cache holds one request of max_model_len (16 blocks of 4 tokens: 64)
     "swap, tiny KV": dict(num_kv_blocks=16, max_model_len=64, preemption_mode="swap"),
-    "swap, tiny KV, tiny CPU pool": dict(num_kv_blocks=16, max_model_len=64, preemption_mode="swap", swap_space_gib=12 * 2**-20),
+    "swap, tiny KV, tiny CPU pool": dict(
+        num_kv_blocks=16, max_model_len=64, preemption_mode="swap", swap_space_gib=12 * 2**-20
+    ),
     "recompute, tiny KV": dict(num_kv_blocks=16, max_model_len=64),
-    "contiguous": dict(kv_allocator="contiguous", num_kv_blocks=24, max_model_len=96),  # reserves whole lengths: never preempts
+    "contiguous": dict(
+        kv_allocator="contiguous", num_kv_blocks=24, max_model_len=96
+    ),  # reserves whole lengths: never preempts
 }
 
 
@@ -89,7 +93,9 @@ def test_parallel_samples_are_seeded_and_share_their_prompt(tiny_llama_dir):
         results.update({o.request_id: o for o in engine.step()})
         saved = max(saved, engine.kv_usage().num_saved_blocks)
     batched = results[rid]
-    assert [c.token_ids for c in batched.outputs] == [c.token_ids for c in alone.outputs], "seeded samples depend on the batch"
+    assert [c.token_ids for c in batched.outputs] == [c.token_ids for c in alone.outputs], (
+        "seeded samples depend on the batch"
+    )
     assert len({tuple(c.token_ids) for c in alone.outputs}) > 1
     assert saved >= 3 * ((len(PROMPTS[0]) - 1) // 4), "three samples share the parent's full prompt blocks"
 
@@ -98,8 +104,28 @@ def test_run_report_has_the_kv_columns(tiny_llama_dir, tmp_path):
     data = tmp_path / "prompts.json"
     data.write_text(json.dumps([SHARED + [1, 2], SHARED + [3], list(range(5, 25))]))
     out = tmp_path / "run.json"
-    args = ["run", "--model", str(tiny_llama_dir), "--no-progress", "--show", "0", "--dataset", str(data), "--max-tokens", "6",
-            "--block-size", "4", "--n", "2", "--max-num-seqs", "2", "--preemption-mode", "swap", "--json-out", str(out)]
+    args = [
+        "run",
+        "--model",
+        str(tiny_llama_dir),
+        "--no-progress",
+        "--show",
+        "0",
+        "--dataset",
+        str(data),
+        "--max-tokens",
+        "6",
+        "--block-size",
+        "4",
+        "--n",
+        "2",
+        "--max-num-seqs",
+        "2",
+        "--preemption-mode",
+        "swap",
+        "--json-out",
+        str(out),
+    ]
     result = CliRunner().invoke(cli, args, catch_exceptions=False)
     assert result.exit_code == 0, result.output
     for column in ("KV util", "prefix hit", "preempt swap/recomp", "shared blk"):
@@ -112,8 +138,26 @@ def test_run_report_has_the_kv_columns(tiny_llama_dir, tmp_path):
 
 def test_beam_search_through_the_cli(tiny_llama_dir, tmp_path):
     out = tmp_path / "run.json"
-    args = ["run", "--model", str(tiny_llama_dir), "--no-progress", "--show", "0", "--dataset", "random-256x256",
-            "--num-prompts", "2", "--max-tokens", "5", "--beam-width", "3", "--n", "2", "--json-out", str(out)]
+    args = [
+        "run",
+        "--model",
+        str(tiny_llama_dir),
+        "--no-progress",
+        "--show",
+        "0",
+        "--dataset",
+        "random-256x256",
+        "--num-prompts",
+        "2",
+        "--max-tokens",
+        "5",
+        "--beam-width",
+        "3",
+        "--n",
+        "2",
+        "--json-out",
+        str(out),
+    ]
     result = CliRunner().invoke(cli, args, catch_exceptions=False)
     assert result.exit_code == 0, result.output
     (record,) = json.loads(out.read_text())["records"]

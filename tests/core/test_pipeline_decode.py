@@ -32,17 +32,28 @@ def stop_tokens_mid_run(model_dir, params):
     def first_new(t, start):  # a token first emitted at or after `start`: the request stops exactly there
         return next(([x] for j, x in enumerate(t) if j >= start and x not in t[:j]), [])
 
-    return [SamplingParams(max_tokens=params.max_tokens, temperature=params.temperature, seed=params.seed,
-                           stop_token_ids=first_new(t, 3 + i % 5)) for i, t in enumerate(tokens)]
+    return [
+        SamplingParams(
+            max_tokens=params.max_tokens,
+            temperature=params.temperature,
+            seed=params.seed,
+            stop_token_ids=first_new(t, 3 + i % 5),
+        )
+        for i, t in enumerate(tokens)
+    ]
 
 
-@pytest.mark.parametrize("options", [
-    {},
-    {"max_num_seqs": 1},
-    {"num_kv_blocks": 12, "block_size": 4, "max_model_len": 48, "max_num_seqs": 4},  # preemption
-    {"num_kv_blocks": 12, "block_size": 4, "max_model_len": 48, "max_num_seqs": 4, "preemption_mode": "swap"},
-    {"enable_prefix_caching": False, "max_num_batched_tokens": 16},  # chunked prefill
-], ids=["batch", "batch-1", "recompute", "swap", "chunked"])
+@pytest.mark.parametrize(
+    "options",
+    [
+        {},
+        {"max_num_seqs": 1},
+        {"num_kv_blocks": 12, "block_size": 4, "max_model_len": 48, "max_num_seqs": 4},  # preemption
+        {"num_kv_blocks": 12, "block_size": 4, "max_model_len": 48, "max_num_seqs": 4, "preemption_mode": "swap"},
+        {"enable_prefix_caching": False, "max_num_batched_tokens": 16},  # chunked prefill
+    ],
+    ids=["batch", "batch-1", "recompute", "swap", "chunked"],
+)
 def test_greedy_tokens_identical_with_and_without_pipelining(tiny_llama_dir, options):
     params = SamplingParams(max_tokens=24, temperature=0, ignore_eos=True)
     expected, hits0, _ = run(tiny_llama_dir, PROMPTS, params, pipeline_decode=False, **options)
@@ -99,8 +110,12 @@ def test_pipelining_is_off_by_default_on_the_cpu(tiny_llama_dir):
 
 def test_beam_search_beside_plain_requests(tiny_llama_dir):
     # beams are never run ahead (their tables are rewritten every step); the plain requests beside them may be
-    params = [SamplingParams(max_tokens=10, use_beam_search=True, best_of=3, temperature=0) if i % 2 else
-              SamplingParams(max_tokens=10, temperature=0, ignore_eos=True) for i in range(4)]
+    params = [
+        SamplingParams(max_tokens=10, use_beam_search=True, best_of=3, temperature=0)
+        if i % 2
+        else SamplingParams(max_tokens=10, temperature=0, ignore_eos=True)
+        for i in range(4)
+    ]
 
     def outputs(**options):
         with LLM(model=str(tiny_llama_dir), device="cpu", dtype="float32", **options) as llm:
@@ -110,11 +125,23 @@ def test_beam_search_beside_plain_requests(tiny_llama_dir):
 
 
 def test_decoders_that_do_not_step_one_token_at_a_time_are_not_pipelined(tiny_llama_dir):
-    with LLM(model=str(tiny_llama_dir), device="cpu", dtype="float32", pipeline_decode=True,
-             decoding="speculative", draft="ngram") as llm:
+    with LLM(
+        model=str(tiny_llama_dir),
+        device="cpu",
+        dtype="float32",
+        pipeline_decode=True,
+        decoding="speculative",
+        draft="ngram",
+    ) as llm:
         assert llm.engine.decoder.target.pipeline is False
-    with LLM(model=str(tiny_llama_dir), device="cpu", dtype="float32", pipeline_decode=True,
-             decoding="early-exit", exit_layer=1) as llm:
+    with LLM(
+        model=str(tiny_llama_dir),
+        device="cpu",
+        dtype="float32",
+        pipeline_decode=True,
+        decoding="early-exit",
+        exit_layer=1,
+    ) as llm:
         llm.generate(PROMPTS[:2], SamplingParams(max_tokens=8, temperature=0, ignore_eos=True))
         assert llm.engine.decoder.runner.pipeline_hits > 0
 

@@ -27,10 +27,22 @@ def sampler_plugin(name: str, **declaration: object) -> types.ModuleType:
     return module
 
 
-@pytest.mark.parametrize("declaration,fits", [
-    (f">={V},<{V + 1}", True), (f">={V + 1}", False), (f"<{V}", False), (f"=={V}", True), (f"!={V}", False),
-    (str(V), True), (V, True), (V + 1, False), ((1, V), True), ((V + 1, V + 3), False), (f" >= 1 , <= {V} ", True),
-])
+@pytest.mark.parametrize(
+    "declaration,fits",
+    [
+        (f">={V},<{V + 1}", True),
+        (f">={V + 1}", False),
+        (f"<{V}", False),
+        (f"=={V}", True),
+        (f"!={V}", False),
+        (str(V), True),
+        (V, True),
+        (V + 1, False),
+        ((1, V), True),
+        ((V + 1, V + 3), False),
+        (f" >= 1 , <= {V} ", True),
+    ],
+)
 def test_declaration_forms(declaration, fits):
     assert plugin_api.parse(declaration)(V) is fits
 

@@ -36,9 +36,20 @@ def test_nothing_is_wrapped_unless_profiling_and_the_rows_add_up(tiny_llama_dir)
     summary = profiler.summary()
     assert summary["decode_steps"] == 5 and summary["other_steps"] == 1  # one prefill, then five decodes
     names = [name for name, _ in summary["rows"]]
-    assert names == ["embedding", "layer 0 attention", "layer 0 rest", "layer 1 attention", "layer 1 rest",
-                     "layer 2 attention", "layer 2 rest", "final norm + LM head", "sampler", "detokenizer",
-                     "scheduler", "other host work"]
+    assert names == [
+        "embedding",
+        "layer 0 attention",
+        "layer 0 rest",
+        "layer 1 attention",
+        "layer 1 rest",
+        "layer 2 attention",
+        "layer 2 rest",
+        "final norm + LM head",
+        "sampler",
+        "detokenizer",
+        "scheduler",
+        "other host work",
+    ]
     assert all(t >= 0 for _, t in summary["rows"]) and summary["attention_s"] > 0
     assert sum(t for _, t in summary["rows"]) == pytest.approx(summary["step_s"], rel=1e-6)
     assert 0 <= summary["device_idle_share"] < 1
@@ -48,14 +59,42 @@ def test_nothing_is_wrapped_unless_profiling_and_the_rows_add_up(tiny_llama_dir)
 def test_run_profile_on_smollm2_dummy_weights(tmp_path):
     data, chart, out = tmp_path / "p.json", tmp_path / "profile.png", tmp_path / "run.json"
     data.write_text(json.dumps([[5, 6, 7, 8], [9, 10]]))
-    result = CliRunner().invoke(cli, ["run", "--model", "smollm2-135m", "--load-format", "dummy", "--dataset", str(data),
-                                      "--max-tokens", "3", "--no-progress", "--profile-chart", str(chart),
-                                      "--json-out", str(out)], catch_exceptions=False)
+    result = CliRunner().invoke(
+        cli,
+        [
+            "run",
+            "--model",
+            "smollm2-135m",
+            "--load-format",
+            "dummy",
+            "--dataset",
+            str(data),
+            "--max-tokens",
+            "3",
+            "--no-progress",
+            "--profile-chart",
+            str(chart),
+            "--json-out",
+            str(out),
+        ],
+        catch_exceptions=False,
+    )
     assert result.exit_code == 0, result.output
     text = result.output
     assert "profile: 2 decode steps (prefill and mixed steps left out: 1), timed with perf_counter on the CPU" in text
-    for row in ("embedding", "layers: attention (all)", "layer 0 attention", "layer 29 rest", "final norm + LM head",
-                "sampler", "detokenizer", "scheduler", "other host work", "decode step (wall)", "device idle"):
+    for row in (
+        "embedding",
+        "layers: attention (all)",
+        "layer 0 attention",
+        "layer 29 rest",
+        "final norm + LM head",
+        "sampler",
+        "detokenizer",
+        "scheduler",
+        "other host work",
+        "decode step (wall)",
+        "device idle",
+    ):
         assert any(line.startswith(row) for line in text.splitlines()), row
     if charts._pyplot() is None:
         assert charts.MISSING in text

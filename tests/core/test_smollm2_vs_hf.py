@@ -23,9 +23,16 @@ def hf_tokens(smollm2_dir):
     for text in PROMPTS:
         ids = torch.tensor([tok.encode(text)])
         # an explicit mask: the prompt contains <|im_end|>, which HF would otherwise take for padding
-        y = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=MAX_TOKENS,
-                           min_new_tokens=MAX_TOKENS, do_sample=False, eos_token_id=None, pad_token_id=0)
-        outs.append(y[0, ids.shape[1]:].tolist())
+        y = model.generate(
+            ids,
+            attention_mask=torch.ones_like(ids),
+            max_new_tokens=MAX_TOKENS,
+            min_new_tokens=MAX_TOKENS,
+            do_sample=False,
+            eos_token_id=None,
+            pad_token_id=0,
+        )
+        outs.append(y[0, ids.shape[1] :].tolist())
     return outs
 
 
@@ -54,9 +61,13 @@ def test_greedy_identical_to_hf_under_preemption(smollm2_dir, hf_tokens, params)
 
 def test_text_and_stop_strings(smollm2_dir):
     llm = LLM(model="smollm2-135m", dtype="float32")
-    out = llm.chat([{"role": "user", "content": "What is the capital of France?"}], SamplingParams(max_tokens=24, temperature=0))
+    out = llm.chat(
+        [{"role": "user", "content": "What is the capital of France?"}], SamplingParams(max_tokens=24, temperature=0)
+    )
     assert "Paris" in out[0].outputs[0].text
     assert out[0].outputs[0].finish_reason == "stop"  # ended at <|im_end|>
-    cut = llm.generate(["The capital of France is"], SamplingParams(max_tokens=24, temperature=0, stop=["Paris"]))[0].outputs[0]
+    cut = llm.generate(["The capital of France is"], SamplingParams(max_tokens=24, temperature=0, stop=["Paris"]))[
+        0
+    ].outputs[0]
     assert "Paris" not in cut.text and cut.finish_reason == "stop"
     assert llm.tokenizer.decode(cut.token_ids).find("Paris") >= 0  # the completing token is kept

@@ -86,7 +86,9 @@ def no_flashinfer(monkeypatch):
 
 
 def test_float16_models_keep_nccl_and_say_why(no_flashinfer):
-    parallel = types.SimpleNamespace(is_parallel=True, world_size=2, rank=0, device=torch.device("cuda", 0), min=lambda v: v)
+    parallel = types.SimpleNamespace(
+        is_parallel=True, world_size=2, rank=0, device=torch.device("cuda", 0), min=lambda v: v
+    )
     fast, line = make_all_reduce("auto", parallel, torch.float16, 64)
     assert fast is None and "has no float16" in line and "--dtype bfloat16" in line
     assert "flashinfer unavailable: not installed" in line
@@ -185,7 +187,10 @@ def test_peer_memory_needs_one_host_and_peer_access(monkeypatch):
     monkeypatch.setenv("WORLD_SIZE", "2")
     monkeypatch.setenv("LOCAL_RANK", "0")
     assert "span several hosts (1 on this one)" in peer_access_reason(rank0)
-    assert peer_access_reason(types.SimpleNamespace(is_parallel=True, world_size=2, rank=0, device=torch.device("cpu"))) is None
+    assert (
+        peer_access_reason(types.SimpleNamespace(is_parallel=True, world_size=2, rank=0, device=torch.device("cpu")))
+        is None
+    )
 
 
 def test_no_peer_access_keeps_nccl_and_says_why(monkeypatch):

@@ -85,8 +85,14 @@ def test_tiny_tp2_logprobs_match_tp1_under_swaps_and_shared_blocks(tiny_llama_di
     # 16 blocks of 4 tokens force preemption by swap; n=2 shares prompt blocks (copy-on-write):
     # every rank's cache must see the same block copies
     params = [SamplingParams(max_tokens=10, temperature=0, ignore_eos=True, logprobs=5, n=1 + i % 2) for i in range(5)]
-    options = dict(model=str(tiny_llama_dir), block_size=4, num_kv_blocks=16, max_model_len=64, preemption_mode="swap",
-                   max_num_batched_tokens=64)
+    options = dict(
+        model=str(tiny_llama_dir),
+        block_size=4,
+        num_kv_blocks=16,
+        max_model_len=64,
+        preemption_mode="swap",
+        max_num_batched_tokens=64,
+    )
     expected = generate(1, PROMPTS, params, **options)
     with LLM(tensor_parallel_size=2, **options) as llm:
         actual = llm.generate(PROMPTS, params)
@@ -103,7 +109,9 @@ def test_replicated_kv_head_tp2_matches_tp1(one_kv_head_dir):
 @pytest.mark.slow
 def test_dummy_weights_are_the_same_model_at_any_tp(tiny_llama_dir):
     options = dict(model=str(tiny_llama_dir), load_format="dummy", block_size=4, seed=3)
-    assert_close_logprobs(generate(1, PROMPTS, LOGPROBS, **options), generate(2, PROMPTS, LOGPROBS, **options), atol=1e-5)
+    assert_close_logprobs(
+        generate(1, PROMPTS, LOGPROBS, **options), generate(2, PROMPTS, LOGPROBS, **options), atol=1e-5
+    )
 
 
 @pytest.mark.slow
@@ -151,15 +159,29 @@ def test_ranks_started_by_torchrun(tiny_llama_dir, tmp_path):
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     done = subprocess.run(
-        [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-port", str(port),
-         str(script), str(tiny_llama_dir), json.dumps(PROMPTS)],
-        capture_output=True, text=True, timeout=240,
+        [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--nproc-per-node",
+            "2",
+            "--master-port",
+            str(port),
+            str(script),
+            str(tiny_llama_dir),
+            json.dumps(PROMPTS),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=240,
     )
     assert done.returncode == 0, done.stderr[-3000:]
     lines = [line for line in done.stdout.splitlines() if line.startswith("TOKENS ")]
     assert len(lines) == 1, done.stdout  # rank 0 alone prints
     params = SamplingParams(max_tokens=8, temperature=0, ignore_eos=True)
-    expected = [o.outputs[0].token_ids for o in generate(1, PROMPTS, params, model=str(tiny_llama_dir), dtype="float32")]
+    expected = [
+        o.outputs[0].token_ids for o in generate(1, PROMPTS, params, model=str(tiny_llama_dir), dtype="float32")
+    ]
     assert json.loads(lines[0].removeprefix("TOKENS ")) == expected
 
 
@@ -187,8 +209,22 @@ def test_cli_runs_with_tp(tiny_llama_dir):
 
     from infer.cli import cli
 
-    args = ["run", "--model", str(tiny_llama_dir), "--tp", "2", "--device", "cpu", "--dataset", "random-256x256",
-            "--num-prompts", "2", "--max-tokens", "4", "--no-progress"]
+    args = [
+        "run",
+        "--model",
+        str(tiny_llama_dir),
+        "--tp",
+        "2",
+        "--device",
+        "cpu",
+        "--dataset",
+        "random-256x256",
+        "--num-prompts",
+        "2",
+        "--max-tokens",
+        "4",
+        "--no-progress",
+    ]
     result = CliRunner().invoke(cli, args)
     assert result.exit_code == 0, result.output
     assert "tensor_parallel_size=2" in result.output and "tok/s" in result.output
@@ -230,7 +266,9 @@ def test_more_ranks_than_gpus_is_refused(tiny_llama_dir, monkeypatch):
 @pytest.mark.slow
 def test_symmetric_memory_all_reduce_is_refused_on_the_cpu(tiny_llama_dir):
     # every rank finds it cannot run and says so before any collective set-up: a clear error, no hang
-    with pytest.raises(ConfigError, match="--all-reduce symm-mem cannot run: it needs CUDA devices .*use --all-reduce nccl"):
+    with pytest.raises(
+        ConfigError, match="--all-reduce symm-mem cannot run: it needs CUDA devices .*use --all-reduce nccl"
+    ):
         LLM(model=str(tiny_llama_dir), device="cpu", tensor_parallel_size=2, all_reduce="symm-mem")
     with pytest.raises(ConfigError, match="--all-reduce flashinfer cannot run: it needs CUDA devices"):
         LLM(model=str(tiny_llama_dir), device="cpu", tensor_parallel_size=2, all_reduce="flashinfer")
@@ -290,7 +328,9 @@ def test_step_message_round_trip():
     assert channel.receive() is None
     assert not wire.sent
     wire.receiving = False
-    pipelined = StepInputs([0, 0], [1, 1], [9, 4], [[5, 6, 7], [1]], [0, 1], None, True, input_ids_t=torch.tensor([3, 4]))
+    pipelined = StepInputs(
+        [0, 0], [1, 1], [9, 4], [[5, 6, 7], [1]], [0, 1], None, True, input_ids_t=torch.tensor([3, 4])
+    )
     channel.send_forward(0, pipelined)
     wire.receiving = True
     got = channel.receive()
@@ -301,7 +341,10 @@ def test_step_message_round_trip():
 def test_head_layout_replicates_kv_heads():
     layouts = [ParallelState(rank=r, world_size=4).heads(8, 2) for r in range(4)]
     assert [(h.num_heads, h.num_kv_heads, h.q_start, h.kv_start) for h in layouts] == [
-        (2, 1, 0, 0), (2, 1, 2, 0), (2, 1, 4, 1), (2, 1, 6, 1)
+        (2, 1, 0, 0),
+        (2, 1, 2, 0),
+        (2, 1, 4, 1),
+        (2, 1, 6, 1),
     ]
 
 
@@ -348,7 +391,9 @@ def test_reduce_add_norm_fuses_only_a_plain_rms_norm():
     torch.testing.assert_close(got, other(x * 2, residual))
 
     plain = Doubling(fused=False)  # no fused kernel: all-reduce, then the norm adds
-    torch.testing.assert_close(ParallelState(world_size=2, fast_all_reduce=plain).reduce_add_norm(x, residual, norm), expected)
+    torch.testing.assert_close(
+        ParallelState(world_size=2, fast_all_reduce=plain).reduce_add_norm(x, residual, norm), expected
+    )
 
 
 def test_ranks_meet_before_taking_their_groups_down():
@@ -367,7 +412,9 @@ def test_ranks_meet_before_taking_their_groups_down():
     store = torch.distributed.HashStore()
     ranks = [ParallelState(rank=r, world_size=3, device=torch.device("cpu"), store=store) for r in range(3)]
     met: dict[int, bool] = {}
-    threads = [threading.Thread(target=lambda p=p: met.__setitem__(p.rank, meet_for_teardown(p, wait_s=30))) for p in ranks[1:]]
+    threads = [
+        threading.Thread(target=lambda p=p: met.__setitem__(p.rank, meet_for_teardown(p, wait_s=30))) for p in ranks[1:]
+    ]
     for t in threads:
         t.start()
     time.sleep(0.1)

@@ -26,27 +26,38 @@ def script(tmp_path: Path, body: str) -> Path:
 
 def start(path: Path) -> subprocess.Popen:
     env = {**os.environ, "PYTHONPATH": str(REPO)}
-    return subprocess.Popen([sys.executable, str(path)], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                            env=env, start_new_session=True,  # its own process group, as a terminal's job
-                            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
+    return subprocess.Popen(
+        [sys.executable, str(path)],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        env=env,
+        start_new_session=True,  # its own process group, as a terminal's job
+        preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL),
+    )
 
 
 def test_script_without_main_guard_gets_one_line(tmp_path, tiny_llama_dir):
-    path = script(tmp_path, f"""
+    path = script(
+        tmp_path,
+        f"""
         from infer.llm import LLM
         llm = LLM(model={str(tiny_llama_dir)!r}, device="cpu", attention="torch", tensor_parallel_size=2)
         print("built")
-    """)
+    """,
+    )
     proc = start(path)
     out, err = proc.communicate(timeout=300)
     assert proc.returncode != 0 and "built" not in out
     lines = err.strip().splitlines()
     assert len(lines) == 1, err
-    assert "if __name__ == \"__main__\":" in lines[0] and str(path) in lines[0]
+    assert 'if __name__ == "__main__":' in lines[0] and str(path) in lines[0]
 
 
 def test_ctrl_c_reaches_rank_zero_only(tmp_path, tiny_llama_dir):
-    path = script(tmp_path, f"""
+    path = script(
+        tmp_path,
+        f"""
         from infer import SamplingParams
         from infer.llm import LLM
 
@@ -60,7 +71,8 @@ def test_ctrl_c_reaches_rank_zero_only(tmp_path, tiny_llama_dir):
                     print("interrupted; unfinished:", llm.has_unfinished(), flush=True)
                     raise SystemExit(130)
             print("finished without an interrupt", flush=True)
-    """)
+    """,
+    )
     proc = start(path)
     assert proc.stdout.readline().strip() == "built"
     import time
@@ -75,11 +87,38 @@ def test_ctrl_c_reaches_rank_zero_only(tmp_path, tiny_llama_dir):
 
 def test_ctrl_c_during_infer_run_with_ranks_is_one_line(tmp_path, tiny_llama_dir):
     env = {**os.environ, "PYTHONPATH": str(REPO)}
-    cmd = [sys.executable, "-m", "infer.cli", "run", "--model", str(tiny_llama_dir), "--device", "cpu", "--attention", "torch",
-           "--tp", "2", "--dataset", "random-256x256", "--num-prompts", "1000", "--max-tokens", "250", "--max-model-len", "512",
-           "--no-progress"]
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env, start_new_session=True,
-                            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
+    cmd = [
+        sys.executable,
+        "-m",
+        "infer.cli",
+        "run",
+        "--model",
+        str(tiny_llama_dir),
+        "--device",
+        "cpu",
+        "--attention",
+        "torch",
+        "--tp",
+        "2",
+        "--dataset",
+        "random-256x256",
+        "--num-prompts",
+        "1000",
+        "--max-tokens",
+        "250",
+        "--max-model-len",
+        "512",
+        "--no-progress",
+    ]
+    proc = subprocess.Popen(
+        cmd,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        env=env,
+        start_new_session=True,
+        preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL),
+    )
     import time
 
     seen = []

@@ -38,13 +38,17 @@ def _rank(rank: int, world_size: int, init_file: str) -> None:
         gen = torch.Generator(device=device).manual_seed(rank)
         for dtype in (torch.float32, torch.bfloat16):
             for rows in (1, 3, 64, 128):
-                x = torch.randn(rows, 4096 // (2 if dtype == torch.float32 else 1), device=device, dtype=dtype, generator=gen)
+                x = torch.randn(
+                    rows, 4096 // (2 if dtype == torch.float32 else 1), device=device, dtype=dtype, generator=gen
+                )
                 expected = x.clone()
                 dist.all_reduce(expected)
                 assert fast.fits(x), (rows, dtype)
                 out = fast(x)
                 assert out is x
-                torch.testing.assert_close(x, expected, atol=0 if dtype == torch.float32 else 1e-2, rtol=0 if dtype == torch.float32 else 1e-2)
+                torch.testing.assert_close(
+                    x, expected, atol=0 if dtype == torch.float32 else 1e-2, rtol=0 if dtype == torch.float32 else 1e-2
+                )
         big = torch.randn(1024, 4096, device=device, dtype=torch.bfloat16)
         assert not fast.fits(big)  # 8 MiB: NCCL's
         half = torch.tensor([1.0], device=device, dtype=torch.float16).expand(8).contiguous()
@@ -95,12 +99,19 @@ def _flashinfer_rank(rank: int, world_size: int, init_file: str) -> None:
         parallel = ParallelState(rank, world_size, device, dist.group.WORLD, control)
         fast = FlashInferAllReduce(parallel, hidden, torch.bfloat16, max_tokens=256)
         norm = RMSNorm(hidden, eps=1e-5).to(device, torch.bfloat16)
-        norm.weight.data.uniform_(0.5, 1.5, generator=torch.Generator(device=device).manual_seed(7))  # same on all ranks
+        norm.weight.data.uniform_(
+            0.5, 1.5, generator=torch.Generator(device=device).manual_seed(7)
+        )  # same on all ranks
         gen = torch.Generator(device=device).manual_seed(100 + rank)
         for rows in (1, 5, 64, 256):
             x = torch.randn(rows, hidden, device=device, dtype=torch.bfloat16, generator=gen)
-            residual = torch.randn(rows, hidden, device=device, dtype=torch.bfloat16,
-                                   generator=torch.Generator(device=device).manual_seed(rows))  # same on all ranks
+            residual = torch.randn(
+                rows,
+                hidden,
+                device=device,
+                dtype=torch.bfloat16,
+                generator=torch.Generator(device=device).manual_seed(rows),
+            )  # same on all ranks
             total = x.clone()
             dist.all_reduce(total)
             assert fast.fits(x)
@@ -159,8 +170,12 @@ def _exchange_rank(rank: int, world_size: int, init_file: str) -> None:
         exchange = LamportExchange.create(parallel, hidden, torch.bfloat16)
         gen = torch.Generator(device=device).manual_seed(rank)
         w = torch.randn(hidden, width, device=device, dtype=torch.bfloat16, generator=gen) / width**0.5
-        norm_w = torch.rand(hidden, device=device, dtype=torch.bfloat16,
-                            generator=torch.Generator(device=device).manual_seed(7)) + 0.5  # same on all ranks
+        norm_w = (
+            torch.rand(
+                hidden, device=device, dtype=torch.bfloat16, generator=torch.Generator(device=device).manual_seed(7)
+            )
+            + 0.5
+        )  # same on all ranks
 
         def expected(part, residual):
             total = part.float()

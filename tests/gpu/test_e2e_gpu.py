@@ -69,7 +69,9 @@ def test_bf16_backends_agree_with_torch(backend):
     toks, lps = generate(attention=backend, dtype="bfloat16", cuda_graphs=True)
     first = [x[0] for x in toks]
     assert first == [x[0] for x in ref_toks]  # prefill logits agree on the argmax
-    torch.testing.assert_close(torch.tensor([x[0] for x in lps]), torch.tensor([x[0] for x in ref_lps]), atol=5e-2, rtol=0)
+    torch.testing.assert_close(
+        torch.tensor([x[0] for x in lps]), torch.tensor([x[0] for x in ref_lps]), atol=5e-2, rtol=0
+    )
     agree = sum(a == b for x, y in zip(toks, ref_toks) for a, b in zip(x, y)) / sum(map(len, ref_toks))
     assert agree > 0.8, agree
 
@@ -80,14 +82,23 @@ SHARED_PROMPTS = [SHARED + [rng.randrange(10, 49000) for _ in range(n)] for n in
 
 @pytest.mark.parametrize(
     "opts",
-    [dict(enable_prefix_caching=False), dict(max_num_batched_tokens=64), dict(num_kv_blocks=40, max_model_len=640, preemption_mode="swap"),
-     dict(num_kv_blocks=40, max_model_len=640, preemption_mode="recompute")],
+    [
+        dict(enable_prefix_caching=False),
+        dict(max_num_batched_tokens=64),
+        dict(num_kv_blocks=40, max_model_len=640, preemption_mode="swap"),
+        dict(num_kv_blocks=40, max_model_len=640, preemption_mode="recompute"),
+    ],
     ids=["no-prefix-cache", "chunked-64", "swap", "recompute"],
 )
 def test_kv_management_does_not_change_greedy_tokens_on_gpu(opts):
     def run(**extra):
-        llm = LLM(model="smollm2-135m", load_format="dummy", attention="paged-cuda",
-                  dtype="float32", **{"max_model_len": 2048, **extra})
+        llm = LLM(
+            model="smollm2-135m",
+            load_format="dummy",
+            attention="paged-cuda",
+            dtype="float32",
+            **{"max_model_len": 2048, **extra},
+        )
         outs = llm.generate(SHARED_PROMPTS, SamplingParams(max_tokens=24, temperature=0, ignore_eos=True))
         stats = llm.engine.stats()
         llm.close()
@@ -105,8 +116,15 @@ def test_pipelined_decode_makes_the_same_tokens(max_num_seqs):
     different steps. The eager path is covered on the CPU (tests/core/test_pipeline_decode.py)."""
 
     def run(pipeline, params):
-        llm = LLM(model="smollm2-135m", load_format="dummy", max_model_len=2048, attention="paged-cuda",
-                  dtype="float32", max_num_seqs=max_num_seqs, pipeline_decode=pipeline)
+        llm = LLM(
+            model="smollm2-135m",
+            load_format="dummy",
+            max_model_len=2048,
+            attention="paged-cuda",
+            dtype="float32",
+            max_num_seqs=max_num_seqs,
+            pipeline_decode=pipeline,
+        )
         outs = llm.generate(SHARED_PROMPTS, params)
         runner = llm.engine.decoder.runner
         hits = runner.pipeline_hits
@@ -115,8 +133,10 @@ def test_pipelined_decode_makes_the_same_tokens(max_num_seqs):
 
     plain = SamplingParams(max_tokens=32, temperature=0, ignore_eos=True)
     base, _ = run(False, plain)
-    stops = [SamplingParams(max_tokens=32, temperature=0, stop_token_ids=first_new_token(t, 4 + i % 7))
-             for i, t in enumerate(base)]
+    stops = [
+        SamplingParams(max_tokens=32, temperature=0, stop_token_ids=first_new_token(t, 4 + i % 7))
+        for i, t in enumerate(base)
+    ]
     for params in (plain, stops):
         expected, _ = run(False, params)
         got, hits = run(True, params)
@@ -130,7 +150,9 @@ def first_new_token(tokens, start):
     return next(([t] for j, t in enumerate(tokens) if j >= start and t not in tokens[:j]), [])
 
 
-@pytest.mark.parametrize("kv", [{}, dict(num_kv_blocks=7, block_size=8, max_model_len=52, max_num_seqs=4)], ids=["roomy", "preempted"])
+@pytest.mark.parametrize(
+    "kv", [{}, dict(num_kv_blocks=7, block_size=8, max_model_len=52, max_num_seqs=4)], ids=["roomy", "preempted"]
+)
 def test_speculative_draft_model_is_lossless_on_gpu(tmp_path_factory, kv):
     """A draft model's proposal steps replay its own CUDA graphs; the verified output must still be
     autoregressive's, token for token (paged-cuda, fp32, tiny real-weight Llamas; paged-cuda's

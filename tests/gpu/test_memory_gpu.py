@@ -25,10 +25,12 @@ def test_three_engines_in_turn_give_their_memory_back(keep):
     torch.cuda.empty_cache()
     start = _used_gib()
     kept, blocks = [], []
-    mix = [SamplingParams(max_tokens=24, temperature=0, ignore_eos=True),
-           SamplingParams(max_tokens=24, temperature=0.8, seed=3, ignore_eos=True),
-           SamplingParams(max_tokens=24, n=2, temperature=1.0, ignore_eos=True),
-           SamplingParams(max_tokens=12, use_beam_search=True, best_of=3)]
+    mix = [
+        SamplingParams(max_tokens=24, temperature=0, ignore_eos=True),
+        SamplingParams(max_tokens=24, temperature=0.8, seed=3, ignore_eos=True),
+        SamplingParams(max_tokens=24, n=2, temperature=1.0, ignore_eos=True),
+        SamplingParams(max_tokens=12, use_beam_search=True, best_of=3),
+    ]
     for i in range(3):
         llm = LLM(model="llama2-7b", load_format="dummy")
         built = _used_gib()
@@ -43,7 +45,9 @@ def test_three_engines_in_turn_give_their_memory_back(keep):
         gc.collect()
         torch.cuda.empty_cache()
         after = _used_gib()
-        print(f"engine {i}: {blocks[-1]} KV blocks, {built:.2f} GiB used when built, {after:.2f} GiB after close "
-              f"(start {start:.2f}, +{after - start:.2f})")
+        print(
+            f"engine {i}: {blocks[-1]} KV blocks, {built:.2f} GiB used when built, {after:.2f} GiB after close "
+            f"(start {start:.2f}, +{after - start:.2f})"
+        )
         assert after - start < 1.0
     assert min(blocks) >= 0.98 * blocks[0]

@@ -50,8 +50,15 @@ def xformers_cls():
 def _case(batch_spec: BatchSpec, heads: tuple[int, int, int], dtype: torch.dtype, seed: int = 0, **kw) -> AttentionCase:
     num_heads, num_kv_heads, head_dim = heads
     return make_case(
-        batch_spec, num_heads=num_heads, num_kv_heads=num_kv_heads, head_dim=head_dim,
-        block_size=BLOCK_SIZE, dtype=dtype, device="cuda", seed=seed, **kw,
+        batch_spec,
+        num_heads=num_heads,
+        num_kv_heads=num_kv_heads,
+        head_dim=head_dim,
+        block_size=BLOCK_SIZE,
+        dtype=dtype,
+        device="cuda",
+        seed=seed,
+        **kw,
     )
 
 

@@ -66,8 +66,11 @@ def test_kernels_with_pdl_match_plain_launches(switch_pdl):
     seq_lens = torch.tensor([301], device=dev, dtype=torch.int32)
     slots = (tables[0, 300 // block].long() * block + 300 % block).view(1)
     splits = 8  # a batch-1 step splits its context: the reduce kernel runs too
-    scratch = (torch.empty(1, heads, splits, dim, device=dev), torch.empty(1, heads, splits, device=dev),
-               torch.empty(1, heads, splits, device=dev))
+    scratch = (
+        torch.empty(1, heads, splits, dim, device=dev),
+        torch.empty(1, heads, splits, device=dev),
+        torch.empty(1, heads, splits, device=dev),
+    )
     x = torch.randn(1, hidden, device=dev, dtype=dt)
 
     def run(on: bool, graph: bool) -> torch.Tensor:
@@ -102,7 +105,8 @@ def test_greedy_tokens_with_pdl_match(switch_pdl):
     tokens = {}
     for on in (False, True):
         switch_pdl(on)
-        with LLM(model="smollm2-135m", load_format="dummy", max_model_len=2048, attention="paged-cuda",
-                 dtype="bfloat16") as llm:
+        with LLM(
+            model="smollm2-135m", load_format="dummy", max_model_len=2048, attention="paged-cuda", dtype="bfloat16"
+        ) as llm:
             tokens[on] = [o.outputs[0].token_ids for o in llm.generate(prompts, params)]
     assert tokens[True] == tokens[False]

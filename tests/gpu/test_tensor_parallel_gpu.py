@@ -22,9 +22,21 @@ pytestmark = [pytest.mark.gpu, pytest.mark.skipif(torch.cuda.device_count() < 2,
 rng = random.Random(0)
 PROMPTS = [[rng.randrange(10, 1000) for _ in range(n)] for n in (1, 7, 16, 33, 200, 64)]
 PARAMS = SamplingParams(max_tokens=16, temperature=0, ignore_eos=True, logprobs=2)  # top 2: the first token's margin
-SHAPE = dict(architectures=["LlamaForCausalLM"], vocab_size=1024, hidden_size=512, intermediate_size=1024,
-             num_hidden_layers=2, num_attention_heads=8, num_key_value_heads=2, max_position_embeddings=1024,
-             rms_norm_eps=1e-5, rope_theta=10000.0, tie_word_embeddings=False, bos_token_id=1, eos_token_id=2)
+SHAPE = dict(
+    architectures=["LlamaForCausalLM"],
+    vocab_size=1024,
+    hidden_size=512,
+    intermediate_size=1024,
+    num_hidden_layers=2,
+    num_attention_heads=8,
+    num_key_value_heads=2,
+    max_position_embeddings=1024,
+    rms_norm_eps=1e-5,
+    rope_theta=10000.0,
+    tie_word_embeddings=False,
+    bos_token_id=1,
+    eos_token_id=2,
+)
 
 
 @pytest.fixture(scope="module")
@@ -94,8 +106,10 @@ def assert_same_until_a_near_tie(got, ref, tol=5e-2):
     for i, (tokens, lps, ref_tokens, ref_lps, ref_margins) in enumerate(zip(*got[:2], *ref)):
         n = next((j for j, (a, b) in enumerate(zip(tokens, ref_tokens)) if a != b), len(ref_tokens))
         if n < len(ref_tokens):
-            assert ref_margins[n] < tol, (f"prompt {i}: token {n} is {tokens[n]}, tp 1's {ref_tokens[n]} led the "
-                                          f"runner-up by {ref_margins[n]:.3f}")
+            assert ref_margins[n] < tol, (
+                f"prompt {i}: token {n} is {tokens[n]}, tp 1's {ref_tokens[n]} led the "
+                f"runner-up by {ref_margins[n]:.3f}"
+            )
         stop = min(n + 1, len(ref_tokens))
         torch.testing.assert_close(torch.tensor(lps[:stop]), torch.tensor(ref_lps[:stop]), atol=tol, rtol=0)
 
@@ -129,8 +143,15 @@ def test_tp2_with_nccl_all_reduce_matches_tp1(shape_dir):
         torch.testing.assert_close(torch.tensor(a), torch.tensor(b), atol=1e-3, rtol=0)
 
 
-@pytest.mark.parametrize("attention,prefill,all_reduce", [("paged-cuda", None, "auto"), ("flashinfer", None, "auto"),
-                                                          ("paged-cuda", "xformers", "auto"), ("paged-cuda", None, "flashinfer")])
+@pytest.mark.parametrize(
+    "attention,prefill,all_reduce",
+    [
+        ("paged-cuda", None, "auto"),
+        ("flashinfer", None, "auto"),
+        ("paged-cuda", "xformers", "auto"),
+        ("paged-cuda", None, "flashinfer"),
+    ],
+)
 def test_tp2_matches_tp1_bf16_with_graphs(shape_dir, attention, prefill, all_reduce):
     for name in filter(None, (attention, prefill, "flashinfer" if all_reduce == "flashinfer" else None)):
         if not _available(name):
@@ -200,8 +221,9 @@ def test_tp2_speculative_with_pushed_sums_is_lossless(shape_dir, tmp_path):
     options = dict(attention="paged-cuda", dtype="bfloat16", cuda_graphs=True, all_reduce="flashinfer")
     prompts = [PROMPTS[1], PROMPTS[3]]
     plain = generate(shape_dir, 2, prompts, **options)
-    spec = generate(shape_dir, 2, prompts, decoding="speculative", draft=str(draft), num_speculative_tokens=3,
-                    **options)
+    spec = generate(
+        shape_dir, 2, prompts, decoding="speculative", draft=str(draft), num_speculative_tokens=3, **options
+    )
     assert PUSHES["last"] > 0
     assert_same_until_a_near_tie(spec, plain)
 

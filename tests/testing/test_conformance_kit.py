@@ -98,9 +98,18 @@ def test_example_plugin_passes_the_kit(example_plugin_env, tmp_path):
 
 @pytest.mark.slow
 def test_builtin_strategies_pass_the_kit(tmp_path):
-    ran = run_kit("--infer-kit", "attention=torch", "--infer-kit", "kv_allocator=paged,contiguous",
-                  "--infer-kit", "decoder=speculative,early-exit", "--infer-kit", "sampler=vectorized,naive", "-rs",
-                  cwd=tmp_path)
+    ran = run_kit(
+        "--infer-kit",
+        "attention=torch",
+        "--infer-kit",
+        "kv_allocator=paged,contiguous",
+        "--infer-kit",
+        "decoder=speculative,early-exit",
+        "--infer-kit",
+        "sampler=vectorized,naive",
+        "-rs",
+        cwd=tmp_path,
+    )
     assert ran.returncode == 0, ran.stdout + ran.stderr
     assert "failed" not in ran.stdout
     assert "decoder early-exit declares lossy=True" in ran.stdout  # exempt, and says why
@@ -119,12 +128,20 @@ def broken_plugin_env(tmp_path) -> dict[str, str]:
 
 @pytest.mark.slow
 def test_broken_plugins_fail_the_kit_pointing_at_the_fault(broken_plugin_env, tmp_path):
-    ran = run_kit("--infer-kit", "attention=misread-table", "--infer-kit", "sampler=ignores-temperature",
-                  cwd=tmp_path, env=broken_plugin_env)
+    ran = run_kit(
+        "--infer-kit",
+        "attention=misread-table",
+        "--infer-kit",
+        "sampler=ignores-temperature",
+        cwd=tmp_path,
+        env=broken_plugin_env,
+    )
     out = ran.stdout
     assert ran.returncode == 1, out + ran.stderr
-    assert ("attention backend misread-table: batch spec 'decode-mixed' (block tables randomly permuted; mha: 4 query "
-            "heads, 4 KV heads; block size 16; float32): output of sequence 2") in out
+    assert (
+        "attention backend misread-table: batch spec 'decode-mixed' (block tables randomly permuted; mha: 4 query "
+        "heads, 4 KV heads; block size 16; float32): output of sequence 2"
+    ) in out
     assert "is the block table read through block_tables[seq, pos // block_size]" in out
     assert "test_matches_the_reference[misread-table-decode-1-mha-bs16] PASSED" not in out  # -q: failures only
     assert "sampler ignores-temperature: SamplingParams(temperature=0.7)" in out
@@ -147,10 +164,14 @@ def test_attention_message_names_the_sequence_and_the_block_table():
     spec = next(s for s in BATCH_SPECS if s.name == "decode-mixed")
     case = make_case(spec, num_heads=4, num_kv_heads=2, block_size=16, seed=7)
     with pytest.raises(AssertionError) as info:
-        check_attention("misread", MisreadTable, case, "batch spec 'decode-mixed' (block tables randomly permuted)", 2e-3)
+        check_attention(
+            "misread", MisreadTable, case, "batch spec 'decode-mixed' (block tables randomly permuted)", 2e-3
+        )
     message = str(info.value)
-    assert message.startswith("attention backend misread: batch spec 'decode-mixed' (block tables randomly permuted): "
-                              "output of sequence 2 (query length 1, 17 tokens in context) differs from the reference")
+    assert message.startswith(
+        "attention backend misread: batch spec 'decode-mixed' (block tables randomly permuted): "
+        "output of sequence 2 (query length 1, 17 tokens in context) differs from the reference"
+    )
     assert "(sequences 2, 3 of 4 differ)" in message and "block_tables[seq, pos // block_size]" in message
 
 
@@ -179,8 +200,11 @@ class NoisyTemperature:
 def test_sampler_kit_tests_only_declared_params_and_catches_batch_dependent_seeds():
     assert distribution_cases(NoisyTemperature) == ["temperature"]
     check_distribution("noisy", NoisyTemperature, "temperature", "seed")  # the distribution itself is right
-    with pytest.raises(AssertionError, match=r"sampler noisy: request r\d \(seed \d+, position \d+\) drew token \d+ in a "
-                                             r"batch of 8 but token \d+ when sampled alone; seeded sampling must depend"):
+    with pytest.raises(
+        AssertionError,
+        match=r"sampler noisy: request r\d \(seed \d+, position \d+\) drew token \d+ in a "
+        r"batch of 8 but token \d+ when sampled alone; seeded sampling must depend",
+    ):
         check_seeds("noisy", NoisyTemperature)
 
 
@@ -212,8 +236,10 @@ class GreedyRefusal(PagedAllocator):
         return got
 
 
-@pytest.mark.parametrize("factory,fault", [(LeakyAllocator, "every freed block must be free again"),
-                                           (GreedyRefusal, "a refusal must change nothing")])
+@pytest.mark.parametrize(
+    "factory,fault",
+    [(LeakyAllocator, "every freed block must be free again"), (GreedyRefusal, "a refusal must change nothing")],
+)
 def test_allocator_kit_names_the_broken_invariant(factory, fault):
     with pytest.raises(AssertionError, match=fault):
         check_allocator("broken", factory)
@@ -241,16 +267,28 @@ class SilentEarlyExitPlugin:
 
 
 def test_decoder_kit_catches_an_undeclared_lossy_decoder(tiny_llama_dir):
-    with pytest.raises(AssertionError, match=r"decoder silent-early-exit: greedy decoding of a tiny random Llama \(3 layers; "
-                                             r"roomy KV cache\): prompt \d \(of 6, \d+ tokens\) differs from autoregressive "
-                                             r"at output token \d+"):
-        check_lossless("silent-early-exit", False, tiny_llama_dir, tiny_llama_dir, torch.device("cpu"), "roomy KV cache",
-                       plugins=[SilentEarlyExitPlugin])
+    with pytest.raises(
+        AssertionError,
+        match=r"decoder silent-early-exit: greedy decoding of a tiny random Llama \(3 layers; "
+        r"roomy KV cache\): prompt \d \(of 6, \d+ tokens\) differs from autoregressive "
+        r"at output token \d+",
+    ):
+        check_lossless(
+            "silent-early-exit",
+            False,
+            tiny_llama_dir,
+            tiny_llama_dir,
+            torch.device("cpu"),
+            "roomy KV cache",
+            plugins=[SilentEarlyExitPlugin],
+        )
 
 
 def test_kit_option_parsing():
     assert kit.parse(["attention=a", "decoding=b,c", "kv-allocator=d"]) == {
-        "attention": ["a"], "decoder": ["b", "c"], "kv_allocator": ["d"]}
+        "attention": ["a"],
+        "decoder": ["b", "c"],
+        "kv_allocator": ["d"],
+    }
     with pytest.raises(pytest.UsageError, match="SLOT one of attention, sampler, kv_allocator, decoder"):
         kit.parse(["scheduler=fcfs"])
-

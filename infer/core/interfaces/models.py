@@ -21,7 +21,9 @@ class Layers:
     """The layer implementations a model builds itself from, resolved once per engine."""
 
     rms_norm: Any  # (hidden_size, eps) -> module; forward(x, residual=None)
-    rotary_embedding: Any  # (rope: infer.core.rope.Rope, max_position) -> module with cos, sin; forward(positions, q, k)
+    rotary_embedding: (
+        Any  # (rope: infer.core.rope.Rope, max_position) -> module with cos, sin; forward(positions, q, k)
+    )
     silu_and_mul: Any  # () -> module; forward(x [T, 2I]) -> [T, I]
     linear: Any  # (in_features, out_features, bias=False) -> module
 

@@ -93,7 +93,9 @@ class PagedCudaAttention:
         # Split-K scratch for every batch size that splits, allocated once (a captured CUDA graph
         # needs fixed addresses) and viewed as [S, H, P, D] per step: S x P stays near split_programs.
         self.split_rows = min(spec.max_num_seqs, _cdiv(split_below_programs, spec.num_kv_heads))
-        cells = max((b * self.num_splits(b) for b in range(1, self.split_rows + 1) if self.num_splits(b) > 1), default=0)
+        cells = max(
+            (b * self.num_splits(b) for b in range(1, self.split_rows + 1) if self.num_splits(b) > 1), default=0
+        )
         self.scratch: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
         if cells:
             f32 = dict(dtype=torch.float32, device=spec.device)
@@ -137,7 +139,11 @@ class PagedCudaAttention:
         h, d = self.spec.num_heads, self.spec.head_dim
         out, mx, sm = self.scratch
         n = num_decode * h * splits
-        return out[: n * d].view(num_decode, h, splits, d), mx[:n].view(num_decode, h, splits), sm[:n].view(num_decode, h, splits)
+        return (
+            out[: n * d].view(num_decode, h, splits, d),
+            mx[:n].view(num_decode, h, splits),
+            sm[:n].view(num_decode, h, splits),
+        )
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: KVCache) -> torch.Tensor:
         assert self._plan is not None, "plan() first"
@@ -150,15 +156,24 @@ class PagedCudaAttention:
         """Whether `forward_with_rotary` takes this model's heads (head_dim / 2 a power of two)."""
         return self._cache_write.fits(self.spec.head_dim)
 
-    def forward_with_rotary(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                            kv_cache: KVCache, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    def forward_with_rotary(
+        self,
+        positions: torch.Tensor,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        kv_cache: KVCache,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+    ) -> torch.Tensor:
         """`forward` of q and k rotated by the Neox-style rotary embedding at `positions` (cos, sin:
         [max_position, D/2] float32 tables), the rotation done in the cache write's kernel: one
         kernel fewer per layer, the same bits as rotating first."""
         assert self._plan is not None, "plan() first"
         k_cache, v_cache = kv_cache
-        q = self._cache_write.rotary_cache_write(positions, q, k, v, cos, sin, k_cache, v_cache,
-                                                 self._plan.batch.slot_mapping)
+        q = self._cache_write.rotary_cache_write(
+            positions, q, k, v, cos, sin, k_cache, v_cache, self._plan.batch.slot_mapping
+        )
         return self._attend(q, kv_cache)
 
     def _attend(self, q: torch.Tensor, kv_cache: KVCache) -> torch.Tensor:
@@ -167,15 +182,31 @@ class PagedCudaAttention:
         k_cache, v_cache = kv_cache
         out = torch.empty_like(q)  # [T, H, D]
         self._decode.paged_decode(
-            out, q, k_cache, v_cache, batch.block_tables_t, batch.seq_lens_t, self.spec.scale,
+            out,
+            q,
+            k_cache,
+            v_cache,
+            batch.block_tables_t,
+            batch.seq_lens_t,
+            self.spec.scale,
             num_seqs=plan.num_decode,
             scratch=self._scratch(plan.num_decode, plan.splits) if plan.split else None,
             block_n=self.decode_block_n,
         )
         self._prefill.paged_prefill(
-            out, q, k_cache, v_cache, batch.block_tables_t, batch.seq_lens_t, batch.cu_seqlens_q,
-            plan.q_block_seq, plan.q_block_start, self.spec.scale,
-            block_m=self.prefill_block_m, block_q=self.prefill_block_q, block_n=self.prefill_block_n,
+            out,
+            q,
+            k_cache,
+            v_cache,
+            batch.block_tables_t,
+            batch.seq_lens_t,
+            batch.cu_seqlens_q,
+            plan.q_block_seq,
+            plan.q_block_start,
+            self.spec.scale,
+            block_m=self.prefill_block_m,
+            block_q=self.prefill_block_q,
+            block_n=self.prefill_block_n,
         )
         return out
 

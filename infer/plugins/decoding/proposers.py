@@ -140,8 +140,9 @@ class ModelProposer:
                     for i in active
                 ]
                 logits = self.runner.forward(seqs)
-            self._choose(logits, [rows[i].request for i in active], [tokens[i] for i in active],
-                         [probs[i] for i in active])
+            self._choose(
+                logits, [rows[i].request for i in active], [tokens[i] for i in active], [probs[i] for i in active]
+            )
             if not self.shares_target_kv:
                 for i in active:  # K/V written up to the newest input token
                     r = rows[i].request
@@ -149,11 +150,14 @@ class ModelProposer:
             active = [i for i in active if len(tokens[i]) < rows[i].max_draft]
             if not active:
                 break
-        out_probs = [torch.stack(p) if p and not rows[i].request.params.is_greedy else None for i, p in enumerate(probs)]
+        out_probs = [
+            torch.stack(p) if p and not rows[i].request.params.is_greedy else None for i, p in enumerate(probs)
+        ]
         return Proposal(tokens, out_probs)
 
-    def _choose(self, logits: torch.Tensor, requests: list[Request], tokens: list[list[int]],
-                probs: list[list[torch.Tensor]]) -> None:
+    def _choose(
+        self, logits: torch.Tensor, requests: list[Request], tokens: list[list[int]], probs: list[list[torch.Tensor]]
+    ) -> None:
         # logits: [A, V], row a proposes token len(tokens[a]) of requests[a]; appends to tokens, probs
         views = [view(r, t) for r, t in zip(requests, tokens)]
         positions = [len(r.output_token_ids) + len(t) for r, t in zip(requests, tokens)]
@@ -162,7 +166,9 @@ class ModelProposer:
         sampled = [a for a, r in enumerate(requests) if not r.params.is_greedy]
         if sampled:
             index = torch.tensor(sampled, device=q.device)
-            seeds = rejection.seed_tensor([rejection.salted(requests[a].seed, rejection.DRAFT_SALT) for a in sampled], q.device)
+            seeds = rejection.seed_tensor(
+                [rejection.salted(requests[a].seed, rejection.DRAFT_SALT) for a in sampled], q.device
+            )
             pos = torch.tensor([positions[a] for a in sampled], dtype=torch.int64, device=q.device)
             chosen[index] = rejection.draw(q[index], seeds, pos)
         for a, t in enumerate(chosen.tolist()):

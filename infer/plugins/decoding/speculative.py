@@ -41,11 +41,20 @@ def make_proposer(ctx: DecoderContext) -> tuple[Proposer, str]:
     if config.draft == "self":
         if config.exit_layer is None:
             raise ConfigError("--draft self needs --exit-layer L: the draft is the target's first L layers")
-        runner = ModelRunner(target.model, target.attention, target.kv_caches, target.sampler, target.block_size,
-                             target.device, num_layers=config.exit_layer)
+        runner = ModelRunner(
+            target.model,
+            target.attention,
+            target.kv_caches,
+            target.sampler,
+            target.block_size,
+            target.device,
+            num_layers=config.exit_layer,
+        )
         return ModelProposer(runner, shares_target_kv=True), f"self (first {config.exit_layer} layers)"
     if ctx.build_model is None:
-        raise ConfigError(f"--draft {config.draft} needs a model builder, which this engine does not provide: use --draft ngram")
+        raise ConfigError(
+            f"--draft {config.draft} needs a model builder, which this engine does not provide: use --draft ngram"
+        )
     return ModelProposer(ctx.build_model(config.draft)), str(config.draft)
 
 
@@ -74,7 +83,9 @@ class SpeculativeDecoder:
         if not s.samples or r.params.use_beam_search:  # the scheduler ranks beams' candidates one token at a time
             return 0
         n = r.num_tokens
-        k = min(self.k, r.params.max_tokens - len(r.output_token_ids) - 1, len(r.block_ids) * self.target.block_size - n)
+        k = min(
+            self.k, r.params.max_tokens - len(r.output_token_ids) - 1, len(r.block_ids) * self.target.block_size - n
+        )
         if r.max_model_len:
             k = min(k, r.max_model_len - n - 1)
         return max(0, k)
@@ -95,8 +106,12 @@ class SpeculativeDecoder:
         order = sorted(range(len(seqs)), key=lambda i: len(seqs[i].token_ids) != 1)  # decodes first
         logits = self.target.forward([seqs[i] for i in order])  # [sum(k_i + 1), V]
         verify = [i for i in order if seqs[i].logits_rows]
-        result = self._accept(logits, [seqs[i] for i in verify], [proposal.token_ids[i] for i in verify],
-                              [proposal.probs[i] for i in verify])
+        result = self._accept(
+            logits,
+            [seqs[i] for i in verify],
+            [proposal.token_ids[i] for i in verify],
+            [proposal.probs[i] for i in verify],
+        )
         verified = time.perf_counter()
 
         proposed = [len(x) for x in proposal.token_ids]
@@ -110,8 +125,13 @@ class SpeculativeDecoder:
         }
         return result
 
-    def _accept(self, logits: torch.Tensor, seqs: list[ForwardSeq], drafts: list[list[int]],
-                draft_probs: list[torch.Tensor | None]) -> StepResult:
+    def _accept(
+        self,
+        logits: torch.Tensor,
+        seqs: list[ForwardSeq],
+        drafts: list[list[int]],
+        draft_probs: list[torch.Tensor | None],
+    ) -> StepResult:
         # logits: [sum(k_i + 1), V]; seqs[i] owns rows offsets[i] .. offsets[i] + k_i
         if not seqs:
             return StepResult(sampled={})
@@ -126,8 +146,12 @@ class SpeculativeDecoder:
         p = self.target.sampler.probs(logits, views, positions)  # [T, V]
         K = max(len(x) for x in drafts)
         # index[i, j]: p's row for draft index j of seq i (rows past k_i repeat the last one)
-        index = torch.tensor([[o + min(j, len(x)) for j in range(K + 1)] for o, x in zip(offsets, drafts)], device=device)
-        x = torch.tensor([d + [0] * (K - len(d)) for d in drafts], dtype=torch.int64, device=device).reshape(len(drafts), K)
+        index = torch.tensor(
+            [[o + min(j, len(x)) for j in range(K + 1)] for o, x in zip(offsets, drafts)], device=device
+        )
+        x = torch.tensor([d + [0] * (K - len(d)) for d in drafts], dtype=torch.int64, device=device).reshape(
+            len(drafts), K
+        )
         num_draft = torch.tensor([len(d) for d in drafts], device=device)
         greedy = [i for i, s in enumerate(seqs) if s.request.params.is_greedy]
         sampled = [i for i, s in enumerate(seqs) if not s.request.params.is_greedy]
@@ -164,7 +188,9 @@ class SpeculativeDecoder:
         return result
 
     @staticmethod
-    def _draft_probs(probs: list[torch.Tensor | None], drafts: list[list[int]], K: int, p: torch.Tensor) -> torch.Tensor | None:
+    def _draft_probs(
+        probs: list[torch.Tensor | None], drafts: list[list[int]], K: int, p: torch.Tensor
+    ) -> torch.Tensor | None:
         # -> [S, K, V] q of the sampled rows, zero-padded; None when the proposer is deterministic
         if all(q is None for q, d in zip(probs, drafts) if d):
             return None
@@ -175,8 +201,14 @@ class SpeculativeDecoder:
                 q[i, : rows.shape[0]] = rows
         return q
 
-    def _logprobs(self, logits: torch.Tensor, seqs: list[ForwardSeq], offsets: list[int], views: list,
-                  tokens: dict[str, list[int]]) -> dict[str, list[dict[int, float]]]:
+    def _logprobs(
+        self,
+        logits: torch.Tensor,
+        seqs: list[ForwardSeq],
+        offsets: list[int],
+        views: list,
+        tokens: dict[str, list[int]],
+    ) -> dict[str, list[dict[int, float]]]:
         rows, row_views, row_tokens, owners = [], [], [], []
         for seq, o in zip(seqs, offsets):
             r = seq.request

@@ -68,8 +68,11 @@ class FusedSiluAndMul(nn.Module):
     def fuses_with(projection: nn.Module) -> bool:
         """Whether `projection` (the MLP's down projection: a linear layer, or a tensor-parallel shard
         whose output is summed elsewhere) is `FusedLinear`'s plain matmul, which `down` may replace."""
-        return (getattr(projection, "matmul", None) is FusedLinear.matmul and getattr(projection, "bias", None) is None
-                and not getattr(projection, "reduce", False))
+        return (
+            getattr(projection, "matmul", None) is FusedLinear.matmul
+            and getattr(projection, "bias", None) is None
+            and not getattr(projection, "reduce", False)
+        )
 
     def down(self, h: torch.Tensor, weight: torch.Tensor, push: Any = None) -> torch.Tensor:
         """matmul(self(h), weight); for one token one GEMV that applies SiLU-and-mul as it reads h."""

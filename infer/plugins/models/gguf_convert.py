@@ -88,9 +88,17 @@ def _hf_name(name: str) -> str:
     if name in _GLOBAL_NAMES:
         return _GLOBAL_NAMES[name]
     parts = name.split(".")
-    if len(parts) == 4 and parts[0] == "blk" and parts[1].isdigit() and parts[2] in _LAYER_NAMES and parts[3] == "weight":
+    if (
+        len(parts) == 4
+        and parts[0] == "blk"
+        and parts[1].isdigit()
+        and parts[2] in _LAYER_NAMES
+        and parts[3] == "weight"
+    ):
         return f"model.layers.{parts[1]}.{_LAYER_NAMES[parts[2]]}.weight"
-    raise ModelLoadError(f"GGUF tensor {name!r} has no Llama equivalent: this converter supports plain Llama GGUFs only")
+    raise ModelLoadError(
+        f"GGUF tensor {name!r} has no Llama equivalent: this converter supports plain Llama GGUFs only"
+    )
 
 
 def _config(reader: gguf.GGUFReader, tensors: dict[str, gguf.ReaderTensor], dtype: torch.dtype) -> dict[str, Any]:

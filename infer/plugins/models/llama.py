@@ -23,32 +23,85 @@ from infer.core.rope import Rope
 from infer.plugins.models import parallel_layers as tp
 from infer.plugins.models.loader import check_shape
 
-_LLAMA2 = dict(architectures=["LlamaForCausalLM"], vocab_size=32000, max_position_embeddings=4096,
-               rms_norm_eps=1e-5, rope_theta=10000.0, bos_token_id=1, eos_token_id=2, torch_dtype="float16")
-_LLAMA3 = dict(architectures=["LlamaForCausalLM"], vocab_size=128256, max_position_embeddings=8192,
-               rms_norm_eps=1e-5, rope_theta=500000.0, bos_token_id=128000, eos_token_id=[128001, 128009],
-               torch_dtype="bfloat16")
+_LLAMA2 = dict(
+    architectures=["LlamaForCausalLM"],
+    vocab_size=32000,
+    max_position_embeddings=4096,
+    rms_norm_eps=1e-5,
+    rope_theta=10000.0,
+    bos_token_id=1,
+    eos_token_id=2,
+    torch_dtype="float16",
+)
+_LLAMA3 = dict(
+    architectures=["LlamaForCausalLM"],
+    vocab_size=128256,
+    max_position_embeddings=8192,
+    rms_norm_eps=1e-5,
+    rope_theta=500000.0,
+    bos_token_id=128000,
+    eos_token_id=[128001, 128009],
+    torch_dtype="bfloat16",
+)
 
 PRESETS: dict[str, dict[str, Any]] = {
-    "llama2-7b": {**_LLAMA2, "hidden_size": 4096, "intermediate_size": 11008, "num_hidden_layers": 32,
-                  "num_attention_heads": 32, "num_key_value_heads": 32},
-    "llama2-13b": {**_LLAMA2, "hidden_size": 5120, "intermediate_size": 13824, "num_hidden_layers": 40,
-                   "num_attention_heads": 40, "num_key_value_heads": 40},
-    "llama2-70b": {**_LLAMA2, "hidden_size": 8192, "intermediate_size": 28672, "num_hidden_layers": 80,
-                   "num_attention_heads": 64, "num_key_value_heads": 8},
-    "llama3-8b": {**_LLAMA3, "hidden_size": 4096, "intermediate_size": 14336, "num_hidden_layers": 32,
-                  "num_attention_heads": 32, "num_key_value_heads": 8},
-    "smollm2-135m": {"architectures": ["LlamaForCausalLM"], "vocab_size": 49152, "hidden_size": 576,
-                     "intermediate_size": 1536, "num_hidden_layers": 30, "num_attention_heads": 9,
-                     "num_key_value_heads": 3, "max_position_embeddings": 8192, "rms_norm_eps": 1e-5,
-                     "rope_theta": 100000.0, "tie_word_embeddings": True, "bos_token_id": 1,
-                     "eos_token_id": 2, "torch_dtype": "bfloat16"},
+    "llama2-7b": {
+        **_LLAMA2,
+        "hidden_size": 4096,
+        "intermediate_size": 11008,
+        "num_hidden_layers": 32,
+        "num_attention_heads": 32,
+        "num_key_value_heads": 32,
+    },
+    "llama2-13b": {
+        **_LLAMA2,
+        "hidden_size": 5120,
+        "intermediate_size": 13824,
+        "num_hidden_layers": 40,
+        "num_attention_heads": 40,
+        "num_key_value_heads": 40,
+    },
+    "llama2-70b": {
+        **_LLAMA2,
+        "hidden_size": 8192,
+        "intermediate_size": 28672,
+        "num_hidden_layers": 80,
+        "num_attention_heads": 64,
+        "num_key_value_heads": 8,
+    },
+    "llama3-8b": {
+        **_LLAMA3,
+        "hidden_size": 4096,
+        "intermediate_size": 14336,
+        "num_hidden_layers": 32,
+        "num_attention_heads": 32,
+        "num_key_value_heads": 8,
+    },
+    "smollm2-135m": {
+        "architectures": ["LlamaForCausalLM"],
+        "vocab_size": 49152,
+        "hidden_size": 576,
+        "intermediate_size": 1536,
+        "num_hidden_layers": 30,
+        "num_attention_heads": 9,
+        "num_key_value_heads": 3,
+        "max_position_embeddings": 8192,
+        "rms_norm_eps": 1e-5,
+        "rope_theta": 100000.0,
+        "tie_word_embeddings": True,
+        "bos_token_id": 1,
+        "eos_token_id": 2,
+        "torch_dtype": "bfloat16",
+    },
 }
 
 
 _FUSED = {  # HF name piece -> (our name piece, shard index)
-    "q_proj": ("qkv_proj", 0), "k_proj": ("qkv_proj", 1), "v_proj": ("qkv_proj", 2),
-    "gate_proj": ("gate_up_proj", 0), "up_proj": ("gate_up_proj", 1),
+    "q_proj": ("qkv_proj", 0),
+    "k_proj": ("qkv_proj", 1),
+    "v_proj": ("qkv_proj", 2),
+    "gate_proj": ("gate_up_proj", 0),
+    "up_proj": ("gate_up_proj", 1),
 }
 
 
@@ -59,7 +112,11 @@ def tp_matmul(layers: Layers) -> Any:
 
 class LlamaAttention(nn.Module):
     def __init__(
-        self, config: ModelConfig, layers: Layers, attention: AttentionBackend, parallel: ParallelState | None = None,
+        self,
+        config: ModelConfig,
+        layers: Layers,
+        attention: AttentionBackend,
+        parallel: ParallelState | None = None,
         rope: Rope | None = None,  # default: config.rope(); the model computes it once for all layers
     ) -> None:
         super().__init__()
@@ -123,7 +180,11 @@ class LlamaMLP(nn.Module):
 
 class LlamaDecoderLayer(nn.Module):
     def __init__(
-        self, config: ModelConfig, layers: Layers, attention: AttentionBackend, parallel: ParallelState | None = None,
+        self,
+        config: ModelConfig,
+        layers: Layers,
+        attention: AttentionBackend,
+        parallel: ParallelState | None = None,
         rope: Rope | None = None,
     ) -> None:
         super().__init__()
@@ -177,7 +238,9 @@ class Llama(nn.Module):
         if parallel is None:
             self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
         else:
-            self.embed_tokens = tp.VocabParallelEmbedding(config.vocab_size, config.hidden_size, parallel, tp_matmul(layers))
+            self.embed_tokens = tp.VocabParallelEmbedding(
+                config.vocab_size, config.hidden_size, parallel, tp_matmul(layers)
+            )
         rope = config.rope()
         self.layers = nn.ModuleList(
             LlamaDecoderLayer(config, layers, attention, parallel, rope) for _ in range(config.num_layers)
@@ -188,15 +251,19 @@ class Llama(nn.Module):
             # a one-token step's partial sums may be pushed into the ranks' exchange by the GEMVs that
             # make them (infer.core.lamport), which takes them in pairs: every row-parallel layer
             # pushes, or none does
-            pushes = all(getattr(layer.self_attn.o_proj.matmul, "pushes", False)
-                         and getattr(layer.mlp.down_matmul, "pushes", False) for layer in self.layers)
+            pushes = all(
+                getattr(layer.self_attn.o_proj.matmul, "pushes", False)
+                and getattr(layer.mlp.down_matmul, "pushes", False)
+                for layer in self.layers
+            )
             for layer in self.layers:
                 layer.self_attn.o_proj.push = layer.mlp.down_proj.push = pushes
             self.embed_tokens.push = self.pushes = pushes
         self.lm_head = None
         if not config.tie_word_embeddings:
             self.lm_head = (
-                layers.linear(config.hidden_size, config.vocab_size) if parallel is None
+                layers.linear(config.hidden_size, config.vocab_size)
+                if parallel is None
                 else tp.ParallelLMHead(config.vocab_size, config.hidden_size, parallel, tp_matmul(layers))
             )
 

@@ -45,14 +45,18 @@ def _read_config(folder: Path) -> dict[str, Any]:
     if "model_type" not in raw:  # hand-written Llama shapes often omit it; transformers needs it for the rest
         architectures = raw.get("architectures") or ["LlamaForCausalLM"]
         if architectures != ["LlamaForCausalLM"]:
-            raise ModelLoadError(f"{path} has no model_type, which transformers needs to read it: add the "
-                                 f"model_type of {architectures} (\"llama\" for LlamaForCausalLM)")
+            raise ModelLoadError(
+                f"{path} has no model_type, which transformers needs to read it: add the "
+                f'model_type of {architectures} ("llama" for LlamaForCausalLM)'
+            )
         return transformers_config(raw, str(path)).to_dict()
     try:
         return AutoConfig.from_pretrained(str(folder), local_files_only=True).to_dict()
     except Exception as exc:  # transformers raises ValueError, KeyError, OSError, ... for a config it cannot read
-        raise ModelLoadError(f"transformers cannot read {path} ({type(exc).__name__}: {one_line(exc)}): "
-                             f"fix config.json, or upgrade transformers for a newer model_type") from exc
+        raise ModelLoadError(
+            f"transformers cannot read {path} ({type(exc).__name__}: {one_line(exc)}): "
+            f"fix config.json, or upgrade transformers for a newer model_type"
+        ) from exc
 
 
 def _has_tokenizer(folder: Path | None) -> bool:
@@ -80,11 +84,18 @@ def resolve_source(
     folder = Path(model).expanduser()
     repo = not folder.is_dir() and hub.is_repo_id(model)
     if revision is not None and not repo:
-        raise ModelLoadError(f"--revision {revision} applies to HF repo ids (org/name), not to {model}: drop --revision")
+        raise ModelLoadError(
+            f"--revision {revision} applies to HF repo ids (org/name), not to {model}: drop --revision"
+        )
     if folder.is_dir():
         return _from_folder(folder.name, folder, registry, load_format)
     if repo:
-        return _from_folder(model, hub.snapshot_of(model, revision, download=pull, weights=load_format != "dummy"), registry, load_format)
+        return _from_folder(
+            model,
+            hub.snapshot_of(model, revision, download=pull, weights=load_format != "dummy"),
+            registry,
+            load_format,
+        )
     if "/" in model or model.startswith((".", "~")):
         raise ModelLoadError(
             f"model folder {model} does not exist: check the path, or use an HF repo id (org/name) "
@@ -103,7 +114,9 @@ def _from_name(model: str, registry: PluginRegistry, load_format: str, pull: boo
             return ModelSource(model, dict(preset[1]), None, preset[0], cached if _has_tokenizer(cached) else None)
         if cached is not None:
             return _from_folder(model, cached, registry, load_format)
-        raise ModelLoadError(f"unknown model {model!r}: use a named shape ({', '.join(registry.preset_names())}) or an HF model folder")
+        raise ModelLoadError(
+            f"unknown model {model!r}: use a named shape ({', '.join(registry.preset_names())}) or an HF model folder"
+        )
     if cached is None and pull and model in hub.KNOWN_SOURCES:
         cached = hub.pull(model)
     if cached is not None:
@@ -122,7 +135,9 @@ def _from_name(model: str, registry: PluginRegistry, load_format: str, pull: boo
 def _weight_files(folder: Path) -> list[Path]:
     files = sorted(folder.glob("*.safetensors"))
     if not files:
-        raise ModelLoadError(f"no *.safetensors files in {folder}: the folder needs its weights, or use --load-format dummy")
+        raise ModelLoadError(
+            f"no *.safetensors files in {folder}: the folder needs its weights, or use --load-format dummy"
+        )
     return files
 
 
@@ -137,7 +152,9 @@ def iter_safetensors(folder: Path, lazy: bool = False) -> Iterator[tuple[str, An
                 for name in f.keys():
                     yield name, f.get_slice(name) if lazy else f.get_tensor(name)
         except (SafetensorError, OSError, RuntimeError, ValueError) as exc:
-            raise ModelLoadError(f"corrupt weight file {file} ({one_line(exc)}): re-download or re-convert the model") from exc
+            raise ModelLoadError(
+                f"corrupt weight file {file} ({one_line(exc)}): re-download or re-convert the model"
+            ) from exc
 
 
 def iter_shapes(folder: Path) -> Iterator[tuple[str, tuple[int, ...], Path]]:
@@ -149,7 +166,9 @@ def iter_shapes(folder: Path) -> Iterator[tuple[str, tuple[int, ...], Path]]:
             with safe_open(str(file), framework="pt") as f:
                 shapes = [(name, tuple(f.get_slice(name).get_shape())) for name in f.keys()]
         except (SafetensorError, OSError, RuntimeError, ValueError) as exc:
-            raise ModelLoadError(f"corrupt weight file {file} ({one_line(exc)}): re-download or re-convert the model") from exc
+            raise ModelLoadError(
+                f"corrupt weight file {file} ({one_line(exc)}): re-download or re-convert the model"
+            ) from exc
         yield from ((name, shape, file) for name, shape in shapes)
 
 
@@ -188,7 +207,9 @@ def load_weights(model: nn.Module, folder: Path, sharded: bool = False) -> None:
     missing = sorted(n for n, _ in model.named_parameters() if n not in loaded)
     if missing:
         shown = ", ".join(missing[:4]) + (" ..." if len(missing) > 4 else "")
-        raise ModelLoadError(f"weights in {folder} lack {len(missing)} tensors ({shown}): the checkpoint does not match its config.json")
+        raise ModelLoadError(
+            f"weights in {folder} lack {len(missing)} tensors ({shown}): the checkpoint does not match its config.json"
+        )
 
 
 @torch.no_grad()
@@ -215,4 +236,6 @@ def load_tokenizer(folder: Path | None) -> Any | None:
     try:
         return AutoTokenizer.from_pretrained(str(folder), local_files_only=True)
     except Exception as exc:  # transformers raises many types for a broken tokenizer folder
-        raise ModelLoadError(f"cannot load the tokenizer in {folder} ({type(exc).__name__}: {one_line(exc)}): re-convert the model") from exc
+        raise ModelLoadError(
+            f"cannot load the tokenizer in {folder} ({type(exc).__name__}: {one_line(exc)}): re-convert the model"
+        ) from exc

@@ -95,8 +95,9 @@ class RowParallelLinear(nn.Module):
     a model whose every partial sum is taken so), a matmul that can (`matmul.pushes`) stores a
     one-token partial sum straight into the ranks' exchange (`infer.core.lamport`)."""
 
-    def __init__(self, out_features: int, shard: Shard, parallel: ParallelState, matmul: Matmul = F.linear,
-                 reduce: bool = True) -> None:
+    def __init__(
+        self, out_features: int, shard: Shard, parallel: ParallelState, matmul: Matmul = F.linear, reduce: bool = True
+    ) -> None:
         super().__init__()
         self.shard = shard
         self.parallel = parallel

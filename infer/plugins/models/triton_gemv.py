@@ -33,8 +33,20 @@ from infer.plugins.triton_pdl import kernel_args, wait_and_release
 
 # (BLOCK_N, BLOCK_K, num_warps): few rows and long, coalesced rows of 16-byte loads win at one token;
 # the small tiles serve narrow models (K of a few hundred)
-CANDIDATES = [(1, 512, 1), (1, 512, 2), (1, 1024, 4), (1, 4096, 4), (2, 512, 2), (2, 1024, 4), (2, 2048, 8),
-              (4, 1024, 4), (4, 256, 2), (8, 256, 4), (8, 128, 2), (16, 128, 4)]
+CANDIDATES = [
+    (1, 512, 1),
+    (1, 512, 2),
+    (1, 1024, 4),
+    (1, 4096, 4),
+    (2, 512, 2),
+    (2, 1024, 4),
+    (2, 2048, 8),
+    (4, 1024, 4),
+    (4, 256, 2),
+    (8, 256, 4),
+    (8, 128, 2),
+    (16, 128, 4),
+]
 INTERPRETER_TILE = (4, 32, 1)
 # read once: the kernels below are interpreted or compiled as TRITON_INTERPRET was when they were
 # decorated (at this import), and _tile runs at every launch
@@ -67,8 +79,9 @@ def _tune(x: torch.Tensor, weight: torch.Tensor, gated: bool) -> tuple[int, int,
     times = {}
     for tile in CANDIDATES:
         try:
-            times[tile] = captured_seconds(lambda i: _run(x, weights[i % len(weights)], y, gated, tile),
-                                           calls=max(8, 2 * len(weights)), replays=3)
+            times[tile] = captured_seconds(
+                lambda i: _run(x, weights[i % len(weights)], y, gated, tile), calls=max(8, 2 * len(weights)), replays=3
+            )
         except triton.runtime.errors.OutOfResources:  # a tile this GPU cannot hold
             continue
     return min(times, key=times.get)
@@ -101,8 +114,21 @@ def _tile_product(w, x_ptr, k0, K, BLOCK_K: tl.constexpr, GATED: tl.constexpr):
 
 
 @triton.jit
-def _gemv_kernel(x_ptr, w_ptr, y_ptr, peers_ptr, N, K, stride_w, part_offset, BLOCK_N: tl.constexpr,
-                 BLOCK_K: tl.constexpr, USE_PDL: tl.constexpr, GATED: tl.constexpr, PEERS: tl.constexpr):
+def _gemv_kernel(
+    x_ptr,
+    w_ptr,
+    y_ptr,
+    peers_ptr,
+    N,
+    K,
+    stride_w,
+    part_offset,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    USE_PDL: tl.constexpr,
+    GATED: tl.constexpr,
+    PEERS: tl.constexpr,
+):
     rows = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     row_ok = rows < N
     rows = tl.where(row_ok, rows, 0)  # out-of-range rows re-read row 0 (harmless, never stored)
@@ -136,7 +162,9 @@ def gemv_silu_mul(h: torch.Tensor, weight: torch.Tensor, push: Any = None) -> to
     activation read inside its down projection's GEMV, one kernel instead of two (the same bits as
     `gemv(silu_and_mul(h), weight)`)."""
     assert h.dim() == 2 and h.shape[0] == 1, f"gemv_silu_mul takes one row, got {tuple(h.shape)}"
-    assert h.shape[1] == 2 * weight.shape[1] and weight.stride(1) == 1, "h must be [1, 2K] and weight [N, K] with contiguous rows"
+    assert h.shape[1] == 2 * weight.shape[1] and weight.stride(1) == 1, (
+        "h must be [1, 2K] and weight [N, K] with contiguous rows"
+    )
     return _launch(h, weight, gated=True, push=push)
 
 
@@ -155,11 +183,26 @@ def _launch(x: torch.Tensor, weight: torch.Tensor, gated: bool, push: Any) -> to
     return y
 
 
-def _run(x: torch.Tensor, weight: torch.Tensor, y: torch.Tensor, gated: bool, tile: tuple[int, int, int],
-         push: Any = None) -> None:
+def _run(
+    x: torch.Tensor, weight: torch.Tensor, y: torch.Tensor, gated: bool, tile: tuple[int, int, int], push: Any = None
+) -> None:
     n, k = weight.shape
     block_n, block_k, warps = tile
     peers, offset = (y, 0) if push is None else (push.peers, push.offset)
-    _gemv_kernel[(triton.cdiv(n, block_n),)](x, weight, y, peers, n, k, weight.stride(0), offset, BLOCK_N=block_n,
-                                             BLOCK_K=block_k, GATED=gated, PEERS=0 if push is None else len(push.peers),
-                                             num_warps=warps, num_stages=1, **kernel_args(x.device))
+    _gemv_kernel[(triton.cdiv(n, block_n),)](
+        x,
+        weight,
+        y,
+        peers,
+        n,
+        k,
+        weight.stride(0),
+        offset,
+        BLOCK_N=block_n,
+        BLOCK_K=block_k,
+        GATED=gated,
+        PEERS=0 if push is None else len(push.peers),
+        num_warps=warps,
+        num_stages=1,
+        **kernel_args(x.device),
+    )

@@ -12,20 +12,42 @@ from infer.plugins.triton_pdl import kernel_args, wait_and_release
 
 
 @triton.jit
-def _rms_norm_kernel(x_ptr, res_ptr, w_ptr, out_ptr, res_out_ptr, eps, N: tl.constexpr, BLOCK: tl.constexpr,
-                     HAS_RESIDUAL: tl.constexpr, USE_PDL: tl.constexpr):
+def _rms_norm_kernel(
+    x_ptr,
+    res_ptr,
+    w_ptr,
+    out_ptr,
+    res_out_ptr,
+    eps,
+    N: tl.constexpr,
+    BLOCK: tl.constexpr,
+    HAS_RESIDUAL: tl.constexpr,
+    USE_PDL: tl.constexpr,
+):
     wait_and_release(USE_PDL)
     row = tl.program_id(0)
     cols = tl.arange(0, BLOCK)
     mask = cols < N
     x = tl.load(x_ptr + row * N + cols, mask=mask, other=0.0).to(tl.float32)
-    _add_norm_store(x, res_ptr + row * N, w_ptr, out_ptr + row * N, res_out_ptr + row * N, eps, cols, mask, N,
-                    HAS_RESIDUAL)
+    _add_norm_store(
+        x, res_ptr + row * N, w_ptr, out_ptr + row * N, res_out_ptr + row * N, eps, cols, mask, N, HAS_RESIDUAL
+    )
 
 
 @triton.jit
-def _add_norm_store(x, res_ptr, w_ptr, out_ptr, res_out_ptr, eps, cols, mask, N: tl.constexpr,
-                    HAS_RESIDUAL: tl.constexpr, STORE_X: tl.constexpr = False):
+def _add_norm_store(
+    x,
+    res_ptr,
+    w_ptr,
+    out_ptr,
+    res_out_ptr,
+    eps,
+    cols,
+    mask,
+    N: tl.constexpr,
+    HAS_RESIDUAL: tl.constexpr,
+    STORE_X: tl.constexpr = False,
+):
     """One row's RMSNorm(x + residual) * w and x + residual (x fp32), stored in the activation dtype.
     Without a residual, STORE_X stores x itself (rounded) as the residual out."""
     if HAS_RESIDUAL:
@@ -50,8 +72,18 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.
     res_out = torch.empty_like(x) if residual is not None else out
     res_in = residual.contiguous() if residual is not None else x
     if rows:
-        _rms_norm_kernel[(rows,)](x, res_in, weight, out, res_out, eps, N=n, BLOCK=triton.next_power_of_2(n),
-                                  HAS_RESIDUAL=residual is not None, **kernel_args(x.device))
+        _rms_norm_kernel[(rows,)](
+            x,
+            res_in,
+            weight,
+            out,
+            res_out,
+            eps,
+            N=n,
+            BLOCK=triton.next_power_of_2(n),
+            HAS_RESIDUAL=residual is not None,
+            **kernel_args(x.device),
+        )
     return out if residual is None else (out, res_out)
 
 
@@ -66,9 +98,22 @@ def rotate_halves(src, ok, cos, sin, HALF: tl.constexpr):
 
 
 @triton.jit
-def _rotary_kernel(pos_ptr, q_ptr, k_ptr, cos_ptr, sin_ptr, q_out_ptr, k_out_ptr, q_stride, k_stride,
-                   NUM_Q: tl.constexpr, NUM_K: tl.constexpr, HALF: tl.constexpr, BLOCK_H: tl.constexpr,
-                   USE_PDL: tl.constexpr):
+def _rotary_kernel(
+    pos_ptr,
+    q_ptr,
+    k_ptr,
+    cos_ptr,
+    sin_ptr,
+    q_out_ptr,
+    k_out_ptr,
+    q_stride,
+    k_stride,
+    NUM_Q: tl.constexpr,
+    NUM_K: tl.constexpr,
+    HALF: tl.constexpr,
+    BLOCK_H: tl.constexpr,
+    USE_PDL: tl.constexpr,
+):
     wait_and_release(USE_PDL)
     token = tl.program_id(0)
     pos = tl.load(pos_ptr + token)
@@ -97,9 +142,22 @@ def rotary(positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, cos: torch
     q_out = torch.empty(tokens, num_q, dim, dtype=q.dtype, device=q.device)
     k_out = torch.empty(tokens, num_k, dim, dtype=k.dtype, device=k.device)
     if tokens:
-        _rotary_kernel[(tokens,)](positions, q, k, cos, sin, q_out, k_out, q.stride(0), k.stride(0),
-                                  NUM_Q=num_q, NUM_K=num_k, HALF=dim // 2, BLOCK_H=triton.next_power_of_2(max(num_q, num_k)),
-                                  **kernel_args(q.device))
+        _rotary_kernel[(tokens,)](
+            positions,
+            q,
+            k,
+            cos,
+            sin,
+            q_out,
+            k_out,
+            q.stride(0),
+            k.stride(0),
+            NUM_Q=num_q,
+            NUM_K=num_k,
+            HALF=dim // 2,
+            BLOCK_H=triton.next_power_of_2(max(num_q, num_k)),
+            **kernel_args(q.device),
+        )
     return q_out, k_out
 
 
@@ -140,9 +198,20 @@ def lamport_push(peers_ptr, part_offset, idx, y, mask, PEERS: tl.constexpr):
 
 
 @triton.jit
-def _lamport_add_norm_kernel(slot_ptr, res_ptr, w_ptr, out_ptr, res_out_ptr, eps, N: tl.constexpr,
-                             WORLD: tl.constexpr, BLOCK: tl.constexpr, NORM: tl.constexpr, RESIDUAL: tl.constexpr,
-                             USE_PDL: tl.constexpr):
+def _lamport_add_norm_kernel(
+    slot_ptr,
+    res_ptr,
+    w_ptr,
+    out_ptr,
+    res_out_ptr,
+    eps,
+    N: tl.constexpr,
+    WORLD: tl.constexpr,
+    BLOCK: tl.constexpr,
+    NORM: tl.constexpr,
+    RESIDUAL: tl.constexpr,
+    USE_PDL: tl.constexpr,
+):
     # Under PDL this kernel starts while the GEMV that pushes this rank's part still runs: the parts
     # are read as they arrive, and the wait for the GEMV to finish comes only before the stores (the
     # outputs may be memory the GEMV still reads, handed on by the caching allocator). Waiting first,
@@ -174,8 +243,9 @@ def _lamport_add_norm_kernel(slot_ptr, res_ptr, w_ptr, out_ptr, res_out_ptr, eps
         tl.store(out_ptr + cols, x.to(out_ptr.dtype.element_ty), mask=mask)
 
 
-def lamport_reduce(slot: torch.Tensor, residual: torch.Tensor | None = None, weight: torch.Tensor | None = None,
-                   eps: float = 0.0):
+def lamport_reduce(
+    slot: torch.Tensor, residual: torch.Tensor | None = None, weight: torch.Tensor | None = None, eps: float = 0.0
+):
     """The sum of the ranks' parts in `slot` ([world, N] on this rank, written by the ranks over peer
     memory, -0.0 where not yet written), waiting on the GPU until all have arrived, then resetting
     the slot to -0.0. With `weight`: (RMSNorm(sum + residual) * weight, sum + residual) as `rms_norm`
@@ -185,16 +255,37 @@ def lamport_reduce(slot: torch.Tensor, residual: torch.Tensor | None = None, wei
     out = torch.empty(1, n, dtype=slot.dtype, device=slot.device)
     norm = weight is not None
     res_out = torch.empty_like(out) if norm else out
-    _lamport_add_norm_kernel[(1,)](slot, out if residual is None else residual.contiguous(), weight if norm else out,
-                                   out, res_out, eps, N=n, WORLD=world, BLOCK=triton.next_power_of_2(n), NORM=norm,
-                                   RESIDUAL=residual is not None,
-                                   num_warps=16, **kernel_args(slot.device))  # x2 H200, llama2-7b tp 2: 8 warps 2.247 ms a step, 16 2.238
+    _lamport_add_norm_kernel[(1,)](
+        slot,
+        out if residual is None else residual.contiguous(),
+        weight if norm else out,
+        out,
+        res_out,
+        eps,
+        N=n,
+        WORLD=world,
+        BLOCK=triton.next_power_of_2(n),
+        NORM=norm,
+        RESIDUAL=residual is not None,
+        num_warps=16,
+        **kernel_args(slot.device),
+    )  # x2 H200, llama2-7b tp 2: 8 warps 2.247 ms a step, 16 2.238
     return (out, res_out) if norm else out
 
 
 @triton.jit
-def _embed_push_kernel(ids_ptr, w_ptr, peers_ptr, start, num_local, part_offset, N: tl.constexpr,
-                       PEERS: tl.constexpr, BLOCK: tl.constexpr, USE_PDL: tl.constexpr):
+def _embed_push_kernel(
+    ids_ptr,
+    w_ptr,
+    peers_ptr,
+    start,
+    num_local,
+    part_offset,
+    N: tl.constexpr,
+    PEERS: tl.constexpr,
+    BLOCK: tl.constexpr,
+    USE_PDL: tl.constexpr,
+):
     wait_and_release(USE_PDL)
     cols = tl.arange(0, BLOCK)
     mask = cols < N
@@ -211,6 +302,17 @@ def embedding_push(ids: torch.Tensor, weight: torch.Tensor, start: int, num_loca
     start .. start + num_local) or zeros. Returns this rank's part (the exchange sums it)."""
     n = weight.shape[1]
     assert ids.numel() == 1 and weight.stride(1) == 1 and push.local.shape == (1, n)
-    _embed_push_kernel[(1,)](ids, weight, push.peers, start, num_local, push.offset, N=n, PEERS=len(push.peers),
-                             BLOCK=triton.next_power_of_2(n), num_warps=4, **kernel_args(weight.device))
+    _embed_push_kernel[(1,)](
+        ids,
+        weight,
+        push.peers,
+        start,
+        num_local,
+        push.offset,
+        N=n,
+        PEERS=len(push.peers),
+        BLOCK=triton.next_power_of_2(n),
+        num_warps=4,
+        **kernel_args(weight.device),
+    )
     return push.local

@@ -39,7 +39,9 @@ class PagedAllocator:
 
     capabilities = Capabilities()
 
-    def __init__(self, num_blocks: int, block_size: int, *, enable_prefix_caching: bool = False, num_cpu_blocks: int = 0) -> None:
+    def __init__(
+        self, num_blocks: int, block_size: int, *, enable_prefix_caching: bool = False, num_cpu_blocks: int = 0
+    ) -> None:
         self.block_size = block_size
         self.num_blocks = num_blocks
         self.cache = PrefixCache() if enable_prefix_caching else None
@@ -143,7 +145,10 @@ class PagedAllocator:
         if keys is not None and request.num_computed_tokens // self.block_size <= len(keys):
             return  # no block filled since the last call (num_full below is at most this)
         keys = self.keys.setdefault(request.request_id, [])
-        num_full = min(request.num_computed_tokens, request.num_tokens, len(request.block_ids) * self.block_size) // self.block_size
+        num_full = (
+            min(request.num_computed_tokens, request.num_tokens, len(request.block_ids) * self.block_size)
+            // self.block_size
+        )
         if num_full <= len(keys):
             return
         tokens, bs = request.all_token_ids, self.block_size

@@ -24,7 +24,9 @@ def stop_reason(request: Request) -> FinishReason | None:
     return None
 
 
-def append_tokens(request: Request, token_ids: list[int], logprobs: list[dict[int, float]] | None) -> FinishReason | None:
+def append_tokens(
+    request: Request, token_ids: list[int], logprobs: list[dict[int, float]] | None
+) -> FinishReason | None:
     """Append accepted tokens one by one; tokens after a stop condition are dropped."""
     for i, token in enumerate(token_ids):
         request.output_token_ids.append(token)

@@ -27,12 +27,21 @@ def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
 
 def _case(kit_case, device: torch.device):
     num_heads, num_kv_heads = HEADS[kit_case.heads]
-    return make_case(kit_case.batch_spec, num_heads=num_heads, num_kv_heads=num_kv_heads,
-                     block_size=kit_case.block_size, dtype=kit_case.dtype, device=device, seed=7)
+    return make_case(
+        kit_case.batch_spec,
+        num_heads=num_heads,
+        num_kv_heads=num_kv_heads,
+        block_size=kit_case.block_size,
+        dtype=kit_case.dtype,
+        device=device,
+        seed=7,
+    )
 
 
 def test_matches_the_reference(strategy, device, kit_case) -> None:
-    check_attention(strategy.name, strategy.factory, _case(kit_case, device), kit_case.describe(), tolerance(kit_case.dtype))
+    check_attention(
+        strategy.name, strategy.factory, _case(kit_case, device), kit_case.describe(), tolerance(kit_case.dtype)
+    )
 
 
 def test_cuda_graph_replay(strategy, device, kit_case) -> None:
@@ -40,4 +49,6 @@ def test_cuda_graph_replay(strategy, device, kit_case) -> None:
         pytest.skip("CUDA graphs need a CUDA device")
     if not strategy.capabilities.cuda_graph_safe:
         pytest.skip(f"attention backend {strategy.name} does not declare cuda_graph_safe")
-    check_cuda_graph(strategy.name, strategy.factory, _case(kit_case, device), kit_case.describe(), tolerance(kit_case.dtype))
+    check_cuda_graph(
+        strategy.name, strategy.factory, _case(kit_case, device), kit_case.describe(), tolerance(kit_case.dtype)
+    )

@@ -14,8 +14,11 @@ from infer.testing.decoder import SETTINGS, check_lossless, write_tiny_llamas
 
 def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
     if "setting" in metafunc.fixturenames:
-        params = [kit.param(s, setting, id=setting.split(" (")[0].replace(" ", "-"))
-                  for s in kit.strategies(metafunc.config, "decoder") for setting in SETTINGS]
+        params = [
+            kit.param(s, setting, id=setting.split(" (")[0].replace(" ", "-"))
+            for s in kit.strategies(metafunc.config, "decoder")
+            for setting in SETTINGS
+        ]
         metafunc.parametrize(("strategy", "device", "setting"), params)
 
 

@@ -12,7 +12,9 @@ from infer.testing.allocator import check_allocator
 
 def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
     if "strategy" in metafunc.fixturenames:
-        metafunc.parametrize(("strategy", "device"), [kit.param(s, id="") for s in kit.strategies(metafunc.config, "kv_allocator")])
+        metafunc.parametrize(
+            ("strategy", "device"), [kit.param(s, id="") for s in kit.strategies(metafunc.config, "kv_allocator")]
+        )
 
 
 def test_invariants_hold(strategy, device) -> None:

@@ -119,8 +119,16 @@ def _attend(q, keys, values, q_start: int, scale: float) -> torch.Tensor:
 class _FakeWrapper:
     """flashinfer's paged wrappers: plan() takes host int32 page tables, run() reads them (NHD)."""
 
-    def __init__(self, workspace, kv_layout, use_cuda_graph=False, paged_kv_indptr_buffer=None,
-                 paged_kv_indices_buffer=None, paged_kv_last_page_len_buffer=None, backend="auto"):
+    def __init__(
+        self,
+        workspace,
+        kv_layout,
+        use_cuda_graph=False,
+        paged_kv_indptr_buffer=None,
+        paged_kv_indices_buffer=None,
+        paged_kv_last_page_len_buffer=None,
+        backend="auto",
+    ):
         assert kv_layout == "NHD" and workspace.dtype == torch.uint8
         self.buffers = (paged_kv_indptr_buffer, paged_kv_indices_buffer, paged_kv_last_page_len_buffer)
         self.use_cuda_graph = use_cuda_graph

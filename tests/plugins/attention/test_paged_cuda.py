@@ -127,11 +127,15 @@ def test_rotary_cache_write_is_the_rotary_layer_then_cache_write(dtype, heads):
     tables = RotaryEmbedding(Rope.default(head_dim, 10000.0), 128)
     cos, sin = tables.cos.to(DEVICE), tables.sin.to(DEVICE)
     qkv = torch.randn(tokens, (num_q + 2 * num_kv) * head_dim, generator=gen).to(dtype=dtype, device=DEVICE)
-    q, k, v = (x.view(tokens, -1, head_dim) for x in qkv.split([num_q * head_dim, num_kv * head_dim, num_kv * head_dim], -1))
+    q, k, v = (
+        x.view(tokens, -1, head_dim) for x in qkv.split([num_q * head_dim, num_kv * head_dim, num_kv * head_dim], -1)
+    )
     positions = torch.randint(0, 128, (tokens,), generator=gen).to(DEVICE)
     slots = torch.randperm(num_blocks * block_size, generator=gen)[:tokens].to(DEVICE)
-    caches = [torch.randn(num_blocks, block_size, num_kv, head_dim, generator=gen).to(dtype=dtype, device=DEVICE)
-              for _ in range(2)]
+    caches = [
+        torch.randn(num_blocks, block_size, num_kv, head_dim, generator=gen).to(dtype=dtype, device=DEVICE)
+        for _ in range(2)
+    ]
     expected_caches = [c.clone() for c in caches]
     expected_q, rotated_k = rotary(positions, q, k, cos, sin)
     cache_write(rotated_k, v, *expected_caches, slots)
@@ -149,7 +153,9 @@ def test_forward_with_rotary_is_forward_of_the_rotated_heads(batch_spec):
     case = make_case(batch_spec, device=DEVICE)
     tables = RotaryEmbedding(Rope.default(case.spec.head_dim, 10000.0), case.spec.max_model_len)
     cos, sin = tables.cos.to(DEVICE), tables.sin.to(DEVICE)
-    positions = torch.cat([torch.arange(s - q, s) for q, s in zip(batch_spec.query_lens, case.batch.seq_lens)]).to(DEVICE)
+    positions = torch.cat([torch.arange(s - q, s) for q, s in zip(batch_spec.query_lens, case.batch.seq_lens)]).to(
+        DEVICE
+    )
     plain, fused = PagedCudaAttention(case.spec), PagedCudaAttention(case.spec)
     assert fused.fuses_rotary()
     caches = [tuple(c.clone() for c in case.kv_cache) for _ in range(2)]

@@ -233,7 +233,9 @@ def test_multibyte_stop_string(make, tokenizer):
     ids = encode(tokenizer, "a dog 😀 and a 猫 here")
     for sizes in ([1], [len(ids)]):
         _, _, delta = stream(make(), new_request(stop=["猫", "😀 a"]), ids, sizes)
-        assert (delta.text, delta.stop_index) == reference(tokenizer, ids, ["猫", "😀 a"]) == ("a dog ", delta.stop_index)
+        assert (
+            (delta.text, delta.stop_index) == reference(tokenizer, ids, ["猫", "😀 a"]) == ("a dog ", delta.stop_index)
+        )
 
 
 def test_stop_found_while_a_character_is_incomplete(make, tokenizer):

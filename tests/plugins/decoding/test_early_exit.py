@@ -54,11 +54,27 @@ def test_capabilities_say_it_changes_outputs():
 
 
 def test_run_report_shows_the_layers_kept_and_speculation_figures(tiny_llama_dir):
-    args = ["run", "--model", str(tiny_llama_dir), "--no-progress", "--show", "0", "--dataset", "random-256x256",
-            "--num-prompts", "2", "--max-tokens", "6", "--block-size", "4"]
+    args = [
+        "run",
+        "--model",
+        str(tiny_llama_dir),
+        "--no-progress",
+        "--show",
+        "0",
+        "--dataset",
+        "random-256x256",
+        "--num-prompts",
+        "2",
+        "--max-tokens",
+        "6",
+        "--block-size",
+        "4",
+    ]
     lossy = CliRunner().invoke(cli, args + ["--decoding", "early-exit", "--exit-layer", "2"], catch_exceptions=False)
     assert lossy.exit_code == 0, lossy.output
     assert "lossy: early exit keeps 2/3 layers" in lossy.output
-    spec = CliRunner().invoke(cli, args + ["--decoding", "speculative", "--draft", "self", "--exit-layer", "2"], catch_exceptions=False)
+    spec = CliRunner().invoke(
+        cli, args + ["--decoding", "speculative", "--draft", "self", "--exit-layer", "2"], catch_exceptions=False
+    )
     assert spec.exit_code == 0, spec.output
     assert "lossy" not in spec.output and "speculative: acceptance" in spec.output

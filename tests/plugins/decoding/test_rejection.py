@@ -49,7 +49,9 @@ def _rows(num_rows: int, K: int, p: torch.Tensor, q: torch.Tensor | None, seed0:
     P = p.expand(num_rows, *p.shape)
     if q is None:
         return seeds, positions, P, None, torch.zeros(num_rows, K, dtype=torch.int64)  # always propose token 0
-    draft_seeds = rejection.seed_tensor([rejection.salted(s, rejection.DRAFT_SALT) for s in range(seed0, seed0 + num_rows)], "cpu")
+    draft_seeds = rejection.seed_tensor(
+        [rejection.salted(s, rejection.DRAFT_SALT) for s in range(seed0, seed0 + num_rows)], "cpu"
+    )
     x = torch.stack([rejection.draw(q[j].expand(num_rows, -1), draft_seeds, positions + j) for j in range(K)], dim=1)
     return seeds, positions, P, q.expand(num_rows, *q.shape), x
 
@@ -93,8 +95,10 @@ def test_rejection_sampling_is_reproducible_and_respects_each_rows_draft_length(
 
 
 def _requests(n: int, **params) -> list[Request]:
-    return [Request(request_id=str(i), prompt_token_ids=[1, 2, 3], params=SamplingParams(**params), arrival=i, seed=i)
-            for i in range(n)]
+    return [
+        Request(request_id=str(i), prompt_token_ids=[1, 2, 3], params=SamplingParams(**params), arrival=i, seed=i)
+        for i in range(n)
+    ]
 
 
 @pytest.mark.parametrize("sampler_cls", [VectorizedSampler, NaiveSampler])
@@ -113,7 +117,9 @@ def test_sampler_probs_is_the_distribution_sample_draws_from(sampler_cls):
 def test_sampler_probs_agree_across_samplers_with_penalties_and_greedy_rows():
     V = 50
     logits = torch.randn(4, V, generator=torch.Generator().manual_seed(4)) * 2
-    requests = _requests(2, temperature=0.8, top_p=0.9, repetition_penalty=1.3, frequency_penalty=0.4, presence_penalty=0.2)
+    requests = _requests(
+        2, temperature=0.8, top_p=0.9, repetition_penalty=1.3, frequency_penalty=0.4, presence_penalty=0.2
+    )
     requests += _requests(2, temperature=0.0, repetition_penalty=1.5)
     for r in requests:
         r.output_token_ids = [int(logits[0].argmax()), 7, 7]

@@ -122,11 +122,16 @@ def test_greedy_applies_penalties(factory):
 
 # --------------------------------------------------------------------------- exact distributions
 
+
 @pytest.mark.parametrize("vary", ["seed", "position"])
 @pytest.mark.parametrize("case", sorted(DISTRIBUTION_CASES))
-@pytest.mark.parametrize("factory", [  # the per-row loop of naive draws 5x slower than vectorized
-    pytest.param(SAMPLERS[name], id=name, marks=[pytest.mark.slow] if name == "naive" else []) for name in sorted(SAMPLERS)
-])
+@pytest.mark.parametrize(
+    "factory",
+    [  # the per-row loop of naive draws 5x slower than vectorized
+        pytest.param(SAMPLERS[name], id=name, marks=[pytest.mark.slow] if name == "naive" else [])
+        for name in sorted(SAMPLERS)
+    ],
+)
 def test_sampled_distribution_is_exact(factory, case, vary):
     params = DISTRIBUTION_CASES[case]
     probs = ref_distribution(LOGITS8, params)

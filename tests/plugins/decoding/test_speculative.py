@@ -13,8 +13,16 @@ from infer.core.kv_cache import bytes_per_block
 from infer.llm import LLM
 from infer.testing.prompts import SMOLLM2_PROMPTS
 
-TINY_PROMPTS = [[5, 6, 7, 8, 9], [10, 11], list(range(20, 60)), [3] * 17, [100, 7, 200, 13, 99, 42],
-                [7, 8, 7, 8, 7, 8], list(range(100, 130)), [1, 2, 3]]
+TINY_PROMPTS = [
+    [5, 6, 7, 8, 9],
+    [10, 11],
+    list(range(20, 60)),
+    [3] * 17,
+    [100, 7, 200, 13, 99, 42],
+    [7, 8, 7, 8, 7, 8],
+    list(range(100, 130)),
+    [1, 2, 3],
+]
 SMOL_PROMPTS = SMOLLM2_PROMPTS
 GREEDY = SamplingParams(max_tokens=16, temperature=0, ignore_eos=True)
 
@@ -24,8 +32,16 @@ def random_llama(folder, seed: int, **shape):
     from transformers import LlamaConfig, LlamaForCausalLM
 
     torch.manual_seed(seed)
-    config = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2, num_key_value_heads=1,
-                  max_position_embeddings=512, bos_token_id=1, eos_token_id=2)
+    config = dict(
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=1,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        max_position_embeddings=512,
+        bos_token_id=1,
+        eos_token_id=2,
+    )
     model = LlamaForCausalLM(LlamaConfig(**{**config, **shape}, torch_dtype="float32"))
     model.save_pretrained(folder)
     return folder
@@ -59,8 +75,11 @@ def draft_options(name, model_dir, draft_dir) -> dict:
     """Engine options for a proposer named in a test id: same-model, dummy-draft, ngram or self-L."""
     if name.startswith("self-"):
         return dict(draft="self", exit_layer=int(name.removeprefix("self-")))
-    return {"same-model": dict(draft=str(model_dir)), "dummy-draft": dict(draft=str(draft_dir)),
-            "ngram": dict(draft="ngram")}[name]
+    return {
+        "same-model": dict(draft=str(model_dir)),
+        "dummy-draft": dict(draft=str(draft_dir)),
+        "ngram": dict(draft="ngram"),
+    }[name]
 
 
 PROPOSERS = ["same-model", "dummy-draft", "ngram", "self-1", "self-2"]
@@ -71,7 +90,9 @@ PROPOSERS = ["same-model", "dummy-draft", "ngram", "self-1", "self-2"]
 def test_tiny_greedy_identical_to_autoregressive(tiny_llama_dir, tiny_draft_dir, tiny_expected, proposer, mode):
     options = dict(block_size=4, decoding="speculative", **draft_options(proposer, tiny_llama_dir, tiny_draft_dir))
     if mode == "preemption":
-        options.update(num_kv_blocks=16, max_model_len=60)  # 64 token slots for 8 requests of up to 40 + 16 + 4 lookahead
+        options.update(
+            num_kv_blocks=16, max_model_len=60
+        )  # 64 token slots for 8 requests of up to 40 + 16 + 4 lookahead
     llm = LLM(model=str(tiny_llama_dir), **options)
     assert run(llm, TINY_PROMPTS, one_at_a_time=mode == "batch-1") == tiny_expected  # no request lost either
     stats = llm.engine.stats()
@@ -81,7 +102,13 @@ def test_tiny_greedy_identical_to_autoregressive(tiny_llama_dir, tiny_draft_dir,
     assert llm.engine.kv_usage().num_used_blocks == 0 or llm.config.enable_prefix_caching
 
 
-@pytest.mark.parametrize("extra", [dict(num_kv_blocks=20, max_model_len=76, max_num_batched_tokens=7), dict(num_speculative_tokens=7, scheduler="static")])
+@pytest.mark.parametrize(
+    "extra",
+    [
+        dict(num_kv_blocks=20, max_model_len=76, max_num_batched_tokens=7),
+        dict(num_speculative_tokens=7, scheduler="static"),
+    ],
+)
 @pytest.mark.parametrize("proposer", ["same-model", "self-all"])
 def test_a_draft_equal_to_the_target_is_always_accepted(tiny_llama_dir, tiny_expected, proposer, extra):
     # the draft's KV bookkeeping (catch-up over prefill chunks, rollback, preemption) is exact
@@ -95,8 +122,16 @@ def test_a_draft_equal_to_the_target_is_always_accepted(tiny_llama_dir, tiny_exp
 
 
 def test_sampled_speculation_is_seeded_and_independent_of_the_batch(tiny_llama_dir, tiny_draft_dir):
-    params = SamplingParams(max_tokens=12, temperature=0.8, top_k=40, top_p=0.95, ignore_eos=True, seed=11,
-                            repetition_penalty=1.1, presence_penalty=0.3)
+    params = SamplingParams(
+        max_tokens=12,
+        temperature=0.8,
+        top_k=40,
+        top_p=0.95,
+        ignore_eos=True,
+        seed=11,
+        repetition_penalty=1.1,
+        presence_penalty=0.3,
+    )
     llm = LLM(model=str(tiny_llama_dir), block_size=4, decoding="speculative", draft=str(tiny_draft_dir))
     batched = run(llm, TINY_PROMPTS, params)
     assert run(llm, TINY_PROMPTS, params) == batched
@@ -107,7 +142,9 @@ def test_sampled_speculation_is_seeded_and_independent_of_the_batch(tiny_llama_d
 def test_logprobs_of_accepted_tokens_match_autoregressive(tiny_llama_dir):
     params = SamplingParams(max_tokens=10, temperature=0, ignore_eos=True, logprobs=2, frequency_penalty=0.5)
     expected = LLM(model=str(tiny_llama_dir), block_size=4).generate(TINY_PROMPTS, params)
-    got = LLM(model=str(tiny_llama_dir), block_size=4, decoding="speculative", draft=str(tiny_llama_dir)).generate(TINY_PROMPTS, params)
+    got = LLM(model=str(tiny_llama_dir), block_size=4, decoding="speculative", draft=str(tiny_llama_dir)).generate(
+        TINY_PROMPTS, params
+    )
     for a, b in zip(got, expected):
         assert a.outputs[0].token_ids == b.outputs[0].token_ids
         assert len(a.outputs[0].logprobs) == 10
@@ -127,12 +164,24 @@ def test_beams_advance_one_token_at_a_time_beside_speculating_requests(tiny_llam
 
 def test_kv_budget_counts_both_models_and_the_draft_shares_block_ids(tiny_llama_dir, tiny_draft_dir):
     block_size, blocks = 4, 50
-    per_block = bytes_per_block(3, block_size, 2, 16, torch.float32) + bytes_per_block(1, block_size, 1, 16, torch.float32)
-    llm = LLM(model=str(tiny_llama_dir), block_size=block_size, decoding="speculative", draft=str(tiny_draft_dir),
-              kv_cache_memory_gib=blocks * per_block / 2**30, max_model_len=blocks * block_size - 4)  # 4 lookahead slots
+    per_block = bytes_per_block(3, block_size, 2, 16, torch.float32) + bytes_per_block(
+        1, block_size, 1, 16, torch.float32
+    )
+    llm = LLM(
+        model=str(tiny_llama_dir),
+        block_size=block_size,
+        decoding="speculative",
+        draft=str(tiny_draft_dir),
+        kv_cache_memory_gib=blocks * per_block / 2**30,
+        max_model_len=blocks * block_size - 4,
+    )  # 4 lookahead slots
     assert llm.engine.parts.describe["kv_blocks"] == blocks
     draft = llm.engine.decoder.proposer.runner
-    assert len(draft.kv_caches) == 1 and draft.kv_caches[0][0].shape[:3] == (blocks + 1, block_size, 1)  # + the null block
+    assert len(draft.kv_caches) == 1 and draft.kv_caches[0][0].shape[:3] == (
+        blocks + 1,
+        block_size,
+        1,
+    )  # + the null block
     assert llm.engine.parts.describe["draft"] == str(tiny_draft_dir)
 
 
@@ -159,8 +208,13 @@ def smol_expected(smollm2_dir):
 @pytest.fixture(scope="module")
 def smol_draft_dir(tmp_path_factory):
     # dummy weights, SmolLM2's vocabulary and context
-    return random_llama(tmp_path_factory.mktemp("smol-draft"), seed=3, vocab_size=49152, max_position_embeddings=8192,
-                       tie_word_embeddings=True)
+    return random_llama(
+        tmp_path_factory.mktemp("smol-draft"),
+        seed=3,
+        vocab_size=49152,
+        max_position_embeddings=8192,
+        tie_word_embeddings=True,
+    )
 
 
 @pytest.mark.slow
@@ -179,8 +233,18 @@ def test_smollm2_greedy_identical_to_autoregressive(smollm2_dir, smol_draft_dir,
 @pytest.mark.slow
 def test_smollm2_greedy_identical_under_preemption(smollm2_dir, smol_expected):
     # 8 blocks of 8 tokens: a few requests at a time, and running ones outgrow them, so later arrivals are preempted
-    llm = LLM(model=str(smollm2_dir), dtype="float32", decoding="speculative", draft="self", exit_layer=4,
-              num_speculative_tokens=2, block_size=8, num_kv_blocks=8, max_model_len=62, max_num_batched_tokens=48)
+    llm = LLM(
+        model=str(smollm2_dir),
+        dtype="float32",
+        decoding="speculative",
+        draft="self",
+        exit_layer=4,
+        num_speculative_tokens=2,
+        block_size=8,
+        num_kv_blocks=8,
+        max_model_len=62,
+        max_num_batched_tokens=48,
+    )
     assert run(llm, SMOL_PROMPTS, SMOL_GREEDY) == smol_expected
     assert llm.engine.stats()["preemptions"] > 0
 
@@ -189,7 +253,9 @@ def test_smollm2_greedy_identical_under_preemption(smollm2_dir, smol_expected):
 def test_smollm2_ngram_accepts_tokens_on_a_repetitive_prompt(smollm2_dir):
     text = "The quick brown fox jumps over the lazy dog, and the lazy dog sleeps under the old oak tree."
     llm = LLM(model=str(smollm2_dir), dtype="float32", decoding="speculative", draft="ngram")
-    out = llm.chat([{"role": "user", "content": f"Repeat exactly: {text}"}], SamplingParams(max_tokens=32, temperature=0))
+    out = llm.chat(
+        [{"role": "user", "content": f"Repeat exactly: {text}"}], SamplingParams(max_tokens=32, temperature=0)
+    )
     assert "lazy dog" in out[0].outputs[0].text
     stats = llm.engine.stats()
     assert stats["mean_accepted_tokens"] > 0.5 and stats["acceptance_rate"] > 0.2

@@ -103,8 +103,9 @@ def test_mlp_reads_its_activation_inside_the_down_gemv(monkeypatch):
     real = triton_gemv.gemv_silu_mul
     monkeypatch.setattr(triton_gemv, "gemv_silu_mul", lambda h, w, push=None: calls.append(h.shape) or real(h, w, push))
     config = types.SimpleNamespace(hidden_size=32, intermediate_size=48)
-    fused = Layers(rms_norm=FusedRMSNorm, rotary_embedding=FusedRotaryEmbedding, silu_and_mul=FusedSiluAndMul,
-                   linear=FusedLinear)
+    fused = Layers(
+        rms_norm=FusedRMSNorm, rotary_embedding=FusedRotaryEmbedding, silu_and_mul=FusedSiluAndMul, linear=FusedLinear
+    )
     torch.manual_seed(0)
     mlp = LlamaMLP(config, fused)
     assert mlp.fused_down
@@ -120,7 +121,9 @@ def test_mlp_reads_its_activation_inside_the_down_gemv(monkeypatch):
     shard = Shard(1, (48,), ((0, 48),))
     assert FusedSiluAndMul.fuses_with(RowParallelLinear(32, shard, parallel, FusedLinear.matmul, reduce=False))
     assert not FusedSiluAndMul.fuses_with(RowParallelLinear(32, shard, parallel, FusedLinear.matmul, reduce=True))
-    assert not FusedSiluAndMul.fuses_with(RowParallelLinear(32, shard, parallel, torch.nn.functional.linear, reduce=False))
+    assert not FusedSiluAndMul.fuses_with(
+        RowParallelLinear(32, shard, parallel, torch.nn.functional.linear, reduce=False)
+    )
     assert not FusedSiluAndMul.fuses_with(plain.Linear(48, 32))
     assert not FusedSiluAndMul.fuses_with(FusedLinear(48, 32, bias=True))
 
@@ -140,12 +143,16 @@ def test_attention_rotates_in_the_cache_write_where_the_backend_can():
 
     case = make_case(BatchSpec("mixed", (1, 5), (9, 3)), num_heads=4, num_kv_heads=2, head_dim=16)
     # yarn: cos and sin carry an attention scaling, which the cache write must apply as the layer does
-    yarn = rope_for(dict(rope_type="yarn", rope_theta=10000.0, factor=4.0, original_max_position_embeddings=16), 16, 32, 4, 64)
+    yarn = rope_for(
+        dict(rope_type="yarn", rope_theta=10000.0, factor=4.0, original_max_position_embeddings=16), 16, 32, 4, 64
+    )
     assert yarn.attention_scaling != 1.0
-    config = types.SimpleNamespace(hidden_size=32, num_heads=4, num_kv_heads=2, head_dim=16, max_position_embeddings=64,
-                                   rope=lambda: yarn)
-    fused = Layers(rms_norm=FusedRMSNorm, rotary_embedding=FusedRotaryEmbedding, silu_and_mul=FusedSiluAndMul,
-                   linear=FusedLinear)
+    config = types.SimpleNamespace(
+        hidden_size=32, num_heads=4, num_kv_heads=2, head_dim=16, max_position_embeddings=64, rope=lambda: yarn
+    )
+    fused = Layers(
+        rms_norm=FusedRMSNorm, rotary_embedding=FusedRotaryEmbedding, silu_and_mul=FusedSiluAndMul, linear=FusedLinear
+    )
     torch.manual_seed(0)
     layer = LlamaAttention(config, fused, PagedCudaAttention(case.spec))
     assert layer.rotary_in_attention
@@ -168,5 +175,9 @@ def test_attention_rotates_in_the_cache_write_where_the_backend_can():
 def plain_layers():
     from infer.core.interfaces import Layers
 
-    return Layers(rms_norm=plain.RMSNorm, rotary_embedding=plain.RotaryEmbedding, silu_and_mul=plain.SiluAndMul,
-                  linear=plain.Linear)
+    return Layers(
+        rms_norm=plain.RMSNorm,
+        rotary_embedding=plain.RotaryEmbedding,
+        silu_and_mul=plain.SiluAndMul,
+        linear=plain.Linear,
+    )

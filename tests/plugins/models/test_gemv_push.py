@@ -16,8 +16,9 @@ WORLD, N, K = 2, 48, 64  # K: whole interpreter tiles (masked columns would add 
 def ranks_slots(dtype):
     """Each rank's two slots [2, world, N], reset, and the [slot, rank] address table every rank holds."""
     slots = [torch.full((2, WORLD, N), RESET, dtype=torch.int16).view(dtype) for _ in range(WORLD)]
-    peers = torch.tensor([[s.data_ptr() + slot * WORLD * N * s.element_size() for s in slots] for slot in range(2)],
-                         dtype=torch.int64)
+    peers = torch.tensor(
+        [[s.data_ptr() + slot * WORLD * N * s.element_size() for s in slots] for slot in range(2)], dtype=torch.int64
+    )
     return slots, peers
 
 
@@ -109,8 +110,9 @@ def test_a_row_parallel_mlp_pushes_one_token_and_the_norm_after_takes_it_from_th
     exchange = LamportExchange(slots, [slots.data_ptr()], rank=0)
 
     parallel = ParallelState(rank=0, world_size=1, fast_all_reduce=OneRankAllReduce(exchange))
-    fused = Layers(rms_norm=FusedRMSNorm, rotary_embedding=FusedRotaryEmbedding, silu_and_mul=FusedSiluAndMul,
-                   linear=FusedLinear)
+    fused = Layers(
+        rms_norm=FusedRMSNorm, rotary_embedding=FusedRotaryEmbedding, silu_and_mul=FusedSiluAndMul, linear=FusedLinear
+    )
     config = types.SimpleNamespace(hidden_size=hidden, intermediate_size=48)
     torch.manual_seed(0)
     mlp = LlamaMLP(config, fused, parallel).to(dtype)
@@ -154,11 +156,15 @@ def test_a_one_token_vocab_parallel_embedding_is_pushed_and_summed_by_the_first_
         norm.weight.normal_()
     for token in (2, 7):  # rank 0's rows 0-4, rank 1's 5-9
         ids = torch.tensor([token])
-        parts = [triton_layers.embedding_push(ids, table[5 * r : 5 * r + 5], 5 * r, 5, exchanges[r].embed_target())
-                 for r in range(WORLD)]
+        parts = [
+            triton_layers.embedding_push(ids, table[5 * r : 5 * r + 5], 5 * r, 5, exchanges[r].embed_target())
+            for r in range(WORLD)
+        ]
         owner = token // 5
         assert torch.equal(slots[1 - owner][EMBED_SLOT, owner], table[token])
-        assert (slots[owner][EMBED_SLOT, 1 - owner] == 0).all() and (slots[owner][EMBED_SLOT, 1 - owner].view(torch.int16) == 0).all()
+        assert (slots[owner][EMBED_SLOT, 1 - owner] == 0).all() and (
+            slots[owner][EMBED_SLOT, 1 - owner].view(torch.int16) == 0
+        ).all()
         for r in range(WORLD):
             out, residual = exchanges[r].reduce(parts[r], None, norm.weight, norm.eps)
             assert torch.equal(residual, table[token : token + 1])

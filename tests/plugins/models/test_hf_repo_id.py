@@ -80,9 +80,16 @@ def _hf_greedy(folder: Path) -> list[list[int]]:
     outs = []
     for ids in PROMPTS:
         x = torch.tensor([ids])
-        y = model.generate(x, attention_mask=torch.ones_like(x), max_new_tokens=8, min_new_tokens=8, do_sample=False,
-                           eos_token_id=None, pad_token_id=0)
-        outs.append(y[0, x.shape[1]:].tolist())
+        y = model.generate(
+            x,
+            attention_mask=torch.ones_like(x),
+            max_new_tokens=8,
+            min_new_tokens=8,
+            do_sample=False,
+            eos_token_id=None,
+            pad_token_id=0,
+        )
+        outs.append(y[0, x.shape[1] :].tolist())
     return outs
 
 
@@ -148,11 +155,26 @@ def test_download_asks_only_for_the_files_the_engine_reads(hf_cache, monkeypatch
     (_, local), (repo_id, remote) = calls
     assert local["local_files_only"] and not remote.get("local_files_only") and repo_id == "org/new"
     assert remote["cache_dir"] == hf_cache and remote["revision"] == "main"
-    wanted = ["config.json", "generation_config.json", "model.safetensors", "model-00001-of-00002.safetensors",
-              "model.safetensors.index.json", "tokenizer.json", "tokenizer_config.json", "tokenizer.model",
-              "special_tokens_map.json", "chat_template.jinja"]
-    unwanted = ["pytorch_model.bin", "model.gguf", "onnx/model.onnx", "README.md", "original/consolidated.00.pth",
-                "flax_model.msgpack"]
+    wanted = [
+        "config.json",
+        "generation_config.json",
+        "model.safetensors",
+        "model-00001-of-00002.safetensors",
+        "model.safetensors.index.json",
+        "tokenizer.json",
+        "tokenizer_config.json",
+        "tokenizer.model",
+        "special_tokens_map.json",
+        "chat_template.jinja",
+    ]
+    unwanted = [
+        "pytorch_model.bin",
+        "model.gguf",
+        "onnx/model.onnx",
+        "README.md",
+        "original/consolidated.00.pth",
+        "flax_model.msgpack",
+    ]
     match = lambda name: any(fnmatch.fnmatch(name, p) for p in remote["allow_patterns"])  # noqa: E731
     assert all(map(match, wanted)) and not any(map(match, unwanted))
     calls.clear()

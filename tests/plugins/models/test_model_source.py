@@ -33,10 +33,35 @@ def test_dummy_weights_keep_the_tokenizer_on_disk(smollm2_dir):
     for model in ("smollm2-135m", str(smollm2_dir)):  # a named model, a folder
         source = resolve_source(model, PluginRegistry.load(), "dummy")
         assert source.path is None and source.tokenizer_path == smollm2_dir
-    with LLM(model="smollm2-135m", load_format="dummy", attention="torch", dtype="float32", num_kv_blocks=16,
-             max_model_len=256) as llm:
+    with LLM(
+        model="smollm2-135m",
+        load_format="dummy",
+        attention="torch",
+        dtype="float32",
+        num_kv_blocks=16,
+        max_model_len=256,
+    ) as llm:
         out = llm.generate(["The capital of France is"], SamplingParams(max_tokens=2, temperature=0))[0]
     assert out.error is None and out.prompt_token_ids == expected and len(out.outputs[0].token_ids) == 2
-    result = CliRunner().invoke(cli, ["run", "--model", "smollm2-135m", "--load-format", "dummy", "--attention", "torch",
-                                      "--num-kv-blocks", "16", "--max-model-len", "256", "--prompt", "Hello", "--max-tokens", "2", "--no-progress"])
+    result = CliRunner().invoke(
+        cli,
+        [
+            "run",
+            "--model",
+            "smollm2-135m",
+            "--load-format",
+            "dummy",
+            "--attention",
+            "torch",
+            "--num-kv-blocks",
+            "16",
+            "--max-model-len",
+            "256",
+            "--prompt",
+            "Hello",
+            "--max-tokens",
+            "2",
+            "--no-progress",
+        ],
+    )
     assert result.exit_code == 0, result.output

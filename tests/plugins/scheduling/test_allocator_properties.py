@@ -59,9 +59,13 @@ def check_pool(alloc: PagedAllocator, holders) -> None:
     shared = {b: n for b, n in held.items() if n > 1}
     assert not shared, f"blocks owned by more than one table (nothing here shares): {shared}"
     assert not set(free) & set(held), f"blocks both free and owned: {sorted(set(free) & set(held))}"
-    assert len(free) + len(held) == alloc.num_blocks, f"leak: {len(free)} free + {len(held)} owned != {alloc.num_blocks}"
+    assert len(free) + len(held) == alloc.num_blocks, (
+        f"leak: {len(free)} free + {len(held)} owned != {alloc.num_blocks}"
+    )
     for b in range(alloc.num_blocks):
-        assert pool.ref_counts[b] == held.get(b, 0), f"block {b}: refcount {pool.ref_counts[b]} but {held.get(b, 0)} tables"
+        assert pool.ref_counts[b] == held.get(b, 0), (
+            f"block {b}: refcount {pool.ref_counts[b]} but {held.get(b, 0)} tables"
+        )
     assert alloc.num_free_blocks() == len(free)
 
 
@@ -209,7 +213,9 @@ class ContiguousMachine(AllocatorMachine):
     allocator_cls = ContiguousAllocator
 
 
-MACHINE_SETTINGS = settings(max_examples=120, stateful_step_count=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+MACHINE_SETTINGS = settings(
+    max_examples=120, stateful_step_count=40, deadline=None, suppress_health_check=[HealthCheck.too_slow]
+)
 TestPagedAllocatorMachine = AllocatorMachine.TestCase
 TestPagedAllocatorMachine.settings = MACHINE_SETTINGS
 TestContiguousAllocatorMachine = ContiguousMachine.TestCase

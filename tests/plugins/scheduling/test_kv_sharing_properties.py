@@ -41,7 +41,9 @@ def check_pool(alloc: PagedAllocator, holders: list[Request]) -> None:
     assert not set(free) & set(held), "a block is both free and held"
     assert len(free) + len(held) == alloc.num_blocks, "leaked blocks"
     for b in range(alloc.num_blocks):
-        assert pool.ref_counts[b] == held.get(b, 0), f"block {b}: refcount {pool.ref_counts[b]}, {held.get(b, 0)} tables"
+        assert pool.ref_counts[b] == held.get(b, 0), (
+            f"block {b}: refcount {pool.ref_counts[b]}, {held.get(b, 0)} tables"
+        )
     cache = alloc.cache
     if cache is None:
         assert not pool.evictable
@@ -71,7 +73,9 @@ class SharingMachine(RuleBasedStateMachine):
     )
     def setup(self, num_blocks: int, block_size: int, num_cpu_blocks: int, prefix_caching: bool) -> None:
         self.bs = block_size
-        self.alloc = self.allocator_cls(num_blocks, block_size, enable_prefix_caching=prefix_caching, num_cpu_blocks=num_cpu_blocks)
+        self.alloc = self.allocator_cls(
+            num_blocks, block_size, enable_prefix_caching=prefix_caching, num_cpu_blocks=num_cpu_blocks
+        )
         self.mover = BlockMover(num_cpu_blocks)
         shape = (num_blocks, block_size, 1, 1)
         self.k, self.v = torch.zeros(shape, dtype=torch.float64), torch.zeros(shape, dtype=torch.float64)
@@ -102,11 +106,21 @@ class SharingMachine(RuleBasedStateMachine):
 
     def _grow(self, r: Request, extra: list[int]) -> bool:
         """Append tokens and allocate for them; on refusal nothing may change."""
-        before = (list(r.block_ids), r.num_computed_tokens, self.alloc.num_free_blocks(), list(self.alloc.pool.ref_counts))
+        before = (
+            list(r.block_ids),
+            r.num_computed_tokens,
+            self.alloc.num_free_blocks(),
+            list(self.alloc.pool.ref_counts),
+        )
         r.output_token_ids.extend(extra)
         if self.alloc.allocate_slots(r, r.num_tokens) is None:
             del r.output_token_ids[len(r.output_token_ids) - len(extra) :]
-            after = (list(r.block_ids), r.num_computed_tokens, self.alloc.num_free_blocks(), list(self.alloc.pool.ref_counts))
+            after = (
+                list(r.block_ids),
+                r.num_computed_tokens,
+                self.alloc.num_free_blocks(),
+                list(self.alloc.pool.ref_counts),
+            )
             assert after == before, "a refused allocate_slots changed state"
             return False
         return True
@@ -203,8 +217,13 @@ class SharingMachine(RuleBasedStateMachine):
         self._write(r, r.num_tokens)
 
     @precondition(lambda self: self.alloc is not None and self.live)
-    @rule(actions=st.lists(st.tuples(st.sampled_from(["grow", "fork", "swap", "recompute"]), st.integers(0, 99), st.integers(1, 3)),
-                           min_size=1, max_size=6))
+    @rule(
+        actions=st.lists(
+            st.tuples(st.sampled_from(["grow", "fork", "swap", "recompute"]), st.integers(0, 99), st.integers(1, 3)),
+            min_size=1,
+            max_size=6,
+        )
+    )
     def step(self, actions: list[tuple[str, int, int]]) -> None:
         """One scheduler step: requests grow (copy-on-write), fork and are preempted in any order (a victim
         freed before a retried allocation, a fork of a block whose copy is pending, ...), then the step's
@@ -295,7 +314,9 @@ class ContiguousSharingMachine(SharingMachine):
     allocator_cls = ContiguousAllocator
 
 
-MACHINE_SETTINGS = settings(max_examples=150, stateful_step_count=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+MACHINE_SETTINGS = settings(
+    max_examples=150, stateful_step_count=40, deadline=None, suppress_health_check=[HealthCheck.too_slow]
+)
 TestPagedSharingMachine = SharingMachine.TestCase
 TestPagedSharingMachine.settings = MACHINE_SETTINGS
 TestContiguousSharingMachine = ContiguousSharingMachine.TestCase

@@ -66,9 +66,14 @@ class KV:
 
 
 def build(cls, wl: Workload, allocator_cls=PagedAllocator, kv: KV = KV()):
-    config = EngineConfig(max_num_seqs=wl.max_num_seqs, max_num_batched_tokens=wl.max_num_batched_tokens,
-                          preemption_mode=kv.preemption_mode)
-    allocator = allocator_cls(wl.num_blocks, wl.block_size, enable_prefix_caching=kv.prefix_caching, num_cpu_blocks=kv.num_cpu_blocks)
+    config = EngineConfig(
+        max_num_seqs=wl.max_num_seqs,
+        max_num_batched_tokens=wl.max_num_batched_tokens,
+        preemption_mode=kv.preemption_mode,
+    )
+    allocator = allocator_cls(
+        wl.num_blocks, wl.block_size, enable_prefix_caching=kv.prefix_caching, num_cpu_blocks=kv.num_cpu_blocks
+    )
     return cls(config, allocator)
 
 
@@ -128,7 +133,9 @@ def max_steps_for(wl: Workload) -> int:
     return last_arrival + 50 + total * (len(wl.specs) + 1) * 2
 
 
-def drive(cls, wl: Workload, allocator_cls=PagedAllocator, lookahead: int = 0, max_steps: int | None = None, kv: KV = KV()) -> Trace:
+def drive(
+    cls, wl: Workload, allocator_cls=PagedAllocator, lookahead: int = 0, max_steps: int | None = None, kv: KV = KV()
+) -> Trace:
     sched = build(cls, wl, allocator_cls, kv)
     sched.num_lookahead_tokens = lookahead
     is_fcfs = cls is FcfsScheduler
@@ -150,7 +157,10 @@ def drive(cls, wl: Workload, allocator_cls=PagedAllocator, lookahead: int = 0, m
             r = requests[i]
             was_finished = r.is_finished
             # a shared block stays held by its other tables
-            n_free, n_held = sched.allocator.num_free_blocks(), sum(sched.allocator.pool.ref_counts[b] == 1 for b in r.block_ids)
+            n_free, n_held = (
+                sched.allocator.num_free_blocks(),
+                sum(sched.allocator.pool.ref_counts[b] == 1 for b in r.block_ids),
+            )
             got = sched.abort(r.request_id)
             if was_finished:
                 assert got is None
@@ -164,7 +174,9 @@ def drive(cls, wl: Workload, allocator_cls=PagedAllocator, lookahead: int = 0, m
 
     step = 0
     while added < len(requests) or sched.has_unfinished():
-        assert step < limit, f"no progress after {step} steps: waiting={[r.request_id for r in sched.waiting]} running={[r.request_id for r in sched.running]}"
+        assert step < limit, (
+            f"no progress after {step} steps: waiting={[r.request_id for r in sched.waiting]} running={[r.request_id for r in sched.running]}"
+        )
         while added < len(requests) and specs[added].arrive_step <= step:
             sched.add(requests[added])
             added += 1
@@ -191,7 +203,9 @@ def drive(cls, wl: Workload, allocator_cls=PagedAllocator, lookahead: int = 0, m
         assert len(sched.running) <= wl.max_num_seqs
         assert len(out.scheduled) <= wl.max_num_seqs
         if is_fcfs:
-            assert out.num_tokens <= wl.max_num_batched_tokens, f"{out.num_tokens} tokens > budget {wl.max_num_batched_tokens}"
+            assert out.num_tokens <= wl.max_num_batched_tokens, (
+                f"{out.num_tokens} tokens > budget {wl.max_num_batched_tokens}"
+            )
         for s in out.scheduled:
             r = s.request
             assert r.status is RequestStatus.RUNNING and r in sched.running
@@ -259,7 +273,9 @@ def drive(cls, wl: Workload, allocator_cls=PagedAllocator, lookahead: int = 0, m
             assert r.finish_reason is FinishReason.ABORT
             assert reported.get(r.request_id, 0) == 0
             continue
-        assert reported.get(r.request_id) == 1, f"{r.request_id} reported finished {reported.get(r.request_id, 0)} times"
+        assert reported.get(r.request_id) == 1, (
+            f"{r.request_id} reported finished {reported.get(r.request_id, 0)} times"
+        )
         want = expected_outputs(r)
         if r.finish_reason is FinishReason.CAPACITY:
             assert len(r.output_token_ids) < want
@@ -271,7 +287,9 @@ def drive(cls, wl: Workload, allocator_cls=PagedAllocator, lookahead: int = 0, m
                 full = r.num_prompt_tokens + r.params.max_tokens
                 if r.max_model_len:
                     full = min(full, r.max_model_len)
-                assert not alloc.can_ever_fit(full + lookahead) or not alloc.can_ever_run(r, r.num_tokens + 1 + lookahead)
+                assert not alloc.can_ever_fit(full + lookahead) or not alloc.can_ever_run(
+                    r, r.num_tokens + 1 + lookahead
+                )
         else:
             assert r.finish_reason is FinishReason.LENGTH, (r.request_id, r.finish_reason)
             assert len(r.output_token_ids) == want, (r.request_id, len(r.output_token_ids), want)
@@ -308,7 +326,9 @@ def workloads(draw, with_aborts: bool = False) -> Workload:
     if with_aborts:
         wl.aborts = draw(
             st.lists(
-                st.tuples(st.integers(0, len(wl.specs) - 1), st.integers(0, 12), st.sampled_from(["before", "between"])),
+                st.tuples(
+                    st.integers(0, len(wl.specs) - 1), st.integers(0, 12), st.sampled_from(["before", "between"])
+                ),
                 max_size=4,
             )
         )
@@ -316,7 +336,9 @@ def workloads(draw, with_aborts: bool = False) -> Workload:
 
 
 SCHEDULERS = [FcfsScheduler, StaticScheduler]
-HYP = settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
+HYP = settings(
+    max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large]
+)
 
 
 @pytest.mark.parametrize("cls", SCHEDULERS, ids=["fcfs", "static"])
@@ -361,7 +383,9 @@ def test_fcfs_preempted_request_recomputes_prompt_and_output():
 
 
 def test_fcfs_chunks_long_prompts_to_the_token_budget():
-    wl = Workload(num_blocks=64, block_size=4, max_num_seqs=4, max_num_batched_tokens=5, specs=[Spec(0, 23, 3), Spec(0, 3, 3)])
+    wl = Workload(
+        num_blocks=64, block_size=4, max_num_seqs=4, max_num_batched_tokens=5, specs=[Spec(0, 23, 3), Spec(0, 3, 3)]
+    )
     trace = drive(FcfsScheduler, wl)
     assert all(out.num_tokens <= 5 for out in trace.outs)
     first = [s.num_new_tokens for out in trace.outs for s in out.scheduled if s.request is trace.requests[0]]
@@ -375,7 +399,9 @@ def test_fcfs_respects_max_num_seqs():
 
 
 def test_fcfs_capacity_when_prompt_can_never_fit():
-    wl = Workload(num_blocks=2, block_size=4, max_num_seqs=4, max_num_batched_tokens=64, specs=[Spec(0, 8, 4), Spec(0, 3, 2)])
+    wl = Workload(
+        num_blocks=2, block_size=4, max_num_seqs=4, max_num_batched_tokens=64, specs=[Spec(0, 8, 4), Spec(0, 3, 2)]
+    )
     trace = drive(FcfsScheduler, wl)
     big, small = trace.requests
     assert big.finish_reason is FinishReason.CAPACITY and big.output_token_ids == []  # 8 + 1 > 8 slots
@@ -414,7 +440,9 @@ def test_abort_between_schedule_and_update(cls):
     out = sched.schedule()
     assert rids(s.request for s in out.scheduled) == rids([a, b])
     sched.abort(a.request_id)
-    finished = sched.update(out, StepResult(sampled={s.request.request_id: [TOKEN] for s in out.scheduled if s.samples}))
+    finished = sched.update(
+        out, StepResult(sampled={s.request.request_id: [TOKEN] for s in out.scheduled if s.samples})
+    )
     assert finished == [] and a.output_token_ids == [] and a.block_ids == []
     assert len(b.output_token_ids) == 1
     check_blocks(sched)
@@ -423,7 +451,11 @@ def test_abort_between_schedule_and_update(cls):
 def test_static_never_admits_while_its_batch_runs():
     # a slot frees early (r0 stops after 1 token) but r2 waits for the whole batch
     wl = Workload(
-        num_blocks=64, block_size=4, max_num_seqs=2, max_num_batched_tokens=64, specs=[Spec(0, 3, 1), Spec(0, 3, 6), Spec(0, 3, 2)]
+        num_blocks=64,
+        block_size=4,
+        max_num_seqs=2,
+        max_num_batched_tokens=64,
+        specs=[Spec(0, 3, 1), Spec(0, 3, 6), Spec(0, 3, 2)],
     )
     trace = drive(StaticScheduler, wl)
     r0, r1, r2 = trace.requests

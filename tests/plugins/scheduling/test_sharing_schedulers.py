@@ -22,9 +22,13 @@ from infer.plugins.scheduling.fcfs import FcfsScheduler
 TOKEN = 7
 
 
-def make_scheduler(num_blocks=64, block_size=4, max_num_seqs=16, budget=64, prefix_caching=True, cpu_blocks=0, mode="recompute"):
+def make_scheduler(
+    num_blocks=64, block_size=4, max_num_seqs=16, budget=64, prefix_caching=True, cpu_blocks=0, mode="recompute"
+):
     config = EngineConfig(max_num_seqs=max_num_seqs, max_num_batched_tokens=budget, preemption_mode=mode)
-    return FcfsScheduler(config, PagedAllocator(num_blocks, block_size, enable_prefix_caching=prefix_caching, num_cpu_blocks=cpu_blocks))
+    return FcfsScheduler(
+        config, PagedAllocator(num_blocks, block_size, enable_prefix_caching=prefix_caching, num_cpu_blocks=cpu_blocks)
+    )
 
 
 def request(i: int, prompt: list[int], params: SamplingParams, parent: Request | None = None) -> Request:
@@ -133,7 +137,9 @@ def test_preempted_requests_resume_before_new_ones_are_admitted():
     def sample(out):
         if any(s.request is late for s in out.scheduled) and not seen:
             seen.append(True)
-            assert not [r for r in sched.waiting if r.status is RequestStatus.PREEMPTED], "admitted past a preempted request"
+            assert not [r for r in sched.waiting if r.status is RequestStatus.PREEMPTED], (
+                "admitted past a preempted request"
+            )
         return StepResult({s.request.request_id: [TOKEN] for s in out.scheduled if s.samples})
 
     run(sched, {0: rs, 3: [late]}, sample=sample)
@@ -198,7 +204,11 @@ def hf_beam_search(prompt, width, n, max_new, stops, length_penalty, early_stopp
     keep = max(2, 1 + len(stops)) * width
     running = [[] for _ in range(width)]
     run_scores = torch.tensor([0.0] + [-1e9] * (width - 1))
-    fin_scores, fin_seqs, fin_flags = torch.full((width,), -1e9), [[] for _ in range(width)], torch.zeros(width, dtype=torch.bool)
+    fin_scores, fin_seqs, fin_flags = (
+        torch.full((width,), -1e9),
+        [[] for _ in range(width)],
+        torch.zeros(width, dtype=torch.bool),
+    )
     is_open = torch.tensor(True)
     for cur in range(max_new):
         acc = (torch.stack([fake_logprobs(prompt + seq) for seq in running]) + run_scores[:, None]).flatten()
@@ -242,9 +252,16 @@ def test_beam_groups_match_hf_beam_search(case, num_blocks):
     prompts = [[1, 2, 3], [3, 1], [2, 2, 2, 2, 1]]
     groups = []
     for g, prompt in enumerate(prompts):
-        params = SamplingParams(use_beam_search=True, best_of=c["width"], n=c["n"], max_tokens=c["max_new"],
-                                length_penalty=c["lp"], early_stopping=c["es"], ignore_eos=0 not in c["stops"],
-                                stop_token_ids=sorted(c["stops"] - {0}))
+        params = SamplingParams(
+            use_beam_search=True,
+            best_of=c["width"],
+            n=c["n"],
+            max_tokens=c["max_new"],
+            length_penalty=c["lp"],
+            early_stopping=c["es"],
+            ignore_eos=0 not in c["stops"],
+            stop_token_ids=sorted(c["stops"] - {0}),
+        )
         slots = []
         for i in range(c["width"]):
             slots.append(request(10 * g + i, prompt, params, slots[0] if slots else None))

@@ -21,13 +21,23 @@ def _slot_base(slot_mapping_ptr, t, block_size, stride_cb, stride_cs):
 
 @triton.jit
 def _cache_write_kernel(
-    k_ptr, v_ptr,  # [T, Hkv, D], any strides (k, v are often views into a fused qkv)
-    k_cache_ptr, v_cache_ptr,  # [num_blocks, block_size, Hkv, D]
+    k_ptr,
+    v_ptr,  # [T, Hkv, D], any strides (k, v are often views into a fused qkv)
+    k_cache_ptr,
+    v_cache_ptr,  # [num_blocks, block_size, Hkv, D]
     slot_mapping_ptr,  # [T] int64
-    stride_kt, stride_kh, stride_vt, stride_vh,
-    stride_cb, stride_cs, stride_ch,  # cache strides (block, slot, head); D is contiguous
-    block_size, num_kv_heads, head_dim,
-    BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr,
+    stride_kt,
+    stride_kh,
+    stride_vt,
+    stride_vh,
+    stride_cb,
+    stride_cs,
+    stride_ch,  # cache strides (block, slot, head); D is contiguous
+    block_size,
+    num_kv_heads,
+    head_dim,
+    BLOCK_H: tl.constexpr,
+    BLOCK_D: tl.constexpr,
     USE_PDL: tl.constexpr,
 ):
     wait_and_release(USE_PDL)
@@ -55,11 +65,23 @@ def cache_write(
     assert k.stride(-1) == 1 and v.stride(-1) == 1 and k_cache.stride(-1) == 1, "head_dim must be contiguous"
     assert k_cache.stride() == v_cache.stride()
     _cache_write_kernel[(num_tokens,)](
-        k, v, k_cache, v_cache, slot_mapping,
-        k.stride(0), k.stride(1), v.stride(0), v.stride(1),
-        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
-        k_cache.shape[1], num_kv_heads, head_dim,
-        BLOCK_H=triton.next_power_of_2(num_kv_heads), BLOCK_D=triton.next_power_of_2(head_dim),
+        k,
+        v,
+        k_cache,
+        v_cache,
+        slot_mapping,
+        k.stride(0),
+        k.stride(1),
+        v.stride(0),
+        v.stride(1),
+        k_cache.stride(0),
+        k_cache.stride(1),
+        k_cache.stride(2),
+        k_cache.shape[1],
+        num_kv_heads,
+        head_dim,
+        BLOCK_H=triton.next_power_of_2(num_kv_heads),
+        BLOCK_D=triton.next_power_of_2(head_dim),
         **kernel_args(k.device),
     )
 
@@ -67,15 +89,27 @@ def cache_write(
 @triton.jit
 def _rotary_cache_write_kernel(
     pos_ptr,  # [T] positions
-    q_ptr, k_ptr, v_ptr,  # [T, H, D], [T, Hkv, D], [T, Hkv, D]: views into a fused qkv (token strides given)
-    cos_ptr, sin_ptr,  # [P, D/2] float32
+    q_ptr,
+    k_ptr,
+    v_ptr,  # [T, H, D], [T, Hkv, D], [T, Hkv, D]: views into a fused qkv (token strides given)
+    cos_ptr,
+    sin_ptr,  # [P, D/2] float32
     q_out_ptr,  # [T, H, D] contiguous
-    k_cache_ptr, v_cache_ptr,  # [num_blocks, block_size, Hkv, D]
+    k_cache_ptr,
+    v_cache_ptr,  # [num_blocks, block_size, Hkv, D]
     slot_mapping_ptr,  # [T] int64
-    stride_qt, stride_kt, stride_vt,
-    stride_cb, stride_cs, stride_ch,
+    stride_qt,
+    stride_kt,
+    stride_vt,
+    stride_cb,
+    stride_cs,
+    stride_ch,
     block_size,
-    NUM_Q: tl.constexpr, NUM_KV: tl.constexpr, HALF: tl.constexpr, BLOCK_HQ: tl.constexpr, BLOCK_HKV: tl.constexpr,
+    NUM_Q: tl.constexpr,
+    NUM_KV: tl.constexpr,
+    HALF: tl.constexpr,
+    BLOCK_HQ: tl.constexpr,
+    BLOCK_HKV: tl.constexpr,
     USE_PDL: tl.constexpr,
 ):
     wait_and_release(USE_PDL)
@@ -127,11 +161,29 @@ def rotary_cache_write(
     q_out = torch.empty(num_tokens, num_q, head_dim, dtype=q.dtype, device=q.device)
     if num_tokens:
         _rotary_cache_write_kernel[(num_tokens,)](
-            positions, q, k, v, cos, sin, q_out, k_cache, v_cache, slot_mapping,
-            q.stride(0), k.stride(0), v.stride(0),
-            k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), k_cache.shape[1],
-            NUM_Q=num_q, NUM_KV=num_kv, HALF=head_dim // 2, BLOCK_HQ=triton.next_power_of_2(num_q),
-            BLOCK_HKV=triton.next_power_of_2(num_kv), **kernel_args(q.device),
+            positions,
+            q,
+            k,
+            v,
+            cos,
+            sin,
+            q_out,
+            k_cache,
+            v_cache,
+            slot_mapping,
+            q.stride(0),
+            k.stride(0),
+            v.stride(0),
+            k_cache.stride(0),
+            k_cache.stride(1),
+            k_cache.stride(2),
+            k_cache.shape[1],
+            NUM_Q=num_q,
+            NUM_KV=num_kv,
+            HALF=head_dim // 2,
+            BLOCK_HQ=triton.next_power_of_2(num_q),
+            BLOCK_HKV=triton.next_power_of_2(num_kv),
+            **kernel_args(q.device),
         )
     return q_out
 

@@ -44,15 +44,25 @@ def _decode_kernel(
     part_max_ptr,  # [S, H, P] fp32: per-partition max logit (log2 units)
     part_sum_ptr,  # [S, H, P] fp32: per-partition sum of exp2(logit - max)
     q_ptr,  # [T, H, D]
-    k_cache_ptr, v_cache_ptr,  # [num_blocks, block_size, Hkv, D]
+    k_cache_ptr,
+    v_cache_ptr,  # [num_blocks, block_size, Hkv, D]
     block_tables_ptr,  # [B, max_blocks] int32
     seq_lens_ptr,  # [B] int32, context + the new token
     scale_log2,  # softmax scale * log2(e)
-    stride_qt, stride_qh, stride_ot, stride_oh,
-    stride_cb, stride_cs, stride_ch,
+    stride_qt,
+    stride_qh,
+    stride_ot,
+    stride_oh,
+    stride_cb,
+    stride_cs,
+    stride_ch,
     stride_bt,
-    stride_ps, stride_ph,  # part_out strides; part_max/sum are [S, H, P] contiguous
-    block_size, head_dim, group, max_partitions,
+    stride_ps,
+    stride_ph,  # part_out strides; part_max/sum are [S, H, P] contiguous
+    block_size,
+    head_dim,
+    group,
+    max_partitions,
     SPLIT: tl.constexpr,
     DOT_DTYPE: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
@@ -120,10 +130,16 @@ def _decode_kernel(
 @triton.jit
 def _reduce_kernel(
     out_ptr,  # [T, H, D]
-    part_out_ptr, part_max_ptr, part_sum_ptr,  # as in _decode_kernel
+    part_out_ptr,
+    part_max_ptr,
+    part_sum_ptr,  # as in _decode_kernel
     seq_lens_ptr,
-    stride_ot, stride_oh, stride_ps, stride_ph,
-    head_dim, max_partitions,
+    stride_ot,
+    stride_oh,
+    stride_ps,
+    stride_ph,
+    head_dim,
+    max_partitions,
     BLOCK_N: tl.constexpr,
     BLOCK_D: tl.constexpr,
     USE_PDL: tl.constexpr,
@@ -188,22 +204,54 @@ def paged_decode(
         part_out = part_max = part_sum = out  # unused when SPLIT is False
         max_partitions, stride_ps, stride_ph = 1, 0, 0
     _decode_kernel[(num_seqs, num_kv_heads, max_partitions)](
-        out, part_out, part_max, part_sum, q, k_cache, v_cache, block_tables, seq_lens,
+        out,
+        part_out,
+        part_max,
+        part_sum,
+        q,
+        k_cache,
+        v_cache,
+        block_tables,
+        seq_lens,
         scale * LOG2E,
-        q.stride(0), q.stride(1), out.stride(0), out.stride(1),
-        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
+        q.stride(0),
+        q.stride(1),
+        out.stride(0),
+        out.stride(1),
+        k_cache.stride(0),
+        k_cache.stride(1),
+        k_cache.stride(2),
         block_tables.stride(0),
-        stride_ps, stride_ph,
-        block_size, head_dim, group, max_partitions,
+        stride_ps,
+        stride_ph,
+        block_size,
+        head_dim,
+        group,
+        max_partitions,
         SPLIT=scratch is not None,
-        DOT_DTYPE=dot_dtype, DOT_PRECISION=precision,
-        GROUP_PAD=group_pad, BLOCK_N=block_n, BLOCK_D=block_d,
-        num_warps=num_warps, num_stages=num_stages, **pdl,
+        DOT_DTYPE=dot_dtype,
+        DOT_PRECISION=precision,
+        GROUP_PAD=group_pad,
+        BLOCK_N=block_n,
+        BLOCK_D=block_d,
+        num_warps=num_warps,
+        num_stages=num_stages,
+        **pdl,
     )
     if scratch is not None:
         _reduce_kernel[(num_seqs, num_heads)](
-            out, part_out, part_max, part_sum, seq_lens,
-            out.stride(0), out.stride(1), stride_ps, stride_ph,
-            head_dim, max_partitions,
-            BLOCK_N=block_n, BLOCK_D=block_d, **pdl,
+            out,
+            part_out,
+            part_max,
+            part_sum,
+            seq_lens,
+            out.stride(0),
+            out.stride(1),
+            stride_ps,
+            stride_ph,
+            head_dim,
+            max_partitions,
+            BLOCK_N=block_n,
+            BLOCK_D=block_d,
+            **pdl,
         )

@@ -25,12 +25,24 @@ LOG2E = 1.4426950408889634
 
 @triton.jit
 def _attend(
-    acc, l_i, m_i,  # running output [M, D], exp sum [M], max logit [M] (fp32, log2 units)
-    q, q_pos,  # [M, D] queries, [M] their positions
-    k_cache_ptr, v_cache_ptr, table,  # table: this sequence's row of block_tables
-    kv_head, start, end, kv_end, scale_log2,
-    stride_cb, stride_cs, stride_ch,
-    block_size, head_dim,
+    acc,
+    l_i,
+    m_i,  # running output [M, D], exp sum [M], max logit [M] (fp32, log2 units)
+    q,
+    q_pos,  # [M, D] queries, [M] their positions
+    k_cache_ptr,
+    v_cache_ptr,
+    table,  # table: this sequence's row of block_tables
+    kv_head,
+    start,
+    end,
+    kv_end,
+    scale_log2,
+    stride_cb,
+    stride_cs,
+    stride_ch,
+    block_size,
+    head_dim,
     CAUSAL: tl.constexpr,  # False: every key in [start, end) is visible to every row, skip the masks
     DOT_DTYPE: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
@@ -67,17 +79,25 @@ def _attend(
 def _prefill_kernel(
     out_ptr,  # [T, H, D]
     q_ptr,  # [T, H, D]
-    k_cache_ptr, v_cache_ptr,  # [num_blocks, block_size, Hkv, D]
+    k_cache_ptr,
+    v_cache_ptr,  # [num_blocks, block_size, Hkv, D]
     block_tables_ptr,  # [B, max_blocks] int32
     seq_lens_ptr,  # [B] int32, context + new tokens
     cu_seqlens_q_ptr,  # [B + 1] int32
     q_block_seq_ptr,  # [num_q_blocks] int32: query block -> sequence
     q_block_start_ptr,  # [num_q_blocks] int32: query block -> first new token, within its sequence
     scale_log2,  # softmax scale * log2(e)
-    stride_qt, stride_qh, stride_ot, stride_oh,
-    stride_cb, stride_cs, stride_ch,
+    stride_qt,
+    stride_qh,
+    stride_ot,
+    stride_oh,
+    stride_cb,
+    stride_cs,
+    stride_ch,
     stride_bt,
-    block_size, head_dim, group,
+    block_size,
+    head_dim,
+    group,
     DOT_DTYPE: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
     BLOCK_M: tl.constexpr,
@@ -114,14 +134,54 @@ def _prefill_kernel(
     kv_end = tl.minimum(seq_len, ctx_len + q_start + BLOCK_Q)
     full_end = (ctx_len + q_start) // BLOCK_N * BLOCK_N
     acc, l_i, m_i = _attend(
-        acc, l_i, m_i, q, q_pos, k_cache_ptr, v_cache_ptr, table, kv_head, 0, full_end, kv_end, scale_log2,
-        stride_cb, stride_cs, stride_ch, block_size, head_dim,
-        False, DOT_DTYPE, DOT_PRECISION, BLOCK_N, BLOCK_D,
+        acc,
+        l_i,
+        m_i,
+        q,
+        q_pos,
+        k_cache_ptr,
+        v_cache_ptr,
+        table,
+        kv_head,
+        0,
+        full_end,
+        kv_end,
+        scale_log2,
+        stride_cb,
+        stride_cs,
+        stride_ch,
+        block_size,
+        head_dim,
+        False,
+        DOT_DTYPE,
+        DOT_PRECISION,
+        BLOCK_N,
+        BLOCK_D,
     )
     acc, l_i, m_i = _attend(
-        acc, l_i, m_i, q, q_pos, k_cache_ptr, v_cache_ptr, table, kv_head, full_end, kv_end, kv_end, scale_log2,
-        stride_cb, stride_cs, stride_ch, block_size, head_dim,
-        True, DOT_DTYPE, DOT_PRECISION, BLOCK_N, BLOCK_D,
+        acc,
+        l_i,
+        m_i,
+        q,
+        q_pos,
+        k_cache_ptr,
+        v_cache_ptr,
+        table,
+        kv_head,
+        full_end,
+        kv_end,
+        kv_end,
+        scale_log2,
+        stride_cb,
+        stride_cs,
+        stride_ch,
+        block_size,
+        head_dim,
+        True,
+        DOT_DTYPE,
+        DOT_PRECISION,
+        BLOCK_N,
+        BLOCK_D,
     )
 
     out = (acc / l_i[:, None]).to(out_ptr.dtype.element_ty)
@@ -170,13 +230,33 @@ def paged_prefill(
     num_kv_heads, block_size = k_cache.shape[2], k_cache.shape[1]
     dot_dtype, precision = dot_config(q.dtype)
     _prefill_kernel[(num_q_blocks, num_kv_heads)](
-        out, q, k_cache, v_cache, block_tables, seq_lens, cu_seqlens_q, q_block_seq, q_block_start,
+        out,
+        q,
+        k_cache,
+        v_cache,
+        block_tables,
+        seq_lens,
+        cu_seqlens_q,
+        q_block_seq,
+        q_block_start,
         scale * LOG2E,
-        q.stride(0), q.stride(1), out.stride(0), out.stride(1),
-        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
+        q.stride(0),
+        q.stride(1),
+        out.stride(0),
+        out.stride(1),
+        k_cache.stride(0),
+        k_cache.stride(1),
+        k_cache.stride(2),
         block_tables.stride(0),
-        block_size, head_dim, num_heads // num_kv_heads,
-        DOT_DTYPE=dot_dtype, DOT_PRECISION=precision,
-        BLOCK_M=block_m, BLOCK_Q=block_q, BLOCK_N=block_n, BLOCK_D=triton.next_power_of_2(head_dim),
-        num_warps=num_warps, num_stages=num_stages,
+        block_size,
+        head_dim,
+        num_heads // num_kv_heads,
+        DOT_DTYPE=dot_dtype,
+        DOT_PRECISION=precision,
+        BLOCK_M=block_m,
+        BLOCK_Q=block_q,
+        BLOCK_N=block_n,
+        BLOCK_D=triton.next_power_of_2(head_dim),
+        num_warps=num_warps,
+        num_stages=num_stages,
     )
