@@ -1,29 +1,28 @@
 """A one-token decode step's tensor-parallel sums, pushed by the GEMVs that make them.
 
 Under tensor parallelism each decoder layer sums two row-parallel outputs (o_proj's, down_proj's)
-over the ranks, and at batch 1 that sum is latency, not bandwidth: 8 KiB for Llama-2-7B. FlashInfer's
-one-shot all-reduce (`--all-reduce flashinfer`) is a kernel of its own that reads the GEMV's output,
-writes it into every rank's buffer over peer memory, waits for the others' and sums, with the
-residual add and RMSNorm: on two H200s it added about 5 us to each of a Llama-2-7B step's 65 sums,
-where a plain RMSNorm adds 2.5.
+over the ranks, and at batch 1 that sum is latency, not bandwidth (8 KiB for Llama-2-7B). Rather
+than an all-reduce kernel of its own after the GEMV, the row-parallel GEMV (`triton_gemv`, a
+plugin's matmul that takes `push=`) stores each output row straight into every rank's exchange slot
+as it is computed, and the kernel after it (`triton_layers.lamport_reduce`) only waits for the
+parts, sums them in rank order (the same bits on every rank), adds the residual and normalises;
+under PDL it starts while the GEMV still runs and reads the parts as they arrive. Arrival needs no
+flags (the Lamport protocol, as in TensorRT-LLM's one-shot kernels): a slot holds -0.0 until
+written, a pushed -0.0 is stored as +0.0, and the reader polls until no -0.0 is left, then resets
+the slot to -0.0.
 
-Here the row-parallel GEMV (`triton_gemv`, a plugin's matmul that takes `push=`) stores each output
-row straight into every rank's exchange slot as it is computed, and the kernel after it
-(`triton_layers.lamport_reduce`) only waits for the parts, sums them in rank order (the same bits on
-every rank), adds the residual and normalises; under PDL it starts while the GEMV still runs and
-reads the parts as they arrive. Llama-2-7B, batch 1, two H200s: 2.320 -> 2.262 ms per token
-(decode forward 2.277 -> 2.220 ms). Arrival needs no flags (the Lamport protocol, as in
-TensorRT-LLM's one-shot kernels): a slot holds -0.0 until written, a pushed -0.0 is stored as +0.0,
-and the reader polls until no -0.0 is left, then resets the slot to -0.0.
+A one-token step's vocab-parallel embedding goes the same way: each rank pushes its row (or zeros)
+into a third slot, and the first layer's norm sums and normalises it (`embed_target`); one slot
+serves every step, as all of a step's sums come between two of its uses.
 
-A one-token step's vocab-parallel embedding goes the same way: each rank pushes its row (or
-zeros) into a third slot, and the first layer's norm sums and normalises it (`embed_target`); one
-slot serves every step, as all of a step's sums come between two of its uses.
+Two slots, used in turn, suffice for the layers' sums: a rank writes a slot again only after every
+rank has pushed the part after it, and a rank pushes only after its reader of the slot before has
+finished (and reset it). A step makes two sums per layer, an even number, so each step starts on
+slot 0 and a captured CUDA graph replays the same slots. Only one-row steps push; others take the
+all-reduce. Requires fp16 or bf16 activations (`DTYPES`), slots mapped over CUDA IPC (FlashInfer's
+`cuda_ipc`), and every push reduced before the next target is handed out.
 
-Two slots, used in turn, suffice for the layers' sums: a rank writes a slot again only after every rank has pushed the
-part after it, and a rank pushes only after its reader of the slot before has finished (and reset
-it). A step makes two sums per layer, an even number, so each step starts on slot 0 and a captured
-CUDA graph replays the same slots. Only one-row steps push; others take the all-reduce.
+What it saves over FlashInfer's fused all-reduce, measured: docs/performance.md, "Lamport exchange".
 """
 
 from __future__ import annotations

@@ -3,7 +3,7 @@ capability 9.0 or newer outside the Triton interpreter, unless `INFER_PDL=0`. A 
 blocks may be scheduled while the kernel before it finishes; each waits on the GPU for that kernel
 before reading anything, so results are those of plain launches. This project's Triton kernels take
 it through `infer.plugins.triton_pdl`, FlashInfer's all-reduce through its `launch_with_pdl`.
-Measured with `scripts/gpu_pdl.py` (each run its own process, INFER_PDL=0 and 1)."""
+What PDL saves, and how it was measured: docs/performance.md, "Programmatic dependent launch"."""
 
 from __future__ import annotations
 

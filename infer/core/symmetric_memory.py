@@ -2,7 +2,7 @@
 
 A decode step of a tensor-parallel Llama sums one `[batch, hidden]` activation over the ranks twice per
 layer (65 times a step for Llama-2-7B). At batch 1 that is 8 KiB, and NCCL's ring spends most of its
-~15-25 us on protocol rather than bytes. PyTorch's one-shot all-reduce
+time on protocol rather than bytes. PyTorch's one-shot all-reduce
 (`torch.ops.symm_mem.one_shot_all_reduce_copy_out`) is one kernel: each rank copies its input into a
 buffer every rank has mapped (CUDA peer memory over NVLink), the ranks meet at a barrier of signal
 flags, and each rank reads all the buffers and sums them. It is capturable in CUDA graphs.
@@ -24,8 +24,8 @@ import torch
 from infer.core.distributed import peer_gpus_reason
 
 SUPPORTED_DTYPES = (torch.bfloat16, torch.float32)  # what the one-shot kernel is compiled for
-# tensors up to this size go through symmetric memory, larger ones NCCL: on two H200s the one-shot
-# kernel took 6.6 us for 8 KiB (NCCL 19.4), 36.4 us for 4 MiB (NCCL 42.0) and lost at 8 MiB (62.9 vs 57.6)
+# tensors up to this size go through symmetric memory, larger ones NCCL: the one-shot kernel won up to
+# 4 MiB and lost at 8 MiB on two H200s (docs/performance.md, "Symmetric-memory all-reduce")
 DEFAULT_MAX_BYTES = 4 << 20
 # Rendezvous this process has done. Torch numbers the store keys of its symmetric-memory rendezvous
 # with a counter per process (StoreExchange's sequence id), so ranks can rendezvous only while they

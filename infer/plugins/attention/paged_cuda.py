@@ -3,8 +3,8 @@
 Per layer, `forward` launches (see `triton_kernels/`): the cache write, the
 paged decode kernel over the leading `num_decode_seqs` sequences (splitting each context into
 partitions when the batch is too small to fill the GPU, plus a kernel that combines them),
-and the varlen causal prefill kernel over the rest (one decode kernel that also writes the cache
-and combines its partitions was measured slower on an H100: `triton_kernels/decode.py`).
+and the varlen causal prefill kernel over the rest (why three launches, not one:
+docs/performance.md, "Paged decode attention").
 Everything that depends only on the step's layout is decided once in `plan`. Decode-only steps
 launch with fixed grids into scratch allocated at construction and never sync with the host, so
 they can be captured in a CUDA graph (one graph per decode batch size).
@@ -82,9 +82,8 @@ class PagedCudaAttention:
         on_gpu = spec.device.type == "cuda"
         num_sms = torch.cuda.get_device_properties(spec.device).multi_processor_count if on_gpu else 132
         if split_below_programs is None:
-            # Measured on an H200 (132 SMs), bf16, 8 KV heads, fraction of copy bandwidth unsplit ->
-            # split in 512-token partitions: 64 programs 0.25 -> 0.62, 128 programs 0.44 -> 0.60,
-            # 256 programs 0.67 -> 0.58, 512 programs 0.91 -> 0.82. The crossover lies between.
+            # split below 1.5 programs per SM: splitting won at 128 (sequence, KV head) programs
+            # and lost at 256 on an H200 (docs/performance.md, "Split-K crossover")
             split_below_programs = 3 * num_sms // 2
         self.split_below_programs = split_below_programs
         self.split_programs = 4 * num_sms if split_programs is None else split_programs

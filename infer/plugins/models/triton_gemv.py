@@ -9,14 +9,13 @@ are read once per step, so they are loaded evict-first to keep the activations i
 programmatic dependent (`triton_pdl`), it loads its first weight tile before
 waiting for the kernel that wrote x.
 
-Tile shapes are tuned per (N, K, dtype, device) on the GPU at the first call (which the engine makes
-in its warm-up, before any CUDA graph is captured), the way a decode step runs them: each candidate
+Tile shapes (BLOCK_N, BLOCK_K, num_warps from CANDIDATES) are tuned once per (N, K, dtypes, device)
+at the first call for a shape, which must come before any CUDA graph capture (the engine's warm-up
+makes it; inside a capture it raises): each candidate is timed the way a decode step runs it,
 launched back to back in a CUDA graph over weights that do not fit in L2 (copies of the weight's
-shape when it would), launched as programmatic dependents when those are on. Timed one call at a
-time instead (Triton's autotuner), the launch and ramp-up of each call weigh in and the winner is
-another tile: on an H200 3-10% slower back to back for Llama-2-7B's o and down projections. One
-tile per shape serves the plain, PDL and gated forms, so all give the same bits. Under
-TRITON_INTERPRET=1 one small tile is used.
+shape when it would), as programmatic dependents when those are on. One tile per shape serves the
+plain, PDL and gated forms, so all give the same bits. Under TRITON_INTERPRET=1 one small tile is
+used. Why not Triton's autotuner, and what was measured: docs/performance.md, "Weight-streaming GEMV".
 """
 
 from __future__ import annotations
@@ -134,8 +133,8 @@ def _gemv_kernel(
     rows = tl.where(row_ok, rows, 0)  # out-of-range rows re-read row 0 (harmless, never stored)
     w_rows = w_ptr + rows[:, None].to(tl.int64) * stride_w
     # the weights are no kernel's output: the first tile's loads go out before the wait for the kernel
-    # before (under PDL, while it finishes), and only x waits for it. (Loading 2 or 4 tiles ahead was
-    # slower: x2 H200, llama2-7b batch 1, tp1 3.629 -> 3.880 / 3.783 ms, tp2 2.333 -> 2.454 / 2.484.)
+    # before (under PDL, while it finishes), and only x waits for it. One tile ahead, not more
+    # (docs/performance.md, "Weight-streaming GEMV").
     w = _load_w(w_rows, 0, K, BLOCK_K)
     wait_and_release(USE_PDL)
     acc = _tile_product(w, x_ptr, 0, K, BLOCK_K, GATED)

@@ -215,7 +215,7 @@ def _lamport_add_norm_kernel(
     # Under PDL this kernel starts while the GEMV that pushes this rank's part still runs: the parts
     # are read as they arrive, and the wait for the GEMV to finish comes only before the stores (the
     # outputs may be memory the GEMV still reads, handed on by the caching allocator). Waiting first,
-    # as the other kernels do: x2 H200, llama2-7b tp 2, 2.295 ms a token, against 2.262.
+    # as the other kernels do, was slower (docs/performance.md, "Lamport exchange").
     if USE_PDL:
         tl.extra.cuda.gdc_launch_dependents()
     cols = tl.arange(0, BLOCK)
@@ -269,7 +269,7 @@ def lamport_reduce(
         RESIDUAL=residual is not None,
         num_warps=16,
         **kernel_args(slot.device),
-    )  # x2 H200, llama2-7b tp 2: 8 warps 2.247 ms a step, 16 2.238
+    )  # 16 warps: faster than 8 at tp 2 (docs/performance.md, "Lamport exchange")
     return (out, res_out) if norm else out
 
 

@@ -11,18 +11,11 @@ valid); a partition spans cdiv(cdiv(seq_len, num_splits), BLOCK_N) tiles, worked
 from the sequence's current length, so every split has work however long the context is now.
 Each writes its normalised output plus its max and sum, and `_reduce_kernel` combines them.
 
-Combining the partitions in the decode kernel itself (the last partition of a (sequence, KV head) to
-finish, found with an atomic counter) and writing the step's new K/V there (no cache-write kernel)
-made a decode-only step one launch instead of three, and was measured on an H100 in CUDA graphs:
-batch 64 x 1024 tokens 0.13 ms against 0.10 (GQA 32/8) and 0.40 against 0.36 (MHA), batch 1 x 4096
-tokens 42.2 against 33.7 us, batch 1 x 256 tokens 8.22 against 8.21 us, and llama2-7b's batch-1
-step 5.221 against 5.218 ms. The three launches stay.
-
 Scores and P @ V are `tl.dot`s with the group padded to 16 rows (the MMA minimum), even for MHA
-(group 1). Decode is memory-bound either way; the padded MMA wastes FLOPs nobody is short of. On
-an H200 (bf16, batch 64 x 1024 tokens, block_n 64) it reached 0.97 of copy bandwidth for 32 KV
-heads, where the elementwise form (broadcast [G, N, D] products, `tl.sum` over D) reached at most
-0.34, and 0.08 for GQA 32/8.
+(group 1); the padding rows are zero queries, never stored. The cache write, this kernel and the
+reduce are three launches. Requires: K/V caches [num_blocks, block_size, Hkv, D] with D contiguous,
+H a multiple of Hkv, `seq_lens` counting the new token (already in the cache). Why the kernel looks
+as it does, with the measurements: docs/performance.md, "Paged decode attention".
 """
 
 from __future__ import annotations
