@@ -95,11 +95,13 @@ class LLM:
         by `chat_template` (a jinja file's path or text; default: the model's or --chat-template's).
         chat_template_kwargs reach the template (enable_thinking, ...); tools are OpenAI-style dicts.
         A conversation the template cannot render gets an output with `error` set; the others run."""
-        from infer.core.chat_template import chat_token_ids, check_template_kwargs, load_chat_template, template_for
+        from infer.core.chat_template import check_template_kwargs, load_chat_template, render_chat, template_for
 
         conversations = [messages] if messages and isinstance(messages[0], Mapping) else list(messages)
         template = template_for(self.engine.tokenizer, load_chat_template(chat_template))
-        check_template_kwargs(self.engine.tokenizer, chat_template_kwargs)  # the call's, not one conversation's
+        kwargs = check_template_kwargs(
+            self.engine.tokenizer, chat_template_kwargs
+        )  # the call's, not one conversation's
         if isinstance(sampling_params, (list, tuple)) and len(sampling_params) != len(conversations):
             raise RequestError(
                 f"got {len(conversations)} conversations but {len(sampling_params)} SamplingParams: pass one, or one per conversation"
@@ -108,13 +110,13 @@ class LLM:
         errors: dict[int, str] = {}
         for i, conversation in enumerate(conversations):
             try:
-                prompts[i] = chat_token_ids(
+                prompts[i] = render_chat(
                     self.engine.tokenizer,
                     conversation,
                     template,
-                    add_generation_prompt,  # type: ignore[arg-type]
-                    chat_template_kwargs,
-                    tools,
+                    add_generation_prompt,
+                    kwargs,
+                    tools,  # type: ignore[arg-type]
                 )
             except RequestError as exc:
                 errors[i] = str(exc)

@@ -13,6 +13,7 @@ from pathlib import Path
 from typing import Any
 
 from infer.core.errors import ConfigError, RequestError, one_line
+from infer.core.prompts import check_encodable
 
 
 def load_chat_template(value: str | None) -> str | None:
@@ -73,9 +74,23 @@ def chat_token_ids(
     """The prompt ids of one conversation. chat_template_kwargs reach the template as variables
     (enable_thinking, ...); tools are OpenAI-style function dicts. A conversation the template cannot
     render is a RequestError naming why."""
+    template = template_for(tokenizer, chat_template)
+    kwargs = check_template_kwargs(tokenizer, chat_template_kwargs)
+    return render_chat(tokenizer, messages, template, add_generation_prompt, kwargs, tools)
+
+
+def render_chat(
+    tokenizer: Any,
+    messages: Sequence[Mapping[str, Any]],
+    template: str,
+    add_generation_prompt: bool,
+    kwargs: dict[str, Any],
+    tools: Sequence[Mapping[str, Any]] | None,
+) -> list[int]:
+    """`chat_token_ids` with the template and its kwargs already resolved (`template_for`,
+    `check_template_kwargs`): a chat call resolves them once for all its conversations."""
     from jinja2 import TemplateError
 
-    template = template_for(tokenizer, chat_template)
     if isinstance(messages, (str, bytes, Mapping)) or not isinstance(messages, Sequence) or not messages:
         raise RequestError(
             "a conversation is a non-empty list of {'role': ..., 'content': ...} dicts: fix the messages"
@@ -83,16 +98,8 @@ def chat_token_ids(
     for i, m in enumerate(messages):
         if not isinstance(m, Mapping) or not isinstance(m.get("role"), str):
             raise RequestError(f"message {i} of the conversation is not a dict with a 'role' string: fix the messages")
-        content = m.get("content")
-        if isinstance(content, str):
-            try:
-                content.encode("utf-8")
-            except UnicodeEncodeError as exc:  # a lone surrogate ("\ud800"): no tokenizer can encode it
-                raise RequestError(
-                    f"message {i}'s content is not valid Unicode: {content[exc.start]!r} at index "
-                    f"{exc.start} is a lone surrogate; fix the text"
-                ) from None
-    kwargs = check_template_kwargs(tokenizer, chat_template_kwargs)
+        if isinstance(m.get("content"), str):
+            check_encodable(m["content"], f"message {i}'s content")
     try:
         out = tokenizer.apply_chat_template(
             [dict(m) for m in messages], tools=list(tools) if tools is not None else None, chat_template=template,

@@ -67,14 +67,19 @@ def _split_dict(prompt: dict, vocab_size: int) -> tuple[str | None, list[int] | 
 def check_text(text: str) -> str:
     if not text:
         raise RequestError("empty prompt: give at least one character or token id")
+    check_encodable(text, "prompt")
+    return text
+
+
+def check_encodable(text: str, what: str) -> None:
+    """`what` (a prompt, a chat message's content) names the text in the error."""
     try:
         text.encode("utf-8")
     except UnicodeEncodeError as exc:  # a lone surrogate ("\ud800"): no tokenizer can encode it
         raise RequestError(
-            f"prompt is not valid Unicode: {text[exc.start]!r} at index {exc.start} is a lone "
+            f"{what} is not valid Unicode: {text[exc.start]!r} at index {exc.start} is a lone "
             f"surrogate; fix the text (decode bytes with errors='replace')"
         ) from None
-    return text
 
 
 def _check_ids(ids: list | tuple, vocab_size: int) -> list[int]:
