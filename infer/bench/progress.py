@@ -38,12 +38,13 @@ class ProgressLines:
     def __post_init__(self) -> None:
         self.started = self.last = self.clock()
 
-    def line(self, now: float) -> str:
+    def line(self, now: float, unfinished_tokens: int = 0) -> str:
+        """unfinished_tokens: output tokens of requests still running, counted in the rate."""
         elapsed = max(now - self.started, 1e-9)
         rate = self.done / elapsed  # requests per second so far
         eta = f", ETA {_duration((self.total - self.done) / rate)}" if 0 < self.done < self.total else ""
         return (
-            f"{self.label}: {self.done}/{self.total} requests, {self.output_tokens / elapsed:,.1f} out tok/s, "
+            f"{self.label}: {self.done}/{self.total} requests, {(self.output_tokens + unfinished_tokens) / elapsed:,.1f} out tok/s, "
             f"{_duration(elapsed)} elapsed{eta}"
         )
 
@@ -62,12 +63,7 @@ class ProgressLines:
         if now - self.last < self.interval_s:
             return
         self.last = now
-        in_flight = sum(len(r.output_token_ids) for r in engine.requests.values())
-        self.output_tokens += in_flight
-        try:
-            self.echo(self.line(now))
-        finally:
-            self.output_tokens -= in_flight
+        self.echo(self.line(now, sum(len(r.output_token_ids) for r in engine.requests.values())))
 
 
 @contextlib.contextmanager

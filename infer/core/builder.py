@@ -93,9 +93,11 @@ def _check_draft(
     target: str,
     model_config: Any,
     max_model_len: int,
+    layers: Layers,
     name_or_path: str | None = None,
 ) -> Any:
-    """The draft model's source, found and checked against the target (config.json only, no weights)."""
+    """The draft model's source, found and checked against the target (config.json and the weights'
+    headers, no weights)."""
     draft_source = resolve_source(name_or_path or str(config.draft), registry, config.load_format)
     draft_config = draft_source.model_config()
     if draft_config.vocab_size != model_config.vocab_size:
@@ -108,6 +110,8 @@ def _check_draft(
             f"draft {draft_source.name} holds {draft_config.max_position_embeddings} positions, fewer than the "
             f"context of {max_model_len}: lower --max-model-len to at most that"
         )
+    if draft_source.path is not None:
+        check_weight_shapes(meta_model(draft_source, draft_config, layers), draft_source.path)
     return draft_source
 
 
@@ -154,12 +158,12 @@ def build_engine(
     if config.exit_layer is not None and not 1 <= config.exit_layer <= model_config.num_layers:
         raise ConfigError(f"--exit-layer must be in [1, {model_config.num_layers}] for {source.name}")
     layers = Layers(**{kind: registry.layer(kind, device.type) for kind in LAYER_KINDS})
-    if source.path is not None and (parallel is None or parallel.is_driver):  # headers only: no weight is read
+    if source.path is not None and parallel is None:  # once per process, before any rank starts; headers only
         check_weight_shapes(meta_model(source, model_config, layers), source.path)
     # every check that needs no weights comes before the first weights load: the draft's, the cache's
     draft_source = None
     if composition.decoder.capabilities.needs_draft and config.draft not in ("ngram", "self"):
-        draft_source = _check_draft(config, registry, source.name, model_config, max_model_len)
+        draft_source = _check_draft(config, registry, source.name, model_config, max_model_len, layers)
     lookahead = (
         config.num_speculative_tokens if composition.decoder.capabilities.needs_draft else 0
     )  # the decoder's, once built
@@ -196,7 +200,9 @@ def build_engine(
     def build_model(name_or_path: str, num_layers: int | None = None) -> ModelRunner:
         nonlocal draft_source
         if draft_source is None or name_or_path != config.draft:  # checked above when it is --draft
-            draft_source = _check_draft(config, registry, source.name, model_config, max_model_len, name_or_path)
+            draft_source = _check_draft(
+                config, registry, source.name, model_config, max_model_len, layers, name_or_path
+            )
         draft_config = draft_source.model_config()
         if num_layers is not None:
             draft_config = draft_config.with_layers(num_layers)

@@ -201,8 +201,8 @@ def meta_model(source: ModelSource, config: ModelConfig, layers: Any = None) -> 
 
 def load_weights(model: nn.Module, folder: Path, sharded: bool = False) -> None:
     """sharded: the model is one tensor-parallel rank's; it reads only its slices of each tensor.
-    Shapes are checked from the headers first, so a config that disagrees fails before any read."""
-    check_weight_shapes(model, folder)
+    The builder checks the shapes from the headers before the model is built (`check_weight_shapes`);
+    the model checks each tensor again as it copies it."""
     loaded = model.load_weights(iter_safetensors(folder, lazy=sharded))  # type: ignore[operator]
     missing = sorted(n for n, _ in model.named_parameters() if n not in loaded)
     if missing:
