@@ -16,20 +16,7 @@ if not torch.cuda.is_available():
     # Without a GPU, Triton kernels run in its interpreter (read once, when triton is first imported).
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
-TINY_CONFIG = dict(
-    vocab_size=256,
-    hidden_size=64,
-    intermediate_size=160,
-    num_hidden_layers=3,
-    num_attention_heads=4,
-    num_key_value_heads=2,
-    max_position_embeddings=512,
-    rms_norm_eps=1e-5,
-    rope_theta=10000.0,
-    tie_word_embeddings=False,
-    bos_token_id=1,
-    eos_token_id=2,
-)
+from infer.testing.decoder import TINY_LLAMA as TINY_CONFIG  # noqa: E402  (after TRITON_INTERPRET is set)
 
 
 def pytest_collection_modifyitems(config, items):
