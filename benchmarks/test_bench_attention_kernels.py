@@ -119,7 +119,7 @@ def decode_fn(name: str, spec, batch, kv_cache, q, k, v):
 
         backend = PagedCudaAttention(spec)
     else:
-        from infer.plugins.attention.reference import TorchAttention
+        from infer.plugins.attention.torch_backend import TorchAttention
 
         backend = TorchAttention(spec)
     backend.plan(batch)

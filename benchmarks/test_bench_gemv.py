@@ -37,8 +37,7 @@ def copy_bandwidth() -> float:
 
 @pytest.fixture
 def pdl_switch():
-    from infer.core import pdl
-    from infer.plugins import triton_pdl
+    from infer.kernels import pdl, triton_pdl
 
     before = os.environ.get("INFER_PDL")
 
@@ -74,7 +73,7 @@ def layer_weights(tp: int) -> list[dict[str, tuple[torch.Tensor, torch.Tensor]]]
 @pytest.mark.parametrize("tp", [1, 2])
 def test_gemv_layers(benchmark, copy_bandwidth, pdl_switch, tp, impl):
     from infer.bench.ceilings import captured_seconds
-    from infer.plugins.models.triton_gemv import gemv
+    from infer.kernels.gemv import gemv
 
     if not pdl_switch(impl == "triton-pdl") and impl == "triton-pdl":
         pytest.skip("no programmatic dependent launch on this GPU (compute capability < 9.0)")

@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from infer.plugins.models import layers as plain
+from infer.plugins.layers import torch_layers as plain
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 
@@ -21,7 +21,7 @@ def _timed(benchmark, fn):
 @pytest.mark.parametrize("tokens", [64, 4096])
 @pytest.mark.parametrize("impl", ["plain", "fused"])
 def test_rms_norm_residual(benchmark, impl, tokens):
-    from infer.plugins.models import triton_layers as tl_layers
+    from infer.kernels import layers as tl_layers
 
     norm = plain.RMSNorm(4096, 1e-5).cuda().bfloat16()
     x = torch.randn(tokens, 4096, device="cuda", dtype=torch.bfloat16)
@@ -34,7 +34,7 @@ def test_rms_norm_residual(benchmark, impl, tokens):
 @pytest.mark.parametrize("tokens", [64, 4096])
 @pytest.mark.parametrize("impl", ["plain", "fused"])
 def test_rotary(benchmark, impl, tokens):
-    from infer.plugins.models import triton_layers as tl_layers
+    from infer.kernels import layers as tl_layers
 
     rope = plain.RotaryEmbedding(128, 8192, 500000.0, None).cuda()
     qkv = torch.randn(tokens, 48 * 128, device="cuda", dtype=torch.bfloat16)
@@ -49,7 +49,7 @@ def test_rotary(benchmark, impl, tokens):
 @pytest.mark.parametrize("tokens", [64, 4096])
 @pytest.mark.parametrize("impl", ["plain", "fused"])
 def test_silu_and_mul(benchmark, impl, tokens):
-    from infer.plugins.models import triton_layers as tl_layers
+    from infer.kernels import layers as tl_layers
 
     h = torch.randn(tokens, 2 * 14336, device="cuda", dtype=torch.bfloat16)
     fn = (lambda: plain.SiluAndMul()(h)) if impl == "plain" else (lambda: tl_layers.silu_and_mul(h))

@@ -4,7 +4,8 @@ import pytest
 import torch
 
 from infer.core.request import Request, SamplingParams
-from infer.plugins.decoding.samplers import NaiveSampler, VectorizedSampler
+from infer.plugins.samplers.naive import NaiveSampler
+from infer.plugins.samplers.vectorized import VectorizedSampler
 
 VOCAB = 49152
 SAMPLERS = {"naive": NaiveSampler, "vectorized": VectorizedSampler}

@@ -15,9 +15,9 @@ import pytest
 from infer.core.config import EngineConfig
 from infer.core.interfaces import StepResult
 from infer.core.request import Request, SamplingParams
-from infer.plugins.scheduling.allocators import PagedAllocator
-from infer.plugins.scheduling.fcfs import FcfsScheduler
-from infer.plugins.scheduling.static import StaticScheduler
+from infer.plugins.kv_allocators.paged import PagedAllocator
+from infer.plugins.schedulers.fcfs import FcfsScheduler
+from infer.plugins.schedulers.static import StaticScheduler
 
 PROMPT, MAX_TOKENS, BLOCK = 256, 4096, 16
 SCHEDULERS = {"fcfs": FcfsScheduler, "static": StaticScheduler}

@@ -19,7 +19,7 @@ import pytest
 import torch
 
 from infer import SamplingParams
-from infer.core.chat_template import chat_token_ids
+from infer.inputs.chat_template import chat_token_ids
 from infer.llm import LLM
 
 TEXTS = [
@@ -50,7 +50,7 @@ def timed_run(llm: LLM, prompts, params) -> tuple[float, int]:
 @pytest.fixture(scope="module")
 def smollm2_dir():
     from infer.core.errors import ModelLoadError
-    from infer.plugins.models import hub
+    from infer.models import hub
 
     try:
         return hub.pull("smollm2-135m")  # cached after the first time

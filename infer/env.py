@@ -8,7 +8,7 @@ for a hot path: a caller that needs a value at every kernel launch reads it once
 
 - `TRITON_INTERPRET` is Triton's own: Triton fixes it for a kernel when the kernel is decorated (at
   the import of its module), so the modules whose launches depend on it read it once, at import.
-- `INFER_PDL` is read at the first launch on each GPU and kept until `infer.core.pdl.reset()`.
+- `INFER_PDL` is read at the first launch on each GPU and kept until `infer.kernels.pdl.reset()`.
 - torchrun's `MASTER_ADDR` / `MASTER_PORT` are read by torch's `env://` rendezvous, not here.
 """
 

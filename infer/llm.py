@@ -9,8 +9,8 @@ from typing import Any, Iterable, Sequence
 from infer.core.config import EngineConfig
 from infer.core.engine import Engine, Prompt
 from infer.core.errors import RequestError
-from infer.core.prompts import as_batch
 from infer.core.request import RequestOutput, SamplingParams
+from infer.inputs.prompts import as_batch
 
 
 class LLM:
@@ -95,7 +95,7 @@ class LLM:
         by `chat_template` (a jinja file's path or text; default: the model's or --chat-template's).
         chat_template_kwargs reach the template (enable_thinking, ...); tools are OpenAI-style dicts.
         A conversation the template cannot render gets an output with `error` set; the others run."""
-        from infer.core.chat_template import check_template_kwargs, load_chat_template, render_chat, template_for
+        from infer.inputs.chat_template import check_template_kwargs, load_chat_template, render_chat, template_for
 
         conversations = [messages] if messages and isinstance(messages[0], Mapping) else list(messages)
         template = template_for(self.engine.tokenizer, load_chat_template(chat_template))

@@ -27,7 +27,7 @@ def _rank(rank: int, world_size: int, init_file: str, hidden: int, calls: int) -
     import torch.distributed as dist
 
     from infer.bench.ceilings import captured_seconds
-    from infer.core.symmetric_memory import SymmetricAllReduce
+    from infer.distributed.all_reduce.symm_mem import SymmetricAllReduce
 
     torch.cuda.set_device(rank)
     device = torch.device("cuda", rank)
@@ -43,7 +43,7 @@ def _rank(rank: int, world_size: int, init_file: str, hidden: int, calls: int) -
         symm = captured_seconds(lambda _: fast(x), calls)
         row = [rows, rows * hidden * 2, nccl, symm]
         if flashinfer is not None:
-            from infer.plugins.models.triton_layers import rms_norm
+            from infer.kernels.layers import rms_norm
 
             row += [
                 captured_seconds(lambda _: flashinfer(x), calls),
@@ -82,7 +82,7 @@ def _flashinfer(rank: int, world_size: int, device: torch.device, hidden: int):
 
     import torch.distributed as dist
 
-    from infer.core import flashinfer_all_reduce
+    from infer.distributed.all_reduce import flashinfer_fused as flashinfer_all_reduce
 
     reason = flashinfer_all_reduce.unavailable_reason(device, world_size, torch.bfloat16)
     if reason is not None:

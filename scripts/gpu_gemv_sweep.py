@@ -17,7 +17,7 @@ import torch
 import triton
 
 from infer.bench.ceilings import captured_seconds, copy_bandwidth
-from infer.plugins.models import triton_gemv
+from infer.kernels import gemv as triton_gemv
 
 HIDDEN, INTERMEDIATE, COPIES = 4096, 11008, 8
 SHAPES = {  # (N, K) of each rank's weight
@@ -102,7 +102,7 @@ def main() -> None:
         auto = {}
         for pdl in (True, False):  # tuned on the first call, as an engine's (PDL on) tunes it
             os.environ["INFER_PDL"] = "1" if pdl else "0"
-            from infer.core import pdl as switch
+            from infer.kernels import pdl as switch
 
             switch.reset()
             s = captured_seconds(lambda i: triton_gemv.gemv(x, ws[i % COPIES]), calls=2 * COPIES, replays=20)
@@ -121,7 +121,7 @@ def main() -> None:
                 flush=True,
             )
         if name.endswith("down"):  # SiLU-and-mul inside the GEMV against its own kernel before it
-            from infer.plugins.models.triton_layers import silu_and_mul
+            from infer.kernels.layers import silu_and_mul
 
             h = torch.randn(1, 2 * k, device=dev, dtype=torch.bfloat16)
             for label, f in (

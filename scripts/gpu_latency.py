@@ -28,8 +28,9 @@ from infer.bench.workloads import Workload
 from infer.core.config import EngineConfig
 from infer.core.engine import Engine
 from infer.core.request import SamplingParams
-from infer.plugins.models import fused_layers, triton_gemv
-from infer.plugins.models.triton_gemv import gemv
+from infer.kernels import gemv as triton_gemv
+from infer.kernels.gemv import gemv
+from infer.plugins.layers import fused as fused_layers
 
 SHAPES = {
     "qkv": (12288, 4096),

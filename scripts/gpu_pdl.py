@@ -30,7 +30,7 @@ def one(tp: int, all_reduce: str) -> dict:
     from infer.core.engine import Engine
     from infer.core.logging import configure
     from infer.core.request import SamplingParams
-    from infer.plugins import triton_pdl
+    from infer.kernels import triton_pdl
 
     configure(level="warning")
     engine = Engine.from_config(

@@ -8,7 +8,7 @@ import shutil
 import pytest
 from click.testing import CliRunner
 
-from infer.cli import cli
+from infer.cli.main import cli
 
 
 def invoke(*args: str):

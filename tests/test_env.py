@@ -166,8 +166,8 @@ def _unreadable(*args):
 
 def test_launch_paths_do_not_read_the_environment(monkeypatch):
     pytest.importorskip("triton")
-    from infer.plugins.attention.triton_kernels import dot_config
-    from infer.plugins.models import triton_gemv
+    from infer.kernels import gemv as triton_gemv
+    from infer.plugins.attention.paged_cuda.kernels import dot_config
 
     for name in ("triton_interpret", "pdl"):
         monkeypatch.setattr(env, name, _unreadable)
@@ -179,7 +179,7 @@ def test_launch_paths_do_not_read_the_environment(monkeypatch):
 
 
 def test_pdl_reads_its_variables_once_per_gpu(monkeypatch):
-    from infer.core import pdl
+    from infer.kernels import pdl
 
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda index: (9, 0))
     monkeypatch.setattr(env, "triton_interpret", lambda: False)

@@ -13,7 +13,7 @@ import pytest
 
 def infer_cli(*args: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
     return subprocess.run(
-        [sys.executable, "-m", "infer.cli", *args], capture_output=True, text=True, env=env, timeout=300
+        [sys.executable, "-m", "infer.cli.main", *args], capture_output=True, text=True, env=env, timeout=300
     )
 
 

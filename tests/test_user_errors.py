@@ -1,6 +1,6 @@
 """Every user error is one line, before the model loads.
 
-A table of bad `infer` invocations (click's CliRunner on `infer.cli.cli`) and bad `LLM(...)` options:
+A table of bad `infer` invocations (click's CliRunner on `infer.cli.main.cli`) and bad `LLM(...)` options:
 each exits 2 (or raises its documented InferError) with exactly one `error: ...` line, no traceback,
 and, where the input allows, before any weights are read or initialised. Beside them, the inputs
 these checks must not refuse (typed --baseline values, bench axes of numbers) still run.
@@ -18,7 +18,7 @@ import torch
 from click.testing import CliRunner
 
 from infer.bench.progress import ProgressLines
-from infer.cli import cli
+from infer.cli.main import cli
 from infer.core.config import EngineConfig
 from infer.core.errors import ConfigError, IncompatiblePluginsError, InferError, ModelLoadError, PluginNotFoundError
 from infer.core.registry import PluginRegistry
@@ -206,7 +206,7 @@ def files(tmp_path: Path) -> Path:
 def weight_loads(monkeypatch) -> list[str]:
     """Every weight load or dummy initialisation the builder starts, by kind."""
     import infer.core.builder as builder
-    import infer.plugins.models.loader as loader
+    import infer.models.loader as loader
 
     calls: list[str] = []
     for module in (builder, loader):

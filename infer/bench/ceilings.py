@@ -6,6 +6,10 @@ from typing import Callable
 
 import torch
 
+from infer.kernels.timing import captured_seconds, graph_replay_seconds, seconds_per_call
+
+__all__ = ["captured_seconds", "graph_replay_seconds", "seconds_per_call"]  # the kernels' timers, re-exported
+
 
 def copy_bandwidth(device: torch.device, num_bytes: int = 2 * 2**30, iters: int = 10) -> float:
     """Device-to-device copy bandwidth in bytes/s, counting bytes read plus bytes written."""
@@ -15,42 +19,6 @@ def copy_bandwidth(device: torch.device, num_bytes: int = 2 * 2**30, iters: int 
     dst = torch.empty_like(src)
     seconds = seconds_per_call(lambda: dst.copy_(src), iters, warmup=3)
     return 2 * num_bytes / seconds
-
-
-def seconds_per_call(fn: "Callable[[], object]", iters: int = 50, warmup: int = 1) -> float:
-    """Seconds per call of `fn`, called back to back between two device events after `warmup` calls:
-    the GPU's time when the host keeps ahead of it."""
-    for _ in range(warmup):
-        fn()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    for _ in range(iters):
-        fn()
-    end.record()
-    torch.cuda.synchronize()
-    return start.elapsed_time(end) / 1e3 / iters
-
-
-def graph_replay_seconds(graph: "torch.cuda.CUDAGraph", iters: int = 50) -> float:
-    """Seconds per replay of a captured CUDA graph, back to back (the GPU's time alone for a step)."""
-    return seconds_per_call(graph.replay, iters)
-
-
-def captured_seconds(fn: "Callable[[int], object]", calls: int = 20, replays: int = 10) -> float:
-    """Seconds per call of `fn(i)`, i = 0 .. calls - 1, captured back to back in one CUDA graph and
-    replayed `replays` times between device events (how an engine's graph runs them: no host launch
-    cost). A few warm-up calls run first on a side stream (compiles, allocations)."""
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        for _ in range(3):
-            fn(0)
-    torch.cuda.current_stream().wait_stream(stream)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for i in range(calls):
-            fn(i)
-    return seconds_per_call(graph.replay, replays) / calls
 
 
 def weight_bytes(model: torch.nn.Module) -> int:

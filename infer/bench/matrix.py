@@ -14,10 +14,10 @@ import click
 from infer.bench.report import RunRecord, prepare_prompts, run_workload
 from infer.bench.workloads import NEEDS_VOCAB, Workload, load_workload
 from infer.core.config import EngineConfig
-from infer.core.doctor import SLOT_FIELDS, diagnose
 from infer.core.errors import ConfigError, InferError
 from infer.core.registry import PluginRegistry
 from infer.core.request import SamplingParams
+from infer.doctor import SLOT_FIELDS, diagnose
 
 ALIASES = {"decoder": "decoding", "kv-allocator": "kv_allocator", "allocator": "kv_allocator"}
 PEERS = ("hf-static-1", "hf-static-64", "hf-continuous")
@@ -82,7 +82,7 @@ def _peer_runs(
 
     from infer.bench.peers import build_hf_model, hf_continuous, hf_static
     from infer.core.config import DTYPES
-    from infer.plugins.models.loader import resolve_source
+    from infer.models.loader import resolve_source
 
     source = resolve_source(
         config.model, PluginRegistry.load(), config.load_format, pull=False, revision=config.revision

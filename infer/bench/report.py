@@ -73,7 +73,7 @@ def _percentile(values: list[float], q: float) -> float:
 
 def prepare_prompts(engine: Engine, workload: Workload) -> list[str | list[int]]:
     """Apply the chat template where asked and check every prompt before anything runs."""
-    from infer.core.chat_template import chat_token_ids
+    from infer.inputs.chat_template import chat_token_ids
 
     prompts: list[str | list[int]] = []
     for i, prompt in enumerate(workload.prompts):

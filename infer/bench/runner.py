@@ -8,15 +8,15 @@ from typing import Any, Sequence
 
 import click
 
+from infer.bench.profiler import StepProfiler, format_profile
 from infer.bench.progress import ProgressLines, ProgressMode, progress
 from infer.bench.report import RunRecord, format_table, run_workload
 from infer.bench.workloads import NEEDS_VOCAB, Workload, load_workload
 from infer.core.config import EngineConfig
 from infer.core.engine import Engine
 from infer.core.errors import ConfigError, RequestError
-from infer.core.profiler import StepProfiler, format_profile
-from infer.core.prompts import check_text
 from infer.core.request import RequestOutput, SamplingParams
+from infer.inputs.prompts import check_text
 
 
 def _label(config: EngineConfig, base: EngineConfig | None) -> str:

@@ -14,21 +14,21 @@ from typing import Any, Iterable, Iterator
 import torch
 
 from infer.core.block_mover import BlockMover
-from infer.core.chat_template import load_chat_template
 from infer.core.compose import compose
 from infer.core.config import EngineConfig
 from infer.core.cuda_graphs import CudaGraphRunner
-from infer.core.distributed import ParallelState, make_all_reduce, model_kwargs
 from infer.core.engine import EngineParts
 from infer.core.errors import ConfigError
 from infer.core.hybrid_attention import HybridAttention
-from infer.core.interfaces import LAYER_KINDS, AttentionSpec, DecoderContext, Layers
+from infer.core.interfaces import AttentionSpec, DecoderContext, Layers
 from infer.core.kv_cache import allocate_kv_cache, budget_bytes, bytes_per_block, num_blocks_for_budget
 from infer.core.logging import get_logger
 from infer.core.output import OutputProcessor
 from infer.core.registry import PluginRegistry
 from infer.core.runner import CERTAIN, LIKELY, UNLIKELY, ModelRunner
-from infer.plugins.models.loader import (
+from infer.distributed.state import ParallelState, make_all_reduce, model_kwargs
+from infer.inputs.chat_template import load_chat_template
+from infer.models.loader import (
     check_weight_shapes,
     init_dummy_weights,
     load_tokenizer,
@@ -157,7 +157,7 @@ def build_engine(
         )
     if config.exit_layer is not None and not 1 <= config.exit_layer <= model_config.num_layers:
         raise ConfigError(f"--exit-layer must be in [1, {model_config.num_layers}] for {source.name}")
-    layers = Layers(**{kind: registry.layer(kind, device.type) for kind in LAYER_KINDS})
+    layers = registry.layers(device.type)
     if source.path is not None and parallel is None:  # once per process, before any rank starts; headers only
         check_weight_shapes(meta_model(source, model_config, layers), source.path)
     # every check that needs no weights comes before the first weights load: the draft's, the cache's
@@ -170,7 +170,7 @@ def build_engine(
     if config.num_kv_blocks is not None:
         _check_kv_fits(config.num_kv_blocks, config, max_model_len, lookahead, "--num-kv-blocks")
     if config.tensor_parallel_size > 1 and parallel is None:  # start (or join) the ranks, then build each
-        from infer.core.workers import build_parallel
+        from infer.distributed.launch import build_parallel
 
         return build_parallel(config, extra_plugins, source.name, model_config, device)
     parallel = parallel or ParallelState(device=device)

@@ -5,15 +5,15 @@ from __future__ import annotations
 import hashlib
 import json
 from dataclasses import asdict, dataclass, field, replace
-from typing import TYPE_CHECKING, Any, Literal, Mapping
+from typing import TYPE_CHECKING, Any, Literal
 
 import torch
 
 from infer.core.config_fields import check_fields, check_known, parse_option
-from infer.core.errors import ConfigError, ModelLoadError, one_line
+from infer.core.errors import ConfigError
 
 if TYPE_CHECKING:
-    from infer.core.rope import Rope
+    from infer.models.rope import Rope
 
 LoadFormat = Literal["auto", "safetensors", "dummy"]
 PreemptionMode = Literal["recompute", "swap"]
@@ -118,7 +118,8 @@ class EngineConfig:
 
 @dataclass(frozen=True, slots=True)
 class ModelConfig:
-    """The engine's typed view of a transformers config (a folder's config.json, or a named preset)."""
+    """The engine's typed view of a transformers config (a folder's config.json, or a named preset);
+    read by `infer.models.config.model_config_from_hf`."""
 
     architecture: str
     vocab_size: int
@@ -139,58 +140,8 @@ class ModelConfig:
     name: str = ""
     extra: dict[str, Any] = field(default_factory=dict)
 
-    @classmethod
-    def from_hf(cls, hf: Any, name: str = "") -> "ModelConfig":
-        """From a transformers `PretrainedConfig`, or a config.json-style dict that transformers reads
-        (old layout: top-level rope_theta / rope_scaling; new: rope_parameters). The RoPE is checked
-        here, so a config transformers cannot use fails before any weight is read."""
-        from infer.core.rope import rope_for
-
-        source = f"config.json of {name}" if name else "the model's config.json"
-        if isinstance(hf, Mapping):
-            hf = transformers_config(hf, source)
-        try:
-            num_heads = int(hf.num_attention_heads)
-            hidden = int(hf.hidden_size)
-            eos = hf.eos_token_id
-            eos_ids = (
-                tuple(int(e) for e in eos) if isinstance(eos, (list, tuple)) else (() if eos is None else (int(eos),))
-            )
-            dtype = hf.dtype if isinstance(hf.dtype, torch.dtype) else DTYPES.get(str(hf.dtype or ""))
-            config = cls(
-                architecture=(hf.architectures or ["LlamaForCausalLM"])[0],
-                vocab_size=int(hf.vocab_size),
-                hidden_size=hidden,
-                intermediate_size=int(hf.intermediate_size),
-                num_layers=int(hf.num_hidden_layers),
-                num_heads=num_heads,
-                num_kv_heads=int(getattr(hf, "num_key_value_heads", None) or num_heads),
-                head_dim=int(getattr(hf, "head_dim", None) or hidden // num_heads),
-                max_position_embeddings=int(hf.max_position_embeddings),
-                rms_norm_eps=float(hf.rms_norm_eps),
-                rope_parameters=dict(hf.rope_parameters or {"rope_type": "default", "rope_theta": 10000.0}),
-                tie_word_embeddings=bool(hf.tie_word_embeddings),
-                bos_token_id=hf.bos_token_id,
-                eos_token_ids=eos_ids,
-                torch_dtype=dtype,
-                name=name,
-            )
-        except (AttributeError, TypeError, ValueError) as exc:
-            raise ModelLoadError(
-                f"{source} is missing a field or has a bad one ({one_line(exc)}): fix config.json"
-            ) from exc
-        rope_for(
-            config.rope_parameters,
-            config.head_dim,
-            config.hidden_size,
-            config.num_heads,
-            config.max_position_embeddings,
-            source,
-        )
-        return config
-
     def rope(self) -> "Rope":
-        from infer.core.rope import rope_for
+        from infer.models.rope import rope_for
 
         return rope_for(
             self.rope_parameters,
@@ -203,26 +154,9 @@ class ModelConfig:
 
     def context_limit(self) -> tuple[int, str]:
         """The longest context this model runs exactly (positions), and the reason it is no longer."""
-        from infer.core.rope import rope_context_limit
+        from infer.models.rope import rope_context_limit
 
         return rope_context_limit(self.rope_parameters, self.max_position_embeddings)
 
     def with_layers(self, num_layers: int) -> "ModelConfig":
         return replace(self, num_layers=num_layers)
-
-
-def transformers_config(hf: Mapping[str, Any], source: str = "config.json") -> Any:
-    """A transformers config object from a config.json-style dict (model_type defaults to llama, the
-    family of the named presets). Refuses, naming `source`, what transformers refuses."""
-    from transformers import CONFIG_MAPPING
-
-    model_type = hf.get("model_type", "llama")
-    if model_type not in CONFIG_MAPPING:
-        raise ModelLoadError(
-            f"{source} has model_type {model_type!r}, which transformers does not know: "
-            f"fix model_type, or upgrade transformers"
-        )
-    try:
-        return CONFIG_MAPPING[model_type].from_dict(dict(hf))
-    except (KeyError, TypeError, ValueError) as exc:
-        raise ModelLoadError(f"transformers cannot read {source} ({one_line(exc)}): fix config.json") from exc

@@ -16,12 +16,12 @@ from infer.core.block_mover import BlockMover
 from infer.core.errors import RequestError, one_line
 from infer.core.interfaces import Decoder, KVUsage, Scheduler
 from infer.core.output import Group, OutputProcessor
-from infer.core.prompts import split_prompt
 from infer.core.request import FinishReason, Request, RequestOutput, SamplingParams
+from infer.inputs.prompts import split_prompt
 
 CLOSED = "this engine is closed (its memory was given back): build a new LLM"
 
-Prompt = Any  # str, token ids, {"prompt": str} or {"prompt_token_ids": [...]}: see infer.core.prompts
+Prompt = Any  # str, token ids, {"prompt": str} or {"prompt_token_ids": [...]}: see infer.inputs.prompts
 
 
 @dataclass(slots=True)

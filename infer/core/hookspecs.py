@@ -26,7 +26,7 @@ model                     an architecture class: hf_architectures, presets, and
 layer                     factory(*args) -> torch.nn.Module, registered under a layer kind
                           ("rms_norm", "rotary_embedding", "silu_and_mul", "linear");
                           rotary_embedding(rope: Rope, max_position) takes transformers'
-                          frequencies and attention scaling (infer.core.rope);
+                          frequencies and attention scaling (infer.models.rope);
                           the highest `capabilities.priority` runnable on the device wins
 ========================  ===============================================================
 """

@@ -16,7 +16,7 @@ import pluggy
 
 from infer.core import hookspecs, plugin_api
 from infer.core.errors import PluginLoadError, PluginNotFoundError
-from infer.core.interfaces import Capabilities, capabilities_of
+from infer.core.interfaces import LAYER_KINDS, Capabilities, Layers, capabilities_of
 
 SLOTS: dict[str, str] = {  # slot -> hook name
     "attention": "infer_register_attention_backends",
@@ -162,6 +162,10 @@ class PluginRegistry:
         if not options:
             raise PluginNotFoundError(f"no implementation of model layer {kind!r} runs on {device_type}")
         return max(options, key=lambda s: s.capabilities.priority).factory
+
+    def layers(self, device_type: str) -> Layers:
+        """Every layer kind's implementation for this device (see `layer`)."""
+        return Layers(**{kind: self.layer(kind, device_type) for kind in LAYER_KINDS})
 
     def architecture_for(self, hf_architecture: str) -> Strategy:
         for strategy in self.strategies["model"].values():

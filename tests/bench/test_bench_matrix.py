@@ -9,7 +9,7 @@ import pytest
 from click.testing import CliRunner
 
 from infer.bench import charts
-from infer.cli import cli
+from infer.cli.main import cli
 
 
 def invoke(*args: str):

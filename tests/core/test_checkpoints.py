@@ -185,7 +185,7 @@ def test_a_rope_llama_cannot_use_is_refused_by_name(tmp_path, rope_parameters, n
 @pytest.fixture
 def no_weight_reads(monkeypatch):
     """Fail the test if any tensor's bytes are read (headers are fine)."""
-    from infer.plugins.models import loader
+    from infer.models import loader
 
     def refuse(*args, **kwargs):
         raise AssertionError("a weight was read before the shapes were checked")
@@ -231,12 +231,12 @@ def test_fused_pieces_are_checked_by_their_own_rows(tmp_path, no_weight_reads):
 
 def test_tensors_handed_to_the_model_are_checked_too(tiny_llama_dir):
     """Without the header check (tensors from elsewhere), load_weights refuses by name, not in copy_."""
-    from infer.core.config import ModelConfig
-    from infer.plugins.models.layers import default_layers
+    from infer.models.config import model_config_from_hf
+    from infer.models.loader import _read_config
+    from infer.plugins.layers.torch_layers import default_layers
     from infer.plugins.models.llama import Llama
-    from infer.plugins.models.loader import _read_config
 
-    model = Llama(ModelConfig.from_hf(_read_config(tiny_llama_dir)), default_layers(), None)
+    model = Llama(model_config_from_hf(_read_config(tiny_llama_dir)), default_layers(), None)
     with pytest.raises(
         ModelLoadError, match=r"model\.layers\.0\.self_attn\.k_proj\.weight .* \[64, 64\] .* \[32, 64\]"
     ):
@@ -252,7 +252,7 @@ def test_tensors_handed_to_the_model_are_checked_too(tiny_llama_dir):
 def test_doctor_reads_the_headers_and_names_the_tensor(tmp_path, smollm2_dir, no_weight_reads):
     from click.testing import CliRunner
 
-    from infer.cli import cli
+    from infer.cli.main import cli
 
     folder = smollm2_with(tmp_path / "wider", smollm2_dir, **WIDER)
     result = CliRunner().invoke(cli, ["doctor", "--model", str(folder), "--device", "cpu"])

@@ -13,7 +13,7 @@ import pytest
 from click.testing import CliRunner
 
 from infer import SamplingParams
-from infer.cli import cli
+from infer.cli.main import cli
 from infer.llm import LLM
 
 SHARED = list(range(30, 70))  # a 40-token "system prompt"

@@ -2,7 +2,7 @@
 equal (fp32 exactly for two ranks, bf16 as NCCL rounds), in place, for decode- and prefill-sized
 tensors, unaligned views, and inside a CUDA graph replayed with new inputs. FlashInfer's: the sum and
 the sum fused with the residual add and RMSNorm, eagerly and replayed from a graph. The GEMVs' partial
-sums pushed into the ranks' exchange (`infer.core.lamport`) and summed there, likewise."""
+sums pushed into the ranks' exchange (`infer.distributed.all_reduce.lamport`) and summed there, likewise."""
 
 from __future__ import annotations
 
@@ -26,7 +26,7 @@ def _on_two_ranks(fn, tmp_path) -> None:
 def _rank(rank: int, world_size: int, init_file: str) -> None:
     import torch.distributed as dist
 
-    from infer.core.symmetric_memory import SymmetricAllReduce, unavailable_reason
+    from infer.distributed.all_reduce.symm_mem import SymmetricAllReduce, unavailable_reason
 
     torch.cuda.set_device(rank)
     device = torch.device("cuda", rank)
@@ -85,9 +85,9 @@ def test_symmetric_all_reduce_matches_nccl(tmp_path):
 def _flashinfer_rank(rank: int, world_size: int, init_file: str) -> None:
     import torch.distributed as dist
 
-    from infer.core.distributed import ParallelState
-    from infer.core.flashinfer_all_reduce import FlashInferAllReduce, unavailable_reason
-    from infer.plugins.models.layers import RMSNorm
+    from infer.distributed.all_reduce.flashinfer_fused import FlashInferAllReduce, unavailable_reason
+    from infer.distributed.state import ParallelState
+    from infer.plugins.layers.torch_layers import RMSNorm
 
     torch.cuda.set_device(rank)
     device = torch.device("cuda", rank)
@@ -150,15 +150,15 @@ def test_flashinfer_all_reduce_and_fused_norm_match_nccl(tmp_path, monkeypatch, 
 
 
 def _exchange_rank(rank: int, world_size: int, init_file: str) -> None:
-    """The GEMVs' pushed partial sums (infer.core.lamport) against NCCL's sum of the same GEMVs'
+    """The GEMVs' pushed partial sums (infer.distributed.all_reduce.lamport) against NCCL's sum of the same GEMVs'
     outputs: eagerly over alternating slots, through the gated down projection, and replayed from a
     CUDA graph on new inputs. Every rank gets the same bits."""
     import torch.distributed as dist
 
-    from infer.core.distributed import ParallelState
-    from infer.core.lamport import RESET, LamportExchange
-    from infer.plugins.models.triton_gemv import gemv, gemv_silu_mul
-    from infer.plugins.models.triton_layers import rms_norm
+    from infer.distributed.all_reduce.lamport import RESET, LamportExchange
+    from infer.distributed.state import ParallelState
+    from infer.kernels.gemv import gemv, gemv_silu_mul
+    from infer.kernels.layers import rms_norm
 
     torch.cuda.set_device(rank)
     device = torch.device("cuda", rank)

@@ -3,15 +3,15 @@
 import pytest
 import torch
 
-from infer.core.rope import Rope
-from infer.plugins.models import layers as plain
+from infer.models.rope import Rope
+from infer.plugins.layers import torch_layers as plain
 
 pytestmark = pytest.mark.gpu
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 def test_fused_layers_match_plain(dtype):
-    from infer.plugins.models import triton_layers as tl_layers
+    from infer.kernels import layers as tl_layers
 
     torch.manual_seed(0)
     dev = "cuda"
@@ -35,7 +35,7 @@ def test_fused_layers_match_plain(dtype):
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
 @pytest.mark.parametrize("n,k", [(12288, 4096), (4096, 11008), (32000, 4096), (1000, 576)])
 def test_gemv_matches_cublas(dtype, n, k):
-    from infer.plugins.models.triton_gemv import gemv
+    from infer.kernels.gemv import gemv
 
     torch.manual_seed(0)
     w = torch.randn(n, k, device="cuda", dtype=dtype) / k**0.5
@@ -49,8 +49,8 @@ def test_gemv_matches_cublas(dtype, n, k):
 @pytest.mark.parametrize("n,k", [(4096, 11008), (4096, 5504), (2048, 8192)])
 def test_gemv_silu_mul_matches_two_kernels(dtype, n, k):
     """The MLP's activation read inside the down GEMV: the same bits as SiLU-and-mul, then the GEMV."""
-    from infer.plugins.models import triton_layers as tl_layers
-    from infer.plugins.models.triton_gemv import gemv, gemv_silu_mul
+    from infer.kernels import layers as tl_layers
+    from infer.kernels.gemv import gemv, gemv_silu_mul
 
     torch.manual_seed(0)
     w = torch.randn(n, k, device="cuda", dtype=dtype) / k**0.5
@@ -61,7 +61,7 @@ def test_gemv_silu_mul_matches_two_kernels(dtype, n, k):
 def test_gemv_tile_is_tuned_once_per_shape_before_any_capture():
     """The first call for a weight shape picks a tile among the candidates and keeps it; a first call
     inside a CUDA graph capture (where it cannot time anything) is refused with the reason."""
-    from infer.plugins.models import triton_gemv
+    from infer.kernels import gemv as triton_gemv
 
     w = torch.randn(768, 1536, device="cuda", dtype=torch.bfloat16)
     x = torch.randn(1, 1536, device="cuda", dtype=torch.bfloat16)

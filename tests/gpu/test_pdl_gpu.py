@@ -5,8 +5,7 @@ CUDA graph and replayed, and greedy tokens end to end. Skipped on GPUs before Ho
 import pytest
 import torch
 
-from infer.core import pdl
-from infer.plugins import triton_pdl
+from infer.kernels import pdl, triton_pdl
 
 pytestmark = pytest.mark.gpu
 
@@ -28,9 +27,9 @@ def switch_pdl(monkeypatch):
 
 def _layer_chain(x, w_qkv, w_o, w_up, w_down, norm_w, cos, sin, positions, kv, case):
     """One decode layer's kernels back to back, each reading the one before's output."""
-    from infer.plugins.attention.triton_kernels import cache_write, decode
-    from infer.plugins.models import triton_layers
-    from infer.plugins.models.triton_gemv import gemv
+    from infer.kernels import layers as triton_layers
+    from infer.kernels.gemv import gemv
+    from infer.plugins.attention.paged_cuda.kernels import cache_write, decode
 
     h, res = triton_layers.rms_norm(x, norm_w, 1e-5, x)
     qkv = gemv(h, w_qkv)

@@ -62,7 +62,8 @@ PUSHES: dict = {}  # the last tp > 1 engine's partial sums pushed by its GEMVs (
 def generate(folder, tp, prompts=None, **options):
     """Greedy tokens, their logprobs and margins for PROMPTS in one batch, or for `prompts` one at a
     time (one-token decode steps)."""
-    from infer.core import flashinfer_all_reduce, symmetric_memory
+    from infer.distributed.all_reduce import flashinfer_fused as flashinfer_all_reduce
+    from infer.distributed.all_reduce import symm_mem as symmetric_memory
 
     # auto takes FlashInfer's all-reduce where it can run; else symmetric memory, on these GPUs for
     # the first tp engine of this process only (torch numbers a process's rendezvous, which later
@@ -170,8 +171,7 @@ def test_tp2_matches_tp1_bf16_with_graphs(shape_dir, attention, prefill, all_red
 def test_tp2_with_pdl_matches_tp1(shape_dir, monkeypatch):
     """PDL (on by default on Hopper): the Triton kernels and FlashInfer's all-reduce launched as
     programmatic dependents, in every rank's CUDA graphs; the tokens of plain launches (INFER_PDL=0)."""
-    from infer.core import pdl
-    from infer.plugins import triton_pdl
+    from infer.kernels import pdl, triton_pdl
 
     if not _available("flashinfer") or torch.cuda.get_device_capability() < (9, 0):
         pytest.skip("needs flashinfer and a GPU of compute capability 9.0 or newer")
@@ -192,7 +192,7 @@ def test_tp2_with_pdl_matches_tp1(shape_dir, monkeypatch):
 @pytest.mark.parametrize("cuda_graphs", [True, False])
 def test_tp2_one_token_steps_push_their_partial_sums(shape_dir, monkeypatch, cuda_graphs):
     """One sequence at a time at tp 2 with FlashInfer's all-reduce: the row-parallel GEMVs push their
-    partial sums into the ranks' exchange (infer.core.lamport); greedy tokens as tp 1's and as the
+    partial sums into the ranks' exchange (infer.distributed.all_reduce.lamport); greedy tokens as tp 1's and as the
     all-reduce's (INFER_GEMV_PUSH=0), up to a near tie."""
     if not _available("flashinfer"):
         pytest.skip("needs flashinfer")

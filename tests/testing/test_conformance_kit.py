@@ -14,8 +14,8 @@ import torch
 
 import infer
 from infer.core.interfaces import Capabilities, SamplerOutput
-from infer.plugins.attention.reference import TorchAttention
-from infer.plugins.scheduling.allocators import PagedAllocator
+from infer.plugins.attention.torch_backend import TorchAttention
+from infer.plugins.kv_allocators.paged import PagedAllocator
 from infer.testing import kit
 from infer.testing.allocator import check_allocator
 from infer.testing.attention import BATCH_SPECS, make_case
@@ -27,7 +27,7 @@ BROKEN_PLUGIN = '''
 import torch
 import infer
 from infer.core.interfaces import SamplerOutput
-from infer.plugins.attention.reference import write_kv
+from infer.plugins.attention.torch_backend import write_kv
 
 
 class MisreadTable:
@@ -209,7 +209,7 @@ def test_sampler_kit_tests_only_declared_params_and_catches_batch_dependent_seed
 
 
 def test_sampler_kit_catches_sample_tokens_that_differ_from_sample():
-    from infer.plugins.decoding.sampling.vectorized import VectorizedSampler
+    from infer.plugins.samplers.vectorized import VectorizedSampler
     from infer.testing.sampling import check_sample_tokens
 
     class Drifting(VectorizedSampler):  # pipelined steps would take the argmax where sample() draws

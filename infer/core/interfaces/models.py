@@ -22,7 +22,7 @@ class Layers:
 
     rms_norm: Any  # (hidden_size, eps) -> module; forward(x, residual=None)
     rotary_embedding: (
-        Any  # (rope: infer.core.rope.Rope, max_position) -> module with cos, sin; forward(positions, q, k)
+        Any  # (rope: infer.models.rope.Rope, max_position) -> module with cos, sin; forward(positions, q, k)
     )
     silu_and_mul: Any  # () -> module; forward(x [T, 2I]) -> [T, I]
     linear: Any  # (in_features, out_features, bias=False) -> module

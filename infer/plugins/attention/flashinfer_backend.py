@@ -26,7 +26,7 @@ import torch
 from infer.core.cuda_graphs import bucket_sizes
 from infer.core.hookspecs import hookimpl
 from infer.core.interfaces import AttentionBatch, AttentionSpec, Capabilities, KVCache
-from infer.plugins.attention.reference import write_kv
+from infer.plugins.attention.torch_backend import write_kv
 
 INT_WORKSPACE_BYTES = 8 << 20  # what FlashInfer allocates per wrapper for its plan data
 

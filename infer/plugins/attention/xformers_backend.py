@@ -23,7 +23,7 @@ import torch
 
 from infer.core.hookspecs import hookimpl
 from infer.core.interfaces import AttentionBatch, AttentionSpec, Capabilities, KVCache
-from infer.plugins.attention.reference import write_kv
+from infer.plugins.attention.torch_backend import write_kv
 
 
 @functools.cache

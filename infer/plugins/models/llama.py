@@ -16,12 +16,12 @@ import torch
 from torch import nn
 
 from infer.core.config import ModelConfig
-from infer.core.distributed import ParallelState
 from infer.core.hookspecs import hookimpl
 from infer.core.interfaces import AttentionBackend, KVCache, Layers
-from infer.core.rope import Rope
-from infer.plugins.models import parallel_layers as tp
-from infer.plugins.models.loader import check_shape
+from infer.distributed import layers as tp
+from infer.distributed.state import ParallelState
+from infer.models.loader import check_shape
+from infer.models.rope import Rope
 
 _LLAMA2 = dict(
     architectures=["LlamaForCausalLM"],
@@ -249,7 +249,7 @@ class Llama(nn.Module):
         self.pushes = False  # whether one-token steps' partial sums go to the ranks' exchange, where it exists
         if parallel is not None:
             # a one-token step's partial sums may be pushed into the ranks' exchange by the GEMVs that
-            # make them (infer.core.lamport), which takes them in pairs: every row-parallel layer
+            # make them (infer.distributed.all_reduce.lamport), which takes them in pairs: every row-parallel layer
             # pushes, or none does
             pushes = all(
                 getattr(layer.self_attn.o_proj.matmul, "pushes", False)

@@ -13,7 +13,7 @@ if not torch.cuda.is_available():
 
 pytest.importorskip("triton")
 
-from infer.core.rope import Rope
+from infer.models.rope import Rope
 from infer.plugins.attention.paged_cuda import PagedCudaAttention, infer_register_attention_backends
 from infer.testing.attention import BATCH_SPECS, BatchSpec, check_backend, make_case, naive_attention
 
@@ -98,7 +98,7 @@ def test_decode_is_replayable_on_new_lengths():
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_cache_write(dtype):
-    from infer.plugins.attention.triton_kernels.cache_write import cache_write
+    from infer.plugins.attention.paged_cuda.kernels.cache_write import cache_write
 
     gen = torch.Generator().manual_seed(0)
     num_blocks, block_size, kv_heads, head_dim, tokens = 6, 16, 3, 24, 21  # non-power-of-2 heads and dim
@@ -118,9 +118,9 @@ def test_cache_write(dtype):
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("heads", [(4, 2), (6, 3), (1, 1)])
 def test_rotary_cache_write_is_the_rotary_layer_then_cache_write(dtype, heads):
-    from infer.plugins.attention.triton_kernels.cache_write import cache_write, rotary_cache_write
-    from infer.plugins.models.layers import RotaryEmbedding
-    from infer.plugins.models.triton_layers import rotary
+    from infer.kernels.layers import rotary
+    from infer.plugins.attention.paged_cuda.kernels.cache_write import cache_write, rotary_cache_write
+    from infer.plugins.layers.torch_layers import RotaryEmbedding
 
     gen = torch.Generator().manual_seed(0)
     (num_q, num_kv), head_dim, num_blocks, block_size, tokens = heads, 32, 5, 16, 9
@@ -147,8 +147,8 @@ def test_rotary_cache_write_is_the_rotary_layer_then_cache_write(dtype, heads):
 
 @pytest.mark.parametrize("batch_spec", [BATCH_SPECS[1], BATCH_SPECS[5]], ids=lambda s: s.name)
 def test_forward_with_rotary_is_forward_of_the_rotated_heads(batch_spec):
-    from infer.plugins.models.layers import RotaryEmbedding
-    from infer.plugins.models.triton_layers import rotary
+    from infer.kernels.layers import rotary
+    from infer.plugins.layers.torch_layers import RotaryEmbedding
 
     case = make_case(batch_spec, device=DEVICE)
     tables = RotaryEmbedding(Rope.default(case.spec.head_dim, 10000.0), case.spec.max_model_len)
@@ -169,7 +169,7 @@ def test_forward_with_rotary_is_forward_of_the_rotated_heads(batch_spec):
 
 
 def test_rotary_fuses_only_for_power_of_two_halves():
-    from infer.plugins.attention.triton_kernels.cache_write import fits
+    from infer.plugins.attention.paged_cuda.kernels.cache_write import fits
 
     assert fits(64) and fits(128) and fits(2)
     assert not fits(96) and not fits(80) and not fits(0)

@@ -1,7 +1,7 @@
 import pytest
 import torch
 
-from infer.plugins.attention.reference import TorchAttention
+from infer.plugins.attention.torch_backend import TorchAttention
 from infer.testing.attention import BATCH_SPECS, check_backend, make_case
 
 

@@ -1,0 +1,203 @@
+"""Megatron-style tensor-parallel layers (used by `llama` when the tensor-parallel group has more than one rank).
+
+Column-parallel (qkv_proj, gate_up_proj): a rank holds some output rows (its query heads and KV
+heads, its slice of the MLP width) and needs no communication; its output stays split. Row-parallel
+(o_proj, down_proj): a rank holds the matching input columns, and the partial outputs are summed by
+ONE all-reduce. Vocab-parallel embedding and LM head: a rank holds a contiguous slice of the
+vocabulary (the last one padded with zero rows); the embedding masks ids outside it and all-reduces,
+the head computes its slice of the logits and rank 0 gathers the rest.
+
+Each parallel module carries a `Shard` saying where its weight sits in the full (tp = 1) weight. The
+loader reads only those rows or columns of a checkpoint tensor (a safetensors slice), and dummy
+initialisation cuts them from the very tensor tp = 1 draws: the model is the same at every tp size.
+The matmuls are plain `F.linear`: a `linear` swapped in through the layers hook applies at tp = 1 only.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Callable, Iterable
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from infer.core.config import ModelConfig
+from infer.distributed.state import ParallelState
+
+Matmul = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]  # (x [T, in], weight [out, in]) -> [T, out]
+
+
+@dataclass(frozen=True, slots=True)
+class Shard:
+    """Along `dim`, the full weight is the concatenation of `full_sizes` pieces (q, k, v; gate, up; or
+    one piece); this rank holds `ranges[i]` of piece i, the pieces one after another, then zero rows."""
+
+    dim: int  # 0: output rows (column- and vocab-parallel); 1: input columns (row-parallel)
+    full_sizes: tuple[int, ...]
+    ranges: tuple[tuple[int, int], ...]  # piece i -> (start within the piece, length)
+
+    @property
+    def local_size(self) -> int:
+        return sum(n for _, n in self.ranges)
+
+    def full_shape(self, local_shape: torch.Size) -> list[int]:
+        shape = list(local_shape)
+        shape[self.dim] = sum(self.full_sizes)
+        return shape
+
+    def load(self, param: torch.Tensor, piece: int, source: Any) -> None:
+        """Copy this rank's part of piece `piece` from `source`, the piece alone: a tensor or a
+        safetensors slice (indexing a slice reads just those rows or columns from the file)."""
+        start, n = self.ranges[piece]
+        offset = sum(length for _, length in self.ranges[:piece])
+        part = source[start : start + n] if self.dim == 0 else source[:, start : start + n]
+        param.narrow(self.dim, offset, n).copy_(part)
+
+    def take(self, param: torch.Tensor, full: torch.Tensor) -> None:
+        """Fill `param` with this rank's part of the full (fused) tensor."""
+        param.zero_()  # padding rows (vocab) stay zero
+        base = 0
+        for piece, size in enumerate(self.full_sizes):
+            self.load(param, piece, full.narrow(self.dim, base, size))
+            base += size
+
+
+def shard_of(model: nn.Module, param_name: str) -> Shard | None:
+    """The `Shard` of a parameter's module, or None when the parameter is whole on every rank."""
+    owner = model.get_submodule(param_name.rpartition(".")[0])
+    return owner.__dict__.get("shard")
+
+
+def split(size: int, parallel: ParallelState) -> tuple[int, int]:
+    """This rank's (start, length) of `size` split evenly."""
+    n = size // parallel.world_size
+    return parallel.rank * n, n
+
+
+class ColumnParallelLinear(nn.Module):
+    """y_r = x W_r^T: this rank's output rows; the output stays split across ranks."""
+
+    def __init__(self, in_features: int, shard: Shard, matmul: Matmul = F.linear) -> None:
+        super().__init__()
+        self.shard = shard
+        self.matmul = matmul
+        self.weight = nn.Parameter(torch.empty(shard.local_size, in_features))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.matmul(x, self.weight)
+
+
+class RowParallelLinear(nn.Module):
+    """y = sum_r x_r W_r^T: this rank's input columns, then one all-reduce. With `reduce=False` the
+    output is this rank's partial sum, and whoever takes it sums it (`ParallelState.reduce_add_norm`,
+    which can fuse the all-reduce with the residual add and RMSNorm that follow). With `push` (set by
+    a model whose every partial sum is taken so), a matmul that can (`matmul.pushes`) stores a
+    one-token partial sum straight into the ranks' exchange (`infer.distributed.all_reduce.lamport`)."""
+
+    def __init__(
+        self, out_features: int, shard: Shard, parallel: ParallelState, matmul: Matmul = F.linear, reduce: bool = True
+    ) -> None:
+        super().__init__()
+        self.shard = shard
+        self.parallel = parallel
+        self.matmul = matmul
+        self.reduce = reduce
+        self.push = False
+        self.weight = nn.Parameter(torch.empty(out_features, shard.local_size))
+
+    def forward(self, x: torch.Tensor, matmul: Matmul | None = None) -> torch.Tensor:
+        """`matmul`: another with the same contract (e.g. the activation's fused down projection)."""
+        matmul = matmul or self.matmul
+        target = None
+        if self.push and getattr(matmul, "pushes", False):
+            target = self.parallel.push_target(x, self.weight.shape[0])
+        y = matmul(x, self.weight) if target is None else matmul(x, self.weight, push=target)
+        return self.parallel.all_reduce(y) if self.reduce else y
+
+
+class VocabParallelEmbedding(nn.Module):
+    """Rows [start, start + num_local) of the [vocab, hidden] table; as the LM head, the same slice
+    of the logits."""
+
+    def __init__(self, vocab_size: int, hidden_size: int, parallel: ParallelState, matmul: Matmul = F.linear) -> None:
+        super().__init__()
+        self.matmul = matmul  # for the logits
+        per_rank = -(-vocab_size // parallel.world_size)
+        self.vocab_size = vocab_size
+        self.start = parallel.rank * per_rank
+        self.num_local = max(0, min(per_rank, vocab_size - self.start))
+        self.parallel = parallel
+        self.shard = Shard(0, (vocab_size,), ((self.start, self.num_local),))
+        self.weight = nn.Parameter(torch.zeros(per_rank, hidden_size))
+        self.push = False  # set by a model whose layers push: a one-token embedding goes to the exchange
+
+    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+        # input_ids: [T] -> [T, hidden]; an id outside this rank's rows contributes zeros
+        if self.push and (target := self.parallel.embed_push_target(input_ids, self.weight)) is not None:
+            from infer.kernels.layers import embedding_push
+
+            return embedding_push(input_ids, self.weight, self.start, self.num_local, target)  # summed by the next norm
+        local = input_ids - self.start
+        outside = (local < 0) | (local >= self.num_local)
+        x = F.embedding(local.masked_fill(outside, 0), self.weight)
+        return self.parallel.all_reduce(x.masked_fill_(outside[:, None], 0.0))
+
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        # hidden: [R, hidden] -> [R, vocab] float32 (complete on rank 0)
+        return self.parallel.gather_columns(self.matmul(hidden, self.weight))[:, : self.vocab_size].float()
+
+
+class ParallelLMHead(VocabParallelEmbedding):
+    """An untied LM head: the same vocab-parallel [vocab, hidden] weight, used through `logits`."""
+
+
+def attention_projections(
+    config: ModelConfig, parallel: ParallelState, matmul: Matmul = F.linear
+) -> tuple[ColumnParallelLinear, RowParallelLinear]:
+    """qkv_proj (this rank's q, k and v heads, fused) and o_proj (the matching input columns; its
+    partial output is summed by the norm that takes it, see `LlamaDecoderLayer`)."""
+    d = config.head_dim
+    heads = parallel.heads(config.num_heads, config.num_kv_heads)
+    q_full, kv_full = config.num_heads * d, config.num_kv_heads * d
+    q = (heads.q_start * d, heads.num_heads * d)
+    kv = (heads.kv_start * d, heads.num_kv_heads * d)  # the same KV head on several ranks when replicated
+    qkv_proj = ColumnParallelLinear(config.hidden_size, Shard(0, (q_full, kv_full, kv_full), (q, kv, kv)), matmul)
+    o_proj = RowParallelLinear(config.hidden_size, Shard(1, (q_full,), (q,)), parallel, matmul, reduce=False)
+    return qkv_proj, o_proj
+
+
+def mlp_projections(
+    config: ModelConfig, parallel: ParallelState, matmul: Matmul = F.linear
+) -> tuple[ColumnParallelLinear, RowParallelLinear]:
+    """gate_up_proj (this rank's slice of gate and of up, fused) and down_proj (the same slice of its
+    input; its partial output is summed by the norm that takes it)."""
+    width = config.intermediate_size
+    part = split(width, parallel)
+    gate_up_proj = ColumnParallelLinear(config.hidden_size, Shard(0, (width, width), (part, part)), matmul)
+    down_proj = RowParallelLinear(config.hidden_size, Shard(1, (width,), (part,)), parallel, matmul, reduce=False)
+    return gate_up_proj, down_proj
+
+
+def load_sharded(
+    model: nn.Module,
+    weights: Iterable[tuple[str, Any]],
+    target: Callable[[str], tuple[str, int | None] | None],
+) -> set[str]:
+    """Fill a tensor-parallel model from (checkpoint name, tensor or safetensors slice) pairs, reading
+    only this rank's part of each. `target(name)` names the parameter a tensor fills and its piece
+    of a fused parameter (None: unfused), or returns None for a tensor the model does not use."""
+    params = dict(model.named_parameters())
+    loaded: set[str] = set()
+    for hf_name, source in weights:
+        found = target(hf_name)
+        if found is None or found[0] not in params:
+            continue  # layers beyond an early-exit cut, or tensors this model does not use
+        name, piece = found
+        shard = shard_of(model, name)
+        if shard is None:
+            params[name].data.copy_(source[:])  # whole on every rank (norms)
+        else:
+            shard.load(params[name].data, piece or 0, source)
+        loaded.add(name)
+    return loaded

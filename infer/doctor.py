@@ -1,0 +1,347 @@
+"""`infer doctor`: whether a configuration runs here, slot by slot, before any weight loads.
+
+For each slot: OK, or refused with the reason and the strategies of that slot that do run here.
+The verdict agrees with `compose` (the builder's own check), which runs last.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+from collections import Counter
+from dataclasses import dataclass, field
+from types import SimpleNamespace
+
+import torch
+
+from infer.core.compose import _auto_attention, compose, refusal
+from infer.core.config import DTYPES, EngineConfig
+from infer.core.errors import ConfigError, InferError
+from infer.core.registry import FLAGS, BrokenPlugin, PluginRegistry, Strategy
+
+SLOT_FIELDS = {  # slot -> EngineConfig field, in report order
+    "attention": "attention",
+    "kv_allocator": "kv_allocator",
+    "scheduler": "scheduler",
+    "sampler": "sampler",
+    "decoder": "decoding",
+    "detokenizer": "detokenizer",
+}
+
+
+@dataclass(frozen=True, slots=True)
+class Verdict:
+    slot: str  # a registry slot, or "config", "device", "model", "draft", "combination"
+    chosen: str  # what the configuration asks for
+    reason: str | None = None  # None: runs here
+    alternatives: tuple[str, ...] = ()  # strategies of this slot that run here
+    note: str = ""
+
+    @property
+    def ok(self) -> bool:
+        return self.reason is None
+
+
+@dataclass(slots=True)
+class Diagnosis:
+    device: str
+    dtype: str
+    verdicts: list[Verdict] = field(default_factory=list)
+    broken: list[BrokenPlugin] = field(default_factory=list)
+
+    @property
+    def runnable(self) -> bool:
+        return all(v.ok for v in self.verdicts)
+
+    @property
+    def refusals(self) -> list[Verdict]:
+        return [v for v in self.verdicts if not v.ok]
+
+
+def _phase_refusal(s: Strategy, as_prefill: bool, has_prefill_backend: bool) -> str | None:
+    phases = s.capabilities.phases
+    if as_prefill:
+        if "prefill" not in phases:
+            return f"--prefill-attention {s.name} does not serve prefill (it serves {', '.join(sorted(phases))})"
+        return None
+    if "decode" not in phases:
+        return (
+            f"--attention {s.name} serves only {', '.join(sorted(phases))}: use it as --prefill-attention "
+            f"{s.name} with a decode backend"
+        )
+    if "prefill" not in phases and not has_prefill_backend:
+        return f"--attention {s.name} does not serve prefill: add --prefill-attention with a prefill backend"
+    return None
+
+
+def _slot_refusal(
+    slot: str, s: Strategy, config: EngineConfig, device: torch.device, dtype: torch.dtype, as_prefill: bool = False
+) -> str | None:
+    flag = "--prefill-attention" if as_prefill else FLAGS[slot]
+    if slot == "attention":
+        phase = _phase_refusal(s, as_prefill, bool(config.prefill_attention))
+        if phase is not None:
+            return phase
+    if slot == "decoder" and s.capabilities.needs_draft and not config.draft:
+        return f"--decoding {s.name} needs a draft model: add --draft NAME"
+    return refusal(s, flag, device, dtype, config)
+
+
+def _verdict(
+    registry: PluginRegistry,
+    slot: str,
+    name: str,
+    config: EngineConfig,
+    device: torch.device,
+    dtype: torch.dtype,
+    as_prefill: bool = False,
+) -> Verdict:
+    label = "prefill_attention" if as_prefill else slot
+    try:
+        chosen = registry.get(slot, name)
+        reason = _slot_refusal(slot, chosen, config, device, dtype, as_prefill)
+    except InferError as exc:
+        reason = str(exc)
+    if reason is None:
+        return Verdict(label, name)
+    runs = tuple(
+        s.name + (" (lossy)" if s.capabilities.lossy else "")
+        for s in sorted(registry.all(slot), key=lambda s: s.name)
+        if s.name != name and _slot_refusal(slot, s, config, device, dtype, as_prefill) is None
+    )
+    return Verdict(label, name, reason, runs)
+
+
+def _model(config: EngineConfig, registry: PluginRegistry) -> tuple[Verdict, torch.dtype | None]:
+    from infer.models import hub
+    from infer.models.loader import check_weight_shapes, meta_model, resolve_source
+
+    try:
+        source = resolve_source(config.model, registry, config.load_format, pull=False, revision=config.revision)
+    except InferError as exc:
+        if config.load_format != "dummy" and config.model in hub.KNOWN_SOURCES and registry.preset(config.model):
+            return Verdict("model", config.model, note="not cached yet: `infer run` downloads it once"), None
+        return Verdict(
+            "model", config.model, str(exc), tuple(n for n in registry.preset_names() if n != config.model)[:6]
+        ), None
+    try:
+        mc = source.model_config()
+        if source.path is not None:  # the safetensors headers against the config's shapes; no weight is read
+            check_weight_shapes(meta_model(source, mc, registry.layers("cpu")), source.path)
+    except InferError as exc:
+        return Verdict("model", config.model, str(exc)), None
+    weights = "dummy weights" if source.path is None else f"weights in {source.path}"
+    note = f"{source.architecture.name}, {mc.num_layers} layers, {mc.num_heads}/{mc.num_kv_heads} heads, {weights}"
+    if config.exit_layer is not None and not 1 <= config.exit_layer <= mc.num_layers:
+        return Verdict("model", config.model, f"--exit-layer must be in [1, {mc.num_layers}] for {source.name}"), None
+    return Verdict("model", config.model, note=note), mc.torch_dtype
+
+
+def diagnose(
+    config: EngineConfig, registry: PluginRegistry, check_model: bool = True, device: torch.device | None = None
+) -> Diagnosis:
+    """Every slot's verdict for `config` on this machine (on `device`, when given, present or not);
+    reads config.json files and safetensors headers, never weights."""
+    verdicts: list[Verdict] = []
+    try:
+        config.validate()
+    except ConfigError as exc:
+        verdicts.append(Verdict("config", "", str(exc)))
+    if device is None:
+        try:
+            device = config.resolve_device()
+        except ConfigError as exc:
+            verdicts.append(Verdict("device", config.device, str(exc), ("cpu",)))
+            device = torch.device("cuda" if config.device.startswith("cuda") else "cpu")
+    model_dtype = None
+    if check_model:
+        model_verdict, model_dtype = _model(config, registry)
+        verdicts.append(model_verdict)
+    dtype = (
+        config.resolve_dtype(device, model_dtype) if config.dtype == "auto" or config.dtype in DTYPES else torch.float32
+    )
+    if config.tensor_parallel_size > 1:
+        verdicts.append(_tensor_parallel(config, registry))
+        verdicts.append(_all_reduce(config, device, dtype))
+    if config.attention == "auto":
+        try:
+            verdicts.append(
+                Verdict("attention", "auto", note=f"auto picks {_auto_attention(registry, device, dtype, config).name}")
+            )
+        except InferError as exc:
+            verdicts.append(Verdict("attention", "auto", str(exc)))
+    for slot, config_field in SLOT_FIELDS.items():
+        if not (slot == "attention" and config.attention == "auto"):
+            verdicts.append(_verdict(registry, slot, getattr(config, config_field), config, device, dtype))
+        if slot == "attention" and config.prefill_attention:
+            verdicts.append(
+                _verdict(registry, "attention", config.prefill_attention, config, device, dtype, as_prefill=True)
+            )
+    if check_model and config.draft and config.draft not in ("ngram", "self"):
+        from infer.models.loader import resolve_source
+
+        try:
+            resolve_source(config.draft, registry, config.load_format, pull=False)
+            verdicts.append(Verdict("draft", config.draft))
+        except InferError as exc:
+            verdicts.append(Verdict("draft", config.draft, str(exc), ("ngram", "self")))
+    if all(v.ok for v in verdicts):
+        try:
+            compose(config, registry, device, dtype)
+        except InferError as exc:
+            verdicts.append(Verdict("combination", "", str(exc)))
+    return Diagnosis(str(device), str(dtype).removeprefix("torch."), verdicts, list(registry.broken))
+
+
+def format_diagnosis(d: Diagnosis) -> str:
+    lines = [f"infer doctor: device {d.device}, dtype {d.dtype}"]
+    widths = [max([4, *(len(v.slot) for v in d.verdicts)]), max([5, *(len(v.chosen or "-") for v in d.verdicts)])]
+    indent = " " * (sum(widths) + 6)
+    lines.append(f"  {'slot'.ljust(widths[0])}  {'asked'.ljust(widths[1])}  verdict")
+    for v in d.verdicts:
+        head = f"  {v.slot.ljust(widths[0])}  {(v.chosen or '-').ljust(widths[1])}  "
+        if v.ok:
+            lines.append(f"{head}OK" + (f"  ({v.note})" if v.note else ""))
+            continue
+        lines.append(f"{head}REFUSED: {v.reason}")
+        if v.alternatives:
+            lines.append(f"{indent}runs here instead: {', '.join(v.alternatives)}")
+        elif v.slot in FLAGS:
+            lines.append(f"{indent}nothing else in this slot runs here with these options")
+    for b in d.broken:
+        lines.append(f"  plugin {b.plugin} from {b.distribution} failed to load: {b.error}")
+    refused = len(d.refusals)
+    lines.append(
+        "verdict: runs here"
+        if not refused
+        else f"verdict: cannot run here ({refused} refusal{'s' if refused > 1 else ''}); change the flags named above"
+    )
+    return "\n".join(lines)
+
+
+MATRIX_SLOTS = ("attention", "sampler", "scheduler", "decoder")
+
+
+def _on_a_machine_with_the_device(registry: PluginRegistry) -> PluginRegistry:
+    """The registry as a machine with the asked-for device would see it: each strategy's own availability
+    check (installed packages, a visible GPU) is about this machine, so it is left out."""
+    strategies = {
+        slot: {
+            name: dataclasses.replace(
+                s, factory=SimpleNamespace(capabilities=dataclasses.replace(s.capabilities, available=None))
+            )
+            for name, s in by_name.items()
+        }
+        for slot, by_name in registry.strategies.items()
+    }
+    return dataclasses.replace(registry, strategies=strategies)
+
+
+def unavailable_here(registry: PluginRegistry) -> list[tuple[str, str]]:
+    """(strategy, reason) for every strategy whose availability check fails on this machine."""
+    return [
+        (f"{FLAGS[slot]} {s.name}", reason)
+        for slot in MATRIX_SLOTS
+        for s in sorted(registry.all(slot), key=lambda s: s.name)
+        if (reason := s.unavailable_reason())
+    ]
+
+
+def matrix(
+    registry: PluginRegistry, base: EngineConfig, device: torch.device | None = None
+) -> list[tuple[tuple[str, ...], str | None]]:
+    """Every attention x sampler x scheduler x decoding combination with None (runs) or its first refusal
+    (on `device`, when given; on a device this machine lacks, as a machine with it would see them,
+    without the strategies' own availability checks: see `unavailable_here`)."""
+    if device is not None and not device_present(device):
+        registry = _on_a_machine_with_the_device(registry)
+    names = [sorted(s.name for s in registry.all(slot)) for slot in MATRIX_SLOTS]
+    rows = []
+    for combo in itertools.product(*names):
+        config = base.replace(**{SLOT_FIELDS[slot]: name for slot, name in zip(MATRIX_SLOTS, combo)})
+        refusals = diagnose(config, registry, check_model=False, device=device).refusals
+        rows.append((combo, refusals[0].reason if refusals else None))
+    return rows
+
+
+def device_present(device: torch.device) -> bool:
+    return device.type != "cuda" or (torch.cuda.is_available() and (device.index or 0) < torch.cuda.device_count())
+
+
+def format_matrix(
+    rows: list[tuple[tuple[str, ...], str | None]], device: str, not_checked: list[tuple[str, str]] | None = None
+) -> str:
+    """not_checked: for a device this machine lacks, the availability checks the rows leave out."""
+    runs = [combo for combo, reason in rows if reason is None]
+    headers = ("attention", "sampler", "scheduler", "decoding")
+    widths = [max(len(h), *(len(c[i]) for c, _ in rows)) for i, h in enumerate(headers)]
+    where = f"on {device}" if not_checked is None else f"on a machine with {device} (none here)"
+    lines = [
+        f"{len(runs)} of {len(rows)} combinations of {' x '.join(headers)} run {where}:",
+        ("  " + "  ".join(h.ljust(w) for h, w in zip(headers, widths))).rstrip(),
+    ]
+    lines += [("  " + "  ".join(c.ljust(w) for c, w in zip(combo, widths))).rstrip() for combo in runs]
+    refused = Counter(reason for _, reason in rows if reason is not None)
+    if refused:
+        lines.append("refused (combinations: reason):")
+        lines += [f"  {count:>4}: {reason}" for reason, count in refused.most_common()]
+    if not_checked:
+        lines.append("not checked without the device; on this machine:")
+        lines += [f"  {name}: {reason}" for name, reason in not_checked]
+    return "\n".join(lines)
+
+
+def _all_reduce(config: EngineConfig, device: torch.device, dtype: torch.dtype) -> Verdict:
+    """Which all-reduce --tp will use for small tensors (the set-up itself needs the ranks)."""
+    from infer.distributed.all_reduce import flashinfer_fused as flashinfer_all_reduce
+    from infer.distributed.all_reduce import symm_mem as symmetric_memory
+    from infer.distributed.state import ParallelState, peer_access_reason
+
+    tp = config.tensor_parallel_size
+    # rank 0's view of the GPUs the ranks would take (too few GPUs is the tensor-parallel verdict's)
+    no_peers = (
+        peer_access_reason(ParallelState(0, tp, device))
+        if device.type == "cuda" and torch.cuda.device_count() >= (device.index or 0) + tp
+        else None
+    )
+    # doctor does not build FlashInfer's kernels (minutes on first use): the engine does, and says so
+    flashinfer_why = no_peers or flashinfer_all_reduce.unavailable_reason(device, tp, dtype, build=False)
+    if config.all_reduce == "flashinfer":
+        return Verdict(
+            "all-reduce",
+            "flashinfer",
+            flashinfer_why and f"flashinfer's all-reduce cannot run: {flashinfer_why}",
+            ("nccl", "auto"),
+        )
+    reason = no_peers or symmetric_memory.unavailable_reason(device, tp, dtype)
+    if config.all_reduce == "symm-mem" and reason:
+        return Verdict("all-reduce", "symm-mem", f"symmetric memory cannot run: {reason}", ("nccl", "auto"))
+    if config.all_reduce == "auto":
+        backend = "nccl" if device.type == "cuda" else "gloo"
+        if flashinfer_why is None:
+            note = (
+                "auto picks flashinfer (fused with the residual add and RMSNorm; its kernels are compiled on "
+                f"first use) up to {flashinfer_all_reduce.MAX_TOKENS} tokens, nccl above"
+            )
+        elif reason is None:
+            note = f"auto picks symm-mem for small tensors, nccl above (flashinfer: {flashinfer_why})"
+        else:
+            note = f"auto picks {backend} (flashinfer: {flashinfer_why}; symmetric memory: {reason})"
+        return Verdict("all-reduce", "auto", note=note)
+    return Verdict("all-reduce", config.all_reduce)
+
+
+def _tensor_parallel(config: EngineConfig, registry: PluginRegistry) -> Verdict:
+    """Whether the model's heads and MLP split over --tp ranks (no weights are read)."""
+    from infer.distributed.state import check_tensor_parallel
+    from infer.models.loader import resolve_source
+
+    tp = str(config.tensor_parallel_size)
+    try:
+        mc = resolve_source(
+            config.model, registry, config.load_format, pull=False, revision=config.revision
+        ).model_config()
+        check_tensor_parallel(mc.name, mc.num_heads, mc.num_kv_heads, mc.intermediate_size, config.tensor_parallel_size)
+    except InferError as exc:
+        return Verdict("tp", tp, str(exc))
+    return Verdict("tp", tp)

@@ -1,0 +1,207 @@
+"""Matrix-vector product for one-token steps (batch-1 decode), in Triton.
+
+At one token a linear layer is a pure weight stream: y[n] = sum_k W[n, k] x[k] reads every weight
+once and does two FLOPs per weight, so its time is the weight bytes over the memory bandwidth and
+the kernel's only job is to keep enough 16-byte loads in flight. Each program streams a few whole
+rows of W (BLOCK_N rows, BLOCK_K columns per iteration: coalesced along k, as W is stored), keeps
+the x chunk in registers and accumulates in fp32, reducing across k once at the end. The weights
+are read once per step, so they are loaded evict-first to keep the activations in L2. Launched as a
+programmatic dependent (`triton_pdl`), it loads its first weight tile before
+waiting for the kernel that wrote x.
+
+Tile shapes (BLOCK_N, BLOCK_K, num_warps from CANDIDATES) are tuned once per (N, K, dtypes, device)
+at the first call for a shape, which must come before any CUDA graph capture (the engine's warm-up
+makes it; inside a capture it raises): each candidate is timed the way a decode step runs it,
+launched back to back in a CUDA graph over weights that do not fit in L2 (copies of the weight's
+shape when it would), as programmatic dependents when those are on. One tile per shape serves the
+plain, PDL and gated forms, so all give the same bits. Under TRITON_INTERPRET=1 one small tile is
+used. Why not Triton's autotuner, and what was measured: docs/performance.md, "Weight-streaming GEMV".
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import triton
+import triton.language as tl
+
+from infer import env
+from infer.kernels.layers import lamport_push
+from infer.kernels.triton_pdl import kernel_args, wait_and_release
+
+# (BLOCK_N, BLOCK_K, num_warps): few rows and long, coalesced rows of 16-byte loads win at one token;
+# the small tiles serve narrow models (K of a few hundred)
+CANDIDATES = [
+    (1, 512, 1),
+    (1, 512, 2),
+    (1, 1024, 4),
+    (1, 4096, 4),
+    (2, 512, 2),
+    (2, 1024, 4),
+    (2, 2048, 8),
+    (4, 1024, 4),
+    (4, 256, 2),
+    (8, 256, 4),
+    (8, 128, 2),
+    (16, 128, 4),
+]
+INTERPRETER_TILE = (4, 32, 1)
+# read once: the kernels below are interpreted or compiled as TRITON_INTERPRET was when they were
+# decorated (at this import), and _tile runs at every launch
+_INTERPRETED = env.triton_interpret()
+_tiles: dict[tuple, tuple[int, int, int]] = {}
+
+
+def _tile(x: torch.Tensor, weight: torch.Tensor, gated: bool) -> tuple[int, int, int]:
+    if _INTERPRETED:
+        return INTERPRETER_TILE
+    key = (*weight.shape, weight.dtype, x.dtype, weight.device)
+    if key not in _tiles:
+        _tiles[key] = _tune(x, weight, gated)
+    return _tiles[key]
+
+
+def _tune(x: torch.Tensor, weight: torch.Tensor, gated: bool) -> tuple[int, int, int]:
+    """The candidate with the least device time per call, calls captured back to back in a graph."""
+    from infer.kernels.timing import captured_seconds
+
+    if torch.cuda.is_current_stream_capturing():
+        raise RuntimeError("gemv: the first call for a weight shape tunes its tile and must run before graph capture")
+    n, k = weight.shape
+    l2 = torch.cuda.get_device_properties(weight.device).L2_cache_size
+    if weight.nbytes >= 2 * l2:  # streams from memory at every call as it is
+        weights = [weight]
+    else:  # copies enough to overflow L2 (their values do not matter to the time)
+        weights = list(torch.empty((-(-3 * l2 // weight.nbytes), n, k), dtype=weight.dtype, device=weight.device))
+    y = torch.empty(1, n, dtype=x.dtype, device=x.device)
+    times = {}
+    for tile in CANDIDATES:
+        try:
+            times[tile] = captured_seconds(
+                lambda i: _run(x, weights[i % len(weights)], y, gated, tile), calls=max(8, 2 * len(weights)), replays=3
+            )
+        except triton.runtime.errors.OutOfResources:  # a tile this GPU cannot hold
+            continue
+    return min(times, key=times.get)
+
+
+@triton.jit
+def _load_x(x_ptr, cols, col_ok, K, GATED: tl.constexpr):
+    """x[cols] in fp32; GATED: x is [gate | up] (2K wide) and the input is SiLU(gate) * up, rounded
+    to x's dtype as `triton_layers.silu_and_mul` rounds it (so both paths give the same bits)."""
+    if GATED:
+        gate = tl.load(x_ptr + cols, mask=col_ok, other=0.0).to(tl.float32)
+        up = tl.load(x_ptr + K + cols, mask=col_ok, other=0.0)
+        silu = (gate / (1.0 + tl.exp(-gate))).to(x_ptr.dtype.element_ty)
+        x = (silu * up).to(x_ptr.dtype.element_ty).to(tl.float32)
+    else:
+        x = tl.load(x_ptr + cols, mask=col_ok, other=0.0).to(tl.float32)
+    return x
+
+
+@triton.jit
+def _load_w(w_rows, k0, K, BLOCK_K: tl.constexpr):
+    cols = k0 + tl.arange(0, BLOCK_K)
+    return tl.load(w_rows + cols[None, :], mask=(cols < K)[None, :], other=0.0, eviction_policy="evict_first")
+
+
+@triton.jit
+def _tile_product(w, x_ptr, k0, K, BLOCK_K: tl.constexpr, GATED: tl.constexpr):
+    cols = k0 + tl.arange(0, BLOCK_K)
+    return w.to(tl.float32) * _load_x(x_ptr, cols, cols < K, K, GATED)[None, :]
+
+
+@triton.jit
+def _gemv_kernel(
+    x_ptr,
+    w_ptr,
+    y_ptr,
+    peers_ptr,
+    N,
+    K,
+    stride_w,
+    part_offset,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    USE_PDL: tl.constexpr,
+    GATED: tl.constexpr,
+    PEERS: tl.constexpr,
+):
+    rows = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    row_ok = rows < N
+    rows = tl.where(row_ok, rows, 0)  # out-of-range rows re-read row 0 (harmless, never stored)
+    w_rows = w_ptr + rows[:, None].to(tl.int64) * stride_w
+    # the weights are no kernel's output: the first tile's loads go out before the wait for the kernel
+    # before (under PDL, while it finishes), and only x waits for it. One tile ahead, not more
+    # (docs/performance.md, "Weight-streaming GEMV").
+    w = _load_w(w_rows, 0, K, BLOCK_K)
+    wait_and_release(USE_PDL)
+    acc = _tile_product(w, x_ptr, 0, K, BLOCK_K, GATED)
+    for k0 in range(BLOCK_K, K, BLOCK_K):
+        acc += _tile_product(_load_w(w_rows, k0, K, BLOCK_K), x_ptr, k0, K, BLOCK_K, GATED)
+    y = tl.sum(acc, axis=1).to(y_ptr.dtype.element_ty)
+    if PEERS == 0:
+        tl.store(y_ptr + rows, y, mask=row_ok)
+    else:  # a tensor-parallel partial sum, pushed into every rank's exchange slot (`push`)
+        lamport_push(peers_ptr, part_offset, rows, y, row_ok, PEERS)
+
+
+def gemv(x: torch.Tensor, weight: torch.Tensor, push: Any = None) -> torch.Tensor:
+    """x [1, K] @ weight[N, K].T -> [1, N] in x's dtype (fp32 accumulation). With PDL on, `weight`
+    is read before the kernel just before has finished: it must be no output of that kernel (model
+    weights never are). `push`: see `_launch`."""
+    assert x.dim() == 2 and x.shape[0] == 1, f"gemv takes one row, got {tuple(x.shape)}"
+    assert x.shape[1] == weight.shape[1] and weight.stride(1) == 1, "weight must be [N, K] with contiguous rows"
+    return _launch(x, weight, gated=False, push=push)
+
+
+def gemv_silu_mul(h: torch.Tensor, weight: torch.Tensor, push: Any = None) -> torch.Tensor:
+    """(SiLU(gate) * up) @ weight.T for one row h = [gate | up] ([1, 2K]) and weight [N, K]: the MLP's
+    activation read inside its down projection's GEMV, one kernel instead of two (the same bits as
+    `gemv(silu_and_mul(h), weight)`)."""
+    assert h.dim() == 2 and h.shape[0] == 1, f"gemv_silu_mul takes one row, got {tuple(h.shape)}"
+    assert h.shape[1] == 2 * weight.shape[1] and weight.stride(1) == 1, (
+        "h must be [1, 2K] and weight [N, K] with contiguous rows"
+    )
+    return _launch(h, weight, gated=True, push=push)
+
+
+def _launch(x: torch.Tensor, weight: torch.Tensor, gated: bool, push: Any) -> torch.Tensor:
+    """`push`: a tensor-parallel exchange's target (`infer.distributed.all_reduce.lamport.PushTarget`): the result, this
+    rank's partial sum, is stored into every rank's slot for it (peer memory) and returned as the
+    view of this rank's own copy, which the exchange then sums (`ParallelState.reduce_add_norm`) and
+    resets: the view holds the partial sum until then."""
+    x = x.contiguous()
+    if push is None:
+        y = torch.empty(1, weight.shape[0], dtype=x.dtype, device=x.device)
+    else:
+        y = push.local
+        assert y.shape == (1, weight.shape[0]) and y.dtype == x.dtype, "the push target is one row of the output"
+    _run(x, weight, y, gated, _tile(x, weight, gated), push)
+    return y
+
+
+def _run(
+    x: torch.Tensor, weight: torch.Tensor, y: torch.Tensor, gated: bool, tile: tuple[int, int, int], push: Any = None
+) -> None:
+    n, k = weight.shape
+    block_n, block_k, warps = tile
+    peers, offset = (y, 0) if push is None else (push.peers, push.offset)
+    _gemv_kernel[(triton.cdiv(n, block_n),)](
+        x,
+        weight,
+        y,
+        peers,
+        n,
+        k,
+        weight.stride(0),
+        offset,
+        BLOCK_N=block_n,
+        BLOCK_K=block_k,
+        GATED=gated,
+        PEERS=0 if push is None else len(push.peers),
+        num_warps=warps,
+        num_stages=1,
+        **kernel_args(x.device),
+    )

@@ -1,0 +1,250 @@
+"""Paged decode attention: one new query token per sequence, read through its block table.
+
+Grid: (sequence, kv_head, partition). One program serves the whole GQA group of a KV head, so
+each K/V row is read from memory once for all `group` query heads. It walks its partition of
+the context in tiles of BLOCK_N tokens gathered through the block table (a tile spans
+BLOCK_N // block_size blocks, or part of one; every row is head_dim contiguous elements, so
+loads can be 16-byte vectors along D), keeping an online softmax in fp32 (exp2, log2e folded into
+the scale). When batch x kv_heads cannot fill the GPU, each sequence's context is split into
+`num_splits` partitions (the grid's third axis, fixed for a batch size so a captured graph stays
+valid); a partition spans cdiv(cdiv(seq_len, num_splits), BLOCK_N) tiles, worked out in the kernel
+from the sequence's current length, so every split has work however long the context is now.
+Each writes its normalised output plus its max and sum, and `_reduce_kernel` combines them.
+
+Scores and P @ V are `tl.dot`s with the group padded to 16 rows (the MMA minimum), even for MHA
+(group 1); the padding rows are zero queries, never stored. The cache write, this kernel and the
+reduce are three launches. Requires: K/V caches [num_blocks, block_size, Hkv, D] with D contiguous,
+H a multiple of Hkv, `seq_lens` counting the new token (already in the cache). Why the kernel looks
+as it does, with the measurements: docs/performance.md, "Paged decode attention".
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from infer.kernels.triton_pdl import kernel_args, wait_and_release
+from infer.plugins.attention.paged_cuda.kernels import dot_config
+
+LOG2E = 1.4426950408889634
+
+
+@triton.jit
+def _decode_kernel(
+    out_ptr,  # [T, H, D]; decode token i belongs to sequence i
+    part_out_ptr,  # [S, H, P, D] fp32: per-partition output, already divided by its sum
+    part_max_ptr,  # [S, H, P] fp32: per-partition max logit (log2 units)
+    part_sum_ptr,  # [S, H, P] fp32: per-partition sum of exp2(logit - max)
+    q_ptr,  # [T, H, D]
+    k_cache_ptr,
+    v_cache_ptr,  # [num_blocks, block_size, Hkv, D]
+    block_tables_ptr,  # [B, max_blocks] int32
+    seq_lens_ptr,  # [B] int32, context + the new token
+    scale_log2,  # softmax scale * log2(e)
+    stride_qt,
+    stride_qh,
+    stride_ot,
+    stride_oh,
+    stride_cb,
+    stride_cs,
+    stride_ch,
+    stride_bt,
+    stride_ps,
+    stride_ph,  # part_out strides; part_max/sum are [S, H, P] contiguous
+    block_size,
+    head_dim,
+    group,
+    max_partitions,
+    SPLIT: tl.constexpr,
+    DOT_DTYPE: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
+    GROUP_PAD: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    USE_PDL: tl.constexpr,
+):
+    wait_and_release(USE_PDL)
+    seq, kv_head, part = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    seq_len = tl.load(seq_lens_ptr + seq)
+    if SPLIT:
+        chunk = tl.cdiv(tl.cdiv(seq_len, max_partitions), BLOCK_N) * BLOCK_N
+        start = part * chunk
+        end = tl.minimum(start + chunk, seq_len)
+    else:
+        start = 0
+        end = seq_len
+    rows = tl.arange(0, GROUP_PAD)
+    heads = kv_head * group + rows  # [G] query heads of this KV head
+    dims = tl.arange(0, BLOCK_D)
+    row_mask = rows < group
+    dim_mask = dims < head_dim
+    q_mask = row_mask[:, None] & dim_mask[None, :]
+    # Short contexts leave the last partitions empty (each holds at least one whole tile).
+    if start < end:
+        q = tl.load(q_ptr + seq * stride_qt + heads[:, None] * stride_qh + dims[None, :], mask=q_mask, other=0.0)
+        q = q.to(DOT_DTYPE)  # [G, D]
+
+        m_i = tl.full([GROUP_PAD], float("-inf"), tl.float32)
+        l_i = tl.zeros([GROUP_PAD], tl.float32)
+        acc = tl.zeros([GROUP_PAD, BLOCK_D], tl.float32)
+        table = block_tables_ptr + seq * stride_bt
+        for n0 in range(start, end, BLOCK_N):
+            offs = n0 + tl.arange(0, BLOCK_N)  # [N] token positions
+            tok_mask = offs < end
+            block = tl.load(table + offs // block_size, mask=tok_mask, other=0).to(tl.int64)
+            row = block * stride_cb + (offs % block_size) * stride_cs + kv_head * stride_ch  # [N]
+            kv_mask = tok_mask[:, None] & dim_mask[None, :]
+            k = tl.load(k_cache_ptr + row[:, None] + dims[None, :], mask=kv_mask, other=0.0)  # [N, D]
+            v = tl.load(v_cache_ptr + row[:, None] + dims[None, :], mask=kv_mask, other=0.0)  # [N, D]
+            s = tl.dot(q, tl.trans(k.to(DOT_DTYPE)), input_precision=DOT_PRECISION)  # [G, N]
+            s = tl.where(tok_mask[None, :], s * scale_log2, float("-inf"))
+            # every tile holds at least one real token, so m_new is finite
+            m_new = tl.maximum(m_i, tl.max(s, axis=1))
+            alpha = tl.exp2(m_i - m_new)
+            p = tl.exp2(s - m_new[:, None])  # [G, N]
+            l_i = l_i * alpha + tl.sum(p, axis=1)
+            pv = tl.dot(p.to(DOT_DTYPE), v.to(DOT_DTYPE), input_precision=DOT_PRECISION)
+            acc = acc * alpha[:, None] + pv  # [G, D]
+            m_i = m_new
+
+        out = acc / l_i[:, None]
+        if SPLIT:
+            stat = (seq * tl.num_programs(1) * group + heads) * max_partitions + part  # [S, H, P]
+            tl.store(part_max_ptr + stat, m_i, mask=row_mask)
+            tl.store(part_sum_ptr + stat, l_i, mask=row_mask)
+            dst = part_out_ptr + seq * stride_ps + heads[:, None] * stride_ph + part * head_dim + dims[None, :]
+            tl.store(dst, out, mask=q_mask)
+        else:
+            dst = out_ptr + seq * stride_ot + heads[:, None] * stride_oh + dims[None, :]
+            tl.store(dst, out.to(out_ptr.dtype.element_ty), mask=q_mask)
+
+
+@triton.jit
+def _reduce_kernel(
+    out_ptr,  # [T, H, D]
+    part_out_ptr,
+    part_max_ptr,
+    part_sum_ptr,  # as in _decode_kernel
+    seq_lens_ptr,
+    stride_ot,
+    stride_oh,
+    stride_ps,
+    stride_ph,
+    head_dim,
+    max_partitions,
+    BLOCK_N: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    USE_PDL: tl.constexpr,
+):
+    wait_and_release(USE_PDL)
+    seq, head = tl.program_id(0), tl.program_id(1)
+    seq_len = tl.load(seq_lens_ptr + seq)
+    chunk = tl.cdiv(tl.cdiv(seq_len, max_partitions), BLOCK_N) * BLOCK_N  # as in _decode_kernel
+    num_parts = tl.cdiv(seq_len, chunk)
+    dims = tl.arange(0, BLOCK_D)
+    dim_mask = dims < head_dim
+    stat = (seq * tl.num_programs(1) + head) * max_partitions
+    part_out = part_out_ptr + seq * stride_ps + head * stride_ph + dims
+    # softmax over the union of partitions: weight partition p by sum_p * 2^(max_p - max)
+    m = tl.load(part_max_ptr + stat)
+    l = tl.load(part_sum_ptr + stat)
+    acc = tl.load(part_out, mask=dim_mask, other=0.0) * l
+    for p in range(1, num_parts):
+        m_p = tl.load(part_max_ptr + stat + p)
+        l_p = tl.load(part_sum_ptr + stat + p)
+        o_p = tl.load(part_out + p * head_dim, mask=dim_mask, other=0.0)
+        m_new = tl.maximum(m, m_p)
+        a, b = tl.exp2(m - m_new), tl.exp2(m_p - m_new) * l_p
+        acc = acc * a + o_p * b
+        l = l * a + b
+        m = m_new
+    tl.store(out_ptr + seq * stride_ot + head * stride_oh + dims, (acc / l).to(out_ptr.dtype.element_ty), mask=dim_mask)
+
+
+def paged_decode(
+    out: torch.Tensor,  # [T, H, D]; rows [0, num_seqs) written
+    q: torch.Tensor,  # [T, H, D]; rows [0, num_seqs) are the decode tokens
+    k_cache: torch.Tensor,  # [num_blocks, block_size, Hkv, D]
+    v_cache: torch.Tensor,
+    block_tables: torch.Tensor,  # [>= num_seqs, max_blocks] int32
+    seq_lens: torch.Tensor,  # [>= num_seqs] int32
+    scale: float,
+    num_seqs: int,
+    # split-K scratch, [num_seqs, H, P, D] and [num_seqs, H, P] fp32 for P partitions per context;
+    # None: one program per (sequence, KV head) walks the whole context
+    scratch: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None,
+    block_n: int,
+    num_warps: int = 4,
+    num_stages: int = 2,
+) -> None:
+    if num_seqs == 0:
+        return
+    num_heads, head_dim = q.shape[1], q.shape[2]
+    num_kv_heads, block_size = k_cache.shape[2], k_cache.shape[1]
+    group = num_heads // num_kv_heads
+    block_d = triton.next_power_of_2(head_dim)
+    # tl.dot needs M >= 16: pad the group's rows with zero queries that are never stored.
+    group_pad = max(16, triton.next_power_of_2(group))
+    dot_dtype, precision = dot_config(q.dtype)
+    pdl = kernel_args(q.device)
+    if scratch is not None:
+        part_out, part_max, part_sum = scratch
+        assert part_out.is_contiguous() and part_max.is_contiguous(), "the kernels index the scratch densely"
+        max_partitions = part_out.shape[2]
+        stride_ps, stride_ph = part_out.stride(0), part_out.stride(1)
+    else:
+        part_out = part_max = part_sum = out  # unused when SPLIT is False
+        max_partitions, stride_ps, stride_ph = 1, 0, 0
+    _decode_kernel[(num_seqs, num_kv_heads, max_partitions)](
+        out,
+        part_out,
+        part_max,
+        part_sum,
+        q,
+        k_cache,
+        v_cache,
+        block_tables,
+        seq_lens,
+        scale * LOG2E,
+        q.stride(0),
+        q.stride(1),
+        out.stride(0),
+        out.stride(1),
+        k_cache.stride(0),
+        k_cache.stride(1),
+        k_cache.stride(2),
+        block_tables.stride(0),
+        stride_ps,
+        stride_ph,
+        block_size,
+        head_dim,
+        group,
+        max_partitions,
+        SPLIT=scratch is not None,
+        DOT_DTYPE=dot_dtype,
+        DOT_PRECISION=precision,
+        GROUP_PAD=group_pad,
+        BLOCK_N=block_n,
+        BLOCK_D=block_d,
+        num_warps=num_warps,
+        num_stages=num_stages,
+        **pdl,
+    )
+    if scratch is not None:
+        _reduce_kernel[(num_seqs, num_heads)](
+            out,
+            part_out,
+            part_max,
+            part_sum,
+            seq_lens,
+            out.stride(0),
+            out.stride(1),
+            stride_ps,
+            stride_ph,
+            head_dim,
+            max_partitions,
+            BLOCK_N=block_n,
+            BLOCK_D=block_d,
+            **pdl,
+        )

@@ -1,0 +1,116 @@
+"""Fused model layers in Triton, swapped in through the layers hook on CUDA (priority 10).
+
+Each replaces several eager kernels with one: RMSNorm with the residual add (add, square, mean,
+rsqrt, scale: 1 read of x and residual, 1 write of each), rotary embedding applied to q and k in
+place of ten elementwise ops, SiLU-and-mul, and a linear layer whose one-token case (batch-1
+decode) is a Triton matrix-vector product streaming the weights (more tokens go to cuBLAS). For
+one token the MLP's SiLU-and-mul is read inside its down projection's GEMV (`FusedSiluAndMul.down`). On
+the CPU the plain torch layers are used; the kernels also run there under TRITON_INTERPRET=1,
+which is how CI tests them.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import nn
+
+from infer import env
+from infer.core.hookspecs import hookimpl
+from infer.core.interfaces import Capabilities
+from infer.plugins.layers import torch_layers as plain
+
+
+def _triton_reason() -> str | None:
+    try:
+        import triton  # noqa: F401
+    except ImportError:
+        return "triton is not installed: pip install 'infer[triton]'"
+    if not torch.cuda.is_available() and not env.triton_interpret():
+        return "no CUDA device (set TRITON_INTERPRET=1 to run the kernels on the CPU)"
+    return None
+
+
+CAPS = Capabilities(devices=frozenset({"cuda"}), priority=10, available=_triton_reason)
+
+
+class FusedRMSNorm(plain.RMSNorm):
+    capabilities = CAPS
+
+    def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None) -> Any:
+        from infer.kernels.layers import rms_norm
+
+        return rms_norm(x, self.weight, self.eps, residual)
+
+
+class FusedRotaryEmbedding(plain.RotaryEmbedding):
+    capabilities = CAPS
+    # its Neox-style cos/sin tables ([max_position, D/2] float32) may be applied by an attention
+    # backend that rotates q and k in its cache write (`forward_with_rotary`), one kernel fewer
+    fuses_into_attention = True
+
+    def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        from infer.kernels.layers import rotary
+
+        return rotary(positions, q, k, self.cos, self.sin)
+
+
+class FusedSiluAndMul(nn.Module):
+    capabilities = CAPS
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        from infer.kernels.layers import silu_and_mul
+
+        return silu_and_mul(x)
+
+    @staticmethod
+    def fuses_with(projection: nn.Module) -> bool:
+        """Whether `projection` (the MLP's down projection: a linear layer, or a tensor-parallel shard
+        whose output is summed elsewhere) is `FusedLinear`'s plain matmul, which `down` may replace."""
+        return (
+            getattr(projection, "matmul", None) is FusedLinear.matmul
+            and getattr(projection, "bias", None) is None
+            and not getattr(projection, "reduce", False)
+        )
+
+    def down(self, h: torch.Tensor, weight: torch.Tensor, push: Any = None) -> torch.Tensor:
+        """matmul(self(h), weight); for one token one GEMV that applies SiLU-and-mul as it reads h."""
+        if h.dim() == 2 and h.shape[0] == 1:
+            from infer.kernels.gemv import gemv_silu_mul
+
+            return gemv_silu_mul(h, weight, push=push)
+        return FusedLinear.matmul(self(h), weight, push=push)
+
+    down.pushes = True  # type: ignore[attr-defined]
+
+
+def _matmul(x: torch.Tensor, weight: torch.Tensor, push: Any = None) -> torch.Tensor:
+    """x @ weight.T; one token through the Triton GEMV, which can push a tensor-parallel partial sum
+    into the ranks' exchange (`push`, a `infer.distributed.all_reduce.lamport.PushTarget`: one-token steps only)."""
+    if x.dim() == 2 and x.shape[0] == 1:
+        from infer.kernels.gemv import gemv
+
+        return gemv(x, weight, push=push)
+    if push is not None:
+        raise ValueError(f"a pushed partial sum is one token's, got {tuple(x.shape)}")
+    return torch.nn.functional.linear(x, weight)
+
+
+_matmul.pushes = True  # type: ignore[attr-defined]
+
+
+class FusedLinear(plain.Linear):
+    capabilities = CAPS
+    matmul = staticmethod(_matmul)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.matmul(x, self.weight) if self.bias is None else super().forward(x)
+
+
+@hookimpl
+def infer_register_layers(register) -> None:
+    register("rms_norm", FusedRMSNorm)
+    register("rotary_embedding", FusedRotaryEmbedding)
+    register("silu_and_mul", FusedSiluAndMul)
+    register("linear", FusedLinear)

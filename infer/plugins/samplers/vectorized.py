@@ -1,0 +1,238 @@
+"""All rows in one batched pass on the logits' device, one device-to-host copy per step.
+
+Per-step parameters are gathered from the request list with list comprehensions into small host
+tensors (one host-to-device copy each); that is gathering, not per-request compute. Every choice
+of which stage to run, and on which rows, is made on those host lists, so nothing waits on the
+device before the final `.tolist()`. Stages write into one working copy of the logits, and the
+costly ones (sort, noise) run only on the rows that need them: large temporaries cost more than
+the arithmetic, on a CPU above all.
+"""
+
+from __future__ import annotations
+
+import math
+from itertools import chain
+
+import torch
+
+from infer.core.hookspecs import hookimpl
+from infer.core.interfaces import Capabilities, RegisterFn, SamplerOutput
+from infer.core.request import Request, SamplingParams
+from infer.kernels import rng
+
+NEG_INF = float("-inf")
+
+
+class VectorizedSampler:
+    capabilities = Capabilities(priority=1)
+
+    def __init__(self, vocab_size: int, device: torch.device) -> None:
+        self.vocab_size = vocab_size
+        self.device = torch.device(device)
+
+    def sample(
+        self,
+        logits: torch.Tensor,  # [B, V] float32
+        requests: list[Request],
+        positions: list[int] | None = None,
+    ) -> SamplerOutput:
+        positions = rng.row_positions(logits, requests, positions)
+        work = logits.clone(memory_format=torch.contiguous_format)  # [B, V]: the stages write into it
+        apply_penalties_(work, requests)
+        num_logprobs = [r.params.logprobs for r in requests]
+        asked = [i for i, k in enumerate(num_logprobs) if k is not None]
+        logprobs = work[_index(asked, len(requests), work.device)].log_softmax(dim=-1) if asked else None
+        tokens = choose_tokens_(work, requests, positions)
+        if logprobs is None:
+            return SamplerOutput(token_ids=tokens.tolist())
+        return _with_logprobs(tokens, logprobs, asked, num_logprobs)
+
+    def sample_tokens(
+        self,
+        logits: torch.Tensor,  # [B, V] float32
+        requests: list[Request],
+        positions: list[int] | None = None,
+    ) -> torch.Tensor | None:
+        """The token ids `sample` would return, as a [B] int64 tensor on the logits' device, queued
+        without waiting for the device (decode pipelining); None when the batch asks for logprobs."""
+        if any(r.params.logprobs is not None for r in requests):
+            return None
+        positions = rng.row_positions(logits, requests, positions)
+        work = logits.clone(memory_format=torch.contiguous_format)
+        apply_penalties_(work, requests)
+        return choose_tokens_(work, requests, positions)
+
+    def probs(
+        self,
+        logits: torch.Tensor,  # [B, V] float32
+        requests: list[Request],
+        positions: list[int] | None = None,
+    ) -> torch.Tensor:
+        """The distribution `sample` draws row i from: [B, V] float32 (one-hot at the argmax for greedy rows)."""
+        assert logits.dim() == 2 and logits.shape[0] == len(requests)
+        work = logits.clone(memory_format=torch.contiguous_format)
+        apply_penalties_(work, requests)
+        greedy = [i for i, r in enumerate(requests) if r.params.temperature == 0.0]
+        sampled = [i for i, r in enumerate(requests) if r.params.temperature != 0.0]
+        if sampled:
+            index = _index(sampled, len(requests), work.device)
+            p = process_rows_(work[index], [requests[i].params for i in sampled]).softmax(dim=-1)
+            if not greedy:
+                return p
+            work[index] = p
+        rows = _tensor(greedy, torch.int64, work.device)
+        top = work[rows].argmax(dim=-1)
+        work[rows] = 0.0
+        work[rows, top] = 1.0
+        return work
+
+    def logprobs(self, logits: torch.Tensor, requests: list[Request], token_ids: list[int]) -> list[dict[int, float]]:
+        """What `sample` reports in row i had it chosen `token_ids[i]`; {} for rows that did not ask."""
+        # logits: [B, V] float32
+        work = logits.clone(memory_format=torch.contiguous_format)
+        apply_penalties_(work, requests)
+        num_logprobs = [r.params.logprobs for r in requests]
+        asked = [i for i, k in enumerate(num_logprobs) if k is not None]
+        if not asked:
+            return [{} for _ in requests]
+        logprobs = work[_index(asked, len(requests), work.device)].log_softmax(dim=-1)
+        tokens = _tensor(token_ids, torch.int64, work.device)
+        return _with_logprobs(tokens, logprobs, asked, num_logprobs).logprobs or []
+
+
+def _tensor(data: list, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    # host list -> device tensor; copied from pinned memory, so the host does not wait for the GPU
+    host = torch.tensor(data, dtype=dtype)
+    return host if device.type == "cpu" else host.pin_memory().to(device, non_blocking=True)
+
+
+def _index(rows: list[int], total: int, device: torch.device) -> torch.Tensor | slice:
+    # rows: sorted, distinct -> an index for dim 0 (a plain slice when every row is listed)
+    return slice(None) if len(rows) == total else _tensor(rows, torch.int64, device)
+
+
+def _column(values: list[float], device: torch.device) -> torch.Tensor:
+    # -> [N, 1] float32
+    return _tensor(values, torch.float32, device)[:, None]
+
+
+def _entries(token_lists: list[list[int]], vocab: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    # -> flat index row * V + token, and row: [N] each, over every listed token in row order
+    tokens = _tensor(list(chain.from_iterable(token_lists)), torch.int64, device)
+    lengths = _tensor([len(t) for t in token_lists], torch.int64, device)
+    rows = torch.repeat_interleave(torch.arange(len(token_lists), device=device), lengths, output_size=tokens.numel())
+    return rows * vocab + tokens, rows
+
+
+def _occurrences(flat: torch.Tensor) -> torch.Tensor:
+    # flat: [N] -> [N], how often each entry's value occurs in flat (sort + searchsorted: no sync)
+    ordered = flat.sort().values
+    return torch.searchsorted(ordered, flat, right=True) - torch.searchsorted(ordered, flat)
+
+
+def apply_penalties_(work: torch.Tensor, requests: list[Request]) -> None:
+    # work: [B, V], changed in place at the (row, token) entries of the requests' token lists;
+    # a token listed twice in a row reads and writes the same value, so duplicates are harmless
+    params = [r.params for r in requests]
+    flat_work = work.view(-1)
+    vocab = work.shape[1]
+    if any(p.repetition_penalty != 1.0 for p in params):
+        seen = [r.all_token_ids if r.params.repetition_penalty != 1.0 else [] for r in requests]
+        flat, rows = _entries(seen, vocab, work.device)
+        penalty = _column([p.repetition_penalty for p in params], work.device)[rows, 0]  # [N]
+        x = flat_work[flat]
+        flat_work[flat] = torch.where(x > 0, x / penalty, x * penalty)
+    if any(p.presence_penalty != 0.0 or p.frequency_penalty != 0.0 for p in params):
+        on = [p.presence_penalty != 0.0 or p.frequency_penalty != 0.0 for p in params]
+        flat, rows = _entries([r.output_token_ids if o else [] for r, o in zip(requests, on)], vocab, work.device)
+        count = _occurrences(flat).to(work.dtype)  # [N], at least 1
+        frequency = _column([p.frequency_penalty for p in params], work.device)[rows, 0]
+        presence = _column([p.presence_penalty for p in params], work.device)[rows, 0]
+        flat_work[flat] = flat_work[flat] - frequency * count - presence
+
+
+def choose_tokens_(work: torch.Tensor, requests: list[Request], positions: list[int]) -> torch.Tensor:
+    # work: [B, V] penalised, overwritten -> [B] int64; greedy rows take the argmax, the others
+    # are sampled from their rows of work (a copy of them when some rows are greedy)
+    greedy = [r.params.temperature == 0.0 for r in requests]
+    if all(greedy):
+        return work.argmax(dim=-1)
+    sampled = [i for i, g in enumerate(greedy) if not g]
+    index = _index(sampled, len(requests), work.device)
+    tokens = work.argmax(dim=-1) if any(greedy) else None
+    x = work[index]  # [S, V]
+    draws = sample_rows_(x, [requests[i] for i in sampled], [positions[i] for i in sampled])
+    if tokens is None:
+        return draws
+    return tokens.index_copy_(0, index, draws)
+
+
+def sample_rows_(x: torch.Tensor, requests: list[Request], positions: list[int]) -> torch.Tensor:
+    # x: [S, V] penalised logits of rows that sample, overwritten -> [S] int64
+    device = x.device
+    process_rows_(x, [r.params for r in requests])
+    seeds = _tensor([rng.split_seed(r.seed) for r in requests], torch.int64, device)  # [S, 2]
+    key, mult = rng.row_keys(seeds, _tensor(positions, torch.int64, device))
+    noise = rng.exponential(key, mult, torch.arange(x.shape[1], device=device))  # [S, V] float64
+    # exponential race: argmax(p / E) with E ~ Exp(1) draws from p; softmax's normaliser is
+    # shared by the row, so exp(x - max) stands in for p
+    return x.sub_(x.amax(dim=-1, keepdim=True)).exp_().div_(noise).argmax(dim=-1)
+
+
+def process_rows_(x: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
+    # x: [S, V] penalised logits of rows that sample -> the same tensor, changed in place:
+    # temperature, min-p, top-k, top-p; its softmax is the distribution the row samples from
+    device = x.device
+    x.div_(_column([p.temperature for p in params], device))
+    if any(p.min_p > 0.0 for p in params):
+        min_p = _column([p.min_p for p in params], device)
+        x.masked_fill_(x < x.amax(dim=-1, keepdim=True) + min_p.log(), NEG_INF)  # p < min_p * p_max
+    rows = [i for i, p in enumerate(params) if p.top_k > 0 or p.top_p < 1.0]
+    if len(rows) == len(params):
+        top_k_top_p_(x, params)
+    elif rows:
+        index = _index(rows, len(params), device)
+        x[index] = top_k_top_p_(x[index], [params[i] for i in rows])
+    return x
+
+
+def top_k_top_p_(x: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
+    # x: [R, V], dropped tokens set to -inf in place. vLLM's order: min-p has already run;
+    # top-k, then top-p over the mass that top-k kept. One descending sort serves both.
+    vocab = x.shape[1]
+    values, order = x.sort(dim=-1, descending=True)  # [R, V]
+    if any(p.top_k > 0 for p in params):
+        top_k = _tensor([p.top_k or vocab for p in params], torch.int64, x.device)[:, None]
+        values.masked_fill_(torch.arange(vocab, device=x.device)[None, :] >= top_k, NEG_INF)
+    if any(p.top_p < 1.0 for p in params):
+        top_p = _column([p.top_p if p.top_p < 1.0 else math.inf for p in params], x.device)  # inf: off
+        mass = values.softmax(dim=-1).cumsum_(dim=-1)  # mass[:, j]: tokens ranked 0..j
+        values[:, 1:].masked_fill_(mass[:, :-1] >= top_p, NEG_INF)  # mass ranked ahead >= top_p
+    return x.scatter_(1, order, values)
+
+
+def _with_logprobs(
+    tokens: torch.Tensor,  # [B] int64
+    logprobs: torch.Tensor,  # [A, V]: log_softmax of the penalised logits of the rows that asked
+    asked: list[int],
+    num_logprobs: list[int | None],
+) -> SamplerOutput:
+    k = min(max(num_logprobs[i] or 0 for i in asked), logprobs.shape[1])
+    chosen = logprobs.gather(1, tokens[_index(asked, tokens.shape[0], tokens.device)][:, None])  # [A, 1]
+    top = logprobs.topk(k, dim=-1)  # [A, k] each
+    table = torch.cat([chosen.double(), top.indices.double(), top.values.double()], dim=1)  # [A, 1 + 2k]
+    flat = torch.cat([tokens.double(), table.flatten()]).tolist()  # the step's one device-to-host copy
+    ids = [int(t) for t in flat[: len(num_logprobs)]]
+    out: list[dict[int, float]] = [{} for _ in ids]
+    width, start = 1 + 2 * k, len(ids)
+    for j, i in enumerate(asked):
+        row = flat[start + j * width : start + (j + 1) * width]  # chosen, k ids, k logprobs
+        n = min(num_logprobs[i] or 0, k)
+        out[i] = {int(t): lp for t, lp in zip(row[1 : 1 + n], row[1 + k : 1 + k + n])}
+        out[i][ids[i]] = row[0]
+    return SamplerOutput(token_ids=ids, logprobs=out)
+
+
+@hookimpl
+def infer_register_samplers(register: RegisterFn) -> None:
+    register("vectorized", VectorizedSampler)
