@@ -215,7 +215,7 @@ def load_weights(model: nn.Module, folder: Path, sharded: bool = False) -> None:
 def init_dummy_weights(model: nn.Module, seed: int) -> None:
     """Random weights of the right shape (benchmarks without real weights). A tensor-parallel rank
     draws each full tensor exactly as tp = 1 does and keeps its shard: the same model at any tp."""
-    from infer.distributed.layers import shard_of
+    from infer.models.shards import shard_of
 
     gen = torch.Generator(device=next(model.parameters()).device).manual_seed(seed)
     for name, param in model.named_parameters():

@@ -1,0 +1,57 @@
+"""Where one tensor-parallel rank's slice of a checkpoint tensor sits in the full (tp = 1) tensor.
+
+The parallel layers (infer.distributed.layers) carry a `Shard` per weight; the loader reads only those
+rows or columns of a checkpoint tensor, and dummy initialisation cuts them from the very tensor tp = 1
+draws, so the model is the same at every tp size.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import nn
+
+__all__ = ["Shard", "shard_of"]
+
+
+@dataclass(frozen=True, slots=True)
+class Shard:
+    """Along `dim`, the full weight is the concatenation of `full_sizes` pieces (q, k, v; gate, up; or
+    one piece); this rank holds `ranges[i]` of piece i, the pieces one after another, then zero rows."""
+
+    dim: int  # 0: output rows (column- and vocab-parallel); 1: input columns (row-parallel)
+    full_sizes: tuple[int, ...]
+    ranges: tuple[tuple[int, int], ...]  # piece i -> (start within the piece, length)
+
+    @property
+    def local_size(self) -> int:
+        return sum(n for _, n in self.ranges)
+
+    def full_shape(self, local_shape: torch.Size) -> list[int]:
+        shape = list(local_shape)
+        shape[self.dim] = sum(self.full_sizes)
+        return shape
+
+    def load(self, param: torch.Tensor, piece: int, source: Any) -> None:
+        """Copy this rank's part of piece `piece` from `source`, the piece alone: a tensor or a
+        safetensors slice (indexing a slice reads just those rows or columns from the file)."""
+        start, n = self.ranges[piece]
+        offset = sum(length for _, length in self.ranges[:piece])
+        part = source[start : start + n] if self.dim == 0 else source[:, start : start + n]
+        param.narrow(self.dim, offset, n).copy_(part)
+
+    def take(self, param: torch.Tensor, full: torch.Tensor) -> None:
+        """Fill `param` with this rank's part of the full (fused) tensor."""
+        param.zero_()  # padding rows (vocab) stay zero
+        base = 0
+        for piece, size in enumerate(self.full_sizes):
+            self.load(param, piece, full.narrow(self.dim, base, size))
+            base += size
+
+
+def shard_of(model: nn.Module, param_name: str) -> Shard | None:
+    """The `Shard` of a parameter's module, or None when the parameter is whole on every rank."""
+    owner = model.get_submodule(param_name.rpartition(".")[0])
+    return owner.__dict__.get("shard")
