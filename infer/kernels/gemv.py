@@ -167,6 +167,44 @@ def gemv_silu_mul(h: torch.Tensor, weight: torch.Tensor, push: Any = None) -> to
     return _launch(h, weight, gated=True, push=push)
 
 
+def tuned_tiles() -> dict[tuple, tuple[int, int, int]]:
+    """The tiles tuned so far in this process: (N, K, weight dtype, x dtype, device) -> (BLOCK_N,
+    BLOCK_K, num_warps), a copy. Empty under TRITON_INTERPRET=1, which uses one small tile."""
+    return dict(_tiles)
+
+
+def run_tile(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    y: torch.Tensor,
+    tile: tuple[int, int, int],
+    num_stages: int = 1,
+    pdl: bool = False,
+) -> None:
+    """y = x @ weight.T with a given tile (BLOCK_N, BLOCK_K, num_warps) and software-pipeline depth,
+    launched as a programmatic dependent when `pdl` (whatever `INFER_PDL` says): one launch for tile
+    sweeps (`infer.bench.gemv_sweep`). x [1, K], weight [N, K] with contiguous rows, y [1, N]."""
+    n, k = weight.shape
+    block_n, block_k, warps = tile
+    _gemv_kernel[(triton.cdiv(n, block_n),)](
+        x,
+        weight,
+        y,
+        y,
+        n,
+        k,
+        weight.stride(0),
+        0,
+        BLOCK_N=block_n,
+        BLOCK_K=block_k,
+        GATED=False,
+        PEERS=0,
+        num_warps=warps,
+        num_stages=num_stages,
+        **({"USE_PDL": True, "launch_pdl": True} if pdl else {"USE_PDL": False}),
+    )
+
+
 def _launch(x: torch.Tensor, weight: torch.Tensor, gated: bool, push: Any) -> torch.Tensor:
     """`push`: a tensor-parallel exchange's target (`infer.distributed.all_reduce.lamport.PushTarget`): the result, this
     rank's partial sum, is stored into every rank's slot for it (peer memory) and returned as the

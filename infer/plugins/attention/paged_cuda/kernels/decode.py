@@ -20,6 +20,8 @@ as it does, with the measurements: docs/performance.md, "Paged decode attention"
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 import triton
 import triton.language as tl
@@ -28,6 +30,36 @@ from infer.kernels.triton_pdl import kernel_args, wait_and_release
 from infer.plugins.attention.paged_cuda.kernels import dot_config
 
 LOG2E = 1.4426950408889634
+
+
+@triton.jit
+def _partition(seq_len, part, max_partitions, SPLIT: tl.constexpr, BLOCK_N: tl.constexpr):
+    """[start, end): the tokens of a context of `seq_len` that partition `part` walks; SPLIT: whole
+    tiles of cdiv(seq_len, max_partitions) tokens (the last ones may be empty), else all of them."""
+    if SPLIT:
+        chunk = tl.cdiv(tl.cdiv(seq_len, max_partitions), BLOCK_N) * BLOCK_N
+        start = part * chunk
+        end = tl.minimum(start + chunk, seq_len)
+    else:
+        start = 0
+        end = seq_len
+    return start, end
+
+
+@triton.jit
+def _attend_tile(q, k, v, tok_mask, acc, l_i, m_i, scale_log2, DOT_DTYPE: tl.constexpr, DOT_PRECISION: tl.constexpr):
+    """One tile of keys and values ([N, D]; `tok_mask` [N]: the real tokens) into the running
+    output, exp sum and max logit (acc [G, D], l_i [G], m_i [G]; fp32, log2 units) of queries q [G, D]."""
+    s = tl.dot(q, tl.trans(k.to(DOT_DTYPE)), input_precision=DOT_PRECISION)  # [G, N]
+    s = tl.where(tok_mask[None, :], s * scale_log2, float("-inf"))
+    # every tile holds at least one real token, so m_new is finite
+    m_new = tl.maximum(m_i, tl.max(s, axis=1))
+    alpha = tl.exp2(m_i - m_new)
+    p = tl.exp2(s - m_new[:, None])  # [G, N]
+    l_i = l_i * alpha + tl.sum(p, axis=1)
+    pv = tl.dot(p.to(DOT_DTYPE), v.to(DOT_DTYPE), input_precision=DOT_PRECISION)
+    acc = acc * alpha[:, None] + pv  # [G, D]
+    return acc, l_i, m_new
 
 
 @triton.jit
@@ -67,13 +99,7 @@ def _decode_kernel(
     wait_and_release(USE_PDL)
     seq, kv_head, part = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     seq_len = tl.load(seq_lens_ptr + seq)
-    if SPLIT:
-        chunk = tl.cdiv(tl.cdiv(seq_len, max_partitions), BLOCK_N) * BLOCK_N
-        start = part * chunk
-        end = tl.minimum(start + chunk, seq_len)
-    else:
-        start = 0
-        end = seq_len
+    start, end = _partition(seq_len, part, max_partitions, SPLIT, BLOCK_N)
     rows = tl.arange(0, GROUP_PAD)
     heads = kv_head * group + rows  # [G] query heads of this KV head
     dims = tl.arange(0, BLOCK_D)
@@ -97,16 +123,7 @@ def _decode_kernel(
             kv_mask = tok_mask[:, None] & dim_mask[None, :]
             k = tl.load(k_cache_ptr + row[:, None] + dims[None, :], mask=kv_mask, other=0.0)  # [N, D]
             v = tl.load(v_cache_ptr + row[:, None] + dims[None, :], mask=kv_mask, other=0.0)  # [N, D]
-            s = tl.dot(q, tl.trans(k.to(DOT_DTYPE)), input_precision=DOT_PRECISION)  # [G, N]
-            s = tl.where(tok_mask[None, :], s * scale_log2, float("-inf"))
-            # every tile holds at least one real token, so m_new is finite
-            m_new = tl.maximum(m_i, tl.max(s, axis=1))
-            alpha = tl.exp2(m_i - m_new)
-            p = tl.exp2(s - m_new[:, None])  # [G, N]
-            l_i = l_i * alpha + tl.sum(p, axis=1)
-            pv = tl.dot(p.to(DOT_DTYPE), v.to(DOT_DTYPE), input_precision=DOT_PRECISION)
-            acc = acc * alpha[:, None] + pv  # [G, D]
-            m_i = m_new
+            acc, l_i, m_i = _attend_tile(q, k, v, tok_mask, acc, l_i, m_i, scale_log2, DOT_DTYPE, DOT_PRECISION)
 
         out = acc / l_i[:, None]
         if SPLIT:
@@ -232,19 +249,34 @@ def paged_decode(
         **pdl,
     )
     if scratch is not None:
-        _reduce_kernel[(num_seqs, num_heads)](
-            out,
-            part_out,
-            part_max,
-            part_sum,
-            seq_lens,
-            out.stride(0),
-            out.stride(1),
-            stride_ps,
-            stride_ph,
-            head_dim,
-            max_partitions,
-            BLOCK_N=block_n,
-            BLOCK_D=block_d,
-            **pdl,
-        )
+        _reduce(out, scratch, seq_lens, (num_seqs, num_heads), head_dim, block_n, block_d, pdl)
+
+
+def _reduce(
+    out: torch.Tensor,
+    scratch: tuple[torch.Tensor, torch.Tensor, torch.Tensor],
+    seq_lens: torch.Tensor,
+    grid: tuple[int, int],  # (num_seqs, num_heads)
+    head_dim: int,
+    block_n: int,
+    block_d: int,
+    pdl: dict[str, Any],
+) -> None:
+    """Combine the partitions `_decode_kernel` wrote into `scratch` into `out`, per (sequence, head)."""
+    part_out, part_max, part_sum = scratch
+    _reduce_kernel[grid](
+        out,
+        part_out,
+        part_max,
+        part_sum,
+        seq_lens,
+        out.stride(0),
+        out.stride(1),
+        part_out.stride(0),
+        part_out.stride(1),
+        head_dim,
+        part_out.shape[2],
+        BLOCK_N=block_n,
+        BLOCK_D=block_d,
+        **pdl,
+    )

@@ -76,6 +76,88 @@ def _attend(
 
 
 @triton.jit
+def _attend_context(
+    q,
+    q_pos,  # [M, D] queries, [M] their positions
+    k_cache_ptr,
+    v_cache_ptr,
+    table,  # this sequence's row of block_tables
+    kv_head,
+    first_q_pos,  # position of the query block's first token
+    seq_len,
+    scale_log2,
+    stride_cb,
+    stride_cs,
+    stride_ch,
+    block_size,
+    head_dim,
+    DOT_DTYPE: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_Q: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+):
+    """A query block's attention over every key it can see: the unnormalised output [M, D] and exp
+    sums [M] (fp32). Keys before the block's first query are visible to all its rows: whole tiles of
+    them run without masks; the tiles from there to the last key the block can see apply the causal
+    mask. The max logit turns finite in the first tile either way (its first key is visible to every row)."""
+    kv_end = tl.minimum(seq_len, first_q_pos + BLOCK_Q)
+    full_end = first_q_pos // BLOCK_N * BLOCK_N
+    acc, l_i, m_i = _attend(
+        tl.zeros([BLOCK_M, BLOCK_D], tl.float32),
+        tl.zeros([BLOCK_M], tl.float32),
+        tl.full([BLOCK_M], float("-inf"), tl.float32),
+        q,
+        q_pos,
+        k_cache_ptr,
+        v_cache_ptr,
+        table,
+        kv_head,
+        0,
+        full_end,
+        kv_end,
+        scale_log2,
+        stride_cb,
+        stride_cs,
+        stride_ch,
+        block_size,
+        head_dim,
+        False,
+        DOT_DTYPE,
+        DOT_PRECISION,
+        BLOCK_N,
+        BLOCK_D,
+    )
+    acc, l_i, m_i = _attend(
+        acc,
+        l_i,
+        m_i,
+        q,
+        q_pos,
+        k_cache_ptr,
+        v_cache_ptr,
+        table,
+        kv_head,
+        full_end,
+        kv_end,
+        kv_end,
+        scale_log2,
+        stride_cb,
+        stride_cs,
+        stride_ch,
+        block_size,
+        head_dim,
+        True,
+        DOT_DTYPE,
+        DOT_PRECISION,
+        BLOCK_N,
+        BLOCK_D,
+    )
+    return acc, l_i
+
+
+@triton.jit
 def _prefill_kernel(
     out_ptr,  # [T, H, D]
     q_ptr,  # [T, H, D]
@@ -124,66 +206,29 @@ def _prefill_kernel(
     q = tl.load(q_ptr + q_offs, mask=q_mask, other=0.0).to(DOT_DTYPE)  # [M, D]
     q_pos = ctx_len + q_idx  # [M]; padded rows sit past seq_len: they see every key, are never stored
 
-    m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
-    l_i = tl.zeros([BLOCK_M], tl.float32)
-    acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
     table = block_tables_ptr + seq * stride_bt
-    # Keys before the block's first query are visible to all its rows: whole tiles of them run
-    # without masks; the tiles from there to the last key the block can see apply the causal mask.
-    # m_i turns finite in the first tile either way (its first key is visible to every row).
-    kv_end = tl.minimum(seq_len, ctx_len + q_start + BLOCK_Q)
-    full_end = (ctx_len + q_start) // BLOCK_N * BLOCK_N
-    acc, l_i, m_i = _attend(
-        acc,
-        l_i,
-        m_i,
+    acc, l_i = _attend_context(
         q,
         q_pos,
         k_cache_ptr,
         v_cache_ptr,
         table,
         kv_head,
-        0,
-        full_end,
-        kv_end,
+        ctx_len + q_start,
+        seq_len,
         scale_log2,
         stride_cb,
         stride_cs,
         stride_ch,
         block_size,
         head_dim,
-        False,
         DOT_DTYPE,
         DOT_PRECISION,
+        BLOCK_M,
+        BLOCK_Q,
         BLOCK_N,
         BLOCK_D,
     )
-    acc, l_i, m_i = _attend(
-        acc,
-        l_i,
-        m_i,
-        q,
-        q_pos,
-        k_cache_ptr,
-        v_cache_ptr,
-        table,
-        kv_head,
-        full_end,
-        kv_end,
-        kv_end,
-        scale_log2,
-        stride_cb,
-        stride_cs,
-        stride_ch,
-        block_size,
-        head_dim,
-        True,
-        DOT_DTYPE,
-        DOT_PRECISION,
-        BLOCK_N,
-        BLOCK_D,
-    )
-
     out = (acc / l_i[:, None]).to(out_ptr.dtype.element_ty)
     tl.store(out_ptr + q_rows[:, None] * stride_ot + heads[:, None] * stride_oh + dims[None, :], out, mask=q_mask)
 

@@ -1,15 +1,16 @@
-"""All-reduce latency on the GPUs of one host: NCCL against the symmetric-memory one-shot kernel and,
-where FlashInfer imports, its TensorRT-LLM all-reduce, per message size, each timed as a CUDA graph
-of back-to-back sums (how a decode step runs them).
+"""Which all-reduce is fastest at each message size on the GPUs of one host? NCCL against the
+symmetric-memory one-shot kernel and, where FlashInfer imports, its TensorRT-LLM all-reduce, each
+timed as a CUDA graph of back-to-back sums (how a decode step runs them).
 
-    python scripts/gpu_allreduce.py [--world-size 2] [--hidden 4096] [--calls 64]
+    python -m infer.bench.allreduce [--world-size 2] [--hidden 4096] [--calls 64]
 
 Prints one row per size: microseconds per all-reduce for each, and the ratio. The sizes are
 rows x hidden bf16, the activations a tensor-parallel Llama sums twice per layer. Where FlashInfer
 runs, a second table compares what a decoder layer does with each sum: the symmetric-memory sum
 followed by this project's residual-add-and-RMSNorm kernel, against FlashInfer's one kernel for
 both (what `--all-reduce auto` chooses between). On Hopper FlashInfer's and the norm's kernels
-launch as programmatic dependents unless INFER_PDL=0.
+launch as programmatic dependents unless INFER_PDL=0. NVLink multicast stays off in the ranks
+(NCCL_NVLS_ENABLE=0, TORCH_SYMM_MEM_DISABLE_MULTICAST=1) unless --multicast.
 """
 
 from __future__ import annotations
@@ -94,14 +95,20 @@ def _flashinfer(rank: int, world_size: int, device: torch.device, hidden: int):
     return flashinfer_all_reduce.FlashInferAllReduce(parallel, hidden, torch.bfloat16, max_tokens=max(ROWS))
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(
+        prog="python -m infer.bench.allreduce",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
     parser.add_argument("--world-size", type=int, default=2)
     parser.add_argument("--hidden", type=int, default=4096)
     parser.add_argument("--calls", type=int, default=64)
-    args = parser.parse_args()
-    os.environ.setdefault("NCCL_NVLS_ENABLE", "0")
-    os.environ.setdefault("TORCH_SYMM_MEM_DISABLE_MULTICAST", "1")
+    parser.add_argument("--multicast", action="store_true", help="leave NCCL's and torch's NVLink multicast as set")
+    args = parser.parse_args(argv)
+    if not args.multicast:  # for the spawned ranks
+        os.environ["NCCL_NVLS_ENABLE"] = "0"
+        os.environ["TORCH_SYMM_MEM_DISABLE_MULTICAST"] = "1"
     import torch.multiprocessing as mp
 
     with tempfile.TemporaryDirectory() as tmp:

@@ -1,7 +1,7 @@
 """Does an LLM give its GPU memory back at close? Builds, uses and closes engines in turn and prints
 the device memory after each; with --why, names what still holds CUDA tensors after close.
 
-    python scripts/gpu_memory.py --model llama2-7b --load-format dummy [--why] [--vary cuda_graphs=False ...]
+    python -m infer.bench.memory --model llama2-7b --load-format dummy [--why] [--vary cuda_graphs=False ...]
 """
 
 from __future__ import annotations
@@ -53,8 +53,10 @@ def holders(limit: int = 6) -> None:
     del tensors
 
 
-def main() -> int:
-    p = argparse.ArgumentParser()
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(
+        prog="python -m infer.bench.memory", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     p.add_argument("--model", default="llama2-7b")
     p.add_argument("--load-format", default="dummy")
     p.add_argument("--engines", type=int, default=3)
@@ -64,10 +66,12 @@ def main() -> int:
     )
     p.add_argument("--single", action="store_true", help="one prompt (batch-1 decode: the GEMV path)")
     p.add_argument(
-        "--keep-memory", action="store_true", help="close() without releasing the runners (as before it did)"
+        "--keep-memory",
+        action="store_true",
+        help="close() without releasing the runners (ModelRunner.release made a no-op)",
     )
     p.add_argument("--vary", nargs="*", default=[], help="FIELD=VALUE overrides (Python literals)")
-    args = p.parse_args()
+    args = p.parse_args(argv)
     import ast
 
     from infer import LLM, SamplingParams

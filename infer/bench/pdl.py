@@ -1,9 +1,9 @@
-"""A switch read from the environment at each setting, llama2-7b latency-1, bf16, dummy weights:
-by default programmatic dependent launch off and on (INFER_PDL=0,1); `--vary NAME=V1,V2`
-for another. Each configuration in its own process (the switches are read once per process, and
-symmetric memory serves one tensor-parallel engine per process), in alternating rounds.
+"""What does a switch read from the environment change in batch-1 decode? llama2-7b latency-1, bf16,
+dummy weights, at each setting: by default programmatic dependent launch off and on (INFER_PDL=0,1);
+`--vary NAME=V1,V2` for another. Each configuration in its own process (the switches are read once
+per process, and symmetric memory serves one tensor-parallel engine per process), in alternating rounds.
 
-    python scripts/gpu_pdl.py [--tp 1 2] [--all-reduce symm-mem flashinfer] [--vary NAME=V1,V2] [--rounds 2] [--out pdl.json]
+    python -m infer.bench.pdl [--tp 1 2] [--all-reduce symm-mem flashinfer] [--vary NAME=V1,V2] [--rounds 2] [--out pdl.json]
 
 Per run: TPOT p50 of latency-1 and the decode forward's device time alone (back to back through
 CUDA graphs). Prints a line per run, then the medians and each tp2/tp1 per-token ratio.
@@ -61,47 +61,43 @@ def one(tp: int, all_reduce: str) -> dict:
         engine.close()
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser()
-    ap.add_argument("--tp", type=int, nargs="+", default=[1, 2])
-    ap.add_argument("--all-reduce", nargs="+", default=["symm-mem", "flashinfer"], help="for tp > 1")
-    ap.add_argument("--rounds", type=int, default=2)
-    ap.add_argument("--out", default="pdl.json")
-    ap.add_argument("--vary", default="INFER_PDL=0,1", help="NAME=V1,V2,...: the environment variable set per run")
-    ap.add_argument("--one", nargs=2, metavar=("TP", "ALL_REDUCE"), help=argparse.SUPPRESS)
-    args = ap.parse_args()
-    if args.one:
-        print("RESULT " + json.dumps(one(int(args.one[0]), args.one[1])), flush=True)
-        return
-    configs = [(tp, ar) for tp in args.tp for ar in (["nccl"] if tp == 1 else args.all_reduce)]
-    name, _, values = args.vary.partition("=")
-    settings = values.split(",")
+def run_one(tp: int, all_reduce: str, name: str, setting: str) -> tuple[dict | None, str]:
+    """`one` in a child process with the variable `name` set to `setting`: its result, or None and
+    why it failed."""
+    os.environ[name] = setting  # for the child, which reads it once
+    done = subprocess.run(
+        [sys.executable, "-m", "infer.bench.pdl", "--one", str(tp), all_reduce],
+        capture_output=True,
+        text=True,
+    )
+    lines = [ln for ln in done.stdout.splitlines() if ln.startswith("RESULT ")]
+    if done.returncode or not lines:
+        return None, f"failed ({done.returncode})\n{done.stderr[-3000:]}"
+    return json.loads(lines[-1][7:]), ""
+
+
+def run_rounds(configs: list[tuple[int, str]], name: str, settings: list[str], rounds: int) -> list[dict]:
+    """Every (tp, all-reduce) at every setting, round after round; a line per run."""
     runs: list[dict] = []
-    for r in range(args.rounds):
+    for r in range(rounds):
         for tp, ar in configs:
             for setting in settings:
-                done = subprocess.run(
-                    [sys.executable, __file__, "--one", str(tp), ar],
-                    capture_output=True,
-                    text=True,
-                    env={**os.environ, name: setting},
-                )
-                lines = [ln for ln in done.stdout.splitlines() if ln.startswith("RESULT ")]
-                if done.returncode or not lines:
-                    print(
-                        f"round {r} tp{tp} {ar} {name}={setting}: failed ({done.returncode})\n{done.stderr[-3000:]}",
-                        flush=True,
-                    )
+                result, why = run_one(tp, ar, name, setting)
+                if result is None:
+                    print(f"round {r} tp{tp} {ar} {name}={setting}: {why}", flush=True)
                     continue
-                run = {**json.loads(lines[-1][7:]), "round": r, "asked_all_reduce": ar, name: setting}
+                run = {**result, "round": r, "asked_all_reduce": ar, name: setting}
                 runs.append(run)
                 print(
                     f"round {r} tp{tp} {ar:10s} {name}={setting} pdl={run['pdl']!s:5s} TPOT p50 {run['tpot_p50_ms']:.3f} ms, "
                     f"forward {run['forward_ms']:.3f} ms ({run['all_reduce']})",
                     flush=True,
                 )
-    with open(args.out, "w") as f:
-        json.dump(runs, f, indent=2)
+    return runs
+
+
+def print_medians(runs: list[dict], configs: list[tuple[int, str]], name: str, settings: list[str]) -> None:
+    """Per configuration and setting, the medians over rounds; then each tp > 1 against tp1."""
     print("\nmedians:")
     medians: dict[tuple, float] = {}
     for tp, ar in configs:
@@ -121,6 +117,29 @@ def main() -> None:
                 f"tp{tp} {ar} {name}={setting}: per-token speedup over tp1 (same {name}) {base / tpot:.3f}x "
                 f"({base:.3f} -> {tpot:.3f} ms)"
             )
+
+
+def main(argv: list[str] | None = None) -> None:
+    ap = argparse.ArgumentParser(
+        prog="python -m infer.bench.pdl", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    ap.add_argument("--tp", type=int, nargs="+", default=[1, 2])
+    ap.add_argument("--all-reduce", nargs="+", default=["symm-mem", "flashinfer"], help="for tp > 1")
+    ap.add_argument("--rounds", type=int, default=2)
+    ap.add_argument("--out", default="pdl.json")
+    ap.add_argument("--vary", default="INFER_PDL=0,1", help="NAME=V1,V2,...: the environment variable set per run")
+    ap.add_argument("--one", nargs=2, metavar=("TP", "ALL_REDUCE"), help=argparse.SUPPRESS)
+    args = ap.parse_args(argv)
+    if args.one:
+        print("RESULT " + json.dumps(one(int(args.one[0]), args.one[1])), flush=True)
+        return
+    configs = [(tp, ar) for tp in args.tp for ar in (["nccl"] if tp == 1 else args.all_reduce)]
+    name, _, values = args.vary.partition("=")
+    settings = values.split(",")
+    runs = run_rounds(configs, name, settings, args.rounds)
+    with open(args.out, "w") as f:
+        json.dump(runs, f, indent=2)
+    print_medians(runs, configs, name, settings)
 
 
 if __name__ == "__main__":

@@ -1,17 +1,18 @@
-"""Where a batch-1 decode step's time goes, on the GPU: the linear layers' matrix-vector products
-(cuBLAS vs the Triton GEMV) against the copy ceiling, the kernels inside the captured step, and the
-step time of `latency-1` on llama2-7b (dummy, bf16) with each linear implementation.
+"""How close is batch-1 decode to the bandwidth floor, and where does the rest of a step go? On the
+GPU: the linear layers' matrix-vector products (cuBLAS vs the Triton GEMV) against the copy ceiling,
+the kernels inside the captured step, and the step time of `latency-1` on llama2-7b (dummy, bf16)
+with each linear implementation.
 
-    python scripts/gpu_latency.py --out latency.json [--model llama2-7b] [--tokens 128]
+    python -m infer.bench.latency --out latency.json [--model llama2-7b] [--tokens 128]
 """
 
 from __future__ import annotations
 
 import argparse
-import gc
+import contextlib
 import json
 import time
-from typing import Any
+from typing import Any, Iterator
 
 import torch
 import torch.nn.functional as F
@@ -23,6 +24,7 @@ from infer.bench.ceilings import (
     kernel_times,
     kv_bytes_per_token,
 )
+from infer.bench.engines import decode_graph, release_memory
 from infer.bench.report import run_workload, warm_up
 from infer.bench.workloads import Workload
 from infer.core.config import EngineConfig
@@ -58,7 +60,7 @@ def gemv_table(bw: float) -> list[dict[str, Any]]:
             row[f"{impl}_us"] = t * 1e6
             row[f"{impl}_tbs"] = n * k * 2 / t / 1e12
             row[f"{impl}_of_copy"] = n * k * 2 / t / bw
-        row["triton_config"] = str(triton_gemv._tiles.get((n, k, x.dtype, x.dtype, x.device)))
+        row["triton_config"] = str(triton_gemv.tuned_tiles().get((n, k, x.dtype, x.dtype, x.device)))
         rows.append(row)
         print(
             f"{name:8s} {n:6d}x{k:<6d} cuBLAS {row['cublas_us']:7.1f} us {row['cublas_of_copy']:6.1%}   "
@@ -72,7 +74,7 @@ def gemv_table(bw: float) -> list[dict[str, Any]]:
 
 def kernel_profile(engine: Engine) -> list[dict[str, Any]]:
     """Kernels inside the batch-1 decode graph (CUPTI reports graph nodes) over 5 replays."""
-    graph = engine.decoder.runner.graphs.graphs[1][0]
+    graph = decode_graph(engine)
     graph.replay()
     torch.cuda.synchronize()
     rows = kernel_times(graph.replay)
@@ -105,12 +107,27 @@ def host_profile(engine: Engine, wl: Workload, top: int = 30) -> str:
     return text
 
 
-def latency(
-    model: str, tokens: int, linear: str, bw: float, profile_kernels: bool, pipeline: bool = True
-) -> dict[str, Any]:
+@contextlib.contextmanager
+def linear_layers(linear: str) -> Iterator[None]:
+    """Inside: engines built with `linear` "cublas" run every fused linear layer as torch's
+    (cuBLAS at one token too; the down projection's gated GEMV stays); "triton" changes nothing."""
     saved = fused_layers.FusedLinear.forward
     if linear == "cublas":
         fused_layers.FusedLinear.forward = torch.nn.Linear.forward
+    try:
+        yield
+    finally:
+        fused_layers.FusedLinear.forward = saved
+
+
+def latency(
+    model: str, tokens: int, linear: str, bw: float, profile_kernels: bool, pipeline: bool = True
+) -> dict[str, Any]:
+    with linear_layers(linear):
+        return _latency(model, tokens, linear, bw, profile_kernels, pipeline)
+
+
+def _latency(model: str, tokens: int, linear: str, bw: float, profile_kernels: bool, pipeline: bool) -> dict[str, Any]:
     engine = Engine.from_config(
         EngineConfig(
             model=model, load_format="dummy", dtype="bfloat16", kv_cache_memory_gib=4.0, pipeline_decode=pipeline
@@ -126,11 +143,12 @@ def latency(
         wl = Workload("latency-1", [[rng.randrange(10, vocab) for _ in range(128)]], [tokens], ignore_eos=True)
         record, _ = run_workload(engine, wl, SamplingParams(temperature=0), f"latency-{linear}-pipeline-{pipeline}")
         out = record.to_dict()
-        replay = graph_replay_seconds(engine.decoder.runner.graphs.graphs[1][0])
-        weights = sum(p.numel() * p.element_size() for p in engine.decoder.runner.model.parameters())
+        replay = graph_replay_seconds(decode_graph(engine))
+        weights = engine.parts.describe["weight_bytes"]
         mc = engine.parts.model_config
         kv = kv_bytes_per_token(mc.num_layers, mc.num_kv_heads, mc.head_dim, torch.bfloat16) * (128 + tokens // 2)
         step_bytes = weights + kv  # BENCHMARKS.md: weight bytes + KV bytes read per step (mean context)
+        stats = engine.stats()
         out.update(
             linear=linear,
             pipeline=pipeline,
@@ -139,8 +157,8 @@ def latency(
             kv_bytes=kv,
             graph_mbu=step_bytes / replay / bw,
             mbu=step_bytes / out["tpot_p50_s"] / bw,
-            pipeline_hits=engine.decoder.runner.pipeline_hits,
-            pipeline_misses=engine.decoder.runner.pipeline_misses,
+            pipeline_hits=stats.get("pipelined_steps", 0),
+            pipeline_misses=stats.get("pipeline_misses", 0),
         )
         print(
             f"latency-1 {model} linear={linear} pipeline={pipeline}: TPOT p50 {out['tpot_p50_s'] * 1e3:.3f} ms (MBU {out['mbu']:.1%}), "
@@ -153,21 +171,21 @@ def latency(
             out["host_profile"] = host_profile(engine, wl)
         return out
     finally:
-        fused_layers.FusedLinear.forward = saved
         engine.close()
         del engine
-        gc.collect()
-        torch.cuda.empty_cache()
+        release_memory()
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser()
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(
+        prog="python -m infer.bench.latency", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("--out", default="latency.json")
     parser.add_argument("--model", default="llama2-7b")
     parser.add_argument("--tokens", type=int, default=256)
     parser.add_argument("--skip-gemv", action="store_true")
     parser.add_argument("--skip-cublas", action="store_true", help="skip the cuBLAS-linear baseline engine")
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
     started = time.time()
     bw = copy_bandwidth(torch.device("cuda"))
     print(f"{torch.cuda.get_device_name()}: copy bandwidth {bw / 1e12:.3f} TB/s", flush=True)
