@@ -437,7 +437,8 @@ def run(
 @user_errors
 def plugins(matrix: bool, device: str) -> None:
     """Every strategy by slot: name, distribution, version, capabilities."""
-    from infer.core.registry import SLOTS, PluginRegistry
+    from infer.core.registry import PluginRegistry
+    from infer.core.slots import SLOTS
 
     registry = PluginRegistry.load(_extra_plugins())
     if matrix:
@@ -452,11 +453,11 @@ def plugins(matrix: bool, device: str) -> None:
         return
     rows = [("slot", "name", "distribution", "version", "capabilities")]
     for slot in SLOTS:
-        for s in sorted(registry.all(slot), key=lambda s: s.name):
+        for s in sorted(registry.all(slot.name), key=lambda s: s.name):
             caps = s.capabilities.describe()
             reason = s.unavailable_reason()
             rows.append(
-                (slot, s.name, s.distribution, s.version, caps + (f"  [unavailable: {reason}]" if reason else ""))
+                (slot.name, s.name, s.distribution, s.version, caps + (f"  [unavailable: {reason}]" if reason else ""))
             )
     widths = [max(len(r[i]) for r in rows) for i in range(4)]
     for r in rows:
