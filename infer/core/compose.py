@@ -108,11 +108,6 @@ def compose(config: EngineConfig, registry: PluginRegistry, device: torch.device
                 f"--prefill-attention {prefill.name} does not serve prefill (it serves "
                 f"{', '.join(sorted(prefill.capabilities.phases))}): pick a prefill-capable backend"
             )
-    if "decode" not in attention.capabilities.phases:
-        raise IncompatiblePluginsError(
-            f"--attention {attention.name} serves only {', '.join(sorted(attention.capabilities.phases))}: "
-            f"use it as --prefill-attention {attention.name} with a decode backend such as --attention torch"
-        )
     if prefill is None and "prefill" not in attention.capabilities.phases:
         raise IncompatiblePluginsError(
             f"--attention {attention.name} does not serve prefill: add --prefill-attention with a prefill backend"
