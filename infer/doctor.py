@@ -17,16 +17,8 @@ import torch
 from infer.core.compose import _auto_attention, compose, refusal
 from infer.core.config import DTYPES, EngineConfig
 from infer.core.errors import ConfigError, InferError
-from infer.core.registry import FLAGS, BrokenPlugin, PluginRegistry, Strategy
-
-SLOT_FIELDS = {  # slot -> EngineConfig field, in report order
-    "attention": "attention",
-    "kv_allocator": "kv_allocator",
-    "scheduler": "scheduler",
-    "sampler": "sampler",
-    "decoder": "decoding",
-    "detokenizer": "detokenizer",
-}
+from infer.core.registry import BrokenPlugin, PluginRegistry, Strategy
+from infer.core.slots import CHOSEN, PREFILL_ATTENTION, SLOT
 
 
 @dataclass(frozen=True, slots=True)
@@ -77,7 +69,7 @@ def _phase_refusal(s: Strategy, as_prefill: bool, has_prefill_backend: bool) -> 
 def _slot_refusal(
     slot: str, s: Strategy, config: EngineConfig, device: torch.device, dtype: torch.dtype, as_prefill: bool = False
 ) -> str | None:
-    flag = "--prefill-attention" if as_prefill else FLAGS[slot]
+    flag = PREFILL_ATTENTION.flag if as_prefill else SLOT[slot].flag
     if slot == "attention":
         phase = _phase_refusal(s, as_prefill, bool(config.prefill_attention))
         if phase is not None:
@@ -96,7 +88,7 @@ def _verdict(
     dtype: torch.dtype,
     as_prefill: bool = False,
 ) -> Verdict:
-    label = "prefill_attention" if as_prefill else slot
+    label = PREFILL_ATTENTION.field if as_prefill else slot
     try:
         chosen = registry.get(slot, name)
         reason = _slot_refusal(slot, chosen, config, device, dtype, as_prefill)
@@ -170,10 +162,10 @@ def diagnose(
             )
         except InferError as exc:
             verdicts.append(Verdict("attention", "auto", str(exc)))
-    for slot, config_field in SLOT_FIELDS.items():
-        if not (slot == "attention" and config.attention == "auto"):
-            verdicts.append(_verdict(registry, slot, getattr(config, config_field), config, device, dtype))
-        if slot == "attention" and config.prefill_attention:
+    for slot in CHOSEN:
+        if not (slot.name == "attention" and config.attention == "auto"):
+            verdicts.append(_verdict(registry, slot.name, getattr(config, slot.field), config, device, dtype))
+        if slot.name == "attention" and config.prefill_attention:
             verdicts.append(
                 _verdict(registry, "attention", config.prefill_attention, config, device, dtype, as_prefill=True)
             )
@@ -206,7 +198,7 @@ def format_diagnosis(d: Diagnosis) -> str:
         lines.append(f"{head}REFUSED: {v.reason}")
         if v.alternatives:
             lines.append(f"{indent}runs here instead: {', '.join(v.alternatives)}")
-        elif v.slot in FLAGS:
+        elif v.slot in SLOT:
             lines.append(f"{indent}nothing else in this slot runs here with these options")
     for b in d.broken:
         lines.append(f"  plugin {b.plugin} from {b.distribution} failed to load: {b.error}")
@@ -219,7 +211,7 @@ def format_diagnosis(d: Diagnosis) -> str:
     return "\n".join(lines)
 
 
-MATRIX_SLOTS = ("attention", "sampler", "scheduler", "decoder")
+MATRIX_SLOTS = tuple(SLOT[name] for name in ("attention", "sampler", "scheduler", "decoder"))
 
 
 def _on_a_machine_with_the_device(registry: PluginRegistry) -> PluginRegistry:
@@ -240,9 +232,9 @@ def _on_a_machine_with_the_device(registry: PluginRegistry) -> PluginRegistry:
 def unavailable_here(registry: PluginRegistry) -> list[tuple[str, str]]:
     """(strategy, reason) for every strategy whose availability check fails on this machine."""
     return [
-        (f"{FLAGS[slot]} {s.name}", reason)
+        (f"{slot.flag} {s.name}", reason)
         for slot in MATRIX_SLOTS
-        for s in sorted(registry.all(slot), key=lambda s: s.name)
+        for s in sorted(registry.all(slot.name), key=lambda s: s.name)
         if (reason := s.unavailable_reason())
     ]
 
@@ -255,10 +247,10 @@ def matrix(
     without the strategies' own availability checks: see `unavailable_here`)."""
     if device is not None and not device_present(device):
         registry = _on_a_machine_with_the_device(registry)
-    names = [sorted(s.name for s in registry.all(slot)) for slot in MATRIX_SLOTS]
+    names = [sorted(s.name for s in registry.all(slot.name)) for slot in MATRIX_SLOTS]
     rows = []
     for combo in itertools.product(*names):
-        config = base.replace(**{SLOT_FIELDS[slot]: name for slot, name in zip(MATRIX_SLOTS, combo)})
+        config = base.replace(**{slot.field: name for slot, name in zip(MATRIX_SLOTS, combo)})
         refusals = diagnose(config, registry, check_model=False, device=device).refusals
         rows.append((combo, refusals[0].reason if refusals else None))
     return rows
@@ -273,7 +265,7 @@ def format_matrix(
 ) -> str:
     """not_checked: for a device this machine lacks, the availability checks the rows leave out."""
     runs = [combo for combo, reason in rows if reason is None]
-    headers = ("attention", "sampler", "scheduler", "decoding")
+    headers = tuple(slot.field for slot in MATRIX_SLOTS)
     widths = [max(len(h), *(len(c[i]) for c, _ in rows)) for i, h in enumerate(headers)]
     where = f"on {device}" if not_checked is None else f"on a machine with {device} (none here)"
     lines = [

@@ -109,3 +109,15 @@ def test_bad_input_exits_2_with_one_line(case, tiny_llama_dir, tmp_path):
     assert "Traceback" not in result.output
     errors = [line for line in result.output.splitlines() if line.startswith("error:")]
     assert len(errors) == 1 and expected in errors[0], result.output
+
+
+def test_every_engine_config_field_is_an_option_with_help():
+    import dataclasses
+
+    from infer.cli.options import HELP
+    from infer.core.config import EngineConfig
+
+    assert set(HELP) == {f.name for f in dataclasses.fields(EngineConfig)}
+    params = {p.name: p for p in cli.commands["run"].params}
+    for f in dataclasses.fields(EngineConfig):
+        assert params[f.name].default == f.default, f.name

@@ -17,9 +17,9 @@ from infer.core.config import EngineConfig
 from infer.core.errors import ConfigError, InferError
 from infer.core.registry import PluginRegistry
 from infer.core.request import SamplingParams
-from infer.doctor import SLOT_FIELDS, diagnose
+from infer.core.slots import CHOSEN, PREFILL_ATTENTION, find
+from infer.doctor import diagnose
 
-ALIASES = {"decoder": "decoding", "kv-allocator": "kv_allocator", "allocator": "kv_allocator"}
 PEERS = ("hf-static-1", "hf-static-64", "hf-continuous")
 
 
@@ -32,11 +32,12 @@ class Combination:
 
 def parse_axes(axes: Iterable[str]) -> dict[str, list[Any]]:
     """["attention=torch,paged-cuda", "block_size=16,32"] -> {"attention": [...], "block_size": [16, 32]},
-    each value converted by its EngineConfig field's declared type."""
+    each value converted by its EngineConfig field's declared type; a slot's name or alias names its field."""
     parsed: dict[str, list[Any]] = {}
     for axis in axes:
         key, sep, values = axis.partition("=")
-        key = ALIASES.get(key.strip(), key.strip().replace("-", "_"))
+        slot = find(key)
+        key = slot.field if slot is not None and slot.field else key.strip().replace("-", "_")
         if not sep or not values.strip():
             raise ConfigError(
                 f"--matrix {axis!r}: write FIELD=A,B with FIELD an engine option "
@@ -52,10 +53,10 @@ def parse_axes(axes: Iterable[str]) -> dict[str, list[Any]]:
 
 def _check_names(axes: dict[str, list[Any]], registry: PluginRegistry) -> None:
     """A misspelled strategy name is the user's error (exit 2), not a combination that cannot run here."""
-    for slot, config_field in (*SLOT_FIELDS.items(), ("attention", "prefill_attention")):
-        for name in axes.get(config_field, ()):
-            if name is not None and not (config_field == "attention" and name == "auto"):
-                registry.get(slot, name)
+    for slot in (*CHOSEN, PREFILL_ATTENTION):
+        for name in axes.get(slot.field, ()):
+            if name is not None and not (slot.field == "attention" and name == "auto"):
+                registry.get(slot.name, name)
 
 
 def combinations(base: EngineConfig, axes: dict[str, list[Any]], registry: PluginRegistry) -> list[Combination]:

@@ -80,6 +80,42 @@ def run_command(
     base_config = config.replace(**baseline) if baseline is not None else None
     if base_config is not None:
         base_config.validate()
+    params = _sampling_params(config, max_tokens, temperature, top_p, top_k, n, beam_width, length_penalty)
+    workload_args = dict(name=dataset, num_prompts=num_prompts, max_tokens=max_tokens, seed=config.seed)
+    workload = _early_workload(prompts, dataset, workload_args, params)
+    records: list[RunRecord] = []
+    if base_config is not None:
+        label = "baseline: " + _label(base_config, config)
+        records.append(_run_one(base_config, workload, workload_args, params, label, progress, extra_plugins)[0])
+    record, outputs, workload, profiled = _run_one(
+        config, workload, workload_args, params, "infer", progress, extra_plugins, profile or profile_chart is not None
+    )
+    if baseline is not None:
+        record.speedup = record.total_tokens_per_s / records[0].total_tokens_per_s
+    records.append(record)
+    _print_generations(workload, outputs, show)
+    _print_run(config, record)
+    click.echo(format_table(records))
+    if profiled is not None:
+        _report_profile(profiled, record, profile_chart)
+    if json_out is not None:
+        written: dict[str, Any] = {"records": [r.to_dict() for r in records]}
+        if profiled is not None:
+            written["profile"] = profiled
+        json_out.write_text(json.dumps(written, indent=2, default=str))
+        click.echo(f"wrote {json_out}")
+
+
+def _sampling_params(
+    config: EngineConfig,
+    max_tokens: int | None,
+    temperature: float,
+    top_p: float,
+    top_k: int,
+    n: int,
+    beam_width: int | None,
+    length_penalty: float,
+) -> SamplingParams:
     if beam_width is not None and beam_width < n:
         raise ConfigError(
             f"--beam-width {beam_width} is less than --n {n}: beam search returns the best --n of "
@@ -89,7 +125,7 @@ def run_command(
         raise ConfigError(
             "--length-penalty scores beams and does nothing without --beam-width: add --beam-width N, or drop it"
         )
-    params = SamplingParams(
+    return SamplingParams(
         max_tokens=64 if max_tokens is None else max_tokens,
         temperature=temperature,
         top_p=top_p,
@@ -100,36 +136,26 @@ def run_command(
         best_of=beam_width,
         length_penalty=length_penalty,
     )
-    workload_args = dict(name=dataset, num_prompts=num_prompts, max_tokens=max_tokens, seed=config.seed)
-    workload: Workload | None = None
+
+
+def _early_workload(
+    prompts: list[str], dataset: str, workload_args: dict[str, Any], params: SamplingParams
+) -> Workload | None:
+    """The --prompt texts, or a file or named text workload, read before any weights; None for the
+    workloads drawn from the model's vocabulary."""
     if prompts:
         for i, text in enumerate(prompts):
             try:
                 check_text(text)
             except RequestError as exc:
                 raise RequestError(f"--prompt {i + 1}: {exc}") from None
-        workload = Workload("prompts", list(prompts), [params.max_tokens] * len(prompts), chat=True)
-    elif dataset not in NEEDS_VOCAB:  # files are read and parsed now, not after the weights load
-        workload = load_workload(vocab_size=0, **workload_args)
-    records: list[RunRecord] = []
-    if base_config is not None:
-        base_record, _, _, _ = _run_one(
-            base_config,
-            workload,
-            workload_args,
-            params,
-            "baseline: " + _label(base_config, config),
-            progress,
-            extra_plugins,
-        )
-        records.append(base_record)
-    record, outputs, workload, profiled = _run_one(
-        config, workload, workload_args, params, "infer", progress, extra_plugins, profile or profile_chart is not None
-    )
-    if baseline is not None:
-        record.speedup = record.total_tokens_per_s / records[0].total_tokens_per_s
-    records.append(record)
+        return Workload("prompts", list(prompts), [params.max_tokens] * len(prompts), chat=True)
+    if dataset not in NEEDS_VOCAB:  # files are read and parsed now, not after the weights load
+        return load_workload(vocab_size=0, **workload_args)
+    return None
 
+
+def _print_generations(workload: Workload, outputs: list[RequestOutput], show: int) -> None:
     for prompt, out in list(zip(workload.prompts, outputs))[:show]:
         shown = prompt if isinstance(prompt, str) else f"<{len(prompt)} token ids>"
         click.echo(f"\n> {shown}")
@@ -137,6 +163,10 @@ def run_command(
             text = completion.text if completion.text else f"<{len(completion.token_ids)} token ids>"
             click.echo(f"  {text.strip()}  [{completion.finish_reason}]")
     click.echo("")
+
+
+def _print_run(config: EngineConfig, record: RunRecord) -> None:
+    """The engine's description, the decoder's lossiness and speculative figures, above the table."""
     click.echo(
         f"model={config.model} "
         + " ".join(
@@ -151,15 +181,6 @@ def run_command(
             f"speculative: acceptance {d['acceptance_rate']:.1%}, {d['mean_accepted_tokens']:.2f} draft tokens accepted "
             f"and {d['mean_tokens_per_step']:.2f} tokens per request-step, draft/verify time {d['draft_verify_time_ratio']:.2f}"
         )
-    click.echo(format_table(records))
-    if profiled is not None:
-        _report_profile(profiled, record, profile_chart)
-    if json_out is not None:
-        written: dict[str, Any] = {"records": [r.to_dict() for r in records]}
-        if profiled is not None:
-            written["profile"] = profiled
-        json_out.write_text(json.dumps(written, indent=2, default=str))
-        click.echo(f"wrote {json_out}")
 
 
 def _report_profile(summary: dict[str, Any], record: RunRecord, chart: Path | None) -> None:

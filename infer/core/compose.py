@@ -12,6 +12,7 @@ import torch
 from infer.core.config import EngineConfig
 from infer.core.errors import ConfigError, IncompatiblePluginsError
 from infer.core.registry import PluginRegistry, Strategy
+from infer.core.slots import CHOSEN, PREFILL_ATTENTION
 
 
 @dataclass(frozen=True, slots=True)
@@ -25,16 +26,10 @@ class Composition:
     detokenizer: Strategy
 
     def names(self) -> dict[str, str]:
-        names = {
-            "attention": self.attention.name,
-            "kv_allocator": self.kv_allocator.name,
-            "scheduler": self.scheduler.name,
-            "sampler": self.sampler.name,
-            "decoding": self.decoder.name,
-            "detokenizer": self.detokenizer.name,
-        }
+        """EngineConfig field -> strategy name, for the run's description."""
+        names = {s.field: getattr(self, s.name).name for s in CHOSEN}
         if self.prefill_attention is not None:
-            names["prefill_attention"] = self.prefill_attention.name
+            names[PREFILL_ATTENTION.field] = self.prefill_attention.name
         return names
 
 
@@ -113,32 +108,15 @@ def compose(config: EngineConfig, registry: PluginRegistry, device: torch.device
                 f"--prefill-attention {prefill.name} does not serve prefill (it serves "
                 f"{', '.join(sorted(prefill.capabilities.phases))}): pick a prefill-capable backend"
             )
-    if "decode" not in attention.capabilities.phases:
-        raise IncompatiblePluginsError(
-            f"--attention {attention.name} serves only {', '.join(sorted(attention.capabilities.phases))}: "
-            f"use it as --prefill-attention {attention.name} with a decode backend such as --attention torch"
-        )
     if prefill is None and "prefill" not in attention.capabilities.phases:
         raise IncompatiblePluginsError(
             f"--attention {attention.name} does not serve prefill: add --prefill-attention with a prefill backend"
         )
-    composition = Composition(
-        attention=attention,
-        prefill_attention=prefill,
-        kv_allocator=registry.get("kv_allocator", config.kv_allocator),
-        scheduler=registry.get("scheduler", config.scheduler),
-        sampler=registry.get("sampler", config.sampler),
-        decoder=registry.get("decoder", config.decoding),
-        detokenizer=registry.get("detokenizer", config.detokenizer),
-    )
-    for s, flag in (
-        (composition.kv_allocator, "--kv-allocator"),
-        (composition.scheduler, "--scheduler"),
-        (composition.sampler, "--sampler"),
-        (composition.decoder, "--decoding"),
-        (composition.detokenizer, "--detokenizer"),
-    ):
-        _check_runs_here(s, flag, device, dtype, config)
+    others = [s for s in CHOSEN if s.name != "attention"]
+    chosen = {s.name: registry.get(s.name, getattr(config, s.field)) for s in others}
+    for s in others:
+        _check_runs_here(chosen[s.name], s.flag, device, dtype, config)
+    composition = Composition(attention=attention, prefill_attention=prefill, **chosen)
     _check_decoder_options(composition.decoder, config)
     return composition
 

@@ -21,13 +21,14 @@ ALL_REDUCE = ("auto", "nccl", "symm-mem", "flashinfer")  # --all-reduce choices
 
 DTYPES: dict[str, torch.dtype] = {
     "float32": torch.float32,
-    "fp32": torch.float32,
     "float16": torch.float16,
+    "bfloat16": torch.bfloat16,
+    "fp32": torch.float32,
     "fp16": torch.float16,
     "half": torch.float16,
-    "bfloat16": torch.bfloat16,
     "bf16": torch.bfloat16,
 }
+CHOICES = {"dtype": ("auto", *DTYPES), "all_reduce": ALL_REDUCE}  # str fields validate() holds to names
 
 
 @dataclass(frozen=True, slots=True)

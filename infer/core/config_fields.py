@@ -13,6 +13,7 @@ import typing
 from typing import Any, Callable, Literal
 
 from infer.core.errors import ConfigError
+from infer.core.slots import CHOSEN, PREFILL_ATTENTION
 
 # field -> the CLI flag, where it is not the field's name with dashes
 FLAG_NAMES = {
@@ -55,16 +56,8 @@ RANGES: dict[str, tuple[Callable[[Any], bool], str]] = {
     "revision": (lambda v: v.strip() != "", "a branch, tag or commit of the HF repo, or None for main"),
     "chat_template": (lambda v: v.strip() != "", "a jinja file's path or the template's text, or None for the model's"),
     **{
-        slot: (lambda v: v.strip() != "", "a registered strategy name (see `infer plugins`)")
-        for slot in (
-            "attention",
-            "prefill_attention",
-            "kv_allocator",
-            "scheduler",
-            "sampler",
-            "decoding",
-            "detokenizer",
-        )
+        s.field: (lambda v: v.strip() != "", "a registered strategy name (see `infer plugins`)")
+        for s in (*CHOSEN, PREFILL_ATTENTION)
     },
 }
 

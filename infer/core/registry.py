@@ -17,28 +17,7 @@ import pluggy
 from infer.core import hookspecs, plugin_api
 from infer.core.errors import PluginLoadError, PluginNotFoundError
 from infer.core.interfaces import LAYER_KINDS, Capabilities, Layers, capabilities_of
-
-SLOTS: dict[str, str] = {  # slot -> hook name
-    "attention": "infer_register_attention_backends",
-    "kv_allocator": "infer_register_kv_allocators",
-    "scheduler": "infer_register_schedulers",
-    "sampler": "infer_register_samplers",
-    "decoder": "infer_register_decoders",
-    "detokenizer": "infer_register_detokenizers",
-    "model": "infer_register_models",
-    "layer": "infer_register_layers",
-}
-
-FLAGS: dict[str, str] = {  # slot -> the CLI flag that names it, for error messages
-    "attention": "--attention",
-    "kv_allocator": "--kv-allocator",
-    "scheduler": "--scheduler",
-    "sampler": "--sampler",
-    "decoder": "--decoding",
-    "detokenizer": "--detokenizer",
-    "model": "--model",
-    "layer": "the layers hook",
-}
+from infer.core.slots import SLOT, SLOTS
 
 
 @dataclass(frozen=True, slots=True)
@@ -106,11 +85,11 @@ class PluginRegistry:
             manager.register(plugin, name=name)
             sources[name] = ("(inline)", "")
         manager.check_pending()  # a misspelled hook name fails loudly
-        for slot, hook_name in SLOTS.items():
-            registry.strategies[slot] = {}
-            for impl in getattr(manager.hook, hook_name).get_hookimpls():
+        for slot in SLOTS:
+            registry.strategies[slot.name] = {}
+            for impl in getattr(manager.hook, slot.hook).get_hookimpls():
                 dist, version = sources.get(impl.plugin_name, ("unknown", ""))
-                register = registry._register_fn(slot, impl.plugin_name, dist, version)
+                register = registry._register_fn(slot.name, impl.plugin_name, dist, version)
                 try:
                     impl.function(register)
                 except Exception as exc:
@@ -147,7 +126,7 @@ class PluginRegistry:
             )
         close = difflib.get_close_matches(name, list(self.strategies[slot]), n=1)
         guess = f"did you mean {close[0]!r}? " if close else ""
-        raise PluginNotFoundError(f"unknown {FLAGS[slot]} {name!r}: {guess}valid names are {known}{hint}")
+        raise PluginNotFoundError(f"unknown {SLOT[slot].flag} {name!r}: {guess}valid names are {known}{hint}")
 
     def all(self, slot: str) -> list[Strategy]:
         return list(self.strategies[slot].values())

@@ -11,9 +11,9 @@ import torch
 
 from infer.core.errors import InferError
 from infer.core.registry import PluginRegistry, Strategy
+from infer.core.slots import find
 
-SLOTS = ("attention", "sampler", "kv_allocator", "decoder")
-ALIASES = {"decoding": "decoder", "kv-allocator": "kv_allocator", "allocator": "kv_allocator"}
+SLOTS = ("attention", "sampler", "kv_allocator", "decoder")  # the slots with a suite, suites/kit_<slot>.py
 SUITES = Path(__file__).resolve().parent / "suites"
 
 
@@ -34,11 +34,13 @@ SELECTION = pytest.StashKey[Selection]()
 
 
 def parse(specs: list[str]) -> dict[str, list[str]]:
-    """['attention=my-attn', 'sampler=a'] -> {'attention': ['my-attn'], 'sampler': ['a']}."""
+    """['attention=my-attn', 'sampler=a'] -> {'attention': ['my-attn'], 'sampler': ['a']}; a slot may be
+    spelled as its config field or an alias (decoding=, kv-allocator=, allocator=)."""
     wanted: dict[str, list[str]] = {}
     for spec in specs:
-        slot, sep, names = spec.partition("=")
-        slot = ALIASES.get(slot.strip(), slot.strip())
+        word, sep, names = spec.partition("=")
+        found = find(word)
+        slot = found.name if found is not None else word.strip()
         if not sep or slot not in SLOTS or not names.strip():
             raise pytest.UsageError(
                 f"--infer-kit {spec!r}: write SLOT=NAME with SLOT one of {', '.join(SLOTS)} "

@@ -1,0 +1,87 @@
+"""`infer bench`: every valid combination of the --matrix axes over one workload, beside HF baselines."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import click
+
+from infer.cli.common import extra_plugins, user_errors
+from infer.cli.options import engine_config, engine_options, writable
+
+
+@click.command()
+@engine_options
+@click.option(
+    "--matrix",
+    "matrix",
+    multiple=True,
+    help="FIELD=A,B axes, e.g. --matrix attention=torch,paged-cuda sampler=naive,vectorized.",
+)
+@click.argument("axes", nargs=-1, metavar="[FIELD=A,B]...")
+@click.option(
+    "--baseline",
+    "baselines",
+    multiple=True,
+    help="HF transformers peer: hf-static-1, hf-static-64, hf-continuous (repeatable).",
+)
+@click.option(
+    "--dataset", default="builtin", show_default=True, help="A workload name or a JSON/JSONL file, as for `infer run`."
+)
+@click.option(
+    "--num-prompts",
+    type=click.IntRange(min=1),
+    default=None,
+    help="Prompts of the workload to run (default: all, or its own count).",
+)
+@click.option("--max-tokens", type=click.IntRange(min=1), default=None, help="New tokens per request (default: 64).")
+@click.option(
+    "--json-out",
+    type=click.Path(dir_okay=False, path_type=Path),
+    callback=writable,
+    default=None,
+    help="Write every run as JSON.",
+)
+@click.option(
+    "--chart",
+    type=click.Path(dir_okay=False, path_type=Path),
+    callback=writable,
+    default=None,
+    help="Draw the results as a PNG.",
+)
+@click.option(
+    "--repeat",
+    type=click.IntRange(min=1),
+    default=1,
+    show_default=True,
+    help="Run each combination N times and keep the fastest.",
+)
+@user_errors
+def bench(
+    matrix: tuple[str, ...],
+    axes: tuple[str, ...],
+    baselines: tuple[str, ...],
+    dataset: str,
+    num_prompts: int | None,
+    max_tokens: int | None,
+    json_out: Path | None,
+    chart: Path | None,
+    repeat: int,
+    **engine_opts: Any,
+) -> None:
+    """Every valid combination of the --matrix axes over one workload, beside HF baselines."""
+    from infer.bench.matrix import run_matrix
+
+    run_matrix(
+        engine_config(engine_opts),
+        [*matrix, *axes],
+        [b for s in baselines for b in s.split(",") if b],
+        dataset,
+        num_prompts,
+        max_tokens,
+        json_out,
+        chart,
+        extra_plugins(),
+        repeat,
+    )

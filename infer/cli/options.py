@@ -1,0 +1,106 @@
+"""The engine options of `run`, `bench` and `doctor`, one per EngineConfig field (the flag, type, default
+and choices come from the field; only the help texts live here), and the output-path check."""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+from pathlib import Path
+from typing import Any, Callable
+
+import click
+
+from infer.core.config import CHOICES, EngineConfig
+from infer.core.config_fields import FieldType, field_types, flag
+
+
+def _slot_help(what: str, builtin: str) -> str:
+    return f"{what}: {builtin}, or a plugin's (`infer plugins` lists every installed name)."
+
+
+HELP: dict[str, str] = {  # EngineConfig field -> help, in the order `--help` lists the options
+    "model": "Named model or shape, or an HF model folder.",
+    "revision": "For an HF repo id (org/name): the branch, tag or commit to load.  [default: main]",
+    "chat_template": "A jinja chat template (a file's path, or the text itself) replacing the model's.",
+    "load_format": "dummy: random weights of the model's shape.",
+    "dtype": "Weights and activations; auto: bfloat16 on CUDA, float32 on the CPU.",
+    "device": "auto, cpu, cuda, cuda:N.",
+    "attention": _slot_help(
+        "Attention backend", "auto (the fastest that runs here), torch, paged-cuda, flashinfer, xformers"
+    ),
+    "prefill_attention": _slot_help(
+        "A different backend for prefill, composed with --attention", "torch, paged-cuda, flashinfer, xformers"
+    ),
+    "kv_allocator": _slot_help("KV block allocator", "paged, contiguous"),
+    "scheduler": _slot_help("Scheduler", "fcfs, static"),
+    "sampler": _slot_help("Sampler", "vectorized, naive"),
+    "decoding": _slot_help("Decoder", "autoregressive, speculative (with --draft), early-exit (with --exit-layer)"),
+    "detokenizer": _slot_help("Detokenizer", "parallel, sequential"),
+    "block_size": "Tokens per KV block (a power of two).",
+    "num_kv_blocks": "Fix the KV cache size in blocks (it must hold one request of --max-model-len).",
+    "kv_cache_memory_gib": "KV cache budget in GiB (default: 1 GiB on the CPU; on a GPU, --gpu-memory-utilization "
+    "of its memory less what is in use).",
+    "gpu_memory_utilization": "Fraction of the GPU's memory the engine may use (weights, activations, KV cache), "
+    "in (0, 1].",
+    "enable_prefix_caching": "Reuse the KV blocks of cached prompt prefixes.",
+    "preemption_mode": "What a preempted request's KV blocks do: freed and recomputed, or swapped to CPU memory.",
+    "swap_space_gib": "CPU KV pool in GiB for --preemption-mode swap (recompute when it is full).",
+    "max_num_seqs": "Requests running at once, at most.",
+    "max_num_batched_tokens": "Tokens computed per step at most (longer prompts are chunked).",
+    "max_model_len": "Context length, prompt and output (default: the model's).",
+    "tensor_parallel_size": "Tensor-parallel ranks.",
+    "all_reduce": "How --tp sums: symm-mem (one-shot kernel over peer memory), flashinfer (fused with the residual "
+    "add and RMSNorm), nccl, or auto (flashinfer, else symm-mem, whichever can run first).",
+    "draft": "For --decoding speculative: a model of the target's vocabulary, ngram, or self (with --exit-layer).",
+    "num_speculative_tokens": "Draft tokens verified per request per step.",
+    "exit_layer": "Decoder layers kept by --decoding early-exit or --draft self.",
+    "cuda_graphs": "Capture decode steps in CUDA graphs where the attention backend allows.",
+    "pipeline_decode": "Queue each decode step's forward before the step before's tokens reach the host "
+    "(default: on CUDA).",
+    "seed": "Seeds dummy weights and unseeded sampling.",
+}
+
+
+def engine_option(name: str, kind: FieldType, default: Any) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
+    """A field's option: bools as --x/--no-x (a None default stays unset: the engine decides), choices
+    from a Literal type or config.CHOICES, any other type as click converts it; parameter name = field."""
+    text, choices = HELP.get(name, ""), kind.choices or CHOICES.get(name)
+    if kind.base is bool:
+        return click.option(f"{flag(name)}/--no-{flag(name)[2:]}", name, default=default, show_default=True, help=text)
+    kind_of = click.Choice(list(choices)) if choices else kind.base
+    return click.option(flag(name), name, type=kind_of, default=default, show_default=True, help=text)
+
+
+def _engine_options() -> list[Callable[[Callable[..., Any]], Callable[..., Any]]]:
+    fields = {f.name: f for f in dataclasses.fields(EngineConfig)}
+    kinds = field_types(EngineConfig)
+    order = [n for n in HELP if n in fields] + [n for n in fields if n not in HELP]
+    return [engine_option(n, kinds[n], fields[n].default) for n in order]
+
+
+ENGINE_OPTIONS = _engine_options()
+
+
+def engine_options(f: Callable[..., Any]) -> Callable[..., Any]:
+    for option in reversed(ENGINE_OPTIONS):
+        f = option(f)
+    return f
+
+
+def engine_config(options: dict[str, Any]) -> EngineConfig:
+    """The engine options as parsed (one keyword per field) -> an EngineConfig, not yet validated."""
+    return EngineConfig().replace(**options)
+
+
+def writable(ctx: click.Context, param: click.Parameter, path: Path | None) -> Path | None:
+    """An output path is checked when the flags are read, not after the run whose results it would hold."""
+    if path is None:
+        return None
+    folder = path.parent if str(path.parent) else Path(".")
+    if not folder.is_dir():
+        raise click.BadParameter(f"folder {folder} does not exist: create it or write elsewhere", ctx, param)
+    if path.is_dir():
+        raise click.BadParameter(f"{path} is a folder: name a file in it", ctx, param)
+    if not os.access(path if path.exists() else folder, os.W_OK):
+        raise click.BadParameter(f"{path if path.exists() else folder} is not writable: write elsewhere", ctx, param)
+    return path
