@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Callable, ClassVar, Protocol, runtime_checkable
+from typing import TYPE_CHECKING, Any, Callable, ClassVar, Iterable, Protocol, runtime_checkable
 
 import torch
 
@@ -29,13 +29,22 @@ class Layers:
 
 
 class CausalLM(Protocol):
-    """A model as the runner sees it."""
+    """A model as the runner sees it: a torch.nn.Module (the runner reads its parameters and buffers)."""
 
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches: list[KVCache]) -> torch.Tensor: ...
+    def forward(
+        self,
+        input_ids: torch.Tensor,  # [T] int64, sequences one after another
+        positions: torch.Tensor,  # [T] int64
+        kv_caches: list[KVCache],  # one per layer that runs
+        num_layers: int | None = None,  # run only the first layers (early exit, self-draft); None: all
+    ) -> torch.Tensor: ...  # [T, hidden], after the final norm
 
-    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor: ...
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor: ...  # [B, hidden] -> [B, vocab] float32
 
-    def load_weights(self, weights: Any) -> None: ...
+    def load_weights(self, weights: Iterable[tuple[str, Any]]) -> set[str]:
+        """Copy (HF name, tensor or safetensors slice) pairs into the parameters; returns the names of
+        the parameters filled (the loader fails on any left out)."""
+        ...
 
 
 @runtime_checkable
@@ -50,12 +59,14 @@ class CheckpointShapes(Protocol):
 
 class ModelArchitecture(Protocol):
     """Builds a model of one family. `hf_architectures` lists the config.json names it serves;
-    `presets` maps named shapes (`llama2-7b`) to config.json-style dicts."""
+    `presets` maps named shapes (`llama2-7b`) to config.json-style dicts. `attention` is None for a
+    model built on the meta device for its shapes; under tensor parallelism an architecture that
+    accepts `parallel=` gets the rank's ParallelState."""
 
     hf_architectures: ClassVar[tuple[str, ...]]
     presets: ClassVar[dict[str, dict[str, Any]]]
 
-    def __call__(self, config: "ModelConfig", layers: "Any", attention: AttentionBackend) -> CausalLM: ...
+    def __call__(self, config: ModelConfig, layers: Layers, attention: AttentionBackend | None) -> CausalLM: ...
 
 
 RegisterFn = Callable[[str, Any], None]  # register(name, factory)
