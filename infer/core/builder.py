@@ -20,7 +20,7 @@ from infer.core.cuda_graphs import CudaGraphRunner
 from infer.core.engine import EngineParts
 from infer.core.errors import ConfigError
 from infer.core.hybrid_attention import HybridAttention
-from infer.core.interfaces import AttentionSpec, DecoderContext, Layers
+from infer.core.interfaces import AttentionSpec, DecoderContext, Layers, SelfDescribing
 from infer.core.kv_cache import allocate_kv_cache, budget_bytes, bytes_per_block, num_blocks_for_budget
 from infer.core.logging import get_logger
 from infer.core.output import OutputProcessor
@@ -305,7 +305,7 @@ def build_engine(
         "config_hash": config.digest(),
         "weight_bytes": sum(p.numel() * p.element_size() for p in model.parameters()),
         **composition.names(),
-        **getattr(decoder, "describe", {}),
+        **(decoder.describe if isinstance(decoder, SelfDescribing) else {}),
         **({"all_reduce": all_reduce} if all_reduce else {}),
     }
     get_logger(**describe).info(

@@ -2,7 +2,7 @@
 
 Decode pipelining. A decode step's host work (the sampled ids' trip to the host, the scheduler,
 the step's metadata) would leave the GPU idle between forwards. When every sequence of a step
-only decodes and the sampler can leave its tokens on the device (`sample_tokens`), the runner
+only decodes and the sampler can leave its tokens on the device (`TokenSampler`), the runner
 queues the next forward right after the sampling kernels, fed by the sampled ids on the device
 (`_Ahead`), and only then waits for this step's ids. The next `execute` takes the rows of that
 forward for the sequences it was given when each one is exactly what was predicted (same token at
@@ -30,6 +30,7 @@ from infer.core.interfaces import (
     Sampler,
     SchedulerOutput,
     StepResult,
+    TokenSampler,
 )
 from infer.core.request import Request
 
@@ -100,6 +101,7 @@ class ModelRunner:
         # request that stops lets one in; UNLIKELY: there is room to admit.
         self.next_batch_outlook: Any = lambda: CERTAIN
         self.claim_slots: Any = None  # set by the builder: the allocator's allocate_slots(request, num_tokens)
+        self.samples_on_device = isinstance(sampler, TokenSampler)
         self._ahead: _Ahead | None = None
         self._tokens_host: torch.Tensor | None = None  # pinned landing buffer for sampled ids
         self.pipeline_hits = 0  # steps served by a forward queued ahead
@@ -200,13 +202,12 @@ class ModelRunner:
     def _sample_pipelined(self, logits: torch.Tensor, seqs: list[ForwardSeq]) -> list[int] | None:
         """Sample on the device, queue the next forward for the sequences that will go on, then wait
         for this step's ids. None when this step cannot (a prefill in it, logprobs, no support)."""
-        sample_tokens = getattr(self.sampler, "sample_tokens", None)
-        if sample_tokens is None:
+        if not self.samples_on_device:
             return None
         if not all(len(s.token_ids) == 1 and s.logits_rows == 1 for s in seqs):
             return None
         requests = [s.request for s in seqs]
-        tokens = sample_tokens(logits, requests)
+        tokens = self.sampler.sample_tokens(logits, requests)
         if tokens is None:
             return None
         host, ready = tokens, None  # on the CPU there is nothing to overlap with: the ids are here already

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Callable, ClassVar, Iterable, Protocol, runtime_checkable
+from typing import TYPE_CHECKING, Any, Callable, Iterable, Protocol, runtime_checkable
 
 import torch
 
@@ -18,7 +18,14 @@ LAYER_KINDS = ("rms_norm", "rotary_embedding", "silu_and_mul", "linear")
 
 @dataclass(frozen=True, slots=True)
 class Layers:
-    """The layer implementations a model builds itself from, resolved once per engine."""
+    """The layer implementations a model builds itself from, resolved once per engine.
+
+    Optional abilities: a rotary layer whose `RotaryTables.fuses_into_attention` is true only rotates
+    by its cos, sin, which a `RotaryFusingAttention` backend may apply instead. `FusingActivation.down(h,
+    weight)` is matmul(self(h), weight) in one kernel, for a projection `fuses_with` accepts. A linear
+    class's `LinearMatmul.matmul(x, weight)` is what tensor-parallel shards call (else F.linear); a
+    matmul (or `down`) whose `PushingMatmul.pushes` is true takes `push=`, a tensor-parallel exchange.
+    """
 
     rms_norm: Any  # (hidden_size, eps) -> module; forward(x, residual=None)
     rotary_embedding: (
@@ -26,6 +33,28 @@ class Layers:
     )
     silu_and_mul: Any  # () -> module; forward(x [T, 2I]) -> [T, I]
     linear: Any  # (in_features, out_features, bias=False) -> module
+
+
+@runtime_checkable
+class RotaryTables(Protocol):
+    fuses_into_attention: bool
+
+
+@runtime_checkable
+class FusingActivation(Protocol):
+    def fuses_with(self, projection: torch.nn.Module) -> bool: ...
+
+    def down(self, h: torch.Tensor, weight: torch.Tensor, push: Any = None) -> torch.Tensor: ...
+
+
+@runtime_checkable
+class LinearMatmul(Protocol):
+    matmul: Callable[..., torch.Tensor]
+
+
+@runtime_checkable
+class PushingMatmul(Protocol):
+    pushes: bool
 
 
 class CausalLM(Protocol):
@@ -58,15 +87,22 @@ class CheckpointShapes(Protocol):
 
 
 class ModelArchitecture(Protocol):
-    """Builds a model of one family. `hf_architectures` lists the config.json names it serves;
-    `presets` maps named shapes (`llama2-7b`) to config.json-style dicts. `attention` is None for a
-    model built on the meta device for its shapes; under tensor parallelism an architecture that
-    accepts `parallel=` gets the rank's ParallelState."""
-
-    hf_architectures: ClassVar[tuple[str, ...]]
-    presets: ClassVar[dict[str, dict[str, Any]]]
+    """Builds a model of one family. `attention` is None for a model built on the meta device for its
+    shapes; under tensor parallelism an architecture that accepts `parallel=` gets the rank's
+    ParallelState. Optional abilities: `HFArchitectures.hf_architectures` lists the config.json names
+    it serves; `ModelPresets.presets` maps named shapes (`llama2-7b`) to config.json-style dicts."""
 
     def __call__(self, config: ModelConfig, layers: Layers, attention: AttentionBackend | None) -> CausalLM: ...
+
+
+@runtime_checkable
+class HFArchitectures(Protocol):
+    hf_architectures: tuple[str, ...]
+
+
+@runtime_checkable
+class ModelPresets(Protocol):
+    presets: dict[str, dict[str, Any]]
 
 
 RegisterFn = Callable[[str, Any], None]  # register(name, factory)

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Protocol
+from typing import TYPE_CHECKING, Protocol, runtime_checkable
 
 from infer.core.interfaces.kv import BlockOps
 
@@ -57,6 +57,7 @@ class Scheduler(Protocol):
     `schedule` may allocate and free KV blocks (through the allocator) and preempt requests.
     `update` appends the step's tokens to the requests, applies stop conditions and frees the
     blocks of finished requests; it returns the requests that finished in this step.
+    Optional ability: `ResettableStats.reset_stats` starts the counters of `stats` again.
     """
 
     def add(self, request: "Request") -> None: ...
@@ -73,4 +74,7 @@ class Scheduler(Protocol):
 
     def stats(self) -> dict[str, float]: ...
 
-    # Optional: reset_stats() -> None, start the counters behind `stats` again (after a warm-up run).
+
+@runtime_checkable
+class ResettableStats(Protocol):
+    def reset_stats(self) -> None: ...
