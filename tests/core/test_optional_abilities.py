@@ -1,6 +1,6 @@
 """Optional abilities are small runtime_checkable protocols: a strategy that has one is used through
 it, and a third-party strategy with none of them still runs, with the same tokens (decode pipelining
-then simply does without: a sampler without `sample_tokens` is not pipelined)."""
+then queues no forward ahead)."""
 
 from __future__ import annotations
 
@@ -11,11 +11,13 @@ import infer
 from infer import SamplingParams
 from infer.core.errors import ConfigError
 from infer.core.interfaces import (
+    BatchOutlook,
     Capabilities,
     FusingActivation,
     HFArchitectures,
     LinearMatmul,
     ModelPresets,
+    PipeliningScheduler,
     ResettableStats,
     RotaryFusingAttention,
     RotaryTables,
@@ -86,6 +88,20 @@ class BareDecoder:
         return self.runner.execute(out)
 
 
+class CountingScheduler(FcfsScheduler):
+    """fcfs, counting the calls decode pipelining makes."""
+
+    calls: dict[str, int] = {}
+
+    def next_batch_outlook(self) -> BatchOutlook:
+        self.calls["outlook"] = self.calls.get("outlook", 0) + 1
+        return super().next_batch_outlook()
+
+    def reserve_ahead(self, request, num_tokens) -> bool:
+        self.calls["reserve"] = self.calls.get("reserve", 0) + 1
+        return super().reserve_ahead(request, num_tokens)
+
+
 class DescribedDecoder(BareDecoder):
     def __init__(self, ctx) -> None:
         super().__init__(ctx)
@@ -100,6 +116,7 @@ class Plugin:
     @infer.hookimpl
     def infer_register_schedulers(register):
         register("bare", BareScheduler)
+        register("counting", CountingScheduler)
 
     @staticmethod
     @infer.hookimpl
@@ -132,12 +149,29 @@ def test_strategies_without_optional_abilities_still_run(tiny_llama_dir, expecte
         tiny_llama_dir, scheduler="bare", sampler="bare", decoding="bare", pipeline_decode=True
     )
     assert tokens == expected
-    assert not isinstance(engine.scheduler, ResettableStats)
+    assert not isinstance(engine.scheduler, (PipeliningScheduler, ResettableStats))
     assert not isinstance(runner.sampler, (TokenSampler, VerifyingSampler))
     assert not isinstance(engine.decoder, (SelfDescribing, StatsSummary))
-    assert runner.pipeline and not runner.samples_on_device
+    assert runner.pipeline and not runner.samples_on_device and runner.pipeline_scheduler is None
     assert stats["pipelined_steps"] == stats["pipeline_misses"] == 0 and "preemptions" in stats
     assert engine.num_steps == 0  # reset_stats ran, with no scheduler counters to reset
+
+
+def test_scheduler_without_slot_reservation_queues_nothing_ahead(tiny_llama_dir, expected):
+    tokens, runner, stats, _ = generate(tiny_llama_dir, scheduler="bare", pipeline_decode=True)
+    assert tokens == expected
+    assert runner.samples_on_device and runner.pipeline_scheduler is None
+    assert stats["pipelined_steps"] == stats["pipeline_misses"] == 0
+
+
+def test_scheduler_with_slot_reservation_guides_pipelining(tiny_llama_dir, expected):
+    CountingScheduler.calls = {}
+    tokens, runner, stats, _ = generate(tiny_llama_dir, scheduler="counting", pipeline_decode=True)
+    assert tokens == expected
+    assert isinstance(runner.pipeline_scheduler, CountingScheduler)
+    assert stats["pipelined_steps"] > 0 and runner.pipeline_hits == 0  # counted, then reset
+    assert CountingScheduler.calls["outlook"] > 0
+    assert CountingScheduler.calls["reserve"] > 0  # block_size 4: forwards queued ahead start new blocks
 
 
 def test_decoder_description_and_summary_are_used(tiny_llama_dir):
@@ -164,7 +198,7 @@ def test_built_in_strategies_declare_their_abilities():
     assert isinstance(vectorized, TokenSampler) and isinstance(vectorized, VerifyingSampler)
     assert isinstance(naive, VerifyingSampler) and not isinstance(naive, TokenSampler)
     for scheduler in (FcfsScheduler, StaticScheduler):
-        assert issubclass(scheduler, ResettableStats)
+        assert issubclass(scheduler, PipeliningScheduler) and issubclass(scheduler, ResettableStats)
     assert issubclass(SpeculativeDecoder, StatsSummary)
     assert issubclass(PagedCudaAttention, RotaryFusingAttention)
     assert not issubclass(TorchAttention, RotaryFusingAttention)

@@ -35,14 +35,23 @@ from infer.core.interfaces.models import (
     RotaryTables,
 )
 from infer.core.interfaces.sampling import Sampler, SamplerOutput, TokenSampler, VerifyingSampler
-from infer.core.interfaces.scheduling import ResettableStats, ScheduledSeq, Scheduler, SchedulerOutput, StepResult
+from infer.core.interfaces.scheduling import (
+    BatchOutlook,
+    PipeliningScheduler,
+    ResettableStats,
+    ScheduledSeq,
+    Scheduler,
+    SchedulerOutput,
+    StepResult,
+)
 from infer.core.interfaces.text import DetokenizedDelta, Detokenizer
 
 __all__ = [
     "Capabilities", "DEFAULT_CAPABILITIES", "capabilities_of",
     "AttentionSpec", "AttentionBatch", "KVCache", "AttentionBackend", "RotaryFusingAttention",
     "KVAllocator", "KVUsage", "BlockOps",
-    "ScheduledSeq", "SchedulerOutput", "StepResult", "Scheduler", "ResettableStats",
+    "ScheduledSeq", "SchedulerOutput", "StepResult", "Scheduler", "BatchOutlook", "PipeliningScheduler",
+    "ResettableStats",
     "SamplerOutput", "Sampler", "TokenSampler", "VerifyingSampler",
     "ModelRunnerLike", "DecoderContext", "Decoder", "SelfDescribing", "StatsSummary",
     "DetokenizedDelta", "Detokenizer",
