@@ -266,7 +266,7 @@ class ModelRunner:
         keep: list[int] = []
         for i, s in enumerate(seqs):
             r, pos = s.request, s.start + 1
-            if r.params.use_beam_search or r.is_finished:
+            if not r.params.tokens_are_final or r.is_finished:
                 continue
             if len(r.output_token_ids) + 1 >= r.params.max_tokens:  # this step's token is its last
                 continue

@@ -87,7 +87,7 @@ class SpeculativeDecoder:
     def max_draft(self, s: ScheduledSeq) -> int:
         """Tokens worth proposing: within K, the reserved slots, max_tokens and the context."""
         r = s.request
-        if not s.samples or r.params.use_beam_search:  # the scheduler ranks beams' candidates one token at a time
+        if not s.samples or not r.params.tokens_are_final:  # the scheduler ranks beams' candidates one token at a time
             return 0
         n = r.num_tokens
         k = min(

@@ -57,7 +57,7 @@ class SchedulerBase:
 
     def add(self, request: Request) -> None:
         request.status = RequestStatus.WAITING
-        if request.params.use_beam_search and not self.beams.add(request):
+        if not self.beams.add(request):
             return  # a dormant beam slot: it joins when its group takes its first step
         self.waiting.append(request)
 
@@ -116,9 +116,8 @@ class SchedulerBase:
             tokens = result.sampled.get(request.request_id)
             if not tokens:
                 continue
-            if request.params.use_beam_search:  # its candidates wait for the rest of its group
-                self.beams.record(request, result.logprobs.get(request.request_id))
-                continue
+            if self.beams.record(request, result.logprobs.get(request.request_id)):
+                continue  # a beam: its candidates wait for the rest of its group
             if request.first_token_time is None:
                 request.first_token_time = now
             reason = append_tokens(request, tokens, result.logprobs.get(request.request_id))
