@@ -20,12 +20,12 @@ from infer.core.cuda_graphs import CudaGraphRunner
 from infer.core.engine import EngineParts
 from infer.core.errors import ConfigError
 from infer.core.hybrid_attention import HybridAttention
-from infer.core.interfaces import AttentionSpec, DecoderContext, Layers
+from infer.core.interfaces import AttentionSpec, DecoderContext, Layers, SelfDescribing
 from infer.core.kv_cache import allocate_kv_cache, budget_bytes, bytes_per_block, num_blocks_for_budget
 from infer.core.logging import get_logger
 from infer.core.output import OutputProcessor
 from infer.core.registry import PluginRegistry
-from infer.core.runner import CERTAIN, LIKELY, UNLIKELY, ModelRunner
+from infer.core.runner import ModelRunner
 from infer.distributed.state import ParallelState, make_all_reduce, model_kwargs
 from infer.inputs.chat_template import load_chat_template
 from infer.models.loader import (
@@ -257,13 +257,15 @@ def build_engine(
     )
     scheduler = composition.scheduler.factory(config, allocator)
     scheduler.num_lookahead_tokens = decoder.num_lookahead_tokens
-    if config.cuda_graphs and device.type == "cuda" and attention.capabilities.cuda_graph_safe:
-        # The target's decode steps when the decoder runs it one token at a time; a draft model's
-        # proposal steps (one token per sequence) whatever the decoder does with the target.
-        for r, _ in models:
-            if r is runner and not composition.decoder.capabilities.cuda_graph_safe:
-                continue
-            r.graphs = CudaGraphRunner(
+    use_graphs = config.cuda_graphs and device.type == "cuda" and attention.capabilities.cuda_graph_safe
+    pipeline = config.pipeline_decode if config.pipeline_decode is not None else device.type == "cuda"
+    pipeline = pipeline and attention.capabilities.pipeline_safe and composition.decoder.capabilities.pipeline_safe
+    for r, _ in models:
+        # CUDA graphs: the target's decode steps when the decoder runs it one token at a time; a draft
+        # model's proposal steps (one token per sequence) whatever the decoder does with the target.
+        graphs = None
+        if use_graphs and (r is not runner or composition.decoder.capabilities.cuda_graph_safe):
+            graphs = CudaGraphRunner(
                 r.model,
                 r.attention,
                 r.kv_caches,
@@ -274,23 +276,11 @@ def build_engine(
                 device=device,
                 num_layers=r.num_layers,
             )
-            r.graphs.capture()
-    pipeline = config.pipeline_decode if config.pipeline_decode is not None else device.type == "cuda"
-    runner.pipeline = (
-        pipeline and attention.capabilities.pipeline_safe and composition.decoder.capabilities.pipeline_safe
-    )
+            graphs.capture()
+        r.set_decode_paths(graphs, pipeline_with=scheduler if pipeline and r is runner else None)
     if parallel.is_parallel:  # every rank: a pipelined step's ids come from rank 0's device
         for r, _ in models:
             r.parallel = parallel
-
-    def next_batch_outlook() -> int:
-        if not getattr(scheduler, "waiting", ()):
-            return CERTAIN  # nobody to admit: the batch can only shrink
-        running = getattr(scheduler, "running", None)
-        return LIKELY if running is not None and len(running) >= config.max_num_seqs else UNLIKELY
-
-    runner.next_batch_outlook = next_batch_outlook
-    runner.claim_slots = allocator.allocate_slots  # the block the forward queued ahead writes into, when new
     detokenizer = composition.detokenizer.factory(tokenizer) if tokenizer is not None else None
 
     eos = set(model_config.eos_token_ids)
@@ -305,7 +295,7 @@ def build_engine(
         "config_hash": config.digest(),
         "weight_bytes": sum(p.numel() * p.element_size() for p in model.parameters()),
         **composition.names(),
-        **getattr(decoder, "describe", {}),
+        **(decoder.describe if isinstance(decoder, SelfDescribing) else {}),
         **({"all_reduce": all_reduce} if all_reduce else {}),
     }
     get_logger(**describe).info(

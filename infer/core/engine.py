@@ -14,7 +14,7 @@ import torch
 
 from infer.core.block_mover import BlockMover
 from infer.core.errors import RequestError, one_line
-from infer.core.interfaces import Decoder, KVUsage, Scheduler
+from infer.core.interfaces import Decoder, KVUsage, ResettableStats, Scheduler, StatsSummary
 from infer.core.output import Group, OutputProcessor
 from infer.core.request import FinishReason, Request, RequestOutput, SamplingParams
 from infer.inputs.prompts import split_prompt
@@ -40,9 +40,8 @@ class EngineParts:
     describe: dict[str, Any]  # plugin set, device, dtype, KV blocks: bound into logs and reports
     closers: tuple[Any, ...] = ()
     block_mover: BlockMover | None = None  # applies each step's KV block copies (copy-on-write, swap)
-    runners: tuple[
-        Any, ...
-    ] = ()  # every model's ModelRunner in build order (target, then drafts); tensor parallelism mirrors them
+    # every model's ModelRunner in build order (target, then drafts); tensor parallelism mirrors them
+    runners: tuple[Any, ...] = ()
 
 
 class Engine:
@@ -270,23 +269,22 @@ class Engine:
         """Count from here on: steps, preemptions, the decoder's totals and pipelined steps (after a warm-up run)."""
         self.num_steps = 0
         self.decoder_totals.clear()
-        reset = getattr(self.scheduler, "reset_stats", None)  # optional for third-party schedulers
-        if reset is not None:
-            reset()
+        if isinstance(self.parts.scheduler, ResettableStats):  # the scheduler as built, however wrapped since
+            self.parts.scheduler.reset_stats()
         for runner in self.parts.runners:
             runner.pipeline_hits = runner.pipeline_misses = 0
 
     def stats(self) -> dict[str, float]:
         stats = {"steps": self.num_steps, **self.scheduler.stats(), **self.decoder_stats()}
         runner = self.parts.runners[0] if self.parts.runners else None
-        if runner is not None and getattr(runner, "pipeline", False):  # decode pipelining: steps served ahead
+        if runner is not None and runner.pipeline:  # decode pipelining: steps served ahead
             stats.update(pipelined_steps=runner.pipeline_hits, pipeline_misses=runner.pipeline_misses)
         return stats
 
     def decoder_stats(self) -> dict[str, float]:
         """The decoder's step stats summed over the run, plus its own summary (acceptance rate, ...)."""
-        summarize = getattr(self.decoder, "summarize", None)  # optional: run-level figures from the totals
-        return {**self.decoder_totals, **(summarize(self.decoder_totals) if summarize is not None else {})}
+        summary = self.decoder.summarize(self.decoder_totals) if isinstance(self.decoder, StatsSummary) else {}
+        return {**self.decoder_totals, **summary}
 
     def close(self) -> None:
         """Stop the workers and give the device memory back, even while this engine is still referenced.

@@ -60,8 +60,7 @@ class OutputProcessor:
     def submit(self, requests: list[Request]) -> None:
         """Hand this step's updated requests (running or just finished) to the detokenizer."""
         fresh = [r for r in requests if r.request_id in self.parent_of and r.request_id not in self.ready]
-        # a beam's tokens are rewritten as beams fork and die: its text is decoded once, at the end
-        fresh = [r for r in fresh if r.is_finished or not r.params.use_beam_search]
+        fresh = [r for r in fresh if r.is_finished or r.params.tokens_are_final]  # else decoded once, at the end
         for r in fresh:
             if r.is_finished and not r.output_token_ids:  # ended before producing a token
                 self.ready.add(r.request_id)
@@ -136,4 +135,4 @@ class OutputProcessor:
 
 
 def _has_logprobs(params) -> bool:
-    return params.logprobs is not None and not params.use_beam_search  # beams ask for them internally
+    return params.logprobs is not None and params.tokens_are_final  # else the scheduler's own

@@ -16,7 +16,7 @@ import pluggy
 
 from infer.core import hookspecs, plugin_api
 from infer.core.errors import PluginLoadError, PluginNotFoundError
-from infer.core.interfaces import LAYER_KINDS, Capabilities, Layers, capabilities_of
+from infer.core.interfaces import LAYER_KINDS, Capabilities, HFArchitectures, Layers, ModelPresets, capabilities_of
 from infer.core.slots import SLOT, SLOTS
 
 
@@ -148,19 +148,27 @@ class PluginRegistry:
 
     def architecture_for(self, hf_architecture: str) -> Strategy:
         for strategy in self.strategies["model"].values():
-            if hf_architecture in getattr(strategy.factory, "hf_architectures", ()):
+            if hf_architecture in _hf_architectures(strategy.factory):
                 return strategy
-        known = sorted(a for s in self.strategies["model"].values() for a in getattr(s.factory, "hf_architectures", ()))
+        known = sorted(a for s in self.strategies["model"].values() for a in _hf_architectures(s.factory))
         raise PluginNotFoundError(
             f"no model plugin serves architecture {hf_architecture!r}: supported are {', '.join(known)}"
         )
 
     def preset(self, name: str) -> tuple[Strategy, dict[str, Any]] | None:
         for strategy in self.strategies["model"].values():
-            presets = getattr(strategy.factory, "presets", {})
+            presets = _presets(strategy.factory)
             if name in presets:
                 return strategy, presets[name]
         return None
 
     def preset_names(self) -> list[str]:
-        return sorted(n for s in self.strategies["model"].values() for n in getattr(s.factory, "presets", {}))
+        return sorted(n for s in self.strategies["model"].values() for n in _presets(s.factory))
+
+
+def _hf_architectures(factory: Any) -> tuple[str, ...]:
+    return factory.hf_architectures if isinstance(factory, HFArchitectures) else ()
+
+
+def _presets(factory: Any) -> dict[str, dict[str, Any]]:
+    return factory.presets if isinstance(factory, ModelPresets) else {}

@@ -93,10 +93,17 @@ class SamplingParams:
         if penalised or self.stop:
             raise _bad("use_beam_search", True, "beam search takes no penalties or stop strings: drop them")
 
+    # all the rest of the engine knows of beam search (the scheduler's): these two
     @property
     def num_sequences(self) -> int:
-        """Requests the engine runs for one prompt: n samples, or best_of beams."""
+        """Requests the engine runs for one prompt: n samples, or best_of beams (the first n are returned)."""
         return (self.best_of or self.n) if self.use_beam_search else self.n
+
+    @property
+    def tokens_are_final(self) -> bool:
+        """False for beams, whose tokens the scheduler rewrites: decoded once, at the end; never drafted
+        for or run ahead; their logprobs are the scheduler's."""
+        return not self.use_beam_search
 
 
 def _bad(field_name: str, value: object, fix: str) -> RequestError:

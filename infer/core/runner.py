@@ -2,17 +2,18 @@
 
 Decode pipelining. A decode step's host work (the sampled ids' trip to the host, the scheduler,
 the step's metadata) would leave the GPU idle between forwards. When every sequence of a step
-only decodes and the sampler can leave its tokens on the device (`sample_tokens`), the runner
+only decodes and the sampler can leave its tokens on the device (`TokenSampler`), the runner
 queues the next forward right after the sampling kernels, fed by the sampled ids on the device
 (`_Ahead`), and only then waits for this step's ids. The next `execute` takes the rows of that
 forward for the sequences it was given when each one is exactly what was predicted (same token at
-the same position, the same blocks), and runs the step itself otherwise. A forward is queued ahead
-when nobody waits for admission, or when the batch is full and guesses have been hitting: after a
-miss (a request stopped and a waiting one took its place) it waits 1, 2, 4 ... 64 steps before
-guessing again. Nothing else changes: the scheduler, sampler and output see the same steps in the
-same order, so the tokens are the ones the unpipelined engine makes. A forward run ahead for a
-sequence that then stops writes only into the next slot of a block that sequence owns alone,
-which nothing reads before it is written again.
+the same position, the same blocks), and runs the step itself otherwise. The scheduler (a
+`PipeliningScheduler`) reserves the slots such a forward writes and says how likely the next batch
+is this one: a forward is queued ahead when that is CERTAIN, or LIKELY and guesses have been
+hitting: after a miss (a request stopped and a waiting one took its place) it waits 1, 2, 4 ... 64
+steps before guessing again. Nothing else changes: the scheduler, sampler and output see the same
+steps in the same order, so the tokens are the ones the unpipelined engine makes. A forward run
+ahead for a sequence that then stops writes only into the next slot of a block that sequence owns
+alone, which nothing reads before it is written again.
 """
 
 from __future__ import annotations
@@ -25,11 +26,15 @@ import torch
 from infer.core.interfaces import (
     AttentionBackend,
     AttentionBatch,
+    BatchOutlook,
     CausalLM,
     KVCache,
+    PipeliningScheduler,
     Sampler,
+    Scheduler,
     SchedulerOutput,
     StepResult,
+    TokenSampler,
 )
 from infer.core.request import Request
 
@@ -42,9 +47,6 @@ class ForwardSeq:
     token_ids: list[int]  # the tokens computed (query)
     start: int  # position of the first one
     logits_rows: int  # how many trailing positions need logits (0: none, 1: the last, k: the last k)
-
-
-CERTAIN, LIKELY, UNLIKELY = 2, 1, 0  # how likely the next step's batch is this one's (see ModelRunner)
 
 
 @dataclass(slots=True)
@@ -92,20 +94,25 @@ class ModelRunner:
         self.block_size = block_size
         self.device = device
         self.num_layers = num_layers
-        self.graphs: Any = None  # a CudaGraphRunner for decode-only steps, when enabled
+        self.graphs: Any = None  # a CudaGraphRunner for decode-only steps (`set_decode_paths`)
         self.parallel: Any = None  # the tensor-parallel ParallelState, when there is more than one rank
         self.pipeline = False  # queue the next decode forward before this step's tokens reach the host
-        # set by the builder: how likely the next step is this step's batch (or part of it).
-        # CERTAIN: nobody waits to be admitted; LIKELY: some wait but the batch is full, so only a
-        # request that stops lets one in; UNLIKELY: there is room to admit.
-        self.next_batch_outlook: Any = lambda: CERTAIN
-        self.claim_slots: Any = None  # set by the builder: the allocator's allocate_slots(request, num_tokens)
+        self.pipeline_scheduler: PipeliningScheduler | None = None  # outlook and slots for the forward queued ahead
+        self.samples_on_device = isinstance(sampler, TokenSampler)
         self._ahead: _Ahead | None = None
         self._tokens_host: torch.Tensor | None = None  # pinned landing buffer for sampled ids
         self.pipeline_hits = 0  # steps served by a forward queued ahead
         self.pipeline_misses = 0  # forwards queued ahead and not used
         self._backoff = 0  # after a miss while requests wait: steps to go without queuing ahead (doubles per miss)
         self._skip = 0
+
+    def set_decode_paths(self, graphs: Any = None, pipeline_with: Scheduler | None = None) -> None:
+        """Called once, after the KV caches exist. `graphs`: a CudaGraphRunner that replays decode-only
+        steps. `pipeline_with`: the scheduler, to pipeline decode steps (see the module docstring); one
+        that is not a `PipeliningScheduler` gets no forward queued ahead."""
+        self.graphs = graphs
+        self.pipeline = pipeline_with is not None
+        self.pipeline_scheduler = pipeline_with if isinstance(pipeline_with, PipeliningScheduler) else None
 
     def release(self) -> None:
         """Give this runner's device memory back now: the CUDA graphs and their pool, then the storage
@@ -200,13 +207,12 @@ class ModelRunner:
     def _sample_pipelined(self, logits: torch.Tensor, seqs: list[ForwardSeq]) -> list[int] | None:
         """Sample on the device, queue the next forward for the sequences that will go on, then wait
         for this step's ids. None when this step cannot (a prefill in it, logprobs, no support)."""
-        sample_tokens = getattr(self.sampler, "sample_tokens", None)
-        if sample_tokens is None:
+        if not self.samples_on_device:
             return None
         if not all(len(s.token_ids) == 1 and s.logits_rows == 1 for s in seqs):
             return None
         requests = [s.request for s in seqs]
-        tokens = sample_tokens(logits, requests)
+        tokens = self.sampler.sample_tokens(logits, requests)
         if tokens is None:
             return None
         host, ready = tokens, None  # on the CPU there is nothing to overlap with: the ids are here already
@@ -243,10 +249,11 @@ class ModelRunner:
             self._skip = self._backoff
 
     def _should_queue_ahead(self) -> bool:
-        outlook = self.next_batch_outlook()
-        if outlook == CERTAIN:
+        ahead = self.pipeline_scheduler
+        outlook = ahead.next_batch_outlook() if ahead is not None else BatchOutlook.UNLIKELY
+        if outlook == BatchOutlook.CERTAIN:
             return True
-        if outlook == UNLIKELY:
+        if outlook == BatchOutlook.UNLIKELY:
             return False
         if self._skip:  # LIKELY, but the last guesses missed: wait a while before trying again
             self._skip -= 1
@@ -259,7 +266,7 @@ class ModelRunner:
         keep: list[int] = []
         for i, s in enumerate(seqs):
             r, pos = s.request, s.start + 1
-            if r.params.use_beam_search or r.is_finished:
+            if not r.params.tokens_are_final or r.is_finished:
                 continue
             if len(r.output_token_ids) + 1 >= r.params.max_tokens:  # this step's token is its last
                 continue
@@ -277,12 +284,10 @@ class ModelRunner:
         self._ahead = _Ahead([f.request for f in nexts], [f.start for f in nexts], blocks, logits)
 
     def _claim_block(self, request: Request, pos: int) -> bool:
-        """Take the fresh block that slot `pos` starts, as the scheduler would next step; False when
-        none is free or the allocator would first copy a block (the queued write would precede it)."""
-        if self.claim_slots is None:
-            return False
+        """Have the scheduler reserve the fresh block that slot `pos` starts, as it would next step; False
+        when none is free or the allocator would first copy a block (the queued write would precede it)."""
         before = list(request.block_ids)
-        if self.claim_slots(request, pos + 1) is None:
+        if not self.pipeline_scheduler.reserve_ahead(request, pos + 1):
             return False
         return request.block_ids[: len(before)] == before
 

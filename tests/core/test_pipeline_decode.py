@@ -157,11 +157,13 @@ def test_full_batch_with_requests_waiting(tiny_llama_dir):
 
 
 def test_backoff_doubles_after_misses_and_resets_on_a_hit():
-    from infer.core.runner import LIKELY
+    from types import SimpleNamespace
+
+    from infer.core.interfaces import BatchOutlook
 
     runner = ModelRunner.__new__(ModelRunner)
     runner.pipeline_hits = runner.pipeline_misses = runner._backoff = runner._skip = 0
-    runner.next_batch_outlook = lambda: LIKELY
+    runner.pipeline_scheduler = SimpleNamespace(next_batch_outlook=lambda: BatchOutlook.LIKELY)
     runner._count(hit=False)
     runner._count(hit=False)
     assert runner._backoff == 2

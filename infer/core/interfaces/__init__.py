@@ -6,43 +6,55 @@ engine, so the hot loop is ordinary method calls.
 
 One module per noun (capabilities, attention, kv, scheduling, sampling, decoding, text,
 models); everything is importable from here: `from infer.core.interfaces import AttentionBackend`.
+An optional ability is a small `runtime_checkable` protocol beside the interface it extends, whose
+docstring documents it; a strategy without it works, without what it would add.
 """
 
-from infer.core.interfaces.attention import AttentionBackend, AttentionBatch, AttentionSpec, KVCache
+from infer.core.interfaces.attention import (
+    AttentionBackend,
+    AttentionBatch,
+    AttentionSpec,
+    KVCache,
+    RotaryFusingAttention,
+)
 from infer.core.interfaces.capabilities import DEFAULT_CAPABILITIES, Capabilities, capabilities_of
-from infer.core.interfaces.decoding import Decoder, DecoderContext, ModelRunnerLike
+from infer.core.interfaces.decoding import Decoder, DecoderContext, ModelRunnerLike, SelfDescribing, StatsSummary
 from infer.core.interfaces.kv import BlockOps, KVAllocator, KVUsage
-from infer.core.interfaces.models import LAYER_KINDS, CausalLM, CheckpointShapes, Layers, ModelArchitecture, RegisterFn
-from infer.core.interfaces.sampling import Sampler, SamplerOutput
-from infer.core.interfaces.scheduling import ScheduledSeq, Scheduler, SchedulerOutput, StepResult
+from infer.core.interfaces.models import (
+    LAYER_KINDS,
+    CausalLM,
+    CheckpointShapes,
+    FusingActivation,
+    HFArchitectures,
+    Layers,
+    LinearMatmul,
+    ModelArchitecture,
+    ModelPresets,
+    PushingMatmul,
+    RegisterFn,
+    RotaryTables,
+)
+from infer.core.interfaces.sampling import Sampler, SamplerOutput, TokenSampler, VerifyingSampler
+from infer.core.interfaces.scheduling import (
+    BatchOutlook,
+    PipeliningScheduler,
+    ResettableStats,
+    ScheduledSeq,
+    Scheduler,
+    SchedulerOutput,
+    StepResult,
+)
 from infer.core.interfaces.text import DetokenizedDelta, Detokenizer
 
 __all__ = [
-    "Capabilities",
-    "DEFAULT_CAPABILITIES",
-    "capabilities_of",
-    "AttentionSpec",
-    "AttentionBatch",
-    "KVCache",
-    "AttentionBackend",
-    "KVAllocator",
-    "KVUsage",
-    "BlockOps",
-    "ScheduledSeq",
-    "SchedulerOutput",
-    "StepResult",
-    "Scheduler",
-    "SamplerOutput",
-    "Sampler",
-    "ModelRunnerLike",
-    "DecoderContext",
-    "Decoder",
-    "DetokenizedDelta",
-    "Detokenizer",
-    "LAYER_KINDS",
-    "Layers",
-    "CausalLM",
-    "ModelArchitecture",
-    "CheckpointShapes",
-    "RegisterFn",
-]
+    "Capabilities", "DEFAULT_CAPABILITIES", "capabilities_of",
+    "AttentionSpec", "AttentionBatch", "KVCache", "AttentionBackend", "RotaryFusingAttention",
+    "KVAllocator", "KVUsage", "BlockOps",
+    "ScheduledSeq", "SchedulerOutput", "StepResult", "Scheduler", "BatchOutlook", "PipeliningScheduler",
+    "ResettableStats",
+    "SamplerOutput", "Sampler", "TokenSampler", "VerifyingSampler",
+    "ModelRunnerLike", "DecoderContext", "Decoder", "SelfDescribing", "StatsSummary",
+    "DetokenizedDelta", "Detokenizer",
+    "LAYER_KINDS", "Layers", "RotaryTables", "FusingActivation", "LinearMatmul", "PushingMatmul",
+    "CausalLM", "CheckpointShapes", "ModelArchitecture", "HFArchitectures", "ModelPresets", "RegisterFn",
+]  # fmt: skip

@@ -3,9 +3,10 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import ClassVar, Protocol
+from typing import ClassVar, Protocol, runtime_checkable
 
 import torch
+from torch import Tensor
 
 from infer.core.interfaces.capabilities import Capabilities
 
@@ -133,12 +134,9 @@ class AttentionBackend(Protocol):
     once per layer: it writes the new tokens' K/V into their slots of that layer's cache and
     returns the attention output for the new tokens (causal within a sequence, attending to the
     sequence's whole cached context).
-
-    Optional: a backend whose cache write can apply the Neox-style rotary embedding on the way
-    offers `fuses_rotary() -> bool` and `forward_with_rotary(positions, q, k, v, kv_cache, cos, sin)`
-    (cos, sin: [max_position, head_dim / 2] float32): `forward` of q and k rotated at `positions`.
-    A model layer whose rotary layer lends its tables (`fuses_into_attention`) then calls it instead
-    of rotating first.
+    Optional ability: `RotaryFusingAttention.forward_with_rotary` is `forward` of q and k rotated
+    (Neox-style, in the cache write) at `positions` by the tables cos, sin ([max_position, head_dim / 2]
+    float32), for the heads `fuses_rotary()` accepts; a model calls it instead of rotating first.
     """
 
     capabilities: ClassVar[Capabilities]
@@ -152,3 +150,12 @@ class AttentionBackend(Protocol):
         v: torch.Tensor,  # [T, num_kv_heads, head_dim]
         kv_cache: KVCache,
     ) -> torch.Tensor: ...  # [T, num_heads, head_dim]
+
+
+@runtime_checkable
+class RotaryFusingAttention(Protocol):
+    def fuses_rotary(self) -> bool: ...
+
+    def forward_with_rotary(
+        self, positions: Tensor, q: Tensor, k: Tensor, v: Tensor, kv_cache: KVCache, cos: Tensor, sin: Tensor
+    ) -> Tensor: ...

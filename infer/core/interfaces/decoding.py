@@ -3,12 +3,9 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Callable, Protocol
+from typing import Any, Callable, Protocol, runtime_checkable
 
 from infer.core.interfaces.scheduling import SchedulerOutput, StepResult
-
-if TYPE_CHECKING:
-    pass
 
 
 class ModelRunnerLike(Protocol):
@@ -32,10 +29,20 @@ class Decoder(Protocol):
 
     `num_lookahead_tokens` tells the scheduler how many extra KV slots to reserve per running
     request (speculative proposals). `execute` runs once per step.
-    Optional: `describe` (dict, merged into the run's description and report) and
-    `summarize(totals) -> dict` (run-level figures from the summed `StepResult.stats`, in `Engine.stats`).
+    Optional abilities: `SelfDescribing.describe` (merged into the run's description and report) and
+    `StatsSummary.summarize(totals)` (run-level figures from the summed `StepResult.stats`, in `Engine.stats`).
     """
 
     num_lookahead_tokens: int
 
     def execute(self, out: SchedulerOutput) -> StepResult: ...
+
+
+@runtime_checkable
+class SelfDescribing(Protocol):
+    describe: dict[str, Any]
+
+
+@runtime_checkable
+class StatsSummary(Protocol):
+    def summarize(self, totals: dict[str, float]) -> dict[str, float]: ...

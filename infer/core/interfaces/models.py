@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Callable, ClassVar, Protocol, runtime_checkable
+from typing import TYPE_CHECKING, Any, Callable, Iterable, Protocol, runtime_checkable
 
 import torch
 
@@ -18,7 +18,14 @@ LAYER_KINDS = ("rms_norm", "rotary_embedding", "silu_and_mul", "linear")
 
 @dataclass(frozen=True, slots=True)
 class Layers:
-    """The layer implementations a model builds itself from, resolved once per engine."""
+    """The layer implementations a model builds itself from, resolved once per engine.
+
+    Optional abilities: a rotary layer whose `RotaryTables.fuses_into_attention` is true only rotates
+    by its cos, sin, which a `RotaryFusingAttention` backend may apply instead. `FusingActivation.down(h,
+    weight)` is matmul(self(h), weight) in one kernel, for a projection `fuses_with` accepts. A linear
+    class's `LinearMatmul.matmul(x, weight)` is what tensor-parallel shards call (else F.linear); a
+    matmul (or `down`) whose `PushingMatmul.pushes` is true takes `push=`, a tensor-parallel exchange.
+    """
 
     rms_norm: Any  # (hidden_size, eps) -> module; forward(x, residual=None)
     rotary_embedding: (
@@ -28,14 +35,45 @@ class Layers:
     linear: Any  # (in_features, out_features, bias=False) -> module
 
 
+@runtime_checkable
+class RotaryTables(Protocol):
+    fuses_into_attention: bool
+
+
+@runtime_checkable
+class FusingActivation(Protocol):
+    def fuses_with(self, projection: torch.nn.Module) -> bool: ...
+
+    def down(self, h: torch.Tensor, weight: torch.Tensor, push: Any = None) -> torch.Tensor: ...
+
+
+@runtime_checkable
+class LinearMatmul(Protocol):
+    matmul: Callable[..., torch.Tensor]
+
+
+@runtime_checkable
+class PushingMatmul(Protocol):
+    pushes: bool
+
+
 class CausalLM(Protocol):
-    """A model as the runner sees it."""
+    """A model as the runner sees it: a torch.nn.Module (the runner reads its parameters and buffers)."""
 
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches: list[KVCache]) -> torch.Tensor: ...
+    def forward(
+        self,
+        input_ids: torch.Tensor,  # [T] int64, sequences one after another
+        positions: torch.Tensor,  # [T] int64
+        kv_caches: list[KVCache],  # one per layer that runs
+        num_layers: int | None = None,  # run only the first layers (early exit, self-draft); None: all
+    ) -> torch.Tensor: ...  # [T, hidden], after the final norm
 
-    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor: ...
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor: ...  # [B, hidden] -> [B, vocab] float32
 
-    def load_weights(self, weights: Any) -> None: ...
+    def load_weights(self, weights: Iterable[tuple[str, Any]]) -> set[str]:
+        """Copy (HF name, tensor or safetensors slice) pairs into the parameters; returns the names of
+        the parameters filled (the loader fails on any left out)."""
+        ...
 
 
 @runtime_checkable
@@ -49,13 +87,22 @@ class CheckpointShapes(Protocol):
 
 
 class ModelArchitecture(Protocol):
-    """Builds a model of one family. `hf_architectures` lists the config.json names it serves;
-    `presets` maps named shapes (`llama2-7b`) to config.json-style dicts."""
+    """Builds a model of one family. `attention` is None for a model built on the meta device for its
+    shapes; under tensor parallelism an architecture that accepts `parallel=` gets the rank's
+    ParallelState. Optional abilities: `HFArchitectures.hf_architectures` lists the config.json names
+    it serves; `ModelPresets.presets` maps named shapes (`llama2-7b`) to config.json-style dicts."""
 
-    hf_architectures: ClassVar[tuple[str, ...]]
-    presets: ClassVar[dict[str, dict[str, Any]]]
+    def __call__(self, config: ModelConfig, layers: Layers, attention: AttentionBackend | None) -> CausalLM: ...
 
-    def __call__(self, config: "ModelConfig", layers: "Any", attention: AttentionBackend) -> CausalLM: ...
+
+@runtime_checkable
+class HFArchitectures(Protocol):
+    hf_architectures: tuple[str, ...]
+
+
+@runtime_checkable
+class ModelPresets(Protocol):
+    presets: dict[str, dict[str, Any]]
 
 
 RegisterFn = Callable[[str, Any], None]  # register(name, factory)

@@ -3,9 +3,10 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Protocol
+from typing import TYPE_CHECKING, Protocol, runtime_checkable
 
 import torch
+from torch import Tensor
 
 if TYPE_CHECKING:
     from infer.core.request import Request
@@ -22,6 +23,11 @@ class Sampler(Protocol):
 
     Row i belongs to `requests[i]`; `positions[i]` is the index of the output token being sampled
     (so seeded sampling does not depend on which other requests share the batch).
+    Optional abilities: `TokenSampler.sample_tokens`, for decode pipelining: the tokens `sample` would
+    return as a [B] int64 device tensor queued without a host sync (None for a batch it cannot serve).
+    `VerifyingSampler`, for speculative decoding: `probs` [B, V] is the distribution `sample` draws row i
+    from (penalties, temperature, min-p, top-k, top-p applied; one-hot at the argmax when greedy);
+    `logprobs`, what `sample` reports for row i had it chosen `token_ids[i]` ({} where not asked).
     """
 
     def sample(
@@ -31,11 +37,16 @@ class Sampler(Protocol):
         positions: list[int] | None = None,
     ) -> SamplerOutput: ...
 
-    # Optional, lets the runner pipeline decode steps (launch step N+1 before step N's tokens reach
-    # the host): sample_tokens(logits, requests, positions) -> [B] int64 tensor on the device, the
-    # tokens `sample` would return, queued without a host sync; or None for a batch it cannot serve.
-    # Optional, needed by speculative decoding to verify draft tokens:
-    # probs(logits [B, V], requests, positions) -> [B, V]: the distribution `sample` draws row i
-    #   from (penalties, temperature, min-p, top-k, top-p applied; one-hot at the argmax when greedy)
-    # logprobs(logits [B, V], requests, token_ids) -> list[dict]: what `sample` reports for row i
-    #   had it chosen token_ids[i] ({} where the request did not ask)
+
+@runtime_checkable
+class TokenSampler(Protocol):
+    def sample_tokens(
+        self, logits: Tensor, requests: list[Request], positions: list[int] | None = None
+    ) -> Tensor | None: ...
+
+
+@runtime_checkable
+class VerifyingSampler(Protocol):
+    def probs(self, logits: Tensor, requests: list[Request], positions: list[int] | None = None) -> Tensor: ...
+
+    def logprobs(self, logits: Tensor, requests: list[Request], token_ids: list[int]) -> list[dict[int, float]]: ...

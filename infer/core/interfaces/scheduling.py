@@ -2,8 +2,9 @@
 
 from __future__ import annotations
 
+import enum
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Protocol
+from typing import TYPE_CHECKING, Protocol, runtime_checkable
 
 from infer.core.interfaces.kv import BlockOps
 
@@ -57,7 +58,14 @@ class Scheduler(Protocol):
     `schedule` may allocate and free KV blocks (through the allocator) and preempt requests.
     `update` appends the step's tokens to the requests, applies stop conditions and frees the
     blocks of finished requests; it returns the requests that finished in this step.
+    `num_lookahead_tokens` (the decoder's KV slots to reserve past the new tokens) is set by the builder.
+    Optional abilities: `ResettableStats.reset_stats` starts the counters of `stats` again. With a
+    `PipeliningScheduler` the runner queues decode forwards ahead: between `schedule` and `update`,
+    `next_batch_outlook` says how likely the next batch is this one, and `reserve_ahead` grows a table
+    to `num_tokens` tokens, as the next `schedule` would, or returns False and changes nothing.
     """
+
+    num_lookahead_tokens: int
 
     def add(self, request: "Request") -> None: ...
 
@@ -73,4 +81,20 @@ class Scheduler(Protocol):
 
     def stats(self) -> dict[str, float]: ...
 
-    # Optional: reset_stats() -> None, start the counters behind `stats` again (after a warm-up run).
+
+class BatchOutlook(enum.IntEnum):  # how likely the next step's batch is this step's (or part of it)
+    UNLIKELY = 0  # there is room to admit a waiting request
+    LIKELY = 1  # some wait but the batch is full: only a request that stops lets one in
+    CERTAIN = 2  # nobody waits to be admitted: the batch can only shrink
+
+
+@runtime_checkable
+class PipeliningScheduler(Protocol):
+    def next_batch_outlook(self) -> BatchOutlook: ...
+
+    def reserve_ahead(self, request: Request, num_tokens: int) -> bool: ...
+
+
+@runtime_checkable
+class ResettableStats(Protocol):
+    def reset_stats(self) -> None: ...

@@ -28,7 +28,14 @@ import torch
 
 from infer.core.errors import ConfigError
 from infer.core.hookspecs import hookimpl
-from infer.core.interfaces import Capabilities, DecoderContext, ScheduledSeq, SchedulerOutput, StepResult
+from infer.core.interfaces import (
+    Capabilities,
+    DecoderContext,
+    ScheduledSeq,
+    SchedulerOutput,
+    StepResult,
+    VerifyingSampler,
+)
 from infer.core.runner import ForwardSeq, ModelRunner
 from infer.plugins.decoders import rejection
 from infer.plugins.decoders.proposers import DraftRow, ModelProposer, NgramProposer, Proposer, view
@@ -59,7 +66,7 @@ def make_proposer(ctx: DecoderContext) -> tuple[Proposer, str]:
 
 
 def _check_sampler(sampler: object, flag: str) -> None:
-    if not all(callable(getattr(sampler, m, None)) for m in ("probs", "logprobs")):
+    if not isinstance(sampler, VerifyingSampler):
         raise ConfigError(
             f"{flag} {type(sampler).__name__} has no probs()/logprobs(), which speculative decoding needs "
             f"to verify draft tokens: use --sampler vectorized or naive"
@@ -80,7 +87,7 @@ class SpeculativeDecoder:
     def max_draft(self, s: ScheduledSeq) -> int:
         """Tokens worth proposing: within K, the reserved slots, max_tokens and the context."""
         r = s.request
-        if not s.samples or r.params.use_beam_search:  # the scheduler ranks beams' candidates one token at a time
+        if not s.samples or not r.params.tokens_are_final:  # the scheduler ranks beams' candidates one token at a time
             return 0
         n = r.num_tokens
         k = min(

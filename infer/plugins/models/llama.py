@@ -9,6 +9,7 @@ sharded ones of `parallel_layers` and each rank loads only its slices.
 
 from __future__ import annotations
 
+import inspect
 import itertools
 from typing import Any, Iterable, Iterator
 
@@ -17,7 +18,16 @@ from torch import nn
 
 from infer.core.config import ModelConfig
 from infer.core.hookspecs import hookimpl
-from infer.core.interfaces import AttentionBackend, KVCache, Layers
+from infer.core.interfaces import (
+    AttentionBackend,
+    FusingActivation,
+    KVCache,
+    Layers,
+    LinearMatmul,
+    PushingMatmul,
+    RotaryFusingAttention,
+    RotaryTables,
+)
 from infer.distributed import layers as tp
 from infer.distributed.state import ParallelState
 from infer.models.loader import check_shape
@@ -107,7 +117,12 @@ _FUSED = {  # HF name piece -> (our name piece, shard index)
 
 def tp_matmul(layers: Layers) -> Any:
     """The chosen linear layer's matmul for the tensor-parallel projections (F.linear when it has none)."""
-    return getattr(layers.linear, "matmul", torch.nn.functional.linear)
+    return layers.linear.matmul if isinstance(layers.linear, LinearMatmul) else torch.nn.functional.linear
+
+
+def pushes_partial_sums(matmul: Any) -> bool:
+    fn = matmul.__func__ if inspect.ismethod(matmul) else matmul  # a bound method's attributes are its function's
+    return isinstance(fn, PushingMatmul) and bool(fn.pushes)
 
 
 class LlamaAttention(nn.Module):
@@ -134,8 +149,11 @@ class LlamaAttention(nn.Module):
         self.rotary = layers.rotary_embedding(rope or config.rope(), config.max_position_embeddings)
         self.attention = attention
         # a rotary layer that lends its tables to a backend whose cache write can rotate q and k
-        self.rotary_in_attention = bool(
-            getattr(self.rotary, "fuses_into_attention", False) and getattr(attention, "fuses_rotary", lambda: False)()
+        self.rotary_in_attention = (
+            isinstance(self.rotary, RotaryTables)
+            and bool(self.rotary.fuses_into_attention)
+            and isinstance(attention, RotaryFusingAttention)
+            and bool(attention.fuses_rotary())
         )
 
     def forward(self, positions: torch.Tensor, x: torch.Tensor, kv_cache: KVCache) -> torch.Tensor:
@@ -162,7 +180,7 @@ class LlamaMLP(nn.Module):
             self.gate_up_proj, self.down_proj = tp.mlp_projections(config, parallel, tp_matmul(layers))
         self.act = layers.silu_and_mul()
         # an activation that can apply itself inside the down projection's matmul (one kernel)
-        self.fused_down = bool(getattr(self.act, "fuses_with", lambda projection: False)(self.down_proj))
+        self.fused_down = isinstance(self.act, FusingActivation) and bool(self.act.fuses_with(self.down_proj))
         self.row_parallel = parallel is not None
 
     @property
@@ -252,8 +270,7 @@ class Llama(nn.Module):
             # make them (infer.distributed.all_reduce.lamport), which takes them in pairs: every row-parallel layer
             # pushes, or none does
             pushes = all(
-                getattr(layer.self_attn.o_proj.matmul, "pushes", False)
-                and getattr(layer.mlp.down_matmul, "pushes", False)
+                pushes_partial_sums(layer.self_attn.o_proj.matmul) and pushes_partial_sums(layer.mlp.down_matmul)
                 for layer in self.layers
             )
             for layer in self.layers:

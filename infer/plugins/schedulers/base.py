@@ -5,7 +5,7 @@ from __future__ import annotations
 import bisect
 import time
 
-from infer.core.interfaces import KVAllocator, SchedulerOutput, StepResult
+from infer.core.interfaces import BatchOutlook, KVAllocator, SchedulerOutput, StepResult
 from infer.core.request import FinishReason, Request, RequestStatus
 from infer.plugins.schedulers.beam_search import BeamSearch
 
@@ -46,7 +46,7 @@ class SchedulerBase:
         self.allocator = allocator
         self.max_num_seqs: int = config.max_num_seqs
         self.max_num_batched_tokens: int = config.max_num_batched_tokens
-        self.num_lookahead_tokens = 0  # set by the engine from the decoder
+        self.num_lookahead_tokens = 0  # set by the builder from the decoder
         self.waiting: list[Request] = []  # sorted by arrival
         self.running: list[Request] = []  # sorted by arrival
         self.num_preemptions = 0
@@ -57,7 +57,7 @@ class SchedulerBase:
 
     def add(self, request: Request) -> None:
         request.status = RequestStatus.WAITING
-        if request.params.use_beam_search and not self.beams.add(request):
+        if not self.beams.add(request):
             return  # a dormant beam slot: it joins when its group takes its first step
         self.waiting.append(request)
 
@@ -116,9 +116,8 @@ class SchedulerBase:
             tokens = result.sampled.get(request.request_id)
             if not tokens:
                 continue
-            if request.params.use_beam_search:  # its candidates wait for the rest of its group
-                self.beams.record(request, result.logprobs.get(request.request_id))
-                continue
+            if self.beams.record(request, result.logprobs.get(request.request_id)):
+                continue  # a beam: its candidates wait for the rest of its group
             if request.first_token_time is None:
                 request.first_token_time = now
             reason = append_tokens(request, tokens, result.logprobs.get(request.request_id))
@@ -136,6 +135,14 @@ class SchedulerBase:
             return True
         self.finish(request, FinishReason.CAPACITY)
         return False
+
+    def next_batch_outlook(self) -> BatchOutlook:
+        if not self.waiting:
+            return BatchOutlook.CERTAIN  # nobody to admit: the batch can only shrink
+        return BatchOutlook.LIKELY if len(self.running) >= self.max_num_seqs else BatchOutlook.UNLIKELY
+
+    def reserve_ahead(self, request: Request, num_tokens: int) -> bool:
+        return self.allocator.allocate_slots(request, num_tokens) is not None
 
     def reset_stats(self) -> None:
         self.num_steps = self.num_preemptions = self.num_swap_preemptions = 0

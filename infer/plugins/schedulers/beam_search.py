@@ -115,7 +115,9 @@ class BeamSearch:
         self.groups: dict[str, BeamGroup] = {}  # slot request id -> its group
 
     def add(self, request: Request) -> bool:
-        """Take a beam slot; True for the first of its group (queue it), False for the dormant rest."""
+        """Take a beam slot; False for the dormant slots of a group (True: queue it, like any other request)."""
+        if not request.params.use_beam_search:
+            return True
         root = request.fork_parent or request
         group = self.groups.get(root.request_id)
         if group is None:
@@ -141,9 +143,17 @@ class BeamSearch:
         group = self.groups.get(request.request_id)
         return group is not None and request.request_id in group.candidates
 
-    def record(self, request: Request, logprobs: list[dict[int, float]] | None) -> None:
+    def holds(self, request: Request) -> bool:
+        return request.request_id in self.groups
+
+    def record(self, request: Request, logprobs: list[dict[int, float]] | None) -> bool:
+        """Keep a beam's next-token candidates until its group steps; False for a request that is no beam."""
+        group = self.groups.get(request.request_id)
+        if group is None:
+            return False
         assert logprobs, f"beam {request.request_id} was sampled without logprobs"
-        self.groups[request.request_id].candidates[request.request_id] = logprobs[0]
+        group.candidates[request.request_id] = logprobs[0]
+        return True
 
     def resolve(self, sched: Any) -> list[Request]:
         """Step every group whose live beams all have candidates; returns the requests that finished."""

@@ -118,7 +118,7 @@ class FcfsScheduler(SchedulerBase):
 
     def _preempt(self, request: Request) -> None:
         self.running.remove(request)
-        swap = self.preemption_mode == "swap" and not request.params.use_beam_search
+        swap = self.preemption_mode == "swap" and not self.beams.holds(request)  # beams recompute
         if swap and self.allocator.swap_out(request):
             self.num_swap_preemptions += 1  # its blocks wait in the CPU pool; num_computed_tokens is kept
         else:
