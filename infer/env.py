@@ -1,6 +1,6 @@
 """Every environment variable infer reads: its name, type, default and meaning. Nothing else in
-`infer/` reads `os.environ` (`tests/test_env.py` checks); setting variables for child processes may
-happen where they are spawned.
+`infer/` reads or writes `os.environ` (`tests/test_env.py` checks); `export` sets one for this process
+and the ones it starts.
 
 Each function reads the environment when it is called, so a variable set after `import infer` (a
 test's monkeypatch, a notebook's `os.environ[...] = ...`) counts from the next call. None is meant
@@ -21,6 +21,7 @@ from pathlib import Path
 __all__ = [
     "Torchrun",
     "cache_dir",
+    "export",
     "extra_plugins",
     "gemv_push",
     "hf_hub_cache",
@@ -107,3 +108,9 @@ def torchrun() -> Torchrun | None:
         local_rank=int(os.environ.get("LOCAL_RANK", rank)),
         local_world_size=int(os.environ.get("LOCAL_WORLD_SIZE", world_size)),
     )
+
+
+def export(name: str, value: str) -> None:
+    """Set `name` for this process (read again by the functions above at their next call) and for the
+    processes it starts from now on (spawned ranks, a benchmark's child runs)."""
+    os.environ[name] = value

@@ -21,6 +21,8 @@ import tempfile
 
 import torch
 
+from infer import env
+
 ROWS = (1, 4, 16, 64, 128, 256, 512, 1024)
 
 
@@ -107,8 +109,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--multicast", action="store_true", help="leave NCCL's and torch's NVLink multicast as set")
     args = parser.parse_args(argv)
     if not args.multicast:  # for the spawned ranks
-        os.environ["NCCL_NVLS_ENABLE"] = "0"
-        os.environ["TORCH_SYMM_MEM_DISABLE_MULTICAST"] = "1"
+        env.export("NCCL_NVLS_ENABLE", "0")
+        env.export("TORCH_SYMM_MEM_DISABLE_MULTICAST", "1")
     import torch.multiprocessing as mp
 
     with tempfile.TemporaryDirectory() as tmp:

@@ -12,10 +12,10 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 
 import torch
 
+from infer import env
 from infer.bench.ceilings import captured_seconds, copy_bandwidth
 from infer.kernels import gemv as triton_gemv
 from infer.kernels import pdl as pdl_switch
@@ -81,7 +81,7 @@ def tuned_times(x: torch.Tensor, ws: list[torch.Tensor]) -> dict:
     nbytes = ws[0].nbytes
     auto = {}
     for pdl in (True, False):
-        os.environ["INFER_PDL"] = "1" if pdl else "0"  # read again at the next launch
+        env.export("INFER_PDL", "1" if pdl else "0")  # read again at the next launch
         pdl_switch.reset()
         s = captured_seconds(lambda i: triton_gemv.gemv(x, ws[i % COPIES]), calls=2 * COPIES, replays=20)
         auto[pdl] = {"us": s * 1e6, "tbps": nbytes / s / 1e12}

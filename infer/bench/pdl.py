@@ -13,10 +13,11 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import statistics
 import subprocess
 import sys
+
+from infer import env
 
 
 def one(tp: int, all_reduce: str) -> dict:
@@ -64,7 +65,7 @@ def one(tp: int, all_reduce: str) -> dict:
 def run_one(tp: int, all_reduce: str, name: str, setting: str) -> tuple[dict | None, str]:
     """`one` in a child process with the variable `name` set to `setting`: its result, or None and
     why it failed."""
-    os.environ[name] = setting  # for the child, which reads it once
+    env.export(name, setting)  # for the child, which reads it once
     done = subprocess.run(
         [sys.executable, "-m", "infer.bench.pdl", "--one", str(tp), all_reduce],
         capture_output=True,
