@@ -147,28 +147,21 @@ class PluginRegistry:
         return Layers(**{kind: self.layer(kind, device_type) for kind in LAYER_KINDS})
 
     def architecture_for(self, hf_architecture: str) -> Strategy:
-        for strategy in self.strategies["model"].values():
-            if hf_architecture in _hf_architectures(strategy.factory):
+        models = [s for s in self.strategies["model"].values() if isinstance(s.factory, HFArchitectures)]
+        for strategy in models:
+            if hf_architecture in strategy.factory.hf_architectures:
                 return strategy
-        known = sorted(a for s in self.strategies["model"].values() for a in _hf_architectures(s.factory))
+        known = sorted(a for s in models for a in s.factory.hf_architectures)
         raise PluginNotFoundError(
             f"no model plugin serves architecture {hf_architecture!r}: supported are {', '.join(known)}"
         )
 
     def preset(self, name: str) -> tuple[Strategy, dict[str, Any]] | None:
         for strategy in self.strategies["model"].values():
-            presets = _presets(strategy.factory)
-            if name in presets:
-                return strategy, presets[name]
+            if isinstance(strategy.factory, ModelPresets) and name in strategy.factory.presets:
+                return strategy, strategy.factory.presets[name]
         return None
 
     def preset_names(self) -> list[str]:
-        return sorted(n for s in self.strategies["model"].values() for n in _presets(s.factory))
-
-
-def _hf_architectures(factory: Any) -> tuple[str, ...]:
-    return factory.hf_architectures if isinstance(factory, HFArchitectures) else ()
-
-
-def _presets(factory: Any) -> dict[str, dict[str, Any]]:
-    return factory.presets if isinstance(factory, ModelPresets) else {}
+        models = self.strategies["model"].values()
+        return sorted(n for s in models if isinstance(s.factory, ModelPresets) for n in s.factory.presets)
