@@ -26,7 +26,8 @@ from infer.core.logging import get_logger
 from infer.core.output import OutputProcessor
 from infer.core.registry import PluginRegistry
 from infer.core.runner import ModelRunner
-from infer.distributed.state import ParallelState, make_all_reduce, model_kwargs
+from infer.distributed.all_reduce import make_all_reduce
+from infer.distributed.state import ParallelState, model_kwargs
 from infer.inputs.chat_template import load_chat_template
 from infer.models.loader import (
     check_weight_shapes,
