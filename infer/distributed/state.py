@@ -103,55 +103,11 @@ class ParallelState:
         dist.all_reduce(x, group=self.group)
         return x
 
-    def reduce_add_norm(self, x: torch.Tensor, residual: torch.Tensor, norm: Any) -> tuple[torch.Tensor, torch.Tensor]:
-        """(norm(sum_r x_r + residual), sum_r x_r + residual) for a row-parallel layer's partial
-        output `x`: one all-reduce, fused with the residual add and RMSNorm when the fast all-reduce
-        has such a kernel and `norm` is a plain RMSNorm (the layers hook's `rms_norm` contract)."""
-        fast = self.fast_all_reduce
-        plain = getattr(norm, "plain_rms_norm", False)
-        if (exchange := self.exchange) is not None and exchange.takes(x):  # pushed by its GEMV
-            return exchange.reduce(x, residual, norm.weight, norm.eps) if plain else norm(exchange.reduce(x), residual)
-        fused = getattr(fast, "add_rms_norm", None)
-        if fused is not None and plain and fast.fits(x):
-            return fused(x, residual, norm.weight, norm.eps)
-        return norm(self.all_reduce(x), residual)
-
-    def reduce_norm(self, x: torch.Tensor, norm: Any) -> tuple[torch.Tensor, torch.Tensor]:
-        """(norm(x), x) for the first layer's input: summed first where the vocab-parallel embedding
-        pushed it into the exchange, else whole on every rank already."""
-        if (exchange := self.exchange) is None or not exchange.takes(x):
-            return norm(x), x
-        if getattr(norm, "plain_rms_norm", False):
-            return exchange.reduce(x, None, norm.weight, norm.eps)
-        total = exchange.reduce(x)
-        return norm(total), total
-
-    def embed_push_target(self, input_ids: torch.Tensor, weight: torch.Tensor) -> Any:
-        """Where a vocab-parallel embedding of `input_ids` with `weight` pushes its rows, or None
-        (more than one token, or no exchange for these rows). The same answer on every rank."""
-        exchange = self.exchange
-        if (
-            exchange is None
-            or input_ids.numel() != 1
-            or weight.dtype != exchange.dtype
-            or weight.shape[1] != exchange.hidden_size
-        ):
-            return None
-        return exchange.embed_target()
-
     @property
     def exchange(self) -> Any:
         """The fast all-reduce's `LamportExchange` (one-token steps' partial sums pushed by the
         row-parallel GEMVs), or None."""
         return getattr(self.fast_all_reduce, "exchange", None)
-
-    def push_target(self, x: torch.Tensor, out_features: int) -> Any:
-        """Where a row-parallel layer's GEMV over `x` pushes its partial sum (`PushTarget`), or None
-        when this step's sums go through the all-reduce. The same answer on every rank."""
-        exchange = self.exchange
-        if exchange is None or out_features != exchange.hidden_size or not exchange.fits(x):
-            return None
-        return exchange.target()
 
     def gather_columns(self, x: torch.Tensor) -> torch.Tensor:
         # x: [R, C] on every rank -> [R, world_size * C], rank i's columns i*C:(i+1)*C.

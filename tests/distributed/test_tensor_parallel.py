@@ -369,6 +369,7 @@ class Doubling:
 
 
 def test_reduce_add_norm_fuses_only_a_plain_rms_norm():
+    from infer.distributed.layers import reduce_add_norm
     from infer.distributed.state import ParallelState
     from infer.plugins.layers.torch_layers import RMSNorm
 
@@ -378,7 +379,7 @@ def test_reduce_add_norm_fuses_only_a_plain_rms_norm():
     expected = norm(x * 2, residual)
 
     fused = Doubling(fused=True)
-    got = ParallelState(world_size=2, fast_all_reduce=fused).reduce_add_norm(x, residual, norm)
+    got = reduce_add_norm(ParallelState(world_size=2, fast_all_reduce=fused), x, residual, norm)
     assert fused.fused_calls == 1
     torch.testing.assert_close(got, expected)
 
@@ -386,13 +387,13 @@ def test_reduce_add_norm_fuses_only_a_plain_rms_norm():
         plain_rms_norm = False
 
     other = ScaledNorm(8, eps=1e-5)
-    got = ParallelState(world_size=2, fast_all_reduce=fused).reduce_add_norm(x, residual, other)
+    got = reduce_add_norm(ParallelState(world_size=2, fast_all_reduce=fused), x, residual, other)
     assert fused.fused_calls == 1
     torch.testing.assert_close(got, other(x * 2, residual))
 
     plain = Doubling(fused=False)  # no fused kernel: all-reduce, then the norm adds
     torch.testing.assert_close(
-        ParallelState(world_size=2, fast_all_reduce=plain).reduce_add_norm(x, residual, norm), expected
+        reduce_add_norm(ParallelState(world_size=2, fast_all_reduce=plain), x, residual, norm), expected
     )
 
 
