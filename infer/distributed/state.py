@@ -153,10 +153,6 @@ def torchrun_host() -> tuple[int, int] | None:
     return None if placement is None else (placement.local_world_size, placement.local_rank)
 
 
-def error_key(rank: int) -> str:
-    return f"infer/error/{rank}"
-
-
 def model_kwargs(name: str, architecture: Any, config: Any, parallel: ParallelState) -> dict[str, Any]:
     """What an architecture's factory gets for this rank beyond (config, layers, attention): nothing
     at tp = 1, else `parallel=`, once the model is known to split over the ranks."""
