@@ -7,7 +7,6 @@ bad combination fails in milliseconds with a message naming the fix.
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import time
 from typing import Any, Iterable, Iterator
 
@@ -20,14 +19,20 @@ from infer.core.cuda_graphs import CudaGraphRunner
 from infer.core.engine import EngineParts
 from infer.core.errors import ConfigError
 from infer.core.hybrid_attention import HybridAttention
-from infer.core.interfaces import AttentionSpec, DecoderContext, Layers, SelfDescribing
+from infer.core.interfaces import (
+    AttentionSpec,
+    Communicator,
+    DecoderContext,
+    Launch,
+    Layers,
+    SelfDescribing,
+    SingleProcess,
+)
 from infer.core.kv_cache import allocate_kv_cache, budget_bytes, bytes_per_block, num_blocks_for_budget
 from infer.core.logging import get_logger
 from infer.core.output import OutputProcessor
 from infer.core.registry import PluginRegistry
 from infer.core.runner import ModelRunner
-from infer.distributed.all_reduce import make_all_reduce
-from infer.distributed.state import ParallelState, model_kwargs
 from infer.inputs.chat_template import load_chat_template
 from infer.models.loader import (
     check_weight_shapes,
@@ -58,11 +63,11 @@ def _build_model(
     device: torch.device,
     dtype: torch.dtype,
     max_model_len: int,
-    parallel: ParallelState,
+    parallel: Communicator,
 ) -> tuple[Any, Any]:
     """One model of the run (the target or a draft) and its attention backend, weights in place
     (under tensor parallelism: this rank's heads and shards)."""
-    kwargs = model_kwargs(source.name, source.architecture.factory, model_config, parallel)
+    kwargs = parallel.model_kwargs(source.name, source.architecture.factory, model_config)
     heads = parallel.heads(model_config.num_heads, model_config.num_kv_heads)
     spec = AttentionSpec(
         num_heads=heads.num_heads,
@@ -132,11 +137,21 @@ def _check_kv_fits(num_blocks: int, config: EngineConfig, max_model_len: int, lo
 
 
 def build_engine(
-    config: EngineConfig, extra_plugins: Iterable[Any] = (), parallel: ParallelState | None = None
+    config: EngineConfig,
+    extra_plugins: Iterable[Any] = (),
+    launch: Launch | None = None,
+    parallel: Communicator | None = None,
 ) -> EngineParts:
-    """parallel: this rank's place when --tp > 1 (the ranks are started first, then each builds here)."""
+    """launch: who starts the ranks of a `--tp N > 1` run (`infer.distributed.launch.launch`);
+    parallel: this rank's place, when a launcher builds it (the ranks are started first)."""
     started = time.perf_counter()
     config.validate()
+    if config.tensor_parallel_size > 1 and parallel is None and launch is None:
+        raise ConfigError(
+            f"--tp {config.tensor_parallel_size} needs a launcher to start its ranks and none was given: pass "
+            "launch=infer.distributed.launch.launch to build_engine or Engine.from_config (infer.LLM and "
+            "`infer run` do), or use --tp 1"
+        )
     registry = PluginRegistry.load(extra_plugins)
     device = parallel.device if parallel is not None else config.resolve_device()
     compose(config, registry, device, config.resolve_dtype(device))  # fail fast, before any download
@@ -171,22 +186,15 @@ def build_engine(
     if config.num_kv_blocks is not None:
         _check_kv_fits(config.num_kv_blocks, config, max_model_len, lookahead, "--num-kv-blocks")
     if config.tensor_parallel_size > 1 and parallel is None:  # start (or join) the ranks, then build each
-        from infer.distributed.launch import build_parallel
-
-        return build_parallel(config, extra_plugins, source.name, model_config, device)
-    parallel = parallel or ParallelState(device=device)
-    all_reduce = None
-    if parallel.is_parallel:  # every rank, in the same order: the fast all-reduce's set-up is collective
-        fast, all_reduce = make_all_reduce(config.all_reduce, parallel, dtype, model_config.hidden_size)
-        if hasattr(fast, "close"):  # its buffers are freed by every rank together, at the teardown
-            parallel.teardown.append(fast.close)
-        parallel = dataclasses.replace(parallel, fast_all_reduce=fast)
+        assert launch is not None, "checked above"
+        return launch(config, extra_plugins, source.name, model_config, device)
+    parallel = parallel or SingleProcess(device)
+    # every rank, in the same order: the fast all-reduce's set-up is collective
+    parallel = parallel.set_up(config.all_reduce, dtype, model_config.hidden_size)
 
     model, attention = _build_model(
         source, model_config, composition, layers, config, device, dtype, max_model_len, parallel
     )
-    if all_reduce and parallel.exchange is not None and getattr(model, "pushes", False):
-        all_reduce += "; one-token steps' sums pushed by the row-parallel GEMVs and the embedding"
     tokenizer = load_tokenizer(source.tokenizer_path)
     if tokenizer is not None and chat_template is not None:
         tokenizer.chat_template = chat_template
@@ -195,7 +203,7 @@ def build_engine(
     # KV caches are allocated once the decoder is built: it may set the layers that run (early exit)
     # or add models (a draft) whose caches are indexed by the same block tables, so a block costs
     # every model's bytes. Each runner's list is filled in place (a self-draft shares the target's).
-    runner = ModelRunner(model, attention, [], sampler, config.block_size, device)
+    runner = ModelRunner(model, attention, [], sampler, config.block_size, device, executor=parallel.executor(0))
     models: list[tuple[ModelRunner, Any]] = [(runner, model_config)]
 
     def build_model(name_or_path: str, num_layers: int | None = None) -> ModelRunner:
@@ -211,7 +219,10 @@ def build_engine(
             draft_source, draft_config, composition, layers, config, device, dtype, max_model_len, parallel
         )
         draft_sampler = composition.sampler.factory(draft_config.vocab_size, device)
-        draft = ModelRunner(draft_model, draft_attention, [], draft_sampler, config.block_size, device)
+        executor = parallel.executor(len(models))
+        draft = ModelRunner(
+            draft_model, draft_attention, [], draft_sampler, config.block_size, device, executor=executor
+        )
         models.append((draft, draft_config))
         return draft
 
@@ -279,9 +290,6 @@ def build_engine(
             )
             graphs.capture()
         r.set_decode_paths(graphs, pipeline_with=scheduler if pipeline and r is runner else None)
-    if parallel.is_parallel:  # every rank: a pipelined step's ids come from rank 0's device
-        for r, _ in models:
-            r.parallel = parallel
     detokenizer = composition.detokenizer.factory(tokenizer) if tokenizer is not None else None
 
     eos = set(model_config.eos_token_ids)
@@ -297,7 +305,7 @@ def build_engine(
         "weight_bytes": sum(p.numel() * p.element_size() for p in model.parameters()),
         **composition.names(),
         **(decoder.describe if isinstance(decoder, SelfDescribing) else {}),
-        **({"all_reduce": all_reduce} if all_reduce else {}),
+        **parallel.describe(model),
     }
     get_logger(**describe).info(
         "engine built", seconds=round(time.perf_counter() - started, 2), load_format=config.load_format

@@ -18,6 +18,7 @@ and CUDA graph replays stay in lockstep. Only rank 0's logits are sampled. A ste
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import datetime
 import os
 import pickle
@@ -35,7 +36,6 @@ from infer.distributed.ranks import (
     STOP_WAIT_S,
     STOPPED,
     MirroredBlockMover,
-    ModelMirror,
     RankGroup,
     error_key,
     stop_processes,
@@ -56,23 +56,21 @@ START_TIMEOUT_S = 300.0  # spawned ranks: start the interpreter, import torch, c
 JOINED = "infer/joined"
 
 
-def build_parallel(
-    config: Any, extra_plugins: Iterable[Any], name: str, model_config: Any, device: torch.device
-) -> Any:
-    """`build_engine` for --tp N > 1: check the split, start (or join) the ranks, build this rank's
-    engine. Rank 0 gets EngineParts whose forwards and block copies are mirrored to the others; a
-    torchrun rank > 0 serves rank 0 here and then exits the process."""
+def launch(config: Any, extra_plugins: Iterable[Any], name: str, model_config: Any, device: torch.device) -> Any:
+    """The core's `Launch` for --tp N > 1: check the split, start (or join) the ranks, build this rank's
+    engine. Rank 0 gets EngineParts whose forwards and block copies reach the others; a torchrun
+    rank > 0 serves rank 0 here and then exits the process."""
     from infer.core.builder import build_engine
 
     extra_plugins = list(extra_plugins)
     c = model_config
     check_tensor_parallel(name, c.num_heads, c.num_kv_heads, c.intermediate_size, config.tensor_parallel_size)
-    parallel, ranks = _launch(config, extra_plugins, device)
+    parallel, ranks = _start_ranks(config, extra_plugins, device)
     if not parallel.is_driver:
         run_worker(config, extra_plugins, parallel)
         raise SystemExit(0)
-    try:
-        parts = build_engine(config, extra_plugins, parallel=parallel)
+    try:  # rank 0's runners get executors that send each forward to the other ranks
+        parts = build_engine(config, extra_plugins, parallel=dataclasses.replace(parallel, ranks=ranks))
     except BaseException as exc:
         ranks.broken = True
         error = ranks.diagnose(exc) if isinstance(exc, Exception) else exc
@@ -80,8 +78,6 @@ def build_parallel(
         if error is exc:
             raise
         raise error from exc
-    for model_id, runner in enumerate(parts.runners):
-        runner.model.mirror = ModelMirror(ranks, model_id)
     parts.block_mover = MirroredBlockMover(parts.block_mover, ranks)
     ranks.runners = parts.runners
     parts.closers = (*parts.closers, ranks.close)
@@ -112,7 +108,7 @@ def run_worker(config: Any, extra_plugins: list[Any], parallel: ParallelState) -
             parallel.store.add(STOPPED, 1)
 
 
-def _launch(config: Any, extra_plugins: list[Any], device: torch.device) -> tuple[ParallelState, RankGroup]:
+def _start_ranks(config: Any, extra_plugins: list[Any], device: torch.device) -> tuple[ParallelState, RankGroup]:
     import torch.distributed as dist
 
     world_size = config.tensor_parallel_size
@@ -143,7 +139,7 @@ def _join_torchrun(world_size: int, device: torch.device) -> ParallelState:
     import torch.distributed as dist
 
     placement = env.torchrun()
-    assert placement is not None, "called only under torchrun (build_parallel saw its variables)"
+    assert placement is not None, "called only under torchrun (_start_ranks saw its variables)"
     rank, launched = placement.rank, placement.world_size
     if launched != world_size:
         raise ConfigError(

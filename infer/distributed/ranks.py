@@ -1,5 +1,5 @@
-"""Rank 0's handle on the other tensor-parallel ranks: their failures, shutdown, and the mirrors
-that send each forward and each step's block copies to them.
+"""Rank 0's handle on the other tensor-parallel ranks: their failures, shutdown, and the executor
+and block mover that send each forward and each step's block copies to them.
 
 Failures. A rank that fails posts its error to the rendezvous store and exits. Rank 0's next
 collective then fails (gloo: the peer's socket closes; NCCL: a watcher aborts the group when a
@@ -48,6 +48,9 @@ class RankGroup:
         self._closing = threading.Event()
         if processes and parallel.device.type == "cuda":  # gloo notices a dead peer by itself; NCCL waits
             threading.Thread(target=self._watch, name="infer-tp-watch", daemon=True).start()
+
+    def executor(self, model_id: int) -> MirroredExecutor:
+        return MirroredExecutor(self, model_id)
 
     @contextlib.contextmanager
     def guard(self) -> Iterator[None]:
@@ -148,8 +151,10 @@ def stop_processes(processes: list[Any], wait_s: float) -> None:
 
 
 @dataclass(slots=True)
-class ModelMirror:
-    """Set as `model.mirror` on rank 0: any runner's forward of that model runs on every rank."""
+class MirroredExecutor:
+    """Rank 0's executor for the runners of one model (a self-draft shares the target's): each
+    forward goes to every rank, then runs here. A pipelined step's ids, still on this rank's device,
+    follow the step over the model's group (`serve` takes them on the other ranks)."""
 
     ranks: RankGroup
     model_id: int
@@ -157,6 +162,8 @@ class ModelMirror:
     def forward(self, runner: Any, step: StepInputs) -> torch.Tensor:
         with self.ranks.guard():
             self.ranks.channel.send_forward(self.model_id, step)
+            if step.input_ids_t is not None:
+                self.ranks.parallel.broadcast_tensor(step.input_ids_t)
             return runner.run(step)
 
 

@@ -1,15 +1,16 @@
-"""Tensor parallelism: this process's place in the group, the collectives the model needs, and how
-heads are split across ranks.
+"""Tensor parallelism: this process's place in the group (`ParallelState`, the core's
+`Communicator`), the collectives the model needs, and how heads are split across ranks.
 
 A `ParallelState` is made once per engine (by `infer.distributed.launch`) and passed explicitly to the
-model and the runner's mirror; nothing here is module-level state. Two process groups serve a run:
-`group` carries the model's collectives (NCCL on GPUs, gloo on the CPU) and `control_group`
-(always gloo, no deadline) carries rank 0's step messages, so a worker may wait between steps for
-as long as the engine stays idle.
+builder, the model and rank 0's executors; nothing here is module-level state. Two process groups
+serve a run: `group` carries the model's collectives (NCCL on GPUs, gloo on the CPU) and
+`control_group` (always gloo, no deadline) carries rank 0's step messages, so a worker may wait
+between steps for as long as the engine stays idle.
 """
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -17,17 +18,7 @@ import torch
 
 from infer import env
 from infer.core.errors import ConfigError
-
-
-@dataclass(frozen=True, slots=True)
-class HeadLayout:
-    """One rank's attention heads. With fewer KV heads than ranks, each rank holds the one KV head
-    that its query heads read (a copy of it lives on `world_size / num_kv_heads` ranks)."""
-
-    num_heads: int  # query heads on this rank
-    num_kv_heads: int  # KV heads on this rank
-    q_start: int  # first query head (of the model's)
-    kv_start: int  # first KV head (of the model's)
+from infer.core.interfaces import Executor, HeadLayout, LocalExecutor
 
 
 def check_tensor_parallel(
@@ -72,6 +63,8 @@ class ParallelState:
     # collective clean-ups (freeing buffers the ranks share): run by every rank, in this order, when
     # the ranks take their groups down together; a copy of this state (dataclasses.replace) shares the list
     teardown: list[Any] = field(default_factory=list, repr=False, compare=False)
+    all_reduce_line: str | None = None  # what `set_up` chose for --all-reduce, for the run's description
+    ranks: Any = field(default=None, repr=False, compare=False)  # rank 0's RankGroup: forwards go to every rank
 
     @property
     def is_parallel(self) -> bool:
@@ -145,28 +138,49 @@ class ParallelState:
         dist.all_reduce(t, op=dist.ReduceOp.MIN, group=self.control_group)
         return int(t.item())
 
+    def set_up(self, all_reduce: str, dtype: torch.dtype, hidden_size: int) -> ParallelState:
+        """Collective: the fast all-reduce for `--all-reduce` (`make_all_reduce`) in the state returned."""
+        if not self.is_parallel:
+            return self
+        from infer.distributed.all_reduce import make_all_reduce
+
+        fast, line = make_all_reduce(all_reduce, self, dtype, hidden_size)
+        if hasattr(fast, "close"):  # its buffers are freed by every rank together, at the teardown
+            self.teardown.append(fast.close)
+        return dataclasses.replace(self, fast_all_reduce=fast, all_reduce_line=line)
+
+    def model_kwargs(self, name: str, architecture: Any, config: Any) -> dict[str, Any]:
+        """Nothing at tp = 1, else `parallel=` this state, once the model is known to split over the ranks."""
+        if not self.is_parallel:
+            return {}
+        check_tensor_parallel(name, config.num_heads, config.num_kv_heads, config.intermediate_size, self.world_size)
+        import inspect
+
+        try:
+            accepts = "parallel" in inspect.signature(architecture).parameters
+        except (TypeError, ValueError):
+            accepts = False
+        if not accepts:
+            raise ConfigError(
+                f"the model architecture of {name} has no tensor-parallel form (no `parallel` argument): use --tp 1"
+            )
+        return {"parallel": self}
+
+    def executor(self, model_id: int) -> Executor:
+        """Rank 0's sends each forward to the other ranks, then runs it; the other ranks run what it sends."""
+        return LocalExecutor() if self.ranks is None else self.ranks.executor(model_id)
+
+    def describe(self, model: Any) -> dict[str, Any]:
+        if not self.all_reduce_line:
+            return {}
+        line = self.all_reduce_line
+        if self.exchange is not None and getattr(model, "pushes", False):
+            line += "; one-token steps' sums pushed by the row-parallel GEMVs and the embedding"
+        return {"all_reduce": line}
+
 
 def torchrun_host() -> tuple[int, int] | None:
     """(ranks torchrun runs on this host, this process's index among them) when torchrun started this
     process, else None (the engine spawns its ranks itself, all on this host)."""
     placement = env.torchrun()
     return None if placement is None else (placement.local_world_size, placement.local_rank)
-
-
-def model_kwargs(name: str, architecture: Any, config: Any, parallel: ParallelState) -> dict[str, Any]:
-    """What an architecture's factory gets for this rank beyond (config, layers, attention): nothing
-    at tp = 1, else `parallel=`, once the model is known to split over the ranks."""
-    if not parallel.is_parallel:
-        return {}
-    check_tensor_parallel(name, config.num_heads, config.num_kv_heads, config.intermediate_size, parallel.world_size)
-    import inspect
-
-    try:
-        accepts = "parallel" in inspect.signature(architecture).parameters
-    except (TypeError, ValueError):
-        accepts = False
-    if not accepts:
-        raise ConfigError(
-            f"the model architecture of {name} has no tensor-parallel form (no `parallel` argument): use --tp 1"
-        )
-    return {"parallel": parallel}

@@ -254,13 +254,21 @@ def test_cli_refusal_exits_2(tiny_llama_dir):
     assert result.exit_code == 2 and "does not divide the 4 query heads" in result.output
 
 
+def test_tp_without_a_launcher_is_refused(tiny_llama_dir):
+    from infer.core.config import EngineConfig
+    from infer.core.engine import Engine
+
+    with pytest.raises(ConfigError, match="--tp 2 needs a launcher .*launch=infer.distributed.launch.launch"):
+        Engine.from_config(EngineConfig(model=str(tiny_llama_dir), tensor_parallel_size=2))
+
+
 def test_more_ranks_than_gpus_is_refused(tiny_llama_dir, monkeypatch):
     from infer.core.config import EngineConfig
-    from infer.distributed.launch import _launch
+    from infer.distributed.launch import _start_ranks
 
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
     with pytest.raises(ConfigError, match="--tp 2 needs 2 CUDA devices .* but 1 are visible"):
-        _launch(EngineConfig(tensor_parallel_size=2), [], torch.device("cuda"))
+        _start_ranks(EngineConfig(tensor_parallel_size=2), [], torch.device("cuda"))
 
 
 @pytest.mark.slow
