@@ -75,7 +75,6 @@ class StepInputs:
     num_layers: int | None  # run only the first layers (early exit, self-draft); None: all
     use_graphs: bool  # a decode-only step replayed from a CUDA graph
     input_ids_t: torch.Tensor | None = None  # [T] int64 on the device: the ids, not yet on the host
-    ids_from_rank0: bool = False  # tensor parallel, ranks 1..N-1: the ids come from rank 0's device
 
 
 class ModelRunner:

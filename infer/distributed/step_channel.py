@@ -31,6 +31,7 @@ MESSAGE_LEN = 256  # the first broadcast: the header, then the payload when it f
 class Forward:
     model_id: int  # index into EngineParts.runners (0: the target, then drafts)
     step: StepInputs
+    ids_from_rank0: bool = False  # the step's ids follow from rank 0's device (a pipelined decode step)
 
 
 class StepChannel:
@@ -92,17 +93,8 @@ class StepChannel:
         num_seqs, num_tokens, num_rows = a, b, c
         input_ids, query_lens, seq_lens, rows = take(num_tokens), take(num_seqs), take(num_seqs), take(num_rows)
         tables = [take(length) for length in take(num_seqs)]
-        step = StepInputs(
-            input_ids,
-            query_lens,
-            seq_lens,
-            tables,
-            rows,
-            num_layers or None,
-            bool(flags & 1),
-            ids_from_rank0=bool(flags & 2),
-        )
-        return Forward(model_id, step)
+        step = StepInputs(input_ids, query_lens, seq_lens, tables, rows, num_layers or None, bool(flags & 1))
+        return Forward(model_id, step, ids_from_rank0=bool(flags & 2))
 
 
 @torch.inference_mode()
@@ -113,7 +105,7 @@ def serve(channel: StepChannel, runners: tuple[Any, ...], block_mover: Any) -> N
             block_mover.apply(message)
             continue
         runner, step = runners[message.model_id], message.step
-        if step.ids_from_rank0:  # rank 0 sends the ids it sampled, from its device (`MirroredExecutor`)
+        if message.ids_from_rank0:  # rank 0 sends the ids it sampled, from its device (`MirroredExecutor`)
             step.input_ids_t = torch.empty(len(step.input_ids), dtype=torch.int64, device=runner.device)
             channel.parallel.broadcast_tensor(step.input_ids_t)
         runner.run(step)

@@ -342,7 +342,7 @@ def test_step_message_round_trip():
     channel.send_forward(0, pipelined)
     wire.receiving = True
     got = channel.receive()
-    assert got.step.ids_from_rank0 and got.step.use_graphs and got.step.input_ids_t is None
+    assert got.ids_from_rank0 and got.step.use_graphs and got.step.input_ids_t is None
     assert (got.step.seq_lens, got.step.block_tables) == (pipelined.seq_lens, pipelined.block_tables)
 
 
