@@ -286,8 +286,9 @@ def format_matrix(
 def _all_reduce(config: EngineConfig, device: torch.device, dtype: torch.dtype) -> Verdict:
     """Which all-reduce --tp will use for small tensors (the set-up itself needs the ranks)."""
     from infer.distributed.all_reduce import flashinfer_fused as flashinfer_all_reduce
+    from infer.distributed.all_reduce import peer_access_reason
     from infer.distributed.all_reduce import symm_mem as symmetric_memory
-    from infer.distributed.state import ParallelState, peer_access_reason
+    from infer.distributed.state import ParallelState
 
     tp = config.tensor_parallel_size
     # rank 0's view of the GPUs the ranks would take (too few GPUs is the tensor-parallel verdict's)

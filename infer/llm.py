@@ -10,6 +10,7 @@ from infer.core.config import EngineConfig
 from infer.core.engine import Engine, Prompt
 from infer.core.errors import RequestError
 from infer.core.request import RequestOutput, SamplingParams
+from infer.distributed.launch import launch
 from infer.inputs.prompts import as_batch
 
 
@@ -32,7 +33,7 @@ class LLM:
             configure(level="warning")
         config = EngineConfig().replace(model=model, tensor_parallel_size=tensor_parallel_size, **options)
         self.config = config
-        self.engine = Engine.from_config(config, extra_plugins=plugins)
+        self.engine = Engine.from_config(config, extra_plugins=plugins, launch=launch)  # launch: --tp N's ranks
         self._lock = threading.Lock()  # one caller steps the engine at a time; abort only queues
 
     @property

@@ -18,6 +18,7 @@ from infer.core.errors import ConfigError, InferError
 from infer.core.registry import PluginRegistry
 from infer.core.request import SamplingParams
 from infer.core.slots import CHOSEN, PREFILL_ATTENTION, find
+from infer.distributed.launch import launch
 from infer.doctor import diagnose
 
 PEERS = ("hf-static-1", "hf-static-64", "hf-continuous")
@@ -175,7 +176,7 @@ def _run_combinations(
     for i, combo in enumerate(runnable):
         click.echo(f"running {combo.label} ({i + 1}/{len(runnable)})", err=True)
         try:
-            engine = Engine.from_config(combo.config, extra_plugins)
+            engine = Engine.from_config(combo.config, extra_plugins, launch)
         except InferError as exc:  # refused by a factory itself (an option the capabilities do not describe)
             combo.reason = str(exc)
             click.echo(f"skipped {combo.label}: {combo.reason}")

@@ -31,6 +31,7 @@ def one(tp: int, all_reduce: str) -> dict:
     from infer.core.engine import Engine
     from infer.core.logging import configure
     from infer.core.request import SamplingParams
+    from infer.distributed.launch import launch
     from infer.kernels import triton_pdl
 
     configure(level="warning")
@@ -42,7 +43,8 @@ def one(tp: int, all_reduce: str) -> dict:
             tensor_parallel_size=tp,
             all_reduce=all_reduce,
             kv_cache_memory_gib=8,
-        )
+        ),
+        launch=launch,
     )
     try:
         vocab = engine.parts.vocab_size

@@ -16,6 +16,7 @@ from infer.core.config import EngineConfig
 from infer.core.engine import Engine
 from infer.core.errors import ConfigError, RequestError
 from infer.core.request import RequestOutput, SamplingParams
+from infer.distributed.launch import launch
 from infer.inputs.prompts import check_text
 
 
@@ -40,7 +41,7 @@ def _run_one(
     profile: bool = False,
 ) -> tuple[RunRecord, list[RequestOutput], Workload, dict[str, Any] | None]:
     """workload: None for the workloads drawn from the model's vocabulary, built once the engine is."""
-    engine = Engine.from_config(config, extra_plugins)
+    engine = Engine.from_config(config, extra_plugins, launch)
     profiler = StepProfiler.install(engine) if profile else None
     try:
         if workload is None:

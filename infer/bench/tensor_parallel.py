@@ -36,6 +36,7 @@ from infer.core.config import EngineConfig
 from infer.core.engine import Engine
 from infer.core.logging import configure
 from infer.core.request import SamplingParams
+from infer.distributed.launch import launch
 
 PARTS = ("70b", "7b", "spec")
 
@@ -66,7 +67,7 @@ def run_many(jobs: list, args: argparse.Namespace, **options: Any) -> list:
     # an engine that takes longer than this (a hang in start-up or teardown) prints every thread's stack
     faulthandler.dump_traceback_later(args.stacks_after_s, repeat=True)
     started = time.perf_counter()
-    engine = Engine.from_config(EngineConfig(load_format="dummy", dtype=args.dtype, **options))
+    engine = Engine.from_config(EngineConfig(load_format="dummy", dtype=args.dtype, **options), launch=launch)
     build_s = time.perf_counter() - started
     results = []
     try:

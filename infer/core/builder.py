@@ -1,4 +1,4 @@
-"""Build an engine from a config: resolve and check the strategies, then load, then wire.
+"""Build an engine from a config: check the strategies, load the models, size the KV cache, wire.
 
 Order matters: every name and capability is checked before the model's weights are read, so a
 bad combination fails in milliseconds with a message naming the fix.
@@ -7,28 +7,36 @@ bad combination fails in milliseconds with a message naming the fix.
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import time
+from dataclasses import dataclass
 from typing import Any, Iterable, Iterator
 
 import torch
 
 from infer.core.block_mover import BlockMover
-from infer.core.compose import compose
-from infer.core.config import EngineConfig
+from infer.core.compose import Composition, compose
+from infer.core.config import EngineConfig, ModelConfig
 from infer.core.cuda_graphs import CudaGraphRunner
 from infer.core.engine import EngineParts
 from infer.core.errors import ConfigError
 from infer.core.hybrid_attention import HybridAttention
-from infer.core.interfaces import AttentionSpec, DecoderContext, Layers, SelfDescribing
+from infer.core.interfaces import (
+    AttentionSpec,
+    Communicator,
+    DecoderContext,
+    Launch,
+    Layers,
+    SelfDescribing,
+    SingleProcess,
+)
 from infer.core.kv_cache import allocate_kv_cache, budget_bytes, bytes_per_block, num_blocks_for_budget
 from infer.core.logging import get_logger
 from infer.core.output import OutputProcessor
 from infer.core.registry import PluginRegistry
 from infer.core.runner import ModelRunner
-from infer.distributed.state import ParallelState, make_all_reduce, model_kwargs
 from infer.inputs.chat_template import load_chat_template
 from infer.models.loader import (
+    ModelSource,
     check_weight_shapes,
     init_dummy_weights,
     load_tokenizer,
@@ -48,37 +56,45 @@ def default_dtype(dtype: torch.dtype) -> Iterator[None]:
         torch.set_default_dtype(previous)
 
 
-def _build_model(
-    source: Any,
-    model_config: Any,
-    composition: Any,
-    layers: Layers,
-    config: EngineConfig,
-    device: torch.device,
-    dtype: torch.dtype,
-    max_model_len: int,
-    parallel: ParallelState,
-) -> tuple[Any, Any]:
+@dataclass(slots=True)
+class _Plan:
+    """What the checks settled, before any weight loads."""
+
+    config: EngineConfig
+    registry: PluginRegistry
+    device: torch.device
+    dtype: torch.dtype
+    composition: Composition
+    source: ModelSource  # the target's
+    model_config: ModelConfig  # the target's
+    layers: Layers
+    max_model_len: int
+    chat_template: str | None = None  # --chat-template's text
+    draft_source: ModelSource | None = None  # --draft's, checked against the target; None: no draft model
+
+
+def _build_model(plan: _Plan, source: Any, model_config: Any, parallel: Communicator) -> tuple[Any, Any]:
     """One model of the run (the target or a draft) and its attention backend, weights in place
     (under tensor parallelism: this rank's heads and shards)."""
-    kwargs = model_kwargs(source.name, source.architecture.factory, model_config, parallel)
+    config, composition = plan.config, plan.composition
+    kwargs = parallel.model_kwargs(source.name, source.architecture.factory, model_config)
     heads = parallel.heads(model_config.num_heads, model_config.num_kv_heads)
     spec = AttentionSpec(
         num_heads=heads.num_heads,
         num_kv_heads=heads.num_kv_heads,
         head_dim=model_config.head_dim,
         scale=model_config.head_dim**-0.5,
-        dtype=dtype,
-        device=device,
+        dtype=plan.dtype,
+        device=plan.device,
         block_size=config.block_size,
         max_num_seqs=config.max_num_seqs,
-        max_model_len=max_model_len,
+        max_model_len=plan.max_model_len,
     )
     attention = composition.attention.factory(spec)
     if composition.prefill_attention is not None:
         attention = HybridAttention(composition.prefill_attention.factory(spec), attention)
-    with torch.device(device), default_dtype(dtype):
-        model = source.architecture.factory(model_config, layers, attention, **kwargs)
+    with torch.device(plan.device), default_dtype(plan.dtype):
+        model = source.architecture.factory(model_config, plan.layers, attention, **kwargs)
     model.eval().requires_grad_(False)
     if source.path is None:
         init_dummy_weights(model, config.seed)
@@ -87,18 +103,11 @@ def _build_model(
     return model, attention
 
 
-def _check_draft(
-    config: EngineConfig,
-    registry: PluginRegistry,
-    target: str,
-    model_config: Any,
-    max_model_len: int,
-    layers: Layers,
-    name_or_path: str | None = None,
-) -> Any:
+def _check_draft(plan: _Plan, name_or_path: str | None = None) -> ModelSource:
     """The draft model's source, found and checked against the target (config.json and the weights'
     headers, no weights)."""
-    draft_source = resolve_source(name_or_path or str(config.draft), registry, config.load_format)
+    config, model_config, target, max_model_len = plan.config, plan.model_config, plan.source.name, plan.max_model_len
+    draft_source = resolve_source(name_or_path or str(config.draft), plan.registry, config.load_format)
     draft_config = draft_source.model_config()
     if draft_config.vocab_size != model_config.vocab_size:
         raise ConfigError(
@@ -111,7 +120,7 @@ def _check_draft(
             f"context of {max_model_len}: lower --max-model-len to at most that"
         )
     if draft_source.path is not None:
-        check_weight_shapes(meta_model(draft_source, draft_config, layers), draft_source.path)
+        check_weight_shapes(meta_model(draft_source, draft_config, plan.layers), draft_source.path)
     return draft_source
 
 
@@ -131,11 +140,72 @@ def _check_kv_fits(num_blocks: int, config: EngineConfig, max_model_len: int, lo
 
 
 def build_engine(
-    config: EngineConfig, extra_plugins: Iterable[Any] = (), parallel: ParallelState | None = None
+    config: EngineConfig,
+    extra_plugins: Iterable[Any] = (),
+    launch: Launch | None = None,
+    parallel: Communicator | None = None,
 ) -> EngineParts:
-    """parallel: this rank's place when --tp > 1 (the ranks are started first, then each builds here)."""
+    """Check, load the models, size the KV cache, wire. `launch`: who starts the ranks of a `--tp N > 1`
+    run (`infer.distributed.launch.launch`); `parallel`: this rank's place, when a launcher builds it."""
     started = time.perf_counter()
+    plan = _check(config, extra_plugins, launch, parallel)
+    if config.tensor_parallel_size > 1 and parallel is None:  # start (or join) the ranks, then build each
+        assert launch is not None, "checked by _check"
+        return launch(config, extra_plugins, plan.source.name, plan.model_config, plan.device)
+    parallel = SingleProcess(plan.device) if parallel is None else parallel
+    # every rank, in the same order: the fast all-reduce's set-up is collective
+    parallel = parallel.set_up(config.all_reduce, plan.dtype, plan.model_config.hidden_size)
+    models, decoder, tokenizer = _load_models(plan, parallel)
+    num_blocks, block_mover = _size_kv_cache(plan, parallel, models, decoder.num_lookahead_tokens)
+    scheduler = _wire(plan, models, decoder, num_blocks, block_mover)
+    detokenizer = plan.composition.detokenizer.factory(tokenizer) if tokenizer is not None else None
+    eos = set(plan.model_config.eos_token_ids)
+    if tokenizer is not None and tokenizer.eos_token_id is not None:
+        eos.add(int(tokenizer.eos_token_id))
+    model = models[0][0].model
+    describe = {
+        "model": plan.source.name,
+        "device": str(plan.device),
+        "dtype": str(plan.dtype).removeprefix("torch."),
+        "kv_blocks": num_blocks,
+        "block_size": config.block_size,
+        "config_hash": config.digest(),
+        "weight_bytes": sum(p.numel() * p.element_size() for p in model.parameters()),
+        **plan.composition.names(),
+        **(decoder.describe if isinstance(decoder, SelfDescribing) else {}),
+        **parallel.describe(model),
+    }
+    get_logger(**describe).info(
+        "engine built", seconds=round(time.perf_counter() - started, 2), load_format=config.load_format
+    )
+    return EngineParts(
+        config=config,
+        model_config=plan.model_config,
+        scheduler=scheduler,
+        decoder=decoder,
+        output=OutputProcessor(detokenizer),
+        tokenizer=tokenizer,
+        max_model_len=plan.max_model_len,
+        vocab_size=plan.model_config.vocab_size,
+        eos_token_ids=frozenset(eos),
+        describe=describe,
+        block_mover=block_mover,
+        runners=tuple(r for r, _ in models),
+    )
+
+
+def _check(
+    config: EngineConfig, extra_plugins: Iterable[Any], launch: Launch | None, parallel: Communicator | None
+) -> _Plan:
+    """Every check that needs no weights, in the order a user meets them: the config, the strategy
+    names and capabilities, the model's context, its checkpoint headers, the draft, the KV cache."""
     config.validate()
+    if config.tensor_parallel_size > 1 and parallel is None and launch is None:
+        raise ConfigError(
+            f"--tp {config.tensor_parallel_size} needs a launcher to start its ranks and none was given: pass "
+            "launch=infer.distributed.launch.launch to build_engine or Engine.from_config (infer.LLM and "
+            "`infer run` do), or use --tp 1"
+        )
     registry = PluginRegistry.load(extra_plugins)
     device = parallel.device if parallel is not None else config.resolve_device()
     compose(config, registry, device, config.resolve_dtype(device))  # fail fast, before any download
@@ -160,63 +230,63 @@ def build_engine(
     layers = registry.layers(device.type)
     if source.path is not None and parallel is None:  # once per process, before any rank starts; headers only
         check_weight_shapes(meta_model(source, model_config, layers), source.path)
+    plan = _Plan(
+        config, registry, device, dtype, composition, source, model_config, layers, max_model_len, chat_template
+    )
     # every check that needs no weights comes before the first weights load: the draft's, the cache's
-    draft_source = None
-    if composition.decoder.capabilities.needs_draft and config.draft not in ("ngram", "self"):
-        draft_source = _check_draft(config, registry, source.name, model_config, max_model_len, layers)
-    lookahead = (
-        config.num_speculative_tokens if composition.decoder.capabilities.needs_draft else 0
-    )  # the decoder's, once built
+    needs_draft = composition.decoder.capabilities.needs_draft
+    if needs_draft and config.draft not in ("ngram", "self"):
+        plan.draft_source = _check_draft(plan)
+    lookahead = config.num_speculative_tokens if needs_draft else 0  # the decoder's, once built
     if config.num_kv_blocks is not None:
         _check_kv_fits(config.num_kv_blocks, config, max_model_len, lookahead, "--num-kv-blocks")
-    if config.tensor_parallel_size > 1 and parallel is None:  # start (or join) the ranks, then build each
-        from infer.distributed.launch import build_parallel
+    return plan
 
-        return build_parallel(config, extra_plugins, source.name, model_config, device)
-    parallel = parallel or ParallelState(device=device)
-    all_reduce = None
-    if parallel.is_parallel:  # every rank, in the same order: the fast all-reduce's set-up is collective
-        fast, all_reduce = make_all_reduce(config.all_reduce, parallel, dtype, model_config.hidden_size)
-        if hasattr(fast, "close"):  # its buffers are freed by every rank together, at the teardown
-            parallel.teardown.append(fast.close)
-        parallel = dataclasses.replace(parallel, fast_all_reduce=fast)
 
-    model, attention = _build_model(
-        source, model_config, composition, layers, config, device, dtype, max_model_len, parallel
-    )
-    if all_reduce and parallel.exchange is not None and getattr(model, "pushes", False):
-        all_reduce += "; one-token steps' sums pushed by the row-parallel GEMVs and the embedding"
-    tokenizer = load_tokenizer(source.tokenizer_path)
-    if tokenizer is not None and chat_template is not None:
-        tokenizer.chat_template = chat_template
-
-    sampler = composition.sampler.factory(model_config.vocab_size, device)
-    # KV caches are allocated once the decoder is built: it may set the layers that run (early exit)
-    # or add models (a draft) whose caches are indexed by the same block tables, so a block costs
-    # every model's bytes. Each runner's list is filled in place (a self-draft shares the target's).
-    runner = ModelRunner(model, attention, [], sampler, config.block_size, device)
-    models: list[tuple[ModelRunner, Any]] = [(runner, model_config)]
+def _load_models(plan: _Plan, parallel: Communicator) -> tuple[list[tuple[ModelRunner, Any]], Any, Any]:
+    """The target's runner, the decoder (with the runners of the models it builds: drafts), each
+    with its model config, and the tokenizer. The runners' KV caches are still empty: the decoder may
+    set the layers that run (early exit) or add models (a draft) whose caches are indexed by the same
+    block tables, so a block costs every model's bytes. Each runner's list is filled in place later
+    (a self-draft shares the target's)."""
+    config, composition, device = plan.config, plan.composition, plan.device
+    model, attention = _build_model(plan, plan.source, plan.model_config, parallel)
+    tokenizer = load_tokenizer(plan.source.tokenizer_path)
+    if tokenizer is not None and plan.chat_template is not None:
+        tokenizer.chat_template = plan.chat_template
+    sampler = composition.sampler.factory(plan.model_config.vocab_size, device)
+    runner = ModelRunner(model, attention, [], sampler, config.block_size, device, executor=parallel.executor(0))
+    models: list[tuple[ModelRunner, Any]] = [(runner, plan.model_config)]
+    draft_source = plan.draft_source
 
     def build_model(name_or_path: str, num_layers: int | None = None) -> ModelRunner:
         nonlocal draft_source
-        if draft_source is None or name_or_path != config.draft:  # checked above when it is --draft
-            draft_source = _check_draft(
-                config, registry, source.name, model_config, max_model_len, layers, name_or_path
-            )
+        if draft_source is None or name_or_path != config.draft:  # checked before when it is --draft
+            draft_source = _check_draft(plan, name_or_path)
         draft_config = draft_source.model_config()
         if num_layers is not None:
             draft_config = draft_config.with_layers(num_layers)
-        draft_model, draft_attention = _build_model(
-            draft_source, draft_config, composition, layers, config, device, dtype, max_model_len, parallel
-        )
+        draft_model, draft_attention = _build_model(plan, draft_source, draft_config, parallel)
         draft_sampler = composition.sampler.factory(draft_config.vocab_size, device)
-        draft = ModelRunner(draft_model, draft_attention, [], draft_sampler, config.block_size, device)
+        executor = parallel.executor(len(models))
+        draft = ModelRunner(
+            draft_model, draft_attention, [], draft_sampler, config.block_size, device, executor=executor
+        )
         models.append((draft, draft_config))
         return draft
 
     decoder = composition.decoder.factory(
-        DecoderContext(runner=runner, config=config, build_model=build_model, model_config=model_config)
+        DecoderContext(runner=runner, config=config, build_model=build_model, model_config=plan.model_config)
     )
+    return models, decoder, tokenizer
+
+
+def _size_kv_cache(
+    plan: _Plan, parallel: Communicator, models: list[tuple[ModelRunner, Any]], lookahead: int
+) -> tuple[int, BlockMover]:
+    """Every model's KV cache, the same number of blocks (one more: the null block) indexed by the same
+    block tables, within the budget; and the block mover over them, with the CPU pool for swaps."""
+    config, dtype, device = plan.config, plan.dtype, plan.device
 
     def kv_heads(c: Any) -> int:  # this rank's KV heads of a model (all of them at --tp 1)
         return parallel.heads(c.num_heads, c.num_kv_heads).num_kv_heads
@@ -225,7 +295,7 @@ def build_engine(
         bytes_per_block(r.num_layers or c.num_layers, config.block_size, kv_heads(c), c.head_dim, dtype)
         for r, c in models
     )
-    blocks_per_seq = -(-(max_model_len + config.num_speculative_tokens + 1) // config.block_size)
+    blocks_per_seq = -(-(plan.max_model_len + config.num_speculative_tokens + 1) // config.block_size)
     num_blocks = config.num_kv_blocks or min(  # never more than max_num_seqs full-length requests use
         num_blocks_for_budget(
             budget_bytes(device, config.kv_cache_memory_gib, config.gpu_memory_utilization), per_block
@@ -236,8 +306,8 @@ def build_engine(
     _check_kv_fits(
         num_blocks,
         config,
-        max_model_len,
-        decoder.num_lookahead_tokens,
+        plan.max_model_len,
+        lookahead,
         "--num-kv-blocks" if config.num_kv_blocks else "--kv-cache-memory / --gpu-memory-utilization",
     )
     for r, c in models:  # one block more than the allocator owns: the null block
@@ -252,11 +322,25 @@ def build_engine(
     block_mover = BlockMover(num_cpu_blocks)
     for cache_list in {id(r.kv_caches): r.kv_caches for r, _ in models}.values():  # a self-draft shares the target's
         block_mover.add(cache_list)
+    return num_blocks, block_mover
+
+
+def _wire(
+    plan: _Plan, models: list[tuple[ModelRunner, Any]], decoder: Any, num_blocks: int, block_mover: BlockMover
+) -> Any:
+    """The allocator over the cache's blocks, the scheduler over it, and the runners' decode paths:
+    CUDA graphs, and pipelining through the scheduler. Returns the scheduler."""
+    config, composition, device = plan.config, plan.composition, plan.device
     allocator = composition.kv_allocator.factory(
-        num_blocks, config.block_size, enable_prefix_caching=config.enable_prefix_caching, num_cpu_blocks=num_cpu_blocks
+        num_blocks,
+        config.block_size,
+        enable_prefix_caching=config.enable_prefix_caching,
+        num_cpu_blocks=block_mover.num_cpu_blocks,
     )
     scheduler = composition.scheduler.factory(config, allocator)
     scheduler.num_lookahead_tokens = decoder.num_lookahead_tokens
+    runner = models[0][0]
+    attention = runner.attention
     use_graphs = config.cuda_graphs and device.type == "cuda" and attention.capabilities.cuda_graph_safe
     pipeline = config.pipeline_decode if config.pipeline_decode is not None else device.type == "cuda"
     pipeline = pipeline and attention.capabilities.pipeline_safe and composition.decoder.capabilities.pipeline_safe
@@ -271,47 +355,11 @@ def build_engine(
                 r.kv_caches,
                 config.block_size,
                 config.max_num_seqs,
-                max_model_len,
+                plan.max_model_len,
                 null_block=num_blocks,
                 device=device,
                 num_layers=r.num_layers,
             )
             graphs.capture()
         r.set_decode_paths(graphs, pipeline_with=scheduler if pipeline and r is runner else None)
-    if parallel.is_parallel:  # every rank: a pipelined step's ids come from rank 0's device
-        for r, _ in models:
-            r.parallel = parallel
-    detokenizer = composition.detokenizer.factory(tokenizer) if tokenizer is not None else None
-
-    eos = set(model_config.eos_token_ids)
-    if tokenizer is not None and tokenizer.eos_token_id is not None:
-        eos.add(int(tokenizer.eos_token_id))
-    describe = {
-        "model": source.name,
-        "device": str(device),
-        "dtype": str(dtype).removeprefix("torch."),
-        "kv_blocks": num_blocks,
-        "block_size": config.block_size,
-        "config_hash": config.digest(),
-        "weight_bytes": sum(p.numel() * p.element_size() for p in model.parameters()),
-        **composition.names(),
-        **(decoder.describe if isinstance(decoder, SelfDescribing) else {}),
-        **({"all_reduce": all_reduce} if all_reduce else {}),
-    }
-    get_logger(**describe).info(
-        "engine built", seconds=round(time.perf_counter() - started, 2), load_format=config.load_format
-    )
-    return EngineParts(
-        config=config,
-        model_config=model_config,
-        scheduler=scheduler,
-        decoder=decoder,
-        output=OutputProcessor(detokenizer),
-        tokenizer=tokenizer,
-        max_model_len=max_model_len,
-        vocab_size=model_config.vocab_size,
-        eos_token_ids=frozenset(eos),
-        describe=describe,
-        block_mover=block_mover,
-        runners=tuple(r for r, _ in models),
-    )
+    return scheduler

@@ -14,7 +14,7 @@ import torch
 
 from infer.core.block_mover import BlockMover
 from infer.core.errors import RequestError, one_line
-from infer.core.interfaces import Decoder, KVUsage, ResettableStats, Scheduler, StatsSummary
+from infer.core.interfaces import Decoder, KVUsage, Launch, ResettableStats, Scheduler, StatsSummary
 from infer.core.output import Group, OutputProcessor
 from infer.core.request import FinishReason, Request, RequestOutput, SamplingParams
 from infer.inputs.prompts import split_prompt
@@ -40,7 +40,7 @@ class EngineParts:
     describe: dict[str, Any]  # plugin set, device, dtype, KV blocks: bound into logs and reports
     closers: tuple[Any, ...] = ()
     block_mover: BlockMover | None = None  # applies each step's KV block copies (copy-on-write, swap)
-    # every model's ModelRunner in build order (target, then drafts); tensor parallelism mirrors them
+    # every model's ModelRunner in build order (target, then drafts)
     runners: tuple[Any, ...] = ()
 
 
@@ -63,10 +63,11 @@ class Engine:
         self.closed = False
 
     @classmethod
-    def from_config(cls, config: Any, extra_plugins: Iterable[Any] = ()) -> "Engine":
+    def from_config(cls, config: Any, extra_plugins: Iterable[Any] = (), launch: Launch | None = None) -> "Engine":
+        """launch: who starts the ranks of a `--tp N > 1` engine (`infer.distributed.launch.launch`)."""
         from infer.core.builder import build_engine
 
-        return cls(build_engine(config, extra_plugins))
+        return cls(build_engine(config, extra_plugins, launch))
 
     # ------------------------------------------------------------------ requests
 

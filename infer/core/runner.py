@@ -28,7 +28,9 @@ from infer.core.interfaces import (
     AttentionBatch,
     BatchOutlook,
     CausalLM,
+    Executor,
     KVCache,
+    LocalExecutor,
     PipeliningScheduler,
     Sampler,
     Scheduler,
@@ -73,7 +75,6 @@ class StepInputs:
     num_layers: int | None  # run only the first layers (early exit, self-draft); None: all
     use_graphs: bool  # a decode-only step replayed from a CUDA graph
     input_ids_t: torch.Tensor | None = None  # [T] int64 on the device: the ids, not yet on the host
-    ids_from_rank0: bool = False  # tensor parallel, ranks 1..N-1: the ids come from rank 0's device
 
 
 class ModelRunner:
@@ -86,6 +87,7 @@ class ModelRunner:
         block_size: int,
         device: torch.device,
         num_layers: int | None = None,  # run only the first layers (early exit)
+        executor: Executor | None = None,  # how each forward reaches every rank (None: it runs here alone)
     ) -> None:
         self.model = model
         self.attention = attention
@@ -94,8 +96,8 @@ class ModelRunner:
         self.block_size = block_size
         self.device = device
         self.num_layers = num_layers
+        self.executor = executor if executor is not None else LocalExecutor()
         self.graphs: Any = None  # a CudaGraphRunner for decode-only steps (`set_decode_paths`)
-        self.parallel: Any = None  # the tensor-parallel ParallelState, when there is more than one rank
         self.pipeline = False  # queue the next decode forward before this step's tokens reach the host
         self.pipeline_scheduler: PipeliningScheduler | None = None  # outlook and slots for the forward queued ahead
         self.samples_on_device = isinstance(sampler, TokenSampler)
@@ -149,18 +151,13 @@ class ModelRunner:
         return self.forward_step(step)
 
     def forward_step(self, step: StepInputs) -> torch.Tensor:
-        """Run `step` on every rank: under tensor parallelism rank 0's model has a mirror, which sends
-        the step to the other ranks, then runs it here."""
-        mirror = getattr(self.model, "mirror", None)
-        return self.run(step) if mirror is None else mirror.forward(self, step)
+        """Run `step` on every rank, through the executor (under tensor parallelism rank 0's sends the
+        step to the other ranks, then runs it here)."""
+        return self.executor.forward(self, step)
 
     @torch.inference_mode()
     def run(self, step: StepInputs) -> torch.Tensor:
         """The forward itself (every tensor-parallel rank runs this): logits [len(logits_rows), vocab] float32."""
-        if self.parallel is not None and (step.ids_from_rank0 or step.input_ids_t is not None):
-            if step.input_ids_t is None:  # ranks 1..N-1: rank 0 sends the ids it sampled
-                step.input_ids_t = torch.empty(len(step.input_ids), dtype=torch.int64, device=self.device)
-            self.parallel.broadcast_tensor(step.input_ids_t)
         if step.use_graphs:
             return self.graphs.run(step.input_ids, step.seq_lens, step.block_tables, step.input_ids_t)
         batch = AttentionBatch.build(step.query_lens, step.seq_lens, step.block_tables, self.block_size, self.device)

@@ -1,4 +1,4 @@
-"""Tensor-parallel ranks: starting them, rank 0's step messages, and the loop the other ranks run.
+"""Tensor-parallel ranks: starting them (spawned, or joined under torchrun), and the loop the other ranks run.
 
 Process layout. Rank 0 is the process that builds the engine: it alone runs the scheduler, the
 decoder and the sampler. Ranks 1..N-1 are either spawned by the engine itself (`torch.multiprocessing`
@@ -11,19 +11,14 @@ its shard of each weight and its own paged KV cache. Before every model forward,
 the forward's flat inputs (`StepInputs`: input ids, query and sequence lengths, block tables, logits
 rows, as int64 CPU tensors over a gloo group: one broadcast for a small step, two for a large one)
 and runs it; the other ranks receive and run the same forward, so the model's collectives pair up
-and CUDA graph replays stay in lockstep. Only rank 0's logits are sampled. A step's KV block copies (copy-on-write, swap) are
-broadcast the same way.
-
-Failures. A rank that fails posts its error to the rendezvous store and exits. Rank 0's next
-collective then fails (gloo: the peer's socket closes; NCCL: a watcher aborts the group when a
-spawned rank exits, else the collective timeout) and rank 0 raises `WorkerError` naming the rank and
-its error. `close` stops the ranks: a stop message, then every rank takes its process groups down at
-the same time (NCCL's teardown is collective), then terminate for any rank that does not exit.
+and CUDA graph replays stay in lockstep. Only rank 0's logits are sampled. A step's KV block copies
+(copy-on-write, swap) are broadcast the same way. Rank 0's side of this is `infer.distributed.ranks`.
 """
 
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import datetime
 import os
 import pickle
@@ -31,23 +26,27 @@ import signal
 import threading
 import time
 import types
-from dataclasses import dataclass
-from typing import Any, Iterable, Iterator
+from typing import Any, Iterable
 
 import torch
 
 from infer import env
 from infer.core.errors import ConfigError, InferError, WorkerError
-from infer.core.interfaces import BlockOps
-from infer.core.logging import get_logger
-from infer.core.runner import StepInputs
+from infer.distributed.ranks import (
+    STOP_WAIT_S,
+    STOPPED,
+    MirroredBlockMover,
+    RankGroup,
+    error_key,
+    stop_processes,
+)
 from infer.distributed.spawn_guard import (
     MAIN_GUARD_EXIT,
     exit_if_rerunning_main,
     main_guard_message,
     terminal_interrupts_ignored,
 )
-from infer.distributed.state import ParallelState, check_tensor_parallel, error_key, torchrun_host
+from infer.distributed.state import ParallelState, check_tensor_parallel, torchrun_host
 from infer.distributed.step_channel import StepChannel, serve
 from infer.distributed.teardown import meet_for_teardown, release_graphs, take_down_groups
 
@@ -55,171 +54,23 @@ COLLECTIVE_TIMEOUT = datetime.timedelta(minutes=5)  # a model collective waiting
 IDLE_TIMEOUT = datetime.timedelta(days=7)  # a rank waits for rank 0's next step as long as the engine idles
 START_TIMEOUT_S = 300.0  # spawned ranks: start the interpreter, import torch, connect
 JOINED = "infer/joined"
-STOPPED = "infer/stopped"  # ranks 1..N-1 that have taken down their process groups after rank 0's stop
-STOP_WAIT_S = 30.0
 
 
-class RankGroup:
-    """Rank 0's handle on the other ranks: their failures, and shutdown."""
-
-    def __init__(self, parallel: ParallelState, processes: dict[int, Any], cpu_threads: int | None = None) -> None:
-        self.parallel = parallel
-        self.channel = StepChannel(parallel)
-        self.processes = processes  # rank -> spawned process (empty under torchrun)
-        self.runners: tuple[Any, ...] = ()  # rank 0's model runners: their CUDA graphs go before the groups
-        self.broken = False  # a step failed part-way: the ranks are out of step
-        self.closed = False
-        self._cpu_threads = cpu_threads  # rank 0's torch thread count before the run, restored on close
-        self._closing = threading.Event()
-        if processes and parallel.device.type == "cuda":  # gloo notices a dead peer by itself; NCCL waits
-            threading.Thread(target=self._watch, name="infer-tp-watch", daemon=True).start()
-
-    @contextlib.contextmanager
-    def guard(self) -> Iterator[None]:
-        if self.broken:
-            raise WorkerError(
-                "a tensor-parallel step failed earlier, so the ranks are out of step: close this engine and build a new one"
-            )
-        try:
-            yield
-        except BaseException as exc:
-            self.broken = True
-            error = self.diagnose(exc) if isinstance(exc, Exception) else exc
-            if error is exc:
-                raise
-            raise error from exc
-
-    def diagnose(self, exc: BaseException) -> BaseException:
-        """A WorkerError when another rank failed (its message, or its exit code), else `exc` itself."""
-        if isinstance(exc, InferError):
-            return exc
-        # a rank that crashed (a signal) may take seconds to exit while the OS writes its core
-        reasons = self._worker_errors(wait_s=10.0)
-        if not reasons:
-            return exc
-        return WorkerError(
-            f"tensor-parallel {'; '.join(reasons)}: the engine stopped (the rank's traceback is in its "
-            f"output); close it and start again"
-        )
-
-    def _worker_errors(self, wait_s: float) -> list[str]:
-        # a killed rank posts nothing and its exit code shows up a moment after its sockets close
-        deadline = time.monotonic() + wait_s
-        reasons: dict[int, str] = {}
-        while True:
-            for rank in range(1, self.parallel.world_size):
-                key = error_key(rank)
-                with contextlib.suppress(Exception):
-                    if rank not in reasons and self.parallel.store.check([key]):
-                        reasons[rank] = f"rank {rank} failed with {self.parallel.store.get(key).decode()}"
-                process = self.processes.get(rank)
-                if rank not in reasons and process is not None and process.exitcode not in (None, 0):
-                    code = process.exitcode
-                    reasons[rank] = f"rank {rank} exited with " + (f"signal {-code}" if code < 0 else f"code {code}")
-            if reasons or time.monotonic() > deadline:
-                return [reasons[r] for r in sorted(reasons)]
-            time.sleep(0.05)
-
-    def _watch(self) -> None:
-        while not self._closing.wait(0.5):
-            dead = {r: p.exitcode for r, p in self.processes.items() if p.exitcode not in (None, 0)}
-            if dead and not self._closing.is_set():
-                get_logger().error("tensor-parallel rank exited: aborting the NCCL group", exit_codes=dead)
-                with contextlib.suppress(Exception):  # unblocks rank 0's pending collectives
-                    from torch.distributed.distributed_c10d import _abort_process_group
-
-                    _abort_process_group()
-                return
-
-    def close(self) -> None:
-        if self.closed:
-            return
-        self.closed = True
-        self._closing.set()
-        together = False
-        if not self.broken:
-            with contextlib.suppress(Exception):
-                self.channel.send_stop()
-                release_graphs(self.runners, self.parallel.device)
-                together = meet_for_teardown(self.parallel, STOP_WAIT_S)
-        if not together:  # a rank is gone or out of step: it is not coming to the teardown
-            _stop_processes(list(self.processes.values()), wait_s=2.0)
-        take_down_groups(self.parallel, together, self.runners)
-        if self.processes:
-            _stop_processes(list(self.processes.values()), wait_s=STOP_WAIT_S)
-        elif together:  # torchrun: no process to join; rank 0 waits until the others are done with the store
-            self._wait_for_stopped(STOP_WAIT_S)
-        if self._cpu_threads is not None:
-            torch.set_num_threads(self._cpu_threads)
-
-    def _wait_for_stopped(self, wait_s: float) -> None:
-        deadline = time.monotonic() + wait_s
-        with contextlib.suppress(Exception):
-            while self.parallel.store.add(STOPPED, 0) < self.parallel.world_size - 1 and time.monotonic() < deadline:
-                time.sleep(0.01)
-
-
-def _stop_processes(processes: list[Any], wait_s: float) -> None:
-    deadline = time.monotonic() + wait_s
-    for p in processes:
-        p.join(max(0.0, deadline - time.monotonic()))
-    for p in processes:
-        if p.is_alive():
-            p.terminate()
-            p.join(5.0)
-        if p.is_alive():
-            p.kill()
-            p.join(5.0)
-
-
-@dataclass(slots=True)
-class ModelMirror:
-    """Set as `model.mirror` on rank 0: any runner's forward of that model runs on every rank."""
-
-    ranks: RankGroup
-    model_id: int
-
-    def forward(self, runner: Any, step: StepInputs) -> torch.Tensor:
-        with self.ranks.guard():
-            self.ranks.channel.send_forward(self.model_id, step)
-            return runner.run(step)
-
-
-class MirroredBlockMover:
-    """Rank 0's block mover: a step's KV block copies reach every rank's caches."""
-
-    def __init__(self, inner: Any, ranks: RankGroup) -> None:
-        self.inner = inner
-        self.ranks = ranks
-
-    def apply(self, ops: BlockOps) -> None:
-        if not ops:
-            return
-        with self.ranks.guard():
-            self.ranks.channel.send_block_ops(ops)
-            self.inner.apply(ops)
-
-
-# --------------------------------------------------------------------------- starting the ranks
-
-
-def build_parallel(
-    config: Any, extra_plugins: Iterable[Any], name: str, model_config: Any, device: torch.device
-) -> Any:
-    """`build_engine` for --tp N > 1: check the split, start (or join) the ranks, build this rank's
-    engine. Rank 0 gets EngineParts whose forwards and block copies are mirrored to the others; a
-    torchrun rank > 0 serves rank 0 here and then exits the process."""
+def launch(config: Any, extra_plugins: Iterable[Any], name: str, model_config: Any, device: torch.device) -> Any:
+    """The core's `Launch` for --tp N > 1: check the split, start (or join) the ranks, build this rank's
+    engine. Rank 0 gets EngineParts whose forwards and block copies reach the others; a torchrun
+    rank > 0 serves rank 0 here and then exits the process."""
     from infer.core.builder import build_engine
 
     extra_plugins = list(extra_plugins)
     c = model_config
     check_tensor_parallel(name, c.num_heads, c.num_kv_heads, c.intermediate_size, config.tensor_parallel_size)
-    parallel, ranks = _launch(config, extra_plugins, device)
+    parallel, ranks = _start_ranks(config, extra_plugins, device)
     if not parallel.is_driver:
         run_worker(config, extra_plugins, parallel)
         raise SystemExit(0)
-    try:
-        parts = build_engine(config, extra_plugins, parallel=parallel)
+    try:  # rank 0's runners get executors that send each forward to the other ranks
+        parts = build_engine(config, extra_plugins, parallel=dataclasses.replace(parallel, ranks=ranks))
     except BaseException as exc:
         ranks.broken = True
         error = ranks.diagnose(exc) if isinstance(exc, Exception) else exc
@@ -227,8 +78,6 @@ def build_parallel(
         if error is exc:
             raise
         raise error from exc
-    for model_id, runner in enumerate(parts.runners):
-        runner.model.mirror = ModelMirror(ranks, model_id)
     parts.block_mover = MirroredBlockMover(parts.block_mover, ranks)
     ranks.runners = parts.runners
     parts.closers = (*parts.closers, ranks.close)
@@ -259,7 +108,7 @@ def run_worker(config: Any, extra_plugins: list[Any], parallel: ParallelState) -
             parallel.store.add(STOPPED, 1)
 
 
-def _launch(config: Any, extra_plugins: list[Any], device: torch.device) -> tuple[ParallelState, RankGroup]:
+def _start_ranks(config: Any, extra_plugins: list[Any], device: torch.device) -> tuple[ParallelState, RankGroup]:
     import torch.distributed as dist
 
     world_size = config.tensor_parallel_size
@@ -290,7 +139,7 @@ def _join_torchrun(world_size: int, device: torch.device) -> ParallelState:
     import torch.distributed as dist
 
     placement = env.torchrun()
-    assert placement is not None, "called only under torchrun (build_parallel saw its variables)"
+    assert placement is not None, "called only under torchrun (_start_ranks saw its variables)"
     rank, launched = placement.rank, placement.world_size
     if launched != world_size:
         raise ConfigError(
@@ -340,7 +189,7 @@ def _spawn(
             time.sleep(0.02)
         parallel = _init_groups(store, 0, world_size, _rank_device(device, 0))
     except BaseException:
-        _stop_processes(list(processes.values()), wait_s=0.0)
+        stop_processes(list(processes.values()), wait_s=0.0)
         if cpu_threads is not None:
             torch.set_num_threads(cpu_threads)
         raise

@@ -5,7 +5,9 @@ heads, its slice of the MLP width) and needs no communication; its output stays 
 (o_proj, down_proj): a rank holds the matching input columns, and the partial outputs are summed by
 ONE all-reduce. Vocab-parallel embedding and LM head: a rank holds a contiguous slice of the
 vocabulary (the last one padded with zero rows); the embedding masks ids outside it and all-reduces,
-the head computes its slice of the logits and rank 0 gathers the rest.
+the head computes its slice of the logits and rank 0 gathers the rest. A partial sum left unreduced
+(`reduce=False`, or pushed into the ranks' exchange) is summed by the norm that takes it
+(`reduce_add_norm`, `reduce_norm`), fused with it where the fast all-reduce can.
 
 Each parallel module carries a `Shard` saying where its weight sits in the full (tp = 1) weight. The
 loader reads only those rows or columns of a checkpoint tensor (a safetensors slice), and dummy
@@ -49,7 +51,7 @@ class ColumnParallelLinear(nn.Module):
 
 class RowParallelLinear(nn.Module):
     """y = sum_r x_r W_r^T: this rank's input columns, then one all-reduce. With `reduce=False` the
-    output is this rank's partial sum, and whoever takes it sums it (`ParallelState.reduce_add_norm`,
+    output is this rank's partial sum, and whoever takes it sums it (`reduce_add_norm`,
     which can fuse the all-reduce with the residual add and RMSNorm that follow). With `push` (set by
     a model whose every partial sum is taken so), a matmul that can (`matmul.pushes`) stores a
     one-token partial sum straight into the ranks' exchange (`infer.distributed.all_reduce.lamport`)."""
@@ -70,7 +72,7 @@ class RowParallelLinear(nn.Module):
         matmul = matmul or self.matmul
         target = None
         if self.push and getattr(matmul, "pushes", False):
-            target = self.parallel.push_target(x, self.weight.shape[0])
+            target = push_target(self.parallel, x, self.weight.shape[0])
         y = matmul(x, self.weight) if target is None else matmul(x, self.weight, push=target)
         return self.parallel.all_reduce(y) if self.reduce else y
 
@@ -93,7 +95,7 @@ class VocabParallelEmbedding(nn.Module):
 
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
         # input_ids: [T] -> [T, hidden]; an id outside this rank's rows contributes zeros
-        if self.push and (target := self.parallel.embed_push_target(input_ids, self.weight)) is not None:
+        if self.push and (target := embed_push_target(self.parallel, input_ids, self.weight)) is not None:
             from infer.kernels.layers import embedding_push
 
             return embedding_push(input_ids, self.weight, self.start, self.num_local, target)  # summed by the next norm
@@ -109,6 +111,56 @@ class VocabParallelEmbedding(nn.Module):
 
 class ParallelLMHead(VocabParallelEmbedding):
     """An untied LM head: the same vocab-parallel [vocab, hidden] weight, used through `logits`."""
+
+
+def reduce_add_norm(
+    parallel: ParallelState, x: torch.Tensor, residual: torch.Tensor, norm: Any
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(norm(sum_r x_r + residual), sum_r x_r + residual) for a row-parallel layer's partial
+    output `x`: one all-reduce, fused with the residual add and RMSNorm when the fast all-reduce
+    has such a kernel and `norm` is a plain RMSNorm (the layers hook's `rms_norm` contract)."""
+    fast = parallel.fast_all_reduce
+    plain = getattr(norm, "plain_rms_norm", False)
+    if (exchange := parallel.exchange) is not None and exchange.takes(x):  # pushed by its GEMV
+        return exchange.reduce(x, residual, norm.weight, norm.eps) if plain else norm(exchange.reduce(x), residual)
+    fused = getattr(fast, "add_rms_norm", None)
+    if fused is not None and plain and fast.fits(x):
+        return fused(x, residual, norm.weight, norm.eps)
+    return norm(parallel.all_reduce(x), residual)
+
+
+def reduce_norm(parallel: ParallelState, x: torch.Tensor, norm: Any) -> tuple[torch.Tensor, torch.Tensor]:
+    """(norm(x), x) for the first layer's input: summed first where the vocab-parallel embedding
+    pushed it into the exchange, else whole on every rank already."""
+    if (exchange := parallel.exchange) is None or not exchange.takes(x):
+        return norm(x), x
+    if getattr(norm, "plain_rms_norm", False):
+        return exchange.reduce(x, None, norm.weight, norm.eps)
+    total = exchange.reduce(x)
+    return norm(total), total
+
+
+def push_target(parallel: ParallelState, x: torch.Tensor, out_features: int) -> Any:
+    """Where a row-parallel layer's GEMV over `x` pushes its partial sum (`PushTarget`), or None
+    when this step's sums go through the all-reduce. The same answer on every rank."""
+    exchange = parallel.exchange
+    if exchange is None or out_features != exchange.hidden_size or not exchange.fits(x):
+        return None
+    return exchange.target()
+
+
+def embed_push_target(parallel: ParallelState, input_ids: torch.Tensor, weight: torch.Tensor) -> Any:
+    """Where a vocab-parallel embedding of `input_ids` with `weight` pushes its rows, or None
+    (more than one token, or no exchange for these rows). The same answer on every rank."""
+    exchange = parallel.exchange
+    if (
+        exchange is None
+        or input_ids.numel() != 1
+        or weight.dtype != exchange.dtype
+        or weight.shape[1] != exchange.hidden_size
+    ):
+        return None
+    return exchange.embed_target()
 
 
 def attention_projections(

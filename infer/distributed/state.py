@@ -1,15 +1,16 @@
-"""Tensor parallelism: this process's place in the group, the collectives the model needs, and how
-heads are split across ranks.
+"""Tensor parallelism: this process's place in the group (`ParallelState`, the core's
+`Communicator`), the collectives the model needs, and how heads are split across ranks.
 
 A `ParallelState` is made once per engine (by `infer.distributed.launch`) and passed explicitly to the
-model and the runner's mirror; nothing here is module-level state. Two process groups serve a run:
-`group` carries the model's collectives (NCCL on GPUs, gloo on the CPU) and `control_group`
-(always gloo, no deadline) carries rank 0's step messages, so a worker may wait between steps for
-as long as the engine stays idle.
+builder, the model and rank 0's executors; nothing here is module-level state. Two process groups
+serve a run: `group` carries the model's collectives (NCCL on GPUs, gloo on the CPU) and
+`control_group` (always gloo, no deadline) carries rank 0's step messages, so a worker may wait
+between steps for as long as the engine stays idle.
 """
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -17,17 +18,7 @@ import torch
 
 from infer import env
 from infer.core.errors import ConfigError
-
-
-@dataclass(frozen=True, slots=True)
-class HeadLayout:
-    """One rank's attention heads. With fewer KV heads than ranks, each rank holds the one KV head
-    that its query heads read (a copy of it lives on `world_size / num_kv_heads` ranks)."""
-
-    num_heads: int  # query heads on this rank
-    num_kv_heads: int  # KV heads on this rank
-    q_start: int  # first query head (of the model's)
-    kv_start: int  # first KV head (of the model's)
+from infer.core.interfaces import Executor, HeadLayout, LocalExecutor
 
 
 def check_tensor_parallel(
@@ -72,6 +63,8 @@ class ParallelState:
     # collective clean-ups (freeing buffers the ranks share): run by every rank, in this order, when
     # the ranks take their groups down together; a copy of this state (dataclasses.replace) shares the list
     teardown: list[Any] = field(default_factory=list, repr=False, compare=False)
+    all_reduce_line: str | None = None  # what `set_up` chose for --all-reduce, for the run's description
+    ranks: Any = field(default=None, repr=False, compare=False)  # rank 0's RankGroup: forwards go to every rank
 
     @property
     def is_parallel(self) -> bool:
@@ -103,55 +96,11 @@ class ParallelState:
         dist.all_reduce(x, group=self.group)
         return x
 
-    def reduce_add_norm(self, x: torch.Tensor, residual: torch.Tensor, norm: Any) -> tuple[torch.Tensor, torch.Tensor]:
-        """(norm(sum_r x_r + residual), sum_r x_r + residual) for a row-parallel layer's partial
-        output `x`: one all-reduce, fused with the residual add and RMSNorm when the fast all-reduce
-        has such a kernel and `norm` is a plain RMSNorm (the layers hook's `rms_norm` contract)."""
-        fast = self.fast_all_reduce
-        plain = getattr(norm, "plain_rms_norm", False)
-        if (exchange := self.exchange) is not None and exchange.takes(x):  # pushed by its GEMV
-            return exchange.reduce(x, residual, norm.weight, norm.eps) if plain else norm(exchange.reduce(x), residual)
-        fused = getattr(fast, "add_rms_norm", None)
-        if fused is not None and plain and fast.fits(x):
-            return fused(x, residual, norm.weight, norm.eps)
-        return norm(self.all_reduce(x), residual)
-
-    def reduce_norm(self, x: torch.Tensor, norm: Any) -> tuple[torch.Tensor, torch.Tensor]:
-        """(norm(x), x) for the first layer's input: summed first where the vocab-parallel embedding
-        pushed it into the exchange, else whole on every rank already."""
-        if (exchange := self.exchange) is None or not exchange.takes(x):
-            return norm(x), x
-        if getattr(norm, "plain_rms_norm", False):
-            return exchange.reduce(x, None, norm.weight, norm.eps)
-        total = exchange.reduce(x)
-        return norm(total), total
-
-    def embed_push_target(self, input_ids: torch.Tensor, weight: torch.Tensor) -> Any:
-        """Where a vocab-parallel embedding of `input_ids` with `weight` pushes its rows, or None
-        (more than one token, or no exchange for these rows). The same answer on every rank."""
-        exchange = self.exchange
-        if (
-            exchange is None
-            or input_ids.numel() != 1
-            or weight.dtype != exchange.dtype
-            or weight.shape[1] != exchange.hidden_size
-        ):
-            return None
-        return exchange.embed_target()
-
     @property
     def exchange(self) -> Any:
         """The fast all-reduce's `LamportExchange` (one-token steps' partial sums pushed by the
         row-parallel GEMVs), or None."""
         return getattr(self.fast_all_reduce, "exchange", None)
-
-    def push_target(self, x: torch.Tensor, out_features: int) -> Any:
-        """Where a row-parallel layer's GEMV over `x` pushes its partial sum (`PushTarget`), or None
-        when this step's sums go through the all-reduce. The same answer on every rank."""
-        exchange = self.exchange
-        if exchange is None or out_features != exchange.hidden_size or not exchange.fits(x):
-            return None
-        return exchange.target()
 
     def gather_columns(self, x: torch.Tensor) -> torch.Tensor:
         # x: [R, C] on every rank -> [R, world_size * C], rank i's columns i*C:(i+1)*C.
@@ -189,14 +138,45 @@ class ParallelState:
         dist.all_reduce(t, op=dist.ReduceOp.MIN, group=self.control_group)
         return int(t.item())
 
+    def set_up(self, all_reduce: str, dtype: torch.dtype, hidden_size: int) -> ParallelState:
+        """Collective: the fast all-reduce for `--all-reduce` (`make_all_reduce`) in the state returned."""
+        if not self.is_parallel:
+            return self
+        from infer.distributed.all_reduce import make_all_reduce
 
-def peer_gpus_reason(device: torch.device, world_size: int) -> str | None:
-    """Why an all-reduce over the GPUs' peer memory cannot run here (None: it can try)."""
-    if device.type != "cuda":
-        return f"it needs CUDA devices (this run is on {device.type})"
-    if world_size < 2:
-        return "it needs --tp 2 or more"
-    return None
+        fast, line = make_all_reduce(all_reduce, self, dtype, hidden_size)
+        if hasattr(fast, "close"):  # its buffers are freed by every rank together, at the teardown
+            self.teardown.append(fast.close)
+        return dataclasses.replace(self, fast_all_reduce=fast, all_reduce_line=line)
+
+    def model_kwargs(self, name: str, architecture: Any, config: Any) -> dict[str, Any]:
+        """Nothing at tp = 1, else `parallel=` this state, once the model is known to split over the ranks."""
+        if not self.is_parallel:
+            return {}
+        check_tensor_parallel(name, config.num_heads, config.num_kv_heads, config.intermediate_size, self.world_size)
+        import inspect
+
+        try:
+            accepts = "parallel" in inspect.signature(architecture).parameters
+        except (TypeError, ValueError):
+            accepts = False
+        if not accepts:
+            raise ConfigError(
+                f"the model architecture of {name} has no tensor-parallel form (no `parallel` argument): use --tp 1"
+            )
+        return {"parallel": self}
+
+    def executor(self, model_id: int) -> Executor:
+        """Rank 0's sends each forward to the other ranks, then runs it; the other ranks run what it sends."""
+        return LocalExecutor() if self.ranks is None else self.ranks.executor(model_id)
+
+    def describe(self, model: Any) -> dict[str, Any]:
+        if not self.all_reduce_line:
+            return {}
+        line = self.all_reduce_line
+        if self.exchange is not None and getattr(model, "pushes", False):
+            line += "; one-token steps' sums pushed by the row-parallel GEMVs and the embedding"
+        return {"all_reduce": line}
 
 
 def torchrun_host() -> tuple[int, int] | None:
@@ -204,99 +184,3 @@ def torchrun_host() -> tuple[int, int] | None:
     process, else None (the engine spawns its ranks itself, all on this host)."""
     placement = env.torchrun()
     return None if placement is None else (placement.local_world_size, placement.local_rank)
-
-
-def peer_access_reason(parallel: Any) -> str | None:
-    """Why this rank's GPU cannot map the other ranks' memory (None: it can): the ranks span several
-    hosts (torchrun's LOCAL_WORLD_SIZE below the world), or a GPU of this host's ranks has no peer
-    access to this one (no NVLink or PCIe peer path)."""
-    if parallel.device.type != "cuda" or not parallel.is_parallel:
-        return None
-    local_world, local_rank = torchrun_host() or (parallel.world_size, parallel.rank)
-    if local_world < parallel.world_size:
-        return (
-            f"the {parallel.world_size} ranks span several hosts ({local_world} on this one), and peer "
-            "memory is one host's"
-        )
-    here = parallel.device.index if parallel.device.index is not None else torch.cuda.current_device()
-    first = here - local_rank  # the ranks' GPUs are consecutive
-    for other in range(first, first + local_world):
-        if other != here and not torch.cuda.can_device_access_peer(here, other):
-            return f"GPU {here} has no peer access to GPU {other} (no NVLink or PCIe peer path between them)"
-    return None
-
-
-def make_all_reduce(choice: str, parallel: Any, dtype: torch.dtype, hidden_size: int) -> tuple[Any, str]:
-    """The fast path for `--all-reduce CHOICE` on this rank (every rank calls this, in the same order)
-    for a model whose activations are `dtype` x `hidden_size`, and a line saying what was chosen.
-    `auto` takes FlashInfer's fused all-reduce where it can run, else symmetric memory, else NCCL,
-    saying why; `symm-mem` and `flashinfer` fail with the reason."""
-    backend = "nccl" if parallel.device.type == "cuda" else "gloo"
-    if choice == "nccl" or not parallel.is_parallel:
-        return None, backend
-    from infer.distributed.all_reduce import flashinfer_fused as flashinfer_all_reduce
-    from infer.distributed.all_reduce import symm_mem as symmetric_memory
-
-    strategies = {"flashinfer": flashinfer_all_reduce, "symm-mem": symmetric_memory}
-    reasons = []
-    no_peers = peer_access_reason(parallel)  # both sum over the GPUs' peer memory
-    for name in [choice] if choice != "auto" else list(strategies):
-        strategy = strategies[name]
-        # may differ by rank
-        reason = no_peers or strategy.unavailable_reason(parallel.device, parallel.world_size, dtype)
-        if strategy is symmetric_memory:  # collective: every rank asks, whatever its own reason
-            mismatch = symmetric_memory.rendezvous_mismatch(parallel)
-            reason = reason or mismatch
-        # every rank must agree before the collective set-up (one rank waiting in it alone would hang)
-        if parallel.min(int(reason is None)):
-            return _set_up(name, parallel, dtype, hidden_size)
-        if choice != "auto":
-            fix = "auto or nccl" if choice == "flashinfer" else "nccl"
-            raise ConfigError(
-                f"--all-reduce {choice} cannot run: {reason or 'another rank cannot use it'}; use --all-reduce {fix}"
-            )
-        label = "flashinfer" if name == "flashinfer" else "symmetric memory"
-        reasons.append(f"{label} unavailable: {reason or 'on another rank'}")
-    return None, f"{backend} ({'; '.join(reasons)})"
-
-
-def _set_up(name: str, parallel: Any, dtype: torch.dtype, hidden_size: int) -> tuple[Any, str]:
-    from infer.distributed.all_reduce import flashinfer_fused as flashinfer_all_reduce
-    from infer.distributed.all_reduce import symm_mem as symmetric_memory
-
-    if name == "flashinfer":
-        fast = flashinfer_all_reduce.FlashInferAllReduce(parallel, hidden_size, dtype)
-        return fast, (
-            f"flashinfer (one- or two-shot, fused with the residual add and RMSNorm) up to "
-            f"{fast.max_tokens} tokens, nccl above"
-        )
-    try:
-        fast = symmetric_memory.SymmetricAllReduce(parallel.group, parallel.device)
-    except Exception as exc:  # set-up failed on this rank: the others may have failed too, or may wait
-        raise ConfigError(
-            f"the symmetric-memory all-reduce could not be set up ({type(exc).__name__}: {exc}); use --all-reduce nccl"
-        ) from exc
-    return fast, f"symm-mem one-shot up to {fast.max_bytes // 1024} KiB, nccl above"
-
-
-def error_key(rank: int) -> str:
-    return f"infer/error/{rank}"
-
-
-def model_kwargs(name: str, architecture: Any, config: Any, parallel: ParallelState) -> dict[str, Any]:
-    """What an architecture's factory gets for this rank beyond (config, layers, attention): nothing
-    at tp = 1, else `parallel=`, once the model is known to split over the ranks."""
-    if not parallel.is_parallel:
-        return {}
-    check_tensor_parallel(name, config.num_heads, config.num_kv_heads, config.intermediate_size, parallel.world_size)
-    import inspect
-
-    try:
-        accepts = "parallel" in inspect.signature(architecture).parameters
-    except (TypeError, ValueError):
-        accepts = False
-    if not accepts:
-        raise ConfigError(
-            f"the model architecture of {name} has no tensor-parallel form (no `parallel` argument): use --tp 1"
-        )
-    return {"parallel": parallel}

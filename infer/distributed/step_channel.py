@@ -4,8 +4,8 @@ A message is a model forward (`StepInputs` and which model), a step's KV block c
 It travels as int64 CPU tensors broadcast over the gloo control group: a fixed-size first
 broadcast holds the header and, when it fits (decode steps of a few sequences), the payload;
 a larger payload follows in a second broadcast. A pipelined decode step's input ids are not on
-rank 0's host yet: the forward's header says so, and every rank's `run` takes them from rank 0's
-device by one broadcast over the model's group.
+rank 0's host yet: the forward's header says so, and rank 0's executor sends them from its device
+by one broadcast over the model's group, which `serve` takes before the forward.
 """
 
 from __future__ import annotations
@@ -31,6 +31,7 @@ MESSAGE_LEN = 256  # the first broadcast: the header, then the payload when it f
 class Forward:
     model_id: int  # index into EngineParts.runners (0: the target, then drafts)
     step: StepInputs
+    ids_from_rank0: bool = False  # the step's ids follow from rank 0's device (a pipelined decode step)
 
 
 class StepChannel:
@@ -92,17 +93,8 @@ class StepChannel:
         num_seqs, num_tokens, num_rows = a, b, c
         input_ids, query_lens, seq_lens, rows = take(num_tokens), take(num_seqs), take(num_seqs), take(num_rows)
         tables = [take(length) for length in take(num_seqs)]
-        step = StepInputs(
-            input_ids,
-            query_lens,
-            seq_lens,
-            tables,
-            rows,
-            num_layers or None,
-            bool(flags & 1),
-            ids_from_rank0=bool(flags & 2),
-        )
-        return Forward(model_id, step)
+        step = StepInputs(input_ids, query_lens, seq_lens, tables, rows, num_layers or None, bool(flags & 1))
+        return Forward(model_id, step, ids_from_rank0=bool(flags & 2))
 
 
 @torch.inference_mode()
@@ -111,5 +103,9 @@ def serve(channel: StepChannel, runners: tuple[Any, ...], block_mover: Any) -> N
     while (message := channel.receive()) is not None:
         if isinstance(message, BlockOps):
             block_mover.apply(message)
-        else:
-            runners[message.model_id].run(message.step)
+            continue
+        runner, step = runners[message.model_id], message.step
+        if message.ids_from_rank0:  # rank 0 sends the ids it sampled, from its device (`MirroredExecutor`)
+            step.input_ids_t = torch.empty(len(step.input_ids), dtype=torch.int64, device=runner.device)
+            channel.parallel.broadcast_tensor(step.input_ids_t)
+        runner.run(step)

@@ -208,7 +208,7 @@ def run_tile(
 def _launch(x: torch.Tensor, weight: torch.Tensor, gated: bool, push: Any) -> torch.Tensor:
     """`push`: a tensor-parallel exchange's target (`infer.distributed.all_reduce.lamport.PushTarget`): the result, this
     rank's partial sum, is stored into every rank's slot for it (peer memory) and returned as the
-    view of this rank's own copy, which the exchange then sums (`ParallelState.reduce_add_norm`) and
+    view of this rank's own copy, which the exchange then sums (`infer.distributed.layers.reduce_add_norm`) and
     resets: the view holds the partial sum until then."""
     x = x.contiguous()
     if push is None:

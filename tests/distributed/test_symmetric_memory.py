@@ -10,8 +10,8 @@ import torch
 
 symm_mem = pytest.importorskip("torch.distributed._symmetric_memory")
 
+from infer.distributed.all_reduce import make_all_reduce  # noqa: E402
 from infer.distributed.all_reduce.symm_mem import SymmetricAllReduce, forget_group  # noqa: E402
-from infer.distributed.state import make_all_reduce  # noqa: E402
 
 
 @pytest.fixture(autouse=True)
@@ -173,7 +173,7 @@ def test_auto_passes_flashinfer_over_when_another_rank_cannot(flashinfer_here, f
 
 
 def test_peer_memory_needs_one_host_and_peer_access(monkeypatch):
-    from infer.distributed.state import peer_access_reason
+    from infer.distributed.all_reduce import peer_access_reason
 
     rank0 = types.SimpleNamespace(is_parallel=True, world_size=2, rank=0, device=torch.device("cuda", 0))
     monkeypatch.setenv("LOCAL_WORLD_SIZE", "1")  # not torchrun's: ranks the engine spawns share this host
@@ -194,9 +194,9 @@ def test_peer_memory_needs_one_host_and_peer_access(monkeypatch):
 
 
 def test_no_peer_access_keeps_nccl_and_says_why(monkeypatch):
-    from infer.distributed import state as distributed
+    from infer.distributed import all_reduce
 
-    monkeypatch.setattr(distributed, "peer_access_reason", lambda parallel: "GPU 0 has no peer access to GPU 1")
+    monkeypatch.setattr(all_reduce, "peer_access_reason", lambda parallel: "GPU 0 has no peer access to GPU 1")
     parallel = RankZero([1, 0, 0, 1])  # this rank's zeros decide: nothing is set up
     fast, line = make_all_reduce("auto", parallel, torch.bfloat16, 64)
     assert fast is None and line.count("no peer access") == 2

@@ -254,13 +254,21 @@ def test_cli_refusal_exits_2(tiny_llama_dir):
     assert result.exit_code == 2 and "does not divide the 4 query heads" in result.output
 
 
+def test_tp_without_a_launcher_is_refused(tiny_llama_dir):
+    from infer.core.config import EngineConfig
+    from infer.core.engine import Engine
+
+    with pytest.raises(ConfigError, match="--tp 2 needs a launcher .*launch=infer.distributed.launch.launch"):
+        Engine.from_config(EngineConfig(model=str(tiny_llama_dir), tensor_parallel_size=2))
+
+
 def test_more_ranks_than_gpus_is_refused(tiny_llama_dir, monkeypatch):
     from infer.core.config import EngineConfig
-    from infer.distributed.launch import _launch
+    from infer.distributed.launch import _start_ranks
 
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
     with pytest.raises(ConfigError, match="--tp 2 needs 2 CUDA devices .* but 1 are visible"):
-        _launch(EngineConfig(tensor_parallel_size=2), [], torch.device("cuda"))
+        _start_ranks(EngineConfig(tensor_parallel_size=2), [], torch.device("cuda"))
 
 
 @pytest.mark.slow
@@ -334,7 +342,7 @@ def test_step_message_round_trip():
     channel.send_forward(0, pipelined)
     wire.receiving = True
     got = channel.receive()
-    assert got.step.ids_from_rank0 and got.step.use_graphs and got.step.input_ids_t is None
+    assert got.ids_from_rank0 and got.step.use_graphs and got.step.input_ids_t is None
     assert (got.step.seq_lens, got.step.block_tables) == (pipelined.seq_lens, pipelined.block_tables)
 
 
@@ -369,6 +377,7 @@ class Doubling:
 
 
 def test_reduce_add_norm_fuses_only_a_plain_rms_norm():
+    from infer.distributed.layers import reduce_add_norm
     from infer.distributed.state import ParallelState
     from infer.plugins.layers.torch_layers import RMSNorm
 
@@ -378,7 +387,7 @@ def test_reduce_add_norm_fuses_only_a_plain_rms_norm():
     expected = norm(x * 2, residual)
 
     fused = Doubling(fused=True)
-    got = ParallelState(world_size=2, fast_all_reduce=fused).reduce_add_norm(x, residual, norm)
+    got = reduce_add_norm(ParallelState(world_size=2, fast_all_reduce=fused), x, residual, norm)
     assert fused.fused_calls == 1
     torch.testing.assert_close(got, expected)
 
@@ -386,13 +395,13 @@ def test_reduce_add_norm_fuses_only_a_plain_rms_norm():
         plain_rms_norm = False
 
     other = ScaledNorm(8, eps=1e-5)
-    got = ParallelState(world_size=2, fast_all_reduce=fused).reduce_add_norm(x, residual, other)
+    got = reduce_add_norm(ParallelState(world_size=2, fast_all_reduce=fused), x, residual, other)
     assert fused.fused_calls == 1
     torch.testing.assert_close(got, other(x * 2, residual))
 
     plain = Doubling(fused=False)  # no fused kernel: all-reduce, then the norm adds
     torch.testing.assert_close(
-        ParallelState(world_size=2, fast_all_reduce=plain).reduce_add_norm(x, residual, norm), expected
+        reduce_add_norm(ParallelState(world_size=2, fast_all_reduce=plain), x, residual, norm), expected
     )
 
 

@@ -102,6 +102,7 @@ def test_a_row_parallel_mlp_pushes_one_token_and_the_norm_after_takes_it_from_th
 
     from infer.core.interfaces import Layers
     from infer.distributed.all_reduce.lamport import LamportExchange
+    from infer.distributed.layers import reduce_add_norm
     from infer.distributed.state import ParallelState
     from infer.plugins.layers.fused import FusedLinear, FusedRMSNorm, FusedRotaryEmbedding, FusedSiluAndMul
     from infer.plugins.models.llama import LlamaMLP
@@ -130,7 +131,7 @@ def test_a_row_parallel_mlp_pushes_one_token_and_the_norm_after_takes_it_from_th
         part = mlp(x)
         assert exchange.pushes - before == pushes and exchange.takes(part) == bool(pushes)
         expected = norm(part.clone(), residual)
-        out, res = parallel.reduce_add_norm(part, residual, norm)
+        out, res = reduce_add_norm(parallel, part, residual, norm)
         torch.testing.assert_close(res, expected[1], atol=0, rtol=0)
         torch.testing.assert_close(out, expected[0], atol=0, rtol=0)
         assert (slots.view(torch.int16) == RESET).all() and not exchange.takes(part)
@@ -143,7 +144,7 @@ def test_a_one_token_vocab_parallel_embedding_is_pushed_and_summed_by_the_first_
     into the embedding slot of both; the first layer's norm sums and normalises, and the sum is the
     residual. Then the same through the model's layer on one rank."""
     from infer.distributed.all_reduce.lamport import EMBED_SLOT, LamportExchange
-    from infer.distributed.layers import VocabParallelEmbedding
+    from infer.distributed.layers import VocabParallelEmbedding, reduce_norm
     from infer.distributed.state import ParallelState
     from infer.plugins.layers.fused import FusedRMSNorm
 
@@ -181,5 +182,5 @@ def test_a_one_token_vocab_parallel_embedding_is_pushed_and_summed_by_the_first_
     for ids, pushed in ((torch.tensor([4]), True), (torch.tensor([4, 8]), False)):
         x = embed(ids)
         assert parallel.exchange.takes(x) == pushed
-        out, residual = parallel.reduce_norm(x, norm)
+        out, residual = reduce_norm(parallel, x, norm)
         assert torch.equal(residual, table[ids]) and torch.equal(out, norm(table[ids]))

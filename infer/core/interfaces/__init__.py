@@ -5,7 +5,7 @@ Implementations are plain classes; a factory registered through a hook builds th
 engine, so the hot loop is ordinary method calls.
 
 One module per noun (capabilities, attention, kv, scheduling, sampling, decoding, text,
-models); everything is importable from here: `from infer.core.interfaces import AttentionBackend`.
+models, parallel); everything is importable from here: `from infer.core.interfaces import AttentionBackend`.
 An optional ability is a small `runtime_checkable` protocol beside the interface it extends, whose
 docstring documents it; a strategy without it works, without what it would add.
 """
@@ -34,6 +34,7 @@ from infer.core.interfaces.models import (
     RegisterFn,
     RotaryTables,
 )
+from infer.core.interfaces.parallel import Communicator, Executor, HeadLayout, Launch, LocalExecutor, SingleProcess
 from infer.core.interfaces.sampling import Sampler, SamplerOutput, TokenSampler, VerifyingSampler
 from infer.core.interfaces.scheduling import (
     BatchOutlook,
@@ -57,4 +58,5 @@ __all__ = [
     "DetokenizedDelta", "Detokenizer",
     "LAYER_KINDS", "Layers", "RotaryTables", "FusingActivation", "LinearMatmul", "PushingMatmul",
     "CausalLM", "CheckpointShapes", "ModelArchitecture", "HFArchitectures", "ModelPresets", "RegisterFn",
+    "HeadLayout", "Communicator", "Executor", "LocalExecutor", "SingleProcess", "Launch",
 ]  # fmt: skip

@@ -23,7 +23,7 @@ import torch
 
 from infer import env
 from infer.core.logging import get_logger
-from infer.distributed.state import peer_gpus_reason
+from infer.distributed.all_reduce import peer_gpus_reason
 from infer.kernels import pdl
 
 DTYPES = (torch.float16, torch.bfloat16)

@@ -21,7 +21,7 @@ from typing import Any
 
 import torch
 
-from infer.distributed.state import peer_gpus_reason
+from infer.distributed.all_reduce import peer_gpus_reason
 
 SUPPORTED_DTYPES = (torch.bfloat16, torch.float32)  # what the one-shot kernel is compiled for
 # tensors up to this size go through symmetric memory, larger ones NCCL: the one-shot kernel won up to

@@ -56,6 +56,7 @@ def make_proposer(ctx: DecoderContext) -> tuple[Proposer, str]:
             target.block_size,
             target.device,
             num_layers=config.exit_layer,
+            executor=target.executor,  # the target's model: under tensor parallelism its forwards reach every rank
         )
         return ModelProposer(runner, shares_target_kv=True), f"self (first {config.exit_layer} layers)"
     if ctx.build_model is None:

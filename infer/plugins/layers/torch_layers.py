@@ -16,7 +16,7 @@ from infer.models.rope import Rope
 class RMSNorm(nn.Module):
     capabilities = Capabilities(priority=0)
     # weight * x / rms(x) with `weight` and `eps` as here: a tensor-parallel all-reduce may compute it
-    # in its own kernel (ParallelState.reduce_add_norm). A subclass that changes the formula sets False.
+    # in its own kernel (infer.distributed.layers.reduce_add_norm). A subclass that changes the formula sets False.
     plain_rms_norm = True
 
     def __init__(self, hidden_size: int, eps: float = 1e-6) -> None:

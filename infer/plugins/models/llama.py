@@ -9,6 +9,7 @@ sharded ones of `parallel_layers` and each rank loads only its slices.
 
 from __future__ import annotations
 
+import functools
 import inspect
 import itertools
 from typing import Any, Iterable, Iterator
@@ -211,9 +212,9 @@ class LlamaDecoderLayer(nn.Module):
         self.input_layernorm = layers.rms_norm(config.hidden_size, config.rms_norm_eps)
         self.post_attention_layernorm = layers.rms_norm(config.hidden_size, config.rms_norm_eps)
         # tensor parallel: o_proj and down_proj return partial sums, which the next residual add and
-        # norm take through the parallel state (one all-reduce, fused with them where it can be)
+        # norm sum first (one all-reduce, fused with them where it can be)
         self.add_norm = add_norm_for(parallel)
-        self.first_norm = first_norm if parallel is None else parallel.reduce_norm
+        self.first_norm = first_norm if parallel is None else functools.partial(tp.reduce_norm, parallel)
 
     def forward(
         self, positions: torch.Tensor, x: torch.Tensor, residual: torch.Tensor | None, kv_cache: KVCache
@@ -239,8 +240,8 @@ def first_norm(x: torch.Tensor, norm: nn.Module) -> tuple[torch.Tensor, torch.Te
 
 def add_norm_for(parallel: ParallelState | None) -> Any:
     """The residual add and norm after a layer's output: under tensor parallelism the output is a
-    partial sum, which the parallel state all-reduces first (fused with them where it can)."""
-    return add_norm if parallel is None else parallel.reduce_add_norm
+    partial sum, all-reduced first (fused with them where it can: `tp.reduce_add_norm`)."""
+    return add_norm if parallel is None else functools.partial(tp.reduce_add_norm, parallel)
 
 
 class Llama(nn.Module):

@@ -1,0 +1,107 @@
+"""Tensor parallelism as the core sees it: this process's rank (`Communicator`), how a runner's
+forward reaches every rank (`Executor`) and who starts the ranks (`Launch`). `infer.distributed`
+implements them; `SingleProcess` and `LocalExecutor` are one rank's. Every rank builds the same
+engine, making the same calls in the same order: `min` and `set_up` wait for every rank.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, Protocol
+
+import torch
+
+if TYPE_CHECKING:
+    from infer.core.config import EngineConfig, ModelConfig
+    from infer.core.engine import EngineParts
+    from infer.core.runner import ModelRunner, StepInputs
+
+
+@dataclass(frozen=True, slots=True)
+class HeadLayout:
+    """One rank's attention heads. With fewer KV heads than ranks, each rank holds the one KV head
+    that its query heads read (a copy of it lives on `world_size / num_kv_heads` ranks)."""
+
+    num_heads: int  # query heads on this rank
+    num_kv_heads: int  # KV heads on this rank
+    q_start: int  # first query head (of the model's)
+    kv_start: int  # first KV head (of the model's)
+
+
+class Executor(Protocol):
+    """Gets each forward of a runner (`ModelRunner.forward_step`) to every rank; returns this rank's
+    `runner.run(step)`."""
+
+    def forward(self, runner: ModelRunner, step: StepInputs) -> torch.Tensor: ...
+
+
+class LocalExecutor:
+    def forward(self, runner: ModelRunner, step: StepInputs) -> torch.Tensor:
+        return runner.run(step)
+
+
+class Communicator(Protocol):
+    """This process's place among the tensor-parallel ranks, as the builder and its runners use it."""
+
+    rank: int
+    world_size: int
+    device: torch.device  # this rank's
+    is_parallel: bool  # more than one rank
+    is_driver: bool  # rank 0: runs the scheduler, the sampler and the engine loop
+
+    def heads(self, num_heads: int, num_kv_heads: int) -> HeadLayout: ...
+
+    def min(self, value: int) -> int: ...  # the smallest value over the ranks
+
+    def set_up(self, all_reduce: str, dtype: torch.dtype, hidden_size: int) -> Communicator:
+        """Once per engine, before its first model: the collectives for activations of `dtype` x
+        `hidden_size` (`--all-reduce`). The models are built with the communicator returned."""
+
+    def model_kwargs(self, name: str, architecture: Any, config: ModelConfig) -> dict[str, Any]:
+        """What `architecture` gets on this rank beyond (config, layers, attention): {} on one rank;
+        a ConfigError names the fix when the model does not split or has no tensor-parallel form."""
+
+    def executor(self, model_id: int) -> Executor:
+        """For the runners of model `model_id` (its index in `EngineParts.runners`)."""
+
+    def describe(self, model: Any) -> dict[str, Any]:
+        """The run's description entries (the all-reduce chosen), once the target `model` is built."""
+
+
+class Launch(Protocol):
+    """Starts (or joins) the ranks of a `--tp N > 1` run once the builder's checks have passed; each
+    rank builds its engine with `build_engine(config, extra_plugins, parallel=its Communicator)`.
+    Returns rank 0's parts, which it drives; the other ranks serve rank 0 inside the call."""
+
+    def __call__(
+        self, config: EngineConfig, extra_plugins: Any, name: str, model_config: ModelConfig, device: torch.device
+    ) -> EngineParts: ...
+
+
+@dataclass(frozen=True, slots=True)
+class SingleProcess:
+    """One rank (`--tp 1`): every head here, no collectives."""
+
+    device: torch.device
+    rank: int = 0
+    world_size: int = 1
+    is_parallel: bool = False
+    is_driver: bool = True
+
+    def heads(self, num_heads: int, num_kv_heads: int) -> HeadLayout:
+        return HeadLayout(num_heads, num_kv_heads, 0, 0)
+
+    def min(self, value: int) -> int:
+        return value
+
+    def set_up(self, all_reduce: str, dtype: torch.dtype, hidden_size: int) -> SingleProcess:
+        return self
+
+    def model_kwargs(self, name: str, architecture: Any, config: ModelConfig) -> dict[str, Any]:
+        return {}
+
+    def executor(self, model_id: int) -> Executor:
+        return LocalExecutor()
+
+    def describe(self, model: Any) -> dict[str, Any]:
+        return {}
