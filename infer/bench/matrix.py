@@ -11,6 +11,7 @@ from typing import Any, Iterable
 
 import click
 
+from infer.bench.engines import release_memory
 from infer.bench.report import RunRecord, prepare_prompts, run_workload
 from infer.bench.workloads import NEEDS_VOCAB, Workload, load_workload
 from infer.core.config import EngineConfig
@@ -111,16 +112,6 @@ def _peer_runs(
     return runs
 
 
-def _release_memory() -> None:
-    import gc
-
-    import torch
-
-    gc.collect()
-    if torch.cuda.is_available():
-        torch.cuda.empty_cache()
-
-
 def _infer_row(record: RunRecord) -> dict[str, Any]:
     return {**record.to_dict(), "kind": "infer"}
 
@@ -192,7 +183,7 @@ def _run_combinations(
         finally:
             engine.close()
             del engine
-            _release_memory()
+            release_memory()
     return run
 
 
