@@ -11,10 +11,11 @@ import itertools
 from collections import Counter
 from dataclasses import dataclass, field
 from types import SimpleNamespace
+from typing import Any
 
 import torch
 
-from infer.core.compose import _auto_attention, compose, refusal
+from infer.core.compose import _auto_attention, check_model_attention, compose, refusal
 from infer.core.config import DTYPES, EngineConfig
 from infer.core.errors import ConfigError, InferError
 from infer.core.registry import BrokenPlugin, PluginRegistry, Strategy
@@ -104,7 +105,7 @@ def _verdict(
     return Verdict(label, name, reason, runs)
 
 
-def _model(config: EngineConfig, registry: PluginRegistry) -> tuple[Verdict, torch.dtype | None]:
+def _model(config: EngineConfig, registry: PluginRegistry) -> tuple[Verdict, Any]:
     from infer.models import hub
     from infer.models.loader import check_weight_shapes, meta_model, resolve_source
 
@@ -126,7 +127,7 @@ def _model(config: EngineConfig, registry: PluginRegistry) -> tuple[Verdict, tor
     note = f"{source.architecture.name}, {mc.num_layers} layers, {mc.num_heads}/{mc.num_kv_heads} heads, {weights}"
     if config.exit_layer is not None and not 1 <= config.exit_layer <= mc.num_layers:
         return Verdict("model", config.model, f"--exit-layer must be in [1, {mc.num_layers}] for {source.name}"), None
-    return Verdict("model", config.model, note=note), mc.torch_dtype
+    return Verdict("model", config.model, note=note), mc
 
 
 def diagnose(
@@ -145,10 +146,11 @@ def diagnose(
         except ConfigError as exc:
             verdicts.append(Verdict("device", config.device, str(exc), ("cpu",)))
             device = torch.device("cuda" if config.device.startswith("cuda") else "cpu")
-    model_dtype = None
+    model_config = None
     if check_model:
-        model_verdict, model_dtype = _model(config, registry)
+        model_verdict, model_config = _model(config, registry)
         verdicts.append(model_verdict)
+    model_dtype = model_config.torch_dtype if model_config is not None else None
     dtype = (
         config.resolve_dtype(device, model_dtype) if config.dtype == "auto" or config.dtype in DTYPES else torch.float32
     )
@@ -179,7 +181,10 @@ def diagnose(
             verdicts.append(Verdict("draft", config.draft, str(exc), ("ngram", "self")))
     if all(v.ok for v in verdicts):
         try:
-            compose(config, registry, device, dtype)
+            composition = compose(config, registry, device, dtype)
+            if model_config is not None:  # the model's sliding window and soft cap against the backends
+                limit = config.max_model_len or model_config.context_limit()[0]
+                check_model_attention(composition, registry, model_config, limit)
         except InferError as exc:
             verdicts.append(Verdict("combination", "", str(exc)))
     return Diagnosis(str(device), str(dtype).removeprefix("torch."), verdicts, list(registry.broken))

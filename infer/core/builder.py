@@ -14,7 +14,7 @@ from typing import Any, Iterable, Iterator
 import torch
 
 from infer.core.block_mover import BlockMover
-from infer.core.compose import Composition, compose
+from infer.core.compose import Composition, check_model_attention, compose
 from infer.core.config import EngineConfig, ModelConfig
 from infer.core.cuda_graphs import CudaGraphRunner
 from infer.core.engine import EngineParts
@@ -77,18 +77,21 @@ def _build_model(plan: _Plan, source: Any, model_config: Any, parallel: Communic
     """One model of the run (the target or a draft) and its attention backend, weights in place
     (under tensor parallelism: this rank's heads and shards)."""
     config, composition = plan.config, plan.composition
+    model_config = model_config.within_context(plan.max_model_len)  # windows as long as the context go
     kwargs = parallel.model_kwargs(source.name, source.architecture.factory, model_config)
     heads = parallel.heads(model_config.num_heads, model_config.num_kv_heads)
     spec = AttentionSpec(
         num_heads=heads.num_heads,
         num_kv_heads=heads.num_kv_heads,
         head_dim=model_config.head_dim,
-        scale=model_config.head_dim**-0.5,
+        scale=model_config.attention_scale or model_config.head_dim**-0.5,
         dtype=plan.dtype,
         device=plan.device,
         block_size=config.block_size,
         max_num_seqs=config.max_num_seqs,
         max_model_len=plan.max_model_len,
+        sliding_windows=model_config.sliding_windows(),
+        soft_cap=model_config.attention_soft_cap,
     )
     attention = composition.attention.factory(spec)
     if composition.prefill_attention is not None:
@@ -225,6 +228,7 @@ def _check(
             f"--max-model-len {max_model_len} exceeds {source.name}'s context of {context} tokens "
             f"({why}): use at most {context}"
         )
+    check_model_attention(composition, registry, model_config, max_model_len)
     if config.exit_layer is not None and not 1 <= config.exit_layer <= model_config.num_layers:
         raise ConfigError(f"--exit-layer must be in [1, {model_config.num_layers}] for {source.name}")
     layers = registry.layers(device.type)

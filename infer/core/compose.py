@@ -9,7 +9,7 @@ from dataclasses import dataclass
 
 import torch
 
-from infer.core.config import EngineConfig
+from infer.core.config import EngineConfig, ModelConfig
 from infer.core.errors import ConfigError, IncompatiblePluginsError
 from infer.core.registry import PluginRegistry, Strategy
 from infer.core.slots import CHOSEN, PREFILL_ATTENTION
@@ -142,3 +142,28 @@ def _check_decoder_options(decoder: Strategy, config: EngineConfig) -> None:
             + (f" --draft {config.draft}" if config.draft else "")
             + ": use --decoding early-exit or --decoding speculative --draft self, or drop --exit-layer"
         )
+
+
+def check_model_attention(
+    composition: Composition, registry: PluginRegistry, model_config: ModelConfig, max_model_len: int
+) -> None:
+    """The model's attention features (a sliding window shorter than the context, score soft-capping)
+    against the backends that would run them."""
+    windows = model_config.within_context(max_model_len).sliding_windows()
+    backends = [(composition.attention, "--attention")]
+    if composition.prefill_attention is not None:
+        backends.append((composition.prefill_attention, "--prefill-attention"))
+    able = ", ".join(s.name for s in registry.all("attention") if s.capabilities.sliding_window) or "none installed"
+    for s, flag in backends:
+        if windows and not s.capabilities.sliding_window:
+            raise IncompatiblePluginsError(
+                f"{model_config.name or 'the model'} uses sliding-window attention (window {windows[0]} tokens) "
+                f"and {flag} {s.name} does not implement it: use {flag} with one that does ({able}), or "
+                f"--max-model-len {windows[0]} (a context within the window needs none)"
+            )
+        if model_config.attention_soft_cap is not None and not s.capabilities.soft_cap:
+            capped = ", ".join(a.name for a in registry.all("attention") if a.capabilities.soft_cap) or "none installed"
+            raise IncompatiblePluginsError(
+                f"{model_config.name or 'the model'} caps its attention scores (soft cap "
+                f"{model_config.attention_soft_cap}) and {flag} {s.name} does not: use one that does ({capped})"
+            )

@@ -139,6 +139,11 @@ class ModelConfig:
     eos_token_ids: tuple[int, ...] = ()
     torch_dtype: torch.dtype | None = None
     name: str = ""
+    # sliding-window attention: layer i attends to its last layer_windows[i] tokens (None: all of them);
+    # empty when no layer is windowed
+    layer_windows: tuple[int | None, ...] = ()
+    attention_scale: float | None = None  # query-key scale; None: head_dim ** -0.5
+    attention_soft_cap: float | None = None  # attention scores capped as cap * tanh(s / cap) (Gemma 2)
     extra: dict[str, Any] = field(default_factory=dict)
 
     def rope(self) -> "Rope":
@@ -160,4 +165,14 @@ class ModelConfig:
         return rope_context_limit(self.rope_parameters, self.max_position_embeddings)
 
     def with_layers(self, num_layers: int) -> "ModelConfig":
-        return replace(self, num_layers=num_layers)
+        return replace(self, num_layers=num_layers, layer_windows=self.layer_windows[:num_layers])
+
+    def sliding_windows(self) -> tuple[int, ...]:
+        """The distinct windows of the windowed layers, smallest first."""
+        return tuple(sorted({w for w in self.layer_windows if w is not None}))
+
+    def within_context(self, max_model_len: int) -> "ModelConfig":
+        """This config for contexts of at most max_model_len tokens: a window that long or longer
+        changes nothing, so it is dropped (and any attention backend serves the layer)."""
+        windows = tuple(w if w is not None and w < max_model_len else None for w in self.layer_windows)
+        return replace(self, layer_windows=windows if any(w is not None for w in windows) else ())

@@ -42,6 +42,7 @@ class AttentionCase:
     v: torch.Tensor  # [T, Hkv, D]
     dense_k: list[torch.Tensor]  # seq i -> [seq_len, Hkv, D], context then new tokens
     dense_v: list[torch.Tensor]
+    window: int | None = None  # forward(window=): each query sees its last `window` positions
 
 
 def make_case(
@@ -54,6 +55,8 @@ def make_case(
     device: str | torch.device = "cpu",
     seed: int = 0,
     spare_blocks: int = 3,
+    window: int | None = None,
+    soft_cap: float | None = None,
 ) -> AttentionCase:
     gen = torch.Generator().manual_seed(seed)
     seq_lens = [q + c for q, c in zip(batch_spec.query_lens, batch_spec.context_lens)]
@@ -91,6 +94,8 @@ def make_case(
         block_size=block_size,
         max_num_seqs=max(len(seq_lens), 1),
         max_model_len=max(seq_lens) + 64,
+        sliding_windows=(window,) if window is not None else (),
+        soft_cap=soft_cap,
     )
     batch = AttentionBatch.build(list(batch_spec.query_lens), seq_lens, tables, block_size, device)
     return AttentionCase(
@@ -102,6 +107,7 @@ def make_case(
         v=torch.cat(new_v),
         dense_k=dense_k,
         dense_v=dense_v,
+        window=window,
     )
 
 
@@ -115,10 +121,15 @@ def naive_attention(case: AttentionCase) -> torch.Tensor:
         k = keys.float().repeat_interleave(group, dim=1)  # [L, H, D]
         v = values.float().repeat_interleave(group, dim=1)
         scores = torch.einsum("qhd,khd->hqk", q, k) * spec.scale
+        if spec.soft_cap is not None:
+            scores = spec.soft_cap * torch.tanh(scores / spec.soft_cap)
         seq_len = keys.shape[0]
         q_pos = torch.arange(seq_len - q_len, seq_len)[:, None]
         k_pos = torch.arange(seq_len)[None, :]
-        scores = scores.masked_fill((k_pos > q_pos).to(scores.device), float("-inf"))
+        hidden = k_pos > q_pos
+        if case.window is not None:
+            hidden |= k_pos <= q_pos - case.window
+        scores = scores.masked_fill(hidden.to(scores.device), float("-inf"))
         outs.append(torch.einsum("hqk,khd->qhd", scores.softmax(-1), v))
     return torch.cat(outs)
 
@@ -127,7 +138,8 @@ def check_backend(backend_cls, case: AttentionCase, atol: float, rtol: float) ->
     """Run one backend on a case; compare the output and the written cache slots to the oracle."""
     backend = backend_cls(case.spec)
     backend.plan(case.batch)
-    out = backend.forward(case.q, case.k, case.v, case.kv_cache)
+    window = {} if case.window is None else {"window": case.window}
+    out = backend.forward(case.q, case.k, case.v, case.kv_cache, **window)
     expected = naive_attention(case).to(out.device)
     torch.testing.assert_close(out.float(), expected, atol=atol, rtol=rtol)
     k_cache, v_cache = case.kv_cache

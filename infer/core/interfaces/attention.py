@@ -24,6 +24,8 @@ class AttentionSpec:
     block_size: int
     max_num_seqs: int
     max_model_len: int
+    sliding_windows: tuple[int, ...] = ()  # the distinct windows the model's layers pass to forward(window=)
+    soft_cap: float | None = None  # scores s (after the scale) become soft_cap * tanh(s / soft_cap)
 
 
 @dataclass(slots=True)
@@ -134,6 +136,11 @@ class AttentionBackend(Protocol):
     once per layer: it writes the new tokens' K/V into their slots of that layer's cache and
     returns the attention output for the new tokens (causal within a sequence, attending to the
     sequence's whole cached context).
+    Sliding windows: a backend whose `capabilities.sliding_window` is true also takes `window=W`
+    (one of `spec.sliding_windows`), and then the token at position p attends to positions
+    p - W + 1 .. p only (W tokens, itself included, as HF transformers' `sliding_window`). Models
+    pass `window=` only for windowed layers, and only to such a backend: the builder refuses
+    the others when the model's window is shorter than the context.
     Optional ability: `RotaryFusingAttention.forward_with_rotary` is `forward` of q and k rotated
     (Neox-style, in the cache write) at `positions` by the tables cos, sin ([max_position, head_dim / 2]
     float32), for the heads `fuses_rotary()` accepts; a model calls it instead of rotating first.
@@ -156,6 +163,6 @@ class AttentionBackend(Protocol):
 class RotaryFusingAttention(Protocol):
     def fuses_rotary(self) -> bool: ...
 
-    def forward_with_rotary(
+    def forward_with_rotary(  # also takes window= where forward does
         self, positions: Tensor, q: Tensor, k: Tensor, v: Tensor, kv_cache: KVCache, cos: Tensor, sin: Tensor
     ) -> Tensor: ...

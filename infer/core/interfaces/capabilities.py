@@ -25,6 +25,8 @@ class Capabilities:
     uses_exit_layer: bool = False  # decoder: requires --exit-layer (the layers it keeps)
     lossy: bool = False  # decoder: changes the outputs (early exit); the run report says so
     distributed: bool = True  # works under tensor parallelism
+    sliding_window: bool = False  # attention: honours forward(..., window=W) (see AttentionBackend)
+    soft_cap: bool = False  # attention: honours AttentionSpec.soft_cap
     priority: int = 0  # higher wins when a slot is resolved "auto"
     # returns None when runnable here, else the reason (missing library, wrong GPU, ...)
     available: Callable[[], str | None] | None = None
@@ -41,6 +43,10 @@ class Capabilities:
             parts.append("cuda-graphs")
         if self.pipeline_safe:
             parts.append("pipelined-decode")
+        if self.sliding_window:
+            parts.append("sliding-window")
+        if self.soft_cap:
+            parts.append("soft-cap")
         if self.needs_draft:
             parts.append("needs-draft")
         if self.lossy:

@@ -2,7 +2,8 @@
 
 Every other backend is tested against this one. It gathers each sequence's context through its
 block table into a padded [B, L, H, D] tensor and calls SDPA with an explicit mask, which is
-simple enough to trust and fast enough for the CPU default.
+simple enough to trust and fast enough for the CPU default. Sliding windows narrow the mask (one
+per window the model uses); soft-capped scores (Gemma 2) take the explicit softmax path.
 """
 
 from __future__ import annotations
@@ -23,12 +24,15 @@ def write_kv(kv_cache: KVCache, k: torch.Tensor, v: torch.Tensor, slot_mapping: 
 
 
 class TorchAttention:
-    capabilities = Capabilities(devices=frozenset({"cpu", "cuda"}), pipeline_safe=True, priority=0)
+    capabilities = Capabilities(
+        devices=frozenset({"cpu", "cuda"}), pipeline_safe=True, sliding_window=True, soft_cap=True, priority=0
+    )
 
     def __init__(self, spec: AttentionSpec) -> None:
         self.spec = spec
         self.batch: AttentionBatch | None = None
         self.mask: torch.Tensor | None = None  # [B, 1, Qmax, Lmax] bool, True = attend
+        self.window_masks: dict[int, torch.Tensor] = {}  # window -> the mask narrowed to it
         self.query_index: torch.Tensor | None = None  # [T] flat index into [B * Qmax]
         self.context_width = 0
 
@@ -48,12 +52,19 @@ class TorchAttention:
         # padded query rows attend to key 0 so softmax stays finite; their output is dropped.
         mask[:, :, 0] = True
         self.mask = mask[:, None]
+        self.window_masks = {}
+        for w in self.spec.sliding_windows:
+            windowed = mask & (k_pos[None, None, :] > q_pos[:, :, None] - w)
+            windowed[:, :, 0] |= ~windowed.any(-1)  # padded rows again
+            self.window_masks[w] = windowed[:, None]
         starts = batch.cu_seqlens_q[:-1].to(torch.int64)
         token_seq = torch.repeat_interleave(torch.arange(num_seqs, device=device), q_lens)
         token_off = torch.arange(batch.num_tokens, device=device) - starts[token_seq]
         self.query_index = token_seq * q_max + token_off
 
-    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: KVCache) -> torch.Tensor:
+    def forward(
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: KVCache, window: int | None = None
+    ) -> torch.Tensor:
         batch, spec = self.batch, self.spec
         assert batch is not None and self.mask is not None and self.query_index is not None, "plan() first"
         write_kv(kv_cache, k, v, batch.slot_mapping)
@@ -71,7 +82,13 @@ class TorchAttention:
             group = spec.num_heads // spec.num_kv_heads
             keys = keys.repeat_interleave(group, dim=1)
             values = values.repeat_interleave(group, dim=1)
-        out = F.scaled_dot_product_attention(queries, keys, values, attn_mask=self.mask, scale=spec.scale)
+        mask = self.mask if window is None else self.window_masks[window]
+        if spec.soft_cap is None:
+            out = F.scaled_dot_product_attention(queries, keys, values, attn_mask=mask, scale=spec.scale)
+        else:
+            scores = (queries @ keys.transpose(-1, -2)).float() * spec.scale
+            scores = spec.soft_cap * torch.tanh(scores / spec.soft_cap)
+            out = scores.masked_fill(~mask, float("-inf")).softmax(-1).to(values.dtype) @ values
         out = out.transpose(1, 2).reshape(num_seqs * q_max, spec.num_heads, spec.head_dim)
         return out[self.query_index]
 
