@@ -205,11 +205,11 @@ def files(tmp_path: Path) -> Path:
 @pytest.fixture()
 def weight_loads(monkeypatch) -> list[str]:
     """Every weight load or dummy initialisation the builder starts, by kind."""
-    import infer.core.builder as builder
+    import infer.models.build as build
     import infer.models.loader as loader
 
     calls: list[str] = []
-    for module in (builder, loader):
+    for module in (build, loader):
         load, init = module.load_weights, module.init_dummy_weights
         monkeypatch.setattr(module, "load_weights", lambda *a, _f=load, **k: (calls.append("load"), _f(*a, **k))[1])
         monkeypatch.setattr(

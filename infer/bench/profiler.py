@@ -111,11 +111,11 @@ class StepProfiler:
         model = runner.model
         layers = list(getattr(model, "layers", []))[: runner.num_layers or None]
         profiler = cls(runner.device, len(layers))
-        if runner.graphs is not None:
-            runner.graphs = None
+        graphs, pipeline = runner.graphs, runner.pipeline
+        runner.set_decode_paths(None, None)
+        if graphs is not None:
             profiler.notes.append("CUDA graphs off while profiling (hooks cannot see inside a graph)")
-        if runner.pipeline:  # a step's forward would be timed inside the step before it
-            runner.pipeline = False
+        if pipeline is not None:  # a step's forward would be timed inside the step before it
             profiler.notes.append(
                 "decode pipelining off while profiling (each step's forward is timed in its own step)"
             )

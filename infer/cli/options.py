@@ -11,7 +11,7 @@ from typing import Any, Callable
 import click
 
 from infer.core.config import CHOICES, EngineConfig
-from infer.core.config_fields import FieldType, field_types, flag
+from infer.inputs.options import FieldType, field_types, flag
 
 
 def _slot_help(what: str, builtin: str) -> str:

@@ -6,17 +6,14 @@ bad combination fails in milliseconds with a message naming the fix.
 
 from __future__ import annotations
 
-import contextlib
 import time
 from dataclasses import dataclass
-from typing import Any, Iterable, Iterator
+from typing import Any, Iterable
 
 import torch
 
-from infer.core.block_mover import BlockMover
 from infer.core.compose import Composition, check_model_attention, compose
 from infer.core.config import EngineConfig, ModelConfig
-from infer.core.cuda_graphs import CudaGraphRunner
 from infer.core.engine import EngineParts
 from infer.core.errors import ConfigError
 from infer.core.hybrid_attention import HybridAttention
@@ -29,31 +26,17 @@ from infer.core.interfaces import (
     SelfDescribing,
     SingleProcess,
 )
-from infer.core.kv_cache import allocate_kv_cache, budget_bytes, bytes_per_block, num_blocks_for_budget
 from infer.core.logging import get_logger
 from infer.core.output import OutputProcessor
 from infer.core.registry import PluginRegistry
 from infer.core.runner import ModelRunner
 from infer.inputs.chat_template import load_chat_template
-from infer.models.loader import (
-    ModelSource,
-    check_weight_shapes,
-    init_dummy_weights,
-    load_tokenizer,
-    load_weights,
-    meta_model,
-    resolve_source,
-)
-
-
-@contextlib.contextmanager
-def default_dtype(dtype: torch.dtype) -> Iterator[None]:
-    previous = torch.get_default_dtype()
-    torch.set_default_dtype(dtype)
-    try:
-        yield
-    finally:
-        torch.set_default_dtype(previous)
+from infer.models.build import check_draft, load_model
+from infer.models.loader import ModelSource, check_weight_shapes, load_tokenizer, meta_model, resolve_source
+from infer.runtime.block_mover import BlockMover
+from infer.runtime.cuda_graphs import CudaGraphRunner
+from infer.runtime.kv_cache import CacheShape, allocate_kv_cache, check_fits, plan_blocks
+from infer.runtime.pipeline import Pipeline
 
 
 @dataclass(slots=True)
@@ -96,50 +79,26 @@ def _build_model(plan: _Plan, source: Any, model_config: Any, parallel: Communic
     attention = composition.attention.factory(spec)
     if composition.prefill_attention is not None:
         attention = HybridAttention(composition.prefill_attention.factory(spec), attention)
-    with torch.device(plan.device), default_dtype(plan.dtype):
-        model = source.architecture.factory(model_config, plan.layers, attention, **kwargs)
-    model.eval().requires_grad_(False)
-    if source.path is None:
-        init_dummy_weights(model, config.seed)
-    else:
-        load_weights(model, source.path, sharded=parallel.is_parallel)
+    model = load_model(
+        source,
+        model_config,
+        plan.layers,
+        attention,
+        plan.device,
+        plan.dtype,
+        config.seed,
+        parallel.is_parallel,
+        **kwargs,
+    )
     return model, attention
 
 
 def _check_draft(plan: _Plan, name_or_path: str | None = None) -> ModelSource:
     """The draft model's source, found and checked against the target (config.json and the weights'
     headers, no weights)."""
-    config, model_config, target, max_model_len = plan.config, plan.model_config, plan.source.name, plan.max_model_len
-    draft_source = resolve_source(name_or_path or str(config.draft), plan.registry, config.load_format)
-    draft_config = draft_source.model_config()
-    if draft_config.vocab_size != model_config.vocab_size:
-        raise ConfigError(
-            f"draft {draft_source.name} has a vocabulary of {draft_config.vocab_size} tokens but {target} has "
-            f"{model_config.vocab_size}: pick a draft with the target's tokenizer"
-        )
-    if draft_config.max_position_embeddings < max_model_len:
-        raise ConfigError(
-            f"draft {draft_source.name} holds {draft_config.max_position_embeddings} positions, fewer than the "
-            f"context of {max_model_len}: lower --max-model-len to at most that"
-        )
-    if draft_source.path is not None:
-        check_weight_shapes(meta_model(draft_source, draft_config, plan.layers), draft_source.path)
+    draft_source = resolve_source(name_or_path or str(plan.config.draft), plan.registry, plan.config.load_format)
+    check_draft(draft_source, plan.source.name, plan.model_config, plan.max_model_len, plan.layers)
     return draft_source
-
-
-def _check_kv_fits(num_blocks: int, config: EngineConfig, max_model_len: int, lookahead: int, raise_flag: str) -> None:
-    """The cache must hold one request of max_model_len (and the decoder's lookahead slots), as vLLM
-    requires: a smaller one would end every long request for want of room, after the weights loaded."""
-    needed = -(-(max_model_len + lookahead) // config.block_size)
-    if num_blocks >= needed:
-        return
-    fits = num_blocks * config.block_size - lookahead
-    lower = f", or lower --max-model-len to {fits} or less" if fits >= 1 else ""
-    raise ConfigError(
-        f"the KV cache holds {num_blocks} block{'s' if num_blocks != 1 else ''} of {config.block_size} tokens but one "
-        f"request of --max-model-len {max_model_len}{f' plus {lookahead} draft tokens' if lookahead else ''} needs {needed}: raise {raise_flag}"
-        f"{' to ' + str(needed) if raise_flag == '--num-kv-blocks' else ''}{lower}"
-    )
 
 
 def build_engine(
@@ -243,7 +202,7 @@ def _check(
         plan.draft_source = _check_draft(plan)
     lookahead = config.num_speculative_tokens if needs_draft else 0  # the decoder's, once built
     if config.num_kv_blocks is not None:
-        _check_kv_fits(config.num_kv_blocks, config, max_model_len, lookahead, "--num-kv-blocks")
+        check_fits(config.num_kv_blocks, config.block_size, max_model_len, lookahead, "--num-kv-blocks")
     return plan
 
 
@@ -290,39 +249,20 @@ def _size_kv_cache(
 ) -> tuple[int, BlockMover]:
     """Every model's KV cache, the same number of blocks (one more: the null block) indexed by the same
     block tables, within the budget; and the block mover over them, with the CPU pool for swaps."""
-    config, dtype, device = plan.config, plan.dtype, plan.device
-
-    def kv_heads(c: Any) -> int:  # this rank's KV heads of a model (all of them at --tp 1)
-        return parallel.heads(c.num_heads, c.num_kv_heads).num_kv_heads
-
-    per_block = sum(
-        bytes_per_block(r.num_layers or c.num_layers, config.block_size, kv_heads(c), c.head_dim, dtype)
+    config = plan.config
+    shapes = [
+        CacheShape(r.num_layers or c.num_layers, parallel.heads(c.num_heads, c.num_kv_heads).num_kv_heads, c.head_dim)
         for r, c in models
+    ]
+    num_blocks, num_cpu_blocks = plan_blocks(
+        config, shapes, plan.max_model_len, lookahead, plan.dtype, plan.device, agree=parallel.min
     )
-    blocks_per_seq = -(-(plan.max_model_len + config.num_speculative_tokens + 1) // config.block_size)
-    num_blocks = config.num_kv_blocks or min(  # never more than max_num_seqs full-length requests use
-        num_blocks_for_budget(
-            budget_bytes(device, config.kv_cache_memory_gib, config.gpu_memory_utilization), per_block
-        ),
-        config.max_num_seqs * blocks_per_seq,
-    )
-    num_blocks = parallel.min(num_blocks)  # every tensor-parallel rank's cache holds the same blocks
-    _check_kv_fits(
-        num_blocks,
-        config,
-        plan.max_model_len,
-        lookahead,
-        "--num-kv-blocks" if config.num_kv_blocks else "--kv-cache-memory / --gpu-memory-utilization",
-    )
-    for r, c in models:  # one block more than the allocator owns: the null block
+    for (r, _), s in zip(models, shapes):  # one block more than the allocator owns: the null block
         r.kv_caches.extend(
             allocate_kv_cache(
-                r.num_layers or c.num_layers, num_blocks + 1, config.block_size, kv_heads(c), c.head_dim, dtype, device
+                s.num_layers, num_blocks + 1, config.block_size, s.num_kv_heads, s.head_dim, plan.dtype, plan.device
             )
         )
-    num_cpu_blocks = 0  # the CPU pool for preemption by swap, sized like the device cache (every model's bytes)
-    if config.preemption_mode == "swap":
-        num_cpu_blocks = min(int(config.swap_space_gib * 2**30) // per_block, config.max_num_seqs * blocks_per_seq)
     block_mover = BlockMover(num_cpu_blocks)
     for cache_list in {id(r.kv_caches): r.kv_caches for r, _ in models}.values():  # a self-draft shares the target's
         block_mover.add(cache_list)
@@ -365,5 +305,5 @@ def _wire(
                 num_layers=r.num_layers,
             )
             graphs.capture()
-        r.set_decode_paths(graphs, pipeline_with=scheduler if pipeline and r is runner else None)
+        r.set_decode_paths(graphs, Pipeline(r, scheduler) if pipeline and r is runner else None)
     return scheduler

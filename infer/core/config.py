@@ -9,8 +9,8 @@ from typing import TYPE_CHECKING, Any, Literal
 
 import torch
 
-from infer.core.config_fields import check_fields, check_known, parse_option
 from infer.core.errors import ConfigError
+from infer.inputs.options import check_fields, check_known, parse_option
 
 if TYPE_CHECKING:
     from infer.models.rope import Rope

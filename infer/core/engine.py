@@ -12,12 +12,12 @@ from typing import Any, Iterable, Sequence
 
 import torch
 
-from infer.core.block_mover import BlockMover
 from infer.core.errors import RequestError, one_line
 from infer.core.interfaces import Decoder, KVUsage, Launch, ResettableStats, Scheduler, StatsSummary
 from infer.core.output import Group, OutputProcessor
 from infer.core.request import FinishReason, Request, RequestOutput, SamplingParams
-from infer.inputs.prompts import split_prompt
+from infer.inputs.prompts import tokenize
+from infer.runtime.block_mover import BlockMover
 
 CLOSED = "this engine is closed (its memory was given back): build a new LLM"
 
@@ -72,12 +72,8 @@ class Engine:
     # ------------------------------------------------------------------ requests
 
     def tokenize(self, prompt: Prompt) -> tuple[str | None, list[int]]:
-        text, ids = split_prompt(prompt, self.parts.vocab_size)
-        if ids is not None:
-            return None, ids
-        if self.tokenizer is None:
-            raise RequestError(f"model {self.parts.model_config.name} has no tokenizer: pass prompts as token id lists")
-        return text, list(self.tokenizer.encode(text))
+        parts = self.parts
+        return tokenize(prompt, self.tokenizer, parts.vocab_size, parts.max_model_len, parts.model_config.name)
 
     def add_request(self, prompt: Prompt, params: SamplingParams | None = None, request_id: str | None = None) -> str:
         if self.closed:
@@ -96,11 +92,6 @@ class Engine:
             raise RequestError(f"request_id must be a string, not {type(request_id).__name__}")
         text, ids = self.tokenize(prompt)
         limit = self.parts.max_model_len
-        if len(ids) >= limit:
-            raise RequestError(
-                f"prompt has {len(ids)} tokens but the context holds {limit} (prompt + at least one new token): "
-                f"shorten the prompt or raise --max-model-len"
-            )
         parent_id = request_id
         while parent_id is None or (request_id is None and parent_id in self.output.groups):  # skip ids a caller took
             parent_id = str(next(self._ids))
@@ -273,13 +264,14 @@ class Engine:
         if isinstance(self.parts.scheduler, ResettableStats):  # the scheduler as built, however wrapped since
             self.parts.scheduler.reset_stats()
         for runner in self.parts.runners:
-            runner.pipeline_hits = runner.pipeline_misses = 0
+            if runner.pipeline is not None:
+                runner.pipeline.hits = runner.pipeline.misses = 0
 
     def stats(self) -> dict[str, float]:
         stats = {"steps": self.num_steps, **self.scheduler.stats(), **self.decoder_stats()}
         runner = self.parts.runners[0] if self.parts.runners else None
-        if runner is not None and runner.pipeline:  # decode pipelining: steps served ahead
-            stats.update(pipelined_steps=runner.pipeline_hits, pipeline_misses=runner.pipeline_misses)
+        if runner is not None and runner.pipeline is not None:  # decode pipelining: steps served ahead
+            stats.update(pipelined_steps=runner.pipeline.hits, pipeline_misses=runner.pipeline.misses)
         return stats
 
     def decoder_stats(self) -> dict[str, float]:

@@ -96,3 +96,20 @@ def _check_ids(ids: list | tuple, vocab_size: int) -> list[int]:
 def _short(value: object, limit: int = 60) -> str:
     text = repr(value)
     return text if len(text) <= limit else text[: limit - 3] + "..."
+
+
+def tokenize(
+    prompt: Any, tokenizer: Any | None, vocab_size: int, max_model_len: int, model: str
+) -> tuple[str | None, list[int]]:
+    """(text or None, token ids) of a prompt for `model`, which must leave room for one new token."""
+    text, ids = split_prompt(prompt, vocab_size)
+    if ids is None:
+        if tokenizer is None:
+            raise RequestError(f"model {model} has no tokenizer: pass prompts as token id lists")
+        ids = list(tokenizer.encode(text))
+    if len(ids) >= max_model_len:
+        raise RequestError(
+            f"prompt has {len(ids)} tokens but the context holds {max_model_len} (prompt + at least one new token): "
+            f"shorten the prompt or raise --max-model-len"
+        )
+    return text, ids

@@ -56,7 +56,7 @@ def check_idle(llm: LLM, free_at_start: int) -> None:
     assert engine.requests == {} and engine.output.groups == {} and engine.output.in_flight == []
     assert engine.scheduler.allocator.num_free_blocks() == free_at_start
     assert engine.kv_usage().num_used_blocks == 0  # prefix-cached blocks are evictable, so free
-    assert all(r._ahead is None for r in engine.parts.runners)
+    assert all(r.pipeline is None or r.pipeline._ahead is None for r in engine.parts.runners)
 
 
 def trip_after_sampling(llm: LLM, trip: dict) -> None:
@@ -67,7 +67,8 @@ def trip_after_sampling(llm: LLM, trip: dict) -> None:
     def tripped(out, result):
         trip["updates"] = trip.get("updates", 0) + 1
         if trip["updates"] == trip.get("update_at"):
-            assert llm.engine.parts.runners[0]._ahead is not None or not llm.engine.parts.runners[0].pipeline
+            pipeline = llm.engine.parts.runners[0].pipeline
+            assert pipeline is None or pipeline._ahead is not None
             raise trip["error"]
         return update(out, result)
 

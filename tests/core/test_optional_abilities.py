@@ -152,7 +152,7 @@ def test_strategies_without_optional_abilities_still_run(tiny_llama_dir, expecte
     assert not isinstance(engine.scheduler, (PipeliningScheduler, ResettableStats))
     assert not isinstance(runner.sampler, (TokenSampler, VerifyingSampler))
     assert not isinstance(engine.decoder, (SelfDescribing, StatsSummary))
-    assert runner.pipeline and not runner.samples_on_device and runner.pipeline_scheduler is None
+    assert runner.pipeline and not runner.pipeline.samples_on_device and runner.pipeline.scheduler is None
     assert stats["pipelined_steps"] == stats["pipeline_misses"] == 0 and "preemptions" in stats
     assert engine.num_steps == 0  # reset_stats ran, with no scheduler counters to reset
 
@@ -160,7 +160,7 @@ def test_strategies_without_optional_abilities_still_run(tiny_llama_dir, expecte
 def test_scheduler_without_slot_reservation_queues_nothing_ahead(tiny_llama_dir, expected):
     tokens, runner, stats, _ = generate(tiny_llama_dir, scheduler="bare", pipeline_decode=True)
     assert tokens == expected
-    assert runner.samples_on_device and runner.pipeline_scheduler is None
+    assert runner.pipeline.samples_on_device and runner.pipeline.scheduler is None
     assert stats["pipelined_steps"] == stats["pipeline_misses"] == 0
 
 
@@ -168,8 +168,8 @@ def test_scheduler_with_slot_reservation_guides_pipelining(tiny_llama_dir, expec
     CountingScheduler.calls = {}
     tokens, runner, stats, _ = generate(tiny_llama_dir, scheduler="counting", pipeline_decode=True)
     assert tokens == expected
-    assert isinstance(runner.pipeline_scheduler, CountingScheduler)
-    assert stats["pipelined_steps"] > 0 and runner.pipeline_hits == 0  # counted, then reset
+    assert isinstance(runner.pipeline.scheduler, CountingScheduler)
+    assert stats["pipelined_steps"] > 0 and runner.pipeline.hits == 0  # counted, then reset
     assert CountingScheduler.calls["outlook"] > 0
     assert CountingScheduler.calls["reserve"] > 0  # block_size 4: forwards queued ahead start new blocks
 

@@ -22,7 +22,8 @@ def run(model_dir, prompts, params, **options):
     with LLM(model=str(model_dir), device="cpu", dtype="float32", **options) as llm:
         outs = llm.generate(prompts, params)
         runner: ModelRunner = llm.engine.decoder.runner
-        return [o.outputs[0].token_ids for o in outs], runner.pipeline_hits, runner.pipeline_misses
+        hits, misses = (runner.pipeline.hits, runner.pipeline.misses) if runner.pipeline is not None else (0, 0)
+        return [o.outputs[0].token_ids for o in outs], hits, misses
 
 
 def stop_tokens_mid_run(model_dir, params):
@@ -101,10 +102,10 @@ def test_logprobs_turn_pipelining_off_for_that_step(tiny_llama_dir):
 
 def test_pipelining_is_off_by_default_on_the_cpu(tiny_llama_dir):
     with LLM(model=str(tiny_llama_dir), device="cpu", dtype="float32") as llm:
-        assert llm.engine.decoder.runner.pipeline is False
+        assert llm.engine.decoder.runner.pipeline is None
     with LLM(model=str(tiny_llama_dir), device="cpu", dtype="float32", pipeline_decode=True, sampler="naive") as llm:
         llm.generate(PROMPTS[:2], SamplingParams(max_tokens=6, temperature=0))
-        assert llm.engine.decoder.runner.pipeline_hits == 0  # the naive sampler cannot leave tokens on the device
+        assert llm.engine.decoder.runner.pipeline.hits == 0  # the naive sampler cannot leave tokens on the device
     assert torch.get_num_threads() >= 1
 
 
@@ -133,7 +134,7 @@ def test_decoders_that_do_not_step_one_token_at_a_time_are_not_pipelined(tiny_ll
         decoding="speculative",
         draft="ngram",
     ) as llm:
-        assert llm.engine.decoder.target.pipeline is False
+        assert llm.engine.decoder.target.pipeline is None
     with LLM(
         model=str(tiny_llama_dir),
         device="cpu",
@@ -143,7 +144,7 @@ def test_decoders_that_do_not_step_one_token_at_a_time_are_not_pipelined(tiny_ll
         exit_layer=1,
     ) as llm:
         llm.generate(PROMPTS[:2], SamplingParams(max_tokens=8, temperature=0, ignore_eos=True))
-        assert llm.engine.decoder.runner.pipeline_hits > 0
+        assert llm.engine.decoder.runner.pipeline.hits > 0
 
 
 def test_full_batch_with_requests_waiting(tiny_llama_dir):
@@ -160,13 +161,13 @@ def test_backoff_doubles_after_misses_and_resets_on_a_hit():
     from types import SimpleNamespace
 
     from infer.core.interfaces import BatchOutlook
+    from infer.runtime.pipeline import Pipeline
 
-    runner = ModelRunner.__new__(ModelRunner)
-    runner.pipeline_hits = runner.pipeline_misses = runner._backoff = runner._skip = 0
-    runner.pipeline_scheduler = SimpleNamespace(next_batch_outlook=lambda: BatchOutlook.LIKELY)
-    runner._count(hit=False)
-    runner._count(hit=False)
-    assert runner._backoff == 2
-    assert [runner._should_queue_ahead() for _ in range(3)] == [False, False, True]
-    runner._count(hit=True)
-    assert runner._backoff == 0 and runner._should_queue_ahead()
+    pipeline = Pipeline(SimpleNamespace(sampler=None), scheduler=None)
+    pipeline.scheduler = SimpleNamespace(next_batch_outlook=lambda: BatchOutlook.LIKELY)
+    pipeline._count(hit=False)
+    pipeline._count(hit=False)
+    assert pipeline._backoff == 2
+    assert [pipeline._should_queue_ahead() for _ in range(3)] == [False, False, True]
+    pipeline._count(hit=True)
+    assert pipeline._backoff == 0 and pipeline._should_queue_ahead()

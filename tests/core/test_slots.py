@@ -8,8 +8,8 @@ import pytest
 
 from infer.core import hookspecs
 from infer.core.config import EngineConfig
-from infer.core.config_fields import flag
 from infer.core.slots import CHOSEN, PREFILL_ATTENTION, SLOTS, find
+from infer.inputs.options import flag
 
 
 def test_every_slot_has_its_hook_spec_and_every_chosen_slot_its_field_and_flag():

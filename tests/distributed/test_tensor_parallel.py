@@ -131,7 +131,7 @@ def test_pipelined_decode_under_tp(tiny_llama_dir):
     expected = [o.outputs[0].token_ids for o in generate(1, PROMPTS, params, pipeline_decode=False, **options)]
     with LLM(tensor_parallel_size=2, pipeline_decode=True, **options) as llm:
         actual = [o.outputs[0].token_ids for o in llm.generate(PROMPTS, params)]
-        assert llm.engine.decoder.runner.pipeline_hits > 0
+        assert llm.engine.decoder.runner.pipeline.hits > 0
     assert actual == expected
 
 
@@ -439,8 +439,8 @@ def test_graphs_are_released_before_the_groups_go():
     closing releases every runner's graphs (here stand-ins, on the CPU) and steps then run eagerly."""
     from types import SimpleNamespace
 
-    from infer.core.cuda_graphs import CudaGraphRunner
     from infer.distributed.teardown import release_graphs
+    from infer.runtime.cuda_graphs import CudaGraphRunner
 
     class Graph:
         released = 0

@@ -127,7 +127,7 @@ def test_pipelined_decode_makes_the_same_tokens(max_num_seqs):
         )
         outs = llm.generate(SHARED_PROMPTS, params)
         runner = llm.engine.decoder.runner
-        hits = runner.pipeline_hits
+        hits = runner.pipeline.hits if runner.pipeline is not None else 0
         llm.close()
         return [o.outputs[0].token_ids for o in outs], hits
 

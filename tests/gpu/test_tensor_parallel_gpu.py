@@ -236,7 +236,7 @@ def test_tp2_pipelined_decode_matches_tp1(shape_dir):
         expected = [o.outputs[0].token_ids for o in llm.generate(PROMPTS, params)]
     with LLM(tensor_parallel_size=2, pipeline_decode=True, **options) as llm:
         got = [o.outputs[0].token_ids for o in llm.generate(PROMPTS, params)]
-        assert llm.engine.decoder.runner.pipeline_hits > 0
+        assert llm.engine.decoder.runner.pipeline.hits > 0
     assert got == expected
 
 

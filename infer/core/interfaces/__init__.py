@@ -5,7 +5,7 @@ Implementations are plain classes; a factory registered through a hook builds th
 engine, so the hot loop is ordinary method calls.
 
 One module per noun (capabilities, attention, kv, scheduling, sampling, decoding, text,
-models, parallel); everything is importable from here: `from infer.core.interfaces import AttentionBackend`.
+models, parallel, decode paths); everything is importable from here: `from infer.core.interfaces import AttentionBackend`.
 An optional ability is a small `runtime_checkable` protocol beside the interface it extends, whose
 docstring documents it; a strategy without it works, without what it would add.
 """
@@ -18,6 +18,7 @@ from infer.core.interfaces.attention import (
     RotaryFusingAttention,
 )
 from infer.core.interfaces.capabilities import DEFAULT_CAPABILITIES, Capabilities, capabilities_of
+from infer.core.interfaces.decode_paths import DecodeGraphs, DecodePipeline
 from infer.core.interfaces.decoding import Decoder, DecoderContext, ModelRunnerLike, SelfDescribing, StatsSummary
 from infer.core.interfaces.kv import BlockOps, KVAllocator, KVUsage
 from infer.core.interfaces.models import (
@@ -58,5 +59,6 @@ __all__ = [
     "DetokenizedDelta", "Detokenizer",
     "LAYER_KINDS", "Layers", "RotaryTables", "FusingActivation", "LinearMatmul", "PushingMatmul",
     "CausalLM", "CheckpointShapes", "ModelArchitecture", "HFArchitectures", "ModelPresets", "RegisterFn",
+    "DecodeGraphs", "DecodePipeline",
     "HeadLayout", "Communicator", "Executor", "LocalExecutor", "SingleProcess", "Launch",
 ]  # fmt: skip

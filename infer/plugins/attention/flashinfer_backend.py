@@ -6,7 +6,7 @@ FlashInfer's CSR page table (indptr / indices / last_page_len) on the host and p
 decode over the leading `num_decode_seqs` sequences, causal paged prefill (cached prefix included)
 over the rest. `forward` writes the new K/V into the cache and runs both into one output.
 
-CUDA graphs: decode-only steps of a graph bucket size (`infer.core.cuda_graphs.bucket_sizes`) run
+CUDA graphs: decode-only steps of a graph bucket size (`infer.runtime.cuda_graphs.bucket_sizes`) run
 through graph-mode decode wrappers, one per size (FlashInfer fixes a graph-mode wrapper's batch size
 and split-KV grid), whose page tables live in buffers allocated once (sized from max_num_seqs and
 max_model_len). A captured decode step stays valid as long as `plan` is called with each step's batch
@@ -23,10 +23,10 @@ from typing import Any
 
 import torch
 
-from infer.core.cuda_graphs import bucket_sizes
 from infer.core.hookspecs import hookimpl
 from infer.core.interfaces import AttentionBatch, AttentionSpec, Capabilities, KVCache
 from infer.plugins.attention.torch_backend import write_kv
+from infer.runtime.cuda_graphs import bucket_sizes
 
 INT_WORKSPACE_BYTES = 8 << 20  # what FlashInfer allocates per wrapper for its plan data
 

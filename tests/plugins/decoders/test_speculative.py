@@ -9,8 +9,8 @@ import torch
 
 from infer import SamplingParams
 from infer.core.errors import ConfigError, IncompatiblePluginsError
-from infer.core.kv_cache import bytes_per_block
 from infer.llm import LLM
+from infer.runtime.kv_cache import bytes_per_block
 from infer.testing.prompts import SMOLLM2_PROMPTS
 
 TINY_PROMPTS = [

@@ -1,0 +1,136 @@
+"""Sampling parameters: what a caller asks of each request, checked before it is queued."""
+
+from __future__ import annotations
+
+import math
+import numbers
+from dataclasses import dataclass
+from typing import Callable, Literal
+
+from infer.core.errors import RequestError
+
+
+@dataclass(slots=True)
+class SamplingParams:
+    """Per-request sampling settings; field names follow vLLM's."""
+
+    n: int = 1  # independent samples per prompt
+    max_tokens: int = 16  # new tokens to generate at most
+    temperature: float = 1.0  # 0 means greedy
+    top_k: int = 0  # 0 (or -1) disables
+    top_p: float = 1.0  # nucleus mass kept, in (0, 1]
+    min_p: float = 0.0  # drop tokens below min_p * max prob, in [0, 1]
+    repetition_penalty: float = 1.0  # > 0; 1 disables (HF/CTRL style, prompt + output tokens)
+    presence_penalty: float = 0.0  # [-2, 2], OpenAI style, output tokens
+    frequency_penalty: float = 0.0  # [-2, 2], OpenAI style, output tokens
+    seed: int | None = None  # per-request seed: same seed, same tokens, in any batch
+    stop: list[str] | str | None = None  # stop strings (excluded from the text)
+    stop_token_ids: list[int] | None = None  # extra stop tokens (kept in token_ids)
+    ignore_eos: bool = False  # keep generating past EOS (benchmarks)
+    logprobs: int | None = None  # top-k logprobs per output token, plus the sampled token's
+    # beam search (vLLM's API): `best_of` beams, the best `n` returned, scored as HF transformers
+    # does: sum of logprobs / generated_len ** length_penalty. Deterministic: temperature, top-k/p
+    # and seed are ignored; penalties and stop strings are not supported with it.
+    use_beam_search: bool = False
+    best_of: int | None = None  # beam width (with use_beam_search); None: n
+    length_penalty: float = 1.0
+    early_stopping: bool | Literal["never"] = False  # as HF: True, False (heuristic) or "never"
+
+    def __post_init__(self) -> None:
+        # vLLM's forms: one string or a sequence of them, None for none; anything else is left for validate
+        if isinstance(self.stop, str):
+            self.stop = [self.stop]
+        if self.stop is None or isinstance(self.stop, tuple):
+            self.stop = list(self.stop or [])
+        if self.stop_token_ids is None or isinstance(self.stop_token_ids, tuple):
+            self.stop_token_ids = list(self.stop_token_ids or [])
+        if self.top_k == -1:
+            self.top_k = 0
+        self.validate()
+
+    @property
+    def is_greedy(self) -> bool:
+        return self.temperature == 0.0
+
+    def validate(self) -> None:
+        """Types and ranges of every field; raises RequestError naming the field and the fix."""
+        _integer("n", self.n, 1, fix="use an integer >= 1")
+        _integer("max_tokens", self.max_tokens, 1, fix="use an integer >= 1 (--max-tokens)")
+        _real("temperature", self.temperature, lambda v: v >= 0, "use a number >= 0 (0 is greedy)")
+        _integer("top_k", self.top_k, 0, fix="use 0 (or -1) to disable, or a positive integer")
+        _real("top_p", self.top_p, lambda v: 0 < v <= 1, "use a number in (0, 1]; 1 disables it (--top-p)")
+        _real("min_p", self.min_p, lambda v: 0 <= v <= 1, "use a number in [0, 1]; 0 disables it")
+        _real("repetition_penalty", self.repetition_penalty, lambda v: v > 0, "use a number > 0; 1 disables it")
+        for name in ("presence_penalty", "frequency_penalty"):
+            _real(name, getattr(self, name), lambda v: -2 <= v <= 2, "use a number in [-2, 2]; 0 disables it")
+        if self.seed is not None:
+            _integer("seed", self.seed, -(2**63), 2**63 - 1, fix="use None or an integer in [-2**63, 2**63)")
+        if not isinstance(self.stop, list) or not all(isinstance(s, str) and s for s in self.stop):
+            raise _bad("stop", self.stop, "use a non-empty string or a list of them (token ids go in stop_token_ids)")
+        if not isinstance(self.stop_token_ids, list):
+            raise _bad("stop_token_ids", self.stop_token_ids, "use a list of token ids (integers >= 0)")
+        for token in self.stop_token_ids:
+            _integer("stop_token_ids", token, 0, fix="use a list of token ids (integers >= 0)")
+        _boolean("ignore_eos", self.ignore_eos)
+        if self.logprobs is not None:
+            _integer("logprobs", self.logprobs, 0, fix="use None or an integer >= 0")
+        _boolean("use_beam_search", self.use_beam_search)
+        if self.best_of is not None:
+            _integer("best_of", self.best_of, self.n, fix=f"use an integer >= n ({self.n}), or None")
+        if not self.use_beam_search:
+            if self.best_of not in (None, self.n):
+                raise _bad(
+                    "best_of",
+                    self.best_of,
+                    "best_of > n is used by beam search only: set use_beam_search=True (--beam-width)",
+                )
+            return
+        if not (isinstance(self.early_stopping, bool) or self.early_stopping == "never"):
+            raise _bad("early_stopping", self.early_stopping, "use True, False or 'never'")
+        _real("length_penalty", self.length_penalty, lambda v: True, "use a finite number")
+        penalised = self.repetition_penalty != 1.0 or self.presence_penalty or self.frequency_penalty
+        if penalised or self.stop:
+            raise _bad("use_beam_search", True, "beam search takes no penalties or stop strings: drop them")
+
+    # all the rest of the engine knows of beam search (the scheduler's): these two
+    @property
+    def num_sequences(self) -> int:
+        """Requests the engine runs for one prompt: n samples, or best_of beams (the first n are returned)."""
+        return (self.best_of or self.n) if self.use_beam_search else self.n
+
+    @property
+    def tokens_are_final(self) -> bool:
+        """False for beams, whose tokens the scheduler rewrites: decoded once, at the end; never drafted
+        for or run ahead; their logprobs are the scheduler's."""
+        return not self.use_beam_search
+
+
+def _bad(field_name: str, value: object, fix: str) -> RequestError:
+    return RequestError(f"invalid {field_name}={value!r}: {fix}")
+
+
+def _integer(name: str, value: object, lo: int, hi: int | None = None, *, fix: str) -> None:
+    # bool is an int subclass, but True as a count or a seed is a mistake
+    if (
+        isinstance(value, bool)
+        or not isinstance(value, numbers.Integral)
+        or value < lo
+        or (hi is not None and value > hi)
+    ):
+        raise _bad(name, value, fix)
+
+
+def _real(name: str, value: object, in_range: Callable[[float], bool], fix: str) -> None:
+    # NaN fails every comparison, so it is caught by isfinite before the range test
+    if (
+        isinstance(value, bool)
+        or not isinstance(value, numbers.Real)
+        or not math.isfinite(value)
+        or not in_range(value)
+    ):
+        raise _bad(name, value, fix)
+
+
+def _boolean(name: str, value: object) -> None:
+    if not isinstance(value, bool):
+        raise _bad(name, value, "use True or False")
