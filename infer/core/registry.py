@@ -146,8 +146,24 @@ class PluginRegistry:
         """Every layer kind's implementation for this device (see `layer`)."""
         return Layers(**{kind: self.layer(kind, device_type) for kind in LAYER_KINDS})
 
-    def architecture_for(self, hf_architecture: str) -> Strategy:
+    def architecture_for(self, hf_architecture: str, model_impl: str = "auto") -> Strategy:
+        """The model plugin that runs checkpoints of `hf_architecture`: `model_impl` when named (it must
+        claim the architecture), else the first that claims it."""
         models = [s for s in self.strategies["model"].values() if isinstance(s.factory, HFArchitectures)]
+        if model_impl != "auto":
+            chosen = self.strategies["model"].get(model_impl)
+            serving = [s.name for s in models if hf_architecture in s.factory.hf_architectures]
+            if chosen is None:
+                known = ", ".join(f"{s.name} ({s.distribution})" for s in self.strategies["model"].values())
+                close = difflib.get_close_matches(model_impl, list(self.strategies["model"]), n=1)
+                guess = f"did you mean {close[0]!r}? " if close else ""
+                raise PluginNotFoundError(f"unknown --model-impl {model_impl!r}: {guess}valid names are auto, {known}")
+            if chosen not in models or hf_architecture not in chosen.factory.hf_architectures:
+                raise PluginNotFoundError(
+                    f"--model-impl {model_impl} does not claim architecture {hf_architecture!r}: use "
+                    f"{' or '.join(['auto', *serving])}"
+                )
+            return chosen
         for strategy in models:
             if hf_architecture in strategy.factory.hf_architectures:
                 return strategy
