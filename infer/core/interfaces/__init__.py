@@ -24,8 +24,10 @@ from infer.core.interfaces.models import (
     LAYER_KINDS,
     CausalLM,
     CheckpointShapes,
+    DecoderStack,
     FusingActivation,
     HFArchitectures,
+    KitConfig,
     Layers,
     LinearMatmul,
     ModelArchitecture,
@@ -58,5 +60,6 @@ __all__ = [
     "DetokenizedDelta", "Detokenizer",
     "LAYER_KINDS", "Layers", "RotaryTables", "FusingActivation", "LinearMatmul", "PushingMatmul",
     "CausalLM", "CheckpointShapes", "ModelArchitecture", "HFArchitectures", "ModelPresets", "RegisterFn",
+    "DecoderStack", "KitConfig",
     "HeadLayout", "Communicator", "Executor", "LocalExecutor", "SingleProcess", "Launch",
 ]  # fmt: skip
