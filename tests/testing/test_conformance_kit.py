@@ -116,6 +116,14 @@ def test_example_plugin_passes_the_kit(example_plugin_env, tmp_path):
 
 
 @pytest.mark.slow
+def test_example_model_passes_the_model_kit(example_plugin_env, tmp_path):
+    # ArceeForCausalLM beside transformers' own: tp 1, prefix caching, chunked prefill, preemption, tp 2
+    ran = run_kit("--infer-kit", "model=arcee", "-rs", cwd=tmp_path, env=example_plugin_env)
+    assert ran.returncode == 0, ran.stdout + ran.stderr
+    assert "5 passed" in ran.stdout and "skipped" not in ran.stdout, ran.stdout
+
+
+@pytest.mark.slow
 def test_builtin_strategies_pass_the_kit(tmp_path):
     ran = run_kit(
         "--infer-kit",
