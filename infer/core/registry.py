@@ -151,13 +151,8 @@ class PluginRegistry:
         claim the architecture), else the first that claims it."""
         models = [s for s in self.strategies["model"].values() if isinstance(s.factory, HFArchitectures)]
         if model_impl != "auto":
-            chosen = self.strategies["model"].get(model_impl)
+            chosen = self.get("model", model_impl)  # an unknown name raises, listing the valid ones
             serving = [s.name for s in models if hf_architecture in s.factory.hf_architectures]
-            if chosen is None:
-                known = ", ".join(f"{s.name} ({s.distribution})" for s in self.strategies["model"].values())
-                close = difflib.get_close_matches(model_impl, list(self.strategies["model"]), n=1)
-                guess = f"did you mean {close[0]!r}? " if close else ""
-                raise PluginNotFoundError(f"unknown --model-impl {model_impl!r}: {guess}valid names are auto, {known}")
             if chosen not in models or hf_architecture not in chosen.factory.hf_architectures:
                 raise PluginNotFoundError(
                     f"--model-impl {model_impl} does not claim architecture {hf_architecture!r}: use "
