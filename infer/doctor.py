@@ -110,7 +110,14 @@ def _model(config: EngineConfig, registry: PluginRegistry) -> tuple[Verdict, Any
     from infer.models.loader import check_weight_shapes, meta_model, resolve_source
 
     try:
-        source = resolve_source(config.model, registry, config.load_format, pull=False, revision=config.revision)
+        source = resolve_source(
+            config.model,
+            registry,
+            config.load_format,
+            pull=False,
+            revision=config.revision,
+            model_impl=config.model_impl,
+        )
     except InferError as exc:
         if config.load_format != "dummy" and config.model in hub.KNOWN_SOURCES and registry.preset(config.model):
             return Verdict("model", config.model, note="not cached yet: `infer run` downloads it once"), None

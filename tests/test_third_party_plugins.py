@@ -25,6 +25,8 @@ def test_example_plugin_is_listed_and_runs(example_plugin_env, tiny_llama_dir, t
     assert listed.returncode == 0, listed.stderr
     row = next(line.split() for line in listed.stdout.splitlines() if "temperature-only" in line)
     assert row[:4] == ["sampler", "temperature-only", "infer-example-plugin", "0.1.0"]
+    row = next(line.split() for line in listed.stdout.splitlines() if "arcee" in line)
+    assert row[:4] == ["model", "arcee", "infer-example-plugin", "0.1.0"]
 
     data = tmp_path / "p.json"
     data.write_text(json.dumps([[5, 6, 7], [8, 9]]))

@@ -40,6 +40,7 @@ CASES: dict[str, tuple[list[str], str]] = {
     "empty prompt": (["run", "--prompt", "hi", "--prompt", ""], "--prompt 2: empty prompt"),
     "baseline without a name": (["run", "--baseline", "=3"], "no option name"),
     "empty revision": (["run", "--revision", ""], "invalid revision"),
+    "unknown model-impl": (["run", "--model-impl", "lama"], "unknown --model-impl 'lama': did you mean 'llama'?"),
     "blank chat template": (["run", "--chat-template", " "], "invalid chat_template"),
     "lone surrogate prompt": (["run", "--prompt", "a\ud800b"], "lone surrogate"),
     "top-p 2": (["run", "--top-p", "2"], "'--top-p'"),
@@ -294,6 +295,7 @@ API_CASES: dict[str, tuple[dict, type[InferError], str]] = {
     "draft self without exit_layer": (dict(decoding="speculative", draft="self"), ConfigError, "--exit-layer N"),
     "early-exit without exit_layer": (dict(decoding="early-exit"), ConfigError, "--exit-layer N"),
     "sampler misspelled": (dict(sampler="vectorised"), PluginNotFoundError, "did you mean 'vectorized'?"),
+    "model_impl unknown": (dict(model_impl="lama"), PluginNotFoundError, "unknown --model-impl 'lama'"),
     "draft folder missing": (dict(decoding="speculative", draft=NO_DIR), ModelLoadError, "does not exist"),
 }
 

@@ -21,6 +21,8 @@ def _slot_help(what: str, builtin: str) -> str:
 HELP: dict[str, str] = {  # EngineConfig field -> help, in the order `--help` lists the options
     "model": "Named model or shape, or an HF model folder.",
     "revision": "For an HF repo id (org/name): the branch, tag or commit to load.  [default: main]",
+    "model_impl": "The model plugin that runs --model (one that claims its architecture); auto: the first that "
+    "claims it. `infer plugins` lists them.",
     "chat_template": "A jinja chat template (a file's path, or the text itself) replacing the model's.",
     "load_format": "dummy: random weights of the model's shape.",
     "dtype": "Weights and activations; auto: bfloat16 on CUDA, float32 on the CPU.",

@@ -172,7 +172,9 @@ def _check(
     device = parallel.device if parallel is not None else config.resolve_device()
     compose(config, registry, device, config.resolve_dtype(device))  # fail fast, before any download
     chat_template = load_chat_template(config.chat_template)
-    source = resolve_source(config.model, registry, config.load_format, revision=config.revision)
+    source = resolve_source(
+        config.model, registry, config.load_format, revision=config.revision, model_impl=config.model_impl
+    )
     if chat_template is not None and source.tokenizer_path is None:
         raise ConfigError(
             f"--chat-template needs a tokenizer, and {source.name} has none on disk: drop --chat-template"

@@ -37,6 +37,7 @@ class EngineConfig:
 
     model: str = "smollm2-135m"  # named shape, cached model name, HF repo id (org/name), or HF-style folder
     revision: str | None = None  # an HF repo id's branch, tag or commit; None: main
+    model_impl: str = "auto"  # the model plugin that runs --model; auto: the one claiming its architecture
     chat_template: str | None = None  # a jinja file's path, or the template's text; None: the model's own
     load_format: LoadFormat = "auto"  # dummy: random weights of the model's shape
     dtype: str = "auto"  # auto: bfloat16 on CUDA, float32 on the CPU

@@ -89,6 +89,8 @@ def infer_register_models(register: RegisterFn) -> None:
 
     The class lists the HF `architectures` names it serves and its named shapes (`presets`),
     so `--model llama2-7b` and a folder whose config.json says LlamaForCausalLM both find it.
+    When several claim an architecture the first one found runs it, unless `--model-impl NAME`
+    names another. `pytest --infer-kit model=NAME` checks it against HF transformers' own model.
     """
 
 

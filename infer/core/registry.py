@@ -146,8 +146,19 @@ class PluginRegistry:
         """Every layer kind's implementation for this device (see `layer`)."""
         return Layers(**{kind: self.layer(kind, device_type) for kind in LAYER_KINDS})
 
-    def architecture_for(self, hf_architecture: str) -> Strategy:
+    def architecture_for(self, hf_architecture: str, model_impl: str = "auto") -> Strategy:
+        """The model plugin that runs checkpoints of `hf_architecture`: `model_impl` when named (it must
+        claim the architecture), else the first that claims it."""
         models = [s for s in self.strategies["model"].values() if isinstance(s.factory, HFArchitectures)]
+        if model_impl != "auto":
+            chosen = self.get("model", model_impl)  # an unknown name raises, listing the valid ones
+            serving = [s.name for s in models if hf_architecture in s.factory.hf_architectures]
+            if chosen not in models or hf_architecture not in chosen.factory.hf_architectures:
+                raise PluginNotFoundError(
+                    f"--model-impl {model_impl} does not claim architecture {hf_architecture!r}: use "
+                    f"{' or '.join(['auto', *serving])}"
+                )
+            return chosen
         for strategy in models:
             if hf_architecture in strategy.factory.hf_architectures:
                 return strategy

@@ -21,7 +21,7 @@ SLOTS: tuple[Slot, ...] = (  # in `infer plugins` and doctor order
     Slot("sampler", "infer_register_samplers", "sampler", "--sampler"),
     Slot("decoder", "infer_register_decoders", "decoding", "--decoding"),
     Slot("detokenizer", "infer_register_detokenizers", "detokenizer", "--detokenizer"),
-    Slot("model", "infer_register_models", None, "--model"),  # chosen by the checkpoint's architecture
+    Slot("model", "infer_register_models", None, "--model-impl"),  # chosen by the checkpoint's architecture
     Slot("layer", "infer_register_layers", None, "the layers hook"),  # every kind, by priority
 )
 SLOT = {s.name: s for s in SLOTS}

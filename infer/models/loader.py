@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any, Iterator, Sequence
 
@@ -72,10 +72,24 @@ def _from_folder(name: str, folder: Path, registry: PluginRegistry, load_format:
 
 
 def resolve_source(
-    model: str, registry: PluginRegistry, load_format: str, pull: bool = True, revision: str | None = None
+    model: str,
+    registry: PluginRegistry,
+    load_format: str,
+    pull: bool = True,
+    revision: str | None = None,
+    model_impl: str = "auto",
 ) -> ModelSource:
     """model: a folder (always wins), an HF repo id `org/name` (from the HF cache, at `revision`), a
-    model in infer's cache, or a named shape. pull: download what is missing (else only look)."""
+    model in infer's cache, or a named shape. pull: download what is missing (else only look).
+    model_impl: the model plugin that runs it (--model-impl); auto: the first claiming its architecture."""
+    source = _resolve(model, registry, load_format, pull, revision)
+    if model_impl == "auto":
+        return source
+    architecture = (source.hf_config.get("architectures") or ["LlamaForCausalLM"])[0]
+    return replace(source, architecture=registry.architecture_for(architecture, model_impl))
+
+
+def _resolve(model: str, registry: PluginRegistry, load_format: str, pull: bool, revision: str | None) -> ModelSource:
     from infer.models import hub
 
     if not model.strip():

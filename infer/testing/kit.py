@@ -13,7 +13,7 @@ from infer.core.errors import InferError
 from infer.core.registry import PluginRegistry, Strategy
 from infer.core.slots import find
 
-SLOTS = ("attention", "sampler", "kv_allocator", "decoder")  # the slots with a suite, suites/kit_<slot>.py
+SLOTS = ("attention", "sampler", "kv_allocator", "decoder", "model")  # the slots with a suite, suites/kit_<slot>.py
 SUITES = Path(__file__).resolve().parent / "suites"
 
 

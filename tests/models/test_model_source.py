@@ -1,17 +1,20 @@
 """Where a model's parts come from: `--model ""` is refused (it meant the current folder); dummy weights
-keep the tokenizer that is on disk (a named model's, a folder's)."""
+keep the tokenizer that is on disk (a named model's, a folder's); `--model-impl` names the model plugin
+that runs a checkpoint when several claim its architecture."""
 
 from __future__ import annotations
 
 import pytest
 from click.testing import CliRunner
 
+import infer
 from infer import SamplingParams
 from infer.cli.main import cli
-from infer.core.errors import ModelLoadError
+from infer.core.errors import ModelLoadError, PluginNotFoundError
 from infer.core.registry import PluginRegistry
 from infer.llm import LLM
 from infer.models.loader import resolve_source
+from infer.plugins.models.llama import Llama
 
 
 @pytest.mark.parametrize("model", ["", "   "])
@@ -65,3 +68,35 @@ def test_dummy_weights_keep_the_tokenizer_on_disk(smollm2_dir):
         ],
     )
     assert result.exit_code == 0, result.output
+
+
+class SecondLlama(Llama):
+    """Another plugin claiming LlamaForCausalLM, registered after the built-in one."""
+
+
+class OtherArchitecture(Llama):
+    hf_architectures = ("OtherForCausalLM",)
+    presets: dict = {}
+
+
+class TwoModels:
+    @staticmethod
+    @infer.hookimpl
+    def infer_register_models(register):
+        register("second-llama", SecondLlama)
+        register("other-architecture", OtherArchitecture)
+
+
+def test_model_impl_picks_the_plugin_that_runs_the_checkpoint(tiny_llama_dir):
+    def model_of(**options):
+        with LLM(model=str(tiny_llama_dir), plugins=[TwoModels], **options) as llm:
+            return llm.engine.parts.runners[0].model
+
+    assert type(model_of()) is Llama  # auto: the first plugin that claims the architecture
+    assert type(model_of(model_impl="second-llama")) is SecondLlama
+    with pytest.raises(
+        PluginNotFoundError,
+        match=r"--model-impl other-architecture does not claim architecture 'LlamaForCausalLM': use auto or llama or "
+        r"second-llama$",
+    ):
+        LLM(model=str(tiny_llama_dir), plugins=[TwoModels], model_impl="other-architecture")

@@ -28,6 +28,7 @@ import torch
 import infer
 from infer.core.interfaces import SamplerOutput
 from infer.plugins.attention.torch_backend import write_kv
+from infer.plugins.models.llama import Llama
 
 
 class MisreadTable:
@@ -74,9 +75,27 @@ class IgnoresTemperature:
         return SamplerOutput(tokens)
 
 
+class SwappedNorms(Llama):
+    """Layer 2's input and post-attention norms each load the other's weight."""
+
+    def _target(self, hf_name):
+        found = super()._target(hf_name)
+        if found is None or not found[0].startswith("layers.2."):
+            return found
+        other = {"input_layernorm": "post_attention_layernorm", "post_attention_layernorm": "input_layernorm"}
+        parts = found[0].split(".")
+        parts[2] = other.get(parts[2], parts[2])
+        return ".".join(parts), found[1]
+
+
 @infer.hookimpl
 def infer_register_attention_backends(register):
     register("misread-table", MisreadTable)
+
+
+@infer.hookimpl
+def infer_register_models(register):
+    register("swapped-norms", SwappedNorms)
 
 
 @infer.hookimpl
@@ -97,6 +116,14 @@ def test_example_plugin_passes_the_kit(example_plugin_env, tmp_path):
 
 
 @pytest.mark.slow
+def test_example_model_passes_the_model_kit(example_plugin_env, tmp_path):
+    # ArceeForCausalLM beside transformers' own: tp 1, prefix caching, chunked prefill, preemption, tp 2
+    ran = run_kit("--infer-kit", "model=arcee", "-rs", cwd=tmp_path, env=example_plugin_env)
+    assert ran.returncode == 0, ran.stdout + ran.stderr
+    assert "5 passed" in ran.stdout and "skipped" not in ran.stdout, ran.stdout
+
+
+@pytest.mark.slow
 def test_builtin_strategies_pass_the_kit(tmp_path):
     ran = run_kit(
         "--infer-kit",
@@ -107,11 +134,13 @@ def test_builtin_strategies_pass_the_kit(tmp_path):
         "decoder=speculative,early-exit",
         "--infer-kit",
         "sampler=vectorized,naive",
+        "--infer-kit",
+        "model=llama",
         "-rs",
         cwd=tmp_path,
     )
     assert ran.returncode == 0, ran.stdout + ran.stderr
-    assert "failed" not in ran.stdout
+    assert "failed" not in ran.stdout and "model llama" not in ran.stdout  # -rs would print a model setting skipped
     assert "decoder early-exit declares lossy=True" in ran.stdout  # exempt, and says why
 
 
@@ -147,6 +176,10 @@ def test_broken_plugins_fail_the_kit_pointing_at_the_fault(broken_plugin_env, tm
     assert "sampler ignores-temperature: SamplingParams(temperature=0.7)" in out
     assert "are the logits divided by the temperature before the softmax?" in out
     assert "top_k" not in out.split("short test summary")[-1]  # undeclared parameters are not tested
+    model = run_kit("--infer-kit", "model=swapped-norms", "-k", "tp1", cwd=tmp_path, env=broken_plugin_env)
+    assert model.returncode == 1 and "1 failed, 4 deselected" in model.stdout, model.stdout + model.stderr
+    assert "model swapped-norms (LlamaForCausalLM: 4 layers, hidden 64, 4 heads over 2 KV heads" in model.stdout
+    assert "layer 2 (of 4) differs first: max abs diff" in model.stdout and "layers 0-1 agree" in model.stdout
     unknown = run_kit("--infer-kit", "sampler=no-such-sampler", cwd=tmp_path, env=broken_plugin_env)
     assert unknown.returncode == 4 and "unknown --sampler 'no-such-sampler': valid names are" in unknown.stderr
 
@@ -290,5 +323,5 @@ def test_kit_option_parsing():
         "decoder": ["b", "c"],
         "kv_allocator": ["d"],
     }
-    with pytest.raises(pytest.UsageError, match="SLOT one of attention, sampler, kv_allocator, decoder"):
+    with pytest.raises(pytest.UsageError, match="SLOT one of attention, sampler, kv_allocator, decoder, model"):
         kit.parse(["scheduler=fcfs"])

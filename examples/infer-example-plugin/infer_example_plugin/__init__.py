@@ -3,7 +3,8 @@
 `temperature-only` samples from softmax(logits / T) and ignores every other knob (greedy at
 T = 0). It is deliberately small: a plugin implements the `Sampler` interface, declares its
 capabilities (and, for the conformance kit, the `SamplingParams` it honours), and registers
-itself; nothing in infer changes. `pytest --infer-kit sampler=temperature-only` checks it.
+itself; nothing in infer changes. `pytest --infer-kit sampler=temperature-only` checks it. The
+package's model plugin (`arcee`) is in `arcee.py`, under an entry point of its own.
 """
 
 from __future__ import annotations

@@ -25,8 +25,10 @@ from infer.core.interfaces.models import (
     LAYER_KINDS,
     CausalLM,
     CheckpointShapes,
+    DecoderStack,
     FusingActivation,
     HFArchitectures,
+    KitConfig,
     Layers,
     LinearMatmul,
     ModelArchitecture,
@@ -59,6 +61,7 @@ __all__ = [
     "DetokenizedDelta", "Detokenizer",
     "LAYER_KINDS", "Layers", "RotaryTables", "FusingActivation", "LinearMatmul", "PushingMatmul",
     "CausalLM", "CheckpointShapes", "ModelArchitecture", "HFArchitectures", "ModelPresets", "RegisterFn",
+    "DecoderStack", "KitConfig",
     "DecodeGraphs", "DecodePipeline",
     "HeadLayout", "Communicator", "Executor", "LocalExecutor", "SingleProcess", "Launch",
 ]  # fmt: skip

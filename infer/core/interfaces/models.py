@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Callable, Iterable, Protocol, runtime_checkable
+from typing import TYPE_CHECKING, Any, Callable, Iterable, Protocol, Sequence, runtime_checkable
 
 import torch
 
@@ -90,7 +90,9 @@ class ModelArchitecture(Protocol):
     """Builds a model of one family. `attention` is None for a model built on the meta device for its
     shapes; under tensor parallelism an architecture that accepts `parallel=` gets the rank's
     ParallelState. Optional abilities: `HFArchitectures.hf_architectures` lists the config.json names
-    it serves; `ModelPresets.presets` maps named shapes (`llama2-7b`) to config.json-style dicts."""
+    it serves; `ModelPresets.presets` maps named shapes (`llama2-7b`) to config.json-style dicts;
+    `KitConfig.kit_config` tunes the model kit's tiny checkpoints. A model built is a `CausalLM`, and may
+    be a `DecoderStack` (for the kit) and `CheckpointShapes` (for the loader)."""
 
     def __call__(self, config: ModelConfig, layers: Layers, attention: AttentionBackend | None) -> CausalLM: ...
 
@@ -103,6 +105,27 @@ class HFArchitectures(Protocol):
 @runtime_checkable
 class ModelPresets(Protocol):
     presets: dict[str, dict[str, Any]]
+
+
+@runtime_checkable
+class DecoderStack(Protocol):
+    """Optional: a model whose embedding and decoder layers can be watched with forward hooks, so that
+    the model kit (`pytest --infer-kit model=NAME`) names the first layer whose output differs from HF
+    transformers' on a tp = 1 prefill; without it the kit can only say that the logits differ."""
+
+    embed_tokens: torch.nn.Module  # ids [T] -> [T, hidden]: the table's rows, as HF's get_input_embeddings()
+    # in order; each returns the hidden state after it, [T, hidden], or a pair whose sum is that state
+    # (x, residual: the residual add deferred to the next layer's norm)
+    layers: Sequence[torch.nn.Module]
+
+
+@runtime_checkable
+class KitConfig(Protocol):
+    """Optional: config fields the model kit sets on its tiny random checkpoint of each HF architecture
+    (over its own small sizes), so that it exercises what those leave out: a RoPE scaling, tied
+    embeddings, a sliding window shorter than its prompts."""
+
+    kit_config: dict[str, dict[str, Any]]  # HF architecture -> config.json fields
 
 
 RegisterFn = Callable[[str, Any], None]  # register(name, factory)

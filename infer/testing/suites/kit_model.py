@@ -1,0 +1,62 @@
+"""Model conformance: for each HF architecture the plugin claims, a tiny random checkpoint that HF
+transformers builds and saves; greedy tokens and logprobs through infer equal to HF's own model's at
+tp 1, with prefix caching, chunked prefill, preemption, and at tp 2 (gloo). A failure names the first
+layer whose output differs from HF's (for a model that is a `DecoderStack`)."""
+
+from __future__ import annotations
+
+import inspect
+from pathlib import Path
+
+import pytest
+
+from infer.core.interfaces import HFArchitectures
+from infer.core.registry import Strategy
+from infer.testing import kit
+from infer.testing.model import SETTINGS, Checkpoint, Setting, check_model, kit_overrides, write_checkpoint
+
+
+def _skip(strategy: Strategy, setting: Setting) -> str | None:
+    caps = strategy.capabilities
+    if "cpu" not in caps.devices:
+        return f"model {strategy.name} does not run on the CPU, where the kit runs it beside HF transformers"
+    if (reason := strategy.unavailable_reason()) is not None:
+        return f"model {strategy.name} cannot run here: {reason}"
+    if setting.tp > 1 and not caps.distributed:
+        return f"model {strategy.name} declares distributed=False"
+    if setting.tp > 1 and "parallel" not in inspect.signature(strategy.factory).parameters:
+        return f"model {strategy.name} takes no parallel= argument: it has no tensor-parallel form"
+    return None
+
+
+def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
+    if "setting" not in metafunc.fixturenames or "architecture" not in metafunc.fixturenames:
+        return
+    params = []
+    for strategy in kit.strategies(metafunc.config, "model"):
+        claimed = strategy.factory.hf_architectures if isinstance(strategy.factory, HFArchitectures) else ()
+        if not claimed:
+            reason = f"model {strategy.name} claims no HF architecture (hf_architectures): there is nothing to compare"
+            params.append(
+                pytest.param(strategy, "", SETTINGS[0], id=strategy.name, marks=pytest.mark.skip(reason=reason))
+            )
+        for architecture in claimed:
+            for setting in SETTINGS:
+                reason = _skip(strategy, setting)
+                marks = [pytest.mark.skip(reason=reason)] if reason else []
+                ident = f"{strategy.name}-{architecture}-{setting.name}"
+                params.append(pytest.param(strategy, architecture, setting, id=ident, marks=marks))
+    metafunc.parametrize(("strategy", "architecture", "setting"), params)
+
+
+@pytest.fixture(scope="session")
+def checkpoints() -> dict[tuple[str, str], Checkpoint]:
+    return {}  # (model plugin, architecture) -> its checkpoint, written once
+
+
+def test_matches_hf_transformers(strategy, architecture, setting, checkpoints, tmp_path_factory) -> None:
+    key = (strategy.name, architecture)
+    if key not in checkpoints:
+        folder: Path = tmp_path_factory.mktemp(f"infer-kit-{strategy.name}-{architecture}")
+        checkpoints[key] = write_checkpoint(architecture, folder, kit_overrides(strategy.factory, architecture))
+    check_model(checkpoints[key], strategy.name, setting)
