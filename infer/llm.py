@@ -28,7 +28,7 @@ class LLM:
         import structlog
 
         if not structlog.is_configured():  # an embedding app that did not set up logging hears only warnings
-            from infer.core.logging import configure
+            from infer.log import configure
 
             configure(level="warning")
         config = EngineConfig().replace(model=model, tensor_parallel_size=tensor_parallel_size, **options)

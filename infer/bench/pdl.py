@@ -29,10 +29,10 @@ def one(tp: int, all_reduce: str) -> dict:
     from infer.bench.workloads import load_workload
     from infer.core.config import EngineConfig
     from infer.core.engine import Engine
-    from infer.core.logging import configure
     from infer.core.request import SamplingParams
     from infer.distributed.launch import launch
     from infer.kernels import triton_pdl
+    from infer.log import configure
 
     configure(level="warning")
     engine = Engine.from_config(

@@ -34,9 +34,9 @@ from infer.bench.report import format_table, run_workload, warm_up
 from infer.bench.workloads import load_workload
 from infer.core.config import EngineConfig
 from infer.core.engine import Engine
-from infer.core.logging import configure
 from infer.core.request import SamplingParams
 from infer.distributed.launch import launch
+from infer.log import configure
 
 PARTS = ("70b", "7b", "spec")
 

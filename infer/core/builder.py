@@ -26,11 +26,11 @@ from infer.core.interfaces import (
     SelfDescribing,
     SingleProcess,
 )
-from infer.core.logging import get_logger
 from infer.core.output import OutputProcessor
 from infer.core.registry import PluginRegistry
 from infer.core.runner import ModelRunner
 from infer.inputs.chat_template import load_chat_template
+from infer.log import get_logger
 from infer.models.build import check_draft, load_model
 from infer.models.loader import ModelSource, check_weight_shapes, load_tokenizer, meta_model, resolve_source
 from infer.runtime.block_mover import BlockMover

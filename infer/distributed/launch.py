@@ -210,7 +210,7 @@ def _spawned_rank(
 
     import torch.distributed as dist
 
-    from infer.core.logging import configure
+    from infer.log import configure
 
     _exit_with_parent(parent_pid)
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # see spawn_guard: rank 0 alone answers Ctrl-C

@@ -20,11 +20,11 @@ import torch
 
 from infer.core.errors import InferError, WorkerError
 from infer.core.interfaces import BlockOps
-from infer.core.logging import get_logger
 from infer.core.runner import StepInputs
 from infer.distributed.state import ParallelState
 from infer.distributed.step_channel import StepChannel
 from infer.distributed.teardown import meet_for_teardown, release_graphs, take_down_groups
+from infer.log import get_logger
 
 STOPPED = "infer/stopped"  # ranks 1..N-1 that have taken down their process groups after rank 0's stop
 STOP_WAIT_S = 30.0
