@@ -14,8 +14,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from infer.core.compose import compose
-from infer.core.config import EngineConfig
+from infer.core.compose import check_model_attention, compose
+from infer.core.config import EngineConfig, ModelConfig
 from infer.core.errors import IncompatiblePluginsError
 from infer.core.registry import PluginRegistry
 from infer.plugins.attention import flashinfer_backend, xformers_backend
@@ -79,6 +79,18 @@ def test_xformers_serves_only_prefill(registry, monkeypatch):
         compose(EngineConfig(attention="xformers"), registry, CUDA, torch.float16)
     composition = compose(EngineConfig(attention="torch", prefill_attention="xformers"), registry, CUDA, torch.bfloat16)
     assert composition.names()["prefill_attention"] == "xformers"
+
+
+def test_a_windowed_model_refuses_xformers_and_names_the_backends_with_windows(registry, monkeypatch):
+    runnable = dataclasses.replace(XformersAttention.capabilities, available=lambda: None)
+    monkeypatch.setattr(XformersAttention, "capabilities", runnable)
+    composition = compose(EngineConfig(attention="torch", prefill_attention="xformers"), registry, CUDA, torch.bfloat16)
+    model = ModelConfig("MistralForCausalLM", 64, 32, 64, 2, 4, 2, 8, 4096, name="tiny", layer_windows=(256, None))
+    with pytest.raises(IncompatiblePluginsError, match="--prefill-attention xformers does not implement it") as refused:
+        check_model_attention(composition, registry, model, 4096)
+    able = str(refused.value).split("one that does (")[1].split(")")[0].split(", ")
+    assert {"torch", "paged-cuda", "flashinfer"} <= set(able) and "xformers" not in able
+    check_model_attention(composition, registry, model, 256)  # a context within the window needs none
 
 
 def test_xformers_reports_ops_that_cannot_run(monkeypatch):
