@@ -6,6 +6,8 @@ The runner orders every batch decodes first, so the split is one index: the firs
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import torch
 
 from infer.core.interfaces import AttentionBackend, AttentionBatch, KVCache
@@ -17,7 +19,12 @@ class HybridAttention:
         self.decode = decode
         self.num_decode_tokens = 0
         self.has_prefill = False
-        self.capabilities = decode.capabilities
+        # the decode backend's (graphs replay decode steps only), but a window or a soft cap only
+        # where both halves honour it: a windowed layer's batch may go to either
+        dec, pre = decode.capabilities, prefill.capabilities
+        self.capabilities = replace(
+            dec, sliding_window=dec.sliding_window and pre.sliding_window, soft_cap=dec.soft_cap and pre.soft_cap
+        )
 
     def plan(self, batch: AttentionBatch) -> None:
         n = batch.num_decode_seqs
@@ -28,12 +35,15 @@ class HybridAttention:
         if self.has_prefill:
             self.prefill.plan(batch.select(n, batch.num_seqs))
 
-    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: KVCache) -> torch.Tensor:
+    def forward(
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: KVCache, window: int | None = None
+    ) -> torch.Tensor:
         n = self.num_decode_tokens
+        windowed = {} if window is None else {"window": window}  # a half without windows takes no window=
         if not self.has_prefill:
-            return self.decode.forward(q, k, v, kv_cache)
+            return self.decode.forward(q, k, v, kv_cache, **windowed)
         if n == 0:
-            return self.prefill.forward(q, k, v, kv_cache)
-        out_decode = self.decode.forward(q[:n], k[:n], v[:n], kv_cache)
-        out_prefill = self.prefill.forward(q[n:], k[n:], v[n:], kv_cache)
+            return self.prefill.forward(q, k, v, kv_cache, **windowed)
+        out_decode = self.decode.forward(q[:n], k[:n], v[:n], kv_cache, **windowed)
+        out_prefill = self.prefill.forward(q[n:], k[n:], v[n:], kv_cache, **windowed)
         return torch.cat([out_decode, out_prefill])

@@ -129,6 +129,6 @@ def test_flashinfer_cuda_graph_decode_replay(flashinfer_cls, heads):
     backend.plan(second.batch)  # refills the graph-mode page tables in place
     graph.replay()
     torch.cuda.synchronize()
-    assert list(backend.graph_decoders) == [len(second.batch.query_lens)]
+    assert list(backend.windows[None].graph_decoders) == [len(second.batch.query_lens)]
     torch.testing.assert_close(out, expected, atol=1e-2, rtol=1e-2)
     torch.testing.assert_close(out.float(), naive_attention(second), atol=2e-2, rtol=2e-2)

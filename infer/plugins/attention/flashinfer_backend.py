@@ -6,19 +6,25 @@ FlashInfer's CSR page table (indptr / indices / last_page_len) on the host and p
 decode over the leading `num_decode_seqs` sequences, causal paged prefill (cached prefix included)
 over the rest. `forward` writes the new K/V into the cache and runs both into one output.
 
+Sliding windows and soft caps: FlashInfer fixes a wrapper's `window_left` (W - 1: the token at p sees
+p - W + 1 .. p) and `logits_soft_cap` when it is planned, so there is one set of wrappers per window
+the model uses (`spec.sliding_windows`, plus whole contexts) and `plan` plans each of them every step;
+`forward(window=W)` runs that window's. The soft cap is the model's, the same in every wrapper.
+
 CUDA graphs: decode-only steps of a graph bucket size (`infer.runtime.cuda_graphs.bucket_sizes`) run
-through graph-mode decode wrappers, one per size (FlashInfer fixes a graph-mode wrapper's batch size
-and split-KV grid), whose page tables live in buffers allocated once (sized from max_num_seqs and
-max_model_len). A captured decode step stays valid as long as `plan` is called with each step's batch
-before its replay, as `CudaGraphRunner` does: plan only refills those buffers. Other decode-only
-sizes and the decode part of mixed steps use the eager decode wrapper.
+through graph-mode decode wrappers, one per size and window (FlashInfer fixes a graph-mode wrapper's
+batch size and split-KV grid), whose page tables live in buffers allocated once (sized from
+max_num_seqs and max_model_len) and shared by the windows (the tables are the same). A captured
+decode step stays valid as long as `plan` is called with each step's batch before its replay, as
+`CudaGraphRunner` does: plan only refills those buffers. Other decode-only sizes and the decode part
+of mixed steps use the eager decode wrappers.
 """
 
 from __future__ import annotations
 
 import functools
 from collections.abc import Collection
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -63,11 +69,23 @@ def _cumsum0(values: list[int]) -> list[int]:
 
 
 @dataclass(slots=True)
+class _Window:
+    """FlashInfer's wrappers for one window (None: whole contexts), all planned with its window_left."""
+
+    window_left: int  # FlashInfer's: the token at p sees keys p - window_left .. p; -1: all of them
+    decoder: Any  # eager decode wrapper
+    prefill: Any  # paged prefill wrapper
+    graph_decoders: dict[int, Any] = field(default_factory=dict)  # decode batch size -> graph-mode wrapper
+    # the plan data its graph-mode wrappers share (one step plans one of them per window)
+    graph_int_workspace: torch.Tensor | None = None
+
+
+@dataclass(slots=True)
 class _StepPlan:
     batch: AttentionBatch
-    num_decode: int  # leading sequences (one token each) run by `decoder`
-    decoder: Any  # the planned decode wrapper, eager or graph-mode
-    has_prefill: bool  # sequences past num_decode run by the prefill wrapper
+    num_decode: int  # leading sequences (one token each) run by the decoders
+    decoders: dict[int | None, Any]  # window -> its planned decode wrapper, eager or graph-mode
+    has_prefill: bool  # sequences past num_decode run by the window's prefill wrapper
 
 
 class FlashInferAttention:
@@ -76,6 +94,8 @@ class FlashInferAttention:
         dtypes=frozenset({torch.float16, torch.bfloat16}),
         block_sizes=frozenset({1, 2, 4, 8, 16, 32, 64}),  # page_size is a runtime argument of every kernel
         cuda_graph_safe=True,
+        sliding_window=True,  # window_left
+        soft_cap=True,  # logits_soft_cap
         priority=10,  # below paged-cuda: the first run JIT-compiles for about a minute
         available=_available,
     )
@@ -95,24 +115,32 @@ class FlashInferAttention:
         self.spec = spec
         device = spec.device
         self.workspace = torch.zeros(workspace_bytes, dtype=torch.uint8, device=device)
-        self.decoder = flashinfer.BatchDecodeWithPagedKVCacheWrapper(self.workspace, "NHD")
-        self.prefill = flashinfer.BatchPrefillWithPagedKVCacheWrapper(self.workspace, "NHD", backend=prefill_backend)
         # each graph-mode wrapper pins 8 MiB of host memory: only for the sizes a graph may replay
         sizes = bucket_sizes(spec.max_num_seqs) if graph_batch_sizes is None else graph_batch_sizes
         self.graph_batch_sizes = frozenset(n for n in sizes if n <= spec.max_num_seqs) if cuda_graph else frozenset()
-        self.graph_decoders: dict[int, Any] = {}  # decode batch size -> graph-mode wrapper
+        self.windows = {w: self._wrappers(w, prefill_backend) for w in (None, *spec.sliding_windows)}
         if self.graph_batch_sizes:
             max_pages = -(-spec.max_model_len // spec.block_size)
             i32 = dict(dtype=torch.int32, device=device)
             self.graph_indptr = torch.zeros(spec.max_num_seqs + 1, **i32)  # [S + 1]
             self.graph_indices = torch.zeros(spec.max_num_seqs * max_pages, **i32)  # [S * max_pages]
             self.graph_last_page_len = torch.zeros(spec.max_num_seqs, **i32)  # [S]
-            # one step plans one decode wrapper, so the graph-mode wrappers share their plan data
-            self.graph_int_workspace = torch.empty(INT_WORKSPACE_BYTES, dtype=torch.uint8, device=device)
         self._plan: _StepPlan | None = None
 
-    def _graph_decoder(self, num_seqs: int) -> Any:
-        wrapper = self.graph_decoders.get(num_seqs)
+    def _wrappers(self, window: int | None, prefill_backend: str) -> _Window:
+        fi = self._fi
+        int_workspace = None
+        if self.graph_batch_sizes:
+            int_workspace = torch.empty(INT_WORKSPACE_BYTES, dtype=torch.uint8, device=self.spec.device)
+        return _Window(
+            window_left=-1 if window is None else window - 1,
+            decoder=fi.BatchDecodeWithPagedKVCacheWrapper(self.workspace, "NHD"),
+            prefill=fi.BatchPrefillWithPagedKVCacheWrapper(self.workspace, "NHD", backend=prefill_backend),
+            graph_int_workspace=int_workspace,
+        )
+
+    def _graph_decoder(self, window: _Window, num_seqs: int) -> Any:
+        wrapper = window.graph_decoders.get(num_seqs)
         if wrapper is None:
             wrapper = self._fi.BatchDecodeWithPagedKVCacheWrapper(
                 self.workspace,
@@ -122,8 +150,8 @@ class FlashInferAttention:
                 paged_kv_indices_buffer=self.graph_indices,
                 paged_kv_last_page_len_buffer=self.graph_last_page_len[:num_seqs],
             )
-            wrapper.reset_workspace_buffer(self.workspace, self.graph_int_workspace)
-            self.graph_decoders[num_seqs] = wrapper
+            wrapper.reset_workspace_buffer(self.workspace, window.graph_int_workspace)
+            window.graph_decoders[num_seqs] = wrapper
         return wrapper
 
     def plan(self, batch: AttentionBatch) -> None:
@@ -142,28 +170,34 @@ class FlashInferAttention:
         tables = torch.split(host[num_indices:], [len(p) for p in parts[2:]])
         dec_indptr, dec_last, qo_indptr, pre_indptr, pre_last = tables
         heads = (spec.num_heads, spec.num_kv_heads, spec.head_dim, bs)
-        dtypes = dict(q_data_type=spec.dtype, kv_data_type=spec.dtype, sm_scale=spec.scale)
-        decoder = None
-        if n:
-            graph = n == batch.num_seqs and n in self.graph_batch_sizes
-            graph = graph and len(dec_indices) <= len(self.graph_indices)
-            decoder = self._graph_decoder(n) if graph else self.decoder
-            decoder.plan(dec_indptr, dec_indices, dec_last, *heads, **dtypes)
+        common = dict(
+            q_data_type=spec.dtype, kv_data_type=spec.dtype, sm_scale=spec.scale, logits_soft_cap=spec.soft_cap
+        )
+        graph = n == batch.num_seqs and n in self.graph_batch_sizes
+        graph = graph and len(dec_indices) <= len(self.graph_indices)
+        decoders = {}
         has_prefill = n < batch.num_seqs
-        if has_prefill:
-            self.prefill.plan(qo_indptr, pre_indptr, pre_indices, pre_last, *heads, causal=True, **dtypes)
-        self._plan = _StepPlan(batch=batch, num_decode=n, decoder=decoder, has_prefill=has_prefill)
+        for window, w in self.windows.items():  # each window's wrappers, every step
+            kw = dict(common, window_left=w.window_left)
+            if n:
+                decoders[window] = self._graph_decoder(w, n) if graph else w.decoder
+                decoders[window].plan(dec_indptr, dec_indices, dec_last, *heads, **kw)
+            if has_prefill:
+                w.prefill.plan(qo_indptr, pre_indptr, pre_indices, pre_last, *heads, causal=True, **kw)
+        self._plan = _StepPlan(batch=batch, num_decode=n, decoders=decoders, has_prefill=has_prefill)
 
-    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: KVCache) -> torch.Tensor:
+    def forward(
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: KVCache, window: int | None = None
+    ) -> torch.Tensor:
         plan = self._plan
         assert plan is not None, "plan() first"
         write_kv(kv_cache, k, v, plan.batch.slot_mapping)
         out = q.new_empty(q.shape)  # [T, H, D]
         n = plan.num_decode
         if n:
-            plan.decoder.run(q[:n], kv_cache, out=out[:n])
+            plan.decoders[window].run(q[:n], kv_cache, out=out[:n])
         if plan.has_prefill:
-            self.prefill.run(q[n:], kv_cache, out=out[n:])
+            self.windows[window].prefill.run(q[n:], kv_cache, out=out[n:])
         return out
 
 

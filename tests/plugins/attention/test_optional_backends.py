@@ -14,8 +14,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from infer.core.compose import compose
-from infer.core.config import EngineConfig
+from infer.core.compose import check_model_attention, compose
+from infer.core.config import EngineConfig, ModelConfig
 from infer.core.errors import IncompatiblePluginsError
 from infer.core.registry import PluginRegistry
 from infer.plugins.attention import flashinfer_backend, xformers_backend
@@ -81,6 +81,18 @@ def test_xformers_serves_only_prefill(registry, monkeypatch):
     assert composition.names()["prefill_attention"] == "xformers"
 
 
+def test_a_windowed_model_refuses_xformers_and_names_the_backends_with_windows(registry, monkeypatch):
+    runnable = dataclasses.replace(XformersAttention.capabilities, available=lambda: None)
+    monkeypatch.setattr(XformersAttention, "capabilities", runnable)
+    composition = compose(EngineConfig(attention="torch", prefill_attention="xformers"), registry, CUDA, torch.bfloat16)
+    model = ModelConfig("MistralForCausalLM", 64, 32, 64, 2, 4, 2, 8, 4096, name="tiny", layer_windows=(256, None))
+    with pytest.raises(IncompatiblePluginsError, match="--prefill-attention xformers does not implement it") as refused:
+        check_model_attention(composition, registry, model, 4096)
+    able = str(refused.value).split("one that does (")[1].split(")")[0].split(", ")
+    assert {"torch", "paged-cuda", "flashinfer"} <= set(able) and "xformers" not in able
+    check_model_attention(composition, registry, model, 256)  # a context within the window needs none
+
+
 def test_xformers_reports_ops_that_cannot_run(monkeypatch):
     fmha = _fake_xformers(monkeypatch)
 
@@ -107,13 +119,20 @@ def test_paged_kv_layout():
 # --------------------------------------------------------------------------- stand-in libraries
 
 
-def _attend(q, keys, values, q_start: int, scale: float) -> torch.Tensor:
-    """q: [Q, H, D]; keys, values: [L, Hkv, D]; query j sits at key position q_start + j."""
+def _attend(q, keys, values, q_start: int, scale: float, causal=True, window_left=-1, soft_cap=None) -> torch.Tensor:
+    """q: [Q, H, D]; keys, values: [L, Hkv, D]; query j sits at key position q_start + j. FlashInfer's
+    window (include/flashinfer/attention/variants.cuh): key k is seen when k + window_left >= q_start + j,
+    causal or not; its soft cap: scores become soft_cap * tanh(scores / soft_cap) (0 or None: uncapped)."""
     group = q.shape[1] // keys.shape[1]
     k, v = keys.float().repeat_interleave(group, 1), values.float().repeat_interleave(group, 1)
     scores = torch.einsum("qhd,khd->hqk", q.float(), k) * scale
-    causal = torch.arange(k.shape[0])[None, :] > q_start + torch.arange(q.shape[0])[:, None]
-    return torch.einsum("hqk,khd->qhd", scores.masked_fill(causal, float("-inf")).softmax(-1), v).to(q.dtype)
+    if soft_cap:
+        scores = soft_cap * torch.tanh(scores / soft_cap)
+    k_pos, q_pos = torch.arange(k.shape[0])[None, :], q_start + torch.arange(q.shape[0])[:, None]
+    hidden = k_pos > q_pos if causal else torch.zeros_like(k_pos > q_pos)
+    if window_left >= 0:
+        hidden |= k_pos + window_left < q_pos
+    return torch.einsum("hqk,khd->qhd", scores.masked_fill(hidden, float("-inf")).softmax(-1), v).to(q.dtype)
 
 
 class _FakeWrapper:
@@ -136,7 +155,16 @@ class _FakeWrapper:
     def reset_workspace_buffer(self, float_workspace, int_workspace) -> None:
         assert int_workspace.dtype == torch.uint8
 
-    def plan(self, *tables, causal=False, sm_scale=None, q_data_type=None, kv_data_type=None):
+    def plan(
+        self,
+        *tables,
+        causal=False,
+        sm_scale=None,
+        q_data_type=None,
+        kv_data_type=None,
+        window_left=-1,
+        logits_soft_cap=None,
+    ):
         assert all(t.dtype == torch.int32 and t.device.type == "cpu" for t in tables[:-4])  # built on the host
         *tables, self.num_heads, self.num_kv_heads, self.head_dim, self.page_size = tables
         if len(tables) == 3:  # decode: one query per sequence
@@ -147,6 +175,7 @@ class _FakeWrapper:
                 buffer[: len(table)].copy_(table)
             tables = [tables[0], *self.buffers]
         self.tables, self.causal, self.scale = tables, causal, sm_scale
+        self.window_left, self.soft_cap = window_left, logits_soft_cap
 
     def run(self, q, kv_cache, out=None):
         qo_indptr, indptr, indices, last = (t.tolist() for t in self.tables)
@@ -156,8 +185,9 @@ class _FakeWrapper:
             kv_len = (len(pages) - 1) * self.page_size + last[i]
             keys, values = k_cache[pages].flatten(0, 1)[:kv_len], v_cache[pages].flatten(0, 1)[:kv_len]
             q_i = q[qo_indptr[i] : qo_indptr[i + 1]]
-            start = kv_len - len(q_i) if self.causal else kv_len  # not causal: every key is visible
-            out[qo_indptr[i] : qo_indptr[i + 1]] = _attend(q_i, keys, values, start, self.scale)
+            start = kv_len - len(q_i)
+            attended = _attend(q_i, keys, values, start, self.scale, self.causal, self.window_left, self.soft_cap)
+            out[qo_indptr[i] : qo_indptr[i + 1]] = attended
         return out
 
 
@@ -221,14 +251,43 @@ def test_flashinfer_decode_steps_reuse_graph_buffers(fake_flashinfer):
     second = make_case(BatchSpec("b", (1, 1, 1), (33, 0, 20)), seed=2, spare_blocks=3)
     backend = FlashInferAttention(first.spec, workspace_bytes=1024)
     backend.plan(first.batch)
-    wrapper, indices = backend.graph_decoders[3], backend.graph_indices.data_ptr()
+    wrapper, indices = backend.windows[None].graph_decoders[3], backend.graph_indices.data_ptr()
     backend.forward(first.q, first.k, first.v, first.kv_cache)
     backend.plan(second.batch)
-    assert backend.graph_decoders == {3: wrapper} and backend.graph_indices.data_ptr() == indices
+    assert backend.windows[None].graph_decoders == {3: wrapper} and backend.graph_indices.data_ptr() == indices
     mixed = make_case(BATCH_SPECS[-1], seed=3)
     eager = FlashInferAttention(mixed.spec, workspace_bytes=1024)
     eager.plan(mixed.batch)
-    assert not eager.graph_decoders and eager._plan.decoder is eager.decoder  # graphs hold decode-only steps
+    full = eager.windows[None]  # graphs hold decode-only steps
+    assert not full.graph_decoders and eager._plan.decoders[None] is full.decoder
+
+
+@pytest.mark.parametrize("batch_spec", BATCH_SPECS, ids=lambda s: s.name)
+@pytest.mark.parametrize("window", [None, 5], ids=["no-window", "window-5"])
+def test_flashinfer_windows_and_soft_cap(fake_flashinfer, batch_spec, window):
+    """Every window the model uses gets its own wrappers, planned with window_left = W - 1 and the
+    model's soft cap; forward(window=W) runs that window's."""
+    case = make_case(batch_spec, seed=6, window=window, soft_cap=2.0)
+    case.spec = dataclasses.replace(case.spec, sliding_windows=(5, 12))  # two windows, as Gemma-like models
+    backend_cls = functools.partial(FlashInferAttention, workspace_bytes=1024)
+    check_backend(backend_cls, case, atol=1e-5, rtol=1e-5)
+    backend = backend_cls(case.spec)
+    backend.plan(case.batch)
+    assert {w: x.window_left for w, x in backend.windows.items()} == {None: -1, 5: 4, 12: 11}
+    planned = [*backend._plan.decoders.values(), *(x.prefill for x in backend.windows.values())]
+    assert all(x.soft_cap == 2.0 for x in planned if hasattr(x, "tables"))
+
+
+def test_flashinfer_graph_decoders_per_window(fake_flashinfer):
+    """A decode-only step plans a graph-mode wrapper per window, each with plan data of its own."""
+    case = make_case(BatchSpec("d", (1, 1), (30, 9)), seed=7, window=4)
+    backend = FlashInferAttention(case.spec, workspace_bytes=1024)
+    backend.plan(case.batch)
+    full, windowed = backend.windows[None], backend.windows[4]
+    assert list(full.graph_decoders) == list(windowed.graph_decoders) == [2]
+    assert backend._plan.decoders == {None: full.graph_decoders[2], 4: windowed.graph_decoders[2]}
+    assert full.graph_int_workspace.data_ptr() != windowed.graph_int_workspace.data_ptr()
+    check_backend(functools.partial(FlashInferAttention, workspace_bytes=1024), case, atol=1e-5, rtol=1e-5)
 
 
 @pytest.mark.parametrize("batch_spec", BATCH_SPECS, ids=lambda s: s.name)

@@ -177,6 +177,76 @@ def test_rotary_fuses_only_for_power_of_two_halves():
 
 def test_available_and_registered():
     assert PagedCudaAttention.capabilities.available() is None
+    assert PagedCudaAttention.capabilities.sliding_window and PagedCudaAttention.capabilities.soft_cap
     registered = {}
     infer_register_attention_backends(lambda name, factory: registered.setdefault(name, factory))
     assert registered == {"paged-cuda": PagedCudaAttention}
+
+
+SPLIT = dict(max_splits=8, decode_block_n=16)
+SMALL_TILES = dict(prefill_block_m=64, prefill_block_n=16)  # 32 queries a block, keys in tiles of 16
+WINDOW_CASES = {  # name -> (batch spec, heads, window, soft cap, backend knobs)
+    "decode-within-a-block": (BATCH_SPECS[1], HEADS["gqa"], 5, None, {}),
+    "split-decode-across-blocks": (LONG_DECODE, HEADS["gqa"], 40, None, SPLIT),
+    # a tile's rows can see none of its keys: a window of 7 and 32 queries against 16 keys
+    "prefill-small-tiles": (BATCH_SPECS[3], HEADS["gqa"], 7, None, SMALL_TILES),
+    "extend-capped": (BATCH_SPECS[4], HEADS["mha"], 20, 2.0, {}),
+    "mixed-longer-than-every-sequence": (BATCH_SPECS[5], HEADS["mqa"], 100, None, SPLIT),
+    "mixed-capped": (BATCH_SPECS[5], HEADS["gqa"], 6, 2.0, {**SPLIT, **SMALL_TILES}),
+    "mixed-capped-no-window": (BATCH_SPECS[5], HEADS["gqa"], None, 2.0, SPLIT),
+}
+
+
+@pytest.mark.parametrize("name", WINDOW_CASES)
+def test_sliding_window_and_soft_cap_match_naive(name):
+    batch_spec, heads, window, soft_cap, knobs = WINDOW_CASES[name]
+    case = make_case(batch_spec, *heads, device=DEVICE, seed=17, window=window, soft_cap=soft_cap)
+    if "max_splits" in knobs:  # the split decode kernel and its reduce see the window too
+        backend = PagedCudaAttention(case.spec, **knobs)
+        backend.plan(case.batch)
+        assert backend._plan.split
+    check_backend(small(**knobs), case, atol=1e-5, rtol=1e-5)
+
+
+def _poison_outside_windows(case) -> int:
+    """NaN into every cached block that lies wholly before each sequence's first query's window (a kernel
+    that reads such a block and masks it gets NaN from 0 * NaN in P @ V); returns how many there are."""
+    bs, poisoned = case.spec.block_size, 0
+    for q_len, seq_len, table in zip(case.batch.query_lens, case.batch.seq_lens, case.batch.block_tables):
+        oldest_seen = max(seq_len - q_len - case.window + 1, 0)
+        for block in table[: oldest_seen // bs]:
+            for cache in case.kv_cache:
+                cache[block] = float("nan")
+            poisoned += 1
+    return poisoned
+
+
+@pytest.mark.parametrize("split", [False, True], ids=["unsplit", "split"])
+def test_blocks_outside_the_window_are_never_read(split):
+    spec = BatchSpec("long", (1, 1, 20), (90, 47, 60))  # two decodes and an extend
+    case = make_case(spec, block_size=8, device=DEVICE, seed=19, window=12)
+    assert _poison_outside_windows(case) == 9 + 4 + 6
+    knobs = SPLIT if split else dict(split_below_programs=1)
+    backend = PagedCudaAttention(case.spec, **knobs)
+    backend.plan(case.batch)
+    assert backend._plan.split == split
+    check_backend(small(**knobs), case, atol=1e-5, rtol=1e-5)
+
+
+def test_forward_with_rotary_takes_the_window():
+    from infer.kernels.layers import rotary
+    from infer.plugins.layers.torch_layers import RotaryEmbedding
+
+    case = make_case(BATCH_SPECS[5], device=DEVICE, window=6, soft_cap=2.0)
+    tables = RotaryEmbedding(Rope.default(case.spec.head_dim, 10000.0), case.spec.max_model_len)
+    cos, sin = tables.cos.to(DEVICE), tables.sin.to(DEVICE)
+    positions = case.batch.positions
+    plain, fused = PagedCudaAttention(case.spec), PagedCudaAttention(case.spec)
+    caches = [tuple(c.clone() for c in case.kv_cache) for _ in range(2)]
+    plain.plan(case.batch)
+    expected = plain.forward(*rotary(positions, case.q, case.k, cos, sin), case.v, caches[0], window=6)
+    fused.plan(case.batch)
+    got = fused.forward_with_rotary(positions, case.q, case.k, case.v, caches[1], cos, sin, window=6)
+    torch.testing.assert_close(got, expected, atol=0, rtol=0)
+    unwindowed = plain.forward(*rotary(positions, case.q, case.k, cos, sin), case.v, caches[0])
+    assert not torch.allclose(unwindowed, expected)  # the window reached the kernels

@@ -5,6 +5,10 @@ paged decode kernel over the leading `num_decode_seqs` sequences (splitting each
 partitions when the batch is too small to fill the GPU, plus a kernel that combines them),
 and the varlen causal prefill kernel over the rest (why three launches, not one:
 docs/performance.md, "Paged decode attention").
+Sliding windows and soft caps are the kernels' constexprs (`WINDOW`, `SOFT_CAP`): a windowed layer
+runs its own compiled variant, which starts each query's walk at the oldest key its window shows
+(the blocks before it are never read), and a layer without a window runs the kernels as they are
+without one (the same PTX). A layer's window is the same at capture and replay, so graphs hold.
 Everything that depends only on the step's layout is decided once in `plan`. Decode-only steps
 launch with fixed grids into scratch allocated at construction and never sync with the host, so
 they can be captured in a CUDA graph (one graph per decode batch size).
@@ -54,6 +58,8 @@ class PagedCudaAttention:
         block_sizes=frozenset({8, 16, 32, 64}),
         cuda_graph_safe=True,
         pipeline_safe=True,
+        sliding_window=True,
+        soft_cap=True,
         priority=20,
         available=_available,
     )
@@ -144,12 +150,14 @@ class PagedCudaAttention:
             sm[:n].view(num_decode, h, splits),
         )
 
-    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: KVCache) -> torch.Tensor:
+    def forward(
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: KVCache, window: int | None = None
+    ) -> torch.Tensor:
         assert self._plan is not None, "plan() first"
         assert q.stride(-1) == 1, "head_dim must be contiguous"
         k_cache, v_cache = kv_cache  # [num_blocks, block_size, Hkv, D]
         self._cache_write.cache_write(k, v, k_cache, v_cache, self._plan.batch.slot_mapping)
-        return self._attend(q, kv_cache)
+        return self._attend(q, kv_cache, window)
 
     def fuses_rotary(self) -> bool:
         """Whether `forward_with_rotary` takes this model's heads (head_dim / 2 a power of two)."""
@@ -164,6 +172,7 @@ class PagedCudaAttention:
         kv_cache: KVCache,
         cos: torch.Tensor,
         sin: torch.Tensor,
+        window: int | None = None,
     ) -> torch.Tensor:
         """`forward` of q and k rotated by the Neox-style rotary embedding at `positions` (cos, sin:
         [max_position, D/2] float32 tables), the rotation done in the cache write's kernel: one
@@ -173,9 +182,11 @@ class PagedCudaAttention:
         q = self._cache_write.rotary_cache_write(
             positions, q, k, v, cos, sin, k_cache, v_cache, self._plan.batch.slot_mapping
         )
-        return self._attend(q, kv_cache)
+        return self._attend(q, kv_cache, window)
 
-    def _attend(self, q: torch.Tensor, kv_cache: KVCache) -> torch.Tensor:
+    def _attend(self, q: torch.Tensor, kv_cache: KVCache, window: int | None) -> torch.Tensor:
+        # one compiled variant per window the model declared, not per value a caller might pass
+        assert window is None or window in self.spec.sliding_windows, f"window {window} not in the spec"
         plan = self._plan
         batch = plan.batch
         k_cache, v_cache = kv_cache
@@ -191,6 +202,8 @@ class PagedCudaAttention:
             num_seqs=plan.num_decode,
             scratch=self._scratch(plan.num_decode, plan.splits) if plan.split else None,
             block_n=self.decode_block_n,
+            window=window,
+            soft_cap=self.spec.soft_cap,
         )
         self._prefill.paged_prefill(
             out,
@@ -206,6 +219,8 @@ class PagedCudaAttention:
             block_m=self.prefill_block_m,
             block_q=self.prefill_block_q,
             block_n=self.prefill_block_n,
+            window=window,
+            soft_cap=self.spec.soft_cap,
         )
         return out
 

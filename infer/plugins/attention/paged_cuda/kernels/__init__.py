@@ -6,6 +6,7 @@ Each submodule imports triton at its top, so import them only where they are abo
 - `cache_write`: new K/V into their slots of the paged cache (`slot_mapping`).
 - `decode`: one query token per sequence over its block table, split-K over partitions + reduce.
 - `prefill`: variable-length causal prefill/extend over the paged cache (`cu_seqlens_q`).
+- `scores`: what both share about a score: its logit (scale, soft cap) and a sliding window's start.
 """
 
 from __future__ import annotations

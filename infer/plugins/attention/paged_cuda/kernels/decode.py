@@ -10,6 +10,10 @@ the scale). When batch x kv_heads cannot fill the GPU, each sequence's context i
 valid); a partition spans cdiv(cdiv(seq_len, num_splits), BLOCK_N) tiles, worked out in the kernel
 from the sequence's current length, so every split has work however long the context is now.
 Each writes its normalised output plus its max and sum, and `_reduce_kernel` combines them.
+Under a sliding window (`WINDOW`, a constexpr: one compiled variant per window) the walk starts at
+the oldest token the window shows, so the blocks before it are never read and no key needs a window
+mask; the partitions split what the window shows. A soft cap (`SOFT_CAP`) caps the logits
+(`scores.logits`). Left None, both compile to the kernel without them.
 
 Scores and P @ V are `tl.dot`s with the group padded to 16 rows (the MMA minimum), even for MHA
 (group 1); the padding rows are zero queries, never stored. The cache write, this kernel and the
@@ -28,30 +32,55 @@ import triton.language as tl
 
 from infer.kernels.triton_pdl import kernel_args, wait_and_release
 from infer.plugins.attention.paged_cuda.kernels import dot_config
+from infer.plugins.attention.paged_cuda.kernels.scores import logits, window_start
 
 LOG2E = 1.4426950408889634
 
 
 @triton.jit
-def _partition(seq_len, part, max_partitions, SPLIT: tl.constexpr, BLOCK_N: tl.constexpr):
+def _first_key(seq_len, WINDOW: tl.constexpr):
+    """The first context token the query (at seq_len - 1) walks: 0, or under a window the oldest one
+    it sees; the walk skips every block before it, and no key after it needs a window mask."""
+    if WINDOW is None:
+        return 0
+    else:
+        return window_start(seq_len - 1, WINDOW)
+
+
+@triton.jit
+def _partition(seq_len, part, max_partitions, SPLIT: tl.constexpr, WINDOW: tl.constexpr, BLOCK_N: tl.constexpr):
     """[start, end): the tokens of a context of `seq_len` that partition `part` walks; SPLIT: whole
-    tiles of cdiv(seq_len, max_partitions) tokens (the last ones may be empty), else all of them."""
+    tiles of cdiv(seen, max_partitions) tokens of the `seen` ones from the first key on (the last
+    partitions may be empty), else all of them."""
+    first = _first_key(seq_len, WINDOW)
     if SPLIT:
-        chunk = tl.cdiv(tl.cdiv(seq_len, max_partitions), BLOCK_N) * BLOCK_N
-        start = part * chunk
+        chunk = tl.cdiv(tl.cdiv(seq_len - first, max_partitions), BLOCK_N) * BLOCK_N
+        start = first + part * chunk
         end = tl.minimum(start + chunk, seq_len)
     else:
-        start = 0
+        start = first
         end = seq_len
     return start, end
 
 
 @triton.jit
-def _attend_tile(q, k, v, tok_mask, acc, l_i, m_i, scale_log2, DOT_DTYPE: tl.constexpr, DOT_PRECISION: tl.constexpr):
+def _attend_tile(
+    q,
+    k,
+    v,
+    tok_mask,
+    acc,
+    l_i,
+    m_i,
+    scale_log2,
+    SOFT_CAP: tl.constexpr,
+    DOT_DTYPE: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
+):
     """One tile of keys and values ([N, D]; `tok_mask` [N]: the real tokens) into the running
     output, exp sum and max logit (acc [G, D], l_i [G], m_i [G]; fp32, log2 units) of queries q [G, D]."""
     s = tl.dot(q, tl.trans(k.to(DOT_DTYPE)), input_precision=DOT_PRECISION)  # [G, N]
-    s = tl.where(tok_mask[None, :], s * scale_log2, float("-inf"))
+    s = tl.where(tok_mask[None, :], logits(s, scale_log2, SOFT_CAP), float("-inf"))
     # every tile holds at least one real token, so m_new is finite
     m_new = tl.maximum(m_i, tl.max(s, axis=1))
     alpha = tl.exp2(m_i - m_new)
@@ -89,6 +118,8 @@ def _decode_kernel(
     group,
     max_partitions,
     SPLIT: tl.constexpr,
+    WINDOW: tl.constexpr,  # None, or the query sees its last WINDOW positions
+    SOFT_CAP: tl.constexpr,  # None, or the logits are capped (scores.logits)
     DOT_DTYPE: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
     GROUP_PAD: tl.constexpr,
@@ -99,7 +130,7 @@ def _decode_kernel(
     wait_and_release(USE_PDL)
     seq, kv_head, part = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     seq_len = tl.load(seq_lens_ptr + seq)
-    start, end = _partition(seq_len, part, max_partitions, SPLIT, BLOCK_N)
+    start, end = _partition(seq_len, part, max_partitions, SPLIT, WINDOW, BLOCK_N)
     rows = tl.arange(0, GROUP_PAD)
     heads = kv_head * group + rows  # [G] query heads of this KV head
     dims = tl.arange(0, BLOCK_D)
@@ -123,7 +154,9 @@ def _decode_kernel(
             kv_mask = tok_mask[:, None] & dim_mask[None, :]
             k = tl.load(k_cache_ptr + row[:, None] + dims[None, :], mask=kv_mask, other=0.0)  # [N, D]
             v = tl.load(v_cache_ptr + row[:, None] + dims[None, :], mask=kv_mask, other=0.0)  # [N, D]
-            acc, l_i, m_i = _attend_tile(q, k, v, tok_mask, acc, l_i, m_i, scale_log2, DOT_DTYPE, DOT_PRECISION)
+            acc, l_i, m_i = _attend_tile(
+                q, k, v, tok_mask, acc, l_i, m_i, scale_log2, SOFT_CAP, DOT_DTYPE, DOT_PRECISION
+            )
 
         out = acc / l_i[:, None]
         if SPLIT:
@@ -150,6 +183,7 @@ def _reduce_kernel(
     stride_ph,
     head_dim,
     max_partitions,
+    WINDOW: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_D: tl.constexpr,
     USE_PDL: tl.constexpr,
@@ -157,8 +191,9 @@ def _reduce_kernel(
     wait_and_release(USE_PDL)
     seq, head = tl.program_id(0), tl.program_id(1)
     seq_len = tl.load(seq_lens_ptr + seq)
-    chunk = tl.cdiv(tl.cdiv(seq_len, max_partitions), BLOCK_N) * BLOCK_N  # as in _decode_kernel
-    num_parts = tl.cdiv(seq_len, chunk)
+    seen = seq_len - _first_key(seq_len, WINDOW)  # as in _partition
+    chunk = tl.cdiv(tl.cdiv(seen, max_partitions), BLOCK_N) * BLOCK_N
+    num_parts = tl.cdiv(seen, chunk)
     dims = tl.arange(0, BLOCK_D)
     dim_mask = dims < head_dim
     stat = (seq * tl.num_programs(1) + head) * max_partitions
@@ -192,6 +227,8 @@ def paged_decode(
     # None: one program per (sequence, KV head) walks the whole context
     scratch: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None,
     block_n: int,
+    window: int | None = None,  # each query sees its last `window` positions; None: all of them
+    soft_cap: float | None = None,  # logits capped as soft_cap * tanh(s / soft_cap)
     num_warps: int = 4,
     num_stages: int = 2,
 ) -> None:
@@ -239,6 +276,8 @@ def paged_decode(
         group,
         max_partitions,
         SPLIT=scratch is not None,
+        WINDOW=window,
+        SOFT_CAP=soft_cap,
         DOT_DTYPE=dot_dtype,
         DOT_PRECISION=precision,
         GROUP_PAD=group_pad,
@@ -249,7 +288,7 @@ def paged_decode(
         **pdl,
     )
     if scratch is not None:
-        _reduce(out, scratch, seq_lens, (num_seqs, num_heads), head_dim, block_n, block_d, pdl)
+        _reduce(out, scratch, seq_lens, (num_seqs, num_heads), head_dim, window, block_n, block_d, pdl)
 
 
 def _reduce(
@@ -258,6 +297,7 @@ def _reduce(
     seq_lens: torch.Tensor,
     grid: tuple[int, int],  # (num_seqs, num_heads)
     head_dim: int,
+    window: int | None,
     block_n: int,
     block_d: int,
     pdl: dict[str, Any],
@@ -276,6 +316,7 @@ def _reduce(
         part_out.stride(1),
         head_dim,
         part_out.shape[2],
+        WINDOW=window,
         BLOCK_N=block_n,
         BLOCK_D=block_d,
         **pdl,

@@ -9,7 +9,10 @@ Grid: (query block, kv_head). A query block is BLOCK_Q consecutive tokens of one
 BLOCK_M = BLOCK_Q x group rows, (token, query head of the GQA group), so one K/V read serves
 the whole group. Keys come in tiles of BLOCK_N tokens gathered through the block table, up to
 the last position the block's queries can see; scores and P @ V are `tl.dot`s with an online
-softmax in fp32.
+softmax in fp32. Under a sliding window (`WINDOW`, a constexpr) the keys start at the oldest one
+the block's first query sees, so the blocks before it are never read; tiles that some row's window
+leaves out are masked. A soft cap (`SOFT_CAP`) caps the logits (`scores.logits`). Left None, both
+compile to the kernel without them.
 """
 
 from __future__ import annotations
@@ -19,6 +22,7 @@ import triton
 import triton.language as tl
 
 from infer.plugins.attention.paged_cuda.kernels import dot_config
+from infer.plugins.attention.paged_cuda.kernels.scores import logits, window_start
 
 LOG2E = 1.4426950408889634
 
@@ -44,6 +48,8 @@ def _attend(
     block_size,
     head_dim,
     CAUSAL: tl.constexpr,  # False: every key in [start, end) is visible to every row, skip the masks
+    WINDOW: tl.constexpr,  # None, or each row sees its last WINDOW positions
+    SOFT_CAP: tl.constexpr,
     DOT_DTYPE: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
     BLOCK_N: tl.constexpr,
@@ -63,12 +69,19 @@ def _attend(
         row = block * stride_cb + (offs % block_size) * stride_cs + kv_head * stride_ch  # [N]
         k = tl.load(k_cache_ptr + row[:, None] + dims[None, :], mask=kv_mask, other=0.0)  # [N, D]
         v = tl.load(v_cache_ptr + row[:, None] + dims[None, :], mask=kv_mask, other=0.0)  # [N, D]
-        s = tl.dot(q, tl.trans(k.to(DOT_DTYPE)), input_precision=DOT_PRECISION) * scale_log2  # [M, N]
+        s = logits(tl.dot(q, tl.trans(k.to(DOT_DTYPE)), input_precision=DOT_PRECISION), scale_log2, SOFT_CAP)
         if CAUSAL:
-            s = tl.where((offs[None, :] <= q_pos[:, None]) & tok_mask[None, :], s, float("-inf"))
+            seen = (offs[None, :] <= q_pos[:, None]) & tok_mask[None, :]  # [M, N]
+            if WINDOW is not None:
+                seen = seen & (offs[None, :] > q_pos[:, None] - WINDOW)
+            s = tl.where(seen, s, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, axis=1))
-        alpha = tl.exp2(m_i - m_new)
-        p = tl.exp2(s - m_new[:, None])
+        m_ref = m_new  # what exp2 measures from
+        if CAUSAL:
+            if WINDOW is not None:  # a row shown no key yet keeps m = -inf: from 0, not -inf - -inf (NaN)
+                m_ref = tl.where(m_new == float("-inf"), 0.0, m_new)
+        alpha = tl.exp2(m_i - m_ref)
+        p = tl.exp2(s - m_ref[:, None])
         l_i = l_i * alpha + tl.sum(p, axis=1)
         acc = acc * alpha[:, None] + tl.dot(p.to(DOT_DTYPE), v.to(DOT_DTYPE), input_precision=DOT_PRECISION)
         m_i = m_new
@@ -91,6 +104,8 @@ def _attend_context(
     stride_ch,
     block_size,
     head_dim,
+    WINDOW: tl.constexpr,
+    SOFT_CAP: tl.constexpr,
     DOT_DTYPE: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
     BLOCK_M: tl.constexpr,
@@ -99,61 +114,57 @@ def _attend_context(
     BLOCK_D: tl.constexpr,
 ):
     """A query block's attention over every key it can see: the unnormalised output [M, D] and exp
-    sums [M] (fp32). Keys before the block's first query are visible to all its rows: whole tiles of
-    them run without masks; the tiles from there to the last key the block can see apply the causal
-    mask. The max logit turns finite in the first tile either way (its first key is visible to every row)."""
+    sums [M] (fp32), over three ranges of keys. [first, edge): a window's left edge hides some of
+    them from some rows (masked; under a window only, `first` its oldest key for the block's first
+    row); [edge, full_end): before the block's first query and in every row's window, whole tiles
+    without masks; [full_end, kv_end): up to the last key the block sees (masked). Without a window
+    the max logit turns finite in the first tile (its first key is visible to every row)."""
     kv_end = tl.minimum(seq_len, first_q_pos + BLOCK_Q)
-    full_end = first_q_pos // BLOCK_N * BLOCK_N
-    acc, l_i, m_i = _attend(
-        tl.zeros([BLOCK_M, BLOCK_D], tl.float32),
-        tl.zeros([BLOCK_M], tl.float32),
-        tl.full([BLOCK_M], float("-inf"), tl.float32),
-        q,
-        q_pos,
-        k_cache_ptr,
-        v_cache_ptr,
-        table,
-        kv_head,
-        0,
-        full_end,
-        kv_end,
-        scale_log2,
-        stride_cb,
-        stride_cs,
-        stride_ch,
-        block_size,
-        head_dim,
-        False,
-        DOT_DTYPE,
-        DOT_PRECISION,
-        BLOCK_N,
-        BLOCK_D,
-    )
-    acc, l_i, m_i = _attend(
-        acc,
-        l_i,
-        m_i,
-        q,
-        q_pos,
-        k_cache_ptr,
-        v_cache_ptr,
-        table,
-        kv_head,
-        full_end,
-        kv_end,
-        kv_end,
-        scale_log2,
-        stride_cb,
-        stride_cs,
-        stride_ch,
-        block_size,
-        head_dim,
-        True,
-        DOT_DTYPE,
-        DOT_PRECISION,
-        BLOCK_N,
-        BLOCK_D,
-    )
+    if WINDOW is None:
+        edge = 0
+        full_end = first_q_pos // BLOCK_N * BLOCK_N
+    else:
+        q_pos = tl.minimum(q_pos, seq_len - 1)  # padded rows (never stored) as the last query: no 0 / 0
+        first = window_start(first_q_pos, WINDOW)
+        edge = tl.minimum(first + tl.cdiv(window_start(kv_end - 1, WINDOW) - first, BLOCK_N) * BLOCK_N, kv_end)
+        full_end = edge + tl.maximum(first_q_pos - edge, 0) // BLOCK_N * BLOCK_N
+    acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
+    l_i = tl.zeros([BLOCK_M], tl.float32)
+    m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
+    for part in tl.static_range(0 if WINDOW is not None else 1, 3):  # the ranges in order, unrolled
+        if part == 0:
+            start, end = first, edge
+        elif part == 1:
+            start, end = edge, full_end
+        else:
+            start, end = full_end, kv_end
+        acc, l_i, m_i = _attend(
+            acc,
+            l_i,
+            m_i,
+            q,
+            q_pos,
+            k_cache_ptr,
+            v_cache_ptr,
+            table,
+            kv_head,
+            start,
+            end,
+            kv_end,
+            scale_log2,
+            stride_cb,
+            stride_cs,
+            stride_ch,
+            block_size,
+            head_dim,
+            part != 1,
+            WINDOW,
+            SOFT_CAP,
+            DOT_DTYPE,
+            DOT_PRECISION,
+            BLOCK_N,
+            BLOCK_D,
+        )
     return acc, l_i
 
 
@@ -180,6 +191,8 @@ def _prefill_kernel(
     block_size,
     head_dim,
     group,
+    WINDOW: tl.constexpr,  # None, or each query sees its last WINDOW positions
+    SOFT_CAP: tl.constexpr,  # None, or the logits are capped (scores.logits)
     DOT_DTYPE: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
     BLOCK_M: tl.constexpr,
@@ -222,6 +235,8 @@ def _prefill_kernel(
         stride_ch,
         block_size,
         head_dim,
+        WINDOW,
+        SOFT_CAP,
         DOT_DTYPE,
         DOT_PRECISION,
         BLOCK_M,
@@ -265,6 +280,8 @@ def paged_prefill(
     block_m: int,
     block_q: int,
     block_n: int = 64,
+    window: int | None = None,  # each query sees its last `window` positions; None: all of them
+    soft_cap: float | None = None,  # logits capped as soft_cap * tanh(s / soft_cap)
     num_warps: int = 4,
     num_stages: int = 2,
 ) -> None:
@@ -296,6 +313,8 @@ def paged_prefill(
         block_size,
         head_dim,
         num_heads // num_kv_heads,
+        WINDOW=window,
+        SOFT_CAP=soft_cap,
         DOT_DTYPE=dot_dtype,
         DOT_PRECISION=precision,
         BLOCK_M=block_m,
