@@ -49,6 +49,14 @@ def test_silu_and_mul():
     torch.testing.assert_close(triton_layers.silu_and_mul(x), plain.SiluAndMul()(x), atol=1e-5, rtol=1e-5)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+def test_gelu_and_mul(dtype):
+    torch.manual_seed(0)
+    x = (torch.randn(6, 2 * 200) * 4).to(dtype)  # into both tails of the tanh
+    tol = 1e-5 if dtype == torch.float32 else 2e-3
+    torch.testing.assert_close(triton_layers.gelu_and_mul(x), plain.GeluAndMul()(x), atol=tol, rtol=tol)
+
+
 @pytest.mark.parametrize("n,k", [(13, 70), (64, 96), (5, 1)])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
 def test_gemv_matches_linear(n, k, dtype):
