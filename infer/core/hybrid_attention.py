@@ -28,12 +28,15 @@ class HybridAttention:
         if self.has_prefill:
             self.prefill.plan(batch.select(n, batch.num_seqs))
 
-    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: KVCache) -> torch.Tensor:
+    def forward(
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: KVCache, window: int | None = None
+    ) -> torch.Tensor:
         n = self.num_decode_tokens
+        windowed = {} if window is None else {"window": window}  # both backends have the ability (compose checks)
         if not self.has_prefill:
-            return self.decode.forward(q, k, v, kv_cache)
+            return self.decode.forward(q, k, v, kv_cache, **windowed)
         if n == 0:
-            return self.prefill.forward(q, k, v, kv_cache)
-        out_decode = self.decode.forward(q[:n], k[:n], v[:n], kv_cache)
-        out_prefill = self.prefill.forward(q[n:], k[n:], v[n:], kv_cache)
+            return self.prefill.forward(q, k, v, kv_cache, **windowed)
+        out_decode = self.decode.forward(q[:n], k[:n], v[:n], kv_cache, **windowed)
+        out_prefill = self.prefill.forward(q[n:], k[n:], v[n:], kv_cache, **windowed)
         return torch.cat([out_decode, out_prefill])
