@@ -24,7 +24,9 @@ detokenizer               factory(tokenizer) -> Detokenizer
 model                     an architecture class: hf_architectures, presets, and
                           factory(config: ModelConfig, layers: Layers, attention) -> CausalLM
 layer                     factory(*args) -> torch.nn.Module, registered under a layer kind
-                          ("rms_norm", "rotary_embedding", "silu_and_mul", "linear");
+                          ("rms_norm", "rotary_embedding", "silu_and_mul", "linear",
+                          "gelu_and_mul"); a kind a plugin leaves out is served by
+                          another (the built-in torch layers register every kind);
                           rotary_embedding(rope: Rope, max_position) takes transformers'
                           frequencies and attention scaling (infer.models.rope);
                           the highest `capabilities.priority` runnable on the device wins

@@ -77,6 +77,8 @@ class PluginRegistry:
                     continue
                 sources[ep.name] = (dist, version)
         for i, plugin in enumerate(extra_plugins):
+            if manager.is_registered(plugin):  # installed too (a built-in module passed explicitly)
+                continue
             name = getattr(plugin, "__name__", None) or f"{type(plugin).__name__}-{i}"
             api_problem = plugin_api.mismatch(plugin)
             if api_problem is not None:

@@ -1,4 +1,4 @@
-"""Megatron-style tensor-parallel layers (used by `llama` when the tensor-parallel group has more than one rank).
+"""Megatron-style tensor-parallel layers (used by the built-in models when the tensor-parallel group has more than one rank).
 
 Column-parallel (qkv_proj, gate_up_proj): a rank holds some output rows (its query heads and KV
 heads, its slice of the MLP width) and needs no communication; its output stays split. Row-parallel
@@ -39,14 +39,16 @@ def split(size: int, parallel: ParallelState) -> tuple[int, int]:
 class ColumnParallelLinear(nn.Module):
     """y_r = x W_r^T: this rank's output rows; the output stays split across ranks."""
 
-    def __init__(self, in_features: int, shard: Shard, matmul: Matmul = F.linear) -> None:
+    def __init__(self, in_features: int, shard: Shard, matmul: Matmul = F.linear, bias: bool = False) -> None:
         super().__init__()
         self.shard = shard
         self.matmul = matmul
         self.weight = nn.Parameter(torch.empty(shard.local_size, in_features))
+        self.bias = nn.Parameter(torch.empty(shard.local_size)) if bias else None  # the same rows as the weight
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.matmul(x, self.weight)
+        y = self.matmul(x, self.weight)
+        return y if self.bias is None else y + self.bias
 
 
 class RowParallelLinear(nn.Module):
@@ -54,10 +56,17 @@ class RowParallelLinear(nn.Module):
     output is this rank's partial sum, and whoever takes it sums it (`reduce_add_norm`,
     which can fuse the all-reduce with the residual add and RMSNorm that follow). With `push` (set by
     a model whose every partial sum is taken so), a matmul that can (`matmul.pushes`) stores a
-    one-token partial sum straight into the ranks' exchange (`infer.distributed.all_reduce.lamport`)."""
+    one-token partial sum straight into the ranks' exchange (`infer.distributed.all_reduce.lamport`).
+    A bias is whole on every rank and added once: after the all-reduce, or by rank 0's partial sum."""
 
     def __init__(
-        self, out_features: int, shard: Shard, parallel: ParallelState, matmul: Matmul = F.linear, reduce: bool = True
+        self,
+        out_features: int,
+        shard: Shard,
+        parallel: ParallelState,
+        matmul: Matmul = F.linear,
+        reduce: bool = True,
+        bias: bool = False,
     ) -> None:
         super().__init__()
         self.shard = shard
@@ -66,6 +75,7 @@ class RowParallelLinear(nn.Module):
         self.reduce = reduce
         self.push = False
         self.weight = nn.Parameter(torch.empty(out_features, shard.local_size))
+        self.bias = nn.Parameter(torch.empty(out_features)) if bias else None
 
     def forward(self, x: torch.Tensor, matmul: Matmul | None = None) -> torch.Tensor:
         """`matmul`: another with the same contract (e.g. the activation's fused down projection)."""
@@ -74,7 +84,12 @@ class RowParallelLinear(nn.Module):
         if self.push and getattr(matmul, "pushes", False):
             target = push_target(self.parallel, x, self.weight.shape[0])
         y = matmul(x, self.weight) if target is None else matmul(x, self.weight, push=target)
-        return self.parallel.all_reduce(y) if self.reduce else y
+        if self.bias is None:
+            return self.parallel.all_reduce(y) if self.reduce else y
+        if self.reduce:
+            return self.parallel.all_reduce(y) + self.bias
+        assert target is None, "a model whose row-parallel layers have biases does not push"
+        return y + self.bias if self.parallel.rank == 0 else y
 
 
 class VocabParallelEmbedding(nn.Module):
@@ -164,29 +179,36 @@ def embed_push_target(parallel: ParallelState, input_ids: torch.Tensor, weight: 
 
 
 def attention_projections(
-    config: ModelConfig, parallel: ParallelState, matmul: Matmul = F.linear
+    config: ModelConfig,
+    parallel: ParallelState,
+    matmul: Matmul = F.linear,
+    qkv_bias: bool = False,
+    o_bias: bool = False,
+    reduce: bool = False,
 ) -> tuple[ColumnParallelLinear, RowParallelLinear]:
     """qkv_proj (this rank's q, k and v heads, fused) and o_proj (the matching input columns; its
-    partial output is summed by the norm that takes it, see `LlamaDecoderLayer`)."""
+    partial output is summed by the norm that takes it, see the models' `DecoderLayer`, or by
+    o_proj itself with `reduce`)."""
     d = config.head_dim
     heads = parallel.heads(config.num_heads, config.num_kv_heads)
     q_full, kv_full = config.num_heads * d, config.num_kv_heads * d
     q = (heads.q_start * d, heads.num_heads * d)
     kv = (heads.kv_start * d, heads.num_kv_heads * d)  # the same KV head on several ranks when replicated
-    qkv_proj = ColumnParallelLinear(config.hidden_size, Shard(0, (q_full, kv_full, kv_full), (q, kv, kv)), matmul)
-    o_proj = RowParallelLinear(config.hidden_size, Shard(1, (q_full,), (q,)), parallel, matmul, reduce=False)
+    qkv_shard = Shard(0, (q_full, kv_full, kv_full), (q, kv, kv))
+    qkv_proj = ColumnParallelLinear(config.hidden_size, qkv_shard, matmul, bias=qkv_bias)
+    o_proj = RowParallelLinear(config.hidden_size, Shard(1, (q_full,), (q,)), parallel, matmul, reduce, o_bias)
     return qkv_proj, o_proj
 
 
 def mlp_projections(
-    config: ModelConfig, parallel: ParallelState, matmul: Matmul = F.linear
+    config: Any, parallel: ParallelState, matmul: Matmul = F.linear, reduce: bool = False
 ) -> tuple[ColumnParallelLinear, RowParallelLinear]:
     """gate_up_proj (this rank's slice of gate and of up, fused) and down_proj (the same slice of its
-    input; its partial output is summed by the norm that takes it)."""
+    input; its partial output is summed by the norm that takes it, or by down_proj itself with `reduce`)."""
     width = config.intermediate_size
     part = split(width, parallel)
     gate_up_proj = ColumnParallelLinear(config.hidden_size, Shard(0, (width, width), (part, part)), matmul)
-    down_proj = RowParallelLinear(config.hidden_size, Shard(1, (width,), (part,)), parallel, matmul, reduce=False)
+    down_proj = RowParallelLinear(config.hidden_size, Shard(1, (width,), (part,)), parallel, matmul, reduce)
     return gate_up_proj, down_proj
 
 

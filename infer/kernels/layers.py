@@ -162,7 +162,9 @@ def rotary(positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, cos: torch
 
 
 @triton.jit
-def _silu_and_mul_kernel(x_ptr, out_ptr, N: tl.constexpr, BLOCK: tl.constexpr, USE_PDL: tl.constexpr):
+def _act_and_mul_kernel(
+    x_ptr, out_ptr, N: tl.constexpr, BLOCK: tl.constexpr, GELU: tl.constexpr, USE_PDL: tl.constexpr
+):
     wait_and_release(USE_PDL)
     row = tl.program_id(0)
     start = tl.program_id(1) * BLOCK
@@ -170,20 +172,36 @@ def _silu_and_mul_kernel(x_ptr, out_ptr, N: tl.constexpr, BLOCK: tl.constexpr, U
     mask = cols < N
     gate = tl.load(x_ptr + row * 2 * N + cols, mask=mask, other=0.0).to(tl.float32)
     up = tl.load(x_ptr + row * 2 * N + N + cols, mask=mask, other=0.0)
-    silu = (gate / (1.0 + tl.exp(-gate))).to(out_ptr.dtype.element_ty)
-    tl.store(out_ptr + row * N + cols, silu * up, mask=mask)
+    if GELU:  # tanh approximation: 0.5 g (1 + tanh(u)); tanh from exp(-2|u|), which cannot overflow
+        u = 0.7978845608028654 * (gate + 0.044715 * gate * gate * gate)
+        e = tl.exp(-2.0 * tl.abs(u))
+        tanh = (1.0 - e) / (1.0 + e)
+        act = 0.5 * gate * (1.0 + tl.where(u < 0.0, -tanh, tanh))
+    else:
+        act = gate / (1.0 + tl.exp(-gate))
+    tl.store(out_ptr + row * N + cols, act.to(out_ptr.dtype.element_ty) * up, mask=mask)
 
 
-def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
-    # x: [T, 2I] (gate then up) -> [T, I]
+def _act_and_mul(x: torch.Tensor, gelu: bool) -> torch.Tensor:
     x = x.contiguous()
     rows, n2 = x.shape
     n = n2 // 2
     out = torch.empty(rows, n, dtype=x.dtype, device=x.device)
     block = min(1024, triton.next_power_of_2(n))
     if rows:
-        _silu_and_mul_kernel[(rows, triton.cdiv(n, block))](x, out, N=n, BLOCK=block, **kernel_args(x.device))
+        grid = (rows, triton.cdiv(n, block))
+        _act_and_mul_kernel[grid](x, out, N=n, BLOCK=block, GELU=gelu, **kernel_args(x.device))
     return out
+
+
+def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
+    # x: [T, 2I] (gate then up) -> [T, I]
+    return _act_and_mul(x, gelu=False)
+
+
+def gelu_and_mul(x: torch.Tensor) -> torch.Tensor:
+    # x: [T, 2I] (gate then up) -> gelu_tanh(gate) * up [T, I]
+    return _act_and_mul(x, gelu=True)
 
 
 @triton.jit

@@ -9,6 +9,26 @@ import torch
 from infer.core.config import DTYPES, ModelConfig
 from infer.core.errors import ModelLoadError, one_line
 
+# settings a family's plugin reads from ModelConfig.extra, under transformers' names (the core reads none)
+FAMILY_KEYS = ("hidden_act", "hidden_activation", "attention_bias", "mlp_bias", "final_logit_softcapping")
+
+
+def _set(hf: Any, key: str) -> bool:
+    return getattr(hf, key, None) is not None
+
+
+def layer_windows(hf: Any) -> tuple[int | None, ...]:
+    """Each layer's sliding window, as transformers' models apply `sliding_window`: the layers whose
+    `layer_types` entry is sliding_attention (Qwen2, Qwen3, Gemma 2), or every layer where the config
+    has no layer_types (Mistral, Phi-3). Empty when no layer is windowed."""
+    window = getattr(hf, "sliding_window", None)
+    if not window:
+        return ()
+    num_layers = int(hf.num_hidden_layers)
+    kinds = getattr(hf, "layer_types", None) or ["sliding_attention"] * num_layers
+    windows = tuple(int(window) if kind == "sliding_attention" else None for kind in kinds[:num_layers])
+    return windows if any(w is not None for w in windows) else ()
+
 
 def model_config_from_hf(hf: Any, name: str = "") -> ModelConfig:
     """From a transformers `PretrainedConfig`, or a config.json-style dict that transformers reads
@@ -42,6 +62,10 @@ def model_config_from_hf(hf: Any, name: str = "") -> ModelConfig:
             eos_token_ids=eos_ids,
             torch_dtype=dtype,
             name=name,
+            layer_windows=layer_windows(hf),
+            attention_scale=float(hf.query_pre_attn_scalar) ** -0.5 if _set(hf, "query_pre_attn_scalar") else None,
+            attention_soft_cap=float(hf.attn_logit_softcapping) if _set(hf, "attn_logit_softcapping") else None,
+            extra={key: getattr(hf, key) for key in FAMILY_KEYS if _set(hf, key)},
         )
     except (AttributeError, TypeError, ValueError) as exc:
         raise ModelLoadError(

@@ -190,7 +190,8 @@ def test_built_in_strategies_declare_their_abilities():
     from infer.plugins.attention.torch_backend import TorchAttention
     from infer.plugins.decoders.speculative import SpeculativeDecoder
     from infer.plugins.layers import fused, torch_layers
-    from infer.plugins.models.llama import Llama, pushes_partial_sums
+    from infer.plugins.models.llama import Llama
+    from infer.plugins.models.transformer import pushes_partial_sums
     from infer.plugins.samplers.naive import NaiveSampler
     from infer.plugins.schedulers.static import StaticScheduler
 

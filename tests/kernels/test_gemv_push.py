@@ -105,7 +105,7 @@ def test_a_row_parallel_mlp_pushes_one_token_and_the_norm_after_takes_it_from_th
     from infer.distributed.layers import reduce_add_norm
     from infer.distributed.state import ParallelState
     from infer.plugins.layers.fused import FusedLinear, FusedRMSNorm, FusedRotaryEmbedding, FusedSiluAndMul
-    from infer.plugins.models.llama import LlamaMLP
+    from infer.plugins.models.transformer import MLP
 
     dtype, hidden = torch.float16, 32
     slots = torch.full((3, 1, hidden), RESET, dtype=torch.int16).view(dtype)
@@ -117,7 +117,7 @@ def test_a_row_parallel_mlp_pushes_one_token_and_the_norm_after_takes_it_from_th
     )
     config = types.SimpleNamespace(hidden_size=hidden, intermediate_size=48)
     torch.manual_seed(0)
-    mlp = LlamaMLP(config, fused, parallel).to(dtype)
+    mlp = MLP(config, fused, parallel).to(dtype)
     for weight in mlp.parameters():  # the shards are allocated, not initialised
         torch.nn.init.normal_(weight, std=0.2)
     assert mlp.fused_down and getattr(mlp.down_matmul, "pushes", False)

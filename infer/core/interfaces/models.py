@@ -13,7 +13,7 @@ if TYPE_CHECKING:
     from infer.core.config import ModelConfig
 
 
-LAYER_KINDS = ("rms_norm", "rotary_embedding", "silu_and_mul", "linear")
+LAYER_KINDS = ("rms_norm", "rotary_embedding", "silu_and_mul", "linear", "gelu_and_mul")
 
 
 @dataclass(frozen=True, slots=True)
@@ -33,6 +33,9 @@ class Layers:
     )
     silu_and_mul: Any  # () -> module; forward(x [T, 2I]) -> [T, I]
     linear: Any  # (in_features, out_features, bias=False) -> module
+    # () -> module; forward(x [T, 2I]) -> gelu_tanh(gate) * up [T, I] (GeGLU: Gemma). None only in a
+    # Layers built by hand without it; the registry always fills it (the built-in one at least)
+    gelu_and_mul: Any = None
 
 
 @runtime_checkable

@@ -2,7 +2,7 @@
 
 Each replaces several eager kernels with one: RMSNorm with the residual add (add, square, mean,
 rsqrt, scale: 1 read of x and residual, 1 write of each), rotary embedding applied to q and k in
-place of ten elementwise ops, SiLU-and-mul, and a linear layer whose one-token case (batch-1
+place of ten elementwise ops, SiLU-and-mul and GELU-and-mul, and a linear layer whose one-token case (batch-1
 decode) is a Triton matrix-vector product streaming the weights (more tokens go to cuBLAS). For
 one token the MLP's SiLU-and-mul is read inside its down projection's GEMV (`FusedSiluAndMul.down`). On
 the CPU the plain torch layers are used; the kernels also run there under TRITON_INTERPRET=1,
@@ -85,6 +85,15 @@ class FusedSiluAndMul(nn.Module):
     down.pushes = True  # type: ignore[attr-defined]
 
 
+class FusedGeluAndMul(nn.Module):
+    capabilities = CAPS
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        from infer.kernels.layers import gelu_and_mul
+
+        return gelu_and_mul(x)
+
+
 def _matmul(x: torch.Tensor, weight: torch.Tensor, push: Any = None) -> torch.Tensor:
     """x @ weight.T; one token through the Triton GEMV, which can push a tensor-parallel partial sum
     into the ranks' exchange (`push`, a `infer.distributed.all_reduce.lamport.PushTarget`: one-token steps only)."""
@@ -114,3 +123,4 @@ def infer_register_layers(register) -> None:
     register("rotary_embedding", FusedRotaryEmbedding)
     register("silu_and_mul", FusedSiluAndMul)
     register("linear", FusedLinear)
+    register("gelu_and_mul", FusedGeluAndMul)

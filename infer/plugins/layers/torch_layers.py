@@ -68,6 +68,15 @@ class SiluAndMul(nn.Module):
         return F.silu(gate) * up
 
 
+class GeluAndMul(nn.Module):
+    capabilities = Capabilities(priority=0)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        # x: [T, 2 * I] (gate then up) -> [T, I]; GELU's tanh approximation (HF's gelu_pytorch_tanh)
+        gate, up = x.chunk(2, dim=-1)
+        return F.gelu(gate, approximate="tanh") * up
+
+
 class Linear(nn.Linear):
     capabilities = Capabilities(priority=0)
 
@@ -81,7 +90,13 @@ class Linear(nn.Linear):
 
 
 def default_layers() -> Layers:
-    return Layers(rms_norm=RMSNorm, rotary_embedding=RotaryEmbedding, silu_and_mul=SiluAndMul, linear=Linear)
+    return Layers(
+        rms_norm=RMSNorm,
+        rotary_embedding=RotaryEmbedding,
+        silu_and_mul=SiluAndMul,
+        linear=Linear,
+        gelu_and_mul=GeluAndMul,
+    )
 
 
 @hookimpl
@@ -90,3 +105,4 @@ def infer_register_layers(register) -> None:
     register("rotary_embedding", RotaryEmbedding)
     register("silu_and_mul", SiluAndMul)
     register("linear", Linear)
+    register("gelu_and_mul", GeluAndMul)

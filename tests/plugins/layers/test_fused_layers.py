@@ -49,6 +49,14 @@ def test_silu_and_mul():
     torch.testing.assert_close(triton_layers.silu_and_mul(x), plain.SiluAndMul()(x), atol=1e-5, rtol=1e-5)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+def test_gelu_and_mul(dtype):
+    torch.manual_seed(0)
+    x = (torch.randn(6, 2 * 200) * 4).to(dtype)  # into both tails of the tanh
+    tol = 1e-5 if dtype == torch.float32 else 2e-3
+    torch.testing.assert_close(triton_layers.gelu_and_mul(x), plain.GeluAndMul()(x), atol=tol, rtol=tol)
+
+
 @pytest.mark.parametrize("n,k", [(13, 70), (64, 96), (5, 1)])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
 def test_gemv_matches_linear(n, k, dtype):
@@ -97,7 +105,7 @@ def test_mlp_reads_its_activation_inside_the_down_gemv(monkeypatch):
     from infer.distributed.layers import RowParallelLinear, Shard
     from infer.kernels import gemv as triton_gemv
     from infer.plugins.layers.fused import FusedLinear, FusedRMSNorm, FusedRotaryEmbedding, FusedSiluAndMul
-    from infer.plugins.models.llama import LlamaMLP
+    from infer.plugins.models.transformer import MLP
 
     calls = []
     real = triton_gemv.gemv_silu_mul
@@ -107,7 +115,7 @@ def test_mlp_reads_its_activation_inside_the_down_gemv(monkeypatch):
         rms_norm=FusedRMSNorm, rotary_embedding=FusedRotaryEmbedding, silu_and_mul=FusedSiluAndMul, linear=FusedLinear
     )
     torch.manual_seed(0)
-    mlp = LlamaMLP(config, fused)
+    mlp = MLP(config, fused)
     assert mlp.fused_down
     for tokens, fused_calls in ((1, 1), (3, 0)):
         calls.clear()
@@ -138,7 +146,7 @@ def test_attention_rotates_in_the_cache_write_where_the_backend_can():
     from infer.plugins.attention.paged_cuda import PagedCudaAttention
     from infer.plugins.attention.torch_backend import TorchAttention
     from infer.plugins.layers.fused import FusedLinear, FusedRMSNorm, FusedRotaryEmbedding, FusedSiluAndMul
-    from infer.plugins.models.llama import LlamaAttention
+    from infer.plugins.models.transformer import Attention
     from infer.testing.attention import BatchSpec, make_case
 
     case = make_case(BatchSpec("mixed", (1, 5), (9, 3)), num_heads=4, num_kv_heads=2, head_dim=16)
@@ -154,10 +162,10 @@ def test_attention_rotates_in_the_cache_write_where_the_backend_can():
         rms_norm=FusedRMSNorm, rotary_embedding=FusedRotaryEmbedding, silu_and_mul=FusedSiluAndMul, linear=FusedLinear
     )
     torch.manual_seed(0)
-    layer = LlamaAttention(config, fused, PagedCudaAttention(case.spec))
+    layer = Attention(config, fused, PagedCudaAttention(case.spec))
     assert layer.rotary_in_attention
-    assert not LlamaAttention(config, plain_layers(), PagedCudaAttention(case.spec)).rotary_in_attention
-    assert not LlamaAttention(config, fused, TorchAttention(case.spec)).rotary_in_attention
+    assert not Attention(config, plain_layers(), PagedCudaAttention(case.spec)).rotary_in_attention
+    assert not Attention(config, fused, TorchAttention(case.spec)).rotary_in_attention
     x = torch.randn(6, 32)
     positions = torch.tensor([9, 3, 4, 5, 6, 7])
     outs, caches = [], []
