@@ -54,6 +54,7 @@ class _Plan:
     max_model_len: int
     chat_template: str | None = None  # --chat-template's text
     draft_source: ModelSource | None = None  # --draft's, checked against the target; None: no draft model
+    max_rows: int = 0  # decode rows a step may have: max_num_seqs x (1 + lookahead), a verify step's rows
 
 
 def _build_model(plan: _Plan, source: Any, model_config: Any, parallel: Communicator) -> tuple[Any, Any]:
@@ -71,7 +72,7 @@ def _build_model(plan: _Plan, source: Any, model_config: Any, parallel: Communic
         dtype=plan.dtype,
         device=plan.device,
         block_size=config.block_size,
-        max_num_seqs=config.max_num_seqs,
+        max_num_seqs=plan.max_rows,
         max_model_len=plan.max_model_len,
         sliding_windows=model_config.sliding_windows(),
         soft_cap=model_config.attention_soft_cap,
@@ -201,6 +202,7 @@ def _check(
     if needs_draft and config.draft not in ("ngram", "self"):
         plan.draft_source = _check_draft(plan)
     lookahead = config.num_speculative_tokens if needs_draft else 0  # the decoder's, once built
+    plan.max_rows = config.max_num_seqs * (1 + lookahead)
     if config.num_kv_blocks is not None:
         check_fits(config.num_kv_blocks, config.block_size, max_model_len, lookahead, "--num-kv-blocks")
     return plan
@@ -298,7 +300,7 @@ def _wire(
                 r.attention,
                 r.kv_caches,
                 config.block_size,
-                config.max_num_seqs,
+                plan.max_rows,
                 plan.max_model_len,
                 null_block=num_blocks,
                 device=device,

@@ -75,6 +75,7 @@ class FlashInferAttention:
         devices=frozenset({"cuda"}),
         dtypes=frozenset({torch.float16, torch.bfloat16}),
         block_sizes=frozenset({1, 2, 4, 8, 16, 32, 64}),  # page_size is a runtime argument of every kernel
+        writes_kv_first=True,  # the cache write is its own kernel, before attention
         cuda_graph_safe=True,
         priority=10,  # below paged-cuda: the first run JIT-compiles for about a minute
         available=_available,
