@@ -123,9 +123,10 @@ class CudaGraphRunner:
         h64[2 * b : 2 * b + n] = torch.tensor(slots)
         h32[:n] = torch.tensor(seq_lens)
         h32[b : b + n + 1] = torch.arange(n + 1, dtype=torch.int32)
-        # only the columns in use this step: kernels never read a table past its seq_len
-        width = max((len(t) for t in tables), default=1)
-        rows = [t + [self.null_block] * (width - len(t)) for t in tables] + [[self.null_block] * width] * pad
+        # only the columns in use this step: kernels never read a table past its seq_len (a table may hold
+        # more blocks, reserved for draft tokens past max_model_len's last block)
+        width = min(max((len(t) for t in tables), default=1), w)
+        rows = [t[:width] + [self.null_block] * (width - len(t)) for t in tables] + [[self.null_block] * width] * pad
         h32[2 * b + 1 : 2 * b + 1 + b * w].view(b, w)[:n, :width] = torch.tensor(rows, dtype=torch.int32)
         self.i64.copy_(h64, non_blocking=True)
         used = 2 * b + 1 + n * w

@@ -182,7 +182,8 @@ def test_a_backend_that_does_not_write_kv_first_verifies_with_the_extend_path(ti
 
 def test_padded_rows_write_only_the_null_block_and_rows_match_the_eager_forward(tiny):
     """Three rows replayed in the bucket of four: the logits are the eager forward's, and the padded
-    row writes nothing but the null block."""
+    row writes nothing but the null block. The table holds more blocks than the graph has columns
+    (blocks reserved for drafts past max_model_len's): the columns no row reads are left out."""
     target, _ = tiny
     with LLM(model=str(target), block_size=4, decoding="speculative", draft="ngram") as llm:
         llm.generate(PROMPTS[:2], SamplingParams(max_tokens=2, temperature=0, ignore_eos=True))
@@ -193,7 +194,8 @@ def test_padded_rows_write_only_the_null_block_and_rows_match_the_eager_forward(
         )
         graphs.capture()
         # one request's token and two draft tokens as three rows over blocks 0 and 1
-        tables, seq_lens, tokens = [[0, 1]] * 3, [6, 7, 8], [11, 12, 13]
+        tables, seq_lens, tokens = [[0, 1, *range(2, 20)]] * 3, [6, 7, 8], [11, 12, 13]
+        assert graphs.max_blocks < len(tables[0])
         eager_caches = [(k.clone(), v.clone()) for k, v in runner.kv_caches]
         before = [k.clone() for k, _ in runner.kv_caches]
         logits = graphs.run(tokens, seq_lens, tables).clone()
