@@ -1,10 +1,11 @@
 """What do speculative decoding, early exit and prefix caching buy on a GPU? Measured in one process.
 
-    python -m infer.bench.features --out features.json [--only spec,early,prefix,real] [--real-model DIR]
+    python -m infer.bench.features --out features.json [--only spec,early,prefix]
 
 Dummy weights throughout (timing does not depend on the values). Speculative decoding: the
 draft/target step-time ratio and the verify overhead are measured, and the speedup they predict for
-acceptance rates 0.6 and 0.8 is printed beside the measured speedup of `ngram`.
+acceptance rates 0.6 and 0.8 is printed beside the measured speedup of `ngram`. Speculative decoding
+on real weights (agreement with a CPU fp32 reference, acceptance, speed-up): `infer.bench.speculative`.
 """
 
 from __future__ import annotations
@@ -59,33 +60,6 @@ def repetitive_workload(vocab: int, n: int = 8, out_tokens: int = 128) -> Worklo
         phrase = [rng.randrange(10, vocab) for _ in range(24)]
         prompts.append(phrase * 8)
     return Workload("repetitive", prompts, [out_tokens] * n, ignore_eos=True)
-
-
-PASSAGE = (
-    "The committee met on Tuesday to review the budget for the new library. After a long discussion, "
-    "they agreed to fund the children's section first, then the reading room, and finally the archive. "
-    "The work will start in March and should be finished before the end of the year."
-)
-CODE = (
-    "def mean(values):\n    total = 0\n    for v in values:\n        total += v\n    return total / len(values)\n\n"
-    "def variance(values):\n    m = mean(values)\n    return sum((v - m) ** 2 for v in values) / len(values)\n"
-)
-
-
-def edit_workload(out_tokens: int = 160) -> Workload:
-    """Chat prompts that ask to repeat or edit a given text: most of the answer is in the prompt."""
-    asks = [
-        f"Repeat the following text exactly, word for word:\n\n{PASSAGE}",
-        f"Rewrite this text, replacing 'Tuesday' with 'Friday' and changing nothing else:\n\n{PASSAGE}",
-        f"Copy this Python code exactly as it is:\n\n{CODE}",
-        f"Rename the function `mean` to `average` everywhere in this code and print the whole code:\n\n{CODE}",
-        f"Add a docstring to each function in this code and print the whole code:\n\n{CODE}",
-        "Fix the spelling and print the corrected text: The comittee met on Tusday to reveiw the budjet for the new "
-        "libary. They agred to fund the childrens section first.",
-        f"Translate this text into plain bullet points, keeping every fact:\n\n{PASSAGE}",
-        f"Print this code twice, one copy after the other:\n\n{CODE}",
-    ]
-    return Workload("edit", list(asks), [out_tokens] * len(asks), chat=True)
 
 
 def predicted_speedup(alpha: float, k: int, t_target: float, t_draft: float, t_verify: float) -> float:
@@ -172,7 +146,6 @@ def main(argv: list[str] | None = None) -> None:
     )
     ap.add_argument("--out", default="features.json")
     ap.add_argument("--only", default="spec,early,prefix")
-    ap.add_argument("--real-model", default=None, help="folder of real SmolLM2 weights (for --only real)")
     args = ap.parse_args(argv)
     parts = set(args.only.split(","))
     results: dict[str, Any] = {"device": torch.cuda.get_device_name()}
@@ -183,8 +156,6 @@ def main(argv: list[str] | None = None) -> None:
         results["early_exit_tokens_per_s"] = measure_early_exit()
     if "prefix" in parts:
         results["prefix"] = measure_prefix_caching()
-    if "real" in parts:
-        results["real"] = real_weights(args.real_model, k)
     with open(args.out, "w") as f:
         json.dump(results, f, indent=2, default=str)
     print(
@@ -195,43 +166,6 @@ def main(argv: list[str] | None = None) -> None:
     )
     if "prefix" in results:
         print(f"prefix caching on/off total tok/s: {results['prefix']['speedup']:.2f}x")
-
-
-def real_weights(model: str, k: int) -> dict[str, Any]:
-    """Acceptance and speedup on real SmolLM2 weights: ngram and self-draft at several exit layers,
-    batch 1 (one request at a time) and batch 8, against autoregressive on the same prompts."""
-    wl = edit_workload()
-    out: dict[str, Any] = {}
-    for batch in (1, 8):
-        opts: dict[str, Any] = dict(model=model, load_format="auto", max_num_seqs=batch, keep_outputs=True)
-        base = run(f"smollm2 autoregressive, edit prompts, batch {batch}", wl, **opts)
-        rows = {
-            "autoregressive": {"output_tokens_per_s": base["output_tokens_per_s"], "tpot_p50_s": base["tpot_p50_s"]}
-        }
-        variants = [("ngram", dict(draft="ngram"))] + [
-            (f"self-draft L={layer}", dict(draft="self", exit_layer=layer)) for layer in (8, 16, 24)
-        ]
-        for name, extra in variants:
-            r = run(
-                f"smollm2 speculative {name} K={k}, batch {batch}",
-                wl,
-                decoding="speculative",
-                num_speculative_tokens=k,
-                **extra,
-                **opts,
-            )
-            stats = r["engine_stats"]
-            same = sum(a == b for a, b in zip(r["token_ids"], base["token_ids"]))
-            rows[name] = {
-                "output_tokens_per_s": r["output_tokens_per_s"],
-                "speedup": r["output_tokens_per_s"] / base["output_tokens_per_s"],
-                "acceptance_rate": stats.get("acceptance_rate"),
-                "mean_tokens_per_step": stats.get("mean_tokens_per_step"),
-                "identical_to_autoregressive": f"{same}/{len(base['token_ids'])}",
-            }
-        out[f"batch{batch}"] = rows
-        print(json.dumps(rows, indent=1, default=str), flush=True)
-    return out
 
 
 if __name__ == "__main__":

@@ -41,6 +41,28 @@ class Workload:
         return [replace(base, max_tokens=m, ignore_eos=self.ignore_eos or base.ignore_eos) for m in self.max_tokens]
 
 
+PASSAGE = (
+    "The committee met on Tuesday to review the budget for the new library. After a long discussion, "
+    "they agreed to fund the children's section first, then the reading room, and finally the archive. "
+    "The work will start in March and should be finished before the end of the year."
+)
+CODE = (
+    "def mean(values):\n    total = 0\n    for v in values:\n        total += v\n    return total / len(values)\n\n"
+    "def variance(values):\n    m = mean(values)\n    return sum((v - m) ** 2 for v in values) / len(values)\n"
+)
+EDIT_PROMPTS = [
+    f"Repeat the following text exactly, word for word:\n\n{PASSAGE}",
+    f"Rewrite this text, replacing 'Tuesday' with 'Friday' and changing nothing else:\n\n{PASSAGE}",
+    f"Copy this Python code exactly as it is:\n\n{CODE}",
+    f"Rename the function `mean` to `average` everywhere in this code and print the whole code:\n\n{CODE}",
+    f"Add a docstring to each function in this code and print the whole code:\n\n{CODE}",
+    "Fix the spelling and print the corrected text: The comittee met on Tusday to reveiw the budjet for the new "
+    "libary. They agred to fund the childrens section first.",
+    f"Translate this text into plain bullet points, keeping every fact:\n\n{PASSAGE}",
+    f"Print this code twice, one copy after the other:\n\n{CODE}",
+]
+
+
 def _random_ids(rng: random.Random, n: int, vocab_size: int) -> list[int]:
     return [rng.randrange(10, vocab_size) for _ in range(n)]  # low ids are often special tokens
 
@@ -49,6 +71,13 @@ def random_fixed(vocab_size: int, num_prompts: int, prompt_len: int, output_len:
     rng = random.Random(seed)
     prompts: list[str | list[int]] = [_random_ids(rng, prompt_len, vocab_size) for _ in range(num_prompts)]
     return Workload(name, prompts, [output_len] * num_prompts, ignore_eos=True)
+
+
+def edit(num_prompts: int, max_tokens: int) -> Workload:
+    """Chat prompts that ask to repeat or edit a given text: most of the answer is in the prompt
+    (what prompt lookup, `--draft ngram`, is for)."""
+    prompts: list[str | list[int]] = [EDIT_PROMPTS[i % len(EDIT_PROMPTS)] for i in range(num_prompts)]
+    return Workload("edit", prompts, [max_tokens] * num_prompts, chat=True)
 
 
 def sharegpt_like(vocab_size: int, num_prompts: int, seed: int) -> Workload:
@@ -135,7 +164,7 @@ def from_file(path: Path, default_max_tokens: int) -> Workload:
     return Workload(path.name, prompts, max_tokens, chat=False)
 
 
-NAMED = ("builtin", "random-256x256", "sharegpt-like", "latency-1", "chat")
+NAMED = ("builtin", "edit", "random-256x256", "sharegpt-like", "latency-1", "chat")
 NEEDS_VOCAB = ("random-256x256", "sharegpt-like", "latency-1")  # token ids drawn from the model's vocabulary
 
 
@@ -149,6 +178,8 @@ def load_workload(name: str, vocab_size: int, num_prompts: int | None, max_token
         n = num_prompts or len(BUILTIN_PROMPTS)
         prompts: list[str | list[int]] = [BUILTIN_PROMPTS[i % len(BUILTIN_PROMPTS)] for i in range(n)]
         return Workload("builtin", prompts, [64 if max_tokens is None else max_tokens] * n, chat=True)
+    if name == "edit":
+        return edit(num_prompts or len(EDIT_PROMPTS), 160 if max_tokens is None else max_tokens)
     if name == "random-256x256":
         w = random_fixed(vocab_size, num_prompts or 1000, 256, 256, seed, name)
     elif name == "latency-1":

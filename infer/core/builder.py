@@ -54,6 +54,7 @@ class _Plan:
     max_model_len: int
     chat_template: str | None = None  # --chat-template's text
     draft_source: ModelSource | None = None  # --draft's, checked against the target; None: no draft model
+    max_rows: int = 0  # decode rows a step may have: max_num_seqs x (1 + lookahead), a verify step's rows
 
 
 def _build_model(plan: _Plan, source: Any, model_config: Any, parallel: Communicator) -> tuple[Any, Any]:
@@ -71,7 +72,7 @@ def _build_model(plan: _Plan, source: Any, model_config: Any, parallel: Communic
         dtype=plan.dtype,
         device=plan.device,
         block_size=config.block_size,
-        max_num_seqs=config.max_num_seqs,
+        max_num_seqs=plan.max_rows,
         max_model_len=plan.max_model_len,
         sliding_windows=model_config.sliding_windows(),
         soft_cap=model_config.attention_soft_cap,
@@ -203,6 +204,7 @@ def _check(
     if needs_draft and config.draft not in ("ngram", "self"):
         plan.draft_source = _check_draft(plan)
     lookahead = config.num_speculative_tokens if needs_draft else 0  # the decoder's, once built
+    plan.max_rows = config.max_num_seqs * (1 + lookahead)
     if config.num_kv_blocks is not None:
         check_fits(config.num_kv_blocks, config.block_size, max_model_len, lookahead, "--num-kv-blocks")
     return plan
@@ -240,9 +242,14 @@ def _load_models(plan: _Plan, parallel: Communicator) -> tuple[list[tuple[ModelR
         models.append((draft, draft_config))
         return draft
 
-    decoder = composition.decoder.factory(
-        DecoderContext(runner=runner, config=config, build_model=build_model, model_config=plan.model_config)
-    )
+    def share_model(num_layers: int) -> ModelRunner:  # its own model id: every rank replays its own graphs
+        shared = ModelRunner(model, attention, runner.kv_caches, sampler, config.block_size, device, num_layers)
+        shared.executor = parallel.executor(len(models))
+        models.append((shared, plan.model_config))
+        return shared
+
+    context = DecoderContext(runner, config, build_model, plan.model_config, share_model)
+    decoder = composition.decoder.factory(context)
     return models, decoder, tokenizer
 
 
@@ -252,6 +259,8 @@ def _size_kv_cache(
     """Every model's KV cache, the same number of blocks (one more: the null block) indexed by the same
     block tables, within the budget; and the block mover over them, with the CPU pool for swaps."""
     config = plan.config
+    # a self-draft's runner shares the target's cache list: each list is sized and filled once
+    models = [(r, c) for j, (r, c) in enumerate(models) if all(r.kv_caches is not o.kv_caches for o, _ in models[:j])]
     shapes = [
         CacheShape(r.num_layers or c.num_layers, parallel.heads(c.num_heads, c.num_kv_heads).num_kv_heads, c.head_dim)
         for r, c in models
@@ -266,8 +275,8 @@ def _size_kv_cache(
             )
         )
     block_mover = BlockMover(num_cpu_blocks)
-    for cache_list in {id(r.kv_caches): r.kv_caches for r, _ in models}.values():  # a self-draft shares the target's
-        block_mover.add(cache_list)
+    for r, _ in models:
+        block_mover.add(r.kv_caches)
     return num_blocks, block_mover
 
 
@@ -291,8 +300,8 @@ def _wire(
     pipeline = config.pipeline_decode if config.pipeline_decode is not None else device.type == "cuda"
     pipeline = pipeline and attention.capabilities.pipeline_safe and composition.decoder.capabilities.pipeline_safe
     for r, _ in models:
-        # CUDA graphs: the target's decode steps when the decoder runs it one token at a time; a draft
-        # model's proposal steps (one token per sequence) whatever the decoder does with the target.
+        # CUDA graphs: the target's decode-only steps when the decoder allows (verify steps of decode
+        # rows included); a draft's proposal steps whatever the decoder does with the target.
         graphs = None
         if use_graphs and (r is not runner or composition.decoder.capabilities.cuda_graph_safe):
             graphs = CudaGraphRunner(
@@ -300,7 +309,7 @@ def _wire(
                 r.attention,
                 r.kv_caches,
                 config.block_size,
-                config.max_num_seqs,
+                plan.max_rows,
                 plan.max_model_len,
                 null_block=num_blocks,
                 device=device,

@@ -2,7 +2,7 @@
 budget, allocated, copied block by block for copy-on-write and swaps: `kv_cache`, `block_mover`),
 and the faster paths for decode-only steps that change no token: CUDA graphs replayed per batch
 bucket (`cuda_graphs`) and the next forward queued before this step's tokens reach the host
-(`pipeline`).
+(`pipeline`); and host lists copied to the device without waiting for the GPU (`transfer`).
 
 The core knows the decode paths only as `DecodeGraphs` and `DecodePipeline`
 (`infer.core.interfaces.decode_paths`); the builder attaches them where the config and the

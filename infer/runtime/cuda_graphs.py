@@ -1,22 +1,30 @@
-"""CUDA graphs for decode steps: one graph per batch-size bucket, padded, replayed each step.
+"""CUDA graphs for decode-only steps: one graph per row-count bucket, padded, replayed each step.
 
 A decode step of a 7B model launches some 500 kernels; launched from Python that costs more than
 the GPU needs to run them at small batch. Capturing the whole forward (embedding to logits) once
 per bucket turns a step into a handful of host-to-device copies and one replay.
 
+A row is one query token at the end of its sequence's cached context: a decode step has one row
+per sequence, a speculative verify step one per position it checks (the rows of a sequence share
+its block table and each sees the K/V the rows before it wrote in the same forward, which the
+backend promises by `writes_kv_first`). So one set of graphs serves both, sized by the most rows
+a step may have (`max_rows`: requests times one plus the decoder's lookahead).
+
 Inputs live in static buffers; every step copies its values in (two H2D copies: one int64 and
-one int32 staging buffer, the block-table rows of the sequences in use only). The pinned staging
-buffers come in pairs used in turn: with decode pipelining the next step is filled while the
-copy of this one may still be queued. A step's token ids may instead come from a device tensor
-(the tokens the step before sampled, not yet on the host). Padded rows read and write only the null block, a spare KV block that
-the allocator never hands out. The attention backend must be graph-safe (`cuda_graph_safe`): its
+one int32 staging buffer, the block-table rows in use only). The pinned staging buffers come in
+pairs used in turn, and one is refilled only once its last copy has run (an event per buffer): the
+host may queue steps ahead of the GPU, as decode pipelining and a draft model's proposal steps do.
+A step's token ids may instead come from a device tensor (the tokens the step before sampled, not
+yet on the host). Padded rows read and write only the null block, a spare KV block that the
+allocator never hands out. The attention backend must be graph-safe (`cuda_graph_safe`): its
 `plan` may do host work but the kernels it launches must read the batch only through the static
-tensors and use fixed grids for a given batch size.
+tensors and use fixed grids for a given row count.
 """
 
 from __future__ import annotations
 
 import bisect
+from collections import Counter
 from typing import Any
 
 import torch
@@ -24,9 +32,9 @@ import torch
 from infer.core.interfaces import AttentionBackend, AttentionBatch, KVCache
 
 
-def bucket_sizes(max_num_seqs: int) -> list[int]:
+def bucket_sizes(max_rows: int) -> list[int]:
     sizes = [1, 2, 4, 8] + list(range(16, 256 + 1, 16)) + list(range(288, 1024 + 1, 32))
-    return [s for s in sizes if s < max_num_seqs] + [max_num_seqs]
+    return [s for s in sizes if s < max_rows] + [max_rows]
 
 
 class CudaGraphRunner:
@@ -36,7 +44,7 @@ class CudaGraphRunner:
         attention: AttentionBackend,
         kv_caches: list[KVCache],
         block_size: int,
-        max_num_seqs: int,
+        max_rows: int,  # rows a decode-only step may have
         max_model_len: int,
         null_block: int,  # a KV block no request owns: padded rows write there
         device: torch.device,
@@ -45,23 +53,26 @@ class CudaGraphRunner:
         self.model, self.attention, self.kv_caches = model, attention, kv_caches
         self.block_size, self.null_block, self.device = block_size, null_block, device
         self.num_layers = num_layers
-        self.buckets = bucket_sizes(max_num_seqs)
+        self.buckets = bucket_sizes(max_rows)
         self.max_batch = self.buckets[-1]
         self.max_blocks = -(-max_model_len // block_size) + 1
         b, w = self.max_batch, self.max_blocks
         # int64: input_ids | positions | slot_mapping ; int32: seq_lens | cu_seqlens | block_tables
         self.i64 = torch.zeros(3 * b, dtype=torch.int64, device=device)
         self.i32 = torch.zeros(b + (b + 1) + b * w, dtype=torch.int32, device=device)
+        on_gpu = device.type == "cuda"
         self.staging = [
             (
-                torch.zeros(3 * b, dtype=torch.int64).pin_memory(),
-                torch.zeros(b + (b + 1) + b * w, dtype=torch.int32).pin_memory(),
+                torch.zeros(3 * b, dtype=torch.int64, pin_memory=on_gpu),
+                torch.zeros(b + (b + 1) + b * w, dtype=torch.int32, pin_memory=on_gpu),
+                torch.cuda.Event() if on_gpu else None,  # recorded after the buffer's copies
             )
             for _ in range(2)
         ]
         self.turn = 0
         self.graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
         self.pool: Any = None
+        self.replays: Counter[int] = Counter()  # bucket -> steps replayed with it
 
     def _views(self, n: int) -> tuple[torch.Tensor, ...]:
         b, w = self.max_batch, self.max_blocks
@@ -104,19 +115,24 @@ class CudaGraphRunner:
         positions = [s - 1 for s in seq_lens]
         slots = [t[p // bs] * bs + p % bs for t, p in zip(tables, positions)] + [self.null_block * bs] * pad
         self.turn ^= 1
-        h64, h32 = self.staging[self.turn]
+        h64, h32, copied = self.staging[self.turn]
+        if copied is not None:
+            copied.synchronize()  # this buffer's copies of two steps ago have run
         h64[:n] = torch.tensor(token_ids + [0] * pad)
         h64[b : b + n] = torch.tensor(positions)
         h64[2 * b : 2 * b + n] = torch.tensor(slots)
         h32[:n] = torch.tensor(seq_lens)
         h32[b : b + n + 1] = torch.arange(n + 1, dtype=torch.int32)
-        # only the columns in use this step: kernels never read a table past its seq_len
-        width = max((len(t) for t in tables), default=1)
-        rows = [t + [self.null_block] * (width - len(t)) for t in tables] + [[self.null_block] * width] * pad
+        # only the columns in use this step: kernels never read a table past its seq_len (a table may hold
+        # more blocks, reserved for draft tokens past max_model_len's last block)
+        width = min(max((len(t) for t in tables), default=1), w)
+        rows = [t[:width] + [self.null_block] * (width - len(t)) for t in tables] + [[self.null_block] * width] * pad
         h32[2 * b + 1 : 2 * b + 1 + b * w].view(b, w)[:n, :width] = torch.tensor(rows, dtype=torch.int32)
         self.i64.copy_(h64, non_blocking=True)
         used = 2 * b + 1 + n * w
         self.i32[:used].copy_(h32[:used], non_blocking=True)
+        if copied is not None:
+            copied.record()
         if ids is not None:
             self.i64[:num_real].copy_(ids)
 
@@ -159,13 +175,17 @@ class CudaGraphRunner:
     def run(
         self, token_ids: list[int], seq_lens: list[int], tables: list[list[int]], ids: torch.Tensor | None = None
     ) -> torch.Tensor:
-        """Decode one token for each sequence; returns logits [len(seq_lens), vocab]. `ids`: the
-        token ids as a device tensor instead of `token_ids`."""
+        """One token for each row; returns logits [len(seq_lens), vocab]. `ids`: the token ids as a
+        device tensor instead of `token_ids`."""
         num_real = len(seq_lens)
         n = self.buckets[bisect.bisect_left(self.buckets, num_real)]
         self._fill(n, token_ids, seq_lens, tables, ids)
         padded = tables + [[self.null_block]] * (n - num_real)
         self.attention.plan(self._batch(n, seq_lens + [1] * (n - num_real), padded))
+        self.replays[n] += 1
+        return self._replay(n)[:num_real]
+
+    def _replay(self, n: int) -> torch.Tensor:
         graph, logits = self.graphs[n]
         graph.replay()
-        return logits[:num_real]
+        return logits

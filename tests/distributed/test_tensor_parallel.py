@@ -115,10 +115,13 @@ def test_dummy_weights_are_the_same_model_at_any_tp(tiny_llama_dir):
 
 
 @pytest.mark.slow
-def test_speculative_self_draft_under_tp(tiny_llama_dir):
-    # the draft runner is built by the decoder, outside the builder: its forwards must reach every rank too
+@pytest.mark.parametrize("draft", ["self", "model"])
+def test_speculative_under_tp(tiny_llama_dir, draft):
+    # a self-draft's runner is a model of its own (its id, its graphs) on every rank; a draft model's
+    # steps and the verify step take their ids from rank 0's device (the drafts are not on the host)
     params = SamplingParams(max_tokens=10, temperature=0, ignore_eos=True)
-    options = dict(model=str(tiny_llama_dir), block_size=4, decoding="speculative", draft="self", exit_layer=2)
+    drafts = dict(self=dict(draft="self", exit_layer=2), model=dict(draft=str(tiny_llama_dir)))
+    options = dict(model=str(tiny_llama_dir), block_size=4, decoding="speculative", **drafts[draft])
     expected = [o.outputs[0].token_ids for o in generate(1, PROMPTS, params, **options)]
     assert [o.outputs[0].token_ids for o in generate(2, PROMPTS, params, **options)] == expected
 

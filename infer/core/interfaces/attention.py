@@ -22,7 +22,7 @@ class AttentionSpec:
     dtype: torch.dtype
     device: torch.device
     block_size: int
-    max_num_seqs: int
+    max_num_seqs: int  # decode rows per step at most: requests x (1 + the decoder's lookahead)
     max_model_len: int
     sliding_windows: tuple[int, ...] = ()  # the distinct windows the model's layers pass to forward(window=)
     soft_cap: float | None = None  # scores s (after the scale) become soft_cap * tanh(s / soft_cap)

@@ -17,6 +17,7 @@ class Capabilities:
     dtypes: frozenset[torch.dtype] | None = None  # None: any dtype
     block_sizes: frozenset[int] | None = None  # None: any KV block size
     cuda_graph_safe: bool = False  # decode step may be captured in a CUDA graph
+    writes_kv_first: bool = False  # attention: a step's K/V all written before any is read (verify rows)
     # decode pipelining. attention: plan() for the next step may run while the step before is still
     # queued (it writes no host memory that queued copies still read); decoder: its steps go through
     # ModelRunner.execute, one token per sequence
@@ -43,6 +44,8 @@ class Capabilities:
             parts.append("cuda-graphs")
         if self.pipeline_safe:
             parts.append("pipelined-decode")
+        if self.writes_kv_first:
+            parts.append("kv-written-first")
         if self.sliding_window:
             parts.append("sliding-window")
         if self.soft_cap:

@@ -22,6 +22,7 @@ class DecoderContext:
     # the target's block tables (same block ids); the builder sizes every cache after the decoder is built
     build_model: Callable[..., Any] | None = None
     model_config: Any = None  # the target's ModelConfig
+    share_model: Callable[[int], Any] | None = None  # num_layers -> a runner of the target's first layers (self-draft)
 
 
 class Decoder(Protocol):

@@ -93,6 +93,7 @@ class FlashInferAttention:
         devices=frozenset({"cuda"}),
         dtypes=frozenset({torch.float16, torch.bfloat16}),
         block_sizes=frozenset({1, 2, 4, 8, 16, 32, 64}),  # page_size is a runtime argument of every kernel
+        writes_kv_first=True,  # the cache write is its own kernel, before attention
         cuda_graph_safe=True,
         sliding_window=True,  # window_left
         soft_cap=True,  # logits_soft_cap

@@ -25,7 +25,12 @@ def write_kv(kv_cache: KVCache, k: torch.Tensor, v: torch.Tensor, slot_mapping: 
 
 class TorchAttention:
     capabilities = Capabilities(
-        devices=frozenset({"cpu", "cuda"}), pipeline_safe=True, sliding_window=True, soft_cap=True, priority=0
+        devices=frozenset({"cpu", "cuda"}),
+        pipeline_safe=True,
+        writes_kv_first=True,
+        sliding_window=True,
+        soft_cap=True,
+        priority=0,
     )
 
     def __init__(self, spec: AttentionSpec) -> None:

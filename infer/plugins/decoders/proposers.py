@@ -9,6 +9,15 @@ number of tokens whose draft K/V are valid, clamped every step by the target's o
 rolls back the draft's K/V of rejected tokens with the target's, and a request preempted by
 recompute starts again from 0. Copy-on-write and swap move the draft's blocks with the target's
 (the builder registers every model's cache with the block mover), so nothing else is lost.
+
+A draft model's proposal steps stay on the device: each step's chosen tokens feed the next step's
+forward as a device tensor (a replay of the draft's CUDA graph where it has one), and the proposal
+reaches the verify step the same way, so the host waits for the GPU once per engine step, not once
+per draft token. Only a request with penalties needs its draft on the host while drafting (the
+penalties count those tokens): its steps wait. A catch-up of at most `rows_upto` tokens (the draft
+token and the bonus token after a fully accepted step) runs as decode rows, one per token, so it
+replays graphs too; that needs an attention backend that writes a step's K/V before reading the
+cache (`writes_kv_first`), the same promise the verify step's rows rely on.
 """
 
 from __future__ import annotations
@@ -22,6 +31,7 @@ import torch
 from infer.core.request import Request
 from infer.core.runner import ForwardSeq, ModelRunner
 from infer.plugins.decoders import rejection
+from infer.runtime.transfer import to_device
 
 
 @dataclass(slots=True)
@@ -33,8 +43,11 @@ class DraftRow:
 
 @dataclass(slots=True)
 class Proposal:
-    token_ids: list[list[int]]  # row i -> proposed tokens, at most rows[i].max_draft
-    probs: list[torch.Tensor | None]  # row i -> [len(token_ids[i]), V] q, for sampled rows of a model draft
+    num_tokens: list[int]  # row i -> tokens proposed, at most rows[i].max_draft
+    # row i's tokens: host lists (ngram), or [rows, K] int64 on the device with row i's in its first
+    # num_tokens[i] columns (a draft model's, not waited for)
+    token_ids: list[list[int]] | torch.Tensor
+    probs: list[torch.Tensor | None]  # row i -> [num_tokens[i], V] q, for sampled rows of a model draft
 
 
 class Proposer(Protocol):
@@ -78,7 +91,7 @@ class NgramProposer:
 
     def propose(self, rows: list[DraftRow]) -> Proposal:
         tokens = [self.lookup(r.request.all_token_ids, r.max_draft) if r.max_draft else [] for r in rows]
-        return Proposal(tokens, [None] * len(rows))
+        return Proposal([len(t) for t in tokens], tokens, [None] * len(rows))
 
     def lookup(self, ids: list[int], k: int) -> list[int]:
         seq = np.asarray(ids, dtype=np.int64)
@@ -101,9 +114,10 @@ class ModelProposer:
     verify pass rewrites every slot the draft wrote.
     """
 
-    def __init__(self, runner: ModelRunner, shares_target_kv: bool = False) -> None:
+    def __init__(self, runner: ModelRunner, shares_target_kv: bool = False, rows_upto: int = 0) -> None:
         self.runner = runner
         self.shares_target_kv = shares_target_kv
+        self.rows_upto = rows_upto  # catch-ups of at most this many tokens run one decode row per token
         self.cached: dict[str, tuple[Request, int]] = {}  # request id -> (request, draft tokens cached)
 
     def _num_cached(self, r: Request) -> int:
@@ -114,64 +128,99 @@ class ModelProposer:
 
     def propose(self, rows: list[DraftRow]) -> Proposal:
         self.cached = {k: v for k, v in self.cached.items() if not v[0].is_finished}
-        tokens: list[list[int]] = [[] for _ in rows]
+        num_tokens = [0] * len(rows)
         probs: list[list[torch.Tensor]] = [[] for _ in rows]
-        # round 0: catch up (prefill chunks, tokens accepted last step) and propose the first token
-        seqs, owners = [], []
+        logits, active = self._catch_up(rows)
+        if logits is None:
+            return Proposal(num_tokens, [[] for _ in rows], [None] * len(rows))
+        width = max(rows[i].max_draft for i in active)
+        tokens = torch.zeros(len(rows), width, dtype=torch.int64, device=logits.device)
+        # the drafts so far on the host, only where penalties read them
+        host = [[] for _ in rows] if any(has_penalties(rows[i].request) for i in active) else None
+        ids = None  # [A] the tokens chosen at the step before, on the device
+        for step in range(width):
+            if step:
+                seqs = [ForwardSeq(rows[i].request, [0], rows[i].request.num_tokens + step - 1, 1) for i in active]
+                logits = self.runner.forward(seqs, input_ids_t=ids)
+            requests = [rows[i].request for i in active]
+            chosen, q = self._choose(
+                logits, requests, step, [host[i] for i in active] if host is not None else [[]] * len(active)
+            )
+            tokens[row_index(active, len(rows), tokens.device), step] = chosen
+            for a, i in enumerate(active):
+                num_tokens[i] += 1
+                if not requests[a].params.is_greedy:
+                    probs[i].append(q[a])
+                if not self.shares_target_kv:  # K/V written up to the newest input token
+                    self.cached[requests[a].request_id] = (requests[a], requests[a].num_tokens + step)
+            if host is not None:
+                for i, t in zip(active, chosen.tolist()):
+                    host[i].append(t)
+            keep = [a for a, i in enumerate(active) if num_tokens[i] < rows[i].max_draft]
+            ids = chosen if len(keep) == len(active) else chosen[to_device(keep, torch.int64, chosen.device)]
+            active = [active[a] for a in keep]
+            if not active:
+                break
+        out_probs = [torch.stack(p) if p else None for p in probs]
+        return Proposal(num_tokens, tokens, out_probs)
+
+    def _catch_up(self, rows: list[DraftRow]) -> tuple[torch.Tensor | None, list[int]]:
+        """The draft computes what it has not yet (prefill chunks, the tokens accepted last step).
+        Returns the logits of each drafting row's newest token [A, V] and those rows, or (None, [])."""
+        groups: list[tuple[int, list[ForwardSeq]]] = []
         for i, row in enumerate(rows):
             r = row.request
             start = self._num_cached(r)
             end = r.num_computed_tokens + row.num_new_tokens
             if start >= end or (self.shares_target_kv and not row.max_draft):
                 continue
-            seqs.append(ForwardSeq(r, r.all_token_ids[start:end], start, 1 if row.max_draft else 0))
-            owners.append(i)
+            tokens = r.all_token_ids[start:end]
+            if len(tokens) == 1 or len(tokens) <= self.rows_upto:  # decode rows, one per token
+                groups.append((i, [ForwardSeq(r, [t], start + j, 1) for j, t in enumerate(tokens)]))
+            else:
+                groups.append((i, [ForwardSeq(r, tokens, start, 1 if row.max_draft else 0)]))
             if not self.shares_target_kv:
                 self.cached[r.request_id] = (r, end)
+        groups.sort(key=lambda g: len(g[1][0].token_ids) != 1)  # decodes first
+        seqs: list[ForwardSeq] = []
+        last_row: dict[int, int] = {}  # drafting row -> its newest token's logits row
+        num_rows = 0
+        for i, group in groups:
+            seqs += group
+            num_rows += sum(s.logits_rows for s in group)
+            if rows[i].max_draft:
+                last_row[i] = num_rows - 1
         if not seqs:
-            return Proposal(tokens, [None] * len(rows))
-        order = sorted(range(len(seqs)), key=lambda j: len(seqs[j].token_ids) != 1)  # decodes first
-        active = [owners[j] for j in order if seqs[j].logits_rows]
-        logits = self.runner.forward([seqs[j] for j in order])
-        for step in range(max((rows[i].max_draft for i in active), default=0)):
-            if step:
-                seqs = [
-                    ForwardSeq(rows[i].request, tokens[i][-1:], rows[i].request.num_tokens + step - 1, 1)
-                    for i in active
-                ]
-                logits = self.runner.forward(seqs)
-            self._choose(
-                logits, [rows[i].request for i in active], [tokens[i] for i in active], [probs[i] for i in active]
-            )
-            if not self.shares_target_kv:
-                for i in active:  # K/V written up to the newest input token
-                    r = rows[i].request
-                    self.cached[r.request_id] = (r, r.num_tokens + step)
-            active = [i for i in active if len(tokens[i]) < rows[i].max_draft]
-            if not active:
-                break
-        out_probs = [
-            torch.stack(p) if p and not rows[i].request.params.is_greedy else None for i, p in enumerate(probs)
-        ]
-        return Proposal(tokens, out_probs)
+            return None, []
+        logits = self.runner.forward(seqs)
+        if not last_row:
+            return None, []
+        active = sorted(last_row)  # in the rows' own order
+        pick = [last_row[i] for i in active]
+        if pick != list(range(num_rows)):
+            logits = logits[to_device(pick, torch.int64, logits.device)]
+        return logits, active
 
     def _choose(
-        self, logits: torch.Tensor, requests: list[Request], tokens: list[list[int]], probs: list[list[torch.Tensor]]
-    ) -> None:
-        # logits: [A, V], row a proposes token len(tokens[a]) of requests[a]; appends to tokens, probs
-        views = [view(r, t) for r, t in zip(requests, tokens)]
-        positions = [len(r.output_token_ids) + len(t) for r, t in zip(requests, tokens)]
+        self, logits: torch.Tensor, requests: list[Request], step: int, drafted: list[list[int]]
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        # logits: [A, V], row a proposes draft token `step` of requests[a]; drafted[a]: its draft so
+        # far on the host where penalties read it, else [] -> (chosen [A] int64, q [A, V])
+        views = [view(r, t) for r, t in zip(requests, drafted)]
+        positions = [len(r.output_token_ids) + step for r in requests]
         q = self.runner.sampler.probs(logits, views, positions)  # [A, V]
         chosen = q.argmax(dim=-1)  # greedy rows: q is one-hot
         sampled = [a for a, r in enumerate(requests) if not r.params.is_greedy]
         if sampled:
-            index = torch.tensor(sampled, device=q.device)
+            index = to_device(sampled, torch.int64, q.device)
             seeds = rejection.seed_tensor(
                 [rejection.salted(requests[a].seed, rejection.DRAFT_SALT) for a in sampled], q.device
             )
-            pos = torch.tensor([positions[a] for a in sampled], dtype=torch.int64, device=q.device)
+            pos = to_device([positions[a] for a in sampled], torch.int64, q.device)
             chosen[index] = rejection.draw(q[index], seeds, pos)
-        for a, t in enumerate(chosen.tolist()):
-            tokens[a].append(t)
-            if not requests[a].params.is_greedy:
-                probs[a].append(q[a])
+        return chosen, q
+
+
+def row_index(rows: list[int], total: int, device: torch.device) -> torch.Tensor | slice:
+    # rows: sorted, distinct -> an index for dim 0 (a plain slice when every row is listed)
+    return slice(None) if len(rows) == total else to_device(rows, torch.int64, device)

@@ -17,6 +17,7 @@ from __future__ import annotations
 import torch
 
 from infer.kernels import rng
+from infer.runtime.transfer import to_device
 
 DRAFT_SALT = 0x5DEECE66D1F3A7B  # the draft's own draws (x ~ q)
 ACCEPT_SALT = 0x2545F4914F6CDD1D  # the uniforms u of the acceptance test
@@ -30,7 +31,7 @@ def salted(seed: int, salt: int) -> int:
 
 def seed_tensor(seeds: list[int], device: torch.device | str) -> torch.Tensor:
     # -> [R, 2] int64: low, high 32 bits
-    return torch.tensor([rng.split_seed(s) for s in seeds], dtype=torch.int64, device=device).reshape(-1, 2)
+    return to_device([rng.split_seed(s) for s in seeds], torch.int64, torch.device(device)).reshape(-1, 2)
 
 
 def uniforms(seeds: torch.Tensor, positions: torch.Tensor, width: int) -> torch.Tensor:
@@ -79,7 +80,7 @@ def rejection_sample(
     R, K = x.shape
     device = x.device
     if accept_seeds is None:
-        accept_seeds = seeds ^ torch.tensor(rng.split_seed(ACCEPT_SALT), dtype=torch.int64, device=device)
+        accept_seeds = seeds ^ to_device(list(rng.split_seed(ACCEPT_SALT)), torch.int64, device)
     idx = x[:, :, None].long()
     p_x = p[:, :K].gather(2, idx)[:, :, 0].double()  # [R, K]
     q_x = torch.ones_like(p_x) if q is None else q.gather(2, idx)[:, :, 0].double()

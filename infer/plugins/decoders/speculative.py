@@ -1,6 +1,6 @@
 """`speculative`: propose k tokens cheaply, verify them with one target forward, keep what the
-target would have produced. Lossless: greedy output is token-identical to `autoregressive`, and
-sampled output follows the target's distribution exactly (rejection sampling).
+target would have produced. Lossless: every emitted token is the target's own choice at its
+position (greedy: its argmax; sampled: rejection sampling, which follows its distribution exactly).
 
     --decoding speculative --draft NAME          a draft model: named shape, cached model or folder
                                                   with the target's vocabulary; its own KV cache,
@@ -13,11 +13,22 @@ sampled output follows the target's distribution exactly (rejection sampling).
 
 One step: the scheduler has reserved K lookahead slots per request. The proposer drafts up to K
 tokens for every request that samples this step (batched over requests), then ONE target forward
-runs each request's new tokens followed by its draft (query length k + 1, attending to the cached
-context: the attention backends' extend path); prefill chunks ride in the same forward. The k + 1
-logits rows of a request are checked (`rejection`), and `StepResult.num_computed` tells the
-scheduler how many tokens' K/V stay valid: the accepted draft positions are kept, the rejected
-ones are rolled back (their slots are overwritten later).
+checks them. A decoding request's new token and its k drafts run as k + 1 decode rows, one per
+position, each attending to the cache up to its own position (the rows' K/V are all written before
+any is read: the attention backend's `writes_kv_first`). A step of such rows is decode-only, so the
+target replays the CUDA graph of its row count, as a plain decode step does; a backend without
+that promise verifies each request as one sequence of k + 1 query tokens (the extend path),
+eagerly. Prefill chunks ride in the same forward (which then runs eagerly). The k + 1 logits rows
+of a request are checked (`rejection`), and `StepResult.num_computed` tells the scheduler how many
+tokens' K/V stay valid: the accepted draft positions are kept, the rejected ones are rolled back
+(their slots are overwritten later). The host waits for the GPU once per step, for the accepted
+counts and the draft tokens together.
+
+In fp32 the output is autoregressive decoding's, token for token. In bf16 it is what the target
+computes in the verify forward: its logits move in the last bits with the shape of the step (the
+linear layers reduce in an order set by the row count, and so does the decode kernel's split of
+a context), as autoregressive decoding's move with its batch size, so at a near-tie the greedy
+text may take the other branch (docs/performance.md, "Speculative verification in bf16").
 """
 
 from __future__ import annotations
@@ -36,34 +47,37 @@ from infer.core.interfaces import (
     StepResult,
     VerifyingSampler,
 )
-from infer.core.runner import ForwardSeq, ModelRunner
+from infer.core.request import Request
+from infer.core.runner import ForwardSeq
 from infer.plugins.decoders import rejection
-from infer.plugins.decoders.proposers import DraftRow, ModelProposer, NgramProposer, Proposer, view
+from infer.plugins.decoders.proposers import (
+    DraftRow,
+    ModelProposer,
+    NgramProposer,
+    Proposal,
+    Proposer,
+    has_penalties,
+    row_index,
+    view,
+)
+from infer.runtime.transfer import to_device
 
 
-def make_proposer(ctx: DecoderContext) -> tuple[Proposer, str]:
-    config, target = ctx.config, ctx.runner
+def make_proposer(ctx: DecoderContext, rows_upto: int) -> tuple[Proposer, str]:
+    config = ctx.config
     if config.draft == "ngram":
         return NgramProposer(), "ngram"
-    if config.draft == "self":
-        if config.exit_layer is None:
-            raise ConfigError("--draft self needs --exit-layer L: the draft is the target's first L layers")
-        runner = ModelRunner(
-            target.model,
-            target.attention,
-            target.kv_caches,
-            target.sampler,
-            target.block_size,
-            target.device,
-            num_layers=config.exit_layer,
-            executor=target.executor,  # the target's model: under tensor parallelism its forwards reach every rank
-        )
-        return ModelProposer(runner, shares_target_kv=True), f"self (first {config.exit_layer} layers)"
-    if ctx.build_model is None:
+    if config.draft == "self" and config.exit_layer is None:
+        raise ConfigError("--draft self needs --exit-layer L: the draft is the target's first L layers")
+    build = ctx.share_model if config.draft == "self" else ctx.build_model
+    if build is None:
         raise ConfigError(
             f"--draft {config.draft} needs a model builder, which this engine does not provide: use --draft ngram"
         )
-    return ModelProposer(ctx.build_model(config.draft)), str(config.draft)
+    if config.draft == "self":
+        runner = build(config.exit_layer)  # the target's first layers over its own KV cache
+        return ModelProposer(runner, True, rows_upto), f"self (first {config.exit_layer} layers)"
+    return ModelProposer(build(config.draft), rows_upto=rows_upto), str(config.draft)
 
 
 def _check_sampler(sampler: object, flag: str) -> None:
@@ -75,13 +89,15 @@ def _check_sampler(sampler: object, flag: str) -> None:
 
 
 class SpeculativeDecoder:
-    capabilities = Capabilities(needs_draft=True)
+    # cuda_graph_safe: a step whose verify is all decode rows replays the target's graphs
+    capabilities = Capabilities(needs_draft=True, cuda_graph_safe=True)
 
     def __init__(self, ctx: DecoderContext) -> None:
         self.target = ctx.runner
         self.k = ctx.config.num_speculative_tokens
         self.num_lookahead_tokens = self.k
-        self.proposer, label = make_proposer(ctx)
+        self.as_rows = self.target.attention.capabilities.writes_kv_first  # verify as decode rows
+        self.proposer, label = make_proposer(ctx, self.k + 1 if self.as_rows else 0)
         _check_sampler(self.target.sampler, "--sampler")
         self.describe = {"draft": label, "num_speculative_tokens": self.k}
 
@@ -102,28 +118,16 @@ class SpeculativeDecoder:
         if not out.scheduled:
             return StepResult(sampled={})
         started = time.perf_counter()
-        rows = [DraftRow(s.request, s.num_new_tokens, self.max_draft(s)) for s in out.scheduled]
-        proposal = self.proposer.propose(rows)
-        drafted = time.perf_counter()
-
-        seqs = []
-        for s, x in zip(out.scheduled, proposal.token_ids):
-            r, c = s.request, s.request.num_computed_tokens
-            new = [r.token_at(c)] if s.num_new_tokens == 1 else r.all_token_ids[c : c + s.num_new_tokens]
-            seqs.append(ForwardSeq(r, new + x, c, len(x) + 1 if s.samples else 0))
-        order = sorted(range(len(seqs)), key=lambda i: len(seqs[i].token_ids) != 1)  # decodes first
-        logits = self.target.forward([seqs[i] for i in order])  # [sum(k_i + 1), V]
-        verify = [i for i in order if seqs[i].logits_rows]
-        result = self._accept(
-            logits,
-            [seqs[i] for i in verify],
-            [proposal.token_ids[i] for i in verify],
-            [proposal.probs[i] for i in verify],
+        proposal = self.proposer.propose(
+            [DraftRow(s.request, s.num_new_tokens, self.max_draft(s)) for s in out.scheduled]
         )
+        drafted = time.perf_counter()
+        order, logits = self._verify(out.scheduled, proposal)  # logits: [sum(k_i + 1), V]
+        verify = [i for i in order if out.scheduled[i].samples]
+        result = self._accept(logits, out.scheduled, verify, proposal)
         verified = time.perf_counter()
-
-        proposed = [len(x) for x in proposal.token_ids]
-        accepted = [len(result.sampled[seqs[i].request.request_id]) - 1 for i in verify if proposed[i]]
+        proposed = proposal.num_tokens
+        accepted = [len(result.sampled[out.scheduled[i].request.request_id]) - 1 for i in verify if proposed[i]]
         result.stats = {
             "spec_proposed": float(sum(proposed)),
             "spec_accepted": float(sum(accepted)),
@@ -133,76 +137,110 @@ class SpeculativeDecoder:
         }
         return result
 
+    def _verify(self, scheduled: list[ScheduledSeq], proposal: Proposal) -> tuple[list[int], torch.Tensor]:
+        """The target's forward over every request's new tokens and draft. Returns the requests' order
+        in it (decodes first) and the logits, k_i + 1 rows per request that samples."""
+        on_device = isinstance(proposal.token_ids, torch.Tensor)
+        groups: list[tuple[int, list[ForwardSeq]]] = []
+        for i, s in enumerate(scheduled):
+            r, c, k = s.request, s.request.num_computed_tokens, proposal.num_tokens[i]
+            new = [r.token_at(c)] if s.num_new_tokens == 1 else r.all_token_ids[c : c + s.num_new_tokens]
+            draft = [0] * k if on_device else proposal.token_ids[i]  # device drafts: filled in on the device
+            if self.as_rows and s.num_new_tokens == 1 and s.samples:
+                groups.append((i, [ForwardSeq(r, [t], c + j, 1) for j, t in enumerate(new + draft)]))
+            else:
+                groups.append((i, [ForwardSeq(r, new + draft, c, k + 1 if s.samples else 0)]))
+        groups.sort(key=lambda g: len(g[1][0].token_ids) != 1)  # decodes first
+        ids = self._device_ids(groups, proposal) if on_device and any(proposal.num_tokens) else None
+        logits = self.target.forward([seq for _, group in groups for seq in group], input_ids_t=ids)
+        return [i for i, _ in groups], logits
+
+    def _device_ids(self, groups: list[tuple[int, list[ForwardSeq]]], proposal: Proposal) -> torch.Tensor:
+        # the forward's input ids [T] on the device: the new tokens from the host, each request's
+        # draft (the last k_i of its tokens) from the proposal's [rows, W] tensor
+        drafts = proposal.token_ids
+        assert isinstance(drafts, torch.Tensor)
+        width = drafts.shape[1]
+        host: list[int] = []
+        dst: list[int] = []
+        src: list[int] = []
+        for i, group in groups:
+            for seq in group:
+                host += seq.token_ids
+            k = proposal.num_tokens[i]
+            dst += range(len(host) - k, len(host))
+            src += range(i * width, i * width + k)
+        packed = to_device(host + dst + src, torch.int64, drafts.device)  # one copy
+        ids, dst_t, src_t = packed.split([len(host), len(dst), len(src)])
+        ids[dst_t] = drafts.view(-1)[src_t]
+        return ids
+
     def _accept(
-        self,
-        logits: torch.Tensor,
-        seqs: list[ForwardSeq],
-        drafts: list[list[int]],
-        draft_probs: list[torch.Tensor | None],
+        self, logits: torch.Tensor, scheduled: list[ScheduledSeq], verify: list[int], proposal: Proposal
     ) -> StepResult:
-        # logits: [sum(k_i + 1), V]; seqs[i] owns rows offsets[i] .. offsets[i] + k_i
-        if not seqs:
+        # logits: [sum(k_i + 1), V]; verify[a] (a scheduled index) owns rows offsets[a] .. offsets[a] + k_a
+        if not verify:
             return StepResult(sampled={})
         device = logits.device
-        offsets, views, positions = [], [], []
-        for seq, x in zip(seqs, drafts):
-            offsets.append(len(views))
-            base = len(seq.request.output_token_ids)
-            for j in range(len(x) + 1):
-                views.append(view(seq.request, x[:j]))
-                positions.append(base + j)
+        requests = [scheduled[i].request for i in verify]
+        num_draft = [proposal.num_tokens[i] for i in verify]
+        K = max(num_draft)
+        x, drafts = _drafts(proposal, verify, K, device)  # x: [R, K]; drafts: on the host, or None
+        if drafts is None and any(k and has_penalties(r) for r, k in zip(requests, num_draft)):
+            drafts = [row[:k] for row, k in zip(x.tolist(), num_draft)]  # penalties count the draft: wait for it
+        offsets, views, positions = _rows(requests, num_draft, drafts)
         p = self.target.sampler.probs(logits, views, positions)  # [T, V]
-        K = max(len(x) for x in drafts)
-        # index[i, j]: p's row for draft index j of seq i (rows past k_i repeat the last one)
-        index = torch.tensor(
-            [[o + min(j, len(x)) for j in range(K + 1)] for o, x in zip(offsets, drafts)], device=device
+        # index[a, j]: p's row for draft index j of request a (rows past k_a repeat the last one)
+        index = to_device(
+            [o + min(j, k) for o, k in zip(offsets, num_draft) for j in range(K + 1)], torch.int64, device
         )
-        x = torch.tensor([d + [0] * (K - len(d)) for d in drafts], dtype=torch.int64, device=device).reshape(
-            len(drafts), K
-        )
-        num_draft = torch.tensor([len(d) for d in drafts], device=device)
-        greedy = [i for i, s in enumerate(seqs) if s.request.params.is_greedy]
-        sampled = [i for i, s in enumerate(seqs) if not s.request.params.is_greedy]
+        index = index.view(len(verify), K + 1)
+        n_draft = to_device(num_draft, torch.int64, device)
+        greedy = [a for a, r in enumerate(requests) if r.params.is_greedy]
+        sampled = [a for a, r in enumerate(requests) if not r.params.is_greedy]
         parts, owners = [], []
         if greedy:
-            g = torch.tensor(greedy, device=device)
-            parts += list(rejection.greedy_accept(x[g], num_draft[g], p.argmax(dim=-1)[index[g]]))
+            g = row_index(greedy, len(requests), device)
+            parts += list(rejection.greedy_accept(x[g], n_draft[g], p.argmax(dim=-1)[index[g]]))
             owners.append(greedy)
         if sampled:
-            s_idx = torch.tensor(sampled, device=device)
-            q = self._draft_probs([draft_probs[i] for i in sampled], [drafts[i] for i in sampled], K, p)
-            requests = [seqs[i].request for i in sampled]
-            seeds = rejection.seed_tensor([r.seed for r in requests], device)
-            base = torch.tensor([len(r.output_token_ids) for r in requests], dtype=torch.int64, device=device)
-            parts += list(rejection.rejection_sample(x[s_idx], num_draft[s_idx], p[index[s_idx]], q, seeds, base))
+            s_idx = row_index(sampled, len(requests), device)
+            q = self._draft_probs([proposal.probs[verify[a]] for a in sampled], [num_draft[a] for a in sampled], K, p)
+            seeds = rejection.seed_tensor([requests[a].seed for a in sampled], device)
+            base = to_device([len(requests[a].output_token_ids) for a in sampled], torch.int64, device)
+            parts += list(rejection.rejection_sample(x[s_idx], n_draft[s_idx], p[index[s_idx]], q, seeds, base))
             owners.append(sampled)
+        if drafts is None:
+            parts.append(x.flatten())  # the drafts come back with the counts
         flat = torch.cat(parts).tolist()  # the step's one device-to-host copy
-        num_accepted, next_token = [0] * len(seqs), [0] * len(seqs)
+        num_accepted, next_token = [0] * len(requests), [0] * len(requests)
         at = 0
         for group in owners:
-            for j, i in enumerate(group):
-                num_accepted[i], next_token[i] = flat[at + j], flat[at + len(group) + j]
+            for j, a in enumerate(group):
+                num_accepted[a], next_token[a] = flat[at + j], flat[at + len(group) + j]
             at += 2 * len(group)
+        if drafts is None:
+            drafts = [flat[at + a * K : at + a * K + k] for a, k in enumerate(num_draft)]
 
         sampled_tokens: dict[str, list[int]] = {}
         num_computed: dict[str, int] = {}
-        for seq, d, n, t in zip(seqs, drafts, num_accepted, next_token):
-            r = seq.request
+        for i, r, d, n, t in zip(verify, requests, drafts, num_accepted, next_token):
             sampled_tokens[r.request_id] = d[:n] + [t]
-            num_computed[r.request_id] = seq.start + len(seq.token_ids) - len(d) + n  # rejected slots rolled back
+            # K/V stay valid up to the accepted draft: the rejected positions' slots are rolled back
+            num_computed[r.request_id] = r.num_computed_tokens + scheduled[i].num_new_tokens + n
         result = StepResult(sampled=sampled_tokens, num_computed=num_computed)
-        if any(s.request.params.logprobs is not None for s in seqs):
-            result.logprobs = self._logprobs(logits, seqs, offsets, views, sampled_tokens)
+        if any(r.params.logprobs is not None for r in requests):
+            result.logprobs = self._logprobs(logits, requests, offsets, views, sampled_tokens)
         return result
 
     @staticmethod
     def _draft_probs(
-        probs: list[torch.Tensor | None], drafts: list[list[int]], K: int, p: torch.Tensor
+        probs: list[torch.Tensor | None], num_draft: list[int], K: int, p: torch.Tensor
     ) -> torch.Tensor | None:
         # -> [S, K, V] q of the sampled rows, zero-padded; None when the proposer is deterministic
-        if all(q is None for q, d in zip(probs, drafts) if d):
+        if all(q is None for q, k in zip(probs, num_draft) if k):
             return None
-        assert all(q is not None for q, d in zip(probs, drafts) if d), "a model proposer gives q for every draft"
+        assert all(q is not None for q, k in zip(probs, num_draft) if k), "a model proposer gives q for every draft"
         q = p.new_zeros(len(probs), K, p.shape[1])
         for i, rows in enumerate(probs):
             if rows is not None:
@@ -212,14 +250,13 @@ class SpeculativeDecoder:
     def _logprobs(
         self,
         logits: torch.Tensor,
-        seqs: list[ForwardSeq],
+        requests: list[Request],
         offsets: list[int],
         views: list,
         tokens: dict[str, list[int]],
     ) -> dict[str, list[dict[int, float]]]:
         rows, row_views, row_tokens, owners = [], [], [], []
-        for seq, o in zip(seqs, offsets):
-            r = seq.request
+        for r, o in zip(requests, offsets):
             if r.params.logprobs is None:
                 continue
             emitted = tokens[r.request_id]
@@ -227,7 +264,7 @@ class SpeculativeDecoder:
             row_views += views[o : o + len(emitted)]
             row_tokens += emitted
             owners.append((r.request_id, len(emitted)))
-        found = self.target.sampler.logprobs(logits[torch.tensor(rows, device=logits.device)], row_views, row_tokens)
+        found = self.target.sampler.logprobs(logits[to_device(rows, torch.int64, logits.device)], row_views, row_tokens)
         out, at = {}, 0
         for rid, n in owners:
             out[rid] = found[at : at + n]
@@ -244,6 +281,36 @@ class SpeculativeDecoder:
             "mean_tokens_per_step": (accepted + steps) / steps if steps else 0.0,  # with the target's own token
             "draft_verify_time_ratio": totals.get("spec_draft_s", 0.0) / verify if verify else 0.0,
         }
+
+
+def _rows(
+    requests: list[Request], num_draft: list[int], drafts: list[list[int]] | None
+) -> tuple[list[int], list, list[int]]:
+    """Request a's k_a + 1 logits rows: where they start, the request as each row's sampler sees it
+    (its draft so far counted where penalties read it), and each row's output index."""
+    offsets, views, positions = [], [], []
+    for a, (r, k) in enumerate(zip(requests, num_draft)):
+        offsets.append(len(views))
+        base = len(r.output_token_ids)
+        for j in range(k + 1):
+            views.append(view(r, drafts[a][:j] if drafts is not None else []))
+            positions.append(base + j)
+    return offsets, views, positions
+
+
+def _drafts(
+    proposal: Proposal, verify: list[int], K: int, device: torch.device
+) -> tuple[torch.Tensor, list[list[int]] | None]:
+    """The drafts of the `verify` rows as x [R, K] int64 on the device (zero-padded), and as host
+    lists where the proposer had them there (else None: they are still on the device)."""
+    if isinstance(proposal.token_ids, torch.Tensor):
+        rows = proposal.token_ids
+        if verify != list(range(rows.shape[0])):
+            rows = rows[to_device(verify, torch.int64, device)]
+        return rows[:, :K], None
+    drafts = [proposal.token_ids[i] for i in verify]
+    x = to_device([d + [0] * (K - len(d)) for d in drafts], torch.int64, device).view(len(drafts), K)
+    return x, drafts
 
 
 @hookimpl

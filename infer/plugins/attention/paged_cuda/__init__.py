@@ -56,6 +56,7 @@ class PagedCudaAttention:
         devices=frozenset({"cuda"}),
         dtypes=frozenset({torch.float16, torch.bfloat16, torch.float32}),
         block_sizes=frozenset({8, 16, 32, 64}),
+        writes_kv_first=True,  # the cache write is its own kernel, before attention
         cuda_graph_safe=True,
         pipeline_safe=True,
         sliding_window=True,
