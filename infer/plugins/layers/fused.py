@@ -53,6 +53,9 @@ class FusedRotaryEmbedding(plain.RotaryEmbedding):
     def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         from infer.kernels.layers import rotary
 
+        half = self.cos.shape[-1]
+        if half & (half - 1):  # the kernel's tiles are powers of two: Phi-3's head_dim 96 rotates in torch
+            return super().forward(positions, q, k)
         return rotary(positions, q, k, self.cos, self.sin)
 
 

@@ -189,3 +189,16 @@ def plain_layers():
         silu_and_mul=plain.SiluAndMul,
         linear=plain.Linear,
     )
+
+
+def test_fused_rotary_serves_head_dims_whose_half_is_not_a_power_of_two():
+    """Phi-3's head_dim 96 (half 48): the kernel's tiles cannot take it, so the layer rotates in torch."""
+    from infer.plugins.layers.fused import FusedRotaryEmbedding
+
+    torch.manual_seed(0)
+    rope = Rope.default(96, 10000.0)
+    ref, fused = plain.RotaryEmbedding(rope, 64), FusedRotaryEmbedding(rope, 64)
+    q, k = torch.randn(5, 4, 96), torch.randn(5, 2, 96)
+    pos = torch.tensor([0, 3, 17, 40, 63])
+    for got, exp in zip(fused(pos, q, k), ref(pos, q, k)):
+        torch.testing.assert_close(got, exp, atol=0, rtol=0)
