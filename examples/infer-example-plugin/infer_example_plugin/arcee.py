@@ -14,9 +14,11 @@ import torch
 from torch import nn
 
 import infer
+from infer.core.errors import ModelLoadError
 from infer.distributed import layers as tp
 from infer.models.shards import Shard
-from infer.plugins.models.llama import Llama, tp_matmul
+from infer.plugins.models.llama import Llama
+from infer.plugins.models.transformer import Family, tp_matmul
 
 INFER_PLUGIN_API = ">=1,<3"
 
@@ -65,6 +67,15 @@ class Arcee(Llama):
             for layer in self.layers:
                 layer.self_attn.o_proj.push = False
             self.embed_tokens.push = self.pushes = False
+
+    @classmethod
+    def family(cls, config: Any) -> Family:
+        """Llama's attention; the MLP is this plugin's own (ReLU squared, no gate)."""
+        act = config.extra.get("hidden_act") or "relu2"
+        if act != "relu2":
+            raise ModelLoadError(f"config.json of {config.name} asks for hidden_act {act!r}: arcee runs relu2 only")
+        bias = bool(config.extra.get("attention_bias"))
+        return Family(qkv_bias=bias, o_bias=bias)
 
     def _target(self, hf_name: str) -> tuple[str, int | None] | None:
         """The parameter a checkpoint tensor fills: up_proj is whole here (Llama fuses it with the gate)."""
