@@ -22,7 +22,7 @@ from infer.plugins.models.decoder import DecoderModel
 from infer.plugins.models.transformer import DecoderLayer, Family, hf_activation
 
 PRESETS: dict[str, dict[str, Any]] = {
-    "gemma2-9b": {  # gemma-2-9b's config.json
+    "gemma2-9b": {  # gemma-2-9b's config.json (its sizes; served in bfloat16)
         "architectures": ["Gemma2ForCausalLM"],
         "model_type": "gemma2",
         "vocab_size": 256000,
