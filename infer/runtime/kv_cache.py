@@ -88,10 +88,11 @@ def plan_blocks(
     tensor-parallel ranks, whose caches hold the same blocks."""
     per_block = sum(bytes_per_block(s.num_layers, config.block_size, s.num_kv_heads, s.head_dim, dtype) for s in shapes)
     blocks_per_seq = -(-(max_model_len + config.num_speculative_tokens + 1) // config.block_size)
-    budget = budget_bytes(device, config.kv_cache_memory_gib, config.gpu_memory_utilization)
-    num_blocks = agree(
-        config.num_kv_blocks or min(num_blocks_for_budget(budget, per_block), config.max_num_seqs * blocks_per_seq)
-    )
+    num_blocks = config.num_kv_blocks
+    if num_blocks is None:  # the device's free memory is read only when no block count is given
+        budget = budget_bytes(device, config.kv_cache_memory_gib, config.gpu_memory_utilization)
+        num_blocks = min(num_blocks_for_budget(budget, per_block), config.max_num_seqs * blocks_per_seq)
+    num_blocks = agree(num_blocks)
     flag = "--num-kv-blocks" if config.num_kv_blocks else "--kv-cache-memory / --gpu-memory-utilization"
     check_fits(num_blocks, config.block_size, max_model_len, lookahead, flag)
     num_cpu_blocks = 0  # the CPU pool for preemption by swap, sized like the device cache (every model's bytes)
