@@ -95,13 +95,18 @@ class NgramProposer:
 
     def lookup(self, ids: list[int], k: int) -> list[int]:
         seq = np.asarray(ids, dtype=np.int64)
-        for n in range(self.max_n, self.min_n - 1, -1):
-            if len(seq) <= n:
-                continue
-            windows = np.lib.stride_tricks.sliding_window_view(seq[:-1], n)  # [L - n, n]: starts < L - n
-            hits = np.flatnonzero((windows == seq[-n:]).all(axis=1))
-            if hits.size:
-                start = int(hits[-1]) + n
+        ends = np.flatnonzero(seq[:-1] == seq[-1])  # earlier positions holding the last token
+        best: dict[int, int] = {}  # n -> the latest end of an earlier occurrence of the last n tokens
+        n = 1
+        while ends.size and n <= self.max_n:
+            if n >= self.min_n:
+                best[n] = int(ends[-1])
+            ends = ends[ends >= n]  # room for one more token before
+            ends = ends[seq[ends - n] == seq[-1 - n]] if n < len(seq) - 1 else ends[:0]
+            n += 1
+        for n in range(self.max_n, self.min_n - 1, -1):  # the longest match wins
+            if n in best:
+                start = best[n] + 1
                 return seq[start : start + k].tolist()
         return []
 

@@ -80,11 +80,14 @@ class VectorizedSampler:
             if not greedy:
                 return p
             work[index] = p
-        rows = _tensor(greedy, torch.int64, work.device)
-        top = work[rows].argmax(dim=-1)
-        work[rows] = 0.0
-        work[rows, top] = 1.0
-        return work
+        # one-hot rows built on the device: assigning a Python scalar through an index copies it
+        # from pageable memory, which waits for every kernel queued before (the verify forward)
+        rows = _index(greedy, len(requests), work.device)
+        top = work[rows].argmax(dim=-1, keepdim=True)  # [G, 1]
+        one_hot = torch.zeros(top.shape[0], work.shape[1], dtype=work.dtype, device=work.device).scatter_(1, top, 1.0)
+        if isinstance(rows, slice):
+            return one_hot
+        return work.index_copy_(0, rows, one_hot)
 
     def logprobs(self, logits: torch.Tensor, requests: list[Request], token_ids: list[int]) -> list[dict[int, float]]:
         """What `sample` reports in row i had it chosen `token_ids[i]`; {} for rows that did not ask."""
