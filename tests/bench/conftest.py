@@ -20,6 +20,7 @@ class FakeServer:
     usage: bool = True  # a usage chunk before [DONE] when stream_options.include_usage asks
     fail_every: int = 0  # every Nth completion request answers HTTP 500 (0: none)
     cut_every: int = 0  # every Nth completion request is cut off after its first chunk (0: none)
+    junk_every: int = 0  # every Nth completion request streams an event whose data is not JSON (0: none)
     api_key: str | None = None  # required as a bearer token when set
     models: list[str] = field(default_factory=lambda: ["fake-model"])
     bodies: list[dict[str, Any]] = field(default_factory=list)  # every completion request's JSON body
@@ -76,6 +77,8 @@ class FakeServer:
             choice = {"index": 0, "delta": {"content": text}} if chat else {"index": 0, "text": text}
             await self.event(writer, {"id": "x", "choices": [choice]})
             sent += k
+            if self.junk_every and n % self.junk_every == 0:
+                await self.event(writer, "{not json")
             if self.cut_every and n % self.cut_every == 0:
                 return False  # the connection closes mid-body
         if self.usage and (request.get("stream_options") or {}).get("include_usage"):

@@ -65,14 +65,16 @@ def test_output_tokens_come_from_usage_else_from_the_chunks(fake_server):
 
 def test_failed_requests_are_kept_and_counted(fake_server):
     fake_server.fail_every, fake_server.cut_every = 3, 4  # of 12: 4 answer 500; 4, 8 (not 12) are cut off
+    fake_server.junk_every = 5  # 5 and 10 send an event that is not JSON
     result = load(fake_server, token_requests(12, 5), max_concurrency=1)
     failed = [r for r in result.records if r.error is not None]
-    assert len(result.records) == 12 and len(failed) == 6
+    assert len(result.records) == 12 and len(failed) == 8
     assert sum(r.error == "HTTP 500: the engine failed" for r in failed) == 4
     assert sum(r.error.startswith("RemoteProtocolError") for r in failed) == 2
+    assert sum(r.error.startswith("JSONDecodeError") for r in failed) == 2
     assert all(r.output_tokens == 5 for r in result.records if r.error is None)
     summary = summarize(result, {})
-    assert (summary["completed"], summary["failed"], summary["output_tokens"]) == (6, 6, 30)
+    assert (summary["completed"], summary["failed"], summary["output_tokens"]) == (4, 8, 20)
     assert summary["errors"]["HTTP 500: the engine failed"] == 4
 
 
