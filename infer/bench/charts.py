@@ -1,9 +1,10 @@
-"""PNG charts for `infer bench --chart` and `infer run --profile-chart`, drawn with matplotlib
+"""PNG charts for `infer bench --chart`, `infer bench serve --png` and `infer run --profile-chart`, drawn with matplotlib
 when it is installed (`pip install 'infer[bench]'`); each function returns None when it wrote the
 file, else one line saying why not."""
 
 from __future__ import annotations
 
+import math
 from pathlib import Path
 from typing import Any
 
@@ -111,6 +112,39 @@ def profile_chart(summary: dict[str, Any], path: Path, title: str) -> str | None
     bottom.grid(axis="y", alpha=0.3)
     bottom.set_axisbelow(True)
     fig.suptitle(f"{title}\ntimed with {summary['timer']}", fontsize=10)
+    fig.tight_layout()
+    fig.savefig(path)
+    plt.close(fig)
+    return None
+
+
+def serve_sweep_chart(summaries: list[dict[str, Any]], path: Path, title: str) -> str | None:
+    """The PagedAttention paper's figure: latency against request rate, one point per finite rate of a
+    sweep; normalized latency (mean and p99), TTFT and TPOT (p50 and p99) side by side."""
+    plt = _pyplot()
+    if plt is None:
+        return MISSING
+    points = sorted((float(s["request_rate"]), s) for s in summaries if s["request_rate"] != "inf")
+    if not points:
+        return "no finite --request-rate in the sweep: no chart written (latency is drawn against the rate)"
+    rates = [rate for rate, _ in points]
+    panels = [
+        ("normalized_latency_ms", "normalized latency (ms/token)", ("mean", "p99")),
+        ("ttft_ms", "time to first token (ms)", ("p50", "p99")),
+        ("tpot_ms", "time per output token (ms)", ("p50", "p99")),
+    ]
+    fig, axes = plt.subplots(1, 3, figsize=(13, 4), dpi=120)
+    for ax, (key, label, quantiles) in zip(axes, panels):
+        for q, style in zip(quantiles, ("-o", "--s")):
+            values = [s[key][q] for _, s in points]
+            ax.plot(rates, [math.nan if v is None else v for v in values], style, color=PALETTE["infer"], label=q)
+        ax.set_xlabel("request rate (req/s)")
+        ax.set_ylabel(label)
+        ax.set_ylim(bottom=0)
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=8)
+    unbounded = len(points) < len(summaries)
+    fig.suptitle(title + (" (rate inf has no place on the axis: see the table)" if unbounded else ""), fontsize=10)
     fig.tight_layout()
     fig.savefig(path)
     plt.close(fig)

@@ -13,7 +13,7 @@ import click
 
 from infer.bench.engines import release_memory
 from infer.bench.report import RunRecord, prepare_prompts, run_workload
-from infer.bench.workloads import NEEDS_VOCAB, Workload, load_workload
+from infer.bench.workloads import Workload, load_workload, needs_vocab
 from infer.core.config import EngineConfig
 from infer.core.errors import ConfigError, InferError
 from infer.core.registry import PluginRegistry
@@ -162,7 +162,7 @@ def _run_combinations(
         max_tokens=64 if max_tokens is None else max_tokens, temperature=0.0, ignore_eos=True, seed=seed
     )
     # a file or named text workload is read before the first engine: its errors come before any weights
-    early = None if dataset in NEEDS_VOCAB else load_workload(dataset, 0, num_prompts, max_tokens, seed)
+    early = None if needs_vocab(dataset) else load_workload(dataset, 0, num_prompts, max_tokens, seed)
     run: MatrixRun | None = None
     for i, combo in enumerate(runnable):
         click.echo(f"running {combo.label} ({i + 1}/{len(runnable)})", err=True)

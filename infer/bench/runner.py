@@ -11,7 +11,7 @@ import click
 from infer.bench.profiler import StepProfiler, format_profile
 from infer.bench.progress import ProgressLines, ProgressMode, progress
 from infer.bench.report import RunRecord, format_table, run_workload
-from infer.bench.workloads import NEEDS_VOCAB, Workload, load_workload
+from infer.bench.workloads import Workload, load_workload, needs_vocab
 from infer.core.config import EngineConfig
 from infer.core.engine import Engine
 from infer.core.errors import ConfigError, RequestError
@@ -151,7 +151,7 @@ def _early_workload(
             except RequestError as exc:
                 raise RequestError(f"--prompt {i + 1}: {exc}") from None
         return Workload("prompts", list(prompts), [params.max_tokens] * len(prompts), chat=True)
-    if dataset not in NEEDS_VOCAB:  # files are read and parsed now, not after the weights load
+    if not needs_vocab(dataset):  # files are read and parsed now, not after the weights load
         return load_workload(vocab_size=0, **workload_args)
     return None
 

@@ -9,6 +9,7 @@ import difflib
 import json
 import math
 import random
+import re
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
@@ -166,10 +167,16 @@ def from_file(path: Path, default_max_tokens: int) -> Workload:
 
 NAMED = ("builtin", "edit", "random-256x256", "sharegpt-like", "latency-1", "chat")
 NEEDS_VOCAB = ("random-256x256", "sharegpt-like", "latency-1")  # token ids drawn from the model's vocabulary
+RANDOM_SHAPE = re.compile(r"random-([1-9][0-9]*)x([1-9][0-9]*)")  # random-IxO: I prompt and O output tokens each
+
+
+def needs_vocab(name: str) -> bool:
+    """Whether the workload draws token ids from the model's vocabulary (so it loads once the model's known)."""
+    return name in NEEDS_VOCAB or RANDOM_SHAPE.fullmatch(name) is not None
 
 
 def load_workload(name: str, vocab_size: int, num_prompts: int | None, max_tokens: int | None, seed: int) -> Workload:
-    """vocab_size is read only by the NEEDS_VOCAB workloads: the others load before any model does."""
+    """vocab_size is read only by the workloads that need_vocab: the others load before any model does."""
     if num_prompts is not None and (not isinstance(num_prompts, int) or num_prompts < 1):
         raise DatasetError(f"--num-prompts must be an integer >= 1, got {num_prompts!r}")
     if max_tokens is not None and (not isinstance(max_tokens, int) or max_tokens < 1):
@@ -180,8 +187,8 @@ def load_workload(name: str, vocab_size: int, num_prompts: int | None, max_token
         return Workload("builtin", prompts, [64 if max_tokens is None else max_tokens] * n, chat=True)
     if name == "edit":
         return edit(num_prompts or len(EDIT_PROMPTS), 160 if max_tokens is None else max_tokens)
-    if name == "random-256x256":
-        w = random_fixed(vocab_size, num_prompts or 1000, 256, 256, seed, name)
+    if shape := RANDOM_SHAPE.fullmatch(name):
+        w = random_fixed(vocab_size, num_prompts or 1000, int(shape[1]), int(shape[2]), seed, name)
     elif name == "latency-1":
         w = random_fixed(vocab_size, num_prompts or 1, 128, 256, seed, name)
     elif name == "sharegpt-like":
@@ -193,7 +200,9 @@ def load_workload(name: str, vocab_size: int, num_prompts: int | None, max_token
         if not path.exists() and path.suffix not in (".json", ".jsonl"):
             close = difflib.get_close_matches(name, NAMED, n=1)
             guess = f"did you mean {close[0]!r}? " if close else ""
-            raise DatasetError(f"unknown dataset {name!r}: {guess}use a JSON/JSONL file or one of {', '.join(NAMED)}")
+            raise DatasetError(
+                f"unknown dataset {name!r}: {guess}use a JSON/JSONL file, random-IxO, or one of {', '.join(NAMED)}"
+            )
         w = from_file(path, 64 if max_tokens is None else max_tokens)
         if num_prompts:
             w.prompts, w.max_tokens = w.prompts[:num_prompts], w.max_tokens[:num_prompts]

@@ -1,4 +1,5 @@
-"""`infer bench`: every valid combination of the --matrix axes over one workload, beside HF baselines."""
+"""`infer bench`: every valid combination of the --matrix axes over one workload, beside HF baselines
+(`infer bench matrix`, the default), and `infer bench serve`, the online load generator."""
 
 from __future__ import annotations
 
@@ -7,11 +8,21 @@ from typing import Any
 
 import click
 
+from infer.cli.bench_serve import serve
 from infer.cli.common import extra_plugins, user_errors
 from infer.cli.options import engine_config, engine_options, writable
 
 
-@click.command()
+class BenchGroup(click.Group):
+    """A group whose first command is the default: `infer bench --matrix ...` is `infer bench matrix --matrix ...`."""
+
+    def parse_args(self, ctx: click.Context, args: list[str]) -> list[str]:
+        if not args or (args[0] not in self.commands and args[0] not in ctx.help_option_names):
+            args = [next(iter(self.commands)), *args]
+        return super().parse_args(ctx, args)
+
+
+@click.command("matrix")
 @engine_options
 @click.option(
     "--matrix",
@@ -58,7 +69,7 @@ from infer.cli.options import engine_config, engine_options, writable
     help="Run each combination N times and keep the fastest.",
 )
 @user_errors
-def bench(
+def matrix_command(
     matrix: tuple[str, ...],
     axes: tuple[str, ...],
     baselines: tuple[str, ...],
@@ -85,3 +96,12 @@ def bench(
         extra_plugins(),
         repeat,
     )
+
+
+@click.group(cls=BenchGroup)
+def bench() -> None:
+    """Benchmarks: strategy combinations in one process (matrix, the default) or a server online (serve)."""
+
+
+bench.add_command(matrix_command)
+bench.add_command(serve)

@@ -35,7 +35,7 @@ def parse_baseline(spec: str) -> dict[str, Any]:
     "--dataset",
     default="builtin",
     show_default=True,
-    help="builtin, edit, random-256x256, sharegpt-like, latency-1, chat, or a JSON/JSONL file.",
+    help="builtin, edit, random-256x256 (any random-IxO), sharegpt-like, latency-1, chat, or a JSON/JSONL file.",
 )
 @click.option("--prompt", "prompts", multiple=True, help="A prompt to run (repeatable); replaces --dataset.")
 @click.option(
