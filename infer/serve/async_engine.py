@@ -118,6 +118,11 @@ class AsyncEngine:
     def tokenizer(self) -> Any:
         return self.engine.tokenizer
 
+    @property
+    def is_alive(self) -> bool:
+        """Whether the engine's thread runs (it ends only with close(), or if it crashed)."""
+        return self._thread.is_alive
+
     def submit(
         self, prompt: Prompt, params: SamplingParams | None = None, request_id: str | None = None
     ) -> RequestStream:

@@ -22,13 +22,9 @@ PARAMS = [
 
 
 @pytest.fixture(scope="module")
-def served(smollm2_dir):
-    """(the AsyncEngine, LLM.generate's outputs for PROMPTS/PARAMS), computed before the thread owns the engine."""
-    llm = LLM(model=str(smollm2_dir), attention="torch", num_kv_blocks=256, max_model_len=1024)
-    expected = llm.generate(PROMPTS, PARAMS)
-    engine = AsyncEngine(llm.engine)
-    yield engine, expected
-    engine.close()
+def served(smol):
+    """(the AsyncEngine, LLM.generate's outputs for PROMPTS/PARAMS, run on the engine's thread while idle)."""
+    return smol.engine, smol.offline(lambda llm: llm.generate(PROMPTS, PARAMS))
 
 
 async def _collect(engine, prompt, params, **kw):
