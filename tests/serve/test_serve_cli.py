@@ -74,6 +74,7 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
+@pytest.mark.slow  # a fresh process loads two engines
 def test_two_models_served_by_one_process(tiny_chat_dir):
     port, key = _free_port(), "k-123"
     tiny = str(tiny_chat_dir)

@@ -26,6 +26,7 @@ def _check(case) -> None:
         openai_error(response.json())
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("mode", ["positive", "negative"])
 def test_no_5xx_and_every_4xx_is_an_openai_error(tiny, mode):
     schema = schemathesis.openapi.from_asgi("/openapi.json", create_app({MODEL: tiny.engine}))
