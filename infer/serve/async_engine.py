@@ -129,8 +129,8 @@ class AsyncEngine:
         """Check and queue one request, on the event loop that will read its stream. A bad prompt or
         params raise RequestError here, a full queue QueueFullError, before anything runs."""
         loop = asyncio.get_running_loop()
-        if self.closed:
-            raise RequestError("this engine is closed: build a new AsyncEngine")
+        if self.closed or not self.is_alive:
+            raise RequestError("this engine is closed (or its thread stopped): build a new AsyncEngine")
         params = SamplingParams() if params is None else params
         if not isinstance(params, SamplingParams):
             raise RequestError(f"sampling params must be a SamplingParams, not {type(params).__name__}")

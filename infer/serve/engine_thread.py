@@ -91,9 +91,12 @@ class EngineThread:
     def _run(self) -> None:
         running = True
         while running:
-            running = self._apply_commands(wait=not self.engine.has_unfinished())
-            if running and self.engine.has_unfinished():
-                self._step()
+            try:
+                running = self._apply_commands(wait=not self.engine.has_unfinished())
+                if running and self.engine.has_unfinished():
+                    self._step()
+            except Exception as exc:  # a step (or this loop) failed: its requests end, the thread serves on
+                self._fail(exc)
             self._flush()
         stopping = RequestError("the server is shutting down: retry the request on another server")
         self._end_all(stopping)
@@ -152,11 +155,7 @@ class EngineThread:
 
     def _step(self) -> None:
         submitted = self._submitted
-        try:
-            finished = self.engine.step()
-        except Exception as exc:
-            self._fail(exc)
-            return
+        finished = self.engine.step()
         self._submitted = [(r, len(r.output_token_ids)) for r in self.engine.output.in_flight]
         for output in finished:
             tracked = self._forget(output.request_id)
@@ -181,13 +180,16 @@ class EngineThread:
         return tracked
 
     def _fail(self, exc: Exception) -> None:
-        """A step raised: end every request (blocks freed, as Engine.generate does) and tell their streams."""
+        """A step (or this thread's own work) raised: end every request (blocks freed, as Engine.generate
+        does) and tell their streams."""
         error = EngineStepError(
             f"the engine failed in a step ({type(exc).__name__}: {one_line(exc)}): the requests in flight "
             f"ended; retry them, and report the error if it persists"
         )
-        self.engine._abandon(list(self.engine.output.groups))  # Engine.generate's recovery: runners idle, blocks free
-        self._end_all(error)
+        try:  # Engine.generate's recovery: runners idle, blocks free (if it fails, the thread ends: /health says so)
+            self.engine._abandon(list(self.engine.output.groups))
+        finally:
+            self._end_all(error)
 
     def _end_all(self, error: Exception) -> None:
         for request_id in list(self._tracked):

@@ -180,3 +180,31 @@ def test_a_failing_step_ends_its_requests_and_the_engine_serves_on(tiny_llama_di
         engine.close()
     assert after[-1].final.outputs[0].token_ids == expected
     assert used == 0 and not unfinished
+
+
+def test_a_failure_in_the_threads_own_work_is_survived_too(tiny_llama_dir, monkeypatch):
+    from infer.serve.stream import Tracked
+
+    llm = LLM(model=str(tiny_llama_dir), attention="torch", num_kv_blocks=64, max_model_len=256)
+    engine = AsyncEngine(llm.engine)
+    params = SamplingParams(max_tokens=6, temperature=0, ignore_eos=True)
+    delta = Tracked.delta
+
+    def broken(*args):
+        raise KeyError("a bug while cutting deltas")
+
+    async def main():
+        monkeypatch.setattr(Tracked, "delta", broken)
+        with pytest.raises(EngineStepError, match="a bug while cutting deltas"):
+            async for _ in engine.generate([5, 6, 7], params):
+                pass
+        monkeypatch.setattr(Tracked, "delta", delta)
+        after = [o async for o in engine.generate([5, 6, 7], params)]
+        return after, await _used_blocks(engine)
+
+    try:
+        after, (used, unfinished) = asyncio.run(main())
+    finally:
+        engine.close()
+    assert len(after[-1].final.outputs[0].token_ids) == 6 and engine.engine.closed
+    assert used == 0 and not unfinished
