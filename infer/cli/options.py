@@ -73,20 +73,32 @@ def engine_option(name: str, kind: FieldType, default: Any) -> Callable[[Callabl
     return click.option(flag(name), name, type=kind_of, default=default, show_default=True, help=text)
 
 
-def _engine_options() -> list[Callable[[Callable[..., Any]], Callable[..., Any]]]:
+def _engine_options() -> dict[str, Callable[[Callable[..., Any]], Callable[..., Any]]]:
     fields = {f.name: f for f in dataclasses.fields(EngineConfig)}
     kinds = field_types(EngineConfig)
     order = [n for n in HELP if n in fields] + [n for n in fields if n not in HELP]
-    return [engine_option(n, kinds[n], fields[n].default) for n in order]
+    return {n: engine_option(n, kinds[n], fields[n].default) for n in order}
 
 
-ENGINE_OPTIONS = _engine_options()
+ENGINE_OPTIONS = _engine_options()  # field -> its option, in `--help` order
 
 
 def engine_options(f: Callable[..., Any]) -> Callable[..., Any]:
-    for option in reversed(ENGINE_OPTIONS):
+    for option in reversed(ENGINE_OPTIONS.values()):
         f = option(f)
     return f
+
+
+def engine_options_except(*names: str) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
+    """engine_options without the named fields' options, for a command that takes those its own way."""
+
+    def decorate(f: Callable[..., Any]) -> Callable[..., Any]:
+        for name, option in reversed(ENGINE_OPTIONS.items()):
+            if name not in names:
+                f = option(f)
+        return f
+
+    return decorate
 
 
 def engine_config(options: dict[str, Any]) -> EngineConfig:

@@ -1,0 +1,198 @@
+"""`AsyncEngine`: one Engine served to asyncio callers, each request a stream of per-step deltas.
+
+    engine = AsyncEngine.from_config(EngineConfig(model="smollm2-135m"))
+    async for out in engine.generate("Hello", SamplingParams(max_tokens=16, temperature=0)):
+        print(out.deltas[0].text, end="")        # out.final, in the last one, is LLM.generate's output
+
+The Engine runs in a thread of its own (`engine_thread`): this side checks and tokenizes a request,
+hands it over, and reads what the thread delivers. A reader that stops early (`aclose`, a cancelled
+task, an HTTP client gone) aborts its request: its KV blocks are freed before the next step.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+from concurrent.futures import Future
+from typing import Any, AsyncIterator, Callable, Iterable, TypeVar
+
+from infer.core.engine import Engine, Prompt
+from infer.core.errors import ConfigError, InferError, RequestError
+from infer.core.request import SamplingParams
+from infer.serve.engine_thread import Abort, Add, Call, EngineThread, Item
+from infer.serve.stream import StreamOutput
+
+T = TypeVar("T")
+
+
+class QueueFullError(InferError):
+    """More requests wait for their first output than `max_waiting` allows."""
+
+
+class RequestStream:
+    """One request's outputs, in order (`async for out in stream`); the last has `finished` set.
+    Closing it, or cancelling the task that reads it, before the last output aborts the request."""
+
+    def __init__(self, owner: "AsyncEngine", request_id: str, loop: asyncio.AbstractEventLoop) -> None:
+        self.request_id = request_id
+        self.loop = loop  # the event loop that reads it: the engine's thread delivers there
+        self.finished = False  # the last output (or the error that ended it) was read
+        self._owner = owner
+        self._queue: asyncio.Queue[Item] = asyncio.Queue()
+        self._started = False  # something arrived: it no longer counts as waiting
+        self._closed = False
+
+    def put(self, item: Item) -> None:
+        """On the event loop, from the engine's thread."""
+        self._mark_started()
+        if not self._closed:
+            self._queue.put_nowait(item)
+
+    def __aiter__(self) -> "RequestStream":
+        return self
+
+    async def __anext__(self) -> StreamOutput:
+        if self.finished or self._closed:
+            raise StopAsyncIteration
+        try:
+            item = await self._queue.get()
+        except asyncio.CancelledError:  # the reader is gone
+            self.close()
+            raise
+        if isinstance(item, BaseException):
+            self._end()
+            raise item
+        if item.finished:
+            self._end()
+        return item
+
+    def close(self) -> None:
+        """Stop reading; an unfinished request is aborted. Idempotent."""
+        if self._closed:
+            return
+        self._closed = True
+        self._mark_started()
+        if not self.finished:
+            self._owner._forget(self.request_id)
+            self._owner._thread.send(Abort(self.request_id))
+
+    async def aclose(self) -> None:
+        self.close()
+
+    def _end(self) -> None:
+        self.finished = True
+        self._owner._forget(self.request_id)
+
+    def _mark_started(self) -> None:
+        if not self._started:
+            self._started = True
+            self._owner.num_waiting -= 1
+
+
+class AsyncEngine:
+    """An Engine stepped by its own thread. Use it from one event loop (the server's)."""
+
+    def __init__(self, engine: Engine, max_waiting: int | None = None) -> None:
+        if max_waiting is not None and (isinstance(max_waiting, bool) or not isinstance(max_waiting, int)):
+            raise ConfigError(f"max_waiting={max_waiting!r}: use None (no limit) or an integer >= 0")
+        if max_waiting is not None and max_waiting < 0:
+            raise ConfigError(f"max_waiting={max_waiting}: use None (no limit) or an integer >= 0")
+        self.engine = engine
+        self.max_waiting = max_waiting  # requests accepted but without output yet, at most; None: no limit
+        self.num_waiting = 0  # such requests now (changed on the event loop only)
+        self.closed = False
+        self._live: dict[str, RequestStream] = {}  # unfinished streams by request id
+        self._ids = itertools.count()
+        self._thread = EngineThread(engine)
+
+    @classmethod
+    def from_config(
+        cls, config: Any, extra_plugins: Iterable[Any] = (), max_waiting: int | None = None
+    ) -> "AsyncEngine":
+        """config: an EngineConfig (as `LLM` and `infer run` build one)."""
+        from infer.distributed.launch import launch
+
+        return cls(Engine.from_config(config, extra_plugins, launch=launch), max_waiting)
+
+    @property
+    def tokenizer(self) -> Any:
+        return self.engine.tokenizer
+
+    @property
+    def is_alive(self) -> bool:
+        """Whether the engine's thread runs (it ends only with close(), or if it crashed)."""
+        return self._thread.is_alive
+
+    def submit(
+        self, prompt: Prompt, params: SamplingParams | None = None, request_id: str | None = None
+    ) -> RequestStream:
+        """Check and queue one request, on the event loop that will read its stream. A bad prompt or
+        params raise RequestError here, a full queue QueueFullError, before anything runs."""
+        loop = asyncio.get_running_loop()
+        if self.closed or not self.is_alive:
+            raise RequestError("this engine is closed (or its thread stopped): build a new AsyncEngine")
+        params = SamplingParams() if params is None else params
+        if not isinstance(params, SamplingParams):
+            raise RequestError(f"sampling params must be a SamplingParams, not {type(params).__name__}")
+        params.validate()
+        vocab_size = self.engine.parts.vocab_size
+        if params.logprobs is not None and params.logprobs > vocab_size:
+            raise RequestError(f"invalid logprobs={params.logprobs}: the vocabulary has {vocab_size} tokens")
+        text, ids = self.engine.tokenize(prompt)
+        request_id = self._new_id() if request_id is None else request_id
+        if not isinstance(request_id, str) or request_id in self._live:
+            raise RequestError(f"request id {request_id!r} is not a string or is in use: pick a unique string")
+        if self.max_waiting is not None and self.num_waiting >= self.max_waiting:
+            raise QueueFullError(
+                f"{self.num_waiting} requests are waiting to start, the most this server queues (max_waiting): "
+                f"retry later"
+            )
+        stream = RequestStream(self, request_id, loop)
+        self._live[request_id] = stream
+        self.num_waiting += 1
+        self._thread.send(Add(request_id, ids, text, params, stream))
+        return stream
+
+    async def generate(
+        self, prompt: Prompt, params: SamplingParams | None = None, request_id: str | None = None
+    ) -> AsyncIterator[StreamOutput]:
+        """Each step's news for one request, the last with `final` set; bad input raises RequestError
+        before the first. Leaving the loop early aborts the request."""
+        stream = self.submit(prompt, params, request_id)
+        try:
+            async for out in stream:
+                yield out
+        finally:
+            stream.close()
+
+    async def abort(self, request_id: str) -> None:
+        """End an unfinished request: its blocks are free when this returns, and its stream's last
+        output has finish reason "abort"."""
+        if request_id not in self._live:
+            raise RequestError(f"no unfinished request has id {request_id!r}: check the id generate() was given")
+        self._thread.send(Abort(request_id))
+        await self.call(lambda engine: None)  # commands apply in order: the abort is done
+
+    async def call(self, fn: Callable[[Engine], T]) -> T:
+        """Run fn(engine) on the engine's thread between steps (to read its state safely)."""
+        if self.closed:
+            raise RequestError("this engine is closed: build a new AsyncEngine")
+        future: Future[T] = Future()
+        self._thread.send(Call(fn, future))
+        return await asyncio.wrap_future(future)
+
+    def close(self) -> None:
+        """Stop the thread (unfinished requests end with a RequestError) and free the engine."""
+        if self.closed:
+            return
+        self.closed = True
+        self._thread.stop()
+        self.engine.close()
+
+    def _new_id(self) -> str:
+        while (request_id := f"req-{next(self._ids)}") in self._live:
+            pass
+        return request_id
+
+    def _forget(self, request_id: str) -> None:
+        self._live.pop(request_id, None)

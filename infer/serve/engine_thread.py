@@ -1,0 +1,217 @@
+"""The thread that owns an Engine: the only one that touches it.
+
+It applies what the event loop asked for (new requests, aborts, calls) between steps, steps while
+there is work, and sleeps on its queue when there is none. After each step it hands every request's
+news to the event loop it came from with one `call_soon_threadsafe`: the step loop does no more
+per-token work than `infer run`'s beyond slicing each request's new tokens and text.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import queue
+import threading
+from concurrent.futures import Future
+from dataclasses import dataclass
+from typing import Any, Callable, Protocol
+
+from infer.core.engine import Engine
+from infer.core.errors import InferError, RequestError, one_line
+from infer.core.request import Request, SamplingParams
+from infer.serve.stream import CompletionDelta, StreamOutput, Tracked
+
+Item = StreamOutput | BaseException  # what a request's stream receives: an output, or the error that ended it
+
+
+class EngineStepError(InferError):
+    """A step raised (a plugin's error): the requests in flight ended with it; the engine serves on."""
+
+    exit_code = 1
+
+
+class Sink(Protocol):
+    """Where one request's items go; `put` runs on `loop`, in order."""
+
+    loop: asyncio.AbstractEventLoop
+
+    def put(self, item: Item) -> None: ...
+
+
+@dataclass(slots=True)
+class Add:
+    request_id: str  # unique among unfinished requests (the front checks)
+    prompt_token_ids: list[int]  # already tokenized and checked by the front
+    prompt: str | None  # the text, for the final output
+    params: SamplingParams  # already validated
+    sink: Sink  # where its outputs go
+
+
+@dataclass(slots=True)
+class Abort:
+    request_id: str  # ignored when the request already finished
+
+
+@dataclass(slots=True)
+class Call:
+    fn: Callable[[Engine], Any]  # runs on the engine's thread, between steps
+    future: Future  # gets fn's result or exception
+
+
+class _Stop:
+    pass
+
+
+class EngineThread:
+    def __init__(self, engine: Engine, name: str = "infer-engine") -> None:
+        self.engine = engine
+        self._inbox: queue.SimpleQueue[Add | Abort | Call | _Stop] = queue.SimpleQueue()
+        self._tracked: dict[str, Tracked] = {}  # request id -> its progress, while unfinished
+        self._sinks: dict[str, Sink] = {}  # request id -> where its outputs go
+        self._samples: dict[Request, tuple[Tracked, int]] = {}  # engine request -> (its group's, sample index)
+        self._submitted: list[tuple[Request, int]] = []  # handed to the detokenizer last step: (request, tokens)
+        self._outbox: list[tuple[Sink, Item]] = []  # delivered after the step
+        self._thread = threading.Thread(target=self._run, name=name, daemon=True)
+        self._thread.start()
+
+    def send(self, command: Add | Abort | Call) -> None:
+        """From any thread: applied before the next step."""
+        self._inbox.put(command)
+
+    def stop(self, timeout: float | None = None) -> None:
+        """End the thread after the commands already sent; unfinished requests get a RequestError."""
+        self._inbox.put(_Stop())
+        self._thread.join(timeout)
+
+    @property
+    def is_alive(self) -> bool:
+        return self._thread.is_alive()
+
+    # ------------------------------------------------------------------ on the engine's thread
+
+    def _run(self) -> None:
+        running = True
+        while running:
+            try:
+                running = self._apply_commands(wait=not self.engine.has_unfinished())
+                if running and self.engine.has_unfinished():
+                    self._step()
+            except Exception as exc:  # a step (or this loop) failed: its requests end, the thread serves on
+                self._fail(exc)
+            self._flush()
+        stopping = RequestError("the server is shutting down: retry the request on another server")
+        self._end_all(stopping)
+        while not self._inbox.empty():  # commands sent after the stop
+            command = self._inbox.get()
+            if isinstance(command, Add):
+                self._outbox.append((command.sink, stopping))
+            elif isinstance(command, Call):
+                command.future.set_exception(stopping)
+        self._flush()
+
+    def _apply_commands(self, wait: bool) -> bool:
+        """Apply every queued command (waiting for one when idle); False once asked to stop."""
+        if not wait and self._inbox.empty():
+            return True
+        command = self._inbox.get()
+        while True:
+            if isinstance(command, _Stop):
+                return False
+            self._apply(command)
+            if self._inbox.empty():
+                return True
+            command = self._inbox.get()
+
+    def _apply(self, command: Add | Abort | Call) -> None:
+        if isinstance(command, Call):
+            try:
+                command.future.set_result(command.fn(self.engine))
+            except Exception as exc:
+                command.future.set_exception(exc)
+        elif isinstance(command, Abort):
+            if command.request_id in self._tracked and not self._is_done(command.request_id):
+                self.engine.request_abort(command.request_id)
+                self.engine.abort_pending()  # its blocks are free now; its output comes from the next step
+        else:
+            self._add(command)
+
+    def _add(self, command: Add) -> None:
+        prompt = {"prompt_token_ids": command.prompt_token_ids}
+        try:
+            request_id = self.engine.add_request(prompt, command.params, command.request_id)
+        except Exception as exc:  # this request alone is refused
+            error = exc if isinstance(exc, InferError) else RequestError(f"this request could not be added ({exc})")
+            self._outbox.append((command.sink, error))
+            return
+        group = self.engine.output.groups[request_id]
+        tracked = Tracked.of(group, command.prompt)
+        self._tracked[request_id] = tracked
+        self._sinks[request_id] = command.sink
+        for index, request in enumerate(group.children):
+            self._samples[request] = (tracked, index)
+
+    def _is_done(self, request_id: str) -> bool:
+        """Every sample finished: only its text is still on its way, and there is nothing to abort."""
+        return all(r.is_finished for r in self._tracked[request_id].group.children)
+
+    def _step(self) -> None:
+        submitted = self._submitted
+        finished = self.engine.step()
+        self._submitted = [(r, len(r.output_token_ids)) for r in self.engine.output.in_flight]
+        for output in finished:
+            tracked = self._forget(output.request_id)
+            if tracked is not None:
+                self._outbox.append((self._sinks.pop(output.request_id), tracked.last(output)))
+        news: dict[str, list[CompletionDelta]] = {}
+        for request, num_checked in submitted:
+            entry = self._samples.get(request)
+            if entry is None or not entry[0].streams:
+                continue
+            tracked, index = entry
+            delta = tracked.delta(index, request, num_checked)
+            if delta is not None:
+                news.setdefault(tracked.group.request_id, []).append(delta)
+        for request_id, deltas in news.items():
+            self._outbox.append((self._sinks[request_id], StreamOutput(request_id, deltas, finished=False)))
+
+    def _forget(self, request_id: str) -> Tracked | None:
+        tracked = self._tracked.pop(request_id, None)
+        for request in tracked.group.children if tracked is not None else ():
+            self._samples.pop(request, None)
+        return tracked
+
+    def _fail(self, exc: Exception) -> None:
+        """A step (or this thread's own work) raised: end every request (blocks freed, as Engine.generate
+        does) and tell their streams."""
+        error = EngineStepError(
+            f"the engine failed in a step ({type(exc).__name__}: {one_line(exc)}): the requests in flight "
+            f"ended; retry them, and report the error if it persists"
+        )
+        try:  # Engine.generate's recovery: runners idle, blocks free (if it fails, the thread ends: /health says so)
+            self.engine._abandon(list(self.engine.output.groups))
+        finally:
+            self._end_all(error)
+
+    def _end_all(self, error: Exception) -> None:
+        for request_id in list(self._tracked):
+            self._forget(request_id)
+            self._outbox.append((self._sinks.pop(request_id), error))
+        self._submitted = []
+
+    def _flush(self) -> None:
+        """One call_soon_threadsafe per event loop (there is one, as a rule) for the whole step."""
+        if not self._outbox:
+            return
+        batches: dict[asyncio.AbstractEventLoop, list[tuple[Sink, Item]]] = {}
+        for sink, item in self._outbox:
+            batches.setdefault(sink.loop, []).append((sink, item))
+        self._outbox = []
+        for loop, batch in batches.items():
+            try:
+                loop.call_soon_threadsafe(_put_all, batch)
+            except RuntimeError:  # that loop is closed: nobody is listening
+                pass
+
+
+def _put_all(batch: list[tuple[Sink, Item]]) -> None:
+    for sink, item in batch:
+        sink.put(item)

@@ -1,0 +1,267 @@
+"""One HTTP generation request, completions or chat: its engine requests (one per prompt), read to a JSON
+answer or streamed as server-sent events ending in `data: [DONE]`.
+
+Everything that can be wrong with a request is found before it is answered: a bad prompt or
+parameter is a 400 (the requests already queued for its other prompts are aborted), a full queue a
+429. A client that leaves, mid-stream or while waiting for its JSON, aborts every request it made.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+import uuid
+from dataclasses import dataclass, field
+from typing import Any, AsyncIterator, Callable, Protocol
+
+from fastapi import Request
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+
+from infer.core.request import RequestOutput
+from infer.serve.async_engine import RequestStream
+from infer.serve.errors import APIError, api_error
+from infer.serve.metrics import ServeMetrics
+from infer.serve.protocol import SamplingFields, Usage
+from infer.serve.served import ServedModel
+from infer.serve.stream import CompletionDelta, StreamOutput
+
+DONE = "data: [DONE]\n\n"
+
+
+def finish_reason(reason: str | None) -> str | None:
+    """The engine's "capacity" (the KV cache cannot hold the request) ends it for want of room, as "length"."""
+    return "length" if reason == "capacity" else reason
+
+
+@dataclass(slots=True)
+class Generation:
+    """The engine requests of one HTTP request, and what its answer needs of them."""
+
+    id: str  # the response's id: cmpl-... or chatcmpl-...
+    served: ServedModel
+    metrics: ServeMetrics
+    n: int  # samples per prompt: prompt i's sample j is choice i * n + j
+    num_logprobs: int | None  # top logprobs per token, or None
+    include_usage: bool  # a usage chunk ends the stream
+    tokens_as_ids: bool  # logprobs name tokens "token_id:N" (vLLM's return_tokens_as_token_ids)
+    created: int = field(default_factory=lambda: int(time.time()))
+    streams: list[RequestStream] = field(default_factory=list)  # one per prompt
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+    text_offsets: dict[int, int] = field(default_factory=dict)  # choice -> its tokens' text so far (completions)
+    num_finished: int = 0  # streams that ended with their output
+    closed: bool = False
+
+    @classmethod
+    def start(
+        cls, prefix: str, served: ServedModel, metrics: ServeMetrics, req: SamplingFields, prompts: list[list[int]],
+        max_tokens: Callable[[int], int], num_logprobs: int | None,
+    ) -> "Generation":  # fmt: skip
+        """Queue one engine request per prompt (token ids); max_tokens(prompt length) -> its limit."""
+        gen = cls(
+            f"{prefix}-{uuid.uuid4().hex}",
+            served,
+            metrics,
+            req.n or 1,
+            num_logprobs,
+            req.include_usage,
+            bool(req.return_tokens_as_token_ids),
+        )
+        try:
+            for i, ids in enumerate(prompts):
+                params = req.sampling(max_tokens(len(ids)), num_logprobs)
+                gen.streams.append(served.engine.submit({"prompt_token_ids": ids}, params, f"{gen.id}-{i}"))
+                gen.prompt_tokens += len(ids)
+        except BaseException:
+            gen.close(unfinished="rejected")
+            raise
+        return gen
+
+    def close(self, unfinished: str = "aborted") -> None:
+        """At the end, however it came: abort what is unfinished (the client left, or a later prompt was
+        refused: `unfinished` says which) and count every engine request's outcome once."""
+        if self.closed:
+            return
+        self.closed = True
+        failed = sum(s.finished for s in self.streams) - self.num_finished  # ended by an error
+        left = [s for s in self.streams if not s.finished]
+        for stream in left:
+            stream.close()
+        for outcome, count in ((unfinished, len(left)), ("failed", failed)):
+            if count:
+                self.metrics.ended(self.served.name, outcome, count)
+
+    def finished(self, output: RequestOutput) -> None:
+        self.num_finished += 1
+        self.completion_tokens += sum(len(c.token_ids) for c in output.outputs)
+        self.metrics.finished(self.served.name, output)
+
+    def usage(self) -> Usage:
+        total = self.prompt_tokens + self.completion_tokens
+        return Usage(prompt_tokens=self.prompt_tokens, completion_tokens=self.completion_tokens, total_tokens=total)
+
+    def token_text(self, token_id: int) -> str:
+        return f"token_id:{token_id}" if self.tokens_as_ids else self.served.token_text(token_id)
+
+    def top(self, logprobs: dict[int, float]) -> list[tuple[int, float]]:
+        """The `num_logprobs` most likely tokens (the engine's dict also holds the sampled token)."""
+        return sorted(logprobs.items(), key=lambda kv: -kv[1])[: self.num_logprobs or 0]
+
+
+class Format(Protocol):
+    """How one API writes its stream chunks and its JSON answer."""
+
+    def opening(self, gen: Generation) -> list[dict[str, Any]]: ...
+
+    def chunk(self, gen: Generation, index: int, delta: CompletionDelta) -> dict[str, Any] | None: ...
+
+    def usage_chunk(self, gen: Generation) -> dict[str, Any]: ...
+
+    def response(self, gen: Generation, finals: list[RequestOutput]) -> Any: ...
+
+
+async def answer(gen: Generation, fmt: Format, stream: bool, request: Request) -> Response:
+    if stream:
+        return EventStream(_events(gen, fmt), on_close=gen.close)
+    work = asyncio.ensure_future(_finals(gen))
+    gone = asyncio.ensure_future(_disconnected(request))
+    try:
+        await asyncio.wait({work, gone}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        gone.cancel()
+        if not work.done():  # the client left: nobody reads the answer
+            work.cancel()
+            gen.close()
+    if work.cancelled():
+        return Response(status_code=499)  # nginx's "client closed request"; nobody receives it
+    try:
+        finals = work.result()
+    except Exception as exc:
+        raise api_error(exc) from exc
+    return JSONResponse(fmt.response(gen, finals).model_dump(mode="json"))
+
+
+async def _finals(gen: Generation) -> list[RequestOutput]:
+    finals: list[RequestOutput | None] = [None] * len(gen.streams)
+    try:
+        async for i, out in merged(gen.streams):
+            if out.finished:
+                assert out.final is not None
+                finals[i] = out.final
+                gen.finished(out.final)
+    finally:
+        gen.close()
+    return [f for f in finals if f is not None]
+
+
+async def _disconnected(request: Request) -> None:
+    """Returns when the client goes away (the body was read: the next message is the disconnect)."""
+    while (await request.receive())["type"] != "http.disconnect":
+        pass
+
+
+async def _events(gen: Generation, fmt: Format) -> AsyncIterator[str]:
+    try:
+        for chunk in fmt.opening(gen):
+            yield _event(chunk)
+        async for i, out in merged(gen.streams):
+            for delta in out.deltas:
+                chunk = fmt.chunk(gen, i * gen.n + delta.index, delta)
+                if chunk is not None:
+                    yield _event(chunk)
+            if out.finished:
+                assert out.final is not None
+                gen.finished(out.final)
+        if gen.include_usage:
+            yield _event(fmt.usage_chunk(gen))
+    except Exception as exc:  # the engine failed mid-stream: the status is sent, so say it in the stream
+        yield _event(api_error(exc).body())
+    finally:
+        gen.close()
+    yield DONE
+
+
+def _event(data: dict[str, Any]) -> str:
+    return f"data: {json.dumps(data, ensure_ascii=False, separators=(',', ':'))}\n\n"
+
+
+async def merged(streams: list[RequestStream]) -> AsyncIterator[tuple[int, StreamOutput]]:
+    """(prompt index, output) from every stream, as they come; leaving early closes them all."""
+    if len(streams) == 1:
+        async for out in streams[0]:
+            yield 0, out
+        return
+    queue: asyncio.Queue[tuple[int, StreamOutput | BaseException | None]] = asyncio.Queue()
+
+    async def pump(i: int, stream: RequestStream) -> None:
+        try:
+            async for out in stream:
+                queue.put_nowait((i, out))
+        except Exception as exc:
+            queue.put_nowait((i, exc))
+        queue.put_nowait((i, None))
+
+    tasks = [asyncio.ensure_future(pump(i, s)) for i, s in enumerate(streams)]
+    try:
+        remaining = len(streams)
+        while remaining:
+            i, item = await queue.get()
+            if item is None:
+                remaining -= 1
+            elif isinstance(item, BaseException):
+                raise item
+            else:
+                yield i, item
+    finally:
+        for task in tasks:
+            task.cancel()
+        for stream in streams:
+            stream.close()
+
+
+class EventStream(StreamingResponse):
+    """Server-sent events; `on_close` runs however the response ends (a client gone included)."""
+
+    media_type = "text/event-stream"
+
+    def __init__(self, content: AsyncIterator[str], on_close: Callable[[], None]) -> None:
+        super().__init__(content, headers={"Cache-Control": "no-cache"})
+        self._on_close = on_close
+
+    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            self._on_close()
+
+
+def max_tokens_rule(
+    requested: int | None, default: int | None, max_model_len: int, param: str, prompt_param: str
+) -> Callable[[int], int]:
+    """A prompt of p tokens leaves max_model_len - p: `requested` must fit; `default` (None: all) is cut to it.
+    `param` and `prompt_param` name the request's fields in errors."""
+
+    def rule(num_prompt: int) -> int:
+        room = max_model_len - num_prompt
+        if room < 1:
+            raise APIError(
+                400,
+                f"the prompt has {num_prompt} tokens but this model's context holds {max_model_len} (prompt + at "
+                f"least one new token): shorten the prompt",
+                param=prompt_param,
+                code="context_length_exceeded",
+            )
+        if requested is None:
+            return room if default is None else min(default, room)
+        if requested > room:
+            raise APIError(
+                400,
+                f"this model's context holds {max_model_len} tokens and the prompt has {num_prompt}, so {param} "
+                f"can be at most {room}, not {requested}: lower {param} or shorten the prompt",
+                param=param,
+                code="context_length_exceeded",
+            )
+        return requested
+
+    return rule

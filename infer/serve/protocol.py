@@ -1,0 +1,350 @@
+"""The OpenAI API's request and response shapes (pydantic v2), and how a request maps onto SamplingParams.
+
+Fields are OpenAI's, with vLLM's sampling extras (`top_k`, `min_p`, `repetition_penalty`,
+`ignore_eos`, `stop_token_ids`). A field OpenAI defines that this server cannot honour is refused
+with a 400 naming it and why (`REFUSED`), never silently ignored; the few that change nothing a
+self-hosted model does (`user`, `metadata`, `store`, ...) are accepted and ignored. A field OpenAI
+does not define is refused by validation, as OpenAI refuses one ("Extra inputs are not permitted").
+"""
+
+from __future__ import annotations
+
+from typing import Annotated, Any, Literal, Union
+
+from pydantic import BaseModel, ConfigDict, Field, StrictInt, StrictStr
+
+from infer.core.request import SamplingParams
+
+MAX_LOGPROBS = 20  # top logprobs per token, at most (OpenAI's chat limit; vLLM's default)
+MAX_N = 128  # samples per prompt, at most (OpenAI's limit)
+
+TokenIds = Annotated[list[Annotated[StrictInt, Field(ge=0)]], Field(min_length=1)]
+Text = Annotated[StrictStr, Field(min_length=1)]
+Stop = Union[StrictStr, list[StrictStr], None]
+
+
+class Refused(ValueError):
+    """A request field this server cannot honour: `param` names it, the message says why and what to do."""
+
+    def __init__(self, param: str, message: str) -> None:
+        super().__init__(message)
+        self.param = param
+
+
+class StreamOptions(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    include_usage: bool | None = None  # a last chunk with the usage (and no choices)
+    include_obfuscation: bool | None = None  # accepted and ignored: no obfuscation field is sent
+
+
+class SamplingFields(BaseModel):
+    """What completions and chat completions share."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    model: StrictStr  # a name GET /v1/models lists
+    n: int | None = Field(default=None, ge=1, le=MAX_N)  # samples per prompt; None: 1
+    temperature: float | None = Field(default=None, ge=0, le=2)  # None: 1; 0 is greedy
+    top_p: float | None = Field(default=None, ge=0, le=1)  # None: 1
+    stop: Stop = None  # up to any number of stop strings (excluded from the text)
+    seed: int | None = Field(default=None, ge=-(2**63), lt=2**63)  # same seed, same tokens
+    presence_penalty: float | None = Field(default=None, ge=-2, le=2)
+    frequency_penalty: float | None = Field(default=None, ge=-2, le=2)
+    stream: bool | None = None
+    stream_options: StreamOptions | None = None
+    user: str | None = None  # accepted and ignored
+    metadata: dict[str, str] | None = None  # accepted and ignored
+    store: bool | None = None  # accepted and ignored: nothing is stored
+    service_tier: str | None = None  # accepted and ignored: one tier
+    safety_identifier: str | None = None  # accepted and ignored
+    prompt_cache_key: str | None = None  # accepted and ignored: prefix caching needs no key
+    logit_bias: dict[str, float] | None = None  # refused unless empty
+    # vLLM's extras
+    top_k: int | None = Field(default=None, ge=-1)  # None, 0 or -1: off
+    min_p: float | None = Field(default=None, ge=0, le=1)
+    repetition_penalty: float | None = Field(default=None, gt=0)
+    ignore_eos: bool | None = None
+    stop_token_ids: list[Annotated[StrictInt, Field(ge=0)]] | None = None
+    return_tokens_as_token_ids: bool | None = None  # logprobs name tokens "token_id:N", not by their text
+
+    def refuse(self) -> None:
+        """Raise Refused for a field set to something this server cannot do."""
+        if self.logit_bias:
+            raise Refused("logit_bias", "logit_bias is not supported by this server's samplers: drop it")
+
+    def sampling(self, max_tokens: int, logprobs: int | None) -> SamplingParams:
+        """SamplingParams (which checks what pydantic did not, e.g. top_p > 0) for one prompt."""
+        return SamplingParams(
+            n=_or(self.n, 1),
+            max_tokens=max_tokens,
+            temperature=_or(self.temperature, 1.0),
+            top_p=_or(self.top_p, 1.0),
+            top_k=_or(self.top_k, 0),
+            min_p=_or(self.min_p, 0.0),
+            repetition_penalty=_or(self.repetition_penalty, 1.0),
+            presence_penalty=_or(self.presence_penalty, 0.0),
+            frequency_penalty=_or(self.frequency_penalty, 0.0),
+            seed=self.seed,
+            stop=self.stop,
+            stop_token_ids=self.stop_token_ids,
+            ignore_eos=bool(self.ignore_eos),
+            logprobs=logprobs,
+        )
+
+    @property
+    def include_usage(self) -> bool:
+        return bool(self.stream_options and self.stream_options.include_usage)
+
+
+class CompletionRequest(SamplingFields):
+    """POST /v1/completions: prompt is text, a list of texts, token ids, or a list of token-id lists."""
+
+    prompt: Union[
+        Text, Annotated[list[Text], Field(min_length=1)], TokenIds, Annotated[list[TokenIds], Field(min_length=1)]
+    ]
+    max_tokens: int | None = Field(default=None, ge=1)  # None: 16, as OpenAI
+    logprobs: int | None = Field(default=None, ge=0, le=MAX_LOGPROBS)  # top logprobs per token
+    echo: bool | None = None  # refused when true
+    suffix: str | None = None  # refused
+    best_of: int | None = Field(default=None, ge=1, le=MAX_N)  # refused unless equal to n
+
+    def refuse(self) -> None:
+        super().refuse()
+        if self.echo:
+            raise Refused(
+                "echo", "echo is not supported (no prompt logprobs are computed): prepend the prompt yourself"
+            )
+        if self.suffix:
+            raise Refused("suffix", "suffix (fill-in-the-middle) is not supported: drop it")
+        if self.best_of is not None and self.best_of != _or(self.n, 1):
+            raise Refused("best_of", "best_of other than n is not supported: drop it and use n")
+
+    def prompts(self) -> list[str | list[int]]:
+        p = self.prompt
+        return [p] if isinstance(p, str) or (p and isinstance(p[0], int)) else list(p)  # type: ignore[list-item]
+
+
+class TextPart(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    type: Literal["text"]
+    text: StrictStr
+
+
+class ChatMessage(BaseModel):
+    """One message; fields beyond these (tool_calls, tool_call_id, ...) reach the chat template as given."""
+
+    model_config = ConfigDict(extra="allow")
+
+    role: Annotated[StrictStr, Field(min_length=1)]  # system, developer, user, assistant, tool
+    content: Union[StrictStr, list[TextPart], None] = None  # text parts are joined with newlines
+    name: str | None = None
+
+    def for_template(self) -> dict[str, Any]:
+        message = self.model_dump(exclude_none=True)
+        if isinstance(self.content, list):
+            message["content"] = "\n".join(part.text for part in self.content)
+        return message
+
+
+class ChatRequest(SamplingFields):
+    """POST /v1/chat/completions."""
+
+    messages: Annotated[list[ChatMessage], Field(min_length=1)]
+    max_completion_tokens: int | None = Field(default=None, ge=1)  # None: max_tokens, else all the context left
+    max_tokens: int | None = Field(default=None, ge=1)  # OpenAI's older name
+    logprobs: bool | None = None
+    top_logprobs: int | None = Field(default=None, ge=0, le=MAX_LOGPROBS)  # with logprobs: true
+    tools: list[dict[str, Any]] | None = None  # refused unless empty
+    tool_choice: Union[str, dict[str, Any], None] = None  # refused unless "none"
+    parallel_tool_calls: bool | None = None  # accepted and ignored (no tools)
+    functions: list[dict[str, Any]] | None = None  # refused unless empty
+    function_call: Union[str, dict[str, Any], None] = None  # refused unless "none"
+    response_format: dict[str, Any] | None = None  # refused unless {"type": "text"}
+    modalities: list[str] | None = None  # refused unless ["text"]
+    audio: dict[str, Any] | None = None  # refused
+    prediction: dict[str, Any] | None = None  # refused
+    web_search_options: dict[str, Any] | None = None  # refused
+    reasoning_effort: str | None = None  # accepted and ignored
+    verbosity: str | None = None  # accepted and ignored
+    chat_template_kwargs: dict[str, Any] | None = None  # vLLM's: variables for the chat template
+
+    def refuse(self) -> None:
+        super().refuse()
+        for name in ("tools", "functions"):
+            if getattr(self, name):
+                raise Refused(name, f"{name} are not supported (no tool calls are parsed from the output): drop them")
+        for name in ("tool_choice", "function_call"):
+            if getattr(self, name) not in (None, "none"):
+                raise Refused(name, f"{name} is not supported (no tool calls): drop it or use 'none'")
+        if self.response_format not in (None, {"type": "text"}):
+            raise Refused("response_format", "only {'type': 'text'} is supported (no constrained decoding)")
+        if self.modalities not in (None, ["text"]):
+            raise Refused("modalities", "this server writes text only: use ['text'] or drop it")
+        for name in ("audio", "prediction", "web_search_options"):
+            if getattr(self, name) is not None:
+                raise Refused(name, f"{name} is not supported by this server: drop it")
+        if self.top_logprobs and not self.logprobs:
+            raise Refused("top_logprobs", "top_logprobs needs logprobs: true")
+
+    @property
+    def num_logprobs(self) -> int | None:
+        return _or(self.top_logprobs, 0) if self.logprobs else None
+
+    @property
+    def max_new_tokens(self) -> int | None:
+        return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
+
+
+class TokenizeRequest(BaseModel):
+    """POST /tokenize (vLLM's shape): a prompt, or chat messages rendered by the chat template."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    model: StrictStr | None = None  # None: the only model, when there is one
+    prompt: StrictStr | None = None
+    messages: list[ChatMessage] | None = None
+    add_special_tokens: bool = True  # for prompt
+    add_generation_prompt: bool = True  # for messages
+
+
+class DetokenizeRequest(BaseModel):
+    """POST /detokenize (vLLM's shape)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    model: StrictStr | None = None
+    tokens: list[Annotated[StrictInt, Field(ge=0)]]
+
+
+def _or(value: Any, default: Any) -> Any:
+    return default if value is None else value
+
+
+# ---------------------------------------------------------------------- responses
+
+
+class Usage(BaseModel):
+    prompt_tokens: int
+    completion_tokens: int  # every sample's tokens
+    total_tokens: int
+
+
+class CompletionLogprobs(BaseModel):
+    """The completions API's logprobs: one entry per generated token."""
+
+    tokens: list[str] = []  # each token's text
+    token_logprobs: list[float] = []  # the sampled token's logprob
+    top_logprobs: list[dict[str, float]] = []  # the most likely `logprobs` tokens: text -> logprob
+    text_offset: list[int] = []  # where each token's text starts in the choice's text
+
+
+class CompletionChoice(BaseModel):
+    index: int  # prompt i's sample j is choice i * n + j
+    text: str
+    logprobs: CompletionLogprobs | None = None
+    finish_reason: str | None = None  # "stop", "length" (the context or max_tokens), "abort"
+
+
+class Completion(BaseModel):
+    """A completions response, or (object "text_completion" too, as OpenAI) one stream chunk of it."""
+
+    id: str
+    object: Literal["text_completion"] = "text_completion"
+    created: int
+    model: str
+    choices: list[CompletionChoice]
+    usage: Usage | None = None  # always in a response; in a stream, the last chunk's with include_usage
+
+
+class TopLogprob(BaseModel):
+    token: str
+    logprob: float
+    bytes: list[int] | None = None  # the token text's UTF-8 bytes
+
+
+class TokenLogprob(TopLogprob):
+    top_logprobs: list[TopLogprob] = []
+
+
+class ChatLogprobs(BaseModel):
+    content: list[TokenLogprob] | None = None
+
+
+class ChatMessageOut(BaseModel):
+    role: Literal["assistant"] = "assistant"
+    content: str | None = None
+
+
+class ChatChoice(BaseModel):
+    index: int
+    message: ChatMessageOut
+    logprobs: ChatLogprobs | None = None
+    finish_reason: str | None = None
+
+
+class ChatCompletion(BaseModel):
+    id: str
+    object: Literal["chat.completion"] = "chat.completion"
+    created: int
+    model: str
+    choices: list[ChatChoice]
+    usage: Usage
+
+
+class ChatDelta(BaseModel):
+    role: Literal["assistant"] | None = None  # in each choice's first chunk
+    content: str | None = None
+
+
+class ChatChunkChoice(BaseModel):
+    index: int
+    delta: ChatDelta
+    logprobs: ChatLogprobs | None = None
+    finish_reason: str | None = None
+
+
+class ChatCompletionChunk(BaseModel):
+    id: str
+    object: Literal["chat.completion.chunk"] = "chat.completion.chunk"
+    created: int
+    model: str
+    choices: list[ChatChunkChoice]
+    usage: Usage | None = None  # the last chunk's, with include_usage
+
+
+class ModelCard(BaseModel):
+    id: str
+    object: Literal["model"] = "model"
+    created: int
+    owned_by: str = "infer"
+    max_model_len: int  # vLLM's: the context length
+
+
+class ModelList(BaseModel):
+    object: Literal["list"] = "list"
+    data: list[ModelCard]
+
+
+class ErrorDetail(BaseModel):
+    message: str  # the problem and the fix
+    type: str  # invalid_request_error, authentication_error, not_found_error, rate_limit_exceeded, server_error
+    param: str | None = None  # the request field at fault
+    code: str | None = None
+
+
+class ErrorResponse(BaseModel):
+    """Every error, in OpenAI's shape."""
+
+    error: ErrorDetail
+
+
+class TokenizeResponse(BaseModel):
+    count: int
+    max_model_len: int
+    tokens: list[int]
+
+
+class DetokenizeResponse(BaseModel):
+    prompt: str

@@ -1,0 +1,91 @@
+"""Per-request deltas: what each engine step adds to a request's samples, cut so that the streamed
+pieces concatenate to the final output exactly.
+
+Text reaches a request one step after its tokens (the detokenizer runs beside the next forward),
+and a stop string found in that text truncates the tokens and cuts the text. So a step streams
+only tokens whose text the detokenizer has returned (the ones handed to it by the step before),
+and only text that no stop string can still cut: the last `longest stop - 1` characters wait until
+the request ends. What is left goes out with the final output.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from infer.core.output import Group
+from infer.core.request import Request, RequestOutput
+
+
+@dataclass(slots=True)
+class CompletionDelta:
+    """What one sample gained since its previous delta."""
+
+    index: int  # which of the request's n samples
+    text: str  # new text: the streamed texts concatenate to the final text
+    token_ids: list[int]  # new token ids: they concatenate to the final token ids
+    logprobs: list[dict[int, float]] | None  # per new token {token id: logprob}; None unless asked for
+    finish_reason: str | None = None  # "stop", "length", "abort", "capacity"; set in the sample's last delta
+
+
+@dataclass(slots=True)
+class StreamOutput:
+    """One step's news for one request; the last one (`finished`) carries the whole output."""
+
+    request_id: str  # the request's id, as generate() was given or chose it
+    deltas: list[CompletionDelta]  # the samples with something new in this step
+    finished: bool  # True in the request's last output only
+    final: RequestOutput | None = None  # the complete output, as LLM.generate returns it; set when finished
+
+
+@dataclass(slots=True)
+class Tracked:
+    """One request's progress through its stream, kept by the engine's thread."""
+
+    group: Group  # the engine's group of this request's samples (its texts so far)
+    prompt: str | None  # the prompt's text, for the final output (the engine was given token ids)
+    holdback: int  # characters a stop string may still cut: longest stop - 1
+    logprobs: bool  # whether deltas carry logprobs
+    streams: bool  # False for beams, whose tokens change until the end: their output comes whole
+    sent_tokens: list[int] = field(default_factory=list)  # per sample: tokens streamed
+    sent_chars: list[int] = field(default_factory=list)  # per sample: characters streamed
+
+    @classmethod
+    def of(cls, group: Group, prompt: str | None) -> "Tracked":
+        params = group.children[0].params
+        stops = params.stop or []
+        n = len(group.children)
+        return cls(
+            group=group,
+            prompt=prompt,
+            holdback=max(map(len, stops), default=1) - 1,
+            logprobs=params.logprobs is not None and params.tokens_are_final,
+            streams=params.tokens_are_final,
+            sent_tokens=[0] * n,
+            sent_chars=[0] * n,
+        )
+
+    def delta(self, index: int, request: Request, num_checked: int) -> CompletionDelta | None:
+        """The sample's news after a step; `num_checked`: its tokens whose text is in (handed to the
+        detokenizer by the step before)."""
+        end = min(num_checked, len(request.output_token_ids))
+        text = self.group.texts.get(request.request_id, "")
+        cut = len(text) - self.holdback
+        start_token, start_char = self.sent_tokens[index], self.sent_chars[index]
+        if end <= start_token and cut <= start_char:
+            return None
+        token_ids = request.output_token_ids[start_token:end] if end > start_token else []
+        logprobs = request.output_logprobs[start_token:end] if self.logprobs and end > start_token else None
+        self.sent_tokens[index] = max(end, start_token)
+        self.sent_chars[index] = max(cut, start_char)
+        return CompletionDelta(index, text[start_char:cut] if cut > start_char else "", token_ids, logprobs)
+
+    def last(self, output: RequestOutput) -> StreamOutput:
+        """The final output, and every sample's rest: what was not streamed yet, and its finish reason."""
+        if output.prompt is None:
+            output.prompt = self.prompt
+        deltas = []
+        for c in output.outputs:
+            tokens, chars = self.sent_tokens[c.index], self.sent_chars[c.index]
+            logprobs = c.logprobs[tokens:] if self.logprobs and c.logprobs is not None else None
+            deltas.append(CompletionDelta(c.index, c.text[chars:], c.token_ids[tokens:], logprobs, c.finish_reason))
+        return StreamOutput(output.request_id, deltas, finished=True, final=output)

@@ -1,0 +1,89 @@
+"""Two models in one server, routed by `model`; /v1/models, /health, /tokenize, /detokenize; /metrics
+parses as Prometheus text and counts what was served."""
+
+from __future__ import annotations
+
+import httpx
+import openai
+import pytest
+from prometheus_client.parser import text_string_to_metric_families
+
+from infer import SamplingParams
+from infer.serve.app import create_app
+
+SMOL, TINY = "smollm2-135m", "tiny-chat"
+PROMPT = "The capital of France is"
+
+
+@pytest.fixture(scope="module")
+def server(smol, tiny, live):
+    return live(create_app({SMOL: smol.engine, TINY: tiny.engine}))
+
+
+@pytest.fixture(scope="module")
+def client(server):
+    with openai.OpenAI(base_url=server.url, api_key="unused", max_retries=0) as c:
+        yield c
+
+
+def _samples(server) -> dict[tuple[str, tuple], float]:
+    text = httpx.get(f"{server.root}/metrics").text
+    found = {}
+    for family in text_string_to_metric_families(text):
+        for s in family.samples:
+            found[(s.name, tuple(sorted(s.labels.items())))] = s.value
+    return found
+
+
+def test_requests_route_by_model_name(smol, tiny, client):
+    assert sorted(m.id for m in client.models.list().data) == sorted([SMOL, TINY])
+    params = SamplingParams(max_tokens=12, temperature=0)
+    for name, served in ((SMOL, smol), (TINY, tiny)):
+        expected = served.offline(lambda llm: llm.generate([PROMPT], params))[0].outputs[0].text
+        out = client.completions.create(model=name, prompt=PROMPT, max_tokens=12, temperature=0)
+        assert out.model == name and out.choices[0].text == expected
+    smol_text = client.completions.create(model=SMOL, prompt=PROMPT, max_tokens=12, temperature=0).choices[0].text
+    tiny_text = client.completions.create(model=TINY, prompt=PROMPT, max_tokens=12, temperature=0).choices[0].text
+    assert smol_text != tiny_text  # two different engines answered
+
+
+def test_health_tokenize_and_detokenize(smol, server):
+    assert httpx.get(f"{server.root}/health").json() == {"status": "ok"}
+    tokens = httpx.post(f"{server.root}/tokenize", json={"model": SMOL, "prompt": PROMPT}).json()
+    assert tokens["tokens"] == smol.llm.tokenizer.encode(PROMPT) and tokens["count"] == len(tokens["tokens"])
+    assert tokens["max_model_len"] == 1024
+    back = httpx.post(f"{server.root}/detokenize", json={"model": SMOL, "tokens": tokens["tokens"]}).json()
+    assert back == {"prompt": PROMPT}
+    chat = [{"role": "user", "content": "Hi"}]
+    rendered = httpx.post(f"{server.root}/tokenize", json={"model": TINY, "messages": chat}).json()
+    assert rendered["tokens"] == smol.llm.tokenizer.apply_chat_template(chat, add_generation_prompt=True)["input_ids"]
+    # two models: a request must say which
+    assert httpx.post(f"{server.root}/tokenize", json={"prompt": PROMPT}).status_code == 400
+
+
+def test_metrics_parse_and_count(server, client):
+    before = _samples(server)
+    for _ in range(3):
+        client.completions.create(
+            model=TINY, prompt=PROMPT, max_tokens=5, temperature=0, extra_body={"ignore_eos": True}
+        )
+    with pytest.raises(openai.BadRequestError):
+        client.completions.create(model=TINY, prompt=PROMPT, max_tokens=10_000)
+    after = _samples(server)
+    tiny = (("model", TINY),)
+
+    def grew(name: str, labels: tuple = tiny) -> float:
+        return after[(name, labels)] - before.get((name, labels), 0.0)
+
+    assert grew("infer_requests_total", (("model", TINY), ("outcome", "finished"))) == 3
+    assert grew("infer_requests_total", (("model", TINY), ("outcome", "rejected"))) == 1
+    assert grew("infer_time_to_first_token_seconds_count") == 3
+    assert grew("infer_e2e_request_latency_seconds_count") == 3
+    assert grew("infer_time_per_output_token_seconds_count") == 3
+    assert grew("infer_generation_tokens_total") == 15
+    assert grew("infer_engine_steps_total") >= 5
+    for gauge in ("infer_num_requests_running", "infer_num_requests_waiting", "infer_kv_cache_usage_ratio"):
+        assert after[(gauge, tiny)] == 0
+    assert after[("infer_kv_cache_blocks", tiny)] == 128
+    for name in ("infer_prefix_cache_hit_rate", "infer_num_preemptions_total", "infer_spec_decode_acceptance_rate"):
+        assert (name, tiny) in after and (name, (("model", SMOL),)) in after
