@@ -57,10 +57,10 @@ class RequestRecord:
     index: int  # the request's place in the workload
     start_s: float  # when it was sent, seconds after the run started
     prompt_tokens: int = 0  # from the server's usage, else as known before sending
-    output_tokens: int = 0  # from the server's usage, else the streamed chunks that carried text
-    ttft_s: float = 0.0  # sent -> first chunk with text
+    output_tokens: int = 0  # from the server's usage, else the streamed chunks that carried output
+    ttft_s: float = 0.0  # sent -> first chunk with output
     e2e_s: float = 0.0  # sent -> end of the stream
-    itl_s: list[float] = field(default_factory=list)  # gaps between successive chunks with text
+    itl_s: list[float] = field(default_factory=list)  # gaps between successive chunks with output
     error: str | None = None  # why the request failed; None when it succeeded
 
     @property
@@ -125,19 +125,22 @@ def _error_message(status: int, raw: bytes) -> str:
     return f"HTTP {status}: {message}" if message else f"HTTP {status}"
 
 
-def _content(chunk: dict[str, Any], endpoint: Endpoint) -> str:
+def _is_output(chunk: dict[str, Any], endpoint: Endpoint) -> bool:
+    """Whether a streamed chunk carries output: a chat delta with content, or any completions choice
+    (as vLLM's benchmark counts them: a step's tokens may hold no text yet, or no text at all from a
+    model served without a tokenizer)."""
     choices = chunk.get("choices") or []
     if not choices or not isinstance(choices[0], dict):
-        return ""
+        return False
     if endpoint == "chat":
-        return (choices[0].get("delta") or {}).get("content") or ""
-    return choices[0].get("text") or ""
+        return bool((choices[0].get("delta") or {}).get("content"))
+    return True
 
 
 async def send(
     client: httpx.AsyncClient, request: OnlineRequest, settings: LoadSettings, index: int, t0: float
 ) -> RequestRecord:
-    """One streamed request, timed per chunk that carries text. Never raises for the request's own failure."""
+    """One streamed request, timed per chunk that carries output. Never raises for the request's own failure."""
     start = time.perf_counter()
     record = RequestRecord(index, start - t0, prompt_tokens=request.prompt_tokens)
     chunks, last, done = 0, start, False
@@ -159,7 +162,7 @@ async def send(
                 if "error" in chunk:
                     record.error = f"error in the stream: {one_line(str(chunk['error']))[:200]}"
                     return record
-                if _content(chunk, settings.endpoint):
+                if _is_output(chunk, settings.endpoint):
                     now = time.perf_counter()
                     if chunks == 0:
                         record.ttft_s = now - start
@@ -176,7 +179,7 @@ async def send(
     if not done:
         record.error = "the stream ended before `data: [DONE]`"
     elif chunks == 0:
-        record.error = "the stream carried no text"
+        record.error = "the stream carried no output"
     record.output_tokens = record.output_tokens or chunks
     return record
 

@@ -27,8 +27,8 @@ class CompletionFormat:
 
     def chunk(self, gen: Generation, index: int, delta: CompletionDelta) -> dict[str, Any] | None:
         logprobs = self._logprobs(gen, index, delta.token_ids, delta.logprobs) if delta.logprobs else None
-        if not delta.text and logprobs is None and delta.finish_reason is None:
-            return None
+        if not delta.text and not delta.token_ids and logprobs is None and delta.finish_reason is None:
+            return None  # a chunk per step that made tokens, text or not (a model without a tokenizer has none)
         choice = {"index": index, "text": delta.text, "logprobs": logprobs, "finish_reason": None}
         choice["finish_reason"] = finish_reason(delta.finish_reason)
         return _chunk(gen, "text_completion", choice)

@@ -22,6 +22,7 @@ class FakeServer:
     cut_every: int = 0  # every Nth completion request is cut off after its first chunk (0: none)
     junk_every: int = 0  # every Nth completion request streams an event whose data is not JSON (0: none)
     api_key: str | None = None  # required as a bearer token when set
+    text: str = "tok "  # each token's text ("" as from a model served without a tokenizer)
     models: list[str] = field(default_factory=lambda: ["fake-model"])
     bodies: list[dict[str, Any]] = field(default_factory=list)  # every completion request's JSON body
     in_flight: int = 0
@@ -73,7 +74,7 @@ class FakeServer:
         while sent < total:
             await asyncio.sleep(self.first_s if sent == 0 else self.gap_s)
             k = min(self.tokens_per_chunk, total - sent)
-            text = "tok " * k
+            text = self.text * k
             choice = {"index": 0, "delta": {"content": text}} if chat else {"index": 0, "text": text}
             await self.event(writer, {"id": "x", "choices": [choice]})
             sent += k

@@ -63,6 +63,16 @@ def test_output_tokens_come_from_usage_else_from_the_chunks(fake_server):
     assert [r.output_tokens for r in without] == [3, 3]  # no usage: chunks with text are all there is
 
 
+def test_completions_chunks_without_text_still_count(fake_server):
+    # a model served without a tokenizer streams one chunk a step whose text is empty
+    fake_server.first_s, fake_server.gap_s, fake_server.text = 0.05, 0.02, ""
+    fake_server.usage = False
+    result = load(fake_server, token_requests(2, 6))
+    for r in result.records:
+        assert r.error is None and r.output_tokens == 6 and len(r.itl_s) == 5
+        assert 0.05 <= r.ttft_s < 0.05 + SLACK_S
+
+
 def test_failed_requests_are_kept_and_counted(fake_server):
     fake_server.fail_every, fake_server.cut_every = 3, 4  # of 12: 4 answer 500; 4, 8 (not 12) are cut off
     fake_server.junk_every = 5  # 5 and 10 send an event that is not JSON

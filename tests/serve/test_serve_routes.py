@@ -3,13 +3,16 @@ parses as Prometheus text and counts what was served."""
 
 from __future__ import annotations
 
+import json
+
 import httpx
 import openai
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from infer import SamplingParams
+from infer import LLM, SamplingParams
 from infer.serve.app import create_app
+from infer.serve.async_engine import AsyncEngine
 
 SMOL, TINY = "smollm2-135m", "tiny-chat"
 PROMPT = "The capital of France is"
@@ -87,3 +90,24 @@ def test_metrics_parse_and_count(server, client):
     assert after[("infer_kv_cache_blocks", tiny)] == 128
     for name in ("infer_prefix_cache_hit_rate", "infer_num_preemptions_total", "infer_spec_decode_acceptance_rate"):
         assert (name, tiny) in after and (name, (("model", SMOL),)) in after
+
+
+def test_a_model_without_a_tokenizer_streams_a_chunk_per_step(tiny_llama_dir, live):
+    # token ids in, token ids out: each step's chunk carries empty text, so a client can still time it
+    llm = LLM(model=str(tiny_llama_dir), attention="torch", num_kv_blocks=64, max_model_len=128)
+    assert llm.tokenizer is None
+    engine = AsyncEngine(llm.engine)
+    try:
+        server = live(create_app({"tokenless": engine}))
+        body = {"model": "tokenless", "prompt": [5, 6, 7], "max_tokens": 6, "ignore_eos": True, "stream": True}
+        body["stream_options"] = {"include_usage": True}
+        with httpx.stream("POST", f"{server.url}/completions", json=body, timeout=60) as response:
+            events = [line[len("data: ") :] for line in response.iter_lines() if line.startswith("data: ")]
+        assert events[-1] == "[DONE]"
+        chunks = [json.loads(e) for e in events[:-1]]
+        steps = [c for c in chunks if c["choices"]]
+        assert len(steps) == 6 and all(c["choices"][0]["text"] == "" for c in steps)
+        assert steps[-1]["choices"][0]["finish_reason"] == "length"
+        assert chunks[-1]["usage"]["completion_tokens"] == 6
+    finally:
+        engine.close()
