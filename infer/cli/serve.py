@@ -14,6 +14,7 @@ use, default MODEL). The engine options given as flags apply to every model; a m
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 from typing import Any
 
@@ -112,13 +113,22 @@ def serve(
     try:
         for name, config in configs.items():
             click.echo(f"loading {name} ({config.model})", err=True)
-            engines[name] = AsyncEngine.from_config(config, extra_plugins(), max_waiting=max_waiting)
+            # each engine steps in a process of its own: the event loop here never holds the GIL its steps need
+            engines[name] = AsyncEngine.spawn(functools.partial(_build_engine, config), max_waiting=max_waiting)
         app = create_app(engines, api_key=api_key)
         click.echo(f"serving {', '.join(engines)} at http://{host}:{port}/v1", err=True)
         uvicorn.run(app, host=host, port=port, log_level="info", timeout_graceful_shutdown=5)
     finally:
         for engine in engines.values():
             engine.close()
+
+
+def _build_engine(config: EngineConfig) -> Any:
+    """Runs in the engine's process: the plugins INFER_EXTRA_PLUGINS names are found there too."""
+    from infer.core.engine import Engine
+    from infer.distributed.launch import launch
+
+    return Engine.from_config(config, extra_plugins(), launch=launch)
 
 
 @hookimpl

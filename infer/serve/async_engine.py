@@ -20,7 +20,7 @@ from infer.core.engine import Engine, Prompt
 from infer.core.errors import ConfigError, InferError, RequestError
 from infer.core.request import SamplingParams
 from infer.serve.engine_thread import Abort, Add, Call, EngineThread, Item
-from infer.serve.stream import StreamOutput
+from infer.serve.stream import StreamOutput, merge
 
 T = TypeVar("T")
 
@@ -62,6 +62,12 @@ class RequestStream:
         if isinstance(item, BaseException):
             self._end()
             raise item
+        while not item.finished and not self._queue.empty():  # behind: one output for the steps since
+            later = self._queue.get_nowait()
+            if isinstance(later, BaseException):
+                self._queue.put_nowait(later)  # the queue held only it: it is read next
+                break
+            item = merge(item, later)
         if item.finished:
             self._end()
         return item
@@ -92,7 +98,8 @@ class RequestStream:
 class AsyncEngine:
     """An Engine stepped by its own thread. Use it from one event loop (the server's)."""
 
-    def __init__(self, engine: Engine, max_waiting: int | None = None) -> None:
+    def __init__(self, engine: Engine, max_waiting: int | None = None, thread: Any = None) -> None:
+        """thread: what steps the engine (default: an `EngineThread` here; `spawn` passes an `EngineProcess`)."""
         if max_waiting is not None and (isinstance(max_waiting, bool) or not isinstance(max_waiting, int)):
             raise ConfigError(f"max_waiting={max_waiting!r}: use None (no limit) or an integer >= 0")
         if max_waiting is not None and max_waiting < 0:
@@ -103,7 +110,7 @@ class AsyncEngine:
         self.closed = False
         self._live: dict[str, RequestStream] = {}  # unfinished streams by request id
         self._ids = itertools.count()
-        self._thread = EngineThread(engine)
+        self._thread = thread if thread is not None else EngineThread(engine)
 
     @classmethod
     def from_config(
@@ -113,6 +120,16 @@ class AsyncEngine:
         from infer.distributed.launch import launch
 
         return cls(Engine.from_config(config, extra_plugins, launch=launch), max_waiting)
+
+    @classmethod
+    def spawn(cls, build: Callable[[], Engine], max_waiting: int | None = None) -> "AsyncEngine":
+        """The engine that `build()` returns (picklable: e.g. `functools.partial(build_engine, config)`), built
+        and stepped in a process of its own: what `infer serve` runs, so that the server's event loop never
+        holds the GIL the step loop needs. `call` then takes module-level functions only."""
+        from infer.serve.engine_process import EngineProcess
+
+        process = EngineProcess(build)
+        return cls(process.front, max_waiting, thread=process)  # type: ignore[arg-type]
 
     @property
     def tokenizer(self) -> Any:
@@ -171,7 +188,7 @@ class AsyncEngine:
         if request_id not in self._live:
             raise RequestError(f"no unfinished request has id {request_id!r}: check the id generate() was given")
         self._thread.send(Abort(request_id))
-        await self.call(lambda engine: None)  # commands apply in order: the abort is done
+        await self.call(_nothing)  # commands apply in order: the abort is done
 
     async def call(self, fn: Callable[[Engine], T]) -> T:
         """Run fn(engine) on the engine's thread between steps (to read its state safely)."""
@@ -196,3 +213,14 @@ class AsyncEngine:
 
     def _forget(self, request_id: str) -> None:
         self._live.pop(request_id, None)
+
+
+def _nothing(engine: Engine) -> None:
+    """A call that only waits for the commands sent before it (module-level: it crosses to a process)."""
+
+
+def build_engine(config: Any) -> Engine:
+    """An Engine from an EngineConfig, its `--tp` ranks launched: what `spawn` builds by default."""
+    from infer.distributed.launch import launch
+
+    return Engine.from_config(config, launch=launch)

@@ -207,11 +207,11 @@ class EngineThread:
         self._outbox = []
         for loop, batch in batches.items():
             try:
-                loop.call_soon_threadsafe(_put_all, batch)
+                loop.call_soon_threadsafe(put_all, batch)
             except RuntimeError:  # that loop is closed: nobody is listening
                 pass
 
 
-def _put_all(batch: list[tuple[Sink, Item]]) -> None:
+def put_all(batch: list[tuple[Sink, Item]]) -> None:
     for sink, item in batch:
         sink.put(item)

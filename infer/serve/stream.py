@@ -89,3 +89,23 @@ class Tracked:
             logprobs = c.logprobs[tokens:] if self.logprobs and c.logprobs is not None else None
             deltas.append(CompletionDelta(c.index, c.text[chars:], c.token_ids[tokens:], logprobs, c.finish_reason))
         return StreamOutput(output.request_id, deltas, finished=True, final=output)
+
+
+def merge(first: StreamOutput, later: StreamOutput) -> StreamOutput:
+    """Two successive outputs of one request as one: what a reader that fell behind gets, so a client is
+    sent one chunk for several steps instead of one per step (the concatenations are unchanged)."""
+    by_index = {d.index: d for d in first.deltas}
+    deltas = list(first.deltas)
+    for d in later.deltas:
+        before = by_index.get(d.index)
+        if before is None:
+            deltas.append(d)
+            continue
+        logprobs = (
+            None if before.logprobs is None and d.logprobs is None else (before.logprobs or []) + (d.logprobs or [])
+        )
+        joined = CompletionDelta(
+            d.index, before.text + d.text, before.token_ids + d.token_ids, logprobs, d.finish_reason
+        )
+        deltas[deltas.index(before)] = by_index[d.index] = joined
+    return StreamOutput(later.request_id, deltas, later.finished, later.final)

@@ -208,3 +208,21 @@ def test_a_failure_in_the_threads_own_work_is_survived_too(tiny_llama_dir, monke
         engine.close()
     assert len(after[-1].final.outputs[0].token_ids) == 6 and engine.engine.closed
     assert used == 0 and not unfinished
+
+
+def test_a_reader_that_falls_behind_gets_the_missed_steps_as_one_output(served):
+    engine, expected = served
+
+    async def main():
+        outs = []
+        async for out in engine.generate(PROMPTS[0], PARAMS[0]):
+            outs.append(out)
+            await asyncio.sleep(0.3)  # slower than the engine's steps: deltas pile up in the stream
+        return outs
+
+    outs = asyncio.run(main())
+    ref = expected[0].outputs[0]
+    assert len(outs) < len(ref.token_ids)  # fewer outputs than tokens: steps were merged
+    assert "".join(d.text for o in outs for d in o.deltas) == ref.text
+    assert [t for o in outs for d in o.deltas for t in d.token_ids] == ref.token_ids
+    assert outs[-1].finished and [o.finished for o in outs[:-1]] == [False] * (len(outs) - 1)
