@@ -26,6 +26,10 @@ class Bf16Only(TorchAttention):
     capabilities = infer.Capabilities(dtypes=frozenset({torch.bfloat16}))
 
 
+class NoFp8(TorchAttention):
+    capabilities = infer.Capabilities()  # no FP8 KV cache
+
+
 class NeedsLibrary(TorchAttention):
     capabilities = infer.Capabilities(available=lambda: "fancykernels is not importable: pip install fancykernels")
 
@@ -38,6 +42,7 @@ class Plugin:
         register("block16-only", Block16Only)
         register("bf16-only", Bf16Only)
         register("needs-library", NeedsLibrary)
+        register("no-fp8", NoFp8)
 """
 SHAPE = ["--model", "smollm2-135m", "--load-format", "dummy", "--device", "cpu"]
 
@@ -135,6 +140,27 @@ def test_doctor_reports_several_refusals_and_bad_names(invoke):
     assert "unknown --sampler 'nope': valid names are" in result.output
     assert "runs here instead: naive, vectorized" in result.output
     assert "verdict: cannot run here (3 refusals)" in result.output
+
+
+@pytest.mark.parametrize("flag", ["--attention", "--prefill-attention"])
+def test_doctor_refuses_fp8_kv_where_a_backend_has_none(invoke, flag):
+    result = invoke("doctor", *SHAPE, flag, "no-fp8", "--kv-cache-dtype", "fp8")
+    assert result.exit_code == 2, result.output
+    refused = [line for line in result.output.splitlines() if "REFUSED" in line]
+    assert len(refused) == 1 and refused[0].split()[0] == "combination", result.output
+    assert (
+        f"REFUSED: --kv-cache-dtype fp8 needs an attention backend with an FP8 KV cache and {flag} no-fp8 has "
+        f"none: use {flag} with one that has it (flashinfer, paged-cuda, torch), or --kv-cache-dtype auto"
+    ) in refused[0]
+    assert invoke("doctor", *SHAPE, flag, "no-fp8").exit_code == 0
+    assert invoke("doctor", *SHAPE, "--kv-cache-dtype", "fp8").exit_code == 0  # auto picks torch here
+
+
+def test_plugins_lists_the_backends_with_fp8_kv(invoke):
+    lines = invoke("plugins").output.splitlines()
+    for name in ("torch", "paged-cuda", "flashinfer"):
+        assert any(name in line.split() and "fp8-kv" in line for line in lines), name
+    assert not any("no-fp8" in line.split() and "fp8-kv" in line for line in lines)
 
 
 def test_matrix_lists_the_combinations_that_run_here(invoke):

@@ -42,6 +42,8 @@ HELP: dict[str, str] = {  # EngineConfig field -> help, in the order `--help` li
     "num_kv_blocks": "Fix the KV cache size in blocks (it must hold one request of --max-model-len).",
     "kv_cache_memory_gib": "KV cache budget in GiB (default: 1 GiB on the CPU; on a GPU, --gpu-memory-utilization "
     "of its memory less what is in use).",
+    "kv_cache_dtype": "KV cache elements: auto (the model's dtype), or fp8 (e4m3 with a scale per layer: half of "
+    "bf16's bytes, twice the blocks). Attention backends with fp8-kv in `infer plugins` read it.",
     "gpu_memory_utilization": "Fraction of the GPU's memory the engine may use (weights, activations, KV cache), "
     "in (0, 1].",
     "enable_prefix_caching": "Reuse the KV blocks of cached prompt prefixes.",

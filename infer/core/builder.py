@@ -35,7 +35,7 @@ from infer.models.build import check_draft, load_model
 from infer.models.loader import ModelSource, check_weight_shapes, load_tokenizer, meta_model, resolve_source
 from infer.runtime.block_mover import BlockMover
 from infer.runtime.cuda_graphs import CudaGraphRunner
-from infer.runtime.kv_cache import CacheShape, allocate_kv_cache, check_fits, plan_blocks
+from infer.runtime.kv_cache import CacheShape, allocate_kv_cache, check_fits, kv_cache_dtype, plan_blocks
 from infer.runtime.pipeline import Pipeline
 
 
@@ -76,6 +76,7 @@ def _build_model(plan: _Plan, source: Any, model_config: Any, parallel: Communic
         max_model_len=plan.max_model_len,
         sliding_windows=model_config.sliding_windows(),
         soft_cap=model_config.attention_soft_cap,
+        kv_cache_dtype=kv_cache_dtype(config.kv_cache_dtype, plan.dtype),
     )
     attention = composition.attention.factory(spec)
     if composition.prefill_attention is not None:
@@ -265,15 +266,12 @@ def _size_kv_cache(
         CacheShape(r.num_layers or c.num_layers, parallel.heads(c.num_heads, c.num_kv_heads).num_kv_heads, c.head_dim)
         for r, c in models
     ]
+    dtype = kv_cache_dtype(config.kv_cache_dtype, plan.dtype)  # FP8: 1 byte an element, scales of 1 (FP8KVCache)
     num_blocks, num_cpu_blocks = plan_blocks(
-        config, shapes, plan.max_model_len, lookahead, plan.dtype, plan.device, agree=parallel.min
+        config, shapes, plan.max_model_len, lookahead, dtype, plan.device, agree=parallel.min
     )
     for (r, _), s in zip(models, shapes):  # one block more than the allocator owns: the null block
-        r.kv_caches.extend(
-            allocate_kv_cache(
-                s.num_layers, num_blocks + 1, config.block_size, s.num_kv_heads, s.head_dim, plan.dtype, plan.device
-            )
-        )
+        r.kv_caches.extend(allocate_kv_cache(s, num_blocks + 1, config.block_size, dtype, plan.device))
     block_mover = BlockMover(num_cpu_blocks)
     for r, _ in models:
         block_mover.add(r.kv_caches)

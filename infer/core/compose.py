@@ -25,6 +25,10 @@ class Composition:
     decoder: Strategy
     detokenizer: Strategy
 
+    def attention_backends(self) -> list[tuple[Strategy, str]]:
+        """(strategy, its flag) for each attention backend that runs."""
+        return [(self.attention, "--attention")] + [(p, "--prefill-attention") for p in [self.prefill_attention] if p]
+
     def names(self) -> dict[str, str]:
         """EngineConfig field -> strategy name, for the run's description."""
         names = {s.field: getattr(self, s.name).name for s in CHOSEN}
@@ -76,6 +80,8 @@ def _auto_attention(
         caps = s.capabilities
         if "decode" not in caps.phases or "prefill" not in caps.phases:
             continue
+        if config.kv_cache_dtype == "fp8" and not caps.fp8_kv:
+            continue
         try:
             _check_runs_here(s, "--attention", device, dtype, config)
         except IncompatiblePluginsError:
@@ -118,6 +124,13 @@ def compose(config: EngineConfig, registry: PluginRegistry, device: torch.device
         _check_runs_here(chosen[s.name], s.flag, device, dtype, config)
     composition = Composition(attention=attention, prefill_attention=prefill, **chosen)
     _check_decoder_options(composition.decoder, config)
+    able = ", ".join(s.name for s in registry.all("attention") if s.capabilities.fp8_kv) or "none installed"
+    for s, flag in composition.attention_backends():
+        if config.kv_cache_dtype == "fp8" and not s.capabilities.fp8_kv:
+            raise IncompatiblePluginsError(
+                f"--kv-cache-dtype fp8 needs an attention backend with an FP8 KV cache and {flag} {s.name} has none: "
+                f"use {flag} with one that has it ({able}), or --kv-cache-dtype auto"
+            )
     return composition
 
 
@@ -150,11 +163,8 @@ def check_model_attention(
     """The model's attention features (a sliding window shorter than the context, score soft-capping)
     against the backends that would run them."""
     windows = model_config.within_context(max_model_len).sliding_windows()
-    backends = [(composition.attention, "--attention")]
-    if composition.prefill_attention is not None:
-        backends.append((composition.prefill_attention, "--prefill-attention"))
     able = ", ".join(s.name for s in registry.all("attention") if s.capabilities.sliding_window) or "none installed"
-    for s, flag in backends:
+    for s, flag in composition.attention_backends():
         if windows and not s.capabilities.sliding_window:
             raise IncompatiblePluginsError(
                 f"{model_config.name or 'the model'} uses sliding-window attention (window {windows[0]} tokens) "

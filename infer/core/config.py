@@ -17,6 +17,7 @@ if TYPE_CHECKING:
 
 LoadFormat = Literal["auto", "safetensors", "dummy"]
 PreemptionMode = Literal["recompute", "swap"]
+KVCacheDtype = Literal["auto", "fp8"]  # fp8: e4m3 (torch.float8_e4m3fn), one scale per layer for K and for V
 ALL_REDUCE = ("auto", "nccl", "symm-mem", "flashinfer")  # --all-reduce choices
 
 DTYPES: dict[str, torch.dtype] = {
@@ -52,6 +53,7 @@ class EngineConfig:
     block_size: int = 16  # tokens per KV block
     num_kv_blocks: int | None = None  # override the budget (tests force preemption with it)
     kv_cache_memory_gib: float | None = None  # KV budget; default: 1 GiB on CPU, 90% of free GPU memory
+    kv_cache_dtype: KVCacheDtype = "auto"  # auto: the model's dtype; fp8: 1 byte an element (twice bf16's blocks)
     enable_prefix_caching: bool = True  # reuse the KV blocks of a cached prompt prefix
     preemption_mode: PreemptionMode = "recompute"  # recompute | swap (to a CPU pool; recompute when it is full)
     swap_space_gib: float = 4.0  # CPU KV pool for --preemption-mode swap

@@ -6,6 +6,8 @@ the order swap-out, swap-in, copy: swap-outs read blocks that the step may hand 
 a batched copy reads all its sources before it writes any destination. The CPU pool mirrors every
 registered cache (a draft model's too, when it shares the block tables) and is pinned when the
 cache lives on a GPU, so swaps are DMA transfers. Copies are exact: swap out and in is bit-exact.
+FP8 blocks move as their bytes (uint8 views: torch has no index_copy_ for float8 on the CPU), and an
+FP8 cache's scales stay with the layer: they are static, the same for every block.
 """
 
 from __future__ import annotations
@@ -54,4 +56,6 @@ class BlockMover:
         non_blocking = dst_device.type == "cuda"  # a host copy must have landed before index_copy_ reads it
         for source, target in zip(sources, targets):
             for s, t in zip(source, target):
+                if s.dtype == torch.float8_e4m3fn:
+                    s, t = s.view(torch.uint8), t.view(torch.uint8)
                 t.index_copy_(0, dst, s.index_select(0, src).to(dst_device, non_blocking=non_blocking))

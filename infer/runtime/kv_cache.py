@@ -1,18 +1,62 @@
 """The paged KV tensors: per layer (k, v), each [num_blocks, block_size, num_kv_heads, head_dim];
-how many blocks the memory budget holds, and the check that one full-length request fits."""
+their dtype (the model's, or FP8 with a scale per layer), how many blocks the memory budget holds,
+and the check that one full-length request fits."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Callable
+from typing import Callable, Sequence
 
 import torch
 
-from infer.core.config import EngineConfig
+from infer.core.config import EngineConfig, KVCacheDtype
 from infer.core.errors import ConfigError
 from infer.core.interfaces import KVCache
 
 CPU_DEFAULT_BUDGET_GIB = 1.0
+FP8 = torch.float8_e4m3fn
+FP8_MAX = torch.finfo(FP8).max  # 448: e4m3fn has no infinity, larger values are clamped to it on write
+
+
+class FP8KVCache(tuple):
+    """One layer's FP8 cache: (k, v), e4m3 tensors [num_blocks, block_size, num_kv_heads, head_dim], and
+    the float32 scales they are read with: a stored key x means x * k_scale, a stored value y means
+    y * v_scale. A write stores `quantize_fp8(k, k_scale)`.
+
+    It is a tuple, so whatever moves a layer's (k, v) (the block mover, swaps, CUDA graphs) moves it
+    as it moves any cache; only attention backends with `capabilities.fp8_kv` read the scales. The
+    scales are static: 1.0 unless `allocate_kv_cache` is given others (a checkpoint's calibrated
+    `k_scale` / `v_scale` belong to FP8-weight checkpoints, which this engine does not load yet).
+    e4m3 keeps 3 mantissa bits from 2^-6 to 448, so with scale 1 any K/V within +-448 keeps a relative
+    error of at most 2^-4, and smaller values (below 2^-6) an absolute error of at most 2^-10. A scale
+    moves that range, not the relative error: on SmolLM2 an amax / 448 scale leaves K and V as far off
+    (2.6% RMS) as 1.0 does.
+    """
+
+    k_scale: float
+    v_scale: float
+
+    def __new__(cls, k: torch.Tensor, v: torch.Tensor, k_scale: float = 1.0, v_scale: float = 1.0) -> "FP8KVCache":
+        assert k.dtype == v.dtype == FP8, f"an FP8 cache holds {FP8}, not {k.dtype}"
+        cache = super().__new__(cls, (k, v))
+        cache.k_scale, cache.v_scale = float(k_scale), float(v_scale)
+        return cache
+
+
+def quantize_fp8(x: torch.Tensor, scale: float) -> torch.Tensor:
+    """What an FP8 cache stores for x: x * (1 / scale) in float32, clamped to +-448 and rounded to the
+    nearest e4m3, ties to even (the reciprocal, not a division: a kernel computes the same product)."""
+    return (x.float() * (1.0 / scale)).clamp(-FP8_MAX, FP8_MAX).to(FP8)
+
+
+def kv_scales(kv_cache: KVCache) -> tuple[float, float]:
+    """(k_scale, v_scale) a layer's cache is read with: 1.0 for a cache in the model's dtype."""
+    return (kv_cache.k_scale, kv_cache.v_scale) if isinstance(kv_cache, FP8KVCache) else (1.0, 1.0)
+
+
+def kv_cache_dtype(choice: KVCacheDtype, dtype: torch.dtype) -> torch.dtype:
+    """The KV tensors' dtype for --kv-cache-dtype `choice` and a model running in `dtype`."""
+    return FP8 if choice == "fp8" else dtype
 
 
 def bytes_per_block(num_layers: int, block_size: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype) -> int:
@@ -34,22 +78,6 @@ def budget_bytes(device: torch.device, kv_cache_memory_gib: float | None, gpu_me
     return max(0, int(total * gpu_memory_utilization) - used - 512 * 2**20)  # 512 MiB for activations
 
 
-def allocate_kv_cache(
-    num_layers: int,
-    num_blocks: int,
-    block_size: int,
-    num_kv_heads: int,
-    head_dim: int,
-    dtype: torch.dtype,
-    device: torch.device,
-) -> list[KVCache]:
-    shape = (num_blocks, block_size, num_kv_heads, head_dim)
-    return [
-        (torch.zeros(shape, dtype=dtype, device=device), torch.zeros(shape, dtype=dtype, device=device))
-        for _ in range(num_layers)
-    ]
-
-
 @dataclass(frozen=True, slots=True)
 class CacheShape:
     """One model's KV tensors on this rank (every model of a run is indexed by the same block tables)."""
@@ -57,6 +85,27 @@ class CacheShape:
     num_layers: int
     num_kv_heads: int
     head_dim: int
+
+
+def allocate_kv_cache(
+    shape: CacheShape,
+    num_blocks: int,
+    block_size: int,
+    dtype: torch.dtype,
+    device: torch.device,
+    scales: Sequence[tuple[float, float]] | None = None,  # FP8: (k_scale, v_scale) per layer; None: 1.0
+) -> list[KVCache]:
+    size = (num_blocks, block_size, shape.num_kv_heads, shape.head_dim)
+    caches: list[KVCache] = []
+    for layer in range(shape.num_layers):
+        if dtype == FP8:  # zero bytes are e4m3 zeros
+            k, v = (torch.zeros(size, dtype=torch.uint8, device=device).view(FP8) for _ in "kv")
+            caches.append(FP8KVCache(k, v, *(scales[layer] if scales else (1.0, 1.0))))
+        else:
+            caches.append(
+                (torch.zeros(size, dtype=dtype, device=device), torch.zeros(size, dtype=dtype, device=device))
+            )
+    return caches
 
 
 def check_fits(num_blocks: int, block_size: int, max_model_len: int, lookahead: int, raise_flag: str) -> None:

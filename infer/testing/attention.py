@@ -2,17 +2,22 @@
 
 `make_case` builds a paged cache holding each sequence's context at random physical blocks,
 plus the new tokens' q/k/v; `naive_attention` computes the expected output one sequence at a
-time from dense tensors (no paging at all), so any backend can be checked against it.
+time from dense tensors (no paging at all), so any backend can be checked against it. An FP8 case
+(`kv_cache_dtype=torch.float8_e4m3fn`) holds its context quantized in an `FP8KVCache`, and its dense
+K/V are what that cache holds, dequantized (the new tokens' too: a backend reads them back quantized);
+the same seed without it gives the same values unquantized.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from dataclasses import dataclass
 
 import torch
 
-from infer.core.interfaces import AttentionBatch, AttentionSpec
+from infer.core.interfaces import AttentionBatch, AttentionSpec, KVCache
+from infer.runtime.kv_cache import FP8, FP8KVCache, kv_scales, quantize_fp8
 
 
 @dataclass(frozen=True, slots=True)
@@ -36,7 +41,7 @@ BATCH_SPECS = (
 class AttentionCase:
     spec: AttentionSpec
     batch: AttentionBatch
-    kv_cache: tuple[torch.Tensor, torch.Tensor]
+    kv_cache: KVCache  # an FP8KVCache for an FP8 case
     q: torch.Tensor  # [T, H, D]
     k: torch.Tensor  # [T, Hkv, D]
     v: torch.Tensor  # [T, Hkv, D]
@@ -57,6 +62,8 @@ def make_case(
     spare_blocks: int = 3,
     window: int | None = None,
     soft_cap: float | None = None,
+    kv_cache_dtype: torch.dtype | None = None,  # float8_e4m3fn: an FP8 cache; None: dtype
+    kv_scales: tuple[float, float] = (1.0, 1.0),  # an FP8 cache's (k_scale, v_scale)
 ) -> AttentionCase:
     gen = torch.Generator().manual_seed(seed)
     seq_lens = [q + c for q, c in zip(batch_spec.query_lens, batch_spec.context_lens)]
@@ -98,7 +105,7 @@ def make_case(
         soft_cap=soft_cap,
     )
     batch = AttentionBatch.build(list(batch_spec.query_lens), seq_lens, tables, block_size, device)
-    return AttentionCase(
+    case = AttentionCase(
         spec=spec,
         batch=batch,
         kv_cache=(k_cache, v_cache),
@@ -108,6 +115,24 @@ def make_case(
         dense_k=dense_k,
         dense_v=dense_v,
         window=window,
+    )
+    return quantized(case, kv_scales) if kv_cache_dtype == FP8 else case
+
+
+def quantized(case: AttentionCase, kv_scales: tuple[float, float] = (1.0, 1.0)) -> AttentionCase:
+    """The case over an FP8 cache: its cache quantized with kv_scales, its dense K/V what that cache holds,
+    read back with the scales (the new tokens' too: a backend reads them back from the cache)."""
+    dtype = case.q.dtype
+    dense = [
+        [(quantize_fp8(x, s).float() * s).to(dtype) for x in xs]
+        for xs, s in zip((case.dense_k, case.dense_v), kv_scales)
+    ]
+    return dataclasses.replace(
+        case,
+        spec=dataclasses.replace(case.spec, kv_cache_dtype=FP8),
+        kv_cache=FP8KVCache(*(quantize_fp8(c, s) for c, s in zip(case.kv_cache, kv_scales)), *kv_scales),
+        dense_k=dense[0],
+        dense_v=dense[1],
     )
 
 
@@ -142,8 +167,19 @@ def check_backend(backend_cls, case: AttentionCase, atol: float, rtol: float) ->
     out = backend.forward(case.q, case.k, case.v, case.kv_cache, **window)
     expected = naive_attention(case).to(out.device)
     torch.testing.assert_close(out.float(), expected, atol=atol, rtol=rtol)
-    k_cache, v_cache = case.kv_cache
-    flat_k = k_cache.reshape(-1, *k_cache.shape[2:])
-    flat_v = v_cache.reshape(-1, *v_cache.shape[2:])
-    torch.testing.assert_close(flat_k[case.batch.slot_mapping], case.k.to(flat_k.dtype), atol=0, rtol=0)
-    torch.testing.assert_close(flat_v[case.batch.slot_mapping], case.v.to(flat_v.dtype), atol=0, rtol=0)
+    for which, new in enumerate((case.k, case.v)):
+        torch.testing.assert_close(written(case, which), stored(case.kv_cache, which, new).float(), atol=0, rtol=0)
+
+
+def stored(kv_cache: KVCache, which: int, x: torch.Tensor) -> torch.Tensor:
+    """What a cache holds for new K (which=0) or V (1) values x: x in its dtype, or quantized (FP8)."""
+    cache = kv_cache[which]
+    return quantize_fp8(x, kv_scales(kv_cache)[which]) if cache.dtype == FP8 else x.to(cache.dtype)
+
+
+def written(case: AttentionCase, which: int) -> torch.Tensor:
+    """The K (which=0) or V (1) slots of the case's new tokens as float32 ([T, Hkv, D])."""
+    cache = case.kv_cache[which]
+    flat = cache.view(torch.uint8) if cache.dtype == FP8 else cache  # float8 indexes as its bytes everywhere
+    rows = flat.reshape(-1, *flat.shape[2:])[case.batch.slot_mapping]
+    return (rows.view(FP8) if cache.dtype == FP8 else rows).float()

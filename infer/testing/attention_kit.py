@@ -11,7 +11,7 @@ from typing import Any
 
 import torch
 
-from infer.testing.attention import BATCH_SPECS, AttentionCase, BatchSpec, naive_attention
+from infer.testing.attention import BATCH_SPECS, AttentionCase, BatchSpec, naive_attention, stored, written
 
 HEADS = {"mha": (4, 4), "gqa": (4, 2), "mqa": (4, 1)}
 
@@ -92,13 +92,10 @@ def _hint(case: AttentionCase, bad: list[int]) -> str:
 
 
 def check_cache_writes(name: str, where: str, case: AttentionCase) -> None:
-    k_cache, v_cache = case.kv_cache
-    flat = {"K": k_cache.reshape(-1, *k_cache.shape[2:]), "V": v_cache.reshape(-1, *v_cache.shape[2:])}
-    new = {"K": case.k, "V": case.v}
     batch = case.batch
-    for which in ("K", "V"):
-        written = flat[which][batch.slot_mapping].float()
-        wrong = (written != new[which].to(flat[which].dtype).float()).flatten(1).any(-1).nonzero().flatten().tolist()
+    for i, (which, new) in enumerate((("K", case.k), ("V", case.v))):
+        expected = stored(case.kv_cache, i, new).float()
+        wrong = (written(case, i) != expected).flatten(1).any(-1).nonzero().flatten().tolist()
         if not wrong:
             continue
         t = wrong[0]

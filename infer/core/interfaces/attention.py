@@ -26,6 +26,7 @@ class AttentionSpec:
     max_model_len: int
     sliding_windows: tuple[int, ...] = ()  # the distinct windows the model's layers pass to forward(window=)
     soft_cap: float | None = None  # scores s (after the scale) become soft_cap * tanh(s / soft_cap)
+    kv_cache_dtype: torch.dtype | None = None  # None: dtype; float8_e4m3fn: scaled (infer.runtime.kv_cache.FP8KVCache)
 
 
 @dataclass(slots=True)

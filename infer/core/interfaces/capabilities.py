@@ -28,6 +28,7 @@ class Capabilities:
     distributed: bool = True  # works under tensor parallelism
     sliding_window: bool = False  # attention: honours forward(..., window=W) (see AttentionBackend)
     soft_cap: bool = False  # attention: honours AttentionSpec.soft_cap
+    fp8_kv: bool = False  # attention: reads and writes an FP8 KV cache (AttentionSpec.kv_cache_dtype)
     priority: int = 0  # higher wins when a slot is resolved "auto"
     # returns None when runnable here, else the reason (missing library, wrong GPU, ...)
     available: Callable[[], str | None] | None = None
@@ -50,6 +51,8 @@ class Capabilities:
             parts.append("sliding-window")
         if self.soft_cap:
             parts.append("soft-cap")
+        if self.fp8_kv:
+            parts.append("fp8-kv")
         if self.needs_draft:
             parts.append("needs-draft")
         if self.lossy:

@@ -18,6 +18,11 @@ max_num_seqs and max_model_len) and shared by the windows (the tables are the sa
 decode step stays valid as long as `plan` is called with each step's batch before its replay, as
 `CudaGraphRunner` does: plan only refills those buffers. Other decode-only sizes and the decode part
 of mixed steps use the eager decode wrappers.
+
+FP8 KV cache (`FP8KVCache`): the wrappers are planned with kv_data_type float8_e4m3fn, the cache write
+quantizes as the `torch` backend does, and `run` takes the layer's static k_scale and v_scale (FlashInfer
+folds k_scale into the softmax scale and multiplies the output by v_scale). Paged prefill then runs on
+FlashInfer's fa2 kernels: its fa3 (Hopper) kernels read an FP8 cache only with FP8 queries.
 """
 
 from __future__ import annotations
@@ -33,6 +38,7 @@ from infer.core.hookspecs import hookimpl
 from infer.core.interfaces import AttentionBatch, AttentionSpec, Capabilities, KVCache
 from infer.plugins.attention.torch_backend import write_kv
 from infer.runtime.cuda_graphs import bucket_sizes
+from infer.runtime.kv_cache import FP8, kv_scales
 
 INT_WORKSPACE_BYTES = 8 << 20  # what FlashInfer allocates per wrapper for its plan data
 
@@ -97,6 +103,7 @@ class FlashInferAttention:
         cuda_graph_safe=True,
         sliding_window=True,  # window_left
         soft_cap=True,  # logits_soft_cap
+        fp8_kv=True,  # kv_data_type, k_scale, v_scale
         priority=10,  # below paged-cuda: the first run JIT-compiles for about a minute
         available=_available,
     )
@@ -119,6 +126,9 @@ class FlashInferAttention:
         # each graph-mode wrapper pins 8 MiB of host memory: only for the sizes a graph may replay
         sizes = bucket_sizes(spec.max_num_seqs) if graph_batch_sizes is None else graph_batch_sizes
         self.graph_batch_sizes = frozenset(n for n in sizes if n <= spec.max_num_seqs) if cuda_graph else frozenset()
+        self.kv_dtype = spec.kv_cache_dtype or spec.dtype
+        if self.kv_dtype == FP8 and prefill_backend == "auto":
+            prefill_backend = "fa2"  # fa3 reads an FP8 cache only with FP8 queries
         self.windows = {w: self._wrappers(w, prefill_backend) for w in (None, *spec.sliding_windows)}
         if self.graph_batch_sizes:
             max_pages = -(-spec.max_model_len // spec.block_size)
@@ -172,7 +182,7 @@ class FlashInferAttention:
         dec_indptr, dec_last, qo_indptr, pre_indptr, pre_last = tables
         heads = (spec.num_heads, spec.num_kv_heads, spec.head_dim, bs)
         common = dict(
-            q_data_type=spec.dtype, kv_data_type=spec.dtype, sm_scale=spec.scale, logits_soft_cap=spec.soft_cap
+            q_data_type=spec.dtype, kv_data_type=self.kv_dtype, sm_scale=spec.scale, logits_soft_cap=spec.soft_cap
         )
         graph = n == batch.num_seqs and n in self.graph_batch_sizes
         graph = graph and len(dec_indices) <= len(self.graph_indices)
@@ -195,10 +205,11 @@ class FlashInferAttention:
         write_kv(kv_cache, k, v, plan.batch.slot_mapping)
         out = q.new_empty(q.shape)  # [T, H, D]
         n = plan.num_decode
+        scales = dict(zip(("k_scale", "v_scale"), kv_scales(kv_cache))) if self.kv_dtype == FP8 else {}
         if n:
-            plan.decoders[window].run(q[:n], kv_cache, out=out[:n])
+            plan.decoders[window].run(q[:n], kv_cache, out=out[:n], **scales)
         if plan.has_prefill:
-            self.windows[window].prefill.run(q[n:], kv_cache, out=out[n:])
+            self.windows[window].prefill.run(q[n:], kv_cache, out=out[n:], **scales)
         return out
 
 

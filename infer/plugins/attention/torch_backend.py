@@ -4,6 +4,9 @@ Every other backend is tested against this one. It gathers each sequence's conte
 block table into a padded [B, L, H, D] tensor and calls SDPA with an explicit mask, which is
 simple enough to trust and fast enough for the CPU default. Sliding windows narrow the mask (one
 per window the model uses); soft-capped scores (Gemma 2) take the explicit softmax path.
+An FP8 cache (`FP8KVCache`) is the reference for every FP8 backend: a write stores
+`quantize_fp8(x, scale)`, a read gathers the e4m3 values and multiplies them by the scale in float32
+before SDPA.
 """
 
 from __future__ import annotations
@@ -13,14 +16,26 @@ import torch.nn.functional as F
 
 from infer.core.hookspecs import hookimpl
 from infer.core.interfaces import AttentionBatch, AttentionSpec, Capabilities, KVCache
+from infer.runtime.kv_cache import FP8, kv_scales, quantize_fp8
+
+
+def dequantize(stored: torch.Tensor, scale: float, dtype: torch.dtype) -> torch.Tensor:
+    """Cache values as `dtype`: e4m3 ones times their scale (in float32), others as they are."""
+    return (stored.float() * scale).to(dtype) if stored.dtype == FP8 else stored.to(dtype)
+
+
+def gather(cache: torch.Tensor, tables: torch.Tensor) -> torch.Tensor:
+    """cache[tables]: [N, bs, Hkv, D] -> [B, nb, bs, Hkv, D] (FP8 through its bytes, as every device indexes them)."""
+    return cache.view(torch.uint8)[tables].view(FP8) if cache.dtype == FP8 else cache[tables]
 
 
 def write_kv(kv_cache: KVCache, k: torch.Tensor, v: torch.Tensor, slot_mapping: torch.Tensor) -> None:
-    """Scatter new K/V into their slots. k, v: [T, Hkv, D]; slot_mapping: [T]."""
-    k_cache, v_cache = kv_cache  # [N, bs, Hkv, D]
-    num_blocks, block_size = k_cache.shape[:2]
-    k_cache.view(num_blocks * block_size, *k_cache.shape[2:]).index_copy_(0, slot_mapping, k.to(k_cache.dtype))
-    v_cache.view(num_blocks * block_size, *v_cache.shape[2:]).index_copy_(0, slot_mapping, v.to(v_cache.dtype))
+    """Scatter new K/V into their slots (an FP8 cache: quantized). k, v: [T, Hkv, D]; slot_mapping: [T]."""
+    for cache, x, scale in zip(kv_cache, (k, v), kv_scales(kv_cache)):  # cache: [N, bs, Hkv, D]
+        x = quantize_fp8(x, scale) if cache.dtype == FP8 else x.to(cache.dtype)
+        if cache.dtype == FP8:  # torch has no index_copy_ for float8 on the CPU: copy the bytes
+            cache, x = cache.view(torch.uint8), x.view(torch.uint8)
+        cache.view(-1, *cache.shape[2:]).index_copy_(0, slot_mapping, x)
 
 
 class TorchAttention:
@@ -30,6 +45,7 @@ class TorchAttention:
         writes_kv_first=True,
         sliding_window=True,
         soft_cap=True,
+        fp8_kv=True,
         priority=0,
     )
 
@@ -73,13 +89,13 @@ class TorchAttention:
         batch, spec = self.batch, self.spec
         assert batch is not None and self.mask is not None and self.query_index is not None, "plan() first"
         write_kv(kv_cache, k, v, batch.slot_mapping)
-        k_cache, v_cache = kv_cache
+        (k_cache, v_cache), (k_scale, v_scale) = kv_cache, kv_scales(kv_cache)
         num_seqs, q_max = batch.num_seqs, self.mask.shape[2]
         num_ctx_blocks = self.context_width // batch.block_size
         tables = batch.block_tables_t[:, :num_ctx_blocks].to(torch.int64)  # [B, nb]
         # [B, nb, bs, Hkv, D] -> [B, Hkv, L, D]
-        keys = k_cache[tables].flatten(1, 2).transpose(1, 2).to(q.dtype)
-        values = v_cache[tables].flatten(1, 2).transpose(1, 2).to(q.dtype)
+        keys = dequantize(gather(k_cache, tables), k_scale, q.dtype).flatten(1, 2).transpose(1, 2)
+        values = dequantize(gather(v_cache, tables), v_scale, q.dtype).flatten(1, 2).transpose(1, 2)
         queries = q.new_zeros(num_seqs * q_max, spec.num_heads, spec.head_dim)
         queries[self.query_index] = q
         queries = queries.view(num_seqs, q_max, spec.num_heads, spec.head_dim).transpose(1, 2)  # [B, H, Q, D]

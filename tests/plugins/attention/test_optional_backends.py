@@ -150,7 +150,7 @@ class _FakeWrapper:
     ):
         assert kv_layout == "NHD" and workspace.dtype == torch.uint8
         self.buffers = (paged_kv_indptr_buffer, paged_kv_indices_buffer, paged_kv_last_page_len_buffer)
-        self.use_cuda_graph = use_cuda_graph
+        self.use_cuda_graph, self.backend = use_cuda_graph, backend
 
     def reset_workspace_buffer(self, float_workspace, int_workspace) -> None:
         assert int_workspace.dtype == torch.uint8
@@ -175,19 +175,24 @@ class _FakeWrapper:
                 buffer[: len(table)].copy_(table)
             tables = [tables[0], *self.buffers]
         self.tables, self.causal, self.scale = tables, causal, sm_scale
-        self.window_left, self.soft_cap = window_left, logits_soft_cap
+        self.window_left, self.soft_cap, self.kv_data_type = window_left, logits_soft_cap, kv_data_type
 
-    def run(self, q, kv_cache, out=None):
+    def run(self, q, kv_cache, out=None, k_scale=None, v_scale=None):
+        """An FP8 cache (kv_data_type) is read as FlashInfer does: sm_scale * k_scale, the output * v_scale."""
         qo_indptr, indptr, indices, last = (t.tolist() for t in self.tables)
         k_cache, v_cache = kv_cache
+        assert k_cache.dtype == self.kv_data_type, "FlashInfer checks the cache against the planned kv_data_type"
+        scale = self.scale * (k_scale if k_scale is not None else 1.0)
         for i in range(len(last)):
             pages = torch.tensor(indices[indptr[i] : indptr[i + 1]])
             kv_len = (len(pages) - 1) * self.page_size + last[i]
             keys, values = k_cache[pages].flatten(0, 1)[:kv_len], v_cache[pages].flatten(0, 1)[:kv_len]
             q_i = q[qo_indptr[i] : qo_indptr[i + 1]]
             start = kv_len - len(q_i)
-            attended = _attend(q_i, keys, values, start, self.scale, self.causal, self.window_left, self.soft_cap)
+            attended = _attend(q_i, keys, values, start, scale, self.causal, self.window_left, self.soft_cap)
             out[qo_indptr[i] : qo_indptr[i + 1]] = attended
+        if v_scale is not None:
+            out *= v_scale
         return out
 
 
@@ -299,3 +304,14 @@ def test_xformers_plan_and_forward(monkeypatch, batch_spec, heads):
     backend.plan(case.batch)
     assert (backend._plan.kv_slots is None) == (not any(batch_spec.context_lens))
     check_backend(XformersAttention, case, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("batch_spec", BATCH_SPECS, ids=lambda s: s.name)
+def test_flashinfer_fp8_cache(fake_flashinfer, batch_spec):
+    """An FP8 cache: wrappers planned with kv_data_type e4m3, the write quantized as the torch backend
+    quantizes, each run given the layer's k_scale and v_scale; paged prefill on fa2 kernels."""
+    case = make_case(batch_spec, seed=8, kv_cache_dtype=torch.float8_e4m3fn, kv_scales=(0.37, 2.5))
+    check_backend(functools.partial(FlashInferAttention, workspace_bytes=1024), case, atol=1e-5, rtol=1e-5)
+    backend = FlashInferAttention(case.spec, workspace_bytes=1024)
+    assert backend.windows[None].prefill.backend == "fa2"
+    assert FlashInferAttention(make_case(batch_spec).spec, workspace_bytes=1024).windows[None].prefill.backend == "auto"

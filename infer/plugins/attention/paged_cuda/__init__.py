@@ -9,6 +9,9 @@ Sliding windows and soft caps are the kernels' constexprs (`WINDOW`, `SOFT_CAP`)
 runs its own compiled variant, which starts each query's walk at the oldest key its window shows
 (the blocks before it are never read), and a layer without a window runs the kernels as they are
 without one (the same PTX). A layer's window is the same at capture and replay, so graphs hold.
+An FP8 cache (`FP8KVCache`, `--kv-cache-dtype fp8`) is the same: the cache write quantizes, decode and
+prefill read e4m3 and dequantize in registers (`KV_FP8`, `FP8`: constexprs), the layer's static
+scales are kernel arguments. e4m3 needs compute capability 8.9 (Ada, Hopper) or the interpreter.
 Everything that depends only on the step's layout is decided once in `plan`. Decode-only steps
 launch with fixed grids into scratch allocated at construction and never sync with the host, so
 they can be captured in a CUDA graph (one graph per decode batch size).
@@ -21,8 +24,10 @@ from dataclasses import dataclass
 import torch
 
 from infer import env
+from infer.core.errors import IncompatiblePluginsError
 from infer.core.hookspecs import hookimpl
 from infer.core.interfaces import AttentionBatch, AttentionSpec, Capabilities, KVCache
+from infer.runtime.kv_cache import FP8, kv_scales
 
 
 def _available() -> str | None:
@@ -61,6 +66,7 @@ class PagedCudaAttention:
         pipeline_safe=True,
         sliding_window=True,
         soft_cap=True,
+        fp8_kv=True,
         priority=20,
         available=_available,
     )
@@ -80,13 +86,19 @@ class PagedCudaAttention:
 
         self._cache_write, self._decode, self._prefill = cache_write, decode, prefill
         assert spec.num_heads % spec.num_kv_heads == 0
+        on_gpu = spec.device.type == "cuda"
+        if spec.kv_cache_dtype == FP8 and on_gpu and torch.cuda.get_device_capability(spec.device) < (8, 9):
+            major, minor = torch.cuda.get_device_capability(spec.device)
+            raise IncompatiblePluginsError(
+                f"--attention paged-cuda reads an FP8 KV cache on GPUs of compute capability 8.9 or newer (Ada, "
+                f"Hopper), and {torch.cuda.get_device_name(spec.device)} is {major}.{minor}: use --kv-cache-dtype auto"
+            )
         self.spec = spec
         self.decode_block_n = decode_block_n
         self.prefill_block_m, self.prefill_block_q = prefill.prefill_tile(
             spec.num_heads, spec.num_kv_heads, prefill_block_m
         )
         self.prefill_block_n = prefill_block_n
-        on_gpu = spec.device.type == "cuda"
         num_sms = torch.cuda.get_device_properties(spec.device).multi_processor_count if on_gpu else 132
         if split_below_programs is None:
             # split below 1.5 programs per SM: splitting won at 128 (sequence, KV head) programs
@@ -157,7 +169,7 @@ class PagedCudaAttention:
         assert self._plan is not None, "plan() first"
         assert q.stride(-1) == 1, "head_dim must be contiguous"
         k_cache, v_cache = kv_cache  # [num_blocks, block_size, Hkv, D]
-        self._cache_write.cache_write(k, v, k_cache, v_cache, self._plan.batch.slot_mapping)
+        self._cache_write.cache_write(k, v, k_cache, v_cache, self._plan.batch.slot_mapping, kv_scales(kv_cache))
         return self._attend(q, kv_cache, window)
 
     def fuses_rotary(self) -> bool:
@@ -181,7 +193,7 @@ class PagedCudaAttention:
         assert self._plan is not None, "plan() first"
         k_cache, v_cache = kv_cache
         q = self._cache_write.rotary_cache_write(
-            positions, q, k, v, cos, sin, k_cache, v_cache, self._plan.batch.slot_mapping
+            positions, q, k, v, cos, sin, k_cache, v_cache, self._plan.batch.slot_mapping, kv_scales(kv_cache)
         )
         return self._attend(q, kv_cache, window)
 
@@ -191,6 +203,7 @@ class PagedCudaAttention:
         plan = self._plan
         batch = plan.batch
         k_cache, v_cache = kv_cache
+        scales = kv_scales(kv_cache)
         out = torch.empty_like(q)  # [T, H, D]
         self._decode.paged_decode(
             out,
@@ -205,6 +218,7 @@ class PagedCudaAttention:
             block_n=self.decode_block_n,
             window=window,
             soft_cap=self.spec.soft_cap,
+            scales=scales,
         )
         self._prefill.paged_prefill(
             out,
@@ -222,6 +236,7 @@ class PagedCudaAttention:
             block_n=self.prefill_block_n,
             window=window,
             soft_cap=self.spec.soft_cap,
+            scales=scales,
         )
         return out
 

@@ -1,5 +1,7 @@
 """Scatter new K/V into the paged cache: token t goes to slot `slot_mapping[t]` (`cache_write`), or
-the same with the rotary embedding applied to q and k on the way (`rotary_cache_write`)."""
+the same with the rotary embedding applied to q and k on the way (`rotary_cache_write`). Into an FP8
+cache (`FP8`, a constexpr: the kernels without it are unchanged) each value is quantized on the way
+(`fp8.quantize`, with 1 / k_scale and 1 / v_scale)."""
 
 from __future__ import annotations
 
@@ -9,6 +11,7 @@ import triton.language as tl
 
 from infer.kernels.layers import rotate_halves
 from infer.kernels.triton_pdl import kernel_args, wait_and_release
+from infer.plugins.attention.paged_cuda.kernels.fp8 import quantize
 
 
 @triton.jit
@@ -17,6 +20,15 @@ def _slot_base(slot_mapping_ptr, t, block_size, stride_cb, stride_cs):
     stride_cb overflows int32 for caches over 2^31 elements)."""
     slot = tl.load(slot_mapping_ptr + t)
     return (slot // block_size).to(tl.int64) * stride_cb + (slot % block_size) * stride_cs
+
+
+@triton.jit
+def _store(ptr, x, mask, scale_inv, FP8: tl.constexpr):
+    """x into the cache at ptr: cast to its dtype, or quantized with scale_inv into an FP8 one."""
+    if FP8:
+        tl.store(ptr, quantize(x, scale_inv, ptr.dtype.element_ty), mask=mask)
+    else:
+        tl.store(ptr, x.to(ptr.dtype.element_ty), mask=mask)
 
 
 @triton.jit
@@ -36,6 +48,9 @@ def _cache_write_kernel(
     block_size,
     num_kv_heads,
     head_dim,
+    k_scale_inv,
+    v_scale_inv,  # FP8: 1 / the layer's k_scale, v_scale
+    FP8: tl.constexpr,  # the cache is e4m3: quantize each value
     BLOCK_H: tl.constexpr,
     BLOCK_D: tl.constexpr,
     USE_PDL: tl.constexpr,
@@ -48,8 +63,8 @@ def _cache_write_kernel(
     dst = _slot_base(slot_mapping_ptr, t, block_size, stride_cb, stride_cs) + heads * stride_ch + dims
     k = tl.load(k_ptr + t * stride_kt + heads * stride_kh + dims, mask=mask)
     v = tl.load(v_ptr + t * stride_vt + heads * stride_vh + dims, mask=mask)
-    tl.store(k_cache_ptr + dst, k.to(k_cache_ptr.dtype.element_ty), mask=mask)
-    tl.store(v_cache_ptr + dst, v.to(v_cache_ptr.dtype.element_ty), mask=mask)
+    _store(k_cache_ptr + dst, k, mask, k_scale_inv, FP8)
+    _store(v_cache_ptr + dst, v, mask, v_scale_inv, FP8)
 
 
 def cache_write(
@@ -58,6 +73,7 @@ def cache_write(
     k_cache: torch.Tensor,  # [num_blocks, block_size, Hkv, D]
     v_cache: torch.Tensor,
     slot_mapping: torch.Tensor,  # [T] int64
+    scales: tuple[float, float] = (1.0, 1.0),  # an FP8 cache's (k_scale, v_scale)
 ) -> None:
     num_tokens, num_kv_heads, head_dim = k.shape
     if num_tokens == 0:
@@ -80,6 +96,9 @@ def cache_write(
         k_cache.shape[1],
         num_kv_heads,
         head_dim,
+        1.0 / scales[0],
+        1.0 / scales[1],
+        FP8=k_cache.dtype == torch.float8_e4m3fn,
         BLOCK_H=triton.next_power_of_2(num_kv_heads),
         BLOCK_D=triton.next_power_of_2(head_dim),
         **kernel_args(k.device),
@@ -105,6 +124,9 @@ def _rotary_cache_write_kernel(
     stride_cs,
     stride_ch,
     block_size,
+    k_scale_inv,
+    v_scale_inv,  # FP8: 1 / the layer's k_scale, v_scale
+    FP8: tl.constexpr,  # the cache is e4m3: quantize each value
     NUM_Q: tl.constexpr,
     NUM_KV: tl.constexpr,
     HALF: tl.constexpr,
@@ -130,12 +152,12 @@ def _rotary_cache_write_kernel(
     kv_ok = hk < NUM_KV
     cache = _slot_base(slot_mapping_ptr, t, block_size, stride_cb, stride_cs) + hk * stride_ch + d
     k1, k2 = rotate_halves(k_ptr + t * stride_kt + hk * (2 * HALF) + d, kv_ok, cos, sin, HALF)
-    tl.store(k_cache_ptr + cache, k1.to(k_ptr.dtype.element_ty).to(k_cache_ptr.dtype.element_ty), mask=kv_ok)
-    tl.store(k_cache_ptr + cache + HALF, k2.to(k_ptr.dtype.element_ty).to(k_cache_ptr.dtype.element_ty), mask=kv_ok)
+    _store(k_cache_ptr + cache, k1.to(k_ptr.dtype.element_ty), kv_ok, k_scale_inv, FP8)
+    _store(k_cache_ptr + cache + HALF, k2.to(k_ptr.dtype.element_ty), kv_ok, k_scale_inv, FP8)
     src = v_ptr + t * stride_vt + hk * (2 * HALF) + d
     for part in tl.static_range(2):
         v = tl.load(src + part * HALF, mask=kv_ok)
-        tl.store(v_cache_ptr + cache + part * HALF, v.to(v_cache_ptr.dtype.element_ty), mask=kv_ok)
+        _store(v_cache_ptr + cache + part * HALF, v, kv_ok, v_scale_inv, FP8)
 
 
 def rotary_cache_write(
@@ -148,6 +170,7 @@ def rotary_cache_write(
     k_cache: torch.Tensor,  # [num_blocks, block_size, Hkv, D]
     v_cache: torch.Tensor,
     slot_mapping: torch.Tensor,  # [T] int64
+    scales: tuple[float, float] = (1.0, 1.0),  # an FP8 cache's (k_scale, v_scale)
 ) -> torch.Tensor:
     """The rotary embedding applied to q and k, and `cache_write` of the rotated k and v, in one
     kernel: returns the rotated q ([T, H, D], contiguous); the same bits as the rotary layer's kernel
@@ -178,6 +201,9 @@ def rotary_cache_write(
             k_cache.stride(1),
             k_cache.stride(2),
             k_cache.shape[1],
+            1.0 / scales[0],
+            1.0 / scales[1],
+            FP8=k_cache.dtype == torch.float8_e4m3fn,
             NUM_Q=num_q,
             NUM_KV=num_kv,
             HALF=head_dim // 2,

@@ -13,7 +13,10 @@ Each writes its normalised output plus its max and sum, and `_reduce_kernel` com
 Under a sliding window (`WINDOW`, a constexpr: one compiled variant per window) the walk starts at
 the oldest token the window shows, so the blocks before it are never read and no key needs a window
 mask; the partitions split what the window shows. A soft cap (`SOFT_CAP`) caps the logits
-(`scores.logits`). Left None, both compile to the kernel without them.
+(`scores.logits`). Left None, both compile to the kernel without them. An FP8 cache (`KV_FP8`) is
+read as e4m3 (one byte an element) and cast to the dot dtype in registers (exact); k_scale is folded
+into the logits' scale and v_scale multiplies each partition's output. Left False, the kernel is the
+one without it.
 
 Scores and P @ V are `tl.dot`s with the group padded to 16 rows (the MMA minimum), even for MHA
 (group 1); the padding rows are zero queries, never stored. The cache write, this kernel and the
@@ -32,6 +35,7 @@ import triton.language as tl
 
 from infer.kernels.triton_pdl import kernel_args, wait_and_release
 from infer.plugins.attention.paged_cuda.kernels import dot_config
+from infer.plugins.attention.paged_cuda.kernels.fp8 import scale_output
 from infer.plugins.attention.paged_cuda.kernels.scores import logits, window_start
 
 LOG2E = 1.4426950408889634
@@ -102,7 +106,8 @@ def _decode_kernel(
     v_cache_ptr,  # [num_blocks, block_size, Hkv, D]
     block_tables_ptr,  # [B, max_blocks] int32
     seq_lens_ptr,  # [B] int32, context + the new token
-    scale_log2,  # softmax scale * log2(e)
+    scale_log2,  # softmax scale * log2(e) (* k_scale: an FP8 cache's keys are k_cache * k_scale)
+    v_scale,  # KV_FP8: an FP8 cache's values are v_cache * v_scale
     stride_qt,
     stride_qh,
     stride_ot,
@@ -120,6 +125,7 @@ def _decode_kernel(
     SPLIT: tl.constexpr,
     WINDOW: tl.constexpr,  # None, or the query sees its last WINDOW positions
     SOFT_CAP: tl.constexpr,  # None, or the logits are capped (scores.logits)
+    KV_FP8: tl.constexpr,  # the cache is e4m3: scale the output by v_scale
     DOT_DTYPE: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
     GROUP_PAD: tl.constexpr,
@@ -158,7 +164,7 @@ def _decode_kernel(
                 q, k, v, tok_mask, acc, l_i, m_i, scale_log2, SOFT_CAP, DOT_DTYPE, DOT_PRECISION
             )
 
-        out = acc / l_i[:, None]
+        out = scale_output(acc / l_i[:, None], v_scale, KV_FP8)
         if SPLIT:
             stat = (seq * tl.num_programs(1) * group + heads) * max_partitions + part  # [S, H, P]
             tl.store(part_max_ptr + stat, m_i, mask=row_mask)
@@ -229,6 +235,7 @@ def paged_decode(
     block_n: int,
     window: int | None = None,  # each query sees its last `window` positions; None: all of them
     soft_cap: float | None = None,  # logits capped as soft_cap * tanh(s / soft_cap)
+    scales: tuple[float, float] = (1.0, 1.0),  # an FP8 cache's (k_scale, v_scale)
     num_warps: int = 4,
     num_stages: int = 2,
 ) -> None:
@@ -260,7 +267,8 @@ def paged_decode(
         v_cache,
         block_tables,
         seq_lens,
-        scale * LOG2E,
+        scale * scales[0] * LOG2E,
+        scales[1],
         q.stride(0),
         q.stride(1),
         out.stride(0),
@@ -278,6 +286,7 @@ def paged_decode(
         SPLIT=scratch is not None,
         WINDOW=window,
         SOFT_CAP=soft_cap,
+        KV_FP8=k_cache.dtype == torch.float8_e4m3fn,
         DOT_DTYPE=dot_dtype,
         DOT_PRECISION=precision,
         GROUP_PAD=group_pad,

@@ -12,7 +12,8 @@ the last position the block's queries can see; scores and P @ V are `tl.dot`s wi
 softmax in fp32. Under a sliding window (`WINDOW`, a constexpr) the keys start at the oldest one
 the block's first query sees, so the blocks before it are never read; tiles that some row's window
 leaves out are masked. A soft cap (`SOFT_CAP`) caps the logits (`scores.logits`). Left None, both
-compile to the kernel without them.
+compile to the kernel without them. An FP8 cache (`KV_FP8`) is read as in the decode kernel: e4m3
+cast to the dot dtype in registers, k_scale in the logits' scale, v_scale on the output.
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ import triton
 import triton.language as tl
 
 from infer.plugins.attention.paged_cuda.kernels import dot_config
+from infer.plugins.attention.paged_cuda.kernels.fp8 import scale_output
 from infer.plugins.attention.paged_cuda.kernels.scores import logits, window_start
 
 LOG2E = 1.4426950408889634
@@ -179,7 +181,8 @@ def _prefill_kernel(
     cu_seqlens_q_ptr,  # [B + 1] int32
     q_block_seq_ptr,  # [num_q_blocks] int32: query block -> sequence
     q_block_start_ptr,  # [num_q_blocks] int32: query block -> first new token, within its sequence
-    scale_log2,  # softmax scale * log2(e)
+    scale_log2,  # softmax scale * log2(e) (* k_scale: an FP8 cache's keys are k_cache * k_scale)
+    v_scale,  # KV_FP8: an FP8 cache's values are v_cache * v_scale
     stride_qt,
     stride_qh,
     stride_ot,
@@ -193,6 +196,7 @@ def _prefill_kernel(
     group,
     WINDOW: tl.constexpr,  # None, or each query sees its last WINDOW positions
     SOFT_CAP: tl.constexpr,  # None, or the logits are capped (scores.logits)
+    KV_FP8: tl.constexpr,  # the cache is e4m3: scale the output by v_scale
     DOT_DTYPE: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
     BLOCK_M: tl.constexpr,
@@ -244,7 +248,7 @@ def _prefill_kernel(
         BLOCK_N,
         BLOCK_D,
     )
-    out = (acc / l_i[:, None]).to(out_ptr.dtype.element_ty)
+    out = scale_output(acc / l_i[:, None], v_scale, KV_FP8).to(out_ptr.dtype.element_ty)
     tl.store(out_ptr + q_rows[:, None] * stride_ot + heads[:, None] * stride_oh + dims[None, :], out, mask=q_mask)
 
 
@@ -282,6 +286,7 @@ def paged_prefill(
     block_n: int = 64,
     window: int | None = None,  # each query sees its last `window` positions; None: all of them
     soft_cap: float | None = None,  # logits capped as soft_cap * tanh(s / soft_cap)
+    scales: tuple[float, float] = (1.0, 1.0),  # an FP8 cache's (k_scale, v_scale)
     num_warps: int = 4,
     num_stages: int = 2,
 ) -> None:
@@ -301,7 +306,8 @@ def paged_prefill(
         cu_seqlens_q,
         q_block_seq,
         q_block_start,
-        scale * LOG2E,
+        scale * scales[0] * LOG2E,
+        scales[1],
         q.stride(0),
         q.stride(1),
         out.stride(0),
@@ -315,6 +321,7 @@ def paged_prefill(
         num_heads // num_kv_heads,
         WINDOW=window,
         SOFT_CAP=soft_cap,
+        KV_FP8=k_cache.dtype == torch.float8_e4m3fn,
         DOT_DTYPE=dot_dtype,
         DOT_PRECISION=precision,
         BLOCK_M=block_m,

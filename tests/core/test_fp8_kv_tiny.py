@@ -1,0 +1,115 @@
+"""`--kv-cache-dtype fp8` through the whole engine, on a tiny random Llama (fp32 on the CPU).
+
+The FP8 run follows the fp32-KV run's greedy tokens closely (figures printed, floors asserted); the
+same budget holds twice the blocks of a bf16 cache; swap, prefix caching and chunked prefill give the
+FP8 run's own tokens exactly (a block's bytes are the same however it got there); a backend without
+an FP8 KV cache is refused before any weight loads, naming the ones that have it.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+import infer
+from infer import SamplingParams
+from infer.core.errors import IncompatiblePluginsError
+from infer.core.interfaces import Capabilities
+from infer.llm import LLM
+from infer.plugins.attention.torch_backend import TorchAttention
+from infer.runtime.kv_cache import FP8, FP8KVCache
+from infer.testing.agreement import forced_agreement, prefix_agreement
+
+PROMPTS = [[(7 * i + 3 * j) % 200 + 3 for j in range(5 + i % 9)] for i in range(16)]
+SHARED = list(range(30, 70))
+KV_PROMPTS = [SHARED + [5, 6, 7], [10, 11], SHARED + [8], list(range(20, 60)), [3] * 17, SHARED + [100, 7, 200]]
+GREEDY = SamplingParams(max_tokens=32, temperature=0, ignore_eos=True)
+KV_GREEDY = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)  # within the tiny caches' 64 tokens
+
+
+@pytest.fixture(scope="module")
+def fp32_kv(tiny_llama_dir):
+    return LLM(model=str(tiny_llama_dir), block_size=4)
+
+
+@pytest.fixture(scope="module")
+def fp8_kv(tiny_llama_dir):
+    return LLM(model=str(tiny_llama_dir), block_size=4, kv_cache_dtype="fp8")
+
+
+def test_greedy_agreement_with_the_fp32_cache(fp32_kv, fp8_kv):
+    """A random model's next-token scores are close together, so 3 mantissa bits of K and V change
+    some picks: measured 37% of each output before the first difference, 93% of steps forced."""
+    reference = [o.outputs[0].token_ids for o in fp32_kv.generate(PROMPTS, GREEDY)]
+    outputs = [o.outputs[0].token_ids for o in fp8_kv.generate(PROMPTS, GREEDY)]
+    prefix, forced = prefix_agreement(reference, outputs), forced_agreement(fp8_kv, PROMPTS, reference)
+    print(
+        f"tiny llama, fp8 KV against fp32 KV: {prefix:.1%} of tokens before the first difference, {forced:.1%} forced"
+    )
+    assert forced >= 0.85 and prefix >= 0.25
+    assert outputs != reference  # the cache is quantized: a run equal to fp32's would prove nothing
+
+
+def test_the_cache_is_fp8_and_the_budget_holds_twice_bf16s_blocks(tiny_llama_dir, fp8_kv):
+    caches = fp8_kv.engine.parts.runners[0].kv_caches
+    assert len(caches) == 3 and all(isinstance(c, FP8KVCache) and c[0].dtype == c[1].dtype == FP8 for c in caches)
+    assert all((c.k_scale, c.v_scale) == (1.0, 1.0) for c in caches)
+    # 3 layers x 2 KV heads x 16 dims x 4 tokens x (K, V): 1536 bytes a block in bf16
+    budget = dict(kv_cache_memory_gib=1536 * 500 / 2**30, block_size=4)
+    blocks = {
+        kv: LLM(model=str(tiny_llama_dir), dtype=dtype, kv_cache_dtype=kv, **budget).engine.parts.describe["kv_blocks"]
+        for kv, dtype in (("auto", "bfloat16"), ("fp8", "bfloat16"))
+    }
+    assert blocks == {"auto": 500, "fp8": 1000}
+
+
+KV_CONFIGS = {
+    "prefix caching": dict(),
+    "no prefix caching, chunked": dict(enable_prefix_caching=False, max_num_batched_tokens=7),
+    "swap, tiny KV": dict(num_kv_blocks=16, max_model_len=64, preemption_mode="swap"),
+    "recompute, tiny KV": dict(num_kv_blocks=16, max_model_len=64),
+}
+
+
+@pytest.fixture(scope="module")
+def fp8_reference(tiny_llama_dir):
+    llm = LLM(model=str(tiny_llama_dir), block_size=4, enable_prefix_caching=False, kv_cache_dtype="fp8")
+    return [o.outputs[0].token_ids for o in llm.generate(KV_PROMPTS, KV_GREEDY)]
+
+
+@pytest.mark.parametrize("name", list(KV_CONFIGS), ids=list(KV_CONFIGS))
+def test_kv_management_keeps_the_fp8_runs_tokens(tiny_llama_dir, fp8_reference, name):
+    llm = LLM(model=str(tiny_llama_dir), block_size=4, kv_cache_dtype="fp8", **KV_CONFIGS[name])
+    for _ in range(2):  # the second round finds the first round's prompts cached
+        assert [o.outputs[0].token_ids for o in llm.generate(KV_PROMPTS, KV_GREEDY)] == fp8_reference
+    stats, usage = llm.engine.stats(), llm.engine.kv_usage()
+    assert usage.num_used_blocks == 0 and usage.num_swapped_blocks == 0
+    if llm.config.enable_prefix_caching:
+        assert usage.prefix_hit_rate > 0.3, usage
+    if "swap" in name:
+        assert stats["preemptions_swap"] > 0
+    if "recompute" in name:
+        assert stats["preemptions"] > 0
+
+
+class NoFp8Attention(TorchAttention):  # the reference kernels, declaring no FP8 KV cache
+    capabilities = Capabilities()
+
+
+class Plugin:
+    @staticmethod
+    @infer.hookimpl
+    def infer_register_attention_backends(register):
+        register("no-fp8", NoFp8Attention)
+
+
+@pytest.mark.parametrize("flags", [dict(attention="no-fp8"), dict(attention="torch", prefill_attention="no-fp8")])
+def test_a_backend_without_an_fp8_cache_is_refused_before_the_model_is_read(flags):
+    flag = "--prefill-attention" if "prefill_attention" in flags else "--attention"
+    # a model that does not exist: the refusal comes first, before the model is even looked for
+    with pytest.raises(IncompatiblePluginsError) as refused:
+        LLM(model="/no/such/model", plugins=[Plugin], kv_cache_dtype="fp8", device="cpu", **flags)
+    message = str(refused.value)
+    assert message.startswith(f"--kv-cache-dtype fp8 needs an attention backend with an FP8 KV cache and {flag} no-fp8")
+    able = message.split("one that has it (")[1].split(")")[0].split(", ")
+    assert "torch" in able and "no-fp8" not in able  # test_doctor.py checks the whole list
+    assert message.endswith("or --kv-cache-dtype auto") and "\n" not in message
