@@ -17,6 +17,7 @@ import triton.language as tl
 
 E4M3_MAX = tl.constexpr(448.0)
 E4M3_MIN_NORMAL = tl.constexpr(0.015625)  # 2^-6; below it e4m3 is subnormal, in steps of 2^-9
+SIGN_BIT = tl.constexpr(-0x80000000)  # float32's sign bit, as an int32
 
 
 @triton.jit
@@ -31,8 +32,10 @@ def _round_e4m3(x):
     n = y.to(tl.int32)  # truncation toward zero: the floor of y >= 0
     rest = y - n.to(tl.float32)
     n = tl.where((rest > 0.5) | ((rest == 0.5) & ((n & 1) == 1)), n + 1, n)
-    sub = n.to(tl.float32) * (1.0 / 512.0)
-    return tl.where(tl.abs(x) < E4M3_MIN_NORMAL, tl.where(x < 0, -sub, sub), normal)
+    # x's sign bit onto |result|, so that a negative x rounding to zero stays -0.0 as torch stores it
+    # (compiled, `-sub` of a zero is +0.0: the negation is a subtraction from zero)
+    sub = (n.to(tl.float32) * (1.0 / 512.0)).to(tl.int32, bitcast=True) | (bits & SIGN_BIT)
+    return tl.where(tl.abs(x) < E4M3_MIN_NORMAL, sub.to(tl.float32, bitcast=True), normal)
 
 
 @triton.jit
