@@ -167,7 +167,12 @@ class AsyncEngine:
         stream = RequestStream(self, request_id, loop)
         self._live[request_id] = stream
         self.num_waiting += 1
-        self._thread.send(Add(request_id, ids, text, params, stream))
+        try:
+            self._thread.send(Add(request_id, ids, text, params, stream))
+        except BaseException:  # it never reached the engine
+            self._live.pop(request_id, None)
+            self.num_waiting -= 1
+            raise
         return stream
 
     async def generate(

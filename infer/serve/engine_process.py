@@ -16,14 +16,17 @@ from __future__ import annotations
 import asyncio
 import itertools
 import multiprocessing
+import pickle
+import signal
 import threading
+import weakref
 from concurrent.futures import Future
 from dataclasses import dataclass
 from multiprocessing.connection import Connection
 from typing import Any, Callable
 
 from infer.core.engine import Engine
-from infer.core.errors import ConfigError, InferError, one_line
+from infer.core.errors import ConfigError, InferError, RequestError, one_line
 from infer.inputs.prompts import tokenize
 from infer.serve.engine_thread import Abort, Add, Call, EngineStepError, EngineThread, Item, Sink, put_all
 
@@ -51,6 +54,12 @@ class EngineFront:
 
     def close(self) -> None:
         """The process owns the engine: `EngineProcess.stop` frees it."""
+
+
+@dataclass(slots=True)
+class _RemoteAdd:
+    key: int  # the parent's name for the request's sink: outputs come back under it (ids may be reused)
+    add: Add  # its sink left out: the child makes its own
 
 
 @dataclass(slots=True)
@@ -86,27 +95,34 @@ class EngineProcess:
             self._process.join()
             raise payload
         self.front = EngineFront(payload)
-        self._sinks: dict[str, Sink] = {}  # request id -> where its outputs go, while unfinished
+        self._sinks: dict[int, Sink] = {}  # sink key -> where a request's outputs go, while unfinished
         self._calls: dict[int, Future] = {}  # call id -> its caller's future
-        self._call_ids = itertools.count()
+        self._ids = itertools.count()  # sink keys and call ids
         self._send_lock = threading.Lock()
+        # at interpreter exit without stop(): close the pipe (the child stops at its end) and join it, before
+        # multiprocessing's own exit handler waits for the (non-daemon) child forever
+        self._finalizer = weakref.finalize(self, _shut_down, self._conn, self._process)
         self._reader = threading.Thread(target=self._read, name=f"{name}-reader", daemon=True)
         self._reader.start()
 
     def send(self, command: Add | Abort | Call) -> None:
         """From any thread: applied in the engine's process before its next step."""
+        key = next(self._ids)
+        message: Any = command
         if isinstance(command, Add):
-            self._sinks[command.request_id] = command.sink
-            command = Add(command.request_id, command.prompt_token_ids, command.prompt, command.params, None)  # type: ignore[arg-type]
+            self._sinks[key] = command.sink
+            add = Add(command.request_id, command.prompt_token_ids, command.prompt, command.params, None)  # type: ignore[arg-type]
+            message = _RemoteAdd(key, add)
         elif isinstance(command, Call):
-            call_id = next(self._call_ids)
-            self._calls[call_id] = command.future
-            command = _RemoteCall(call_id, command.fn)  # type: ignore[assignment]
+            self._calls[key] = command.future
+            message = _RemoteCall(key, command.fn)
         try:
             with self._send_lock:
-                self._conn.send(command)
-        except (OSError, ValueError) as exc:  # the process is gone: the reader ends every stream
-            raise EngineStepError(f"the engine's process is gone ({one_line(exc)}): restart the server") from None
+                self._conn.send(message)
+        except Exception as exc:  # the process is gone, or fn does not pickle: this command alone fails
+            self._sinks.pop(key, None)
+            self._calls.pop(key, None)
+            raise EngineStepError(f"the engine's process cannot take this ({one_line(exc)})") from None
 
     def stop(self, timeout: float | None = 30.0) -> None:
         """End the process after the commands already sent (unfinished requests get a RequestError)."""
@@ -116,9 +132,7 @@ class EngineProcess:
         except (OSError, ValueError):
             pass
         self._process.join(timeout)
-        if self._process.is_alive():
-            self._process.terminate()
-            self._process.join(5)
+        self._finalizer()  # the pipe closed; terminated if it did not end
         self._reader.join(5)
 
     @property
@@ -127,30 +141,35 @@ class EngineProcess:
 
     def _read(self) -> None:
         """The parent's reader thread: each message, one step's outputs (or a call's result)."""
-        while True:
-            try:
-                message = self._conn.recv()
-            except (EOFError, OSError):
-                break
-            if message[0] == "items":
-                self._deliver(message[1])
-            else:
+        try:
+            while True:
+                try:
+                    message = self._conn.recv()
+                except (EOFError, OSError):
+                    break
+                if message[0] == "items":
+                    self._deliver(message[1])
+                    continue
                 _, call_id, ok, value = message
-                future = self._calls.pop(call_id)
-                future.set_result(value) if ok else future.set_exception(value)
-        gone = EngineStepError("the engine's process ended: the requests in flight ended; restart the server")
-        self._deliver([(request_id, gone) for request_id in list(self._sinks)])
-        for future in self._calls.values():
-            future.set_exception(gone)
+                future = self._calls.pop(call_id, None)
+                if future is not None and future.set_running_or_notify_cancel():  # else its caller gave up
+                    future.set_result(value) if ok else future.set_exception(value)
+        finally:
+            gone = EngineStepError("the engine's process ended: the requests in flight ended; restart the server")
+            self._deliver([(key, gone) for key in list(self._sinks)])
+            for call_id in list(self._calls):
+                future = self._calls.pop(call_id, None)
+                if future is not None and future.set_running_or_notify_cancel():
+                    future.set_exception(gone)
 
-    def _deliver(self, items: list[tuple[str, Item]]) -> None:
+    def _deliver(self, items: list[tuple[int, Item]]) -> None:
         batches: dict[asyncio.AbstractEventLoop, list[tuple[Sink, Item]]] = {}
-        for request_id, item in items:
-            sink = self._sinks.get(request_id)
+        for key, item in items:
+            sink = self._sinks.get(key)
             if sink is None:
                 continue
             if isinstance(item, BaseException) or item.finished:
-                del self._sinks[request_id]
+                self._sinks.pop(key, None)
             batches.setdefault(sink.loop, []).append((sink, item))
         for loop, batch in batches.items():
             try:
@@ -169,12 +188,12 @@ class _PipeLoop:
         self.conn = conn
 
     def call_soon_threadsafe(self, fn: Callable, batch: list[tuple["_RemoteSink", Item]]) -> None:
-        self.conn.send(("items", [(sink.request_id, item) for sink, item in batch]))
+        self.conn.send(("items", [(sink.key, _portable(item)) for sink, item in batch]))
 
 
 @dataclass(slots=True)
 class _RemoteSink:
-    request_id: str
+    key: int  # the parent's key for this request's sink
     loop: Any  # the _PipeLoop
 
     def put(self, item: Item) -> None:  # never called: _PipeLoop sends instead
@@ -182,6 +201,9 @@ class _RemoteSink:
 
 
 def _child_main(conn: Connection, build: Callable[[], Engine]) -> None:
+    # Ctrl-C reaches the terminal's whole process group: the server shuts down gracefully and then stops
+    # this process; ending the requests here at once would cut that short
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
     try:
         engine = build()
     except BaseException as exc:  # a bad model or option: the parent raises it
@@ -201,9 +223,9 @@ def _child_main(conn: Connection, build: Callable[[], Engine]) -> None:
                 break
             if isinstance(command, _RemoteCall):
                 thread.send(Call(command.fn, _answer(conn, command.call_id)))
-            elif isinstance(command, Add):
-                command.sink = _RemoteSink(command.request_id, loop)
-                thread.send(command)
+            elif isinstance(command, _RemoteAdd):
+                command.add.sink = _RemoteSink(command.key, loop)
+                thread.send(command.add)
             else:
                 thread.send(command)
     finally:
@@ -216,7 +238,33 @@ def _answer(conn: Connection, call_id: int) -> Future:
 
     def done(f: Future) -> None:
         exc = f.exception()
-        conn.send(("result", call_id, exc is None, exc if exc is not None else f.result()))
+        value = _portable(exc) if exc is not None else f.result()
+        try:
+            payload = pickle.dumps(value)
+            pickle.loads(payload)
+        except Exception as err:  # a result that cannot cross: the caller gets why
+            exc, value = err, RequestError(f"the call's result cannot leave the engine's process ({one_line(err)})")
+        conn.send(("result", call_id, exc is None, value))
 
     future.add_done_callback(done)
     return future
+
+
+def _portable(item: Any) -> Any:
+    """An exception as it will unpickle on the other side (one that needs more constructor arguments than
+    its message does not): else a RequestError with its text."""
+    if not isinstance(item, BaseException):
+        return item
+    try:
+        pickle.loads(pickle.dumps(item))
+        return item
+    except Exception:
+        return RequestError(f"{type(item).__name__}: {one_line(item)}")
+
+
+def _shut_down(conn: Connection, process: Any) -> None:
+    conn.close()
+    process.join(30)
+    if process.is_alive():
+        process.terminate()
+        process.join(5)

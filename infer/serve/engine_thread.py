@@ -123,6 +123,8 @@ class EngineThread:
 
     def _apply(self, command: Add | Abort | Call) -> None:
         if isinstance(command, Call):
+            if not command.future.set_running_or_notify_cancel():  # its caller gave up waiting
+                return
             try:
                 command.future.set_result(command.fn(self.engine))
             except Exception as exc:

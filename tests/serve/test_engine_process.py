@@ -8,6 +8,7 @@ import asyncio
 import functools
 import os
 import signal
+import threading
 
 import httpx
 import openai
@@ -15,7 +16,7 @@ import pytest
 
 from infer import LLM, SamplingParams
 from infer.core.config import EngineConfig
-from infer.core.errors import InferError
+from infer.core.errors import InferError, RequestError
 from infer.serve.app import create_app
 from infer.serve.async_engine import AsyncEngine, build_engine
 from infer.serve.engine_thread import EngineStepError
@@ -94,3 +95,43 @@ def test_health_says_so_when_the_process_is_gone(tiny_chat_dir, live):
         assert httpx.get(f"{server.root}/health").status_code == 503
     finally:
         engine.close()
+
+
+def test_a_cancelled_call_leaves_the_engine_serving(spawned):
+    async def main():
+        waiting = asyncio.ensure_future(spawned.call(snapshot))
+        await asyncio.sleep(0)  # the call is sent
+        waiting.cancel()  # its caller gives up before the answer comes back
+        with pytest.raises(asyncio.CancelledError):
+            await waiting
+        after = await spawned.call(snapshot)  # the reader thread still answers
+        outs = [out async for out in spawned.generate([5, 6, 7], SamplingParams(max_tokens=4, ignore_eos=True))]
+        return after, outs
+
+    after, outs = asyncio.run(main())
+    assert after.num_running == 0 and outs[-1].finished and spawned.is_alive
+
+
+def _unpicklable(engine):
+    return threading.Lock()
+
+
+def test_a_result_that_cannot_cross_fails_only_its_call(spawned):
+    async def main():
+        with pytest.raises(RequestError, match="cannot leave the engine's process"):
+            await spawned.call(_unpicklable)
+        return await spawned.call(snapshot)
+
+    assert asyncio.run(main()).num_running == 0 and spawned.is_alive
+
+
+def test_a_reused_request_id_gets_its_own_outputs(spawned):
+    async def main():
+        first = spawned.submit([5, 6, 7], SamplingParams(max_tokens=50, ignore_eos=True), request_id="same")
+        first.close()  # aborted: its last output may still be on its way
+        second = [o async for o in spawned.generate([5, 6, 7], SamplingParams(max_tokens=6, ignore_eos=True), "same")]
+        return second
+
+    outs = asyncio.run(main())
+    assert outs[-1].finished and outs[-1].final.outputs[0].finish_reason == "length"
+    assert sum(len(d.token_ids) for o in outs for d in o.deltas) == 6
