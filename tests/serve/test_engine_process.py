@@ -129,8 +129,14 @@ def test_a_reused_request_id_gets_its_own_outputs(spawned):
     async def main():
         first = spawned.submit([5, 6, 7], SamplingParams(max_tokens=50, ignore_eos=True), request_id="same")
         first.close()  # aborted: its last output may still be on its way
-        second = [o async for o in spawned.generate([5, 6, 7], SamplingParams(max_tokens=6, ignore_eos=True), "same")]
-        return second
+        for _ in range(100):  # the engine refuses the id until it has ended the first request
+            try:
+                params = SamplingParams(max_tokens=6, ignore_eos=True)
+                return [o async for o in spawned.generate([5, 6, 7], params, "same")]
+            except RequestError as exc:
+                assert "already in use" in str(exc)
+                await asyncio.sleep(0.05)
+        raise AssertionError("the first request with this id never ended")
 
     outs = asyncio.run(main())
     assert outs[-1].finished and outs[-1].final.outputs[0].finish_reason == "length"
