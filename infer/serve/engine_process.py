@@ -13,7 +13,6 @@ the limits); calls into the engine (`AsyncEngine.call`) must be picklable: modul
 
 from __future__ import annotations
 
-import asyncio
 import itertools
 import multiprocessing
 import pickle
@@ -28,7 +27,7 @@ from typing import Any, Callable
 from infer.core.engine import Engine
 from infer.core.errors import ConfigError, InferError, RequestError, one_line
 from infer.inputs.prompts import tokenize
-from infer.serve.engine_thread import Abort, Add, Call, EngineStepError, EngineThread, Item, Sink, put_all
+from infer.serve.engine_thread import Abort, Add, Call, EngineStepError, EngineThread, Item, Sink, hand_over
 
 
 @dataclass(slots=True)
@@ -163,19 +162,15 @@ class EngineProcess:
                     future.set_exception(gone)
 
     def _deliver(self, items: list[tuple[int, Item]]) -> None:
-        batches: dict[asyncio.AbstractEventLoop, list[tuple[Sink, Item]]] = {}
+        found = []
         for key, item in items:
             sink = self._sinks.get(key)
             if sink is None:
                 continue
             if isinstance(item, BaseException) or item.finished:
                 self._sinks.pop(key, None)
-            batches.setdefault(sink.loop, []).append((sink, item))
-        for loop, batch in batches.items():
-            try:
-                loop.call_soon_threadsafe(put_all, batch)
-            except RuntimeError:  # that loop is closed: nobody is listening
-                pass
+            found.append((sink, item))
+        hand_over(found)
 
 
 # ---------------------------------------------------------------------------- in the engine's process

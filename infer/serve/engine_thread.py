@@ -203,15 +203,20 @@ class EngineThread:
         """One call_soon_threadsafe per event loop (there is one, as a rule) for the whole step."""
         if not self._outbox:
             return
-        batches: dict[asyncio.AbstractEventLoop, list[tuple[Sink, Item]]] = {}
-        for sink, item in self._outbox:
-            batches.setdefault(sink.loop, []).append((sink, item))
-        self._outbox = []
-        for loop, batch in batches.items():
-            try:
-                loop.call_soon_threadsafe(put_all, batch)
-            except RuntimeError:  # that loop is closed: nobody is listening
-                pass
+        outbox, self._outbox = self._outbox, []
+        hand_over(outbox)
+
+
+def hand_over(items: list[tuple[Sink, Item]]) -> None:
+    """From any thread: each item to its sink, one call_soon_threadsafe per event loop."""
+    batches: dict[asyncio.AbstractEventLoop, list[tuple[Sink, Item]]] = {}
+    for sink, item in items:
+        batches.setdefault(sink.loop, []).append((sink, item))
+    for loop, batch in batches.items():
+        try:
+            loop.call_soon_threadsafe(put_all, batch)
+        except RuntimeError:  # that loop is closed: nobody is listening
+            pass
 
 
 def put_all(batch: list[tuple[Sink, Item]]) -> None:
