@@ -16,7 +16,6 @@ from infer.core.compose import Composition, check_model_attention, compose
 from infer.core.config import EngineConfig, ModelConfig
 from infer.core.engine import EngineParts
 from infer.core.errors import ConfigError
-from infer.core.hybrid_attention import HybridAttention
 from infer.core.interfaces import (
     AttentionSpec,
     Communicator,
@@ -35,6 +34,7 @@ from infer.models.build import check_draft, load_model
 from infer.models.loader import ModelSource, check_weight_shapes, load_tokenizer, meta_model, resolve_source
 from infer.runtime.block_mover import BlockMover
 from infer.runtime.cuda_graphs import CudaGraphRunner
+from infer.runtime.hybrid_attention import HybridAttention
 from infer.runtime.kv_cache import CacheShape, allocate_kv_cache, check_fits, kv_cache_dtype, plan_blocks
 from infer.runtime.pipeline import Pipeline
 

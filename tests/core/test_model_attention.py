@@ -6,10 +6,10 @@ import infer
 from infer.core.compose import check_model_attention, compose
 from infer.core.config import EngineConfig, ModelConfig
 from infer.core.errors import IncompatiblePluginsError
-from infer.core.hybrid_attention import HybridAttention
 from infer.core.interfaces import Capabilities
 from infer.core.registry import PluginRegistry
 from infer.plugins.attention.torch_backend import TorchAttention
+from infer.runtime.hybrid_attention import HybridAttention
 from infer.testing.attention import BATCH_SPECS, check_backend, make_case
 
 

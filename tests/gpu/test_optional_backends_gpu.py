@@ -13,9 +13,9 @@ import importlib
 import pytest
 import torch
 
-from infer.core.hybrid_attention import HybridAttention
 from infer.core.interfaces import AttentionSpec
 from infer.plugins.attention.torch_backend import TorchAttention
+from infer.runtime.hybrid_attention import HybridAttention
 from infer.testing.attention import BATCH_SPECS, AttentionCase, BatchSpec, check_backend, make_case, naive_attention
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")]
