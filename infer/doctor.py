@@ -137,6 +137,20 @@ def _model(config: EngineConfig, registry: PluginRegistry) -> tuple[Verdict, Any
     return Verdict("model", config.model, note=note), mc
 
 
+def _quantization(config: EngineConfig, registry: PluginRegistry, device: torch.device, mc: Any) -> Verdict:
+    """The linear layer that holds the quantized weights (--quantization, or the checkpoint's scheme)."""
+    from infer.core.config import ModelConfig
+    from infer.models.quantization import quantization_for
+
+    asked = config.quantization or "(the checkpoint's)"
+    try:
+        scheme = quantization_for(config.quantization, mc or ModelConfig(), config.tensor_parallel_size)
+        layer = registry.layer("linear", device.type, scheme)
+    except InferError as exc:
+        return Verdict("quantization", asked, str(exc))
+    return Verdict("quantization", asked, note=f"{scheme}: {layer.__module__}.{layer.__name__}")
+
+
 def diagnose(
     config: EngineConfig, registry: PluginRegistry, check_model: bool = True, device: torch.device | None = None
 ) -> Diagnosis:
@@ -161,6 +175,8 @@ def diagnose(
     dtype = (
         config.resolve_dtype(device, model_dtype) if config.dtype == "auto" or config.dtype in DTYPES else torch.float32
     )
+    if config.quantization is not None or (model_config and model_config.extra.get("quantization_config")):
+        verdicts.append(_quantization(config, registry, device, model_config))
     if config.tensor_parallel_size > 1:
         verdicts.append(_tensor_parallel(config, registry))
         verdicts.append(_all_reduce(config, device, dtype))

@@ -202,3 +202,14 @@ def test_all_reduce_verdict_names_missing_peer_access(monkeypatch):
     assert auto.ok and auto.note.startswith("auto picks nccl") and "GPU 0 has no peer access to GPU 1" in auto.note
     asked = doctor._all_reduce(EngineConfig(tensor_parallel_size=2, all_reduce="flashinfer"), cuda, torch.bfloat16)
     assert not asked.ok and "no peer access" in asked.reason and "nccl" in asked.alternatives
+
+
+def test_doctor_names_the_linear_layer_of_a_quantization_and_refuses_an_unknown_one(invoke):
+    result = invoke("doctor", *SHAPE, "--quantization", "fp8")
+    assert result.exit_code == 0, result.output
+    assert "quantization  fp8" in result.output and "OK  (fp8: infer.plugins.layers.fp8.Fp8Linear)" in result.output
+    result = invoke("doctor", *SHAPE, "--quantization", "int3")
+    assert result.exit_code == 2, result.output
+    assert "REFUSED: unknown --quantization 'int3': use one of fp8" in result.output
+    result = invoke("doctor", *SHAPE, "--quantization", "fp8", "--tp", "2")
+    assert "REFUSED: --quantization fp8 does not run under --tp 2 yet" in result.output

@@ -32,6 +32,7 @@ from infer.inputs.chat_template import load_chat_template
 from infer.log import get_logger
 from infer.models.build import check_draft, load_model
 from infer.models.loader import ModelSource, check_weight_shapes, load_tokenizer, meta_model, resolve_source
+from infer.models.quantization import quantization_for
 from infer.runtime.block_mover import BlockMover
 from infer.runtime.cuda_graphs import CudaGraphRunner
 from infer.runtime.hybrid_attention import HybridAttention
@@ -194,7 +195,9 @@ def _check(
     check_model_attention(composition, registry, model_config, max_model_len)
     if config.exit_layer is not None and not 1 <= config.exit_layer <= model_config.num_layers:
         raise ConfigError(f"--exit-layer must be in [1, {model_config.num_layers}] for {source.name}")
-    layers = registry.layers(device.type)
+    layers = registry.layers(
+        device.type, quantization_for(config.quantization, model_config, config.tensor_parallel_size)
+    )
     if source.path is not None and parallel is None:  # once per process, before any rank starts; headers only
         check_weight_shapes(meta_model(source, model_config, layers), source.path)
     plan = _Plan(

@@ -54,6 +54,7 @@ class EngineConfig:
     num_kv_blocks: int | None = None  # override the budget (tests force preemption with it)
     kv_cache_memory_gib: float | None = None  # KV budget; default: 1 GiB on CPU, 90% of free GPU memory
     kv_cache_dtype: KVCacheDtype = "auto"  # auto: the model's dtype; fp8: 1 byte an element (twice bf16's blocks)
+    quantization: str | None = None  # linear weights: a layers plugin's scheme (fp8); None: as the checkpoint
     enable_prefix_caching: bool = True  # reuse the KV blocks of a cached prompt prefix
     preemption_mode: PreemptionMode = "recompute"  # recompute | swap (to a CPU pool; recompute when it is full)
     swap_space_gib: float = 4.0  # CPU KV pool for --preemption-mode swap

@@ -133,20 +133,27 @@ class PluginRegistry:
     def all(self, slot: str) -> list[Strategy]:
         return list(self.strategies[slot].values())
 
-    def layer(self, kind: str, device_type: str) -> Any:
-        """The highest-priority runnable implementation of a layer kind on this device."""
-        options = [
-            s
-            for s in self.strategies["layer"].values()
-            if s.name == kind and device_type in s.capabilities.devices and s.unavailable_reason() is None
-        ]
+    def layer(self, kind: str, device_type: str, quantization: str | None = None) -> Any:
+        """The highest-priority runnable implementation of a layer kind on this device; for "linear"
+        one registered for `quantization` (its class's `quantization`; None: an unquantized one)."""
+        found = [s for s in self.strategies["layer"].values() if s.name == kind]
+        if kind == "linear":
+            schemes = sorted({q for s in found if (q := getattr(s.factory, "quantization", None))})
+            found = [s for s in found if getattr(s.factory, "quantization", None) == quantization]
+            if quantization is not None and not found:
+                raise PluginNotFoundError(
+                    f"unknown --quantization {quantization!r}: use one of {', '.join(schemes) or 'none installed'}"
+                )
+        options = [s for s in found if device_type in s.capabilities.devices and s.unavailable_reason() is None]
         if not options:
-            raise PluginNotFoundError(f"no implementation of model layer {kind!r} runs on {device_type}")
+            scheme = f" for --quantization {quantization}" if quantization else ""
+            raise PluginNotFoundError(f"no implementation of model layer {kind!r}{scheme} runs on {device_type}")
         return max(options, key=lambda s: s.capabilities.priority).factory
 
-    def layers(self, device_type: str) -> Layers:
-        """Every layer kind's implementation for this device (see `layer`)."""
-        return Layers(**{kind: self.layer(kind, device_type) for kind in LAYER_KINDS})
+    def layers(self, device_type: str, quantization: str | None = None) -> Layers:
+        """Every layer kind's implementation for this device (see `layer`), and the quantized linear."""
+        quantized = self.layer("linear", device_type, quantization) if quantization else None
+        return Layers(**{kind: self.layer(kind, device_type) for kind in LAYER_KINDS}, quantized_linear=quantized)
 
     def architecture_for(self, hf_architecture: str, model_impl: str = "auto") -> Strategy:
         """The model plugin that runs checkpoints of `hf_architecture`: `model_impl` when named (it must

@@ -9,8 +9,16 @@ import torch
 from infer.core.config import DTYPES, ModelConfig
 from infer.core.errors import ModelLoadError, one_line
 
-# settings a family's plugin reads from ModelConfig.extra, under transformers' names (the core reads none)
-FAMILY_KEYS = ("hidden_act", "hidden_activation", "attention_bias", "mlp_bias", "final_logit_softcapping")
+# settings a family's plugin reads from ModelConfig.extra, under transformers' names (the core reads none);
+# quantization_config: how the checkpoint's weights are stored (infer.models.quantization)
+FAMILY_KEYS = (
+    "hidden_act",
+    "hidden_activation",
+    "attention_bias",
+    "mlp_bias",
+    "final_logit_softcapping",
+    "quantization_config",
+)
 
 
 def _set(hf: Any, key: str) -> bool:

@@ -12,7 +12,7 @@ from torch import nn
 
 from infer.core.config import ModelConfig
 from infer.core.errors import ModelLoadError, one_line
-from infer.core.interfaces.models import CheckpointShapes
+from infer.core.interfaces.models import CheckpointShapes, QuantizedLinear
 from infer.core.registry import PluginRegistry, Strategy
 from infer.models.config import model_config_from_hf, transformers_config
 
@@ -233,6 +233,17 @@ def init_dummy_weights(model: nn.Module, seed: int) -> None:
 
     gen = torch.Generator(device=next(model.parameters()).device).manual_seed(seed)
     for name, param in model.named_parameters():
+        owner, _, attr = name.rpartition(".")
+        module = model.get_submodule(owner)
+        if isinstance(module, QuantizedLinear):  # drawn in float32 as a model-dtype weight, stored quantized
+            if attr == "weight":
+                full = torch.empty(param.shape, dtype=torch.float32, device=param.device).normal_(
+                    0.0, 0.02, generator=gen
+                )
+                module.load_rows(attr, 0, param.shape[0], full)
+            elif attr == "bias":
+                param.zero_()
+            continue
         if param.dim() == 1:
             param.fill_(1.0)  # norm weights
         elif (shard := shard_of(model, name)) is None:

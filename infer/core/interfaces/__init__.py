@@ -34,6 +34,7 @@ from infer.core.interfaces.models import (
     ModelArchitecture,
     ModelPresets,
     PushingMatmul,
+    QuantizedLinear,
     RegisterFn,
     RotaryTables,
 )
@@ -59,7 +60,7 @@ __all__ = [
     "SamplerOutput", "Sampler", "TokenSampler", "VerifyingSampler",
     "ModelRunnerLike", "DecoderContext", "Decoder", "SelfDescribing", "StatsSummary",
     "DetokenizedDelta", "Detokenizer",
-    "LAYER_KINDS", "Layers", "RotaryTables", "FusingActivation", "LinearMatmul", "PushingMatmul",
+    "LAYER_KINDS", "Layers", "RotaryTables", "FusingActivation", "LinearMatmul", "QuantizedLinear", "PushingMatmul",
     "CausalLM", "CheckpointShapes", "ModelArchitecture", "HFArchitectures", "ModelPresets", "RegisterFn",
     "DecoderStack", "KitConfig",
     "DecodeGraphs", "DecodePipeline",

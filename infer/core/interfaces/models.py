@@ -36,6 +36,9 @@ class Layers:
     # () -> module; forward(x [T, 2I]) -> gelu_tanh(gate) * up [T, I] (GeGLU: Gemma). None only in a
     # Layers built by hand without it; the registry always fills it (the built-in one at least)
     gelu_and_mul: Any = None
+    # the decoder projections' linear under a quantization (a class with `quantization`, the scheme
+    # it registered for: `QuantizedLinear`); None: `linear`. The LM head stays `linear`.
+    quantized_linear: Any = None
 
 
 @runtime_checkable
@@ -53,6 +56,17 @@ class FusingActivation(Protocol):
 @runtime_checkable
 class LinearMatmul(Protocol):
     matmul: Callable[..., torch.Tensor]
+
+
+@runtime_checkable
+class QuantizedLinear(Protocol):
+    """A linear layer holding quantized weights. `load_rows(name, offset, size, tensor)` fills rows
+    [offset, offset + size) of its parameter `name` from a checkpoint tensor (a model's weight: it
+    quantizes; a quantized checkpoint's weight or scale: as it is) and returns the parameter names filled."""
+
+    quantization: str
+
+    def load_rows(self, name: str, offset: int, size: int, tensor: torch.Tensor) -> list[str]: ...
 
 
 @runtime_checkable

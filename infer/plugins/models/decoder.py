@@ -16,7 +16,7 @@ import torch
 from torch import nn
 
 from infer.core.config import ModelConfig
-from infer.core.interfaces import AttentionBackend, KVCache, Layers
+from infer.core.interfaces import AttentionBackend, KVCache, Layers, QuantizedLinear
 from infer.distributed import layers as tp
 from infer.distributed.state import ParallelState
 from infer.models.loader import check_shape
@@ -143,11 +143,13 @@ class DecoderModel(nn.Module):
             if found is None or found[0] not in params:
                 continue  # layers beyond an early-exit cut, or tensors this model does not use
             name, shard = found
-            if shard is None:
-                params[name].data.copy_(tensor)
-            else:
-                offset, size = self._shard_range(name.split(".")[-2], shard)
-                params[name].data[offset : offset + size].copy_(tensor)
+            owner, _, attr = name.rpartition(".")
+            offset, size = (0, params[name].shape[0]) if shard is None else self._shard_range(owner, shard)
+            module = self.get_submodule(owner)
+            if isinstance(module, QuantizedLinear):  # it stores the rows in its own form (and their scales)
+                loaded.update(f"{owner}.{p}" for p in module.load_rows(attr, offset, size, tensor))
+                continue
+            params[name].data[offset : offset + size].copy_(tensor)
             loaded.add(name)
         return loaded
 
@@ -166,11 +168,14 @@ class DecoderModel(nn.Module):
             shape = list(self.get_parameter(target).shape)
         except AttributeError:  # layers beyond an early-exit cut, or tensors this model does not use
             return None
+        owner, _, attr = target.rpartition(".")
+        if attr != "weight" and isinstance(self.get_submodule(owner), QuantizedLinear):
+            return None  # a scale: the layer reads its shapes (per row or per tensor)
         shard = tp.shard_of(self, target) if self.parallel is not None else None
         if shard is not None:
             shape[shard.dim] = shard.full_sizes[piece or 0]
         elif piece is not None:
-            shape[0] = self._shard_range(target.split(".")[-2], piece)[1]
+            shape[0] = self._shard_range(owner, piece)[1]
         return tuple(shape)
 
     def _checked(self, weights: Iterable[tuple[str, Any]]) -> Iterator[tuple[str, Any]]:
@@ -190,9 +195,10 @@ class DecoderModel(nn.Module):
         target, shard = FUSED[piece]
         return name.replace(piece, target), shard
 
-    def _shard_range(self, target: str, shard: int) -> tuple[int, int]:
+    def _shard_range(self, module: str, shard: int) -> tuple[int, int]:
+        """Rows of piece `shard` in the fused projection `module` (its name, or its last part)."""
         c = self.config
-        if target == "qkv_proj":
+        if module.endswith("qkv_proj"):
             sizes = [c.num_heads * c.head_dim, c.num_kv_heads * c.head_dim, c.num_kv_heads * c.head_dim]
         else:
             sizes = [c.intermediate_size, c.intermediate_size]

@@ -68,6 +68,11 @@ def tp_matmul(layers: Layers) -> Any:
     return layers.linear.matmul if isinstance(layers.linear, LinearMatmul) else torch.nn.functional.linear
 
 
+def projection(layers: Layers) -> Any:
+    """The linear the attention and MLP projections are built from: the quantized one if the run has it."""
+    return layers.quantized_linear or layers.linear
+
+
 def pushes_partial_sums(matmul: Any) -> bool:
     fn = matmul.__func__ if inspect.ismethod(matmul) else matmul  # a bound method's attributes are its function's
     return isinstance(fn, PushingMatmul) and bool(fn.pushes)
@@ -95,8 +100,9 @@ class Attention(nn.Module):
         self.q_size = self.num_heads * self.head_dim
         self.kv_size = self.num_kv_heads * self.head_dim
         if parallel is None:
-            self.qkv_proj = layers.linear(config.hidden_size, self.q_size + 2 * self.kv_size, bias=family.qkv_bias)
-            self.o_proj = layers.linear(self.q_size, config.hidden_size, bias=family.o_bias)
+            linear = projection(layers)
+            self.qkv_proj = linear(config.hidden_size, self.q_size + 2 * self.kv_size, bias=family.qkv_bias)
+            self.o_proj = linear(self.q_size, config.hidden_size, bias=family.o_bias)
         else:
             self.qkv_proj, self.o_proj = tp.attention_projections(
                 config, parallel, tp_matmul(layers), family.qkv_bias, family.o_bias, reduce=not family.partial_sums
@@ -162,8 +168,8 @@ class MLP(nn.Module):
     ) -> None:
         super().__init__()
         if parallel is None:
-            self.gate_up_proj = layers.linear(config.hidden_size, 2 * config.intermediate_size)
-            self.down_proj = layers.linear(config.intermediate_size, config.hidden_size)
+            self.gate_up_proj = projection(layers)(config.hidden_size, 2 * config.intermediate_size)
+            self.down_proj = projection(layers)(config.intermediate_size, config.hidden_size)
         else:
             self.gate_up_proj, self.down_proj = tp.mlp_projections(config, parallel, tp_matmul(layers), reduce)
         kind = ACTIVATIONS[activation]

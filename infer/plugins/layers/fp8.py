@@ -1,0 +1,90 @@
+"""FP8 weights (`--quantization fp8`): linear layers holding e4m3 weights and a float32 scale per output row.
+
+A weight W is stored as Q = round(W / s) with s = max |W[n, :]| / 448 for each output row n, so W[n] ~ Q[n] *
+s[n]. A checkpoint in the model's dtype is quantized so as it loads, row by row (a row's scale depends on it
+alone, so q, k and v or gate and up fill their rows of the fused projections one after another); an FP8
+checkpoint's values and scales load as they are (a per-tensor scale repeated over the tensor's rows).
+
+The product keeps the weights in FP8 and computes in one of two ways, by the number of rows T:
+- T <= WEIGHT_ONLY_ROWS (decode at small batches, speculative verification): the weights are dequantized
+  as they are read and x stays in its dtype: y = (x @ Q.T) * s (W8A16), a weight stream;
+- more rows (prefill, large batches): x too is quantized, with a scale per row (per token), and the product
+  runs in FP8: y = (Qx @ Q.T) * sx * s (W8A8), twice bf16's tensor-core rate.
+This module is the reference, in plain torch on any device (float32 products of the dequantized values);
+`FusedFp8Linear` runs the same math in FP8 kernels on CUDA. The LM head keeps the model's dtype.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from infer.core.hookspecs import hookimpl
+from infer.core.interfaces import Capabilities
+
+FP8 = torch.float8_e4m3fn
+FP8_MAX = torch.finfo(FP8).max  # 448
+WEIGHT_ONLY_ROWS = 8  # up to this many rows x stays unquantized (W8A16); more: W8A8
+
+
+def quantize_weight(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(Q, s): e4m3 values [N, K] and float32 scales [N] with Q * s[:, None] ~ w, s = amax of the row / 448
+    (1 for a row of zeros); Q = w * (1 / s) in float32, rounded to nearest."""
+    w = w.float()
+    amax = w.abs().amax(dim=1)
+    scale = torch.where(amax > 0, amax / FP8_MAX, torch.ones_like(amax))
+    return (w * (1.0 / scale)[:, None]).clamp(-FP8_MAX, FP8_MAX).to(FP8), scale
+
+
+def quantize_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Activations per row: (Q [T, K] e4m3, s [T, 1] float32), s = max(amax of the row, 1e-12) / 448."""
+    x = x.float()
+    scale = x.abs().amax(dim=1, keepdim=True).clamp_min(1e-12) / FP8_MAX
+    return (x * (1.0 / scale)).clamp(-FP8_MAX, FP8_MAX).to(FP8), scale
+
+
+class Fp8Linear(nn.Module):
+    quantization = "fp8"
+    capabilities = Capabilities(priority=0)
+
+    def __init__(self, in_features: int, out_features: int, bias: bool = False) -> None:
+        super().__init__()
+        self.in_features, self.out_features = in_features, out_features
+        self.weight = nn.Parameter(torch.empty(out_features, in_features, dtype=FP8), requires_grad=False)
+        self.weight_scale = nn.Parameter(torch.empty(out_features, dtype=torch.float32), requires_grad=False)
+        self.bias = nn.Parameter(torch.empty(out_features), requires_grad=False) if bias else None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        w = self.weight.float() * self.weight_scale[:, None]
+        if x.shape[0] > WEIGHT_ONLY_ROWS:
+            q, scale = quantize_rows(x)
+            y = F.linear(q.float() * scale, w)
+        else:
+            y = F.linear(x.float(), w)
+        y = y.to(x.dtype)
+        return y if self.bias is None else y + self.bias
+
+    @torch.no_grad()
+    def load_rows(self, name: str, offset: int, size: int, tensor: torch.Tensor) -> list[str]:
+        """Rows [offset, offset + size) of `name` from a checkpoint tensor: `weight` in the model's dtype
+        (quantized here, filling its scales too) or in FP8; `weight_scale` of an FP8 checkpoint (per row,
+        [size] or [size, 1], or one for the tensor); `bias`. A static `input_scale` is not read."""
+        rows = slice(offset, offset + size)
+        if name == "weight" and tensor.dtype != FP8:
+            q, scale = quantize_weight(tensor.to(self.weight.device))
+            self.weight[rows].copy_(q)
+            self.weight_scale[rows].copy_(scale)
+            return ["weight", "weight_scale"]
+        if name == "weight_scale":
+            self.weight_scale[rows].copy_(tensor.float().reshape(-1).expand(size))
+            return ["weight_scale"]
+        if name in ("weight", "bias"):
+            getattr(self, name)[rows].copy_(tensor)
+            return [name]
+        return []
+
+
+@hookimpl
+def infer_register_layers(register) -> None:
+    register("linear", Fp8Linear)

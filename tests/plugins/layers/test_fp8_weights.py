@@ -1,0 +1,203 @@
+"""FP8 weights (`--quantization fp8`): the layer against its dequantized reference, and whole models loaded
+three ways (a float checkpoint quantized at load, llm-compressor's compressed-tensors layout, the per-tensor
+`fp8` layout) against HF transformers' own model on the dequantized weights."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+from infer import LLM, SamplingParams
+from infer.core.errors import ConfigError, ModelLoadError, PluginNotFoundError
+from infer.plugins.layers.fp8 import FP8, WEIGHT_ONLY_ROWS, Fp8Linear, quantize_rows, quantize_weight
+
+PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+PROMPTS = [[1, 17, 93, 5], [1, 200, 3], [1, 44, 45, 46, 47, 9], [1, 128]]  # <= 8 tokens: weight-only products
+
+
+def test_quantized_weights_round_to_nearest_with_a_scale_per_row():
+    w = torch.randn(24, 40) * torch.logspace(-3, 1, 24)[:, None]  # rows of very different ranges
+    w[5] = 0.0
+    q, scale = quantize_weight(w)
+    assert q.dtype == FP8 and scale.shape == (24,)
+    assert torch.equal(q.float().abs().amax(dim=1)[torch.arange(24) != 5], torch.full((23,), 448.0))
+    assert scale[5] == 1.0 and not q[5].float().any()
+    # e4m3 keeps 3 mantissa bits: at most half a step (2^-4 of the value) off, for values above 2^-6 * scale
+    deq = q.float() * scale[:, None]
+    normal = w.abs() >= 2**-6 * scale[:, None]
+    assert ((deq - w).abs() <= w.abs() * 2**-4 + 1e-12)[normal].all()
+
+
+@pytest.mark.parametrize("rows", [1, WEIGHT_ONLY_ROWS, WEIGHT_ONLY_ROWS + 1, 37])
+def test_the_linear_layer_is_the_product_of_the_dequantized_values(rows):
+    torch.manual_seed(0)
+    layer = Fp8Linear(40, 24, bias=True)
+    w, b = torch.randn(24, 40), torch.randn(24)
+    assert layer.load_rows("weight", 0, 24, w) == ["weight", "weight_scale"]
+    layer.load_rows("bias", 0, 24, b)
+    x = torch.randn(rows, 40)
+    deq = layer.weight.float() * layer.weight_scale[:, None]
+    if rows > WEIGHT_ONLY_ROWS:  # activations quantized per row too (W8A8)
+        q, s = quantize_rows(x)
+        x_used = q.float() * s
+        assert not torch.equal(x_used, x)
+    else:
+        x_used = x
+    expected = x_used.double() @ deq.double().T + b.double()
+    torch.testing.assert_close(layer(x).double(), expected, rtol=1e-5, atol=1e-5)  # float32 sums
+
+
+def test_rows_of_a_fused_projection_load_piece_by_piece_with_their_own_scales():
+    layer = Fp8Linear(16, 12)
+    pieces = [torch.randn(4, 16) * 10**i for i in range(3)]  # q, k, v of very different ranges
+    for i, piece in enumerate(pieces):
+        layer.load_rows("weight", 4 * i, 4, piece)
+    q, scale = quantize_weight(torch.cat(pieces))
+    assert torch.equal(layer.weight.view(torch.uint8), q.view(torch.uint8)) and torch.equal(layer.weight_scale, scale)
+    # an FP8 checkpoint: values as they are, one scale for a tensor's rows or one per row ([N, 1] or [N])
+    layer.load_rows("weight", 0, 12, q)
+    layer.load_rows("weight_scale", 0, 4, torch.tensor(0.5))
+    layer.load_rows("weight_scale", 4, 8, torch.arange(8.0).view(8, 1))
+    assert layer.weight_scale.tolist() == [0.5] * 4 + list(range(8))
+    assert layer.load_rows("input_scale", 0, 12, torch.tensor(1.0)) == []
+
+
+def _save(folder: Path, source: Path, tensors: dict, quantization: dict | None = None) -> Path:
+    folder.mkdir()
+    for f in source.iterdir():
+        if f.suffix != ".safetensors":
+            shutil.copy(f, folder / f.name)
+    save_file(tensors, str(folder / "model.safetensors"))
+    if quantization is not None:
+        config = json.loads((folder / "config.json").read_text())
+        (folder / "config.json").write_text(json.dumps({**config, "quantization_config": quantization}))
+    return folder
+
+
+def _checkpoints(source: Path, tmp: Path, per_tensor: bool, scale_dtype=torch.float32) -> tuple[Path, Path]:
+    """(an FP8 checkpoint, the same values dequantized in float32 for HF transformers)."""
+    tensors = load_file(str(source / "model.safetensors"))
+    fp8, dequantized = {}, {}
+    for name, t in tensors.items():
+        if name.split(".")[-2] not in PROJECTIONS:
+            fp8[name] = dequantized[name] = t
+            continue
+        if per_tensor:
+            scale = (t.abs().amax() / 448).reshape(1)
+            q = (t * (1 / scale)).clamp(-448, 448).to(FP8)
+        else:
+            q, scale = quantize_weight(t)
+            scale = scale[:, None]
+        scale = scale.to(scale_dtype)
+        fp8[name], fp8[name + "_scale"] = q, scale
+        fp8[name.removesuffix("weight") + "input_scale"] = torch.tensor([1.0])  # static scales are not read
+        dequantized[name] = q.float() * scale.float()
+    if per_tensor:
+        config = {"quant_method": "fp8", "activation_scheme": "dynamic"}
+    else:
+        weights = {"type": "float", "num_bits": 8, "strategy": "channel", "symmetric": True, "dynamic": False}
+        config = {
+            "quant_method": "compressed-tensors",
+            "format": "float-quantized",
+            "ignore": ["lm_head"],
+            "config_groups": {"group_0": {"targets": ["Linear"], "weights": weights}},
+        }
+    return _save(tmp / "fp8", source, fp8, config), _save(tmp / "dequantized", source, dequantized)
+
+
+def _greedy(llm: LLM, n: int = 12) -> list[list[int]]:
+    sp = SamplingParams(max_tokens=n, temperature=0, ignore_eos=True)
+    return [llm.generate([{"prompt_token_ids": p}], sp)[0].outputs[0].token_ids for p in PROMPTS]
+
+
+def _hf_greedy(folder: Path, n: int = 12) -> list[list[int]]:
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32)
+    outs = []
+    for p in PROMPTS:
+        ids = model.generate(torch.tensor([p]), max_new_tokens=n, min_new_tokens=n, do_sample=False)
+        outs.append(ids[0, len(p) :].tolist())
+    return outs
+
+
+def _model(llm: LLM) -> torch.nn.Module:
+    return llm.engine.decoder.runner.model
+
+
+def _llm(folder: Path, **kwargs) -> LLM:
+    return LLM(str(folder), dtype="fp32", device="cpu", num_kv_blocks=64, **kwargs)
+
+
+@pytest.mark.parametrize("per_tensor", [False, True], ids=["compressed-tensors", "per-tensor"])
+def test_an_fp8_checkpoint_runs_as_hf_transformers_runs_its_dequantized_weights(tiny_llama_dir, tmp_path, per_tensor):
+    fp8, dequantized = _checkpoints(tiny_llama_dir, tmp_path, per_tensor)
+    assert _greedy(_llm(fp8)) == _hf_greedy(dequantized)  # no --quantization: the checkpoint's
+
+
+def test_quantizing_at_load_stores_what_an_fp8_checkpoint_stores(tiny_llama_dir, tmp_path):
+    fp8, _ = _checkpoints(tiny_llama_dir, tmp_path, per_tensor=False)
+    at_load = _llm(tiny_llama_dir, quantization="fp8")
+    saved = _llm(fp8, quantization="fp8")
+    state = [_model(llm).state_dict() for llm in (at_load, saved)]
+    for name, tensor in state[0].items():
+        assert torch.equal(tensor.view(torch.uint8), state[1][name].view(torch.uint8)), name
+    assert state[0]["layers.0.self_attn.qkv_proj.weight"].dtype == FP8
+    assert state[0]["lm_head.weight"].dtype == torch.float32  # the LM head keeps the model's dtype
+    assert _greedy(at_load) == _greedy(saved)
+
+
+def _quantize_inputs(module, args):
+    """HF's projections given what an FP8 layer multiplies in prefill: x quantized per token, dequantized."""
+    x = args[0].reshape(-1, args[0].shape[-1])
+    q, scale = quantize_rows(x)
+    return ((q.float() * scale).view_as(args[0]),)
+
+
+def test_a_bf16_scale_checkpoint_and_a_long_prefill_run_as_hf_transformers_does(tiny_llama_dir, tmp_path):
+    fp8, dequantized = _checkpoints(tiny_llama_dir, tmp_path, per_tensor=False, scale_dtype=torch.bfloat16)
+    assert _greedy(_llm(fp8)) == _hf_greedy(dequantized)
+    # a 40-token prompt quantizes its activations per token in prefill (W8A8): HF's model given the same
+    # quantized inputs at each projection gives the same next-token distribution
+    from transformers import AutoModelForCausalLM
+
+    prompt = [1, *range(100, 139)]
+    hf = AutoModelForCausalLM.from_pretrained(dequantized, dtype=torch.float32)
+    for name, module in hf.named_modules():
+        if name.split(".")[-1] in PROJECTIONS:
+            module.register_forward_pre_hook(_quantize_inputs)
+    with torch.no_grad():
+        ref = torch.log_softmax(hf(torch.tensor([prompt])).logits[0, -1].double(), -1)
+    sp = SamplingParams(max_tokens=1, temperature=0, logprobs=5)
+    out = _llm(fp8).generate([{"prompt_token_ids": prompt}], sp)[0].outputs[0]
+    assert out.token_ids[0] == int(ref.argmax())
+    for token, lp in out.logprobs[0].items():  # float32 sums in another order
+        assert abs(lp - float(ref[token])) < 1e-5, (token, lp, float(ref[token]))
+
+
+def test_dummy_fp8_weights_run(tiny_llama_dir):
+    llm = _llm(tiny_llama_dir, load_format="dummy", quantization="fp8")
+    weight = _model(llm).state_dict()["layers.0.mlp.gate_up_proj.weight"]
+    assert weight.dtype == FP8 and weight.float().abs().amax() == 448.0
+    assert len(_greedy(llm, 4)[0]) == 4
+
+
+def test_unknown_conflicting_and_unloadable_quantizations_are_refused(tiny_llama_dir, tmp_path):
+    with pytest.raises(PluginNotFoundError, match="unknown --quantization 'int3': use one of fp8"):
+        _llm(tiny_llama_dir, quantization="int3")
+    with pytest.raises(ConfigError, match="does not run under --tp 2 yet"):
+        _llm(tiny_llama_dir, quantization="fp8", tensor_parallel_size=2)
+    awq = _save(
+        tmp_path / "awq", tiny_llama_dir, load_file(str(tiny_llama_dir / "model.safetensors")), {"quant_method": "awq"}
+    )
+    with pytest.raises(ModelLoadError, match="quantized with 'awq'.*use the model's bf16 checkpoint"):
+        _llm(awq)
+    blocks = {"quant_method": "fp8", "weight_block_size": [128, 128]}
+    blocked = _save(tmp_path / "blocked", tiny_llama_dir, {}, blocks)
+    with pytest.raises(ModelLoadError, match=r"scale per \[128, 128\] block"):
+        _llm(blocked)
