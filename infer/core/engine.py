@@ -86,8 +86,9 @@ class Engine:
                 f"write SamplingParams(...) (SamplingParams(**d) for a dict d)"
             )
         params.validate()
-        if params.logprobs is not None and params.logprobs > self.parts.vocab_size:
-            raise RequestError(f"invalid logprobs={params.logprobs}: the vocabulary has {self.parts.vocab_size} tokens")
+        for name, k in (("logprobs", params.logprobs), ("prompt_logprobs", params.prompt_logprobs)):
+            if k is not None and k > self.parts.vocab_size:
+                raise RequestError(f"invalid {name}={k}: the vocabulary has {self.parts.vocab_size} tokens")
         if request_id is not None and not isinstance(request_id, str):
             raise RequestError(f"request_id must be a string, not {type(request_id).__name__}")
         text, ids = self.tokenize(prompt)

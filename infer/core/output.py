@@ -127,6 +127,7 @@ class OutputProcessor:
             outputs=outputs,
             finished=True,
             metrics=metrics,
+            prompt_logprobs=None if first.params.prompt_logprobs is None else [None, *first.prompt_logprobs],
         )
 
     def close(self) -> None:

@@ -39,6 +39,7 @@ class Request:
     max_model_len: int = 0  # context length limit (prompt + output)
     output_token_ids: list[int] = field(default_factory=list)
     output_logprobs: list[dict[int, float]] = field(default_factory=list)
+    prompt_logprobs: list[dict[int, float]] = field(default_factory=list)  # i -> prompt token i + 1's, as scored
     status: RequestStatus = RequestStatus.WAITING
     finish_reason: FinishReason | None = None
     block_ids: list[int] = field(default_factory=list)  # block table: logical block i -> physical id
@@ -92,4 +93,5 @@ class RequestOutput:
     outputs: list[CompletionOutput]
     finished: bool
     error: str | None = None  # set when this request was rejected; the others are unaffected
+    prompt_logprobs: list[dict[int, float] | None] | None = None  # None, then prompt token i's (i >= 1); if asked
     metrics: dict[str, float] = field(default_factory=dict)  # ttft_s, latency_s, ...

@@ -24,6 +24,7 @@ from infer.core.interfaces import (
     StepResult,
 )
 from infer.core.request import Request
+from infer.runtime.prompt_logprobs import prompt_rows, take_prompt_logprobs
 
 
 @dataclass(slots=True)
@@ -34,6 +35,7 @@ class ForwardSeq:
     token_ids: list[int]  # the tokens computed (query)
     start: int  # position of the first one
     logits_rows: int  # how many trailing positions need logits (0: none, 1: the last, k: the last k)
+    prompt_rows: int = 0  # positions just before those that score prompt tokens (`prompt_logprobs`)
 
 
 @dataclass(slots=True)
@@ -95,7 +97,7 @@ class ModelRunner:
 
     @torch.inference_mode()
     def forward(self, seqs: list[ForwardSeq], input_ids_t: torch.Tensor | None = None) -> torch.Tensor:
-        """Run the model over `seqs` (decodes first); returns logits [sum(logits_rows), vocab] float32.
+        """Run the model over `seqs` (decodes first); returns logits [sum(prompt_rows + logits_rows), V] float32.
         `input_ids_t`: the step's ids as a device tensor (decode pipelining; seqs' token_ids unused)."""
         use_graphs = (
             self.graphs is not None
@@ -109,7 +111,7 @@ class ModelRunner:
             step.seq_lens.append(seq.start + len(seq.token_ids))
             step.block_tables.append(seq.request.block_ids)
             end = len(step.input_ids)
-            step.logits_rows.extend(range(end - seq.logits_rows, end))
+            step.logits_rows.extend(range(end - seq.logits_rows - seq.prompt_rows, end))
         return self.forward_step(step)
 
     def forward_step(self, step: StepInputs) -> torch.Tensor:
@@ -138,12 +140,13 @@ class ModelRunner:
         for s in out.scheduled:
             r, start = s.request, s.request.num_computed_tokens
             tokens = [r.token_at(start)] if s.num_new_tokens == 1 else r.all_token_ids[start : start + s.num_new_tokens]
-            seqs.append(ForwardSeq(r, tokens, start, 1 if s.samples else 0))
+            seqs.append(ForwardSeq(r, tokens, start, 1 if s.samples else 0, prompt_rows(r, start, len(tokens))))
         logits = self.pipeline.take(seqs) if self.pipeline is not None else None
         if not seqs:
             return StepResult(sampled={})
         if logits is None:
             logits = self.forward(seqs)
+        logits = take_prompt_logprobs(logits, seqs)  # the rows left: one per request that samples
         sampled_requests = [s.request for s in seqs if s.logits_rows]
         if not sampled_requests:
             return StepResult(sampled={})

@@ -28,6 +28,9 @@ class SamplingParams:
     stop_token_ids: list[int] | None = None  # extra stop tokens (kept in token_ids)
     ignore_eos: bool = False  # keep generating past EOS (benchmarks)
     logprobs: int | None = None  # top-k logprobs per output token, plus the sampled token's
+    # per prompt token after the first: its logprob given the tokens before it, plus the top-k others'
+    # (None: not computed). A request that asks for them computes its whole prompt: no cached prefix.
+    prompt_logprobs: int | None = None
     # beam search (vLLM's API): `best_of` beams, the best `n` returned, scored as HF transformers
     # does: sum of logprobs / generated_len ** length_penalty. Deterministic: temperature, top-k/p
     # and seed are ignored; penalties and stop strings are not supported with it.
@@ -74,6 +77,8 @@ class SamplingParams:
         _boolean("ignore_eos", self.ignore_eos)
         if self.logprobs is not None:
             _integer("logprobs", self.logprobs, 0, fix="use None or an integer >= 0")
+        if self.prompt_logprobs is not None:
+            _integer("prompt_logprobs", self.prompt_logprobs, 0, fix="use None or an integer >= 0")
         _boolean("use_beam_search", self.use_beam_search)
         if self.best_of is not None:
             _integer("best_of", self.best_of, self.n, fix=f"use an integer >= n ({self.n}), or None")

@@ -60,6 +60,7 @@ from infer.plugins.decoders.proposers import (
     row_index,
     view,
 )
+from infer.runtime.prompt_logprobs import prompt_rows, take_prompt_logprobs
 from infer.runtime.transfer import to_device
 
 
@@ -149,10 +150,13 @@ class SpeculativeDecoder:
             if self.as_rows and s.num_new_tokens == 1 and s.samples:
                 groups.append((i, [ForwardSeq(r, [t], c + j, 1) for j, t in enumerate(new + draft)]))
             else:
-                groups.append((i, [ForwardSeq(r, new + draft, c, k + 1 if s.samples else 0)]))
+                groups.append(
+                    (i, [ForwardSeq(r, new + draft, c, k + 1 if s.samples else 0, prompt_rows(r, c, len(new)))])
+                )
         groups.sort(key=lambda g: len(g[1][0].token_ids) != 1)  # decodes first
         ids = self._device_ids(groups, proposal) if on_device and any(proposal.num_tokens) else None
-        logits = self.target.forward([seq for _, group in groups for seq in group], input_ids_t=ids)
+        seqs = [seq for _, group in groups for seq in group]
+        logits = take_prompt_logprobs(self.target.forward(seqs, input_ids_t=ids), seqs)  # prompt rows scored, dropped
         return [i for i, _ in groups], logits
 
     def _device_ids(self, groups: list[tuple[int, list[ForwardSeq]]], proposal: Proposal) -> torch.Tensor:

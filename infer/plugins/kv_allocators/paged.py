@@ -81,7 +81,7 @@ class PagedAllocator:
         if self.is_swapped(request):
             return self._swap_in(request, num_tokens)
         table = request.block_ids
-        if not table and request.num_computed_tokens == 0 and self.cache is not None:
+        if not table and request.num_computed_tokens == 0 and self._looks_up(request):
             return self._allocate_with_prefix(request, num_tokens)
         self._register_full_blocks(request)
         to_copy = self._blocks_to_copy(request, num_tokens)
@@ -104,9 +104,14 @@ class PagedAllocator:
 
     def num_cached_tokens(self, request: Request) -> int:
         """Tokens `allocate_slots` would find cached for this request (0 unless its table is empty)."""
-        if request.block_ids or request.num_computed_tokens or self.cache is None or self.is_swapped(request):
+        if request.block_ids or request.num_computed_tokens or not self._looks_up(request) or self.is_swapped(request):
             return 0
         return len(self._lookup(request, request.num_tokens)[0]) * self.block_size
+
+    def _looks_up(self, request: Request) -> bool:
+        # a cached prefix has no logits to score: a request asking for prompt logprobs computes its
+        # whole prompt (as vLLM does); its blocks are still cached for the requests after it
+        return self.cache is not None and request.params.prompt_logprobs is None
 
     def _lookup(self, request: Request, num_tokens: int) -> tuple[list[int], list[BlockKey]]:
         max_blocks = min(request.num_tokens - 1, num_tokens) // self.block_size  # keep a token to compute
