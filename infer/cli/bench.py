@@ -1,5 +1,6 @@
 """`infer bench`: every valid combination of the --matrix axes over one workload, beside HF baselines
-(`infer bench matrix`, the default), and `infer bench serve`, the online load generator."""
+(`infer bench matrix`, the default), `infer bench accuracy`, what lossy configurations cost in
+perplexity and greedy agreement, and `infer bench serve`, the online load generator."""
 
 from __future__ import annotations
 
@@ -98,10 +99,66 @@ def matrix_command(
     )
 
 
+@click.command("accuracy")
+@engine_options
+@click.option(
+    "--compare",
+    "compares",
+    multiple=True,
+    help="A lossy configuration measured against the baseline (the engine options): FIELD=VALUE[,FIELD=VALUE] "
+    "(repeatable). Default: quantization=fp8, kv_cache_dtype=fp8, and both.",
+)
+@click.option("--windows", type=click.IntRange(min=1), default=16, show_default=True, help="Perplexity windows.")
+@click.option(
+    "--window-tokens",
+    type=click.IntRange(min=2),
+    default=512,
+    show_default=True,
+    help="Tokens per window; each after the first is scored given those before it in its window.",
+)
+@click.option("--prompts", type=click.IntRange(min=1), default=64, show_default=True, help="Greedy prompts.")
+@click.option("--prompt-tokens", type=click.IntRange(min=1), default=32, show_default=True, help="Tokens per prompt.")
+@click.option(
+    "--max-tokens", type=click.IntRange(min=1), default=64, show_default=True, help="Greedy tokens per prompt."
+)
+@click.option(
+    "--json-out",
+    type=click.Path(dir_okay=False, path_type=Path),
+    callback=writable,
+    default=None,
+    help="Write the figures as JSON.",
+)
+@user_errors
+def accuracy_command(
+    compares: tuple[str, ...],
+    windows: int,
+    window_tokens: int,
+    prompts: int,
+    prompt_tokens: int,
+    max_tokens: int,
+    json_out: Path | None,
+    **engine_opts: Any,
+) -> None:
+    """Perplexity and greedy agreement of lossy configurations (FP8 weights, an FP8 KV cache) against the
+    baseline the engine options describe, on chats of the chitchat-dataset package."""
+    from infer.bench.accuracy import run_accuracy
+
+    sizes = dict(
+        windows=windows,
+        window_tokens=window_tokens,
+        prompts=prompts,
+        prompt_tokens=prompt_tokens,
+        max_tokens=max_tokens,
+    )
+    run_accuracy(engine_config(engine_opts), list(compares), sizes, json_out, extra_plugins())
+
+
 @click.group(cls=BenchGroup)
 def bench() -> None:
-    """Benchmarks: strategy combinations in one process (matrix, the default) or a server online (serve)."""
+    """Benchmarks: strategy combinations in one process (matrix, the default), the accuracy of lossy
+    configurations (accuracy), or a server online (serve)."""
 
 
 bench.add_command(matrix_command)
+bench.add_command(accuracy_command)
 bench.add_command(serve)
