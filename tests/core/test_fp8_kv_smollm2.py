@@ -15,7 +15,7 @@ from infer import SamplingParams
 from infer.llm import LLM
 from infer.testing.agreement import forced_agreement, prefix_agreement
 
-pytestmark = pytest.mark.slow  # about a minute and a half on two CPU cores
+pytestmark = pytest.mark.slow  # about 15 s on two CPU cores
 
 PROMPTS = [
     "The capital of France is",
