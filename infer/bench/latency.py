@@ -60,7 +60,7 @@ def gemv_table(bw: float) -> list[dict[str, Any]]:
             row[f"{impl}_us"] = t * 1e6
             row[f"{impl}_tbs"] = n * k * 2 / t / 1e12
             row[f"{impl}_of_copy"] = n * k * 2 / t / bw
-        row["triton_config"] = str(triton_gemv.tuned_tiles().get((n, k, x.dtype, x.dtype, x.device)))
+        row["triton_config"] = str(triton_gemv.tuned_tiles().get((n, k, x.dtype, x.dtype, x.device, 1)))
         rows.append(row)
         print(
             f"{name:8s} {n:6d}x{k:<6d} cuBLAS {row['cublas_us']:7.1f} us {row['cublas_of_copy']:6.1%}   "

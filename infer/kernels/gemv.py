@@ -1,4 +1,4 @@
-"""Matrix-vector product for one-token steps (batch-1 decode), in Triton.
+"""Matrix-vector product for one-token steps (batch-1 decode), and for a few rows, in Triton.
 
 At one token a linear layer is a pure weight stream: y[n] = sum_k W[n, k] x[k] reads every weight
 once and does two FLOPs per weight, so its time is the weight bytes over the memory bandwidth and
@@ -9,18 +9,31 @@ are read once per step, so they are loaded evict-first to keep the activations i
 programmatic dependent (`triton_pdl`), it loads its first weight tile before
 waiting for the kernel that wrote x.
 
-Tile shapes (BLOCK_N, BLOCK_K, num_warps from CANDIDATES) are tuned once per (N, K, dtypes, device)
-at the first call for a shape, which must come before any CUDA graph capture (the engine's warm-up
-makes it; inside a capture it raises): each candidate is timed the way a decode step runs it,
-launched back to back in a CUDA graph over weights that do not fit in L2 (copies of the weight's
-shape when it would), as programmatic dependents when those are on. One tile per shape serves the
-plain, PDL and gated forms, so all give the same bits. Under TRITON_INTERPRET=1 one small tile is
-used. Why not Triton's autotuner, and what was measured: docs/performance.md, "Weight-streaming GEMV".
+FP8 weights (torch.float8_e4m3fn, compute capability 8.9 or newer) stream half the bytes: each
+weight is cast to fp32 as loaded, and each output row's sum is multiplied by its float32 scale in
+the epilogue (y[n] = (sum_k w[n, k] x[k]) * scale[n], rounded once to x's dtype). The scales, like
+the weights, are loaded before the wait.
+
+Up to GEMV_MAX_ROWS rows of x (a small batch, speculative decoding's verify step) share one read
+of the weights: each weight tile meets every row, as fp32 FMAs over [M, BLOCK_N, BLOCK_K], or on
+tensor cores (`Tile.mma`: x padded to 16 rows, the weights cast to x's bf16/fp16, exact from e4m3,
+summed in fp32), whichever the tuner finds faster. M is a constexpr (one compile per row count);
+one row is the one-row kernel as it was, bits included. Rows of an M-row call are not bitwise
+their one-row calls: the sums go in another order.
+
+Tiles (`Tile`: from CANDIDATES; FP8_CANDIDATES too for 1-byte weights, MMA_CANDIDATES for several
+rows) are tuned once per (N, K, dtypes, device, M) at the first call for a shape, which must come
+before any CUDA graph capture (the engine's warm-up makes it; inside a capture it raises): each
+candidate is timed the way a decode step runs it, launched back to back in a CUDA graph over
+weights that do not fit in L2 (copies of the weight's shape when it would), as programmatic
+dependents when those are on. One tile per shape serves the plain, PDL and gated forms, so all
+give the same bits. Under TRITON_INTERPRET=1 one small FMA tile is used. Why not Triton's
+autotuner, and what was measured: docs/performance.md, "Weight-streaming GEMV".
 """
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 import triton
@@ -30,39 +43,57 @@ from infer import env
 from infer.kernels.layers import lamport_push
 from infer.kernels.triton_pdl import kernel_args, wait_and_release
 
+
+class Tile(NamedTuple):
+    """How a call is launched: BLOCK_N rows of W a program, BLOCK_K columns a step, its warps and
+    software-pipeline stages, and `mma`: the rows of x meet the weight tile on tensor cores (tl.dot,
+    x padded to 16 rows; several rows of bf16 or fp16 x) rather than in fp32 FMAs."""
+
+    block_n: int
+    block_k: int
+    num_warps: int
+    num_stages: int = 1
+    mma: bool = False
+
+
 # (BLOCK_N, BLOCK_K, num_warps): few rows and long, coalesced rows of 16-byte loads win at one token;
 # the small tiles serve narrow models (K of a few hundred)
 CANDIDATES = [
-    (1, 512, 1),
-    (1, 512, 2),
-    (1, 1024, 4),
-    (1, 4096, 4),
-    (2, 512, 2),
-    (2, 1024, 4),
-    (2, 2048, 8),
-    (4, 1024, 4),
-    (4, 256, 2),
-    (8, 256, 4),
-    (8, 128, 2),
-    (16, 128, 4),
+    Tile(*t)
+    for t in [(1, 512, 1), (1, 512, 2), (1, 1024, 4), (1, 4096, 4), (2, 512, 2), (2, 1024, 4), (2, 2048, 8)]
+    + [(4, 1024, 4), (4, 256, 2), (8, 256, 4), (8, 128, 2), (16, 128, 4)]
 ]
-INTERPRETER_TILE = (4, 32, 1)
+# an e4m3 row is half a bf16 row's bytes (16 weights a 16-byte load): the same loads in flight take
+# twice the columns, so 1-byte weights also try these
+FP8_CANDIDATES = [
+    Tile(*t) for t in [(1, 1024, 1), (1, 1024, 2), (1, 2048, 4), (1, 8192, 4), (2, 2048, 4), (2, 4096, 8), (4, 2048, 8)]
+]
+# several rows also try tensor cores, weight tiles pipelined through shared memory
+MMA_CANDIDATES = [Tile(n, k, 4, 3, mma=True) for n, k in [(16, 512), (32, 256), (32, 512), (64, 128), (64, 256)]]
+INTERPRETER_TILE = Tile(4, 32, 1)
+GEMV_MAX_ROWS = 8  # rows of x one call takes: each weight tile is read once and used for all of them
 # read once: the kernels below are interpreted or compiled as TRITON_INTERPRET was when they were
 # decorated (at this import), and _tile runs at every launch
 _INTERPRETED = env.triton_interpret()
-_tiles: dict[tuple, tuple[int, int, int]] = {}
+_tiles: dict[tuple, Tile] = {}
 
 
-def _tile(x: torch.Tensor, weight: torch.Tensor, gated: bool) -> tuple[int, int, int]:
+def _tile(x: torch.Tensor, weight: torch.Tensor, gated: bool, scale: torch.Tensor | None = None) -> Tile:
     if _INTERPRETED:
         return INTERPRETER_TILE
-    key = (*weight.shape, weight.dtype, x.dtype, weight.device)
+    key = (*weight.shape, weight.dtype, x.dtype, weight.device, x.shape[0])
     if key not in _tiles:
-        _tiles[key] = _tune(x, weight, gated)
+        _tiles[key] = _tune(x, weight, gated, scale)
     return _tiles[key]
 
 
-def _tune(x: torch.Tensor, weight: torch.Tensor, gated: bool) -> tuple[int, int, int]:
+def _candidates(x: torch.Tensor, weight: torch.Tensor) -> list[Tile]:
+    fp8 = FP8_CANDIDATES if weight.element_size() == 1 else []
+    mma = MMA_CANDIDATES if x.shape[0] > 1 and x.dtype in (torch.bfloat16, torch.float16) else []
+    return CANDIDATES + fp8 + mma
+
+
+def _tune(x: torch.Tensor, weight: torch.Tensor, gated: bool, scale: torch.Tensor | None) -> Tile:
     """The candidate with the least device time per call, calls captured back to back in a graph."""
     from infer.kernels.timing import captured_seconds
 
@@ -74,12 +105,14 @@ def _tune(x: torch.Tensor, weight: torch.Tensor, gated: bool) -> tuple[int, int,
         weights = [weight]
     else:  # copies enough to overflow L2 (their values do not matter to the time)
         weights = list(torch.empty((-(-3 * l2 // weight.nbytes), n, k), dtype=weight.dtype, device=weight.device))
-    y = torch.empty(1, n, dtype=x.dtype, device=x.device)
+    y = torch.empty(x.shape[0], n, dtype=x.dtype, device=x.device)
     times = {}
-    for tile in CANDIDATES:
+    for tile in _candidates(x, weight):
         try:
             times[tile] = captured_seconds(
-                lambda i: _run(x, weights[i % len(weights)], y, gated, tile), calls=max(8, 2 * len(weights)), replays=3
+                lambda i: _run(x, weights[i % len(weights)], y, gated, tile, scale),
+                calls=max(8, 2 * len(weights)),
+                replays=3,
             )
         except triton.runtime.errors.OutOfResources:  # a tile this GPU cannot hold
             continue
@@ -88,8 +121,9 @@ def _tune(x: torch.Tensor, weight: torch.Tensor, gated: bool) -> tuple[int, int,
 
 @triton.jit
 def _load_x(x_ptr, cols, col_ok, K, GATED: tl.constexpr):
-    """x[cols] in fp32; GATED: x is [gate | up] (2K wide) and the input is SiLU(gate) * up, rounded
-    to x's dtype as `triton_layers.silu_and_mul` rounds it (so both paths give the same bits)."""
+    """x[cols] in fp32 (x_ptr and cols may be blocks: [M, 1] row starts and [1, BLOCK_K]); GATED: x is
+    [gate | up] (2K wide) and the input is SiLU(gate) * up, rounded to x's dtype as
+    `triton_layers.silu_and_mul` rounds it (so both paths give the same bits)."""
     if GATED:
         gate = tl.load(x_ptr + cols, mask=col_ok, other=0.0).to(tl.float32)
         up = tl.load(x_ptr + K + cols, mask=col_ok, other=0.0)
@@ -108,25 +142,89 @@ def _load_w(w_rows, k0, K, BLOCK_K: tl.constexpr):
 
 @triton.jit
 def _tile_product(w, x_ptr, k0, K, BLOCK_K: tl.constexpr, GATED: tl.constexpr):
+    """One row of x: [BLOCK_N, BLOCK_K] products w * x."""
     cols = k0 + tl.arange(0, BLOCK_K)
     return w.to(tl.float32) * _load_x(x_ptr, cols, cols < K, K, GATED)[None, :]
+
+
+@triton.jit
+def _tile_products(w, x_rows, k0, K, BLOCK_K: tl.constexpr, GATED: tl.constexpr):
+    """Every row of x ([BLOCK_M, 1] row starts): [BLOCK_M, BLOCK_N, BLOCK_K] products w * x."""
+    cols = (k0 + tl.arange(0, BLOCK_K))[None, :]
+    x = _load_x(x_rows, cols, cols < K, K, GATED)
+    return w.to(tl.float32)[None, :, :] * x[:, None, :]
+
+
+@triton.jit
+def _mma_sums(w, w_rows, x_rows, K, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GATED: tl.constexpr):
+    """[BLOCK_N, 16] sums of the weight rows with 16 rows of x ([16, 1] row starts) on tensor cores:
+    the weights cast to x's dtype (exact from e4m3), the products summed in fp32."""
+    dtype = x_rows.dtype.element_ty
+    cols = tl.arange(0, BLOCK_K)[None, :]
+    acc = tl.zeros([BLOCK_N, 16], dtype=tl.float32)
+    acc = tl.dot(w.to(dtype), tl.trans(_load_x(x_rows, cols, cols < K, K, GATED).to(dtype)), acc)
+    for k0 in range(BLOCK_K, K, BLOCK_K):
+        x = _load_x(x_rows, k0 + cols, k0 + cols < K, K, GATED).to(dtype)
+        acc = tl.dot(_load_w(w_rows, k0, K, BLOCK_K).to(dtype), tl.trans(x), acc)
+    return acc
+
+
+@triton.jit
+def _row_sums(
+    w,
+    w_rows,
+    x_ptr,
+    stride_x,
+    K,
+    M: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    GATED: tl.constexpr,
+    MMA: tl.constexpr,
+):
+    """sum_k w[n, k] x[m, k] in fp32, the weight tile `w` at k = 0 already loaded: [BLOCK_N] for one
+    row of x (the one-row kernel's order of operations, so its bits), else [BLOCK_M, BLOCK_N], on
+    tensor cores (MMA, BLOCK_M 16) or in FMAs."""
+    if M == 1:
+        acc = _tile_product(w, x_ptr, 0, K, BLOCK_K, GATED)
+        for k0 in range(BLOCK_K, K, BLOCK_K):
+            acc += _tile_product(_load_w(w_rows, k0, K, BLOCK_K), x_ptr, k0, K, BLOCK_K, GATED)
+        sums = tl.sum(acc, axis=1)
+    else:
+        m = tl.arange(0, BLOCK_M)
+        x_rows = x_ptr + tl.where(m < M, m, 0)[:, None] * stride_x  # padding rows re-read row 0, never stored
+        if MMA:
+            sums = tl.trans(_mma_sums(w, w_rows, x_rows, K, BLOCK_N, BLOCK_K, GATED))
+        else:
+            acc = _tile_products(w, x_rows, 0, K, BLOCK_K, GATED)
+            for k0 in range(BLOCK_K, K, BLOCK_K):
+                acc += _tile_products(_load_w(w_rows, k0, K, BLOCK_K), x_rows, k0, K, BLOCK_K, GATED)
+            sums = tl.sum(acc, axis=2)
+    return sums
 
 
 @triton.jit
 def _gemv_kernel(
     x_ptr,
     w_ptr,
+    scale_ptr,  # SCALED: float32 [N], output row n's scale
     y_ptr,
     peers_ptr,
     N,
     K,
+    stride_x,
     stride_w,
     part_offset,
+    M: tl.constexpr,  # rows of x and y
+    BLOCK_M: tl.constexpr,  # M rounded up to a power of two, 16 with MMA
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
     USE_PDL: tl.constexpr,
     GATED: tl.constexpr,
-    PEERS: tl.constexpr,
+    PEERS: tl.constexpr,  # push targets (M == 1 only)
+    SCALED: tl.constexpr,  # the weight is e4m3 (cast to fp32 as loaded): the sums times scale
+    MMA: tl.constexpr,  # M > 1 rows on tensor cores (`Tile.mma`)
 ):
     rows = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     row_ok = rows < N
@@ -134,42 +232,65 @@ def _gemv_kernel(
     w_rows = w_ptr + rows[:, None].to(tl.int64) * stride_w
     # the weights are no kernel's output: the first tile's loads go out before the wait for the kernel
     # before (under PDL, while it finishes), and only x waits for it. One tile ahead, not more
-    # (docs/performance.md, "Weight-streaming GEMV").
+    # (docs/performance.md, "Weight-streaming GEMV"). The scales are weights too.
     w = _load_w(w_rows, 0, K, BLOCK_K)
+    if SCALED:
+        scale = tl.load(scale_ptr + rows)
     wait_and_release(USE_PDL)
-    acc = _tile_product(w, x_ptr, 0, K, BLOCK_K, GATED)
-    for k0 in range(BLOCK_K, K, BLOCK_K):
-        acc += _tile_product(_load_w(w_rows, k0, K, BLOCK_K), x_ptr, k0, K, BLOCK_K, GATED)
-    y = tl.sum(acc, axis=1).to(y_ptr.dtype.element_ty)
-    if PEERS == 0:
+    y = _row_sums(w, w_rows, x_ptr, stride_x, K, M, BLOCK_M, BLOCK_N, BLOCK_K, GATED, MMA)
+    if SCALED:
+        y = y * scale
+    y = y.to(y_ptr.dtype.element_ty)
+    if M > 1:
+        m = tl.arange(0, BLOCK_M)[:, None]
+        tl.store(y_ptr + m * N + rows[None, :], y, mask=(m < M) & row_ok[None, :])
+    elif PEERS == 0:
         tl.store(y_ptr + rows, y, mask=row_ok)
     else:  # a tensor-parallel partial sum, pushed into every rank's exchange slot (`push`)
         lamport_push(peers_ptr, part_offset, rows, y, row_ok, PEERS)
 
 
-def gemv(x: torch.Tensor, weight: torch.Tensor, push: Any = None) -> torch.Tensor:
-    """x [1, K] @ weight[N, K].T -> [1, N] in x's dtype (fp32 accumulation). With PDL on, `weight`
-    is read before the kernel just before has finished: it must be no output of that kernel (model
-    weights never are). `push`: see `_launch`."""
-    assert x.dim() == 2 and x.shape[0] == 1, f"gemv takes one row, got {tuple(x.shape)}"
-    assert x.shape[1] == weight.shape[1] and weight.stride(1) == 1, "weight must be [N, K] with contiguous rows"
-    return _launch(x, weight, gated=False, push=push)
-
-
-def gemv_silu_mul(h: torch.Tensor, weight: torch.Tensor, push: Any = None) -> torch.Tensor:
-    """(SiLU(gate) * up) @ weight.T for one row h = [gate | up] ([1, 2K]) and weight [N, K]: the MLP's
-    activation read inside its down projection's GEMV, one kernel instead of two (the same bits as
-    `gemv(silu_and_mul(h), weight)`)."""
-    assert h.dim() == 2 and h.shape[0] == 1, f"gemv_silu_mul takes one row, got {tuple(h.shape)}"
-    assert h.shape[1] == 2 * weight.shape[1] and weight.stride(1) == 1, (
-        "h must be [1, 2K] and weight [N, K] with contiguous rows"
+def gemv(x: torch.Tensor, weight: torch.Tensor, push: Any = None, scale: torch.Tensor | None = None) -> torch.Tensor:
+    """x [M, K] @ weight[N, K].T -> [M, N] in x's dtype (fp32 accumulation), 1 <= M <= GEMV_MAX_ROWS:
+    the weights are read once for all rows. An e4m3 weight (torch.float8_e4m3fn, compute capability
+    8.9 or newer) takes `scale`, float32 [N]: y[m, n] = (sum_k w[n, k] x[m, k]) * scale[n], rounded
+    once. With PDL on, `weight` and `scale` are read before the kernel just before has finished: they
+    must be no output of that kernel (model weights never are). `push` (one row only): see `_launch`."""
+    assert x.dim() == 2 and 1 <= x.shape[0] <= GEMV_MAX_ROWS, (
+        f"gemv takes 1 to {GEMV_MAX_ROWS} rows, got {tuple(x.shape)}"
     )
-    return _launch(h, weight, gated=True, push=push)
+    assert x.shape[1] == weight.shape[1] and weight.stride(1) == 1, "weight must be [N, K] with contiguous rows"
+    return _launch(x, weight, gated=False, push=push, scale=scale)
 
 
-def tuned_tiles() -> dict[tuple, tuple[int, int, int]]:
-    """The tiles tuned so far in this process: (N, K, weight dtype, x dtype, device) -> (BLOCK_N,
-    BLOCK_K, num_warps), a copy. Empty under TRITON_INTERPRET=1, which uses one small tile."""
+def gemv_silu_mul(
+    h: torch.Tensor, weight: torch.Tensor, push: Any = None, scale: torch.Tensor | None = None
+) -> torch.Tensor:
+    """(SiLU(gate) * up) @ weight.T for rows h = [gate | up] ([M, 2K], 1 <= M <= GEMV_MAX_ROWS) and
+    weight [N, K]: the MLP's activation read inside its down projection's GEMV, one kernel instead of
+    two (the same bits as `gemv(silu_and_mul(h), weight)`). `scale` and `push` as in `gemv`."""
+    assert h.dim() == 2 and 1 <= h.shape[0] <= GEMV_MAX_ROWS, (
+        f"gemv_silu_mul takes 1 to {GEMV_MAX_ROWS} rows, got {tuple(h.shape)}"
+    )
+    assert h.shape[1] == 2 * weight.shape[1] and weight.stride(1) == 1, (
+        "h must be [M, 2K] and weight [N, K] with contiguous rows"
+    )
+    return _launch(h, weight, gated=True, push=push, scale=scale)
+
+
+def _check_scale(weight: torch.Tensor, scale: torch.Tensor | None) -> None:
+    if weight.dtype != torch.float8_e4m3fn:
+        assert scale is None, f"scale is for float8_e4m3fn weights; a {weight.dtype} weight takes none: drop it"
+        return
+    assert scale is not None, "a float8_e4m3fn weight [N, K] takes its per-row scale: pass scale, float32 [N]"
+    assert scale.dtype == torch.float32 and scale.shape == weight.shape[:1] and scale.stride(0) == 1, (
+        f"scale must be a contiguous float32 [N] = [{weight.shape[0]}], got {scale.dtype} {tuple(scale.shape)}"
+    )
+
+
+def tuned_tiles() -> dict[tuple, Tile]:
+    """The tiles tuned so far in this process: (N, K, weight dtype, x dtype, device, M) -> `Tile`, a
+    copy. Empty under TRITON_INTERPRET=1, which uses one small tile."""
     return dict(_tiles)
 
 
@@ -177,69 +298,73 @@ def run_tile(
     x: torch.Tensor,
     weight: torch.Tensor,
     y: torch.Tensor,
-    tile: tuple[int, int, int],
-    num_stages: int = 1,
+    tile: tuple,
+    num_stages: int | None = None,
     pdl: bool = False,
+    scale: torch.Tensor | None = None,
 ) -> None:
-    """y = x @ weight.T with a given tile (BLOCK_N, BLOCK_K, num_warps) and software-pipeline depth,
-    launched as a programmatic dependent when `pdl` (whatever `INFER_PDL` says): one launch for tile
-    sweeps (`infer.bench.gemv_sweep`). x [1, K], weight [N, K] with contiguous rows, y [1, N]."""
-    n, k = weight.shape
-    block_n, block_k, warps = tile
-    _gemv_kernel[(triton.cdiv(n, block_n),)](
-        x,
-        weight,
-        y,
-        y,
-        n,
-        k,
-        weight.stride(0),
-        0,
-        BLOCK_N=block_n,
-        BLOCK_K=block_k,
-        GATED=False,
-        PEERS=0,
-        num_warps=warps,
-        num_stages=num_stages,
-        **({"USE_PDL": True, "launch_pdl": True} if pdl else {"USE_PDL": False}),
-    )
+    """y = x @ weight.T with a given tile (a `Tile`, or its first fields: (BLOCK_N, BLOCK_K,
+    num_warps)), its software-pipeline depth replaced by `num_stages` if given, launched as a
+    programmatic dependent when `pdl` (whatever `INFER_PDL` says): one launch for tile sweeps
+    (`infer.bench.gemv_sweep`). x [M, K] contiguous, weight [N, K] with contiguous rows (e4m3 with
+    its `scale` as in `gemv`), y [M, N] contiguous."""
+    _check_scale(weight, scale)
+    tile = Tile(*tile) if num_stages is None else Tile(*tile)._replace(num_stages=num_stages)
+    assert not tile.mma or x.dtype in (torch.bfloat16, torch.float16), "an MMA tile takes bf16 or fp16 x"
+    launch = {"USE_PDL": True, "launch_pdl": True} if pdl else {"USE_PDL": False}
+    _run(x, weight, y, False, tile, scale, launch=launch)
 
 
-def _launch(x: torch.Tensor, weight: torch.Tensor, gated: bool, push: Any) -> torch.Tensor:
+def _launch(x: torch.Tensor, weight: torch.Tensor, gated: bool, push: Any, scale: torch.Tensor | None) -> torch.Tensor:
     """`push`: a tensor-parallel exchange's target (`infer.distributed.all_reduce.lamport.PushTarget`): the result, this
     rank's partial sum, is stored into every rank's slot for it (peer memory) and returned as the
     view of this rank's own copy, which the exchange then sums (`infer.distributed.layers.reduce_add_norm`) and
     resets: the view holds the partial sum until then."""
+    _check_scale(weight, scale)
     x = x.contiguous()
     if push is None:
-        y = torch.empty(1, weight.shape[0], dtype=x.dtype, device=x.device)
+        y = torch.empty(x.shape[0], weight.shape[0], dtype=x.dtype, device=x.device)
     else:
         y = push.local
+        assert x.shape[0] == 1, f"a pushed partial sum is one row's, got {x.shape[0]} rows"
         assert y.shape == (1, weight.shape[0]) and y.dtype == x.dtype, "the push target is one row of the output"
-    _run(x, weight, y, gated, _tile(x, weight, gated), push)
+    _run(x, weight, y, gated, _tile(x, weight, gated, scale), scale, push)
     return y
 
 
 def _run(
-    x: torch.Tensor, weight: torch.Tensor, y: torch.Tensor, gated: bool, tile: tuple[int, int, int], push: Any = None
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    y: torch.Tensor,
+    gated: bool,
+    tile: Tile,
+    scale: torch.Tensor | None,
+    push: Any = None,
+    launch: dict[str, Any] | None = None,  # the PDL keywords, if not `kernel_args`'
 ) -> None:
     n, k = weight.shape
-    block_n, block_k, warps = tile
+    mma = tile.mma and x.shape[0] > 1  # one row takes the FMA kernel whatever the tile
     peers, offset = (y, 0) if push is None else (push.peers, push.offset)
-    _gemv_kernel[(triton.cdiv(n, block_n),)](
+    _gemv_kernel[(triton.cdiv(n, tile.block_n),)](
         x,
         weight,
+        y if scale is None else scale,
         y,
         peers,
         n,
         k,
+        x.stride(0),
         weight.stride(0),
         offset,
-        BLOCK_N=block_n,
-        BLOCK_K=block_k,
+        M=x.shape[0],
+        BLOCK_M=16 if mma else triton.next_power_of_2(x.shape[0]),
+        BLOCK_N=tile.block_n,
+        BLOCK_K=tile.block_k,
         GATED=gated,
         PEERS=0 if push is None else len(push.peers),
-        num_warps=warps,
-        num_stages=1,
-        **kernel_args(x.device),
+        SCALED=scale is not None,
+        MMA=mma,
+        num_warps=tile.num_warps,
+        num_stages=tile.num_stages,
+        **(kernel_args(x.device) if launch is None else launch),
     )

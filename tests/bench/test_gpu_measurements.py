@@ -13,7 +13,17 @@ import pytest
 
 from infer.bench.engines import decode_graph
 
-MODULES = ["allreduce", "features", "gemv_sweep", "latency", "memory", "pdl", "tensor_parallel", "throughput"]
+MODULES = [
+    "allreduce",
+    "features",
+    "gemv_rows",
+    "gemv_sweep",
+    "latency",
+    "memory",
+    "pdl",
+    "tensor_parallel",
+    "throughput",
+]
 REPO = Path(__file__).resolve().parents[2]
 
 

@@ -66,7 +66,7 @@ def test_gemv_tile_is_tuned_once_per_shape_before_any_capture():
     w = torch.randn(768, 1536, device="cuda", dtype=torch.bfloat16)
     x = torch.randn(1, 1536, device="cuda", dtype=torch.bfloat16)
     triton_gemv.gemv(x, w)
-    key = (768, 1536, torch.bfloat16, torch.bfloat16, w.device)
+    key = (768, 1536, torch.bfloat16, torch.bfloat16, w.device, 1)
     tile = triton_gemv._tiles[key]
     assert tile in triton_gemv.CANDIDATES
     triton_gemv.gemv(x, w)

@@ -1,0 +1,128 @@
+"""The GEMV compiled on a GPU at Llama-3-8B's weight shapes: e4m3 weights over 1 to 8 rows of x
+against the dequantized reference x.float() @ (w.float() * scale[:, None]).T rounded to bf16, bf16
+weights over several rows, and one bf16 row with the bits of the one-row kernel it grew from.
+Run: `pytest -m gpu tests/gpu/test_gemv_gpu.py`."""
+
+import importlib.util
+import os
+from pathlib import Path
+
+import pytest
+import torch
+
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device"),
+    pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") == "1", reason="TRITON_INTERPRET=1 interprets the kernels"),
+]
+pytest.importorskip("triton")
+needs_e4m3 = pytest.mark.skipif(
+    torch.cuda.is_available() and torch.cuda.get_device_capability() < (8, 9), reason="e4m3 needs sm_89+"
+)
+
+QKV, GATE_UP, DOWN = (6144, 4096), (28672, 4096), (4096, 14336)  # (N, K)
+ROWS = (1, 2, 4, 8)
+BF16_ULP = 2**-7
+
+
+def quantize_rows(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """w [N, K] as e4m3 [N, K] and a float32 scale [N]: each row's largest |w| becomes e4m3's 448."""
+    scale = w.float().abs().amax(dim=1).clamp(min=1e-12) / 448.0
+    return (w.float() / scale[:, None]).to(torch.float8_e4m3fn), scale
+
+
+def reference(x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    return (x.float() @ (w.float() * scale[:, None]).T).to(x.dtype)
+
+
+def assert_close(got: torch.Tensor, x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor | None = None) -> None:
+    """got against `reference`. The two fp32 sums differ in their order (and where the scale
+    multiplies; on tensor cores, whose fp32 accumulation does not round each add as IEEE does, in
+    more): by a small multiple of fp32's eps (2^-23) times the sum of |terms|. That moves the
+    rounding to bf16 by one ulp at most (rtol), or a result near zero by that much (atol, 8 eps)."""
+    scale = torch.ones(w.shape[0], device=w.device) if scale is None else scale
+    magnitude = (x.float().abs() @ (w.float().abs() * scale[:, None]).T).max().item()
+    torch.testing.assert_close(got, reference(x, w, scale), atol=2**-20 * magnitude, rtol=BF16_ULP)
+
+
+def one_row_gemv():
+    """tests/kernels/gemv_one_row.py: the one-row kernel before several rows and FP8 weights."""
+    path = Path(__file__).resolve().parents[1] / "kernels" / "gemv_one_row.py"
+    spec = importlib.util.spec_from_file_location("gemv_one_row", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module.one_row_gemv
+
+
+@needs_e4m3
+@pytest.mark.parametrize("n,k", [QKV, GATE_UP])
+def test_fp8_rows_are_the_dequantized_product(n, k):
+    from infer.kernels import gemv as triton_gemv
+
+    torch.manual_seed(0)
+    w8, scale = quantize_rows(torch.randn(n, k, device="cuda") / k**0.5)
+    for rows in ROWS:
+        x = torch.randn(rows, k, device="cuda", dtype=torch.bfloat16)
+        assert_close(triton_gemv.gemv(x, w8, scale=scale), x, w8, scale)
+    for rows in ROWS:  # a tile tuned for each row count, among the candidates for 1-byte weights
+        tile = triton_gemv.tuned_tiles()[(n, k, torch.float8_e4m3fn, torch.bfloat16, w8.device, rows)]
+        mma = triton_gemv.MMA_CANDIDATES if rows > 1 else []
+        assert tile in triton_gemv.CANDIDATES + triton_gemv.FP8_CANDIDATES + mma
+
+
+@needs_e4m3
+def test_fp8_down_projection_reads_silu_and_mul_inside():
+    from infer.kernels import gemv as triton_gemv
+    from infer.kernels import layers as tl_layers
+
+    n, k = DOWN
+    torch.manual_seed(1)
+    w8, scale = quantize_rows(torch.randn(n, k, device="cuda") / k**0.5)
+    for rows in ROWS:
+        h = torch.randn(rows, 2 * k, device="cuda", dtype=torch.bfloat16)
+        act = tl_layers.silu_and_mul(h)
+        got = triton_gemv.gemv_silu_mul(h, w8, scale=scale)
+        assert torch.equal(got, triton_gemv.gemv(act, w8, scale=scale))
+        assert_close(got, act, w8, scale)
+
+
+@pytest.mark.parametrize("n,k", [QKV, DOWN])
+def test_bf16_rows_are_the_product(n, k):
+    from infer.kernels.gemv import gemv
+
+    torch.manual_seed(2)
+    w = (torch.randn(n, k, device="cuda") / k**0.5).to(torch.bfloat16)
+    for rows in (2, 5, 8):
+        x = torch.randn(rows, k, device="cuda", dtype=torch.bfloat16)
+        assert_close(gemv(x, w), x, w)
+
+
+@pytest.mark.parametrize("mma", [False, True])
+@pytest.mark.parametrize("kind", ["bf16", pytest.param("fp8", marks=needs_e4m3)])
+def test_rows_on_either_kernel(kind, mma):
+    """Several rows on tensor cores and in FMAs, whichever the tuner picks at these shapes."""
+    from infer.kernels import gemv as triton_gemv
+
+    n, k = QKV
+    torch.manual_seed(4)
+    w = torch.randn(n, k, device="cuda") / k**0.5
+    w, scale = quantize_rows(w) if kind == "fp8" else (w.to(torch.bfloat16), None)
+    tile = triton_gemv.Tile(64, 256, 4, 3, mma=True) if mma else triton_gemv.Tile(2, 1024, 4)
+    for rows in (2, 5, 8):
+        x = torch.randn(rows, k, device="cuda", dtype=torch.bfloat16)
+        y = torch.empty(rows, n, device="cuda", dtype=torch.bfloat16)
+        triton_gemv.run_tile(x, w, y, tile, scale=scale)
+        assert_close(y, x, w, scale)
+
+
+@pytest.mark.parametrize("gated", [False, True])
+@pytest.mark.parametrize("n,k", [QKV, DOWN])
+def test_one_bf16_row_gives_the_one_row_kernels_bits(n, k, gated):
+    from infer.kernels import gemv as triton_gemv
+
+    torch.manual_seed(3)
+    w = (torch.randn(n, k, device="cuda") / k**0.5).to(torch.bfloat16)
+    x = torch.randn(1, 2 * k if gated else k, device="cuda", dtype=torch.bfloat16)
+    got = (triton_gemv.gemv_silu_mul if gated else triton_gemv.gemv)(x, w)
+    tile = triton_gemv.tuned_tiles()[(n, k, w.dtype, x.dtype, w.device, 1)]
+    assert torch.equal(got.view(torch.int16), one_row_gemv()(x, w, tile, gated).view(torch.int16))
