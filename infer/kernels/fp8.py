@@ -105,7 +105,6 @@ def rms_norm_fp8(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: to
     q, scale = _outputs(rows, n, x.device)
     res_out = torch.empty_like(x) if residual is not None else x  # without a residual: its dtype only
     if rows:
-        # rms_norm's launch (its block and default warps): the same sum of squares, so the same bits
         _rms_norm_fp8_kernel[(rows,)](
             x,
             residual.contiguous() if residual is not None else x,

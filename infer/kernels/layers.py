@@ -56,8 +56,13 @@ def add_norm(
         x = x.to(res_out_ptr.dtype.element_ty)  # the eager layer adds in the activation dtype
         tl.store(res_out_ptr + cols, x, mask=mask)
         x = x.to(tl.float32)
+    # the sum of squares in float64, rounded once to float32: whatever order the compiler sums in (a
+    # kernel that stores e4m3 lays the row out unlike one that stores 16 bits), the sums differ by float64
+    # ulps and round alike but in the rare row where a float32 midpoint falls between them
+    x2 = x.to(tl.float64) * x.to(tl.float64)
+    mean = tl.sum(x2, axis=0).to(tl.float32) / N
     # match the eager layer: normalise in fp32, cast to the activation dtype, then scale
-    normed = (x * tl.rsqrt(tl.sum(x * x, axis=0) / N + eps)).to(res_out_ptr.dtype.element_ty)
+    normed = (x * tl.rsqrt(mean + eps)).to(res_out_ptr.dtype.element_ty)
     # w * normed rounded once, as the eager layer's product (an fp32 product of two 16-bit floats is exact;
     # multiplied in bfloat16 Triton's interpreter gets it wrong)
     w = tl.load(w_ptr + cols, mask=mask, other=0.0).to(tl.float32)
