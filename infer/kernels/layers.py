@@ -35,6 +35,41 @@ def _rms_norm_kernel(
 
 
 @triton.jit
+def add_norm(
+    x,
+    res_ptr,
+    w_ptr,
+    res_out_ptr,
+    eps,
+    cols,
+    mask,
+    N: tl.constexpr,
+    HAS_RESIDUAL: tl.constexpr,
+    STORE_X: tl.constexpr = False,
+):
+    """One row's RMSNorm(x + residual) * w (x fp32), rounded to the activation dtype (res_out_ptr's),
+    0 in masked columns; stores x + residual at res_out_ptr. Without a residual, STORE_X stores x
+    itself (rounded) as the residual out. The fused FP8 norm (`infer.kernels.fp8`) takes it too."""
+    if HAS_RESIDUAL:
+        x += tl.load(res_ptr + cols, mask=mask, other=0.0).to(tl.float32)
+    if HAS_RESIDUAL or STORE_X:
+        x = x.to(res_out_ptr.dtype.element_ty)  # the eager layer adds in the activation dtype
+        tl.store(res_out_ptr + cols, x, mask=mask)
+        x = x.to(tl.float32)
+    # the sum of squares in float64, rounded once to float32: whatever order the compiler sums in (a
+    # kernel that stores e4m3 lays the row out unlike one that stores 16 bits), the sums differ by float64
+    # ulps and round alike but in the rare row where a float32 midpoint falls between them
+    x2 = x.to(tl.float64) * x.to(tl.float64)
+    mean = tl.sum(x2, axis=0).to(tl.float32) / N
+    # match the eager layer: normalise in fp32, cast to the activation dtype, then scale
+    normed = (x * tl.rsqrt(mean + eps)).to(res_out_ptr.dtype.element_ty)
+    # w * normed rounded once, as the eager layer's product (an fp32 product of two 16-bit floats is exact;
+    # multiplied in bfloat16 Triton's interpreter gets it wrong)
+    w = tl.load(w_ptr + cols, mask=mask, other=0.0).to(tl.float32)
+    return (w * normed.to(tl.float32)).to(res_out_ptr.dtype.element_ty)
+
+
+@triton.jit
 def _add_norm_store(
     x,
     res_ptr,
@@ -48,20 +83,9 @@ def _add_norm_store(
     HAS_RESIDUAL: tl.constexpr,
     STORE_X: tl.constexpr = False,
 ):
-    """One row's RMSNorm(x + residual) * w and x + residual (x fp32), stored in the activation dtype.
-    Without a residual, STORE_X stores x itself (rounded) as the residual out."""
-    if HAS_RESIDUAL:
-        x += tl.load(res_ptr + cols, mask=mask, other=0.0).to(tl.float32)
-    if HAS_RESIDUAL or STORE_X:
-        x = x.to(res_out_ptr.dtype.element_ty)  # the eager layer adds in the activation dtype
-        tl.store(res_out_ptr + cols, x, mask=mask)
-        x = x.to(tl.float32)
-    # match the eager layer: normalise in fp32, cast to the activation dtype, then scale
-    normed = (x * tl.rsqrt(tl.sum(x * x, axis=0) / N + eps)).to(out_ptr.dtype.element_ty)
-    # w * normed rounded once, as the eager layer's product (an fp32 product of two 16-bit floats is exact;
-    # multiplied in bfloat16 Triton's interpreter gets it wrong)
-    w = tl.load(w_ptr + cols, mask=mask, other=0.0).to(tl.float32)
-    tl.store(out_ptr + cols, (w * normed.to(tl.float32)).to(out_ptr.dtype.element_ty), mask=mask)
+    """`add_norm`, its result stored at out_ptr."""
+    y = add_norm(x, res_ptr, w_ptr, res_out_ptr, eps, cols, mask, N, HAS_RESIDUAL, STORE_X)
+    tl.store(out_ptr + cols, y, mask=mask)
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None = None):
@@ -162,6 +186,21 @@ def rotary(positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, cos: torch
 
 
 @triton.jit
+def act_and_mul(gate, up, GELU: tl.constexpr):
+    """act(gate) * up (gate fp32, up in the activation dtype), in the activation dtype: act(gate) is
+    rounded to it first, as the eager layer does, and the product rounded once (an fp32 product of two
+    16-bit floats is exact; multiplied in bfloat16 Triton's interpreter gets it wrong)."""
+    if GELU:  # tanh approximation: 0.5 g (1 + tanh(u)); tanh from exp(-2|u|), which cannot overflow
+        u = 0.7978845608028654 * (gate + 0.044715 * gate * gate * gate)
+        e = tl.exp(-2.0 * tl.abs(u))
+        tanh = (1.0 - e) / (1.0 + e)
+        act = 0.5 * gate * (1.0 + tl.where(u < 0.0, -tanh, tanh))
+    else:
+        act = gate / (1.0 + tl.exp(-gate))
+    return (act.to(up.dtype).to(tl.float32) * up.to(tl.float32)).to(up.dtype)
+
+
+@triton.jit
 def _act_and_mul_kernel(
     x_ptr, out_ptr, N: tl.constexpr, BLOCK: tl.constexpr, GELU: tl.constexpr, USE_PDL: tl.constexpr
 ):
@@ -172,14 +211,7 @@ def _act_and_mul_kernel(
     mask = cols < N
     gate = tl.load(x_ptr + row * 2 * N + cols, mask=mask, other=0.0).to(tl.float32)
     up = tl.load(x_ptr + row * 2 * N + N + cols, mask=mask, other=0.0)
-    if GELU:  # tanh approximation: 0.5 g (1 + tanh(u)); tanh from exp(-2|u|), which cannot overflow
-        u = 0.7978845608028654 * (gate + 0.044715 * gate * gate * gate)
-        e = tl.exp(-2.0 * tl.abs(u))
-        tanh = (1.0 - e) / (1.0 + e)
-        act = 0.5 * gate * (1.0 + tl.where(u < 0.0, -tanh, tanh))
-    else:
-        act = gate / (1.0 + tl.exp(-gate))
-    tl.store(out_ptr + row * N + cols, act.to(out_ptr.dtype.element_ty) * up, mask=mask)
+    tl.store(out_ptr + row * N + cols, act_and_mul(gate, up, GELU), mask=mask)
 
 
 def _act_and_mul(x: torch.Tensor, gelu: bool) -> torch.Tensor:

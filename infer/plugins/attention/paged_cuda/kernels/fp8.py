@@ -1,13 +1,9 @@
-"""What the kernels share about an FP8 (e4m3) KV cache: how a value is stored.
+"""What the kernels share about an FP8 (e4m3) KV cache: how a value is stored, and how one is read.
 
-A write stores clamp(x * (1 / scale), -448, 448) rounded to the nearest e4m3 value, ties to even: the
-bits of `torch.Tensor.to(torch.float8_e4m3fn)` after the same clamp, which is what the `torch` backend
-stores. The rounding is done here in float32 arithmetic, so the cast to e4m3 that follows is exact:
-compiled, Triton's cast (`cvt.rn.satfinite`) rounds the same way, but Triton's interpreter truncates a
-mantissa that rounds up into the next power of two (1.99 becomes 1.0), and CI runs the interpreter.
-A read needs no conversion from here: the decode and prefill kernels cast the loaded e4m3 to their
-dot dtype (exact), fold k_scale into the logits' scale, and multiply the output by v_scale
-(`scale_output`).
+A write stores clamp(x * (1 / scale), -448, 448) rounded to the nearest e4m3 value, ties to even
+(`infer.kernels.e4m3.quantize`): the bits the `torch` backend stores. A read needs no conversion
+from here: the decode and prefill kernels cast the loaded e4m3 to their dot dtype (exact), fold
+k_scale into the logits' scale, and multiply the output by v_scale (`scale_output`).
 """
 
 from __future__ import annotations
@@ -15,33 +11,9 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-E4M3_MAX = tl.constexpr(448.0)
-E4M3_MIN_NORMAL = tl.constexpr(0.015625)  # 2^-6; below it e4m3 is subnormal, in steps of 2^-9
-SIGN_BIT = tl.constexpr(-0x80000000)  # float32's sign bit, as an int32
+from infer.kernels.e4m3 import quantize
 
-
-@triton.jit
-def _round_e4m3(x):
-    """x (float32, |x| <= 448) rounded to the nearest e4m3 value, ties to even, still float32."""
-    # normal: keep 3 of float32's 23 mantissa bits, rounding on the integer bits (a carry moves the exponent)
-    bits = x.to(tl.int32, bitcast=True)
-    bits = (bits + 0x7FFFF + ((bits >> 20) & 1)) & -0x100000
-    normal = bits.to(tl.float32, bitcast=True)
-    # subnormal: a multiple of 2^-9; |x| * 512 < 8 is exact, its integer part and remainder too
-    y = tl.abs(x) * 512.0
-    n = y.to(tl.int32)  # truncation toward zero: the floor of y >= 0
-    rest = y - n.to(tl.float32)
-    n = tl.where((rest > 0.5) | ((rest == 0.5) & ((n & 1) == 1)), n + 1, n)
-    # x's sign bit onto |result|, so that a negative x rounding to zero stays -0.0 as torch stores it
-    # (compiled, `-sub` of a zero is +0.0: the negation is a subtraction from zero)
-    sub = (n.to(tl.float32) * (1.0 / 512.0)).to(tl.int32, bitcast=True) | (bits & SIGN_BIT)
-    return tl.where(tl.abs(x) < E4M3_MIN_NORMAL, sub.to(tl.float32, bitcast=True), normal)
-
-
-@triton.jit
-def quantize(x, scale_inv, dtype: tl.constexpr):
-    """x as an e4m3 `dtype` value standing for x: x * scale_inv, clamped to +-448 and rounded."""
-    return _round_e4m3(tl.clamp(x.to(tl.float32) * scale_inv, -E4M3_MAX, E4M3_MAX)).to(dtype)
+__all__ = ["quantize", "scale_output"]
 
 
 @triton.jit
