@@ -6,15 +6,18 @@ alone, so q, k and v or gate and up fill their rows of the fused projections one
 checkpoint's values and scales load as they are (a per-tensor scale repeated over the tensor's rows).
 
 The product keeps the weights in FP8 and computes in one of two ways, by the number of rows T:
-- T <= WEIGHT_ONLY_ROWS (decode at small batches, speculative verification): the weights are dequantized
-  as they are read and x stays in its dtype: y = (x @ Q.T) * s (W8A16), a weight stream;
-- more rows (prefill, large batches): x too is quantized, with a scale per row (per token), and the product
-  runs in FP8: y = (Qx @ Q.T) * sx * s (W8A8), twice bf16's tensor-core rate.
+- T <= WEIGHT_ONLY_ROWS (batch-1 decode): the weights are dequantized as they are read and x stays in
+  its dtype: y = (x @ Q.T) * s (W8A16), a weight stream;
+- more rows (speculative verification, larger batches, prefill): x too is quantized, with a scale per
+  row (per token), and the product runs in FP8: y = (Qx @ Q.T) * sx * s (W8A8), half bf16's weight
+  bytes and twice its tensor-core rate.
 This module is the reference, in plain torch on any device (float32 products of the dequantized values);
-`FusedFp8Linear` runs the same math in FP8 kernels on CUDA. The LM head keeps the model's dtype.
+`infer.plugins.layers.fp8_fused` runs the same math in FP8 kernels on CUDA. The LM head keeps the model's dtype.
 """
 
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
@@ -22,26 +25,20 @@ from torch import nn
 
 from infer.core.hookspecs import hookimpl
 from infer.core.interfaces import Capabilities
+from infer.kernels.fp8_reference import FP8, FP8_MAX, FP8_MAX_INV, quantize_rows_reference
 
-FP8 = torch.float8_e4m3fn
-FP8_MAX = torch.finfo(FP8).max  # 448
-WEIGHT_ONLY_ROWS = 8  # up to this many rows x stays unquantized (W8A16); more: W8A8
+# one row (batch-1 decode) x stays unquantized (W8A16); more rows: W8A8. At 2-8 rows cuBLAS's FP8 GEMM
+# takes about what the several-row FP8 GEMV does (docs/performance.md), and needs no tile tuned per row count
+WEIGHT_ONLY_ROWS = 1
 
 
 def quantize_weight(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """(Q, s): e4m3 values [N, K] and float32 scales [N] with Q * s[:, None] ~ w, s = amax of the row / 448
-    (1 for a row of zeros); Q = w * (1 / s) in float32, rounded to nearest."""
+    (1 for a row of zeros); Q = w * (1 / s) in float32, rounded to nearest. The same bits on any device."""
     w = w.float()
     amax = w.abs().amax(dim=1)
-    scale = torch.where(amax > 0, amax / FP8_MAX, torch.ones_like(amax))
+    scale = torch.where(amax > 0, amax * FP8_MAX_INV, torch.ones_like(amax))
     return (w * (1.0 / scale)[:, None]).clamp(-FP8_MAX, FP8_MAX).to(FP8), scale
-
-
-def quantize_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Activations per row: (Q [T, K] e4m3, s [T, 1] float32), s = max(amax of the row, 1e-12) / 448."""
-    x = x.float()
-    scale = x.abs().amax(dim=1, keepdim=True).clamp_min(1e-12) / FP8_MAX
-    return (x * (1.0 / scale)).clamp(-FP8_MAX, FP8_MAX).to(FP8), scale
 
 
 class Fp8Linear(nn.Module):
@@ -58,7 +55,7 @@ class Fp8Linear(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         w = self.weight.float() * self.weight_scale[:, None]
         if x.shape[0] > WEIGHT_ONLY_ROWS:
-            q, scale = quantize_rows(x)
+            q, scale = quantize_rows_reference(x)
             y = F.linear(q.float() * scale, w)
         else:
             y = F.linear(x.float(), w)
@@ -83,6 +80,19 @@ class Fp8Linear(nn.Module):
             getattr(self, name)[rows].copy_(tensor)
             return [name]
         return []
+
+
+@dataclass(frozen=True, slots=True)
+class QuantizedRows:
+    """An activation a kernel has already quantized per row for the FP8 product after it."""
+
+    q: torch.Tensor  # [T, K] e4m3
+    scale: torch.Tensor  # [T, 1] float32
+    dtype: torch.dtype  # the activation dtype it stands for (the product's output dtype)
+
+    @property
+    def shape(self) -> torch.Size:
+        return self.q.shape
 
 
 @hookimpl

@@ -37,11 +37,25 @@ CAPS = Capabilities(devices=frozenset({"cuda"}), priority=10, available=_triton_
 
 class FusedRMSNorm(plain.RMSNorm):
     capabilities = CAPS
+    # set by a model whose projection after this norm takes FP8 input (`FusedFp8Linear`): for more rows
+    # than this the norm stores its output quantized per row (`QuantizedRows`), in the same kernel
+    quantize_above: int | None = None
 
     def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None) -> Any:
+        if self.quantize_above is not None and x.shape[0] > self.quantize_above:
+            return self._quantized(x, residual)
         from infer.kernels.layers import rms_norm
 
         return rms_norm(x, self.weight, self.eps, residual)
+
+    def _quantized(self, x: torch.Tensor, residual: torch.Tensor | None) -> Any:
+        from infer.kernels.fp8 import rms_norm_fp8
+        from infer.plugins.layers.fp8 import QuantizedRows
+
+        out = rms_norm_fp8(x, self.weight, self.eps, residual)
+        if residual is None:
+            return QuantizedRows(*out, x.dtype)
+        return QuantizedRows(*out[0], x.dtype), out[1]
 
 
 class FusedRotaryEmbedding(plain.RotaryEmbedding):

@@ -176,8 +176,10 @@ class MLP(nn.Module):
         if getattr(layers, kind) is None:
             raise ModelLoadError(f"the model's MLP needs a {kind} layer and the layers given have none: add one")
         self.act = getattr(layers, kind)()
-        # an activation that can apply itself inside the down projection's matmul (one kernel)
+        # an activation that can apply itself inside the down projection's matmul (one kernel), or a
+        # projection that applies it to its input itself (a quantized one, as it quantizes it: `gated`)
         self.fused_down = isinstance(self.act, FusingActivation) and bool(self.act.fuses_with(self.down_proj))
+        self.gated_down = getattr(self.down_proj, "fuses_activation", None) == kind
         self.row_parallel = parallel is not None
 
     @property
@@ -186,6 +188,8 @@ class MLP(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         h = self.gate_up_proj(x)
+        if self.gated_down:
+            return self.down_proj.gated(h)
         if self.fused_down:
             if self.row_parallel:  # through the shard's forward, which may push its partial sum
                 return self.down_proj(h, matmul=self.act.down)
@@ -214,6 +218,8 @@ class DecoderLayer(nn.Module):
         self.post_attention_layernorm = layers.rms_norm(config.hidden_size, config.rms_norm_eps)
         # tensor parallel: o_proj and down_proj return partial sums, which the next residual add and
         # norm sum first (one all-reduce, fused with them where it can be)
+        quantize_inputs(self.input_layernorm, self.self_attn.qkv_proj)
+        quantize_inputs(self.post_attention_layernorm, self.mlp.gate_up_proj)
         summing = parallel if family.partial_sums else None
         self.add_norm = add_norm_for(summing)
         self.first_norm = first_norm if summing is None else functools.partial(tp.reduce_norm, summing)
@@ -228,6 +234,14 @@ class DecoderLayer(nn.Module):
         x = self.self_attn(positions, x, kv_cache)
         x, residual = self.add_norm(x, residual, self.post_attention_layernorm)
         return self.mlp(x), residual
+
+
+def quantize_inputs(norm: nn.Module, projection: nn.Module) -> None:
+    """Let a norm that can store its output quantized (`quantize_above`) do so for a projection that
+    takes quantized input above some number of rows (`quantized_input_above`: an FP8 linear)."""
+    rows = getattr(projection, "quantized_input_above", None)
+    if rows is not None and hasattr(norm, "quantize_above"):
+        norm.quantize_above = rows
 
 
 def add_norm(x: torch.Tensor, residual: torch.Tensor, norm: nn.Module) -> tuple[torch.Tensor, torch.Tensor]:

@@ -1,6 +1,7 @@
 """FP8 weights (`--quantization fp8`): the layer against its dequantized reference, and whole models loaded
 three ways (a float checkpoint quantized at load, llm-compressor's compressed-tensors layout, the per-tensor
-`fp8` layout) against HF transformers' own model on the dequantized weights."""
+`fp8` layout) against HF transformers' own model on the dequantized weights, its projections' inputs
+quantized per token where the FP8 layer quantizes them (steps of more than WEIGHT_ONLY_ROWS rows)."""
 
 from __future__ import annotations
 
@@ -14,10 +15,11 @@ from safetensors.torch import load_file, save_file
 
 from infer import LLM, SamplingParams
 from infer.core.errors import ConfigError, ModelLoadError, PluginNotFoundError
-from infer.plugins.layers.fp8 import FP8, WEIGHT_ONLY_ROWS, Fp8Linear, quantize_rows, quantize_weight
+from infer.kernels.fp8_reference import quantize_rows_reference as quantize_rows
+from infer.plugins.layers.fp8 import FP8, WEIGHT_ONLY_ROWS, Fp8Linear, quantize_weight
 
 PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
-PROMPTS = [[1, 17, 93, 5], [1, 200, 3], [1, 44, 45, 46, 47, 9], [1, 128]]  # <= 8 tokens: weight-only products
+PROMPTS = [[1, 17, 93, 5], [1, 200, 3], [1, 44, 45, 46, 47, 9], [1, 128]]
 
 
 def test_quantized_weights_round_to_nearest_with_a_scale_per_row():
@@ -33,7 +35,7 @@ def test_quantized_weights_round_to_nearest_with_a_scale_per_row():
     assert ((deq - w).abs() <= w.abs() * 2**-4 + 1e-12)[normal].all()
 
 
-@pytest.mark.parametrize("rows", [1, WEIGHT_ONLY_ROWS, WEIGHT_ONLY_ROWS + 1, 37])
+@pytest.mark.parametrize("rows", [1, WEIGHT_ONLY_ROWS, WEIGHT_ONLY_ROWS + 1, 8, 37])
 def test_the_linear_layer_is_the_product_of_the_dequantized_values(rows):
     torch.manual_seed(0)
     layer = Fp8Linear(40, 24, bias=True)
@@ -115,10 +117,28 @@ def _greedy(llm: LLM, n: int = 12) -> list[list[int]]:
     return [llm.generate([{"prompt_token_ids": p}], sp)[0].outputs[0].token_ids for p in PROMPTS]
 
 
-def _hf_greedy(folder: Path, n: int = 12) -> list[list[int]]:
+def _quantize_inputs(module, args):
+    """HF's projections given what an FP8 layer multiplies: above WEIGHT_ONLY_ROWS rows (prefill) x
+    quantized per token, dequantized; a one-token decode step's x as it is."""
+    x = args[0].reshape(-1, args[0].shape[-1])
+    if x.shape[0] <= WEIGHT_ONLY_ROWS:
+        return None
+    q, scale = quantize_rows(x)
+    return ((q.float() * scale).view_as(args[0]),)
+
+
+def _hf(folder: Path):
     from transformers import AutoModelForCausalLM
 
     model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32)
+    for name, module in model.named_modules():
+        if name.split(".")[-1] in PROJECTIONS:
+            module.register_forward_pre_hook(_quantize_inputs)
+    return model
+
+
+def _hf_greedy(folder: Path, n: int = 12) -> list[list[int]]:
+    model = _hf(folder)
     outs = []
     for p in PROMPTS:
         ids = model.generate(torch.tensor([p]), max_new_tokens=n, min_new_tokens=n, do_sample=False)
@@ -152,25 +172,12 @@ def test_quantizing_at_load_stores_what_an_fp8_checkpoint_stores(tiny_llama_dir,
     assert _greedy(at_load) == _greedy(saved)
 
 
-def _quantize_inputs(module, args):
-    """HF's projections given what an FP8 layer multiplies in prefill: x quantized per token, dequantized."""
-    x = args[0].reshape(-1, args[0].shape[-1])
-    q, scale = quantize_rows(x)
-    return ((q.float() * scale).view_as(args[0]),)
-
-
 def test_a_bf16_scale_checkpoint_and_a_long_prefill_run_as_hf_transformers_does(tiny_llama_dir, tmp_path):
     fp8, dequantized = _checkpoints(tiny_llama_dir, tmp_path, per_tensor=False, scale_dtype=torch.bfloat16)
     assert _greedy(_llm(fp8)) == _hf_greedy(dequantized)
-    # a 40-token prompt quantizes its activations per token in prefill (W8A8): HF's model given the same
-    # quantized inputs at each projection gives the same next-token distribution
-    from transformers import AutoModelForCausalLM
-
+    # a 40-token prompt's next-token distribution, as HF's model given the same quantized inputs
     prompt = [1, *range(100, 139)]
-    hf = AutoModelForCausalLM.from_pretrained(dequantized, dtype=torch.float32)
-    for name, module in hf.named_modules():
-        if name.split(".")[-1] in PROJECTIONS:
-            module.register_forward_pre_hook(_quantize_inputs)
+    hf = _hf(dequantized)
     with torch.no_grad():
         ref = torch.log_softmax(hf(torch.tensor([prompt])).logits[0, -1].double(), -1)
     sp = SamplingParams(max_tokens=1, temperature=0, logprobs=5)
@@ -201,3 +208,30 @@ def test_unknown_conflicting_and_unloadable_quantizations_are_refused(tiny_llama
     blocked = _save(tmp_path / "blocked", tiny_llama_dir, {}, blocks)
     with pytest.raises(ModelLoadError, match=r"scale per \[128, 128\] block"):
         _llm(blocked)
+
+
+@pytest.mark.parametrize("rows", [1, 2, 19])
+def test_the_fused_fp8_layer_runs_the_reference_math_in_its_kernels(rows):
+    """Under Triton's interpreter on the CPU (fp16: it multiplies bf16 wrongly): the GEMV for one row, the
+    norm's and the activation's quantizing kernels and the scaled product for more."""
+    from infer.plugins.layers.fp8_fused import FusedFp8Linear
+    from infer.plugins.layers.fused import FusedRMSNorm
+    from infer.plugins.layers.torch_layers import RMSNorm, SiluAndMul
+
+    torch.manual_seed(0)
+    ref, fused = Fp8Linear(64, 48), FusedFp8Linear(64, 48)
+    w = torch.randn(48, 64)
+    for layer in (ref, fused):
+        layer.load_rows("weight", 0, 48, w)
+    x = torch.randn(rows, 64, dtype=torch.float16)
+    torch.testing.assert_close(fused(x), ref(x), rtol=2e-3, atol=2e-3)  # an fp16 rounding step apart
+    h = torch.randn(rows, 128, dtype=torch.float16)
+    torch.testing.assert_close(fused.gated(h), ref(SiluAndMul()(h)), rtol=2e-3, atol=2e-3)
+    norm = FusedRMSNorm(64, 1e-5).to(torch.float16)
+    norm.quantize_above = fused.quantized_input_above
+    r = torch.randn(rows, 64, dtype=torch.float16)
+    normed, residual = norm(x, r)
+    expected, expected_residual = RMSNorm.forward(norm, x, r)
+    assert torch.equal(residual, expected_residual)
+    assert (rows > WEIGHT_ONLY_ROWS) == (not isinstance(normed, torch.Tensor))  # quantized: `QuantizedRows`
+    torch.testing.assert_close(fused(normed), ref(expected), rtol=2e-3, atol=2e-3)

@@ -1,0 +1,75 @@
+"""FP8 weights on the GPU: the fused layer (GEMV, per-token quantizers, cuBLAS's FP8 GEMM) against the
+plain-torch `Fp8Linear` on the same stored weights, and a model run end to end against the CPU reference."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from infer import LLM, SamplingParams
+from infer.plugins.layers import torch_layers as plain
+from infer.plugins.layers.fp8 import WEIGHT_ONLY_ROWS, Fp8Linear
+
+pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")]
+
+ROWS = [1, 3, WEIGHT_ONLY_ROWS, WEIGHT_ONLY_ROWS + 1, 256, 2048]
+
+
+def _pair(n: int, k: int):
+    from infer.plugins.layers.fp8_fused import FusedFp8Linear
+
+    torch.manual_seed(0)
+    w = torch.randn(n, k, device="cuda") * 0.02
+    ref, fused = Fp8Linear(k, n).cuda(), FusedFp8Linear(k, n).cuda()
+    for layer in (ref, fused):
+        layer.load_rows("weight", 0, n, w)
+    return ref, fused
+
+
+def _close(got: torch.Tensor, expected: torch.Tensor) -> None:
+    # bf16 outputs of float32 sums taken in another order: a bf16 rounding step (2^-8) apart, plus what a
+    # rare activation rounded to the neighbouring e4m3 value moves (W8A8)
+    err = (got.float() - expected.float()).norm() / expected.float().norm()
+    assert err < 1e-2, f"relative error {err:.2e}"
+
+
+@pytest.mark.parametrize("rows", ROWS)
+@pytest.mark.parametrize("n,k", [(6144, 4096), (4096, 14336)])
+def test_the_fused_fp8_linear_is_the_reference_layer(rows, n, k):
+    ref, fused = _pair(n, k)
+    x = torch.randn(rows, k, device="cuda", dtype=torch.bfloat16)
+    _close(fused(x), ref(x))
+
+
+@pytest.mark.parametrize("rows", ROWS)
+def test_the_down_projection_takes_the_gated_activation_and_the_norm_its_quantized_output(rows):
+    from infer.plugins.layers.fused import FusedRMSNorm
+
+    ref, fused = _pair(4096, 14336)
+    h = torch.randn(rows, 2 * 14336, device="cuda", dtype=torch.bfloat16)
+    _close(fused.gated(h), ref(plain.SiluAndMul()(h)))
+    norm = FusedRMSNorm(14336, 1e-5).cuda().to(torch.bfloat16)
+    norm.quantize_above = fused.quantized_input_above
+    x, r = torch.randn(rows, 14336, device="cuda", dtype=torch.bfloat16), torch.randn_like(h[:, :14336])
+    normed, residual = norm(x, r)
+    expected, expected_residual = plain.RMSNorm.forward(norm, x, r)
+    assert torch.equal(residual, expected_residual)
+    _close(fused(normed), ref(expected))
+
+
+def test_an_fp8_model_on_the_gpu_runs_as_the_cpu_reference(tiny_llama_dir):
+    prompts = [{"prompt_token_ids": [1, 17, 93, 5]}, {"prompt_token_ids": [1, *range(100, 139)]}]
+    sp = SamplingParams(max_tokens=1, temperature=0, logprobs=5)
+    kwargs = dict(quantization="fp8", num_kv_blocks=64)
+    gpu = LLM(str(tiny_llama_dir), device="cuda", dtype="bf16", **kwargs).generate(prompts, sp)
+    cpu = LLM(str(tiny_llama_dir), device="cpu", dtype="fp32", **kwargs).generate(prompts, sp)
+    for g, c in zip(gpu, cpu):
+        assert g.outputs[0].token_ids == c.outputs[0].token_ids
+        for token, lp in c.outputs[0].logprobs[0].items():
+            assert abs(g.outputs[0].logprobs[0][token] - lp) < 0.1, token  # bf16 activations against fp32
+    bf16 = LLM(str(tiny_llama_dir), device="cuda", dtype="bf16", **kwargs)
+    eager = LLM(str(tiny_llama_dir), device="cuda", dtype="bf16", cuda_graphs=False, **kwargs)
+    greedy = SamplingParams(max_tokens=16, temperature=0, ignore_eos=True)
+    assert [o.outputs[0].token_ids for o in bf16.generate(prompts, greedy)] == [
+        o.outputs[0].token_ids for o in eager.generate(prompts, greedy)
+    ]
