@@ -78,12 +78,19 @@ _INTERPRETED = env.triton_interpret()
 _tiles: dict[tuple, Tile] = {}
 
 
-def _tile(x: torch.Tensor, weight: torch.Tensor, gated: bool, scale: torch.Tensor | None = None) -> Tile:
+def _tile(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    gated: bool,
+    scale: torch.Tensor | None = None,
+    x_scale: torch.Tensor | None = None,
+    out_dtype: torch.dtype | None = None,
+) -> Tile:
     if _INTERPRETED:
         return INTERPRETER_TILE
     key = (*weight.shape, weight.dtype, x.dtype, weight.device, x.shape[0])
     if key not in _tiles:
-        _tiles[key] = _tune(x, weight, gated, scale)
+        _tiles[key] = _tune(x, weight, gated, scale, x_scale, out_dtype or x.dtype)
     return _tiles[key]
 
 
@@ -93,7 +100,14 @@ def _candidates(x: torch.Tensor, weight: torch.Tensor) -> list[Tile]:
     return CANDIDATES + fp8 + mma
 
 
-def _tune(x: torch.Tensor, weight: torch.Tensor, gated: bool, scale: torch.Tensor | None) -> Tile:
+def _tune(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    gated: bool,
+    scale: torch.Tensor | None,
+    x_scale: torch.Tensor | None = None,
+    out_dtype: torch.dtype | None = None,
+) -> Tile:
     """The candidate with the least device time per call, calls captured back to back in a graph."""
     from infer.kernels.timing import captured_seconds
 
@@ -105,12 +119,12 @@ def _tune(x: torch.Tensor, weight: torch.Tensor, gated: bool, scale: torch.Tenso
         weights = [weight]
     else:  # copies enough to overflow L2 (their values do not matter to the time)
         weights = list(torch.empty((-(-3 * l2 // weight.nbytes), n, k), dtype=weight.dtype, device=weight.device))
-    y = torch.empty(x.shape[0], n, dtype=x.dtype, device=x.device)
+    y = torch.empty(x.shape[0], n, dtype=out_dtype or x.dtype, device=x.device)
     times = {}
     for tile in _candidates(x, weight):
         try:
             times[tile] = captured_seconds(
-                lambda i: _run(x, weights[i % len(weights)], y, gated, tile, scale),
+                lambda i: _run(x, weights[i % len(weights)], y, gated, tile, scale, x_scale=x_scale),
                 calls=max(8, 2 * len(weights)),
                 replays=3,
             )
@@ -209,6 +223,7 @@ def _gemv_kernel(
     x_ptr,
     w_ptr,
     scale_ptr,  # SCALED: float32 [N], output row n's scale
+    x_scale_ptr,  # X_SCALED: float32 [M], x row m's scale (x is e4m3: an activation quantized per row)
     y_ptr,
     peers_ptr,
     N,
@@ -224,6 +239,7 @@ def _gemv_kernel(
     GATED: tl.constexpr,
     PEERS: tl.constexpr,  # push targets (M == 1 only)
     SCALED: tl.constexpr,  # the weight is e4m3 (cast to fp32 as loaded): the sums times scale
+    X_SCALED: tl.constexpr,  # x is e4m3 too: the sums times its row's scale
     MMA: tl.constexpr,  # M > 1 rows on tensor cores (`Tile.mma`)
 ):
     rows = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -240,6 +256,12 @@ def _gemv_kernel(
     y = _row_sums(w, w_rows, x_ptr, stride_x, K, M, BLOCK_M, BLOCK_N, BLOCK_K, GATED, MMA)
     if SCALED:
         y = y * scale
+    if X_SCALED:
+        if M == 1:
+            y = y * tl.load(x_scale_ptr)
+        else:
+            m = tl.arange(0, BLOCK_M)
+            y = y * tl.load(x_scale_ptr + tl.where(m < M, m, 0))[:, None]
     y = y.to(y_ptr.dtype.element_ty)
     if M > 1:
         m = tl.arange(0, BLOCK_M)[:, None]
@@ -250,17 +272,30 @@ def _gemv_kernel(
         lamport_push(peers_ptr, part_offset, rows, y, row_ok, PEERS)
 
 
-def gemv(x: torch.Tensor, weight: torch.Tensor, push: Any = None, scale: torch.Tensor | None = None) -> torch.Tensor:
+def gemv(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    push: Any = None,
+    scale: torch.Tensor | None = None,
+    x_scale: torch.Tensor | None = None,
+    out_dtype: torch.dtype | None = None,
+) -> torch.Tensor:
     """x [M, K] @ weight[N, K].T -> [M, N] in x's dtype (fp32 accumulation), 1 <= M <= GEMV_MAX_ROWS:
     the weights are read once for all rows. An e4m3 weight (torch.float8_e4m3fn, compute capability
     8.9 or newer) takes `scale`, float32 [N]: y[m, n] = (sum_k w[n, k] x[m, k]) * scale[n], rounded
-    once. With PDL on, `weight` and `scale` are read before the kernel just before has finished: they
+    once. An e4m3 x (an activation quantized per row, FMA tiles only) takes `x_scale`, float32 [M, 1],
+    which multiplies row m's sums too, and the output dtype `out_dtype`. With PDL on, `weight` and `scale` are read before the kernel just before has finished: they
     must be no output of that kernel (model weights never are). `push` (one row only): see `_launch`."""
     assert x.dim() == 2 and 1 <= x.shape[0] <= GEMV_MAX_ROWS, (
         f"gemv takes 1 to {GEMV_MAX_ROWS} rows, got {tuple(x.shape)}"
     )
     assert x.shape[1] == weight.shape[1] and weight.stride(1) == 1, "weight must be [N, K] with contiguous rows"
-    return _launch(x, weight, gated=False, push=push, scale=scale)
+    if x.dtype == torch.float8_e4m3fn:
+        assert x_scale is not None and out_dtype is not None, "an e4m3 x takes x_scale [M, 1] and out_dtype"
+        assert x_scale.dtype == torch.float32 and x_scale.numel() == x.shape[0], "x_scale: float32 [M, 1]"
+    else:
+        assert x_scale is None, "x_scale is for an e4m3 x"
+    return _launch(x, weight, gated=False, push=push, scale=scale, x_scale=x_scale, out_dtype=out_dtype)
 
 
 def gemv_silu_mul(
@@ -315,7 +350,15 @@ def run_tile(
     _run(x, weight, y, False, tile, scale, launch=launch)
 
 
-def _launch(x: torch.Tensor, weight: torch.Tensor, gated: bool, push: Any, scale: torch.Tensor | None) -> torch.Tensor:
+def _launch(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    gated: bool,
+    push: Any,
+    scale: torch.Tensor | None,
+    x_scale: torch.Tensor | None = None,
+    out_dtype: torch.dtype | None = None,
+) -> torch.Tensor:
     """`push`: a tensor-parallel exchange's target (`infer.distributed.all_reduce.lamport.PushTarget`): the result, this
     rank's partial sum, is stored into every rank's slot for it (peer memory) and returned as the
     view of this rank's own copy, which the exchange then sums (`infer.distributed.layers.reduce_add_norm`) and
@@ -323,12 +366,12 @@ def _launch(x: torch.Tensor, weight: torch.Tensor, gated: bool, push: Any, scale
     _check_scale(weight, scale)
     x = x.contiguous()
     if push is None:
-        y = torch.empty(x.shape[0], weight.shape[0], dtype=x.dtype, device=x.device)
+        y = torch.empty(x.shape[0], weight.shape[0], dtype=out_dtype or x.dtype, device=x.device)
     else:
         y = push.local
         assert x.shape[0] == 1, f"a pushed partial sum is one row's, got {x.shape[0]} rows"
-        assert y.shape == (1, weight.shape[0]) and y.dtype == x.dtype, "the push target is one row of the output"
-    _run(x, weight, y, gated, _tile(x, weight, gated, scale), scale, push)
+        assert y.shape == (1, weight.shape[0]) and y.dtype == (out_dtype or x.dtype), "the push target is one row"
+    _run(x, weight, y, gated, _tile(x, weight, gated, scale, x_scale, y.dtype), scale, push, x_scale=x_scale)
     return y
 
 
@@ -341,6 +384,7 @@ def _run(
     scale: torch.Tensor | None,
     push: Any = None,
     launch: dict[str, Any] | None = None,  # the PDL keywords, if not `kernel_args`'
+    x_scale: torch.Tensor | None = None,
 ) -> None:
     n, k = weight.shape
     mma = tile.mma and x.shape[0] > 1  # one row takes the FMA kernel whatever the tile
@@ -349,6 +393,7 @@ def _run(
         x,
         weight,
         y if scale is None else scale,
+        y if x_scale is None else x_scale,
         y,
         peers,
         n,
@@ -363,6 +408,7 @@ def _run(
         GATED=gated,
         PEERS=0 if push is None else len(push.peers),
         SCALED=scale is not None,
+        X_SCALED=x_scale is not None,
         MMA=mma,
         num_warps=tile.num_warps,
         num_stages=tile.num_stages,

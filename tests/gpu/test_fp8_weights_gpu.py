@@ -8,11 +8,11 @@ import torch
 
 from infer import LLM, SamplingParams
 from infer.plugins.layers import torch_layers as plain
-from infer.plugins.layers.fp8 import WEIGHT_ONLY_ROWS, Fp8Linear
+from infer.plugins.layers.fp8 import Fp8Linear
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")]
 
-ROWS = [1, 3, WEIGHT_ONLY_ROWS, WEIGHT_ONLY_ROWS + 1, 256, 2048]
+ROWS = [1, 2, 8, 256, 2048]
 
 
 def _pair(n: int, k: int):
@@ -27,8 +27,8 @@ def _pair(n: int, k: int):
 
 
 def _close(got: torch.Tensor, expected: torch.Tensor) -> None:
-    # bf16 outputs of float32 sums taken in another order: a bf16 rounding step (2^-8) apart, plus what a
-    # rare activation rounded to the neighbouring e4m3 value moves (W8A8)
+    # bf16 outputs of float32 sums taken in another order (Hopper's FP8 tensor cores keep fewer bits in
+    # their partial sums), plus what a rare activation rounded to the neighbouring e4m3 value moves
     err = (got.float() - expected.float()).norm() / expected.float().norm()
     assert err < 1e-2, f"relative error {err:.2e}"
 
@@ -49,7 +49,7 @@ def test_the_down_projection_takes_the_gated_activation_and_the_norm_its_quantiz
     h = torch.randn(rows, 2 * 14336, device="cuda", dtype=torch.bfloat16)
     _close(fused.gated(h), ref(plain.SiluAndMul()(h)))
     norm = FusedRMSNorm(14336, 1e-5).cuda().to(torch.bfloat16)
-    norm.quantize_above = fused.quantized_input_above
+    norm.quantize_output = fused.takes_quantized_input
     x, r = torch.randn(rows, 14336, device="cuda", dtype=torch.bfloat16), torch.randn_like(h[:, :14336])
     normed, residual = norm(x, r)
     expected, expected_residual = plain.RMSNorm.forward(norm, x, r)

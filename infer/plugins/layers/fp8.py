@@ -5,12 +5,10 @@ s[n]. A checkpoint in the model's dtype is quantized so as it loads, row by row 
 alone, so q, k and v or gate and up fill their rows of the fused projections one after another); an FP8
 checkpoint's values and scales load as they are (a per-tensor scale repeated over the tensor's rows).
 
-The product keeps the weights in FP8 and computes in one of two ways, by the number of rows T:
-- T <= WEIGHT_ONLY_ROWS (batch-1 decode): the weights are dequantized as they are read and x stays in
-  its dtype: y = (x @ Q.T) * s (W8A16), a weight stream;
-- more rows (speculative verification, larger batches, prefill): x too is quantized, with a scale per
-  row (per token), and the product runs in FP8: y = (Qx @ Q.T) * sx * s (W8A8), half bf16's weight
-  bytes and twice its tensor-core rate.
+The product quantizes x too, per row (per token): y = (Qx @ Q.T) * sx * s (W8A8), in every step, so a
+token's output never depends on how many rows share its step (speculative verification stays lossless:
+its K + 1 rows give what K + 1 one-row decode steps give). On CUDA a one-row step streams the weights
+through a GEMV; more rows go to FP8 tensor cores at twice bf16's rate, each half bf16's weight bytes.
 This module is the reference, in plain torch on any device (float32 products of the dequantized values);
 `infer.plugins.layers.fp8_fused` runs the same math in FP8 kernels on CUDA. The LM head keeps the model's dtype.
 """
@@ -26,10 +24,6 @@ from torch import nn
 from infer.core.hookspecs import hookimpl
 from infer.core.interfaces import Capabilities
 from infer.kernels.fp8_reference import FP8, FP8_MAX, FP8_MAX_INV, quantize_rows_reference
-
-# one row (batch-1 decode) x stays unquantized (W8A16); more rows: W8A8. At 2-8 rows cuBLAS's FP8 GEMM
-# takes about what the several-row FP8 GEMV does (docs/performance.md), and needs no tile tuned per row count
-WEIGHT_ONLY_ROWS = 1
 
 
 def quantize_weight(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -53,13 +47,11 @@ class Fp8Linear(nn.Module):
         self.bias = nn.Parameter(torch.empty(out_features), requires_grad=False) if bias else None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        w = self.weight.float() * self.weight_scale[:, None]
-        if x.shape[0] > WEIGHT_ONLY_ROWS:
-            q, scale = quantize_rows_reference(x)
-            y = F.linear(q.float() * scale, w)
-        else:
-            y = F.linear(x.float(), w)
-        y = y.to(x.dtype)
+        # the e4m3 products have 8 significant bits and their sums fit float64's 53 exactly, whatever the
+        # order: a row's result does not depend on the rows beside it (or on the BLAS), then both scales
+        q, scale = quantize_rows_reference(x)
+        sums = F.linear(q.double(), self.weight.double())
+        y = (sums * scale.double() * self.weight_scale.double()).to(x.dtype)
         return y if self.bias is None else y + self.bias
 
     @torch.no_grad()

@@ -37,12 +37,12 @@ CAPS = Capabilities(devices=frozenset({"cuda"}), priority=10, available=_triton_
 
 class FusedRMSNorm(plain.RMSNorm):
     capabilities = CAPS
-    # set by a model whose projection after this norm takes FP8 input (`FusedFp8Linear`): for more rows
-    # than this the norm stores its output quantized per row (`QuantizedRows`), in the same kernel
-    quantize_above: int | None = None
+    # set by a model whose projection after this norm takes FP8 input (`FusedFp8Linear`): the norm
+    # stores its output quantized per row (`QuantizedRows`), in the same kernel
+    quantize_output = False
 
     def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None) -> Any:
-        if self.quantize_above is not None and x.shape[0] > self.quantize_above:
+        if self.quantize_output:
             return self._quantized(x, residual)
         from infer.kernels.layers import rms_norm
 

@@ -237,11 +237,10 @@ class DecoderLayer(nn.Module):
 
 
 def quantize_inputs(norm: nn.Module, projection: nn.Module) -> None:
-    """Let a norm that can store its output quantized (`quantize_above`) do so for a projection that
-    takes quantized input above some number of rows (`quantized_input_above`: an FP8 linear)."""
-    rows = getattr(projection, "quantized_input_above", None)
-    if rows is not None and hasattr(norm, "quantize_above"):
-        norm.quantize_above = rows
+    """Let a norm that can store its output quantized (`quantize_output`) do so for a projection that
+    takes quantized input (`takes_quantized_input`: an FP8 linear)."""
+    if getattr(projection, "takes_quantized_input", False) and hasattr(norm, "quantize_output"):
+        norm.quantize_output = True
 
 
 def add_norm(x: torch.Tensor, residual: torch.Tensor, norm: nn.Module) -> tuple[torch.Tensor, torch.Tensor]:
