@@ -144,7 +144,7 @@ def _quantization(config: EngineConfig, registry: PluginRegistry, device: torch.
 
     asked = config.quantization or "(the checkpoint's)"
     try:
-        scheme = quantization_for(config.quantization, mc or ModelConfig(), config.tensor_parallel_size)
+        scheme = quantization_for(config.quantization, mc or ModelConfig())
         layer = registry.layer("linear", device.type, scheme)
     except InferError as exc:
         return Verdict("quantization", asked, str(exc))

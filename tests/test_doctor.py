@@ -211,5 +211,5 @@ def test_doctor_names_the_linear_layer_of_a_quantization_and_refuses_an_unknown_
     result = invoke("doctor", *SHAPE, "--quantization", "int3")
     assert result.exit_code == 2, result.output
     assert "REFUSED: unknown --quantization 'int3': use one of fp8" in result.output
-    result = invoke("doctor", *SHAPE, "--quantization", "fp8", "--tp", "2")
-    assert "REFUSED: --quantization fp8 does not run under --tp 2 yet" in result.output
+    result = invoke("doctor", *SHAPE, "--quantization", "fp8", "--tp", "2")  # the shards hold FP8 weights too
+    assert "OK  (fp8: infer.plugins.layers.fp8.Fp8Linear)" in result.output, result.output

@@ -195,9 +195,7 @@ def _check(
     check_model_attention(composition, registry, model_config, max_model_len)
     if config.exit_layer is not None and not 1 <= config.exit_layer <= model_config.num_layers:
         raise ConfigError(f"--exit-layer must be in [1, {model_config.num_layers}] for {source.name}")
-    layers = registry.layers(
-        device.type, quantization_for(config.quantization, model_config, config.tensor_parallel_size)
-    )
+    layers = registry.layers(device.type, quantization_for(config.quantization, model_config))
     if source.path is not None and parallel is None:  # once per process, before any rank starts; headers only
         check_weight_shapes(meta_model(source, model_config, layers), source.path)
     plan = _Plan(

@@ -12,7 +12,9 @@ the head computes its slice of the logits and rank 0 gathers the rest. A partial
 Each parallel module carries a `Shard` saying where its weight sits in the full (tp = 1) weight. The
 loader reads only those rows or columns of a checkpoint tensor (a safetensors slice), and dummy
 initialisation cuts them from the very tensor tp = 1 draws: the model is the same at every tp size.
-The matmuls are plain `F.linear`: a `linear` swapped in through the layers hook applies at tp = 1 only.
+The matmuls are plain `F.linear`, or the layers hook's linear's `matmul` where it has one. Under a
+quantization the projections are the run's quantized linear itself, built at this rank's shape and
+carrying its `Shard` (its own forward, kernels and all, is the local product; `quantized_shard`).
 """
 
 from __future__ import annotations
@@ -24,8 +26,10 @@ import torch.nn.functional as F
 from torch import nn
 
 from infer.core.config import ModelConfig
+from infer.core.errors import ConfigError
+from infer.core.interfaces import QuantizedLinear
 from infer.distributed.state import ParallelState
-from infer.models.shards import Shard, shard_of
+from infer.models.shards import RowParallelQuantized, Shard, load_quantized, shard_of
 
 Matmul = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]  # (x [T, in], weight [out, in]) -> [T, out]
 
@@ -178,6 +182,25 @@ def embed_push_target(parallel: ParallelState, input_ids: torch.Tensor, weight: 
     return exchange.embed_target()
 
 
+def quantized_shard(linear: Any, features: int, shard: Shard, parallel: ParallelState, bias: bool = False) -> nn.Module:
+    """The quantized linear class `linear` (`QuantizedLinear`) at this rank's shape, carrying `shard`:
+    column-parallel [shard's rows, features], or row-parallel [features, shard's columns], whose output is
+    this rank's partial sum (its bias held by the rank with the first columns: `load_quantized`) and whose
+    input rows are quantized with their whole rows' scales (`RowParallelQuantized.row_amax`: a max over
+    the ranks), so the product is tp = 1's."""
+    if shard.dim == 1 and not isinstance(linear, RowParallelQuantized):
+        raise ConfigError(
+            f"the quantized linear {linear.__module__}.{linear.__qualname__} cannot hold a row-parallel shard "
+            f"(it has no load_columns or row_amax): use --tp 1 with this quantization"
+        )
+    in_features, out_features = (features, shard.local_size) if shard.dim == 0 else (shard.local_size, features)
+    module = linear(in_features, out_features, bias=bias)
+    module.shard = shard  # a plain attribute: `shard_of` and `load_sharded` read it
+    if shard.dim == 1:
+        module.row_amax = parallel.all_reduce_max
+    return module
+
+
 def attention_projections(
     config: ModelConfig,
     parallel: ParallelState,
@@ -185,28 +208,43 @@ def attention_projections(
     qkv_bias: bool = False,
     o_bias: bool = False,
     reduce: bool = False,
-) -> tuple[ColumnParallelLinear, RowParallelLinear]:
+    quantized: Any = None,
+) -> tuple[nn.Module, nn.Module]:
     """qkv_proj (this rank's q, k and v heads, fused) and o_proj (the matching input columns; its
     partial output is summed by the norm that takes it, see the models' `DecoderLayer`, or by
-    o_proj itself with `reduce`)."""
+    o_proj itself with `reduce`). `quantized`: the run's quantized linear class, which then holds
+    both shards (`quantized_shard`; their partial sums are left to the norm)."""
     d = config.head_dim
     heads = parallel.heads(config.num_heads, config.num_kv_heads)
     q_full, kv_full = config.num_heads * d, config.num_kv_heads * d
     q = (heads.q_start * d, heads.num_heads * d)
     kv = (heads.kv_start * d, heads.num_kv_heads * d)  # the same KV head on several ranks when replicated
     qkv_shard = Shard(0, (q_full, kv_full, kv_full), (q, kv, kv))
+    if quantized is not None:
+        assert not reduce, "a quantized row-parallel shard's partial sum is summed by the norm after it"
+        o_shard = Shard(1, (q_full,), (q,))
+        return quantized_shard(quantized, config.hidden_size, qkv_shard, parallel, qkv_bias), quantized_shard(
+            quantized, config.hidden_size, o_shard, parallel, o_bias
+        )
     qkv_proj = ColumnParallelLinear(config.hidden_size, qkv_shard, matmul, bias=qkv_bias)
     o_proj = RowParallelLinear(config.hidden_size, Shard(1, (q_full,), (q,)), parallel, matmul, reduce, o_bias)
     return qkv_proj, o_proj
 
 
 def mlp_projections(
-    config: Any, parallel: ParallelState, matmul: Matmul = F.linear, reduce: bool = False
-) -> tuple[ColumnParallelLinear, RowParallelLinear]:
+    config: Any, parallel: ParallelState, matmul: Matmul = F.linear, reduce: bool = False, quantized: Any = None
+) -> tuple[nn.Module, nn.Module]:
     """gate_up_proj (this rank's slice of gate and of up, fused) and down_proj (the same slice of its
-    input; its partial output is summed by the norm that takes it, or by down_proj itself with `reduce`)."""
+    input; its partial output is summed by the norm that takes it, or by down_proj itself with `reduce`).
+    `quantized`: as for `attention_projections`."""
     width = config.intermediate_size
     part = split(width, parallel)
+    if quantized is not None:
+        assert not reduce, "a quantized row-parallel shard's partial sum is summed by the norm after it"
+        gate_up = Shard(0, (width, width), (part, part))
+        return quantized_shard(quantized, config.hidden_size, gate_up, parallel), quantized_shard(
+            quantized, config.hidden_size, Shard(1, (width,), (part,)), parallel
+        )
     gate_up_proj = ColumnParallelLinear(config.hidden_size, Shard(0, (width, width), (part, part)), matmul)
     down_proj = RowParallelLinear(config.hidden_size, Shard(1, (width,), (part,)), parallel, matmul, reduce)
     return gate_up_proj, down_proj
@@ -227,6 +265,11 @@ def load_sharded(
         if found is None or found[0] not in params:
             continue  # layers beyond an early-exit cut, or tensors this model does not use
         name, piece = found
+        owner, _, attr = name.rpartition(".")
+        module = model.get_submodule(owner)
+        if isinstance(module, QuantizedLinear):  # its form (and scales) from its rows or columns: `quantized_shard`
+            loaded.update(f"{owner}.{p}" for p in load_quantized(module, module.shard, attr, piece or 0, source))
+            continue
         shard = shard_of(model, name)
         if shard is None:
             params[name].data.copy_(source[:])  # whole on every rank (norms)

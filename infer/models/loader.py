@@ -229,7 +229,7 @@ def load_weights(model: nn.Module, folder: Path, sharded: bool = False) -> None:
 def init_dummy_weights(model: nn.Module, seed: int) -> None:
     """Random weights of the right shape (benchmarks without real weights). A tensor-parallel rank
     draws each full tensor exactly as tp = 1 does and keeps its shard: the same model at any tp."""
-    from infer.models.shards import shard_of
+    from infer.models.shards import shard_of, take_quantized
 
     gen = torch.Generator(device=next(model.parameters()).device).manual_seed(seed)
     for name, param in model.named_parameters():
@@ -237,10 +237,13 @@ def init_dummy_weights(model: nn.Module, seed: int) -> None:
         module = model.get_submodule(owner)
         if isinstance(module, QuantizedLinear):  # drawn in float32 as a model-dtype weight, stored quantized
             if attr == "weight":
-                full = torch.empty(param.shape, dtype=torch.float32, device=param.device).normal_(
-                    0.0, 0.02, generator=gen
-                )
-                module.load_rows(attr, 0, param.shape[0], full)
+                shard = shard_of(model, name)  # a tensor-parallel shard quantizes the full tensor's rows
+                shape = param.shape if shard is None else shard.full_shape(param.shape)
+                full = torch.empty(shape, dtype=torch.float32, device=param.device).normal_(0.0, 0.02, generator=gen)
+                if shard is None:
+                    module.load_rows(attr, 0, param.shape[0], full)
+                else:
+                    take_quantized(module, shard, attr, full)
             elif attr == "bias":
                 param.zero_()
             continue

@@ -56,14 +56,10 @@ def _check_fp8_group(where: str, name: str, group: Mapping[str, Any]) -> None:
         )
 
 
-def quantization_for(requested: str | None, config: ModelConfig, tensor_parallel_size: int = 1) -> str | None:
-    """`--quantization` if given (it must agree with a quantized checkpoint), else the checkpoint's."""
+def quantization_for(requested: str | None, config: ModelConfig) -> str | None:
+    """`--quantization` if given (it must agree with a quantized checkpoint), else the checkpoint's. Any
+    --tp: the tensor-parallel projections hold the quantized linear's shards (`infer.distributed.layers`)."""
     stored = checkpoint_scheme(config)
-    if (requested or stored) and tensor_parallel_size > 1:
-        raise ConfigError(
-            f"{'--quantization ' + requested if requested else 'the FP8 checkpoint of ' + config.name} does not run "
-            f"under --tp {tensor_parallel_size} yet (the sharded projections hold unquantized weights): use --tp 1"
-        )
     if requested is not None and stored is not None and requested != stored:
         raise ConfigError(
             f"--quantization {requested} asks for weights that {config.name or 'the model'} stores as {stored}: "

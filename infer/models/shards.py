@@ -8,12 +8,12 @@ draws, so the model is the same at every tp size.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Protocol, runtime_checkable
 
 import torch
 from torch import nn
 
-__all__ = ["Shard", "shard_of"]
+__all__ = ["RowParallelQuantized", "Shard", "load_quantized", "shard_of", "take_quantized"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -60,3 +60,47 @@ def shard_of(model: nn.Module, param_name: str) -> Shard | None:
     if shard is None or shard.dim >= getattr(owner, attr).dim():
         return None
     return shard
+
+
+@runtime_checkable
+class RowParallelQuantized(Protocol):
+    """A quantized linear (`QuantizedLinear`) that can hold a row-parallel shard: `load_columns(name, start,
+    tensor)` fills it with columns [start, start + in_features) of the whole checkpoint tensor `name`,
+    quantizing each whole row first (so its scales are tp = 1's), and returns the parameter names filled;
+    `row_amax`, once set, takes the [T, 1] amax of each row of this rank's columns of x to the whole row's
+    (an all-reduce), so x is quantized with tp = 1's scale."""
+
+    row_amax: Any
+
+    def load_columns(self, name: str, start: int, tensor: torch.Tensor) -> list[str]: ...
+
+
+def whole(source: Any) -> torch.Tensor:
+    """A checkpoint tensor read whole: a tensor, or a safetensors slice (of any rank, a scalar too)."""
+    return source if isinstance(source, torch.Tensor) else source[...]
+
+
+def load_quantized(linear: Any, shard: Shard, name: str, piece: int, source: Any) -> list[str]:
+    """Fill `linear`, a quantized linear holding `shard` (`QuantizedLinear`; `RowParallelQuantized` when row-parallel),
+    from piece `piece` of checkpoint tensor `name`; returns the parameter names filled. Column-parallel: this
+    rank's rows (a scale per tensor: whole); row-parallel: this rank's columns of the whole tensor, whose
+    scales and bias are whole, the bias on the rank holding the first columns only (the partial sums add
+    it once)."""
+    start, n = shard.ranges[piece]
+    if shard.dim == 0:
+        offset = sum(length for _, length in shard.ranges[:piece])
+        shape = source.shape if isinstance(source, torch.Tensor) else source.get_shape()
+        rows = source[start : start + n] if len(shape) and shape[0] == shard.full_sizes[piece] else whole(source)
+        return linear.load_rows(name, offset, n, rows)
+    if name == "bias":
+        linear.bias.copy_(whole(source) if start == 0 else torch.zeros_like(linear.bias))
+        return ["bias"]
+    return linear.load_columns(name, start, whole(source))
+
+
+def take_quantized(linear: Any, shard: Shard, name: str, full: torch.Tensor) -> None:
+    """`load_quantized` from the full (fused, tp = 1) tensor, every piece of it."""
+    base = 0
+    for piece, size in enumerate(shard.full_sizes):
+        load_quantized(linear, shard, name, piece, full.narrow(shard.dim, base, size))
+        base += size

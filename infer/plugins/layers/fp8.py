@@ -11,11 +11,15 @@ its K + 1 rows give what K + 1 one-row decode steps give). On CUDA a one-row ste
 through a GEMV; more rows go to FP8 tensor cores at twice bf16's rate, each half bf16's weight bytes.
 This module is the reference, in plain torch on any device (float32 products of the dequantized values);
 `infer.plugins.layers.fp8_fused` runs the same math in FP8 kernels on CUDA. The LM head keeps the model's dtype.
+Under tensor parallelism each projection is this class at one rank's shape (`quantized_shard` in
+infer.distributed.layers): a row-parallel one keeps every full row's scale and quantizes its columns of x
+with the whole row's scale (`row_amax`), so a rank's partial sums add up to tp = 1's product.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Callable
 
 import torch
 import torch.nn.functional as F
@@ -38,6 +42,9 @@ def quantize_weight(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 class Fp8Linear(nn.Module):
     quantization = "fp8"
     capabilities = Capabilities(priority=0)
+    # set on a row-parallel shard (`infer.distributed.layers.quantized_shard`): [T, 1] row amax of this
+    # rank's columns of x -> the whole row's, so x is quantized with the scale tp = 1 takes; None: x is whole
+    row_amax: Callable[[torch.Tensor], torch.Tensor] | None = None
 
     def __init__(self, in_features: int, out_features: int, bias: bool = False) -> None:
         super().__init__()
@@ -49,10 +56,16 @@ class Fp8Linear(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         # the e4m3 products have 8 significant bits and their sums fit float64's 53 exactly, whatever the
         # order: a row's result does not depend on the rows beside it (or on the BLAS), then both scales
-        q, scale = quantize_rows_reference(x)
+        q, scale = self.quantize_input(x)
         sums = F.linear(q.double(), self.weight.double())
         y = (sums * scale.double() * self.weight_scale.double()).to(x.dtype)
         return y if self.bias is None else y + self.bias
+
+    def quantize_input(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(q [T, K] e4m3, scale [T, 1] float32): x quantized per row, a shard's x with its whole row's scale."""
+        if self.row_amax is None:
+            return quantize_rows_reference(x)
+        return quantize_rows_reference(x, self.row_amax(x.float().abs().amax(dim=-1, keepdim=True)))
 
     @torch.no_grad()
     def load_rows(self, name: str, offset: int, size: int, tensor: torch.Tensor) -> list[str]:
@@ -72,6 +85,21 @@ class Fp8Linear(nn.Module):
             getattr(self, name)[rows].copy_(tensor)
             return [name]
         return []
+
+    @torch.no_grad()
+    def load_columns(self, name: str, start: int, tensor: torch.Tensor) -> list[str]:
+        """Columns [start, start + in_features) of the whole checkpoint tensor `name` (a row-parallel shard's):
+        a weight in the model's dtype is quantized whole, row by row, so the scales (each full row's) are
+        tp = 1's; an FP8 checkpoint's values are sliced and its `weight_scale` is taken whole."""
+        if name != "weight":
+            return self.load_rows(name, 0, self.out_features, tensor)
+        filled = ["weight"]
+        if tensor.dtype != FP8:
+            tensor, scale = quantize_weight(tensor.to(self.weight.device))
+            self.weight_scale.copy_(scale)
+            filled.append("weight_scale")
+        self.weight.copy_(tensor[:, start : start + self.in_features])
+        return filled
 
 
 @dataclass(frozen=True, slots=True)

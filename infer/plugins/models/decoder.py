@@ -84,7 +84,9 @@ class DecoderModel(nn.Module):
         # make them (infer.distributed.all_reduce.lamport), which takes them in pairs: every row-parallel
         # layer pushes, or none does; none where a layer norms or biases its output before the sum
         pushes = family.partial_sums and all(
-            layer.self_attn.o_proj.bias is None
+            isinstance(layer.self_attn.o_proj, tp.RowParallelLinear)  # not a quantized shard
+            and isinstance(layer.mlp.down_proj, tp.RowParallelLinear)
+            and layer.self_attn.o_proj.bias is None
             and pushes_partial_sums(layer.self_attn.o_proj.matmul)
             and pushes_partial_sums(layer.mlp.down_matmul)
             for layer in self.layers

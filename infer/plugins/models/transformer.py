@@ -105,7 +105,13 @@ class Attention(nn.Module):
             self.o_proj = linear(self.q_size, config.hidden_size, bias=family.o_bias)
         else:
             self.qkv_proj, self.o_proj = tp.attention_projections(
-                config, parallel, tp_matmul(layers), family.qkv_bias, family.o_bias, reduce=not family.partial_sums
+                config,
+                parallel,
+                tp_matmul(layers),
+                family.qkv_bias,
+                family.o_bias,
+                reduce=not family.partial_sums,
+                quantized=layers.quantized_linear,
             )
         rope = rope or config.rope()
         self.rotary_dim = rope.rotary_dim
@@ -171,7 +177,9 @@ class MLP(nn.Module):
             self.gate_up_proj = projection(layers)(config.hidden_size, 2 * config.intermediate_size)
             self.down_proj = projection(layers)(config.intermediate_size, config.hidden_size)
         else:
-            self.gate_up_proj, self.down_proj = tp.mlp_projections(config, parallel, tp_matmul(layers), reduce)
+            self.gate_up_proj, self.down_proj = tp.mlp_projections(
+                config, parallel, tp_matmul(layers), reduce, layers.quantized_linear
+            )
         kind = ACTIVATIONS[activation]
         if getattr(layers, kind) is None:
             raise ModelLoadError(f"the model's MLP needs a {kind} layer and the layers given have none: add one")

@@ -14,7 +14,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from infer import LLM, SamplingParams
-from infer.core.errors import ConfigError, ModelLoadError, PluginNotFoundError
+from infer.core.errors import ModelLoadError, PluginNotFoundError
 from infer.kernels.fp8_reference import quantize_rows_reference as quantize_rows
 from infer.plugins.layers.fp8 import FP8, Fp8Linear, quantize_weight
 
@@ -194,8 +194,6 @@ def test_dummy_fp8_weights_run(tiny_llama_dir):
 def test_unknown_conflicting_and_unloadable_quantizations_are_refused(tiny_llama_dir, tmp_path):
     with pytest.raises(PluginNotFoundError, match="unknown --quantization 'int3': use one of fp8"):
         _llm(tiny_llama_dir, quantization="int3")
-    with pytest.raises(ConfigError, match="does not run under --tp 2 yet"):
-        _llm(tiny_llama_dir, quantization="fp8", tensor_parallel_size=2)
     awq = _save(
         tmp_path / "awq", tiny_llama_dir, load_file(str(tiny_llama_dir / "model.safetensors")), {"quant_method": "awq"}
     )
