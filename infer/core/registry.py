@@ -147,7 +147,10 @@ class PluginRegistry:
         options = [s for s in found if device_type in s.capabilities.devices and s.unavailable_reason() is None]
         if not options:
             scheme = f" for --quantization {quantization}" if quantization else ""
-            raise PluginNotFoundError(f"no implementation of model layer {kind!r}{scheme} runs on {device_type}")
+            raise PluginNotFoundError(
+                f"no implementation of model layer {kind!r}{scheme} runs on {device_type}: install a layers "
+                f"plugin that has one{', or drop --quantization' if quantization else ''}"
+            )
         return max(options, key=lambda s: s.capabilities.priority).factory
 
     def layers(self, device_type: str, quantization: str | None = None) -> Layers:

@@ -29,6 +29,7 @@ from infer.core.config import ModelConfig
 from infer.core.errors import ConfigError
 from infer.core.interfaces import QuantizedLinear
 from infer.distributed.state import ParallelState
+from infer.models.loader import check_unscaled
 from infer.models.shards import RowParallelQuantized, Shard, load_quantized, shard_of
 
 Matmul = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]  # (x [T, in], weight [out, in]) -> [T, out]
@@ -221,7 +222,7 @@ def attention_projections(
     kv = (heads.kv_start * d, heads.num_kv_heads * d)  # the same KV head on several ranks when replicated
     qkv_shard = Shard(0, (q_full, kv_full, kv_full), (q, kv, kv))
     if quantized is not None:
-        assert not reduce, "a quantized row-parallel shard's partial sum is summed by the norm after it"
+        _check_partial_sums(reduce)
         o_shard = Shard(1, (q_full,), (q,))
         return quantized_shard(quantized, config.hidden_size, qkv_shard, parallel, qkv_bias), quantized_shard(
             quantized, config.hidden_size, o_shard, parallel, o_bias
@@ -229,6 +230,14 @@ def attention_projections(
     qkv_proj = ColumnParallelLinear(config.hidden_size, qkv_shard, matmul, bias=qkv_bias)
     o_proj = RowParallelLinear(config.hidden_size, Shard(1, (q_full,), (q,)), parallel, matmul, reduce, o_bias)
     return qkv_proj, o_proj
+
+
+def _check_partial_sums(reduce: bool) -> None:
+    if reduce:  # a quantized row-parallel shard's partial sum is summed by the norm after it
+        raise ConfigError(
+            "FP8 weights under --tp need a family whose row-parallel outputs the next norm sums, which this "
+            "model's (Gemma 2) is not: use --tp 1 with --quantization fp8, or drop --quantization"
+        )
 
 
 def mlp_projections(
@@ -240,7 +249,7 @@ def mlp_projections(
     width = config.intermediate_size
     part = split(width, parallel)
     if quantized is not None:
-        assert not reduce, "a quantized row-parallel shard's partial sum is summed by the norm after it"
+        _check_partial_sums(reduce)
         gate_up = Shard(0, (width, width), (part, part))
         return quantized_shard(quantized, config.hidden_size, gate_up, parallel), quantized_shard(
             quantized, config.hidden_size, Shard(1, (width,), (part,)), parallel
@@ -272,8 +281,9 @@ def load_sharded(
             continue
         shard = shard_of(model, name)
         if shard is None:
-            params[name].data.copy_(source[:])  # whole on every rank (norms)
+            params[name].data.copy_(check_unscaled(name, source[:], params[name]))  # whole on every rank (norms)
         else:
+            check_unscaled(name, source, params[name])
             shard.load(params[name].data, piece or 0, source)
         loaded.add(name)
     return loaded

@@ -197,6 +197,18 @@ def check_shape(name: str, shape: Sequence[int], expected: Sequence[int] | None,
         )
 
 
+def check_unscaled(name: str, tensor: Any, param: torch.Tensor) -> Any:
+    """Refuse an FP8 checkpoint tensor bound for a parameter that is not FP8 (a layer the run does not
+    quantize): cast without its scale it would be wrong. `tensor`: a tensor or a safetensors slice."""
+    dtype = tensor.dtype if isinstance(tensor, torch.Tensor) else str(tensor.get_dtype())
+    if dtype in (torch.float8_e4m3fn, "F8_E4M3") and param.dtype != torch.float8_e4m3fn:
+        raise ModelLoadError(
+            f"tensor {name} is stored in FP8 but the layer it fills is not quantized here (the LM head, or a "
+            f"draft model run unquantized): use a checkpoint that keeps it in bf16, or pass --quantization fp8"
+        )
+    return tensor
+
+
 def check_weight_shapes(model: nn.Module, folder: Path) -> None:
     """Every tensor's shape against what `model` expects, from the safetensors headers: no weight is
     read. A model that cannot say what it expects (no `checkpoint_shape`) is checked as it loads."""
@@ -244,8 +256,9 @@ def init_dummy_weights(model: nn.Module, seed: int) -> None:
                     module.load_rows(attr, 0, param.shape[0], full)
                 else:
                     take_quantized(module, shard, attr, full)
-            elif attr == "bias":
-                param.zero_()
+            elif attr == "bias":  # ones, as an unquantized layer's; a row-parallel shard's on the first only
+                shard = module.__dict__.get("shard")
+                param.fill_(0.0 if shard is not None and shard.dim == 1 and shard.ranges[0][0] != 0 else 1.0)
             continue
         if param.dim() == 1:
             param.fill_(1.0)  # norm weights

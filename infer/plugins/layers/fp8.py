@@ -6,8 +6,9 @@ alone, so q, k and v or gate and up fill their rows of the fused projections one
 checkpoint's values and scales load as they are (a per-tensor scale repeated over the tensor's rows).
 
 The product quantizes x too, per row (per token): y = (Qx @ Q.T) * sx * s (W8A8), in every step, so a
-token's output never depends on how many rows share its step (speculative verification stays lossless:
-its K + 1 rows give what K + 1 one-row decode steps give). On CUDA a one-row step streams the weights
+token's products do not depend on how many rows share its step (in this module they are exact; on CUDA
+the GEMV and the FP8 GEMM may differ in a sum's last bits). What comes before a product still may:
+attention sums in another order in decode and in verification, and e4m3 rounding can amplify that. On CUDA a one-row step streams the weights
 through a GEMV; more rows go to FP8 tensor cores at twice bf16's rate, each half bf16's weight bytes.
 This module is the reference, in plain torch on any device (float32 products of the dequantized values);
 `infer.plugins.layers.fp8_fused` runs the same math in FP8 kernels on CUDA. The LM head keeps the model's dtype.

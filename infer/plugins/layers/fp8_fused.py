@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import torch
 
+from infer.core.errors import ModelLoadError
 from infer.core.hookspecs import hookimpl
 from infer.core.interfaces import Capabilities
 from infer.plugins.layers.fp8 import Fp8Linear, QuantizedRows
@@ -26,12 +27,21 @@ class FusedFp8Linear(Fp8Linear):
     """`Fp8Linear` in kernels, on CUDA. Its input comes quantized per row: by the norm before it
     (`FusedRMSNorm.quantize_output`, set where `takes_quantized_input`), by the kernel that applies the
     MLP's activation (`gated`: SiLU-and-mul of gate | up), or else by one quantizing kernel. One row goes
-    through the weight-streaming GEMV (e4m3 x and weights, both scales in its epilogue); more through
-    torch._scaled_mm with row-wise scales. Both sum the same products in fp32."""
+    through the weight-streaming GEMV (e4m3 x and weights, both scales in its epilogue, fp32 sums); more
+    through torch._scaled_mm with row-wise scales (Hopper's FP8 tensor cores keep fewer bits than fp32 in
+    their partial sums, so a row's bits may differ between the two)."""
 
     capabilities = CAPS
     fuses_activation = "silu_and_mul"  # the MLP activation `gated` applies (transformer.MLP reads it)
     takes_quantized_input = True  # a norm before it may hand it `QuantizedRows`
+
+    def __init__(self, in_features: int, out_features: int, bias: bool = False) -> None:
+        if in_features % 16 or out_features % 16:  # torch._scaled_mm's FP8 GEMM takes multiples of 16
+            raise ModelLoadError(
+                f"an FP8 projection of {in_features} -> {out_features} features does not run in the FP8 GEMM, "
+                f"which takes multiples of 16: drop --quantization fp8 (or use another --tp for a shard)"
+            )
+        super().__init__(in_features, out_features, bias)
 
     def forward(self, x: torch.Tensor | QuantizedRows) -> torch.Tensor:
         if isinstance(x, QuantizedRows):

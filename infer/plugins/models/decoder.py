@@ -19,7 +19,7 @@ from infer.core.config import ModelConfig
 from infer.core.interfaces import AttentionBackend, KVCache, Layers, QuantizedLinear
 from infer.distributed import layers as tp
 from infer.distributed.state import ParallelState
-from infer.models.loader import check_shape
+from infer.models.loader import check_shape, check_unscaled
 from infer.plugins.models.transformer import LLAMA, DecoderLayer, Family, add_norm_for, pushes_partial_sums, tp_matmul
 
 FUSED = {  # HF name piece -> (our name piece, shard index)
@@ -151,7 +151,7 @@ class DecoderModel(nn.Module):
             if isinstance(module, QuantizedLinear):  # it stores the rows in its own form (and their scales)
                 loaded.update(f"{owner}.{p}" for p in module.load_rows(attr, offset, size, tensor))
                 continue
-            params[name].data[offset : offset + size].copy_(tensor)
+            params[name].data[offset : offset + size].copy_(check_unscaled(hf_name, tensor, params[name]))
             loaded.add(name)
         return loaded
 

@@ -19,7 +19,7 @@ from infer.core.config import ModelConfig
 from infer.core.hookspecs import hookimpl
 from infer.core.interfaces import KVCache
 from infer.plugins.models.decoder import DecoderModel
-from infer.plugins.models.transformer import DecoderLayer, Family, hf_activation
+from infer.plugins.models.transformer import DecoderLayer, Family, hf_activation, quantize_inputs
 
 PRESETS: dict[str, dict[str, Any]] = {
     "gemma2-9b": {  # gemma-2-9b's config.json (its sizes; served in bfloat16)
@@ -56,6 +56,10 @@ class Gemma2DecoderLayer(DecoderLayer):
         super().__init__(config, layers, *args)
         self.pre_feedforward_layernorm = layers.rms_norm(config.hidden_size, config.rms_norm_eps)
         self.post_feedforward_layernorm = layers.rms_norm(config.hidden_size, config.rms_norm_eps)
+        # the MLP's input comes from the pre-feedforward norm; the post-attention one norms a layer output
+        if hasattr(self.post_attention_layernorm, "quantize_output"):
+            self.post_attention_layernorm.quantize_output = False
+        quantize_inputs(self.pre_feedforward_layernorm, self.mlp.gate_up_proj)
 
     def forward(
         self, positions: torch.Tensor, x: torch.Tensor, residual: torch.Tensor | None, kv_cache: KVCache

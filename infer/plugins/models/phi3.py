@@ -9,6 +9,7 @@ partial rotary (`partial_rotary_factor`), and every layer within the config's sl
 
 from __future__ import annotations
 
+import math
 from typing import Any, Iterable, Iterator
 
 import torch
@@ -58,10 +59,16 @@ class Phi3(DecoderModel):
         safetensors slice reads just those rows)."""
         for name, tensor in weights:
             fused = name.split(".")[-2]
-            if fused not in SPLIT or not name.endswith(".weight"):
+            if fused not in SPLIT or not name.endswith((".weight", ".weight_scale")):
                 yield name, tensor
                 continue
             pieces = [self._shard_range(fused, i) for i in range(len(SPLIT[fused]))]
+            if name.endswith(".weight_scale"):  # an FP8 checkpoint's: per tensor (each piece's) or per row
+                shape = tensor.shape if isinstance(tensor, torch.Tensor) else tensor.get_shape()
+                per_row = math.prod(shape) > 1
+                for piece, (start, size) in zip(SPLIT[fused], pieces):
+                    yield name.replace(fused, piece), tensor[start : start + size] if per_row else tensor
+                continue
             shape = tensor.shape if isinstance(tensor, torch.Tensor) else tensor.get_shape()
             check_shape(name, shape, (sum(size for _, size in pieces), self.config.hidden_size))
             for piece, (start, size) in zip(SPLIT[fused], pieces):

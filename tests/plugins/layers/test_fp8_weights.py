@@ -241,3 +241,39 @@ def test_speculative_decoding_of_an_fp8_model_gives_its_autoregressive_tokens(ti
     plain = _llm(tiny_llama_dir, quantization="fp8").generate(prompts, sp)
     spec = _llm(tiny_llama_dir, quantization="fp8", decoding="speculative", draft="ngram").generate(prompts, sp)
     assert [o.outputs[0].token_ids for o in spec] == [o.outputs[0].token_ids for o in plain]
+
+
+def test_an_fp8_tensor_for_a_layer_left_unquantized_is_refused(tiny_llama_dir, tmp_path):
+    fp8, _ = _checkpoints(tiny_llama_dir, tmp_path, per_tensor=False)
+    tensors = load_file(str(fp8 / "model.safetensors"))
+    q, scale = quantize_weight(tensors["lm_head.weight"])  # a checkpoint that quantized its LM head too
+    tensors["lm_head.weight"], tensors["lm_head.weight_scale"] = q, scale[:, None]
+    save_file(tensors, str(fp8 / "model.safetensors"))
+    with pytest.raises(ModelLoadError, match="lm_head.weight is stored in FP8 but the layer it fills is not quantized"):
+        _llm(fp8)
+
+
+def test_gemma2_quantizes_the_mlp_input_at_its_pre_feedforward_norm():
+    """Gemma 2's post-attention norm norms the attention output; the MLP's input is the pre-feedforward norm's."""
+    from infer.core.interfaces import Layers
+    from infer.models.config import model_config_from_hf
+    from infer.plugins.layers import torch_layers as plain
+    from infer.plugins.layers.fp8_fused import FusedFp8Linear
+    from infer.plugins.layers.fused import FusedRMSNorm
+    from infer.plugins.models.gemma2 import Gemma2
+
+    hf = dict(model_type="gemma2", architectures=["Gemma2ForCausalLM"], vocab_size=256, hidden_size=64)
+    hf |= dict(intermediate_size=160, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2)
+    hf |= dict(head_dim=16, max_position_embeddings=128, hidden_activation="gelu_pytorch_tanh")
+    layers = Layers(
+        rms_norm=FusedRMSNorm,
+        rotary_embedding=plain.RotaryEmbedding,
+        silu_and_mul=plain.SiluAndMul,
+        linear=plain.Linear,
+        gelu_and_mul=plain.GeluAndMul,
+        quantized_linear=FusedFp8Linear,
+    )
+    with torch.device("meta"):
+        layer = Gemma2(model_config_from_hf(hf), layers, None).layers[0]
+    assert layer.input_layernorm.quantize_output and layer.pre_feedforward_layernorm.quantize_output
+    assert not layer.post_attention_layernorm.quantize_output and not layer.post_feedforward_layernorm.quantize_output
