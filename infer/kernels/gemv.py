@@ -21,8 +21,8 @@ summed in fp32), whichever the tuner finds faster. M is a constexpr (one compile
 one row is the one-row kernel as it was, bits included. Rows of an M-row call are not bitwise
 their one-row calls: the sums go in another order.
 
-Tiles (`Tile`: from CANDIDATES; FP8_CANDIDATES too for 1-byte weights, MMA_CANDIDATES for several
-rows) are tuned once per (N, K, dtypes, device, M) at the first call for a shape, which must come
+Tiles (`infer.kernels.gemv_tiles`: from CANDIDATES; FP8_CANDIDATES too for 1-byte weights,
+MMA_CANDIDATES for several rows) are tuned once per (N, K, dtypes, device, M) at the first call for a shape, which must come
 before any CUDA graph capture (the engine's warm-up makes it; inside a capture it raises): each
 candidate is timed the way a decode step runs it, launched back to back in a CUDA graph over
 weights that do not fit in L2 (copies of the weight's shape when it would), as programmatic
@@ -33,44 +33,17 @@ autotuner, and what was measured: docs/performance.md, "Weight-streaming GEMV".
 
 from __future__ import annotations
 
-from typing import Any, NamedTuple
+from typing import Any
 
 import torch
 import triton
 import triton.language as tl
 
 from infer import env
+from infer.kernels.gemv_tiles import INTERPRETER_TILE, Tile, candidates, tune
 from infer.kernels.layers import lamport_push
 from infer.kernels.triton_pdl import kernel_args, wait_and_release
 
-
-class Tile(NamedTuple):
-    """How a call is launched: BLOCK_N rows of W a program, BLOCK_K columns a step, its warps and
-    software-pipeline stages, and `mma`: the rows of x meet the weight tile on tensor cores (tl.dot,
-    x padded to 16 rows; several rows of bf16 or fp16 x) rather than in fp32 FMAs."""
-
-    block_n: int
-    block_k: int
-    num_warps: int
-    num_stages: int = 1
-    mma: bool = False
-
-
-# (BLOCK_N, BLOCK_K, num_warps): few rows and long, coalesced rows of 16-byte loads win at one token;
-# the small tiles serve narrow models (K of a few hundred)
-CANDIDATES = [
-    Tile(*t)
-    for t in [(1, 512, 1), (1, 512, 2), (1, 1024, 4), (1, 4096, 4), (2, 512, 2), (2, 1024, 4), (2, 2048, 8)]
-    + [(4, 1024, 4), (4, 256, 2), (8, 256, 4), (8, 128, 2), (16, 128, 4)]
-]
-# an e4m3 row is half a bf16 row's bytes (16 weights a 16-byte load): the same loads in flight take
-# twice the columns, so 1-byte weights also try these
-FP8_CANDIDATES = [
-    Tile(*t) for t in [(1, 1024, 1), (1, 1024, 2), (1, 2048, 4), (1, 8192, 4), (2, 2048, 4), (2, 4096, 8), (4, 2048, 8)]
-]
-# several rows also try tensor cores, weight tiles pipelined through shared memory
-MMA_CANDIDATES = [Tile(n, k, 4, 3, mma=True) for n, k in [(16, 512), (32, 256), (32, 512), (64, 128), (64, 256)]]
-INTERPRETER_TILE = Tile(4, 32, 1)
 GEMV_MAX_ROWS = 8  # rows of x one call takes: each weight tile is read once and used for all of them
 # read once: the kernels below are interpreted or compiled as TRITON_INTERPRET was when they were
 # decorated (at this import), and _tile runs at every launch
@@ -84,53 +57,20 @@ def _tile(
     gated: bool,
     scale: torch.Tensor | None = None,
     x_scale: torch.Tensor | None = None,
-    out_dtype: torch.dtype | None = None,
+    y: torch.Tensor | None = None,
 ) -> Tile:
+    """The tuned tile for this call's shapes and dtypes (tuned at its first call: `gemv_tiles.tune`);
+    `y`: the call's output, whose shape and dtype the tuner's own output takes (default: x's dtype)."""
     if _INTERPRETED:
         return INTERPRETER_TILE
     key = (*weight.shape, weight.dtype, x.dtype, weight.device, x.shape[0])
     if key not in _tiles:
-        _tiles[key] = _tune(x, weight, gated, scale, x_scale, out_dtype or x.dtype)
+        out = torch.empty(x.shape[0], weight.shape[0], dtype=x.dtype, device=x.device) if y is None else y
+        y = torch.empty_like(out)  # the tuner's calls write here, not into the caller's output
+        _tiles[key] = tune(
+            candidates(x, weight), weight, lambda tile, w: _run(x, w, y, gated, tile, scale, x_scale=x_scale)
+        )
     return _tiles[key]
-
-
-def _candidates(x: torch.Tensor, weight: torch.Tensor) -> list[Tile]:
-    fp8 = FP8_CANDIDATES if weight.element_size() == 1 else []
-    mma = MMA_CANDIDATES if x.shape[0] > 1 and x.dtype in (torch.bfloat16, torch.float16) else []
-    return CANDIDATES + fp8 + mma
-
-
-def _tune(
-    x: torch.Tensor,
-    weight: torch.Tensor,
-    gated: bool,
-    scale: torch.Tensor | None,
-    x_scale: torch.Tensor | None = None,
-    out_dtype: torch.dtype | None = None,
-) -> Tile:
-    """The candidate with the least device time per call, calls captured back to back in a graph."""
-    from infer.kernels.timing import captured_seconds
-
-    if torch.cuda.is_current_stream_capturing():
-        raise RuntimeError("gemv: the first call for a weight shape tunes its tile and must run before graph capture")
-    n, k = weight.shape
-    l2 = torch.cuda.get_device_properties(weight.device).L2_cache_size
-    if weight.nbytes >= 2 * l2:  # streams from memory at every call as it is
-        weights = [weight]
-    else:  # copies enough to overflow L2 (their values do not matter to the time)
-        weights = list(torch.empty((-(-3 * l2 // weight.nbytes), n, k), dtype=weight.dtype, device=weight.device))
-    y = torch.empty(x.shape[0], n, dtype=out_dtype or x.dtype, device=x.device)
-    times = {}
-    for tile in _candidates(x, weight):
-        try:
-            times[tile] = captured_seconds(
-                lambda i: _run(x, weights[i % len(weights)], y, gated, tile, scale, x_scale=x_scale),
-                calls=max(8, 2 * len(weights)),
-                replays=3,
-            )
-        except triton.runtime.errors.OutOfResources:  # a tile this GPU cannot hold
-            continue
-    return min(times, key=times.get)
 
 
 @triton.jit
@@ -284,8 +224,9 @@ def gemv(
     the weights are read once for all rows. An e4m3 weight (torch.float8_e4m3fn, compute capability
     8.9 or newer) takes `scale`, float32 [N]: y[m, n] = (sum_k w[n, k] x[m, k]) * scale[n], rounded
     once. An e4m3 x (an activation quantized per row, FMA tiles only) takes `x_scale`, float32 [M, 1],
-    which multiplies row m's sums too, and the output dtype `out_dtype`. With PDL on, `weight` and `scale` are read before the kernel just before has finished: they
-    must be no output of that kernel (model weights never are). `push` (one row only): see `_launch`."""
+    which multiplies row m's sums too, and the output dtype `out_dtype`. With PDL on, `weight` and
+    `scale` are read before the kernel just before has finished: they must be no output of that kernel
+    (model weights never are). `push` (one row only): see `_launch`."""
     assert x.dim() == 2 and 1 <= x.shape[0] <= GEMV_MAX_ROWS, (
         f"gemv takes 1 to {GEMV_MAX_ROWS} rows, got {tuple(x.shape)}"
     )
@@ -371,7 +312,7 @@ def _launch(
         y = push.local
         assert x.shape[0] == 1, f"a pushed partial sum is one row's, got {x.shape[0]} rows"
         assert y.shape == (1, weight.shape[0]) and y.dtype == (out_dtype or x.dtype), "the push target is one row"
-    _run(x, weight, y, gated, _tile(x, weight, gated, scale, x_scale, y.dtype), scale, push, x_scale=x_scale)
+    _run(x, weight, y, gated, _tile(x, weight, gated, scale, x_scale, y), scale, push, x_scale=x_scale)
     return y
 
 

@@ -62,13 +62,14 @@ def test_gemv_tile_is_tuned_once_per_shape_before_any_capture():
     """The first call for a weight shape picks a tile among the candidates and keeps it; a first call
     inside a CUDA graph capture (where it cannot time anything) is refused with the reason."""
     from infer.kernels import gemv as triton_gemv
+    from infer.kernels import gemv_tiles
 
     w = torch.randn(768, 1536, device="cuda", dtype=torch.bfloat16)
     x = torch.randn(1, 1536, device="cuda", dtype=torch.bfloat16)
     triton_gemv.gemv(x, w)
     key = (768, 1536, torch.bfloat16, torch.bfloat16, w.device, 1)
     tile = triton_gemv._tiles[key]
-    assert tile in triton_gemv.CANDIDATES
+    assert tile in gemv_tiles.CANDIDATES
     triton_gemv.gemv(x, w)
     assert triton_gemv._tiles[key] is tile
     fresh = torch.randn(640, 1536, device="cuda", dtype=torch.bfloat16)

@@ -58,6 +58,7 @@ def one_row_gemv():
 @pytest.mark.parametrize("n,k", [QKV, GATE_UP])
 def test_fp8_rows_are_the_dequantized_product(n, k):
     from infer.kernels import gemv as triton_gemv
+    from infer.kernels import gemv_tiles
 
     torch.manual_seed(0)
     w8, scale = quantize_rows(torch.randn(n, k, device="cuda") / k**0.5)
@@ -66,8 +67,8 @@ def test_fp8_rows_are_the_dequantized_product(n, k):
         assert_close(triton_gemv.gemv(x, w8, scale=scale), x, w8, scale)
     for rows in ROWS:  # a tile tuned for each row count, among the candidates for 1-byte weights
         tile = triton_gemv.tuned_tiles()[(n, k, torch.float8_e4m3fn, torch.bfloat16, w8.device, rows)]
-        mma = triton_gemv.MMA_CANDIDATES if rows > 1 else []
-        assert tile in triton_gemv.CANDIDATES + triton_gemv.FP8_CANDIDATES + mma
+        mma = gemv_tiles.MMA_CANDIDATES if rows > 1 else []
+        assert tile in gemv_tiles.CANDIDATES + gemv_tiles.FP8_CANDIDATES + mma
 
 
 @needs_e4m3
