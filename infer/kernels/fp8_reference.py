@@ -19,6 +19,7 @@ __all__ = [
     "FP8_MAX",
     "FP8_MAX_INV",
     "SCALE_MIN",
+    "to_e4m3",
     "quantize_rows_reference",
     "rms_norm_fp8_reference",
     "silu_and_mul_fp8_reference",
@@ -33,13 +34,18 @@ FP8_MAX_INV = 1.0 / FP8_MAX
 SCALE_MIN = 1e-12  # the smallest row amax a scale is taken from: a row of zeros gets 1e-12 / 448, not 0
 
 
+def to_e4m3(x: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """x * (1 / scale) in float32, clamped to +-448 and rounded to the nearest e4m3 (`scale` broadcasts)."""
+    return (x.float() * (1.0 / scale)).clamp(-FP8_MAX, FP8_MAX).to(FP8)
+
+
 def quantize_rows_reference(x: torch.Tensor, amax: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     # x: [T, K] -> q: [T, K] float8_e4m3fn, scale: [T, 1] float32; amax: [T, 1] float32, each row's largest
     # |x| if given (a row of which x holds some columns: a tensor-parallel shard's), else x's own
     xf = x.float()
     amax = xf.abs().amax(dim=-1, keepdim=True) if amax is None else amax
     scale = amax.clamp(min=SCALE_MIN) * FP8_MAX_INV
-    return (xf * (1.0 / scale)).clamp(-FP8_MAX, FP8_MAX).to(FP8), scale
+    return to_e4m3(xf, scale), scale
 
 
 def rms_norm_fp8_reference(

@@ -28,7 +28,7 @@ from torch import nn
 
 from infer.core.hookspecs import hookimpl
 from infer.core.interfaces import Capabilities
-from infer.kernels.fp8_reference import FP8, FP8_MAX, FP8_MAX_INV, quantize_rows_reference
+from infer.kernels.fp8_reference import FP8, FP8_MAX_INV, quantize_rows_reference, to_e4m3
 
 
 def quantize_weight(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -37,7 +37,7 @@ def quantize_weight(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     w = w.float()
     amax = w.abs().amax(dim=1)
     scale = torch.where(amax > 0, amax * FP8_MAX_INV, torch.ones_like(amax))
-    return (w * (1.0 / scale)[:, None]).clamp(-FP8_MAX, FP8_MAX).to(FP8), scale
+    return to_e4m3(w, scale[:, None]), scale
 
 
 class Fp8Linear(nn.Module):

@@ -8,12 +8,12 @@ from infer.core.errors import ModelLoadError
 from infer.core.hookspecs import hookimpl
 from infer.core.interfaces import Capabilities
 from infer.plugins.layers.fp8 import Fp8Linear, QuantizedRows
-from infer.plugins.layers.fused import _triton_reason
+from infer.plugins.layers.fused import triton_reason
 
 
 def _reason() -> str | None:
     """Why the FP8 kernels cannot run here: no Triton, or a GPU without FP8 tensor cores (before 8.9)."""
-    reason = _triton_reason()
+    reason = triton_reason()
     if reason is None and torch.cuda.is_available() and torch.cuda.get_device_capability() < (8, 9):
         major, minor = torch.cuda.get_device_capability()
         reason = f"FP8 tensor cores need compute capability 8.9 or newer (Ada, Hopper), this GPU has {major}.{minor}"

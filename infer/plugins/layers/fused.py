@@ -22,7 +22,7 @@ from infer.core.interfaces import Capabilities
 from infer.plugins.layers import torch_layers as plain
 
 
-def _triton_reason() -> str | None:
+def triton_reason() -> str | None:
     try:
         import triton  # noqa: F401
     except ImportError:
@@ -32,7 +32,7 @@ def _triton_reason() -> str | None:
     return None
 
 
-CAPS = Capabilities(devices=frozenset({"cuda"}), priority=10, available=_triton_reason)
+CAPS = Capabilities(devices=frozenset({"cuda"}), priority=10, available=triton_reason)
 
 
 class FusedRMSNorm(plain.RMSNorm):
