@@ -22,6 +22,7 @@ from infer.core.interfaces import (
     DecoderContext,
     Launch,
     Layers,
+    ProcessorContext,
     SelfDescribing,
     SingleProcess,
 )
@@ -127,6 +128,8 @@ def build_engine(
     eos = set(plan.model_config.eos_token_ids)
     if tokenizer is not None and tokenizer.eos_token_id is not None:
         eos.add(int(tokenizer.eos_token_id))
+    context = ProcessorContext(tokenizer, plan.model_config.vocab_size, frozenset(eos), plan.device)
+    processors = tuple(s.factory(context) for s in plan.registry.all("logits_processor") if not s.unavailable_reason())
     model = models[0][0].model
     describe = {
         "model": plan.source.name,
@@ -156,6 +159,7 @@ def build_engine(
         describe=describe,
         block_mover=block_mover,
         runners=tuple(r for r, _ in models),
+        processors=processors,
     )
 
 

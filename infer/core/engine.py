@@ -18,6 +18,7 @@ from infer.core.output import Group, OutputProcessor
 from infer.core.request import FinishReason, Request, RequestOutput, SamplingParams
 from infer.inputs.prompts import tokenize
 from infer.runtime.block_mover import BlockMover
+from infer.runtime.constraints import admit
 
 CLOSED = "this engine is closed (its memory was given back): build a new LLM"
 
@@ -42,6 +43,7 @@ class EngineParts:
     block_mover: BlockMover | None = None  # applies each step's KV block copies (copy-on-write, swap)
     # every model's ModelRunner in build order (target, then drafts)
     runners: tuple[Any, ...] = ()
+    processors: tuple[Any, ...] = ()  # every logits processor built (`LogitsProcessor`)
 
 
 class Engine:
@@ -116,6 +118,7 @@ class Engine:
                 arrival_time=now,
                 fork_parent=children[0] if children else None,  # shares the first one's prompt blocks
             )
+            child.constraints = admit(self.parts.processors, child)
             children.append(child)
         self.output.add(Group(parent_id, text, children))
         try:

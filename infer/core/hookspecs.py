@@ -30,6 +30,8 @@ layer                     factory(*args) -> torch.nn.Module, registered under a 
                           rotary_embedding(rope: Rope, max_position) takes transformers'
                           frequencies and attention scaling (infer.models.rope);
                           the highest `capabilities.priority` runnable on the device wins
+logits_processor          factory(ctx: ProcessorContext) -> LogitsProcessor; every one
+                          installed is built, and serves the requests it admits
 ========================  ===============================================================
 """
 
@@ -101,6 +103,14 @@ def infer_register_layers(register: RegisterFn) -> None:
     """Register model layer implementations by kind: `register("rms_norm", FusedRMSNorm)`.
 
     Lets a plugin swap a fused kernel into every model without touching the model code.
+    """
+
+
+@hookspec
+def infer_register_logits_processors(register: RegisterFn) -> None:
+    """Register logits processors: `register("xgrammar", XGrammarProcessor)`.
+
+    Each one decides per request whether it applies (structured output, logit bias, ...).
     """
 
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import enum
 from dataclasses import dataclass, field
+from typing import Any
 
 from infer.inputs.sampling import SamplingParams  # re-exported: plugins import it from here
 
@@ -47,6 +48,7 @@ class Request:
     num_preemptions: int = 0
     # parallel samples and beams: the prompt's first request, whose blocks this one shares (forks)
     fork_parent: "Request | None" = field(default=None, repr=False)
+    constraints: tuple[tuple[Any, Any], ...] = field(default=(), repr=False)  # (logits processor, its state)
     first_token_time: float | None = None
     arrival_time: float = 0.0
     finish_time: float | None = None

@@ -24,6 +24,7 @@ from infer.core.interfaces import (
     StepResult,
 )
 from infer.core.request import Request
+from infer.runtime.constraints import constrain, is_constrained
 from infer.runtime.prompt_logprobs import prompt_rows, take_prompt_logprobs
 
 
@@ -150,6 +151,8 @@ class ModelRunner:
         sampled_requests = [s.request for s in seqs if s.logits_rows]
         if not sampled_requests:
             return StepResult(sampled={})
+        if is_constrained(sampled_requests):  # the masks are filled on the host while the forward runs
+            constrain(logits, sampled_requests)
         token_ids = self.pipeline.sample(logits, seqs) if self.pipeline is not None else None
         if token_ids is not None:
             return StepResult(sampled={r.request_id: [t] for r, t in zip(sampled_requests, token_ids)})

@@ -23,6 +23,7 @@ SLOTS: tuple[Slot, ...] = (  # in `infer plugins` and doctor order
     Slot("detokenizer", "infer_register_detokenizers", "detokenizer", "--detokenizer"),
     Slot("model", "infer_register_models", None, "--model-impl"),  # chosen by the checkpoint's architecture
     Slot("layer", "infer_register_layers", None, "the layers hook"),  # every kind, by priority
+    Slot("logits_processor", "infer_register_logits_processors", None, "the logits processors hook"),  # all
 )
 SLOT = {s.name: s for s in SLOTS}
 CHOSEN = tuple(s for s in SLOTS if s.field)  # the slots an EngineConfig names a strategy for

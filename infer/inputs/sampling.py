@@ -5,9 +5,10 @@ from __future__ import annotations
 import math
 import numbers
 from dataclasses import dataclass
-from typing import Callable, Literal
+from typing import Any, Callable, Literal
 
 from infer.core.errors import RequestError
+from infer.inputs.structured import StructuredOutputs
 
 
 @dataclass(slots=True)
@@ -38,6 +39,13 @@ class SamplingParams:
     best_of: int | None = None  # beam width (with use_beam_search); None: n
     length_penalty: float = 1.0
     early_stopping: bool | Literal["never"] = False  # as HF: True, False (heuristic) or "never"
+    # logits processors (`infer.core.interfaces.LogitsProcessor`): what the output must match (a
+    # StructuredOutputs, or a dict of its fields: {"json": schema}, {"regex": r"..."}, {"choice": [...]})
+    structured: StructuredOutputs | dict[str, Any] | None = None
+    logit_bias: dict[int, float] | None = None  # token id -> added to its logit, in [-100, 100] (OpenAI's)
+    bad_words: list[str] | None = None  # words never generated (as spelt alone and after a space)
+    min_tokens: int = 0  # EOS and stop tokens are banned until this many tokens are out
+    allowed_token_ids: list[int] | None = None  # only these tokens are generated
 
     def __post_init__(self) -> None:
         # vLLM's forms: one string or a sequence of them, None for none; anything else is left for validate
@@ -49,6 +57,9 @@ class SamplingParams:
             self.stop_token_ids = list(self.stop_token_ids or [])
         if self.top_k == -1:
             self.top_k = 0
+        self.structured = StructuredOutputs.coerce(self.structured)
+        if isinstance(self.logit_bias, dict):  # JSON object keys arrive as strings
+            self.logit_bias = {_token_key(k): v for k, v in self.logit_bias.items()}
         self.validate()
 
     @property
@@ -79,6 +90,7 @@ class SamplingParams:
             _integer("logprobs", self.logprobs, 0, fix="use None or an integer >= 0")
         if self.prompt_logprobs is not None:
             _integer("prompt_logprobs", self.prompt_logprobs, 0, fix="use None or an integer >= 0")
+        self._validate_processors()
         _boolean("use_beam_search", self.use_beam_search)
         if self.best_of is not None:
             _integer("best_of", self.best_of, self.n, fix=f"use an integer >= n ({self.n}), or None")
@@ -97,6 +109,30 @@ class SamplingParams:
         if penalised or self.stop:
             raise _bad("use_beam_search", True, "beam search takes no penalties or stop strings: drop them")
 
+    def _validate_processors(self) -> None:
+        if self.structured is not None:
+            if not isinstance(self.structured, StructuredOutputs):
+                raise _bad("structured", self.structured, "use StructuredOutputs(...) or a dict of its fields")
+            self.structured.validate()
+        if self.logit_bias is not None:
+            if not isinstance(self.logit_bias, dict):
+                raise _bad("logit_bias", self.logit_bias, "use a dict of token id -> bias in [-100, 100]")
+            for token, bias in self.logit_bias.items():
+                _integer("logit_bias", token, 0, fix="use token ids (integers >= 0) as its keys")
+                _real("logit_bias", bias, lambda v: -100 <= v <= 100, "use biases in [-100, 100]")
+        if self.bad_words is not None and (
+            not isinstance(self.bad_words, list) or not all(isinstance(w, str) and w.strip() for w in self.bad_words)
+        ):
+            raise _bad("bad_words", self.bad_words, "use a list of non-empty strings")
+        _integer("min_tokens", self.min_tokens, 0, fix="use an integer >= 0")
+        if self.min_tokens > self.max_tokens:
+            raise _bad("min_tokens", self.min_tokens, f"use at most max_tokens ({self.max_tokens})")
+        if self.allowed_token_ids is not None:
+            if not isinstance(self.allowed_token_ids, list) or not self.allowed_token_ids:
+                raise _bad("allowed_token_ids", self.allowed_token_ids, "use a non-empty list of token ids")
+            for token in self.allowed_token_ids:
+                _integer("allowed_token_ids", token, 0, fix="use token ids (integers >= 0)")
+
     # all the rest of the engine knows of beam search (the scheduler's): these two
     @property
     def num_sequences(self) -> int:
@@ -108,6 +144,12 @@ class SamplingParams:
         """False for beams, whose tokens the scheduler rewrites: decoded once, at the end; never drafted
         for or run ahead; their logprobs are the scheduler's."""
         return not self.use_beam_search
+
+
+def _token_key(key: object) -> object:
+    if isinstance(key, str) and key.strip().lstrip("-").isdigit():
+        return int(key)
+    return key
 
 
 def _bad(field_name: str, value: object, fix: str) -> RequestError:

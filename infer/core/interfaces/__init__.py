@@ -5,7 +5,7 @@ Implementations are plain classes; a factory registered through a hook builds th
 engine, so the hot loop is ordinary method calls.
 
 One module per noun (capabilities, attention, kv, scheduling, sampling, decoding, text,
-models, parallel, decode paths); everything is importable from here: `from infer.core.interfaces import AttentionBackend`.
+models, parallel, decode paths, constraints); everything is importable from here: `from infer.core.interfaces import AttentionBackend`.
 An optional ability is a small `runtime_checkable` protocol beside the interface it extends, whose
 docstring documents it; a strategy without it works, without what it would add.
 """
@@ -18,6 +18,7 @@ from infer.core.interfaces.attention import (
     RotaryFusingAttention,
 )
 from infer.core.interfaces.capabilities import DEFAULT_CAPABILITIES, Capabilities, capabilities_of
+from infer.core.interfaces.constraints import LogitsProcessor, LogitsRow, ProcessorContext
 from infer.core.interfaces.decode_paths import DecodeGraphs, DecodePipeline
 from infer.core.interfaces.decoding import Decoder, DecoderContext, ModelRunnerLike, SelfDescribing, StatsSummary
 from infer.core.interfaces.kv import BlockOps, KVAllocator, KVUsage
@@ -60,6 +61,7 @@ __all__ = [
     "SamplerOutput", "Sampler", "TokenSampler", "VerifyingSampler",
     "ModelRunnerLike", "DecoderContext", "Decoder", "SelfDescribing", "StatsSummary",
     "DetokenizedDelta", "Detokenizer",
+    "LogitsProcessor", "LogitsRow", "ProcessorContext",
     "LAYER_KINDS", "Layers", "RotaryTables", "FusingActivation", "LinearMatmul", "QuantizedLinear", "PushingMatmul",
     "CausalLM", "CheckpointShapes", "ModelArchitecture", "HFArchitectures", "ModelPresets", "RegisterFn",
     "DecoderStack", "KitConfig",

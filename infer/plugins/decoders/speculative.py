@@ -60,6 +60,7 @@ from infer.plugins.decoders.proposers import (
     row_index,
     view,
 )
+from infer.runtime.constraints import constrain, is_constrained
 from infer.runtime.prompt_logprobs import prompt_rows, take_prompt_logprobs
 from infer.runtime.transfer import to_device
 
@@ -190,9 +191,14 @@ class SpeculativeDecoder:
         num_draft = [proposal.num_tokens[i] for i in verify]
         K = max(num_draft)
         x, drafts = _drafts(proposal, verify, K, device)  # x: [R, K]; drafts: on the host, or None
-        if drafts is None and any(k and has_penalties(r) for r, k in zip(requests, num_draft)):
-            drafts = [row[:k] for row, k in zip(x.tolist(), num_draft)]  # penalties count the draft: wait for it
+        constrained = is_constrained(requests)
+        if drafts is None and (constrained or any(k and has_penalties(r) for r, k in zip(requests, num_draft))):
+            drafts = [row[:k] for row, k in zip(x.tolist(), num_draft)]  # penalties, masks read the draft: wait for it
         offsets, views, positions = _rows(requests, num_draft, drafts)
+        if constrained:  # each row masked after the draft before it (a row past a refused token is never kept)
+            assert drafts is not None
+            row_requests = [r for r, k in zip(requests, num_draft) for _ in range(k + 1)]
+            constrain(logits, row_requests, [d[:j] for d, k in zip(drafts, num_draft) for j in range(k + 1)])
         p = self.target.sampler.probs(logits, views, positions)  # [T, V]
         # index[a, j]: p's row for draft index j of request a (rows past k_a repeat the last one)
         index = to_device(

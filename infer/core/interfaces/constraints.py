@@ -1,0 +1,51 @@
+"""Logits processors: per-request constraints applied between the model and the sampler."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, Protocol, Sequence
+
+from torch import Tensor
+
+if TYPE_CHECKING:
+    from infer.core.request import Request
+
+
+@dataclass(frozen=True, slots=True)
+class ProcessorContext:
+    """What a logits processor factory gets, once per engine."""
+
+    tokenizer: Any  # the run's HF tokenizer; None when the model has none on disk
+    vocab_size: int  # the logits' width (may exceed the tokenizer's: the ids past it are never valid text)
+    eos_token_ids: frozenset[int]
+    device: Any  # torch.device of the logits
+
+
+@dataclass(slots=True)
+class LogitsRow:
+    """One logits row to constrain: the request's next token after `draft` (speculative decoding
+    verifies the positions after each prefix of a proposal; elsewhere `draft` is empty)."""
+
+    index: int  # the row in the step's logits
+    request: "Request"
+    state: Any  # what the processor's `admit` returned for this request
+    draft: Sequence[int] = ()  # proposed tokens after the request's output tokens, before this row
+
+
+class LogitsProcessor(Protocol):
+    """Masks or shifts logits for the requests that ask for it. Every installed processor is built
+    with the engine (factory(ctx: ProcessorContext)); none of them runs for a request that no
+    processor admitted.
+
+    `admit` runs when a request is added: it returns the request's state (a grammar matcher, the
+    token ids to ban ...) or None when the request does not ask for this processor, and raises
+    `RequestError` naming the field and the fix for a constraint it cannot serve. `apply` runs once
+    per step, before the sampler, on the rows of the admitted requests, in place; it reads the
+    request's output tokens itself (a state catches up with tokens it has not seen), so a step
+    that emits several tokens at once (speculation) needs nothing more. A row's distribution must
+    keep at least one finite logit.
+    """
+
+    def admit(self, request: "Request") -> Any | None: ...
+
+    def apply(self, logits: Tensor, rows: Sequence[LogitsRow]) -> None: ...

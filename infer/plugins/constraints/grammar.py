@@ -1,0 +1,159 @@
+"""`xgrammar`: structured output (a JSON schema, any JSON object, a regex, a choice, an EBNF grammar).
+
+A request's constraint is compiled when it is added (xgrammar caches compiled grammars, so a
+schema repeated across requests compiles once) into a matcher that follows the request's tokens.
+Each step the matchers of the step's rows fill a token bitmask on the host (several threads),
+while the forward is still running on the GPU; one copy takes it to the device and one kernel
+sets the masked logits to -inf for all the rows. Speculative decoding's verify rows are filled
+after the matcher has taken the draft before them; rejected tokens are rolled back.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+from dataclasses import dataclass
+from typing import Any, Sequence
+
+import torch
+
+from infer.core.errors import RequestError, one_line
+from infer.core.hookspecs import hookimpl
+from infer.core.interfaces import Capabilities, LogitsRow, ProcessorContext, RegisterFn
+from infer.core.request import Request
+from infer.inputs.structured import StructuredOutputs
+from infer.log import get_logger
+
+log = get_logger()
+
+
+def _missing() -> str | None:
+    if importlib.util.find_spec("xgrammar") is None:
+        return "xgrammar is not installed: pip install xgrammar"
+    return None
+
+
+@dataclass(slots=True)
+class MatcherState:
+    matcher: Any  # xgrammar.GrammarMatcher
+    consumed: int = 0  # output tokens the matcher has taken
+    broken: bool = False  # it refused an output token: the request runs unconstrained from there
+
+
+class XGrammarProcessor:
+    capabilities = Capabilities(available=_missing)
+
+    def __init__(self, ctx: ProcessorContext) -> None:
+        self.ctx = ctx
+        self._compiler: Any = None  # built at the first structured request: a run without one pays nothing
+        self._batch: Any = None
+        self._host: torch.Tensor | None = None  # [rows, words] int32 bitmask, pinned for a GPU
+
+    def admit(self, request: Request) -> MatcherState | None:
+        spec = request.params.structured
+        if spec is None or spec.backend not in (None, "xgrammar"):
+            return None
+        if self.ctx.tokenizer is None:
+            raise RequestError(
+                "structured output needs the model's tokenizer, and this model has none on disk: "
+                "pass --tokenizer NAME_OR_PATH"
+            )
+        import xgrammar as xgr
+
+        return MatcherState(xgr.GrammarMatcher(self.compile(spec)))
+
+    def compile(self, spec: StructuredOutputs) -> Any:
+        compiler = self._compiler or self._build_compiler()
+        kind = spec.kind
+        try:
+            if kind == "json":
+                return compiler.compile_json_schema(spec.schema(), any_whitespace=False)
+            if kind == "json_object":
+                return compiler.compile_json_schema('{"type": "object"}', any_whitespace=False)
+            if kind == "regex":
+                return compiler.compile_regex(spec.regex)
+            if kind == "choice":
+                return compiler.compile_grammar(choice_grammar(spec.choice or []))
+            return compiler.compile_grammar(spec.grammar)
+        except Exception as exc:  # xgrammar raises RuntimeError / ValueError with the parser's message
+            raise RequestError(f"invalid structured.{kind}: {one_line(exc)}: fix the {kind}") from None
+
+    def _build_compiler(self) -> Any:
+        import xgrammar as xgr
+
+        info = xgr.TokenizerInfo.from_huggingface(
+            self.ctx.tokenizer, vocab_size=self.ctx.vocab_size, stop_token_ids=sorted(self.ctx.eos_token_ids)
+        )
+        self._compiler = xgr.GrammarCompiler(info)
+        self._batch = xgr.BatchGrammarMatcher()
+        return self._compiler
+
+    def apply(self, logits: torch.Tensor, rows: Sequence[LogitsRow]) -> None:
+        import xgrammar as xgr
+
+        bitmask = self._bitmask(logits.shape[0], logits.device)
+        live = [row for row in rows if _catch_up(row.request, row.state)]
+        if all(not row.draft for row in live):  # one row per request: fill them all at once
+            indices = [row.index for row in live]
+            self._batch.batch_fill_next_token_bitmask([row.state.matcher for row in live], bitmask, indices)
+        else:
+            indices = _fill_drafts(live, bitmask)
+        if not indices:
+            return
+        bits = bitmask if logits.device.type == "cpu" else bitmask.to(logits.device, non_blocking=True)
+        xgr.apply_token_bitmask_inplace(logits, bits, vocab_size=self.ctx.vocab_size, indices=indices)
+
+    def _bitmask(self, num_rows: int, device: torch.device) -> torch.Tensor:
+        words = (self.ctx.vocab_size + 31) // 32
+        if self._host is None or self._host.shape[0] < num_rows:
+            host = torch.empty(max(num_rows, 64), words, dtype=torch.int32)
+            self._host = host.pin_memory() if device.type == "cuda" else host
+        return self._host[:num_rows]
+
+
+def _catch_up(request: Request, state: MatcherState) -> bool:
+    """Feed the matcher the request's output tokens it has not seen; False when it no longer constrains
+    (the grammar has ended, or it refused a token)."""
+    if state.broken:
+        return False
+    matcher, out = state.matcher, request.output_token_ids
+    while state.consumed < len(out):
+        if not matcher.accept_token(out[state.consumed]):
+            state.broken = True
+            log.warning("structured output: token refused, request unconstrained", request_id=request.request_id)
+            return False
+        state.consumed += 1
+    return not matcher.is_terminated()
+
+
+def _fill_drafts(rows: Sequence[LogitsRow], bitmask: torch.Tensor) -> list[int]:
+    """Verify rows: each request's rows in draft order; the matcher takes the draft one token at a
+    time, filling each row's mask, then gives it back. A row after a token the grammar refuses is
+    never kept (the mask of the row before rejects that token), so it is left unmasked."""
+    indices: list[int] = []
+    groups: dict[int, list[LogitsRow]] = {}
+    for row in rows:
+        groups.setdefault(id(row.state), []).append(row)
+    for group in groups.values():
+        group.sort(key=lambda r: len(r.draft))
+        matcher, fed, ok = group[0].state.matcher, 0, True
+        for row in group:
+            while ok and fed < len(row.draft):
+                ok = matcher.accept_token(row.draft[fed])
+                fed += ok
+            if ok and not matcher.is_terminated():
+                matcher.fill_next_token_bitmask(bitmask, row.index)
+                indices.append(row.index)
+        if fed:
+            matcher.rollback(fed)
+    return indices
+
+
+def choice_grammar(choices: list[str]) -> str:
+    """An EBNF grammar whose sentences are exactly `choices`."""
+    return "root ::= " + " | ".join(json.dumps(c, ensure_ascii=False) for c in choices)
+
+
+@hookimpl
+def infer_register_logits_processors(register: RegisterFn) -> None:
+    register("xgrammar", XGrammarProcessor)

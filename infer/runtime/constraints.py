@@ -1,0 +1,39 @@
+"""The engine's side of the logits processors: admitting a request, constraining a step's rows."""
+
+from __future__ import annotations
+
+from typing import Any, Sequence
+
+import torch
+
+from infer.core.errors import RequestError
+from infer.core.interfaces import LogitsProcessor, LogitsRow
+from infer.core.request import Request
+
+
+def admit(processors: Sequence[LogitsProcessor], request: Request) -> tuple[tuple[Any, Any], ...]:
+    """The processors that serve `request`, each with its state (a RequestError if one cannot)."""
+    found = tuple((p, state) for p in processors if (state := p.admit(request)) is not None)
+    if found and not request.params.tokens_are_final:
+        names = ", ".join(type(p).__name__ for p, _ in found)
+        raise RequestError(
+            f"beam search takes no logits processors or constraints ({names}): drop use_beam_search, or the constraint"
+        )
+    return found
+
+
+def constrain(logits: torch.Tensor, requests: Sequence[Request], drafts: Sequence[Sequence[int]] | None = None) -> None:
+    """Apply each admitted processor, in place, to its rows: row i is `requests[i]`'s next token
+    after `drafts[i]` (speculative positions; None: no drafts). Rows of requests without
+    constraints are left alone."""
+    batches: dict[int, tuple[LogitsProcessor, list[LogitsRow]]] = {}
+    for i, r in enumerate(requests):
+        for processor, state in r.constraints:
+            row = LogitsRow(i, r, state, drafts[i] if drafts is not None else ())
+            batches.setdefault(id(processor), (processor, []))[1].append(row)
+    for processor, rows in batches.values():
+        processor.apply(logits, rows)
+
+
+def is_constrained(requests: Sequence[Request]) -> bool:
+    return any(r.constraints for r in requests)
