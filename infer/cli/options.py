@@ -24,6 +24,7 @@ HELP: dict[str, str] = {  # EngineConfig field -> help, in the order `--help` li
     "model_impl": "The model plugin that runs --model (one that claims its architecture); auto: the first that "
     "claims it. `infer plugins` lists them.",
     "chat_template": "A jinja chat template (a file's path, or the text itself) replacing the model's.",
+    "tokenizer": "Another model's tokenizer (a folder, cached model or HF repo id); ids past it are never generated.",
     "load_format": "dummy: random weights of the model's shape.",
     "dtype": "Weights and activations; auto: bfloat16 on CUDA, float32 on the CPU.",
     "device": "auto, cpu, cuda, cuda:N.",

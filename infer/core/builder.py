@@ -32,7 +32,14 @@ from infer.core.runner import ModelRunner
 from infer.inputs.chat_template import load_chat_template
 from infer.log import get_logger
 from infer.models.build import check_draft, load_model
-from infer.models.loader import ModelSource, check_weight_shapes, load_tokenizer, meta_model, resolve_source
+from infer.models.loader import (
+    ModelSource,
+    check_weight_shapes,
+    load_tokenizer,
+    meta_model,
+    resolve_source,
+    with_tokenizer,
+)
 from infer.models.quantization import quantization_for
 from infer.runtime.block_mover import BlockMover
 from infer.runtime.cuda_graphs import CudaGraphRunner
@@ -128,7 +135,7 @@ def build_engine(
     eos = set(plan.model_config.eos_token_ids)
     if tokenizer is not None and tokenizer.eos_token_id is not None:
         eos.add(int(tokenizer.eos_token_id))
-    context = ProcessorContext(tokenizer, plan.model_config.vocab_size, frozenset(eos), plan.device)
+    context = ProcessorContext(tokenizer, plan.model_config.vocab_size, frozenset(eos), plan.device, config)
     processors = tuple(s.factory(context) for s in plan.registry.all("logits_processor") if not s.unavailable_reason())
     model = models[0][0].model
     describe = {
@@ -182,6 +189,7 @@ def _check(
     source = resolve_source(
         config.model, registry, config.load_format, revision=config.revision, model_impl=config.model_impl
     )
+    source = with_tokenizer(source, config.tokenizer, registry)
     if chat_template is not None and source.tokenizer_path is None:
         raise ConfigError(
             f"--chat-template needs a tokenizer, and {source.name} has none on disk: drop --chat-template"

@@ -40,6 +40,7 @@ class EngineConfig:
     revision: str | None = None  # an HF repo id's branch, tag or commit; None: main
     model_impl: str = "auto"  # the model plugin that runs --model; auto: the one claiming its architecture
     chat_template: str | None = None  # a jinja file's path, or the template's text; None: the model's own
+    tokenizer: str | None = None  # another model's tokenizer (as --model names one); None: the model's own
     load_format: LoadFormat = "auto"  # dummy: random weights of the model's shape
     dtype: str = "auto"  # auto: bfloat16 on CUDA, float32 on the CPU
     device: str = "auto"  # auto: cuda when available, else cpu

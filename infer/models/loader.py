@@ -89,6 +89,23 @@ def resolve_source(
     return replace(source, architecture=registry.architecture_for(architecture, model_impl))
 
 
+def with_tokenizer(source: ModelSource, tokenizer: str | None, registry: PluginRegistry) -> ModelSource:
+    """`source` with the tokenizer of `tokenizer` (a folder, cached model or HF repo id, as --model);
+    None: unchanged. Only the tokenizer's files are read."""
+    if tokenizer is None:
+        return source
+    try:
+        found = _resolve(tokenizer, registry, "dummy", False, None).tokenizer_path
+    except ModelLoadError as exc:
+        raise ModelLoadError(f"--tokenizer: {exc}") from None
+    if found is None:
+        raise ModelLoadError(
+            f"--tokenizer {tokenizer} has no tokenizer files (tokenizer.json or tokenizer.model) on disk: "
+            f"name a model folder or a cached model with one (`infer models pull NAME`)"
+        )
+    return replace(source, tokenizer_path=found)
+
+
 def _resolve(model: str, registry: PluginRegistry, load_format: str, pull: bool, revision: str | None) -> ModelSource:
     from infer.models import hub
 

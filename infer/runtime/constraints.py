@@ -22,6 +22,7 @@ def admit(processors: Sequence[LogitsProcessor], request: Request) -> tuple[tupl
     return found
 
 
+@torch.inference_mode()  # the logits are inference tensors (a CUDA graph's output, ...)
 def constrain(logits: torch.Tensor, requests: Sequence[Request], drafts: Sequence[Sequence[int]] | None = None) -> None:
     """Apply each admitted processor, in place, to its rows: row i is `requests[i]`'s next token
     after `drafts[i]` (speculative positions; None: no drafts). Rows of requests without

@@ -19,6 +19,7 @@ class ProcessorContext:
     vocab_size: int  # the logits' width (may exceed the tokenizer's: the ids past it are never valid text)
     eos_token_ids: frozenset[int]
     device: Any  # torch.device of the logits
+    config: Any = None  # the EngineConfig
 
 
 @dataclass(slots=True)

@@ -1,0 +1,36 @@
+"""`tokenizer-vocab`: with `--tokenizer` naming a tokenizer smaller than the model's vocabulary (a
+model's shape run with another model's tokenizer), the ids past the tokenizer are masked for every
+request: they are no text."""
+
+from __future__ import annotations
+
+from typing import Sequence
+
+import torch
+
+from infer.core.hookspecs import hookimpl
+from infer.core.interfaces import LogitsRow, ProcessorContext, RegisterFn
+from infer.core.request import Request
+from infer.runtime.transfer import to_device
+
+
+class TokenizerVocab:
+    def __init__(self, ctx: ProcessorContext) -> None:
+        chosen = ctx.config is not None and getattr(ctx.config, "tokenizer", None) is not None
+        size = len(ctx.tokenizer) if chosen and ctx.tokenizer is not None else ctx.vocab_size
+        self.size = size if size < ctx.vocab_size else None  # None: nothing to mask
+
+    def admit(self, request: Request) -> bool | None:
+        return True if self.size is not None else None
+
+    def apply(self, logits: torch.Tensor, rows: Sequence[LogitsRow]) -> None:
+        if len(rows) == logits.shape[0]:  # every row (it admits every request): one fill, no index to copy
+            logits[:, self.size :] = float("-inf")
+            return
+        index = to_device([row.index for row in rows], torch.int64, logits.device)
+        logits[index, self.size :] = float("-inf")
+
+
+@hookimpl
+def infer_register_logits_processors(register: RegisterFn) -> None:
+    register("tokenizer-vocab", TokenizerVocab)
