@@ -13,7 +13,8 @@ from infer.core.errors import InferError
 from infer.core.registry import PluginRegistry, Strategy
 from infer.core.slots import find
 
-SLOTS = ("attention", "sampler", "kv_allocator", "decoder", "model")  # the slots with a suite, suites/kit_<slot>.py
+# the slots with a suite, suites/kit_<slot>.py
+SLOTS = ("attention", "sampler", "kv_allocator", "decoder", "model", "logits_processor")
 SUITES = Path(__file__).resolve().parent / "suites"
 
 

@@ -4,6 +4,7 @@ installed strategy.
     pytest --infer-kit attention=my-attn                  # the attention suite against my-attn
     pytest --infer-kit sampler=a --infer-kit decoder=b    # several slots (or names: sampler=a,b)
     pytest --infer-kit model=my-model                     # a model plugin beside HF transformers' own
+    pytest --infer-kit logits_processor=my-constraint     # a logits processor (declares `kit_params`)
 
 Without `--infer-kit` the plugin does nothing. With it, the kit's suites for the named slots are
 collected (in place of the configured test paths, or beside paths given on the command line).
@@ -25,8 +26,8 @@ def pytest_addoption(parser: pytest.Parser) -> None:
         action="append",
         default=[],
         metavar="SLOT=NAME",
-        help="run infer's conformance suite for SLOT (attention, sampler, kv_allocator, decoder, model) against the "
-        "installed strategy NAME; repeatable",
+        help="run infer's conformance suite for SLOT (attention, sampler, kv_allocator, decoder, model, "
+        "logits_processor) against the installed strategy NAME; repeatable",
     )
 
 

@@ -14,6 +14,9 @@ from infer.runtime.transfer import to_device
 
 
 class AllowedTokens:
+    # the conformance kit's request (infer.testing.constraints): SamplingParams fields this admits
+    kit_params = {"allowed_token_ids": [0, 35, 70, 71, 72, 100, 117]}
+
     def __init__(self, ctx: ProcessorContext) -> None:
         self.vocab_size = ctx.vocab_size
 

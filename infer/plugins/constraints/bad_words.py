@@ -16,6 +16,9 @@ from infer.plugins.constraints.token_masks import ban
 
 
 class BadWords:
+    # the conformance kit's request (infer.testing.constraints): SamplingParams fields this admits
+    kit_params = {"bad_words": ["hello", "world"]}  # one token; several
+
     def __init__(self, ctx: ProcessorContext) -> None:
         self.tokenizer: Any = ctx.tokenizer
         self.vocab_size = ctx.vocab_size

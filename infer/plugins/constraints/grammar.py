@@ -41,6 +41,8 @@ class MatcherState:
 
 
 class XGrammarProcessor:
+    # the conformance kit's request (infer.testing.constraints): SamplingParams fields this admits
+    kit_params = {"structured": {"json_object": True}}
     capabilities = Capabilities(available=_missing)
 
     def __init__(self, ctx: ProcessorContext) -> None:

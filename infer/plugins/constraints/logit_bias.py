@@ -14,6 +14,9 @@ from infer.runtime.transfer import to_device
 
 
 class LogitBias:
+    # the conformance kit's request (infer.testing.constraints): SamplingParams fields this admits
+    kit_params = {"logit_bias": {70: 5.0, 72: -100.0, 102: 3.0}}
+
     def __init__(self, ctx: ProcessorContext) -> None:
         self.vocab_size = ctx.vocab_size
 

@@ -13,6 +13,9 @@ from infer.plugins.constraints.token_masks import ban
 
 
 class MinTokens:
+    # the conformance kit's request (infer.testing.constraints): SamplingParams fields this admits
+    kit_params = {"min_tokens": 6}
+
     def __init__(self, ctx: ProcessorContext) -> None:
         self.vocab_size = ctx.vocab_size
 
