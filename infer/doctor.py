@@ -151,6 +151,17 @@ def _quantization(config: EngineConfig, registry: PluginRegistry, device: torch.
     return Verdict("quantization", asked, note=f"{scheme}: {layer.__module__}.{layer.__name__}")
 
 
+def _logits_processors(registry: PluginRegistry) -> Verdict:
+    """Every installed logits processor is built and serves the requests that ask for it: never a
+    refusal, but one that cannot run here is named with the reason."""
+    found = sorted(registry.all(SLOT["logits_processor"].name), key=lambda s: s.name)
+    why = {s.name: s.unavailable_reason() for s in found}
+    ready = [name for name, reason in why.items() if reason is None]
+    note = f"{len(ready)} of {len(found)} ready: {', '.join(ready) or 'none'}"
+    note += "".join(f"; {name} unavailable: {reason}" for name, reason in why.items() if reason)
+    return Verdict("logits_processor", "all", note=note)
+
+
 def diagnose(
     config: EngineConfig, registry: PluginRegistry, check_model: bool = True, device: torch.device | None = None
 ) -> Diagnosis:
@@ -194,6 +205,7 @@ def diagnose(
             verdicts.append(
                 _verdict(registry, "attention", config.prefill_attention, config, device, dtype, as_prefill=True)
             )
+    verdicts.append(_logits_processors(registry))
     if check_model and config.draft and config.draft not in ("ngram", "self"):
         from infer.models.loader import resolve_source
 

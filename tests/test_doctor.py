@@ -34,7 +34,25 @@ class NeedsLibrary(TorchAttention):
     capabilities = infer.Capabilities(available=lambda: "fancykernels is not importable: pip install fancykernels")
 
 
+class NeedsGrammarLibrary:
+    capabilities = infer.Capabilities(available=lambda: "fancygrammar is not importable: pip install fancygrammar")
+
+    def __init__(self, ctx):
+        pass
+
+    def admit(self, request):
+        return None
+
+    def apply(self, logits, rows):
+        pass
+
+
 class Plugin:
+    @staticmethod
+    @infer.hookimpl
+    def infer_register_logits_processors(register):
+        register("needs-grammar", NeedsGrammarLibrary)
+
     @staticmethod
     @infer.hookimpl
     def infer_register_attention_backends(register):
@@ -129,6 +147,7 @@ def test_doctor_passes_a_runnable_combination_and_checks_every_slot(invoke):
         "sampler",
         "decoder",
         "detokenizer",
+        "logits_processor",
     ]
     assert "(llama, 30 layers, 9/3 heads, dummy weights)" in result.output
     assert result.output.splitlines()[-1] == "verdict: runs here"
@@ -154,6 +173,23 @@ def test_doctor_refuses_fp8_kv_where_a_backend_has_none(invoke, flag):
     ) in refused[0]
     assert invoke("doctor", *SHAPE, flag, "no-fp8").exit_code == 0
     assert invoke("doctor", *SHAPE, "--kv-cache-dtype", "fp8").exit_code == 0  # auto picks torch here
+
+
+BUILTIN_PROCESSORS = ("allowed-tokens", "bad-words", "logit-bias", "min-tokens", "xgrammar")
+
+
+def test_doctor_and_plugins_name_the_logits_processors_and_why_one_cannot_run(invoke):
+    result = invoke("doctor", *SHAPE)
+    assert result.exit_code == 0, result.output  # a processor that cannot run refuses nothing: it is left out
+    (row,) = [line for line in result.output.splitlines() if line.split()[0] == "logits_processor"]
+    assert row.split()[1:3] == ["all", "OK"], row
+    ready = row.split(" ready: ")[1].split(";")[0].split(", ")
+    assert set(BUILTIN_PROCESSORS) <= set(ready) and "needs-grammar" not in ready, row
+    assert "; needs-grammar unavailable: fancygrammar is not importable: pip install fancygrammar)" in row
+    rows = {line.split()[1]: line for line in invoke("plugins").output.splitlines() if line.startswith("logits_")}
+    assert set(BUILTIN_PROCESSORS) | {"needs-grammar"} <= set(rows), rows
+    assert rows["needs-grammar"].endswith("[unavailable: fancygrammar is not importable: pip install fancygrammar]")
+    assert not any("unavailable" in rows[name] for name in BUILTIN_PROCESSORS)
 
 
 def test_plugins_lists_the_backends_with_fp8_kv(invoke):
@@ -207,7 +243,8 @@ def test_all_reduce_verdict_names_missing_peer_access(monkeypatch):
 def test_doctor_names_the_linear_layer_of_a_quantization_and_refuses_an_unknown_one(invoke):
     result = invoke("doctor", *SHAPE, "--quantization", "fp8")
     assert result.exit_code == 0, result.output
-    assert "quantization  fp8" in result.output and "OK  (fp8: infer.plugins.layers.fp8.Fp8Linear)" in result.output
+    (row,) = [line for line in result.output.splitlines() if line.split()[0] == "quantization"]
+    assert row.split()[1] == "fp8" and row.endswith("OK  (fp8: infer.plugins.layers.fp8.Fp8Linear)"), row
     result = invoke("doctor", *SHAPE, "--quantization", "int3")
     assert result.exit_code == 2, result.output
     assert "REFUSED: unknown --quantization 'int3': use one of fp8" in result.output
