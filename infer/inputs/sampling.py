@@ -10,6 +10,9 @@ from typing import Any, Callable, Literal
 from infer.core.errors import RequestError
 from infer.inputs.structured import StructuredOutputs
 
+# the fields the logits processors serve (beam search takes none of them)
+CONSTRAINTS = ("structured", "logit_bias", "bad_words", "min_tokens", "allowed_token_ids")
+
 
 @dataclass(slots=True)
 class SamplingParams:
@@ -57,9 +60,6 @@ class SamplingParams:
             self.stop_token_ids = list(self.stop_token_ids or [])
         if self.top_k == -1:
             self.top_k = 0
-        self.structured = StructuredOutputs.coerce(self.structured)
-        if isinstance(self.logit_bias, dict):  # JSON object keys arrive as strings
-            self.logit_bias = {_token_key(k): v for k, v in self.logit_bias.items()}
         self.validate()
 
     @property
@@ -108,8 +108,18 @@ class SamplingParams:
         penalised = self.repetition_penalty != 1.0 or self.presence_penalty or self.frequency_penalty
         if penalised or self.stop:
             raise _bad("use_beam_search", True, "beam search takes no penalties or stop strings: drop them")
+        constrained = [name for name in CONSTRAINTS if getattr(self, name)]
+        if constrained:
+            raise _bad(
+                "use_beam_search", True, f"beam search takes no constraints ({', '.join(constrained)}): drop them"
+            )
 
     def _validate_processors(self) -> None:
+        # the forms a caller may also set after construction: a dict of StructuredOutputs' fields,
+        # logit_bias keys as strings (JSON object keys)
+        self.structured = StructuredOutputs.coerce(self.structured)
+        if isinstance(self.logit_bias, dict):
+            self.logit_bias = {_token_key(k): v for k, v in self.logit_bias.items()}
         if self.structured is not None:
             if not isinstance(self.structured, StructuredOutputs):
                 raise _bad("structured", self.structured, "use StructuredOutputs(...) or a dict of its fields")
@@ -118,8 +128,8 @@ class SamplingParams:
             if not isinstance(self.logit_bias, dict):
                 raise _bad("logit_bias", self.logit_bias, "use a dict of token id -> bias in [-100, 100]")
             for token, bias in self.logit_bias.items():
-                _integer("logit_bias", token, 0, fix="use token ids (integers >= 0) as its keys")
-                _real("logit_bias", bias, lambda v: -100 <= v <= 100, "use biases in [-100, 100]")
+                _integer("logit_bias key", token, 0, fix="use token ids (integers >= 0) as its keys")
+                _real(f"logit_bias[{token}]", bias, lambda v: -100 <= v <= 100, "use biases in [-100, 100]")
         if self.bad_words is not None and (
             not isinstance(self.bad_words, list) or not all(isinstance(w, str) and w.strip() for w in self.bad_words)
         ):

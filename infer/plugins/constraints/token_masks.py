@@ -18,4 +18,6 @@ def ban(logits: torch.Tensor, rows: list[int], tokens: list[int]) -> None:
 def check_ids(name: str, tokens: list[int], vocab_size: int) -> None:
     bad = [t for t in tokens if t >= vocab_size]
     if bad:
-        raise RequestError(f"invalid {name}: token id {bad[0]} is past the vocabulary ({vocab_size} tokens)")
+        raise RequestError(
+            f"invalid {name}: token id {bad[0]} is past the vocabulary ({vocab_size} tokens): use ids below {vocab_size}"
+        )
