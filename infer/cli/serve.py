@@ -6,6 +6,7 @@ stops with one line naming the install.
 
     infer serve                                              # smollm2-135m on 127.0.0.1:8000
     infer serve --model smollm2-135m --model 'llama3-8b:load_format=dummy,attention=torch,name=llama'
+    infer serve --model Qwen/Qwen2.5-7B-Instruct --tool-call-parser hermes   # tool_choice "auto" reads its calls
 
 A --model is MODEL[:FIELD=VALUE,...]: the model as `infer run --model` takes it, then options of its
 engine only (any engine option's field name: attention, num_kv_blocks, ...; `name` is the id requests
@@ -25,6 +26,7 @@ from infer.cli.options import engine_config, engine_options_except
 from infer.core.config import EngineConfig
 from infer.core.errors import ConfigError
 from infer.core.hookspecs import hookimpl
+from infer.serve.tool_parsers import PARSERS
 
 EXTRA = "pip install 'infer[serve]'"
 
@@ -95,9 +97,22 @@ def model_configs(specs: tuple[str, ...], shared: dict[str, Any]) -> dict[str, E
     default=None,
     help="Per model, requests accepted but not started, at most; more get a 429 (default: no limit).",
 )
+@click.option(
+    "--tool-call-parser",
+    type=click.Choice(sorted(PARSERS)),
+    default=None,
+    help="The format of the tool calls models write (hermes: Hermes, Qwen 2.5 and 3; llama3_json: Llama 3.1+), "
+    "read for chats with tool_choice 'auto'. Without it such chats are refused.",
+)
 @user_errors
 def serve(
-    models: tuple[str, ...], host: str, port: int, api_key: str | None, max_waiting: int | None, **engine_opts: Any
+    models: tuple[str, ...],
+    host: str,
+    port: int,
+    api_key: str | None,
+    max_waiting: int | None,
+    tool_call_parser: str | None,
+    **engine_opts: Any,
 ) -> None:
     """Serve models over the OpenAI API: /v1/completions, /v1/chat/completions, /v1/models, /metrics."""
     try:
@@ -115,7 +130,7 @@ def serve(
             click.echo(f"loading {name} ({config.model})", err=True)
             # each engine steps in a process of its own: the event loop here never holds the GIL its steps need
             engines[name] = AsyncEngine.spawn(functools.partial(_build_engine, config), max_waiting=max_waiting)
-        app = create_app(engines, api_key=api_key)
+        app = create_app(engines, api_key=api_key, tool_call_parser=tool_call_parser)
         click.echo(f"serving {', '.join(engines)} at http://{host}:{port}/v1", err=True)
         uvicorn.run(app, host=host, port=port, log_level="info", timeout_graceful_shutdown=5)
     finally:

@@ -26,14 +26,16 @@ def admit(processors: Sequence[LogitsProcessor], request: Request) -> tuple[tupl
 def constrain(logits: torch.Tensor, requests: Sequence[Request], drafts: Sequence[Sequence[int]] | None = None) -> None:
     """Apply each admitted processor, in place, to its rows: row i is `requests[i]`'s next token
     after `drafts[i]` (speculative positions; None: no drafts). Rows of requests without
-    constraints are left alone."""
+    constraints are left alone. Runs in inference mode: the logits come from a forward run in it,
+    and an in-place write to such a tensor outside it is an error."""
     batches: dict[int, tuple[LogitsProcessor, list[LogitsRow]]] = {}
     for i, r in enumerate(requests):
         for processor, state in r.constraints:
             row = LogitsRow(i, r, state, drafts[i] if drafts is not None else ())
             batches.setdefault(id(processor), (processor, []))[1].append(row)
-    for processor, rows in batches.values():
-        processor.apply(logits, rows)
+    with torch.inference_mode():
+        for processor, rows in batches.values():
+            processor.apply(logits, rows)
 
 
 def is_constrained(requests: Sequence[Request]) -> bool:

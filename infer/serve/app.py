@@ -1,5 +1,9 @@
 """The OpenAI-compatible app: `create_app({"model name": AsyncEngine, ...})` -> a FastAPI app.
 
+Requests may constrain their output (response_format, vLLM's structured_outputs and guided_*) and
+chats may pass tools; with `tool_call_parser` (hermes, llama3_json) tool_choice "auto" reads the
+calls a model writes in its text (`constrained`, `tool_parsers`).
+
     POST /v1/completions, /v1/chat/completions   JSON, or server-sent events with "stream": true
     GET  /v1/models                              the served models (requests route by `model`)
     POST /tokenize, /detokenize                  vLLM's shapes
@@ -25,6 +29,7 @@ from infer.core.errors import ConfigError, RequestError, one_line
 from infer.inputs.chat_template import check_template_kwargs, render_chat, template_for
 from infer.serve import errors
 from infer.serve.async_engine import AsyncEngine
+from infer.serve.constrained import output_rules
 from infer.serve.errors import APIError
 from infer.serve.formats import ChatFormat, CompletionFormat
 from infer.serve.generation import Generation, answer, max_tokens_rule
@@ -43,6 +48,7 @@ from infer.serve.protocol import (
     TokenizeResponse,
 )
 from infer.serve.served import ServedModel
+from infer.serve.tool_parsers import PARSERS
 
 __all__ = ["create_app"]
 
@@ -64,9 +70,15 @@ def _streamed(model: type) -> dict[int | str, dict[str, Any]]:
     return {200: {"model": model, "content": content}, **ERRORS}
 
 
-def create_app(engines: Mapping[str, AsyncEngine], api_key: str | None = None) -> FastAPI:
+def create_app(
+    engines: Mapping[str, AsyncEngine], api_key: str | None = None, tool_call_parser: str | None = None
+) -> FastAPI:
+    """tool_call_parser: the format of the calls models write in their text (a name in `PARSERS`), read
+    for chats with tool_choice "auto"; None: such chats are refused."""
     if not engines:
         raise ConfigError("serve at least one model: give --model NAME")
+    if tool_call_parser is not None and tool_call_parser not in PARSERS:
+        raise ConfigError(f"unknown tool-call parser {tool_call_parser!r}: use one of {', '.join(PARSERS)}")
     models = Models({name: ServedModel(name, engine) for name, engine in engines.items()})
     metrics = ServeMetrics(models.values())
     app = FastAPI(title="infer", version=__version__, summary="An OpenAI-compatible server over infer's engines.")
@@ -90,7 +102,7 @@ def create_app(engines: Mapping[str, AsyncEngine], api_key: str | None = None) -
         cards = [ModelCard(id=m.name, created=m.created, max_model_len=m.max_model_len) for m in models.values()]
         return ModelList(data=cards)
 
-    _generation_routes(app, models, metrics, guarded)
+    _generation_routes(app, models, metrics, guarded, tool_call_parser)
     _token_routes(app, models, guarded)
     return app
 
@@ -114,17 +126,20 @@ class Models(dict[str, ServedModel]):
         return served
 
 
-def _generation_routes(app: FastAPI, models: Models, metrics: ServeMetrics, guarded: list[Any]) -> None:
+def _generation_routes(
+    app: FastAPI, models: Models, metrics: ServeMetrics, guarded: list[Any], tool_call_parser: str | None
+) -> None:
     @app.post("/v1/completions", dependencies=guarded, response_model=None, responses=_streamed(Completion))
     async def completions(req: CompletionRequest, request: Request) -> Response:
         served = models.named(req.model)
         with _counted(metrics, served):
             req.refuse()
+            rules = output_rules(req)
             with _about("prompt"):
                 prompts = [served.engine.engine.tokenize(p)[1] for p in req.prompts()]
             default = COMPLETIONS_DEFAULT_MAX_TOKENS
             limit = max_tokens_rule(req.max_tokens, default, served.max_model_len, "max_tokens", "prompt")
-            gen = Generation.start("cmpl", served, metrics, req, prompts, limit, req.logprobs)
+            gen = Generation.start("cmpl", served, metrics, req, prompts, limit, req.logprobs, rules)
         return await answer(gen, CompletionFormat(), bool(req.stream), request)
 
     @app.post("/v1/chat/completions", dependencies=guarded, response_model=None, responses=_streamed(ChatCompletion))
@@ -132,12 +147,13 @@ def _generation_routes(app: FastAPI, models: Models, metrics: ServeMetrics, guar
         served = models.named(req.model)
         with _counted(metrics, served):
             req.refuse()
+            rules = output_rules(req, tool_call_parser)
             with _about("messages"):
-                ids = _chat_ids(served, req.messages, True, req.chat_template_kwargs)
+                ids = _chat_ids(served, req.messages, True, req.chat_template_kwargs, rules.tools)
             param = "max_completion_tokens" if req.max_completion_tokens is not None else "max_tokens"
             limit = max_tokens_rule(req.max_new_tokens, None, served.max_model_len, param, "messages")
-            gen = Generation.start("chatcmpl", served, metrics, req, [ids], limit, req.num_logprobs)
-        return await answer(gen, ChatFormat(), bool(req.stream), request)
+            gen = Generation.start("chatcmpl", served, metrics, req, [ids], limit, req.num_logprobs, rules)
+        return await answer(gen, ChatFormat(rules.parser), bool(req.stream), request)
 
 
 def _token_routes(app: FastAPI, models: Models, guarded: list[Any]) -> None:
@@ -148,7 +164,7 @@ def _token_routes(app: FastAPI, models: Models, guarded: list[Any]) -> None:
         if (req.prompt is None) == (req.messages is None):
             raise APIError(400, "give exactly one of prompt (text) or messages (a chat)", param="prompt")
         if req.messages is not None:
-            ids = _chat_ids(served, req.messages, req.add_generation_prompt, None)
+            ids = _chat_ids(served, req.messages, req.add_generation_prompt, None, None)
         else:
             ids = list(tokenizer.encode(req.prompt, add_special_tokens=req.add_special_tokens))
         return TokenizeResponse(count=len(ids), max_model_len=served.max_model_len, tokens=ids)
@@ -189,12 +205,14 @@ def _tokenizer(served: ServedModel) -> Any:
     return served.tokenizer
 
 
-def _chat_ids(served: ServedModel, messages: list[Any], add_generation_prompt: bool, kwargs: Any) -> list[int]:
+def _chat_ids(
+    served: ServedModel, messages: list[Any], add_generation_prompt: bool, kwargs: Any, tools: list[Any] | None
+) -> list[int]:
     """The conversation's prompt ids, rendered as LLM.chat renders it (the model's or --chat-template's)."""
     tokenizer = served.tokenizer
     template = template_for(tokenizer)
     checked = check_template_kwargs(tokenizer, kwargs)
-    return render_chat(tokenizer, [m.for_template() for m in messages], template, add_generation_prompt, checked, None)
+    return render_chat(tokenizer, [m.for_template() for m in messages], template, add_generation_prompt, checked, tools)
 
 
 def _bearer(api_key: str) -> Any:

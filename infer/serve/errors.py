@@ -8,6 +8,7 @@ are 5xx. No traceback reaches a client.
 from __future__ import annotations
 
 import itertools
+import re
 from typing import Any
 
 from fastapi import FastAPI, Request
@@ -16,7 +17,7 @@ from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from infer.core.errors import InferError, RequestError, one_line
-from infer.serve import protocol
+from infer.serve import output_protocol, protocol
 from infer.serve.async_engine import QueueFullError
 from infer.serve.engine_thread import EngineStepError
 from infer.serve.protocol import Refused
@@ -25,10 +26,12 @@ RETRY_AFTER_S = 1  # what a 429 asks a client to wait
 # the request fields a validation error's location may name (the rest of a location are pydantic's
 # union-member tags, "constrained-str" and the like, which name no parameter)
 FIELDS = frozenset(
-    name
+    field.alias or name
     for model in (protocol.CompletionRequest, protocol.ChatRequest, protocol.ChatMessage, protocol.TextPart,
-                  protocol.StreamOptions, protocol.TokenizeRequest, protocol.DetokenizeRequest)
-    for name in model.model_fields
+                  protocol.StreamOptions, protocol.TokenizeRequest, protocol.DetokenizeRequest,
+                  output_protocol.ResponseFormat, output_protocol.JsonSchemaFormat, output_protocol.Tool,
+                  output_protocol.FunctionDefinition, output_protocol.NamedToolChoice, output_protocol.FunctionName)
+    for name, field in model.model_fields.items()
 )  # fmt: skip
 
 
@@ -76,10 +79,10 @@ def api_error(exc: BaseException) -> APIError:
 
 
 def _param_of(message: str) -> str | None:
-    """SamplingParams' messages start 'invalid FIELD=...': FIELD is the request's parameter too."""
-    if message.startswith("invalid ") and "=" in message:
-        return message[len("invalid ") :].split("=", 1)[0]
-    return None
+    """SamplingParams' messages start 'invalid FIELD=...' (or 'invalid FIELD: ...', 'invalid FIELD.PART...'):
+    FIELD is the request's parameter too (`structured` is the request field that constrains the output)."""
+    found = re.match(r"invalid ([A-Za-z_]+)[=:. ]", message)
+    return found.group(1) if found else None
 
 
 def validation_error(exc: RequestValidationError) -> APIError:

@@ -1,5 +1,7 @@
 """How the completions and the chat API write a generation: stream chunks (plain dicts, encoded once) and
-the JSON answer (the pydantic models of `protocol`, so the answer is what the schema says)."""
+the JSON answer (the pydantic models of `protocol`, so the answer is what the schema says). A chat
+with a tool-call parser writes each choice's calls as `tool_calls`, streamed as OpenAI streams them:
+a call's first chunk names it (id, type, function name, arguments ""), the next ones add arguments."""
 
 from __future__ import annotations
 
@@ -8,6 +10,7 @@ from typing import Any
 
 from infer.core.request import RequestOutput
 from infer.serve.generation import Generation, finish_reason
+from infer.serve.output_protocol import FunctionCall, ToolCallOut
 from infer.serve.protocol import (
     ChatChoice,
     ChatCompletion,
@@ -19,19 +22,20 @@ from infer.serve.protocol import (
     TokenLogprob,
 )
 from infer.serve.stream import CompletionDelta
+from infer.serve.tool_parsers import CallDelta, ToolCallStream, ToolParser
 
 
 class CompletionFormat:
     def opening(self, gen: Generation) -> list[dict[str, Any]]:
         return []
 
-    def chunk(self, gen: Generation, index: int, delta: CompletionDelta) -> dict[str, Any] | None:
+    def chunks(self, gen: Generation, index: int, delta: CompletionDelta) -> list[dict[str, Any]]:
         logprobs = self._logprobs(gen, index, delta.token_ids, delta.logprobs) if delta.logprobs else None
         if not delta.text and not delta.token_ids and logprobs is None and delta.finish_reason is None:
-            return None  # a chunk per step that made tokens, text or not (a model without a tokenizer has none)
+            return []  # a chunk per step that made tokens, text or not (a model without a tokenizer has none)
         choice = {"index": index, "text": delta.text, "logprobs": logprobs, "finish_reason": None}
         choice["finish_reason"] = finish_reason(delta.finish_reason)
-        return _chunk(gen, "text_completion", choice)
+        return [_chunk(gen, "text_completion", choice)]
 
     def usage_chunk(self, gen: Generation) -> dict[str, Any]:
         return {**_chunk(gen, "text_completion", None), "usage": gen.usage().model_dump()}
@@ -71,23 +75,41 @@ class CompletionFormat:
 
 
 class ChatFormat:
+    def __init__(self, parser: ToolParser | None = None) -> None:
+        self.parser = parser  # reads each choice's tool calls; None: its text is its content
+        self.calls: dict[int, ToolCallStream] = {}  # choice -> its calls so far, when streamed
+
     def opening(self, gen: Generation) -> list[dict[str, Any]]:
         """Each choice's first chunk names the role, as OpenAI's do."""
         count = len(gen.streams) * gen.n
         choice = {"delta": {"role": "assistant", "content": ""}, "logprobs": None, "finish_reason": None}
         return [_chunk(gen, "chat.completion.chunk", {"index": i, **choice}) for i in range(count)]
 
-    def chunk(self, gen: Generation, index: int, delta: CompletionDelta) -> dict[str, Any] | None:
+    def chunks(self, gen: Generation, index: int, delta: CompletionDelta) -> list[dict[str, Any]]:
+        """Content, then each call's pieces, one chunk each; the delta's logprobs go in the first, its
+        finish reason in the last."""
         logprobs = {"content": self._logprobs(gen, delta.token_ids, delta.logprobs)} if delta.logprobs else None
-        if not delta.text and logprobs is None and delta.finish_reason is None:
-            return None
-        choice = {
-            "index": index,
-            "delta": {"content": delta.text} if delta.text else {},
-            "logprobs": logprobs,
-            "finish_reason": finish_reason(delta.finish_reason),
-        }
-        return _chunk(gen, "chat.completion.chunk", choice)
+        reason = finish_reason(delta.finish_reason)
+        if self.parser is None:
+            deltas = [{"content": delta.text}] if delta.text else []
+        else:
+            calls = self.calls.setdefault(index, self.parser.stream())
+            piece = calls.feed(delta.text, final=delta.finish_reason is not None)
+            deltas = ([{"content": piece.content}] if piece.content else []) + [_call_delta(d) for d in piece.calls]
+            reason = _reason(reason, calls.has_calls)
+        if not deltas and logprobs is None and reason is None:
+            return []
+        deltas = deltas or [{}]
+        last = len(deltas) - 1
+        return [
+            _chunk(gen, "chat.completion.chunk", {
+                "index": index,
+                "delta": d,
+                "logprobs": logprobs if n == 0 else None,
+                "finish_reason": reason if n == last else None,
+            })
+            for n, d in enumerate(deltas)
+        ]  # fmt: skip
 
     def usage_chunk(self, gen: Generation) -> dict[str, Any]:
         return {**_chunk(gen, "chat.completion.chunk", None), "usage": gen.usage().model_dump()}
@@ -97,14 +119,22 @@ class ChatFormat:
         for i, final in enumerate(finals):
             for c in final.outputs:
                 content = self._logprobs(gen, c.token_ids, c.logprobs) if c.logprobs is not None else None
+                message, reason = ChatMessageOut(content=c.text), finish_reason(c.finish_reason)
+                parsed = self.parser.parse(c.text) if self.parser is not None else None
+                if parsed is not None and parsed.calls:
+                    calls = [
+                        ToolCallOut(id=t.id, function=FunctionCall(name=t.name, arguments=t.arguments))
+                        for t in parsed.calls
+                    ]
+                    message, reason = ChatMessageOut(content=parsed.content, tool_calls=calls), _reason(reason, True)
                 choices.append(
                     ChatChoice(
                         index=i * gen.n + c.index,
-                        message=ChatMessageOut(content=c.text),
+                        message=message,
                         logprobs=ChatLogprobs(content=[TokenLogprob(**t) for t in content])
                         if content is not None
                         else None,
-                        finish_reason=finish_reason(c.finish_reason),
+                        finish_reason=reason,
                     )
                 )
         return ChatCompletion(id=gen.id, created=gen.created, model=gen.served.name, choices=choices, usage=gen.usage())
@@ -117,6 +147,18 @@ class ChatFormat:
             top = [_top_logprob(gen, u, v) for u, v in gen.top(lp)]
             content.append({**_top_logprob(gen, t, lp[t]), "top_logprobs": top})
         return content
+
+
+def _call_delta(d: CallDelta) -> dict[str, Any]:
+    if d.id is None:
+        return {"tool_calls": [{"index": d.index, "function": {"arguments": d.arguments}}]}
+    function = {"name": d.name, "arguments": d.arguments}
+    return {"tool_calls": [{"index": d.index, "id": d.id, "type": "function", "function": function}]}
+
+
+def _reason(reason: str | None, has_calls: bool) -> str | None:
+    """A choice that ends by itself after tool calls ends for them: "tool_calls" (cut short, it stays "length")."""
+    return "tool_calls" if has_calls and reason == "stop" else reason
 
 
 def _top_logprob(gen: Generation, token_id: int, logprob: float) -> dict[str, Any]:

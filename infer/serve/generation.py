@@ -3,7 +3,9 @@ answer or streamed as server-sent events ending in `data: [DONE]`.
 
 Everything that can be wrong with a request is found before it is answered: a bad prompt or
 parameter is a 400 (the requests already queued for its other prompts are aborted), a full queue a
-429. A client that leaves, mid-stream or while waiting for its JSON, aborts every request it made.
+429. What only the engine can check (a constraint's schema or grammar compiles when the request is
+added) is known by its first output, so a stream starts only once that has come. A client that
+leaves, mid-stream or while waiting for its answer, aborts every request it made.
 """
 
 from __future__ import annotations
@@ -13,13 +15,14 @@ import json
 import time
 import uuid
 from dataclasses import dataclass, field
-from typing import Any, AsyncIterator, Callable, Protocol
+from typing import Any, AsyncIterator, Callable, Protocol, TypeVar
 
 from fastapi import Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from infer.core.request import RequestOutput
 from infer.serve.async_engine import RequestStream
+from infer.serve.constrained import OutputRules
 from infer.serve.errors import APIError, api_error
 from infer.serve.metrics import ServeMetrics
 from infer.serve.protocol import SamplingFields, Usage
@@ -27,6 +30,7 @@ from infer.serve.served import ServedModel
 from infer.serve.stream import CompletionDelta, StreamOutput
 
 DONE = "data: [DONE]\n\n"
+T = TypeVar("T")
 
 
 def finish_reason(reason: str | None) -> str | None:
@@ -45,6 +49,7 @@ class Generation:
     num_logprobs: int | None  # top logprobs per token, or None
     include_usage: bool  # a usage chunk ends the stream
     tokens_as_ids: bool  # logprobs name tokens "token_id:N" (vLLM's return_tokens_as_token_ids)
+    asked_by: str | None = None  # the request field that constrains the output (the engine's errors about it name it)
     created: int = field(default_factory=lambda: int(time.time()))
     streams: list[RequestStream] = field(default_factory=list)  # one per prompt
     prompt_tokens: int = 0
@@ -56,7 +61,7 @@ class Generation:
     @classmethod
     def start(
         cls, prefix: str, served: ServedModel, metrics: ServeMetrics, req: SamplingFields, prompts: list[list[int]],
-        max_tokens: Callable[[int], int], num_logprobs: int | None,
+        max_tokens: Callable[[int], int], num_logprobs: int | None, rules: OutputRules,
     ) -> "Generation":  # fmt: skip
         """Queue one engine request per prompt (token ids); max_tokens(prompt length) -> its limit."""
         gen = cls(
@@ -67,10 +72,11 @@ class Generation:
             num_logprobs,
             req.include_usage,
             bool(req.return_tokens_as_token_ids),
+            rules.asked_by,
         )
         try:
             for i, ids in enumerate(prompts):
-                params = req.sampling(max_tokens(len(ids)), num_logprobs)
+                params = req.sampling(max_tokens(len(ids)), num_logprobs, rules.structured)
                 gen.streams.append(served.engine.submit({"prompt_token_ids": ids}, params, f"{gen.id}-{i}"))
                 gen.prompt_tokens += len(ids)
         except BaseException:
@@ -78,19 +84,28 @@ class Generation:
             raise
         return gen
 
-    def close(self, unfinished: str = "aborted") -> None:
+    def close(self, unfinished: str = "aborted", failed: str = "failed") -> None:
         """At the end, however it came: abort what is unfinished (the client left, or a later prompt was
-        refused: `unfinished` says which) and count every engine request's outcome once."""
+        refused: `unfinished` says which) and count every engine request's outcome once (`failed`: of
+        those an error ended, "rejected" when the engine refused them)."""
         if self.closed:
             return
         self.closed = True
-        failed = sum(s.finished for s in self.streams) - self.num_finished  # ended by an error
+        num_failed = sum(s.finished for s in self.streams) - self.num_finished  # ended by an error
         left = [s for s in self.streams if not s.finished]
         for stream in left:
             stream.close()
-        for outcome, count in ((unfinished, len(left)), ("failed", failed)):
+        for outcome, count in ((unfinished, len(left)), (failed, num_failed)):
             if count:
                 self.metrics.ended(self.served.name, outcome, count)
+
+    def error(self, exc: BaseException) -> APIError:
+        """The answer to an error; one about the constraint (SamplingParams' `structured`) names the request
+        field that asked for it."""
+        error = api_error(exc)
+        if error.param != "structured" or self.asked_by is None:
+            return error
+        return APIError(error.status, f"{self.asked_by}: {error.message}", error.type, self.asked_by, error.code)
 
     def finished(self, output: RequestOutput) -> None:
         self.num_finished += 1
@@ -114,7 +129,7 @@ class Format(Protocol):
 
     def opening(self, gen: Generation) -> list[dict[str, Any]]: ...
 
-    def chunk(self, gen: Generation, index: int, delta: CompletionDelta) -> dict[str, Any] | None: ...
+    def chunks(self, gen: Generation, index: int, delta: CompletionDelta) -> list[dict[str, Any]]: ...
 
     def usage_chunk(self, gen: Generation) -> dict[str, Any]: ...
 
@@ -122,9 +137,10 @@ class Format(Protocol):
 
 
 async def answer(gen: Generation, fmt: Format, stream: bool, request: Request) -> Response:
-    if stream:
-        return EventStream(_events(gen, fmt), on_close=gen.close)
-    work = asyncio.ensure_future(_finals(gen))
+    """The JSON answer, or the event stream once the first output has come (an error before it is a
+    plain error answer)."""
+    outputs = merged(gen.streams)
+    work = asyncio.ensure_future(_first(outputs) if stream else _finals(gen, outputs))
     gone = asyncio.ensure_future(_disconnected(request))
     try:
         await asyncio.wait({work, gone}, return_when=asyncio.FIRST_COMPLETED)
@@ -136,22 +152,29 @@ async def answer(gen: Generation, fmt: Format, stream: bool, request: Request) -
     if work.cancelled():
         return Response(status_code=499)  # nginx's "client closed request"; nobody receives it
     try:
-        finals = work.result()
+        result = work.result()
     except Exception as exc:
-        raise api_error(exc) from exc
-    return JSONResponse(fmt.response(gen, finals).model_dump(mode="json"))
+        error = gen.error(exc)
+        refused = "rejected" if error.status < 500 else "failed"
+        gen.close(unfinished="rejected" if error.status < 500 else "aborted", failed=refused)
+        raise error from exc
+    if stream:
+        return EventStream(_events(gen, fmt, result, outputs), on_close=gen.close)
+    gen.close()
+    return JSONResponse(fmt.response(gen, result).model_dump(mode="json"))
 
 
-async def _finals(gen: Generation) -> list[RequestOutput]:
+async def _first(outputs: AsyncIterator[tuple[int, StreamOutput]]) -> tuple[int, StreamOutput] | None:
+    return await anext(outputs, None)
+
+
+async def _finals(gen: Generation, outputs: AsyncIterator[tuple[int, StreamOutput]]) -> list[RequestOutput]:
     finals: list[RequestOutput | None] = [None] * len(gen.streams)
-    try:
-        async for i, out in merged(gen.streams):
-            if out.finished:
-                assert out.final is not None
-                finals[i] = out.final
-                gen.finished(out.final)
-    finally:
-        gen.close()
+    async for i, out in outputs:
+        if out.finished:
+            assert out.final is not None
+            finals[i] = out.final
+            gen.finished(out.final)
     return [f for f in finals if f is not None]
 
 
@@ -161,14 +184,15 @@ async def _disconnected(request: Request) -> None:
         pass
 
 
-async def _events(gen: Generation, fmt: Format) -> AsyncIterator[str]:
+async def _events(
+    gen: Generation, fmt: Format, first: tuple[int, StreamOutput] | None, rest: AsyncIterator[tuple[int, StreamOutput]]
+) -> AsyncIterator[str]:
     try:
         for chunk in fmt.opening(gen):
             yield _event(chunk)
-        async for i, out in merged(gen.streams):
+        async for i, out in _after(first, rest):
             for delta in out.deltas:
-                chunk = fmt.chunk(gen, i * gen.n + delta.index, delta)
-                if chunk is not None:
+                for chunk in fmt.chunks(gen, i * gen.n + delta.index, delta):
                     yield _event(chunk)
             if out.finished:
                 assert out.final is not None
@@ -176,10 +200,17 @@ async def _events(gen: Generation, fmt: Format) -> AsyncIterator[str]:
         if gen.include_usage:
             yield _event(fmt.usage_chunk(gen))
     except Exception as exc:  # the engine failed mid-stream: the status is sent, so say it in the stream
-        yield _event(api_error(exc).body())
+        yield _event(gen.error(exc).body())
     finally:
         gen.close()
     yield DONE
+
+
+async def _after(first: T | None, rest: AsyncIterator[T]) -> AsyncIterator[T]:
+    if first is not None:
+        yield first
+    async for item in rest:
+        yield item
 
 
 def _event(data: dict[str, Any]) -> str:

@@ -1,19 +1,25 @@
 """The OpenAI API's request and response shapes (pydantic v2), and how a request maps onto SamplingParams.
 
 Fields are OpenAI's, with vLLM's sampling extras (`top_k`, `min_p`, `repetition_penalty`,
-`ignore_eos`, `stop_token_ids`). A field OpenAI defines that this server cannot honour is refused
-with a 400 naming it and why (`REFUSED`), never silently ignored; the few that change nothing a
-self-hosted model does (`user`, `metadata`, `store`, ...) are accepted and ignored. A field OpenAI
-does not define is refused by validation, as OpenAI refuses one ("Extra inputs are not permitted").
+`ignore_eos`, `stop_token_ids`, `min_tokens`, `bad_words`, `allowed_token_ids`) and its ways to
+constrain the output (`structured_outputs`, the older `guided_*`). A field OpenAI defines that this
+server cannot honour is refused with a 400 naming it and why (`Refused`), never silently ignored;
+the few that change nothing a self-hosted model does (`user`, `metadata`, `store`, ...) are
+accepted and ignored. A field OpenAI does not define is refused by validation, as OpenAI refuses
+one ("Extra inputs are not permitted").
 """
 
 from __future__ import annotations
 
+import contextlib
+import json
 from typing import Annotated, Any, Literal, Union
 
 from pydantic import BaseModel, ConfigDict, Field, StrictInt, StrictStr
 
 from infer.core.request import SamplingParams
+from infer.inputs.structured import StructuredOutputs
+from infer.serve.output_protocol import NamedToolChoice, ResponseFormat, Tool, ToolCallDelta, ToolCallOut
 
 MAX_LOGPROBS = 20  # top logprobs per token, at most (OpenAI's chat limit; vLLM's default)
 MAX_N = 128  # samples per prompt, at most (OpenAI's limit)
@@ -59,8 +65,17 @@ class SamplingFields(BaseModel):
     service_tier: str | None = None  # accepted and ignored: one tier
     safety_identifier: str | None = None  # accepted and ignored
     prompt_cache_key: str | None = None  # accepted and ignored: prefix caching needs no key
-    logit_bias: dict[str, float] | None = None  # refused unless empty
+    logit_bias: dict[str, float] | None = None  # token id (as text) -> added to its logit, in [-100, 100]
+    response_format: ResponseFormat | None = None  # what the output must be: text, a JSON object, JSON by a schema
     # vLLM's extras
+    structured_outputs: dict[str, Any] | None = None  # StructuredOutputs' fields: {"json": schema}, {"regex": ...}
+    guided_json: Union[dict[str, Any], StrictStr, None] = None  # vLLM's older names for structured_outputs' kinds
+    guided_regex: StrictStr | None = None
+    guided_choice: list[StrictStr] | None = None
+    guided_grammar: StrictStr | None = None
+    min_tokens: int | None = Field(default=None, ge=0)  # EOS and stop tokens banned until this many are out
+    bad_words: list[StrictStr] | None = None  # words never generated
+    allowed_token_ids: list[Annotated[StrictInt, Field(ge=0)]] | None = None  # only these tokens are generated
     top_k: int | None = Field(default=None, ge=-1)  # None, 0 or -1: off
     min_p: float | None = Field(default=None, ge=0, le=1)
     repetition_penalty: float | None = Field(default=None, gt=0)
@@ -68,13 +83,9 @@ class SamplingFields(BaseModel):
     stop_token_ids: list[Annotated[StrictInt, Field(ge=0)]] | None = None
     return_tokens_as_token_ids: bool | None = None  # logprobs name tokens "token_id:N", not by their text
 
-    def refuse(self) -> None:
-        """Raise Refused for a field set to something this server cannot do."""
-        if self.logit_bias:
-            raise Refused("logit_bias", "logit_bias is not supported by this server's samplers: drop it")
-
-    def sampling(self, max_tokens: int, logprobs: int | None) -> SamplingParams:
-        """SamplingParams (which checks what pydantic did not, e.g. top_p > 0) for one prompt."""
+    def sampling(self, max_tokens: int, logprobs: int | None, structured: StructuredOutputs | None) -> SamplingParams:
+        """SamplingParams (which checks what pydantic did not, e.g. top_p > 0) for one prompt; `structured`:
+        what the output must match (`constrained.output_rules` reads it from the request)."""
         return SamplingParams(
             n=_or(self.n, 1),
             max_tokens=max_tokens,
@@ -90,6 +101,11 @@ class SamplingFields(BaseModel):
             stop_token_ids=self.stop_token_ids,
             ignore_eos=bool(self.ignore_eos),
             logprobs=logprobs,
+            structured=structured,
+            logit_bias=self.logit_bias,
+            min_tokens=_or(self.min_tokens, 0),
+            bad_words=self.bad_words,
+            allowed_token_ids=self.allowed_token_ids,
         )
 
     @property
@@ -110,7 +126,7 @@ class CompletionRequest(SamplingFields):
     best_of: int | None = Field(default=None, ge=1, le=MAX_N)  # refused unless equal to n
 
     def refuse(self) -> None:
-        super().refuse()
+        """Raise Refused for a field set to something this server cannot do."""
         if self.echo:
             raise Refused(
                 "echo", "echo is not supported (no prompt logprobs are computed): prepend the prompt yourself"
@@ -142,9 +158,16 @@ class ChatMessage(BaseModel):
     name: str | None = None
 
     def for_template(self) -> dict[str, Any]:
+        """The message as chat templates read it: text parts joined, and the arguments of an assistant's
+        tool calls as objects (the API sends them as JSON text; templates write them with `tojson`)."""
         message = self.model_dump(exclude_none=True)
         if isinstance(self.content, list):
             message["content"] = "\n".join(part.text for part in self.content)
+        for call in message.get("tool_calls") or ():
+            function = call.get("function") if isinstance(call, dict) else None
+            if isinstance(function, dict) and isinstance(function.get("arguments"), str):
+                with contextlib.suppress(ValueError, RecursionError):  # not JSON: the template gets the text
+                    function["arguments"] = json.loads(function["arguments"])
         return message
 
 
@@ -156,12 +179,13 @@ class ChatRequest(SamplingFields):
     max_tokens: int | None = Field(default=None, ge=1)  # OpenAI's older name
     logprobs: bool | None = None
     top_logprobs: int | None = Field(default=None, ge=0, le=MAX_LOGPROBS)  # with logprobs: true
-    tools: list[dict[str, Any]] | None = None  # refused unless empty
-    tool_choice: Union[str, dict[str, Any], None] = None  # refused unless "none"
-    parallel_tool_calls: bool | None = None  # accepted and ignored (no tools)
-    functions: list[dict[str, Any]] | None = None  # refused unless empty
+    tools: list[Tool] | None = None  # functions the model may call (the chat template shows them to it)
+    # none: text; auto (the default with tools): text, and the calls `--tool-call-parser` finds in it;
+    # required: one or more calls; a named function: a call of it
+    tool_choice: Union[Literal["none", "auto", "required"], NamedToolChoice, None] = None
+    parallel_tool_calls: bool | None = None  # False: tool_choice "required" makes one call
+    functions: list[dict[str, Any]] | None = None  # refused unless empty: tools replace them
     function_call: Union[str, dict[str, Any], None] = None  # refused unless "none"
-    response_format: dict[str, Any] | None = None  # refused unless {"type": "text"}
     modalities: list[str] | None = None  # refused unless ["text"]
     audio: dict[str, Any] | None = None  # refused
     prediction: dict[str, Any] | None = None  # refused
@@ -171,15 +195,11 @@ class ChatRequest(SamplingFields):
     chat_template_kwargs: dict[str, Any] | None = None  # vLLM's: variables for the chat template
 
     def refuse(self) -> None:
-        super().refuse()
-        for name in ("tools", "functions"):
-            if getattr(self, name):
-                raise Refused(name, f"{name} are not supported (no tool calls are parsed from the output): drop them")
-        for name in ("tool_choice", "function_call"):
-            if getattr(self, name) not in (None, "none"):
-                raise Refused(name, f"{name} is not supported (no tool calls): drop it or use 'none'")
-        if self.response_format not in (None, {"type": "text"}):
-            raise Refused("response_format", "only {'type': 'text'} is supported (no constrained decoding)")
+        """Raise Refused for a field set to something this server cannot do."""
+        if self.functions:
+            raise Refused("functions", "functions (OpenAI's older tools) are not supported: pass them as tools")
+        if self.function_call not in (None, "none"):
+            raise Refused("function_call", "function_call is not supported: use tool_choice, or drop it")
         if self.modalities not in (None, ["text"]):
             raise Refused("modalities", "this server writes text only: use ['text'] or drop it")
         for name in ("audio", "prediction", "web_search_options"):
@@ -274,7 +294,8 @@ class ChatLogprobs(BaseModel):
 
 class ChatMessageOut(BaseModel):
     role: Literal["assistant"] = "assistant"
-    content: str | None = None
+    content: str | None = None  # None when the answer is tool calls only
+    tool_calls: list[ToolCallOut] | None = None
 
 
 class ChatChoice(BaseModel):
@@ -296,6 +317,7 @@ class ChatCompletion(BaseModel):
 class ChatDelta(BaseModel):
     role: Literal["assistant"] | None = None  # in each choice's first chunk
     content: str | None = None
+    tool_calls: list[ToolCallDelta] | None = None  # a call's first chunk names it, the next ones add arguments
 
 
 class ChatChunkChoice(BaseModel):

@@ -39,7 +39,11 @@ BAD_BODIES = [
     ({"model": MODEL, "prompt": "x", "stop": [""]}, "stop"),
     ({"model": MODEL, "prompt": "x", "n": 0}, "n"),
     ({"model": MODEL, "prompt": "x", "logprobs": 99}, "logprobs"),
-    ({"model": MODEL, "prompt": "x", "logit_bias": {"5": 10}}, "logit_bias"),
+    ({"model": MODEL, "prompt": "x", "logit_bias": {"five": 10}}, "logit_bias"),  # keys are token ids
+    ({"model": MODEL, "prompt": "x", "logit_bias": {"5": 101}}, "logit_bias"),
+    ({"model": MODEL, "prompt": "x", "min_tokens": 20, "max_tokens": 10}, "min_tokens"),
+    ({"model": MODEL, "prompt": "x", "guided_regex": "a", "guided_choice": ["a"]}, "guided_choice"),
+    ({"model": MODEL, "prompt": "x", "structured_outputs": {"jsn": {}}}, "structured_outputs"),
     ({"model": MODEL, "prompt": "x", "echo": True}, "echo"),
     ({"model": MODEL, "prompt": "x", "best_of": 3}, "best_of"),
     ({"model": MODEL, "prompt": "x", "frequency_penalty": "high"}, "frequency_penalty"),
@@ -60,11 +64,14 @@ def test_bad_completions_are_400s_naming_the_parameter(http, body, param):
 BAD_CHATS = [
     ({"model": MODEL, "messages": []}, "messages"),
     ({"model": MODEL, "messages": [{"content": "no role"}]}, "messages.0.role"),
-    ({"model": MODEL, "messages": [{"role": "user", "content": "x"}], "tools": [{"type": "function"}]}, "tools"),
+    (
+        {"model": MODEL, "messages": [{"role": "user", "content": "x"}], "tools": [{"type": "function"}]},
+        "tools.0.function",
+    ),
     ({"model": MODEL, "messages": [{"role": "user", "content": "x"}], "top_logprobs": 2}, "top_logprobs"),
     (
-        {"model": MODEL, "messages": [{"role": "user", "content": "x"}], "response_format": {"type": "json_object"}},
-        None,
+        {"model": MODEL, "messages": [{"role": "user", "content": "x"}], "response_format": {"type": "json_schema"}},
+        "response_format",
     ),
     ({"model": MODEL, "messages": [{"role": "user", "content": [{"type": "image_url"}]}]}, None),
 ]

@@ -118,9 +118,9 @@ def test_a_delta_of_tokens_without_text_makes_a_chunk():
     from infer.serve.formats import CompletionFormat
     from infer.serve.stream import CompletionDelta
 
-    assert CompletionFormat().chunk(None, 0, CompletionDelta(0, "", [], None)) is None  # nothing new: no chunk
-    chunk = CompletionFormat().chunk(_Gen(), 0, CompletionDelta(0, "", [17], None))
-    assert chunk is not None and chunk["choices"][0]["text"] == ""
+    assert CompletionFormat().chunks(None, 0, CompletionDelta(0, "", [], None)) == []  # nothing new: no chunk
+    chunks = CompletionFormat().chunks(_Gen(), 0, CompletionDelta(0, "", [17], None))
+    assert len(chunks) == 1 and chunks[0]["choices"][0]["text"] == ""
 
 
 class _Gen:  # what a chunk reads of its request
