@@ -37,7 +37,7 @@ from infer.models.quantization import quantization_for
 from infer.runtime.block_mover import BlockMover
 from infer.runtime.cuda_graphs import CudaGraphRunner
 from infer.runtime.hybrid_attention import HybridAttention
-from infer.runtime.kv_cache import CacheShape, allocate_kv_cache, check_fits, kv_cache_dtype, plan_blocks
+from infer.runtime.kv_cache import build_kv_caches, check_fits, kv_cache_dtype
 from infer.runtime.pipeline import Pipeline
 
 
@@ -122,7 +122,10 @@ def build_engine(
     # every rank, in the same order: the fast all-reduce's set-up is collective
     parallel = parallel.set_up(config.all_reduce, plan.dtype, plan.model_config.hidden_size)
     models, decoder, tokenizer = _load_models(plan, parallel)
-    num_blocks, block_mover = _size_kv_cache(plan, parallel, models, decoder.num_lookahead_tokens)
+    lookahead = decoder.num_lookahead_tokens
+    num_blocks, block_mover = build_kv_caches(
+        config, models, parallel, plan.max_model_len, lookahead, plan.dtype, plan.device
+    )
     scheduler = _wire(plan, models, decoder, num_blocks, block_mover)
     detokenizer = plan.composition.detokenizer.factory(tokenizer) if tokenizer is not None else None
     eos = set(plan.model_config.eos_token_ids)
@@ -257,30 +260,6 @@ def _load_models(plan: _Plan, parallel: Communicator) -> tuple[list[tuple[ModelR
     context = DecoderContext(runner, config, build_model, plan.model_config, share_model)
     decoder = composition.decoder.factory(context)
     return models, decoder, tokenizer
-
-
-def _size_kv_cache(
-    plan: _Plan, parallel: Communicator, models: list[tuple[ModelRunner, Any]], lookahead: int
-) -> tuple[int, BlockMover]:
-    """Every model's KV cache, the same number of blocks (one more: the null block) indexed by the same
-    block tables, within the budget; and the block mover over them, with the CPU pool for swaps."""
-    config = plan.config
-    # a self-draft's runner shares the target's cache list: each list is sized and filled once
-    models = [(r, c) for j, (r, c) in enumerate(models) if all(r.kv_caches is not o.kv_caches for o, _ in models[:j])]
-    shapes = [
-        CacheShape(r.num_layers or c.num_layers, parallel.heads(c.num_heads, c.num_kv_heads).num_kv_heads, c.head_dim)
-        for r, c in models
-    ]
-    dtype = kv_cache_dtype(config.kv_cache_dtype, plan.dtype)  # FP8: 1 byte an element, scales of 1 (FP8KVCache)
-    num_blocks, num_cpu_blocks = plan_blocks(
-        config, shapes, plan.max_model_len, lookahead, dtype, plan.device, agree=parallel.min
-    )
-    for (r, _), s in zip(models, shapes):  # one block more than the allocator owns: the null block
-        r.kv_caches.extend(allocate_kv_cache(s, num_blocks + 1, config.block_size, dtype, plan.device))
-    block_mover = BlockMover(num_cpu_blocks)
-    for r, _ in models:
-        block_mover.add(r.kv_caches)
-    return num_blocks, block_mover
 
 
 def _wire(
