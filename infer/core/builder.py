@@ -35,10 +35,9 @@ from infer.models.build import check_draft, load_model
 from infer.models.loader import ModelSource, check_weight_shapes, load_tokenizer, meta_model, resolve_source
 from infer.models.quantization import quantization_for
 from infer.runtime.block_mover import BlockMover
-from infer.runtime.cuda_graphs import CudaGraphRunner
+from infer.runtime.decode_paths import attach_decode_paths
 from infer.runtime.hybrid_attention import HybridAttention
 from infer.runtime.kv_cache import build_kv_caches, check_fits, kv_cache_dtype
-from infer.runtime.pipeline import Pipeline
 
 
 @dataclass(slots=True)
@@ -267,7 +266,7 @@ def _wire(
 ) -> Any:
     """The allocator over the cache's blocks, the scheduler over it, and the runners' decode paths:
     CUDA graphs, and pipelining through the scheduler. Returns the scheduler."""
-    config, composition, device = plan.config, plan.composition, plan.device
+    config, composition = plan.config, plan.composition
     allocator = composition.kv_allocator.factory(
         num_blocks,
         config.block_size,
@@ -276,27 +275,9 @@ def _wire(
     )
     scheduler = composition.scheduler.factory(config, allocator)
     scheduler.num_lookahead_tokens = decoder.num_lookahead_tokens
-    runner = models[0][0]
-    attention = runner.attention
-    use_graphs = config.cuda_graphs and device.type == "cuda" and attention.capabilities.cuda_graph_safe
-    pipeline = config.pipeline_decode if config.pipeline_decode is not None else device.type == "cuda"
-    pipeline = pipeline and attention.capabilities.pipeline_safe and composition.decoder.capabilities.pipeline_safe
-    for r, _ in models:
-        # CUDA graphs: the target's decode-only steps when the decoder allows (verify steps of decode
-        # rows included); a draft's proposal steps whatever the decoder does with the target.
-        graphs = None
-        if use_graphs and (r is not runner or composition.decoder.capabilities.cuda_graph_safe):
-            graphs = CudaGraphRunner(
-                r.model,
-                r.attention,
-                r.kv_caches,
-                config.block_size,
-                plan.max_rows,
-                plan.max_model_len,
-                null_block=num_blocks,
-                device=device,
-                num_layers=r.num_layers,
-            )
-            graphs.capture()
-        r.set_decode_paths(graphs, Pipeline(r, scheduler) if pipeline and r is runner else None)
+    runners = [r for r, _ in models]
+    decoder_caps = composition.decoder.capabilities
+    attach_decode_paths(
+        config, decoder_caps, runners, scheduler, plan.max_rows, plan.max_model_len, num_blocks, plan.device
+    )
     return scheduler
