@@ -1,7 +1,9 @@
 """Build an engine from a config: check the strategies, load the models, size the KV cache, wire.
 
 Order matters: every name and capability is checked before the model's weights are read, so a
-bad combination fails in milliseconds with a message naming the fix.
+bad combination fails in milliseconds with a message naming the fix. The checks are here; what
+follows them runs in `infer.runtime` from the `BuildPlan` they settle: the models and their
+runners (`runners`), the KV caches (`kv_cache`), the decode paths (`decode_paths`).
 """
 
 from __future__ import annotations
@@ -16,100 +18,35 @@ from infer.core.compose import Composition, check_model_attention, compose
 from infer.core.config import EngineConfig, ModelConfig
 from infer.core.engine import EngineParts
 from infer.core.errors import ConfigError
-from infer.core.interfaces import (
-    AttentionSpec,
-    Communicator,
-    DecoderContext,
-    Launch,
-    Layers,
-    ProcessorContext,
-    SelfDescribing,
-    SingleProcess,
-)
+from infer.core.interfaces import Communicator, Launch, Layers, ProcessorContext, SelfDescribing, SingleProcess
 from infer.core.output import OutputProcessor
 from infer.core.registry import PluginRegistry
-from infer.core.runner import ModelRunner
 from infer.inputs.chat_template import load_chat_template
 from infer.log import get_logger
-from infer.models.build import check_draft, load_model
-from infer.models.loader import (
-    ModelSource,
-    check_weight_shapes,
-    load_tokenizer,
-    meta_model,
-    resolve_source,
-    with_tokenizer,
-)
+from infer.models.loader import ModelSource, check_weight_shapes, meta_model, resolve_source, with_tokenizer
 from infer.models.quantization import quantization_for
 from infer.runtime.block_mover import BlockMover
-from infer.runtime.cuda_graphs import CudaGraphRunner
-from infer.runtime.hybrid_attention import HybridAttention
-from infer.runtime.kv_cache import CacheShape, allocate_kv_cache, check_fits, kv_cache_dtype, plan_blocks
-from infer.runtime.pipeline import Pipeline
+from infer.runtime.decode_paths import attach_decode_paths
+from infer.runtime.kv_cache import build_kv_caches, check_fits
+from infer.runtime.runners import Models, check_draft_source, load_models
 
 
 @dataclass(slots=True)
-class _Plan:
+class BuildPlan:
     """What the checks settled, before any weight loads."""
 
-    config: EngineConfig
-    registry: PluginRegistry
-    device: torch.device
-    dtype: torch.dtype
-    composition: Composition
+    config: EngineConfig  # validated
+    registry: PluginRegistry  # every plugin loaded for this engine
+    device: torch.device  # this rank's
+    dtype: torch.dtype  # the models' (activations and weights)
+    composition: Composition  # the strategies, checked against the device, dtype and model
     source: ModelSource  # the target's
     model_config: ModelConfig  # the target's
-    layers: Layers
-    max_model_len: int
+    layers: Layers  # the layer kinds the models are built from (quantized linears included)
+    max_model_len: int  # the longest context a request may reach
     chat_template: str | None = None  # --chat-template's text
     draft_source: ModelSource | None = None  # --draft's, checked against the target; None: no draft model
     max_rows: int = 0  # decode rows a step may have: max_num_seqs x (1 + lookahead), a verify step's rows
-
-
-def _build_model(plan: _Plan, source: Any, model_config: Any, parallel: Communicator) -> tuple[Any, Any]:
-    """One model of the run (the target or a draft) and its attention backend, weights in place
-    (under tensor parallelism: this rank's heads and shards)."""
-    config, composition = plan.config, plan.composition
-    model_config = model_config.within_context(plan.max_model_len)  # windows as long as the context go
-    kwargs = parallel.model_kwargs(source.name, source.architecture.factory, model_config)
-    heads = parallel.heads(model_config.num_heads, model_config.num_kv_heads)
-    spec = AttentionSpec(
-        num_heads=heads.num_heads,
-        num_kv_heads=heads.num_kv_heads,
-        head_dim=model_config.head_dim,
-        scale=model_config.attention_scale or model_config.head_dim**-0.5,
-        dtype=plan.dtype,
-        device=plan.device,
-        block_size=config.block_size,
-        max_num_seqs=plan.max_rows,
-        max_model_len=plan.max_model_len,
-        sliding_windows=model_config.sliding_windows(),
-        soft_cap=model_config.attention_soft_cap,
-        kv_cache_dtype=kv_cache_dtype(config.kv_cache_dtype, plan.dtype),
-    )
-    attention = composition.attention.factory(spec)
-    if composition.prefill_attention is not None:
-        attention = HybridAttention(composition.prefill_attention.factory(spec), attention)
-    model = load_model(
-        source,
-        model_config,
-        plan.layers,
-        attention,
-        plan.device,
-        plan.dtype,
-        config.seed,
-        parallel.is_parallel,
-        **kwargs,
-    )
-    return model, attention
-
-
-def _check_draft(plan: _Plan, name_or_path: str | None = None) -> ModelSource:
-    """The draft model's source, found and checked against the target (config.json and the weights'
-    headers, no weights)."""
-    draft_source = resolve_source(name_or_path or str(plan.config.draft), plan.registry, plan.config.load_format)
-    check_draft(draft_source, plan.source.name, plan.model_config, plan.max_model_len, plan.layers)
-    return draft_source
 
 
 def build_engine(
@@ -128,8 +65,11 @@ def build_engine(
     parallel = SingleProcess(plan.device) if parallel is None else parallel
     # every rank, in the same order: the fast all-reduce's set-up is collective
     parallel = parallel.set_up(config.all_reduce, plan.dtype, plan.model_config.hidden_size)
-    models, decoder, tokenizer = _load_models(plan, parallel)
-    num_blocks, block_mover = _size_kv_cache(plan, parallel, models, decoder.num_lookahead_tokens)
+    models, decoder, tokenizer = load_models(plan, parallel)
+    lookahead = decoder.num_lookahead_tokens
+    num_blocks, block_mover = build_kv_caches(
+        config, models, parallel, plan.max_model_len, lookahead, plan.dtype, plan.device
+    )
     scheduler = _wire(plan, models, decoder, num_blocks, block_mover)
     detokenizer = plan.composition.detokenizer.factory(tokenizer) if tokenizer is not None else None
     eos = set(plan.model_config.eos_token_ids)
@@ -172,7 +112,7 @@ def build_engine(
 
 def _check(
     config: EngineConfig, extra_plugins: Iterable[Any], launch: Launch | None, parallel: Communicator | None
-) -> _Plan:
+) -> BuildPlan:
     """Every check that needs no weights, in the order a user meets them: the config, the strategy
     names and capabilities, the model's context, its checkpoint headers, the draft, the KV cache."""
     config.validate()
@@ -210,13 +150,13 @@ def _check(
     layers = registry.layers(device.type, quantization_for(config.quantization, model_config))
     if source.path is not None and parallel is None:  # once per process, before any rank starts; headers only
         check_weight_shapes(meta_model(source, model_config, layers), source.path)
-    plan = _Plan(
+    plan = BuildPlan(
         config, registry, device, dtype, composition, source, model_config, layers, max_model_len, chat_template
     )
     # every check that needs no weights comes before the first weights load: the draft's, the cache's
     needs_draft = composition.decoder.capabilities.needs_draft
     if needs_draft and config.draft not in ("ngram", "self"):
-        plan.draft_source = _check_draft(plan)
+        plan.draft_source = check_draft_source(plan)
     lookahead = config.num_speculative_tokens if needs_draft else 0  # the decoder's, once built
     plan.max_rows = config.max_num_seqs * (1 + lookahead)
     if config.num_kv_blocks is not None:
@@ -224,79 +164,10 @@ def _check(
     return plan
 
 
-def _load_models(plan: _Plan, parallel: Communicator) -> tuple[list[tuple[ModelRunner, Any]], Any, Any]:
-    """The target's runner, the decoder (with the runners of the models it builds: drafts), each
-    with its model config, and the tokenizer. The runners' KV caches are still empty: the decoder may
-    set the layers that run (early exit) or add models (a draft) whose caches are indexed by the same
-    block tables, so a block costs every model's bytes. Each runner's list is filled in place later
-    (a self-draft shares the target's)."""
-    config, composition, device = plan.config, plan.composition, plan.device
-    model, attention = _build_model(plan, plan.source, plan.model_config, parallel)
-    tokenizer = load_tokenizer(plan.source.tokenizer_path)
-    if tokenizer is not None and plan.chat_template is not None:
-        tokenizer.chat_template = plan.chat_template
-    sampler = composition.sampler.factory(plan.model_config.vocab_size, device)
-    runner = ModelRunner(model, attention, [], sampler, config.block_size, device, executor=parallel.executor(0))
-    models: list[tuple[ModelRunner, Any]] = [(runner, plan.model_config)]
-    draft_source = plan.draft_source
-
-    def build_model(name_or_path: str, num_layers: int | None = None) -> ModelRunner:
-        nonlocal draft_source
-        if draft_source is None or name_or_path != config.draft:  # checked before when it is --draft
-            draft_source = _check_draft(plan, name_or_path)
-        draft_config = draft_source.model_config()
-        if num_layers is not None:
-            draft_config = draft_config.with_layers(num_layers)
-        draft_model, draft_attention = _build_model(plan, draft_source, draft_config, parallel)
-        draft_sampler = composition.sampler.factory(draft_config.vocab_size, device)
-        executor = parallel.executor(len(models))
-        draft = ModelRunner(
-            draft_model, draft_attention, [], draft_sampler, config.block_size, device, executor=executor
-        )
-        models.append((draft, draft_config))
-        return draft
-
-    def share_model(num_layers: int) -> ModelRunner:  # its own model id: every rank replays its own graphs
-        shared = ModelRunner(model, attention, runner.kv_caches, sampler, config.block_size, device, num_layers)
-        shared.executor = parallel.executor(len(models))
-        models.append((shared, plan.model_config))
-        return shared
-
-    context = DecoderContext(runner, config, build_model, plan.model_config, share_model)
-    decoder = composition.decoder.factory(context)
-    return models, decoder, tokenizer
-
-
-def _size_kv_cache(
-    plan: _Plan, parallel: Communicator, models: list[tuple[ModelRunner, Any]], lookahead: int
-) -> tuple[int, BlockMover]:
-    """Every model's KV cache, the same number of blocks (one more: the null block) indexed by the same
-    block tables, within the budget; and the block mover over them, with the CPU pool for swaps."""
-    config = plan.config
-    # a self-draft's runner shares the target's cache list: each list is sized and filled once
-    models = [(r, c) for j, (r, c) in enumerate(models) if all(r.kv_caches is not o.kv_caches for o, _ in models[:j])]
-    shapes = [
-        CacheShape(r.num_layers or c.num_layers, parallel.heads(c.num_heads, c.num_kv_heads).num_kv_heads, c.head_dim)
-        for r, c in models
-    ]
-    dtype = kv_cache_dtype(config.kv_cache_dtype, plan.dtype)  # FP8: 1 byte an element, scales of 1 (FP8KVCache)
-    num_blocks, num_cpu_blocks = plan_blocks(
-        config, shapes, plan.max_model_len, lookahead, dtype, plan.device, agree=parallel.min
-    )
-    for (r, _), s in zip(models, shapes):  # one block more than the allocator owns: the null block
-        r.kv_caches.extend(allocate_kv_cache(s, num_blocks + 1, config.block_size, dtype, plan.device))
-    block_mover = BlockMover(num_cpu_blocks)
-    for r, _ in models:
-        block_mover.add(r.kv_caches)
-    return num_blocks, block_mover
-
-
-def _wire(
-    plan: _Plan, models: list[tuple[ModelRunner, Any]], decoder: Any, num_blocks: int, block_mover: BlockMover
-) -> Any:
+def _wire(plan: BuildPlan, models: Models, decoder: Any, num_blocks: int, block_mover: BlockMover) -> Any:
     """The allocator over the cache's blocks, the scheduler over it, and the runners' decode paths:
     CUDA graphs, and pipelining through the scheduler. Returns the scheduler."""
-    config, composition, device = plan.config, plan.composition, plan.device
+    config, composition = plan.config, plan.composition
     allocator = composition.kv_allocator.factory(
         num_blocks,
         config.block_size,
@@ -305,27 +176,9 @@ def _wire(
     )
     scheduler = composition.scheduler.factory(config, allocator)
     scheduler.num_lookahead_tokens = decoder.num_lookahead_tokens
-    runner = models[0][0]
-    attention = runner.attention
-    use_graphs = config.cuda_graphs and device.type == "cuda" and attention.capabilities.cuda_graph_safe
-    pipeline = config.pipeline_decode if config.pipeline_decode is not None else device.type == "cuda"
-    pipeline = pipeline and attention.capabilities.pipeline_safe and composition.decoder.capabilities.pipeline_safe
-    for r, _ in models:
-        # CUDA graphs: the target's decode-only steps when the decoder allows (verify steps of decode
-        # rows included); a draft's proposal steps whatever the decoder does with the target.
-        graphs = None
-        if use_graphs and (r is not runner or composition.decoder.capabilities.cuda_graph_safe):
-            graphs = CudaGraphRunner(
-                r.model,
-                r.attention,
-                r.kv_caches,
-                config.block_size,
-                plan.max_rows,
-                plan.max_model_len,
-                null_block=num_blocks,
-                device=device,
-                num_layers=r.num_layers,
-            )
-            graphs.capture()
-        r.set_decode_paths(graphs, Pipeline(r, scheduler) if pipeline and r is runner else None)
+    runners = [r for r, _ in models]
+    decoder_caps = composition.decoder.capabilities
+    attach_decode_paths(
+        config, decoder_caps, runners, scheduler, plan.max_rows, plan.max_model_len, num_blocks, plan.device
+    )
     return scheduler

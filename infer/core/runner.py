@@ -77,7 +77,7 @@ class ModelRunner:
         self.pipeline: DecodePipeline | None = None  # queues the next decode forward ahead
 
     def set_decode_paths(self, graphs: DecodeGraphs | None = None, pipeline: DecodePipeline | None = None) -> None:
-        """Called once, after the KV caches exist (the builder does, from `infer.runtime`)."""
+        """Called once, after the KV caches exist (`infer.runtime.decode_paths` does, for the builder)."""
         self.graphs = graphs
         self.pipeline = pipeline
 

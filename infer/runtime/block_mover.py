@@ -24,7 +24,7 @@ class BlockMover:
         self.cpu_caches: list[KVCache] = []  # their CPU mirrors, [num_cpu_blocks, block_size, heads, dim]
 
     def add(self, caches: list[KVCache]) -> None:
-        """Register the layer caches of one model (called by the builder, once per model)."""
+        """Register the layer caches of one model (`kv_cache.build_kv_caches` does, once per model)."""
         for k, v in caches:
             self.caches.append((k, v))
             if self.num_cpu_blocks:

@@ -1,17 +1,22 @@
 """The paged KV tensors: per layer (k, v), each [num_blocks, block_size, num_kv_heads, head_dim];
 their dtype (the model's, or FP8 with a scale per layer), how many blocks the memory budget holds,
-and the check that one full-length request fits."""
+the check that one full-length request fits, and every model's cache of a run allocated with the
+block mover over them (`build_kv_caches`, which the builder calls)."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Callable, Sequence
+from typing import TYPE_CHECKING, Any, Callable, Sequence
 
 import torch
 
 from infer.core.config import EngineConfig, KVCacheDtype
 from infer.core.errors import ConfigError
-from infer.core.interfaces import KVCache
+from infer.core.interfaces import Communicator, KVCache
+from infer.runtime.block_mover import BlockMover
+
+if TYPE_CHECKING:
+    from infer.core.runner import ModelRunner
 
 CPU_DEFAULT_BUDGET_GIB = 1.0
 FP8 = torch.float8_e4m3fn
@@ -148,3 +153,32 @@ def plan_blocks(
     if config.preemption_mode == "swap":
         num_cpu_blocks = min(int(config.swap_space_gib * 2**30) // per_block, config.max_num_seqs * blocks_per_seq)
     return num_blocks, num_cpu_blocks
+
+
+def build_kv_caches(
+    config: EngineConfig,
+    models: Sequence[tuple[ModelRunner, Any]],  # (runner, its ModelConfig) per model, target first
+    parallel: Communicator,
+    max_model_len: int,
+    lookahead: int,  # the decoder's KV slots past the new tokens
+    model_dtype: torch.dtype,
+    device: torch.device,
+) -> tuple[int, BlockMover]:
+    """Every model's KV cache, the same number of blocks (one more: the null block) indexed by the same
+    block tables, within the budget; and the block mover over them, with the CPU pool for swaps."""
+    # a self-draft's runner shares the target's cache list: each list is sized and filled once
+    models = [(r, c) for j, (r, c) in enumerate(models) if all(r.kv_caches is not o.kv_caches for o, _ in models[:j])]
+    shapes = [
+        CacheShape(r.num_layers or c.num_layers, parallel.heads(c.num_heads, c.num_kv_heads).num_kv_heads, c.head_dim)
+        for r, c in models
+    ]
+    dtype = kv_cache_dtype(config.kv_cache_dtype, model_dtype)  # FP8: 1 byte an element, scales of 1 (FP8KVCache)
+    num_blocks, num_cpu_blocks = plan_blocks(
+        config, shapes, max_model_len, lookahead, dtype, device, agree=parallel.min
+    )
+    for (r, _), s in zip(models, shapes):  # one block more than the allocator owns: the null block
+        r.kv_caches.extend(allocate_kv_cache(s, num_blocks + 1, config.block_size, dtype, device))
+    block_mover = BlockMover(num_cpu_blocks)
+    for r, _ in models:
+        block_mover.add(r.kv_caches)
+    return num_blocks, block_mover

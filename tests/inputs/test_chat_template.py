@@ -183,9 +183,9 @@ def test_engine_chat_template_file(chat_dir, hf_tok, tmp_path):
 
 
 def test_missing_template_file_fails_before_the_model_loads(chat_dir, monkeypatch):
-    import infer.core.builder as builder
+    import infer.runtime.runners as runners
 
-    monkeypatch.setattr(builder, "_build_model", lambda *a, **k: pytest.fail("the model was built"))
+    monkeypatch.setattr(runners, "build_model", lambda *a, **k: pytest.fail("the model was built"))
     with pytest.raises(ConfigError, match="does not exist"):
         LLM(model=str(chat_dir), attention="torch", chat_template="/no/such/template.jinja")
     result = CliRunner().invoke(

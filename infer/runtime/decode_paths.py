@@ -1,0 +1,52 @@
+"""Which runners get the faster decode paths (`infer.core.interfaces.decode_paths`), as the config
+and the strategies' capabilities allow: CUDA graphs (`cuda_graphs`) and decode pipelining through
+the scheduler (`pipeline`). The builder calls `attach_decode_paths` once every KV cache exists.
+"""
+
+from __future__ import annotations
+
+from typing import Sequence
+
+import torch
+
+from infer.core.config import EngineConfig
+from infer.core.interfaces import Capabilities, Scheduler
+from infer.core.runner import ModelRunner
+from infer.runtime.cuda_graphs import CudaGraphRunner
+from infer.runtime.pipeline import Pipeline
+
+
+def attach_decode_paths(
+    config: EngineConfig,
+    decoder: Capabilities,  # the decoder strategy's
+    runners: Sequence[ModelRunner],  # every model's, target first
+    scheduler: Scheduler,
+    max_rows: int,  # decode rows a step may have: max_num_seqs x (1 + lookahead), a verify step's rows
+    max_model_len: int,
+    null_block: int,  # the spare KV block padded rows read and write
+    device: torch.device,
+) -> None:
+    """Capture each runner's CUDA graphs and give the target a pipeline, where allowed."""
+    runner = runners[0]
+    attention = runner.attention
+    use_graphs = config.cuda_graphs and device.type == "cuda" and attention.capabilities.cuda_graph_safe
+    pipeline = config.pipeline_decode if config.pipeline_decode is not None else device.type == "cuda"
+    pipeline = pipeline and attention.capabilities.pipeline_safe and decoder.pipeline_safe
+    for r in runners:
+        # CUDA graphs: the target's decode-only steps when the decoder allows (verify steps of decode
+        # rows included); a draft's proposal steps whatever the decoder does with the target.
+        graphs = None
+        if use_graphs and (r is not runner or decoder.cuda_graph_safe):
+            graphs = CudaGraphRunner(
+                r.model,
+                r.attention,
+                r.kv_caches,
+                config.block_size,
+                max_rows,
+                max_model_len,
+                null_block=null_block,
+                device=device,
+                num_layers=r.num_layers,
+            )
+            graphs.capture()
+        r.set_decode_paths(graphs, Pipeline(r, scheduler) if pipeline and r is runner else None)
