@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import re
 from dataclasses import dataclass
 from typing import Any, Sequence
 
@@ -38,6 +39,7 @@ class MatcherState:
     matcher: Any  # xgrammar.GrammarMatcher
     consumed: int = 0  # output tokens the matcher has taken
     broken: bool = False  # it refused an output token: the request runs unconstrained from there
+    ended: bool = False  # it took a stop token: the grammar is over
 
 
 class XGrammarProcessor:
@@ -78,7 +80,7 @@ class XGrammarProcessor:
                 return compiler.compile_grammar(choice_grammar(spec.choice or []))
             return compiler.compile_grammar(spec.grammar)
         except Exception as exc:  # xgrammar raises RuntimeError / ValueError with the parser's message
-            raise RequestError(f"invalid structured.{kind}: {one_line(exc)}: fix the {kind}") from None
+            raise RequestError(f"invalid structured.{kind}: {_message(exc)}: fix the {kind}") from None
 
     def _build_compiler(self) -> Any:
         import xgrammar as xgr
@@ -94,7 +96,7 @@ class XGrammarProcessor:
         import xgrammar as xgr
 
         bitmask = self._bitmask(logits.shape[0], logits.device)
-        live = [row for row in rows if _catch_up(row.request, row.state)]
+        live = self._catch_up(rows)
         if all(not row.draft for row in live):  # one row per request: fill them all at once
             indices = [row.index for row in live]
             self._batch.batch_fill_next_token_bitmask([row.state.matcher for row in live], bitmask, indices)
@@ -105,6 +107,29 @@ class XGrammarProcessor:
         bits = bitmask if logits.device.type == "cpu" else bitmask.to(logits.device, non_blocking=True)
         xgr.apply_token_bitmask_inplace(logits, bits, vocab_size=self.ctx.vocab_size, indices=indices)
 
+    def _catch_up(self, rows: Sequence[LogitsRow]) -> list[LogitsRow]:
+        """Feed each matcher its request's output tokens it has not seen (the usual one: all of them in
+        one call); returns the rows still constrained (not ended, no token refused)."""
+        one: list[LogitsRow] = []
+        tokens: list[int] = []
+        seen: set[int] = set()
+        for row in rows:
+            state, out = row.state, row.request.output_token_ids
+            if id(state) in seen:  # speculative verify rows: several rows per request
+                continue
+            seen.add(id(state))
+            if state.consumed == len(out) - 1 and not state.broken:
+                one.append(row)
+                tokens.append(out[-1])
+            elif state.consumed < len(out):
+                _catch_up(row.request, state)
+        if one:
+            accepted = self._batch.batch_accept_token([row.state.matcher for row in one], tokens)
+            stops = self.ctx.eos_token_ids
+            for row, token, ok in zip(one, tokens, accepted):
+                _took(row.request, row.state, ok, token in stops)
+        return [row for row in rows if not row.state.broken and not row.state.ended]
+
     def _bitmask(self, num_rows: int, device: torch.device) -> torch.Tensor:
         words = (self.ctx.vocab_size + 31) // 32
         if self._host is None or self._host.shape[0] < num_rows:
@@ -113,19 +138,23 @@ class XGrammarProcessor:
         return self._host[:num_rows]
 
 
-def _catch_up(request: Request, state: MatcherState) -> bool:
-    """Feed the matcher the request's output tokens it has not seen; False when it no longer constrains
-    (the grammar has ended, or it refused a token)."""
-    if state.broken:
-        return False
-    matcher, out = state.matcher, request.output_token_ids
-    while state.consumed < len(out):
-        if not matcher.accept_token(out[state.consumed]):
-            state.broken = True
-            log.warning("structured output: token refused, request unconstrained", request_id=request.request_id)
-            return False
-        state.consumed += 1
-    return not matcher.is_terminated()
+def _catch_up(request: Request, state: MatcherState) -> None:
+    """Feed the matcher the request's output tokens it has not seen, one at a time."""
+    out = request.output_token_ids
+    while state.consumed < len(out) and not state.broken:
+        token = out[state.consumed]
+        _took(request, state, state.matcher.accept_token(token), True)
+
+
+def _took(request: Request, state: MatcherState, accepted: bool, may_end: bool) -> None:
+    """Record the matcher's answer to the next output token (`may_end`: it may have ended the grammar)."""
+    if not accepted:
+        state.broken = True
+        log.warning("structured output: token refused, request unconstrained", request_id=request.request_id)
+        return
+    state.consumed += 1
+    if may_end:
+        state.ended = state.matcher.is_terminated()
 
 
 def _fill_drafts(rows: Sequence[LogitsRow], bitmask: torch.Tensor) -> list[int]:
@@ -149,6 +178,11 @@ def _fill_drafts(rows: Sequence[LogitsRow], bitmask: torch.Tensor) -> list[int]:
         if fed:
             matcher.rollback(fed)
     return indices
+
+
+def _message(exc: Exception) -> str:
+    """xgrammar's message without the log prefix it starts with ("[21:33:40] /project/cpp/x.cc:83: ")."""
+    return re.sub(r"^\[[\d:]+\] \S+:\d+: ", "", one_line(exc))
 
 
 def choice_grammar(choices: list[str]) -> str:
