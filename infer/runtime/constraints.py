@@ -14,6 +14,13 @@ from infer.core.request import Request
 def admit(processors: Sequence[LogitsProcessor], request: Request) -> tuple[tuple[Any, Any], ...]:
     """The processors that serve `request`, each with its state (a RequestError if one cannot)."""
     found = tuple((p, state) for p in processors if (state := p.admit(request)) is not None)
+    spec = request.params.structured
+    if spec is not None and not any("structured" in getattr(p, "serves", ()) for p, _ in found):
+        backend = spec.backend or "xgrammar"
+        raise RequestError(
+            f"structured output backend {backend!r} is not available: leave backend unset for xgrammar "
+            "(pip install xgrammar), or install the plugin that provides it (`infer plugins` lists them)"
+        )
     if found and not request.params.tokens_are_final:
         names = ", ".join(type(p).__name__ for p, _ in found)
         raise RequestError(

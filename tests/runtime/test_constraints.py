@@ -22,3 +22,11 @@ def test_logit_bias_and_allowed_token_ids_choose_the_tokens(llm):
     allowed = [forced, forced + 1]
     only = SamplingParams(max_tokens=6, temperature=0.8, seed=3, ignore_eos=True, allowed_token_ids=allowed)
     assert set(llm.generate([prompt], only)[0].outputs[0].token_ids) <= set(allowed)
+
+
+def test_structured_output_nobody_serves_is_refused_not_ignored(llm):
+    prompt = {"prompt_token_ids": [5, 6, 7]}
+    asked = SamplingParams(max_tokens=4, structured={"regex": "a+", "backend": "outlines"})
+    bad, good = llm.generate([prompt, prompt], [asked, SamplingParams(max_tokens=4, ignore_eos=True)])
+    assert bad.error is not None and "backend 'outlines' is not available" in bad.error
+    assert good.error is None and len(good.outputs[0].token_ids) == 4

@@ -44,7 +44,9 @@ class LogitsProcessor(Protocol):
     per step, before the sampler, on the rows of the admitted requests, in place; it reads the
     request's output tokens itself (a state catches up with tokens it has not seen), so a step
     that emits several tokens at once (speculation) needs nothing more. A row's distribution must
-    keep at least one finite logit.
+    keep at least one finite logit. A processor serving `SamplingParams.structured` says so with a
+    class attribute `serves = ("structured",)`: a structured request no such processor admits is
+    refused (its `backend` names one that is not installed).
     """
 
     def admit(self, request: "Request") -> Any | None: ...

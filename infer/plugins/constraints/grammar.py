@@ -43,6 +43,7 @@ class MatcherState:
 
 
 class XGrammarProcessor:
+    serves = ("structured",)  # the SamplingParams fields it answers for: a request asking for one is refused without it
     # the conformance kit's request (infer.testing.constraints): SamplingParams fields this admits
     kit_params = {"structured": {"json_object": True}}
     capabilities = Capabilities(available=_missing)
