@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import re
 from dataclasses import dataclass
 from typing import Any, Sequence
 
@@ -25,6 +26,7 @@ from infer.inputs.structured import StructuredOutputs
 from infer.log import get_logger
 
 log = get_logger()
+XGRAMMAR_LOG_PREFIX = re.compile(r"^\[[\d:]+\] \S+:\d+: ")  # "[21:45:25] /project/cpp/regex_converter.cc:83: "
 
 
 def _missing() -> str | None:
@@ -76,7 +78,8 @@ class XGrammarProcessor:
                 return compiler.compile_grammar(choice_grammar(spec.choice or []))
             return compiler.compile_grammar(spec.grammar)
         except Exception as exc:  # xgrammar raises RuntimeError / ValueError with the parser's message
-            raise RequestError(f"invalid structured.{kind}: {one_line(exc)}: fix the {kind}") from None
+            reason = XGRAMMAR_LOG_PREFIX.sub("", one_line(exc))
+            raise RequestError(f"invalid structured.{kind}: {reason}: fix the {kind}") from None
 
     def _build_compiler(self) -> Any:
         import xgrammar as xgr
