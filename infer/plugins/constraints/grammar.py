@@ -6,6 +6,11 @@ Each step the matchers of the step's rows fill a token bitmask on the host (seve
 while the forward is still running on the GPU; one copy takes it to the device and one kernel
 sets the masked logits to -inf for all the rows. Speculative decoding's verify rows are filled
 after the matcher has taken the draft before them; rejected tokens are rolled back.
+
+JSON is generated compact (", " and ": ", no other whitespace), so no raw control character
+(U+0000-U+001F) belongs anywhere in it: inside a string JSON escapes them. xgrammar 0.2.8 lets a
+string with minLength or maxLength hold them (a tab: mlc-ai/xgrammar#800), and json.loads refuses
+the document; so on a JSON request's rows the tokens holding a byte below 0x20 are masked too.
 """
 
 from __future__ import annotations
@@ -16,6 +21,7 @@ import re
 from dataclasses import dataclass
 from typing import Any, Sequence
 
+import numpy as np
 import torch
 
 from infer.core.errors import RequestError, one_line
@@ -26,6 +32,7 @@ from infer.inputs.structured import StructuredOutputs
 from infer.log import get_logger
 
 log = get_logger()
+XGRAMMAR_LOG_PREFIX = re.compile(r"^\[[\d:]+\] \S+:\d+: ")  # "[21:45:25] /project/cpp/regex_converter.cc:83: "
 
 
 def _missing() -> str | None:
@@ -40,6 +47,7 @@ class MatcherState:
     consumed: int = 0  # output tokens the matcher has taken
     broken: bool = False  # it refused an output token: the request runs unconstrained from there
     ended: bool = False  # it took a stop token: the grammar is over
+    is_json: bool = False  # a JSON document (compact): tokens holding a raw control character are masked
 
 
 class XGrammarProcessor:
@@ -53,6 +61,7 @@ class XGrammarProcessor:
         self._compiler: Any = None  # built at the first structured request: a run without one pays nothing
         self._batch: Any = None
         self._host: torch.Tensor | None = None  # [rows, words] int32 bitmask, pinned for a GPU
+        self._no_control: torch.Tensor | None = None  # [words] int32: the tokens without a byte below 0x20
 
     def admit(self, request: Request) -> MatcherState | None:
         spec = request.params.structured
@@ -65,7 +74,7 @@ class XGrammarProcessor:
             )
         import xgrammar as xgr
 
-        return MatcherState(xgr.GrammarMatcher(self.compile(spec)))
+        return MatcherState(xgr.GrammarMatcher(self.compile(spec)), is_json=spec.kind in ("json", "json_object"))
 
     def compile(self, spec: StructuredOutputs) -> Any:
         compiler = self._compiler or self._build_compiler()
@@ -81,7 +90,8 @@ class XGrammarProcessor:
                 return compiler.compile_grammar(choice_grammar(spec.choice or []))
             return compiler.compile_grammar(spec.grammar)
         except Exception as exc:  # xgrammar raises RuntimeError / ValueError with the parser's message
-            raise RequestError(f"invalid structured.{kind}: {_message(exc)}: fix the {kind}") from None
+            reason = XGRAMMAR_LOG_PREFIX.sub("", one_line(exc))
+            raise RequestError(f"invalid structured.{kind}: {reason}: fix the {kind}") from None
 
     def _build_compiler(self) -> Any:
         import xgrammar as xgr
@@ -90,6 +100,7 @@ class XGrammarProcessor:
             self.ctx.tokenizer, vocab_size=self.ctx.vocab_size, stop_token_ids=sorted(self.ctx.eos_token_ids)
         )
         self._compiler = xgr.GrammarCompiler(info)
+        self._no_control = no_control_bitmask(info.decoded_vocab, self.ctx.vocab_size)
         self._batch = xgr.BatchGrammarMatcher()
         return self._compiler
 
@@ -105,6 +116,10 @@ class XGrammarProcessor:
             indices = _fill_drafts(live, bitmask)
         if not indices:
             return
+        filled = set(indices)
+        if json_rows := [row.index for row in live if row.state.is_json and row.index in filled]:
+            assert self._no_control is not None
+            forbid_control_bytes(bitmask, json_rows, self._no_control)
         bits = bitmask if logits.device.type == "cpu" else bitmask.to(logits.device, non_blocking=True)
         xgr.apply_token_bitmask_inplace(logits, bits, vocab_size=self.ctx.vocab_size, indices=indices)
 
@@ -181,9 +196,21 @@ def _fill_drafts(rows: Sequence[LogitsRow], bitmask: torch.Tensor) -> list[int]:
     return indices
 
 
-def _message(exc: Exception) -> str:
-    """xgrammar's message without the log prefix it starts with ("[21:33:40] /project/cpp/x.cc:83: ")."""
-    return re.sub(r"^\[[\d:]+\] \S+:\d+: ", "", one_line(exc))
+def no_control_bitmask(vocab: Sequence[bytes], vocab_size: int) -> torch.Tensor:
+    """[ceil(vocab_size / 32)] int32, xgrammar's bit layout (token t: word t // 32, bit t % 32): the
+    tokens of `vocab` (their bytes) that hold no byte below 0x20; ids past `vocab` are left out."""
+    allowed = np.zeros(-(-vocab_size // 32) * 32, dtype=bool)
+    allowed[: min(len(vocab), vocab_size)] = [not any(b < 0x20 for b in token) for token in vocab[:vocab_size]]
+    return torch.from_numpy(np.packbits(allowed, bitorder="little").view("<i4").copy())
+
+
+def forbid_control_bytes(bitmask: torch.Tensor, rows: list[int], no_control: torch.Tensor) -> None:
+    """Mask the tokens holding a control character on `rows` of the filled `bitmask`; a row that
+    would keep nothing (a grammar that asks for one) is left as it was."""
+    index = torch.tensor(rows)
+    masked = bitmask[index] & no_control
+    kept = masked.ne(0).any(dim=1)
+    bitmask[index[kept]] = masked[kept]
 
 
 def choice_grammar(choices: list[str]) -> str:
