@@ -30,6 +30,7 @@ from infer.core.interfaces import Capabilities, LogitsRow, ProcessorContext, Reg
 from infer.core.request import Request
 from infer.inputs.structured import StructuredOutputs
 from infer.log import get_logger
+from infer.runtime.transfer import to_device
 
 log = get_logger()
 XGRAMMAR_LOG_PREFIX = re.compile(r"^\[[\d:]+\] \S+:\d+: ")  # "[21:45:25] /project/cpp/regex_converter.cc:83: "
@@ -116,11 +117,15 @@ class XGrammarProcessor:
             indices = _fill_drafts(live, bitmask)
         if not indices:
             return
+        bits = bitmask if logits.device.type == "cpu" else bitmask.to(logits.device, non_blocking=True)
         filled = set(indices)
         if json_rows := [row.index for row in live if row.state.is_json and row.index in filled]:
             assert self._no_control is not None
-            forbid_control_bytes(bitmask, json_rows, self._no_control)
-        bits = bitmask if logits.device.type == "cpu" else bitmask.to(logits.device, non_blocking=True)
+            if self._no_control.device != bits.device:  # on the logits' device: the AND runs there
+                self._no_control = self._no_control.to(bits.device)
+            every = len(json_rows) == bits.shape[0]  # the usual batch: no index to copy
+            where = slice(None) if every else to_device(json_rows, torch.int64, bits.device)
+            forbid_control_bytes(bits, where, self._no_control)
         xgr.apply_token_bitmask_inplace(logits, bits, vocab_size=self.ctx.vocab_size, indices=indices)
 
     def _catch_up(self, rows: Sequence[LogitsRow]) -> list[LogitsRow]:
@@ -204,13 +209,14 @@ def no_control_bitmask(vocab: Sequence[bytes], vocab_size: int) -> torch.Tensor:
     return torch.from_numpy(np.packbits(allowed, bitorder="little").view("<i4").copy())
 
 
-def forbid_control_bytes(bitmask: torch.Tensor, rows: list[int], no_control: torch.Tensor) -> None:
-    """Mask the tokens holding a control character on `rows` of the filled `bitmask`; a row that
-    would keep nothing (a grammar that asks for one) is left as it was."""
-    index = torch.tensor(rows)
-    masked = bitmask[index] & no_control
-    kept = masked.ne(0).any(dim=1)
-    bitmask[index[kept]] = masked[kept]
+def forbid_control_bytes(bitmask: torch.Tensor, rows: torch.Tensor | slice, no_control: torch.Tensor) -> None:
+    """Mask the tokens holding a control character on `rows` of the filled `bitmask`, where it is (on
+    a GPU: a few small kernels, no host work); a row that would keep nothing (a grammar that asks for
+    one) is left as it was."""
+    old = bitmask[rows]
+    masked = old & no_control
+    kept = masked.ne(0).any(dim=1, keepdim=True)
+    bitmask[rows] = torch.where(kept, masked, old)
 
 
 def choice_grammar(choices: list[str]) -> str:
