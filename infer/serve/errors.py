@@ -79,9 +79,9 @@ def api_error(exc: BaseException) -> APIError:
 
 
 def _param_of(message: str) -> str | None:
-    """SamplingParams' messages start 'invalid FIELD=...' (or 'invalid FIELD: ...', 'invalid FIELD.PART...'):
+    """SamplingParams' messages start 'invalid FIELD=...' (or 'invalid FIELD: ...', FIELD.PART, FIELD[KEY]):
     FIELD is the request's parameter too (`structured` is the request field that constrains the output)."""
-    found = re.match(r"invalid ([A-Za-z_]+)[=:. ]", message)
+    found = re.match(r"invalid ([A-Za-z_]+)[=:. []", message)
     return found.group(1) if found else None
 
 

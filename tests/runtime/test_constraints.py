@@ -10,7 +10,8 @@ from infer import LLM, SamplingParams
 
 @pytest.fixture(scope="module")
 def llm(tiny_llama_dir):
-    return LLM(model=str(tiny_llama_dir), attention="torch", num_kv_blocks=64, max_model_len=128)
+    with LLM(model=str(tiny_llama_dir), attention="torch", num_kv_blocks=64, max_model_len=128) as engine:
+        yield engine
 
 
 def test_logit_bias_and_allowed_token_ids_choose_the_tokens(llm):

@@ -2,19 +2,23 @@
 
 from __future__ import annotations
 
+from typing import Iterator
+
 import pytest
 
 from infer import LLM, SamplingParams
 
 
-@pytest.fixture(scope="session")
-def smollm2(smollm2_dir) -> LLM:
-    return LLM(model=str(smollm2_dir), attention="torch")
+@pytest.fixture(scope="module")  # closed after its module: no engine thread outlives the folder's tests
+def smollm2(smollm2_dir) -> Iterator[LLM]:
+    with LLM(model=str(smollm2_dir), attention="torch") as llm:
+        yield llm
 
 
-@pytest.fixture(scope="session")
-def smollm2_ngram(smollm2_dir) -> LLM:
-    return LLM(model=str(smollm2_dir), attention="torch", decoding="speculative", draft="ngram")
+@pytest.fixture(scope="module")
+def smollm2_ngram(smollm2_dir) -> Iterator[LLM]:
+    with LLM(model=str(smollm2_dir), attention="torch", decoding="speculative", draft="ngram") as llm:
+        yield llm
 
 
 @pytest.fixture(scope="session")

@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 import re
 import time
+from typing import Iterator
 
 import pytest
 from jsonschema import Draft202012Validator
@@ -70,8 +71,9 @@ def assert_valid(case: SchemaCase, sample) -> None:
 
 
 @pytest.fixture(scope="module")
-def llm(smollm2_dir) -> LLM:
-    return LLM(model=str(smollm2_dir), dtype="float32")
+def llm(smollm2_dir) -> Iterator[LLM]:
+    with LLM(model=str(smollm2_dir), dtype="float32") as engine:
+        yield engine
 
 
 @pytest.fixture(scope="module")
@@ -194,9 +196,9 @@ def test_preempted_requests_still_give_the_same_valid_json(llm, smollm2_dir, sam
     params = [schema_params(c, seed=i, **sampling) for i, c in enumerate(cases)]
     roomy = llm.generate(prompts, params)
     # 32 blocks of 4 tokens for 8 requests of up to ~100 tokens each: they are preempted and recomputed
-    tight = LLM(model=str(smollm2_dir), dtype="float32", block_size=4, num_kv_blocks=32, max_model_len=128)
-    outputs = tight.generate(prompts, params)
-    assert tight.engine.stats()["preemptions"] > 0
+    with LLM(model=str(smollm2_dir), dtype="float32", block_size=4, num_kv_blocks=32, max_model_len=128) as tight:
+        outputs = tight.generate(prompts, params)
+        assert tight.engine.stats()["preemptions"] > 0
     for case, output, reference in zip(cases, outputs, roomy):
         assert output.error is None
         assert_valid(case, output.outputs[0])
@@ -215,7 +217,7 @@ SPECULATIVE = [
 @pytest.mark.parametrize("options", SPECULATIVE, ids=["ngram-k4", "ngram-k7", "self10-k4", "self10-k7"])
 def test_speculative_greedy_equals_constrained_autoregressive(smollm2_dir, speculation_reference, options):
     prompts, params, expected = speculation_reference
-    spec = LLM(model=str(smollm2_dir), dtype="float32", decoding="speculative", **options)
-    outputs = spec.generate(prompts, params)
-    assert [o.outputs[0].token_ids for o in outputs] == expected
-    assert spec.engine.stats()["spec_accepted"] > 0  # drafts were verified under the masks, and kept
+    with LLM(model=str(smollm2_dir), dtype="float32", decoding="speculative", **options) as spec:
+        outputs = spec.generate(prompts, params)
+        assert [o.outputs[0].token_ids for o in outputs] == expected
+        assert spec.engine.stats()["spec_accepted"] > 0  # drafts were verified under the masks, and kept
