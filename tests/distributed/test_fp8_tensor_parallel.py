@@ -12,6 +12,7 @@ from types import SimpleNamespace
 
 import pytest
 import torch
+from fp8_checkpoints import is_projection, stored
 from safetensors.torch import load_file, save_file
 
 from infer import LLM, SamplingParams
@@ -19,9 +20,8 @@ from infer.core.errors import ConfigError
 from infer.distributed import layers as tp
 from infer.distributed.state import ParallelState
 from infer.models.shards import shard_of
-from infer.plugins.layers.fp8 import FP8, Fp8Linear, quantize_weight
+from infer.plugins.layers.fp8 import FP8, Fp8Linear
 
-PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 PROMPTS = [[5, 6, 7, 8, 9], [10, 11], list(range(20, 60)), [100, 7, 200, 13, 99, 42]]
 LOGPROBS = SamplingParams(max_tokens=8, temperature=0, ignore_eos=True, logprobs=5)
 
@@ -31,16 +31,10 @@ def _fp8_checkpoint(source, folder, per_tensor: bool):
     or one per tensor (the `fp8` layout)."""
     tensors = {}
     for name, t in load_file(str(source / "model.safetensors")).items():
-        if name.split(".")[-2] not in PROJECTIONS:
+        if not is_projection(name):
             tensors[name] = t
             continue
-        if per_tensor:
-            scale = (t.abs().amax() / 448).reshape(1)
-            q = (t * (1 / scale)).clamp(-448, 448).to(FP8)
-        else:
-            q, scale = quantize_weight(t)
-            scale = scale[:, None]
-        tensors[name], tensors[name + "_scale"] = q, scale
+        tensors[name], tensors[name + "_scale"] = stored(t, per_tensor)
     weights = {"type": "float", "num_bits": 8, "strategy": "channel", "symmetric": True, "dynamic": False}
     groups = {"group_0": {"targets": ["Linear"], "weights": weights}}
     quantization = (

@@ -11,6 +11,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from fp8_checkpoints import PROJECTIONS, is_projection, stored
 from safetensors.torch import load_file, save_file
 
 from infer import LLM, SamplingParams
@@ -18,7 +19,6 @@ from infer.core.errors import ModelLoadError, PluginNotFoundError
 from infer.kernels.fp8_reference import quantize_rows_reference as quantize_rows
 from infer.plugins.layers.fp8 import FP8, Fp8Linear, quantize_weight
 
-PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 PROMPTS = [[1, 17, 93, 5], [1, 200, 3], [1, 44, 45, 46, 47, 9], [1, 128]]
 
 
@@ -83,15 +83,10 @@ def _checkpoints(source: Path, tmp: Path, per_tensor: bool, scale_dtype=torch.fl
     tensors = load_file(str(source / "model.safetensors"))
     fp8, dequantized = {}, {}
     for name, t in tensors.items():
-        if name.split(".")[-2] not in PROJECTIONS:
+        if not is_projection(name):
             fp8[name] = dequantized[name] = t
             continue
-        if per_tensor:
-            scale = (t.abs().amax() / 448).reshape(1)
-            q = (t * (1 / scale)).clamp(-448, 448).to(FP8)
-        else:
-            q, scale = quantize_weight(t)
-            scale = scale[:, None]
+        q, scale = stored(t, per_tensor)
         scale = scale.to(scale_dtype)
         fp8[name], fp8[name + "_scale"] = q, scale
         fp8[name.removesuffix("weight") + "input_scale"] = torch.tensor([1.0])  # static scales are not read
