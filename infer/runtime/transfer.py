@@ -15,3 +15,9 @@ import torch
 def to_device(values: list, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
     host = torch.tensor(values, dtype=dtype)
     return host if device.type != "cuda" else host.pin_memory().to(device, non_blocking=True)
+
+
+def row_index(rows: list[int], total: int, device: torch.device) -> torch.Tensor | slice:
+    """An index for dim 0 of a tensor with `total` rows selecting `rows` (sorted, distinct): a plain
+    slice when every row is listed, so nothing is copied."""
+    return slice(None) if len(rows) == total else to_device(rows, torch.int64, device)

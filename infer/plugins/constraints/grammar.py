@@ -30,7 +30,7 @@ from infer.core.interfaces import Capabilities, LogitsRow, ProcessorContext, Reg
 from infer.core.request import Request
 from infer.inputs.structured import StructuredOutputs
 from infer.log import get_logger
-from infer.runtime.transfer import to_device
+from infer.runtime.transfer import row_index
 
 log = get_logger()
 XGRAMMAR_LOG_PREFIX = re.compile(r"^\[[\d:]+\] \S+:\d+: ")  # "[21:45:25] /project/cpp/regex_converter.cc:83: "
@@ -123,9 +123,7 @@ class XGrammarProcessor:
             assert self._no_control is not None
             if self._no_control.device != bits.device:  # on the logits' device: the AND runs there
                 self._no_control = self._no_control.to(bits.device)
-            every = len(json_rows) == bits.shape[0]  # the usual batch: no index to copy
-            where = slice(None) if every else to_device(json_rows, torch.int64, bits.device)
-            forbid_control_bytes(bits, where, self._no_control)
+            forbid_control_bytes(bits, row_index(json_rows, bits.shape[0], bits.device), self._no_control)
         xgr.apply_token_bitmask_inplace(logits, bits, vocab_size=self.ctx.vocab_size, indices=indices)
 
     def _catch_up(self, rows: Sequence[LogitsRow]) -> list[LogitsRow]:

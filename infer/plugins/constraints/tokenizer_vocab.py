@@ -11,7 +11,7 @@ import torch
 from infer.core.hookspecs import hookimpl
 from infer.core.interfaces import LogitsRow, ProcessorContext, RegisterFn
 from infer.core.request import Request
-from infer.runtime.transfer import to_device
+from infer.runtime.transfer import row_index
 
 
 class TokenizerVocab:
@@ -24,11 +24,8 @@ class TokenizerVocab:
         return True if self.size is not None else None
 
     def apply(self, logits: torch.Tensor, rows: Sequence[LogitsRow]) -> None:
-        if len(rows) == logits.shape[0]:  # every row (it admits every request): one fill, no index to copy
-            logits[:, self.size :] = float("-inf")
-            return
-        index = to_device([row.index for row in rows], torch.int64, logits.device)
-        logits[index, self.size :] = float("-inf")
+        # it admits every request: the index is a plain slice, with nothing to copy, in the usual step
+        logits[row_index([row.index for row in rows], logits.shape[0], logits.device), self.size :] = float("-inf")
 
 
 @hookimpl

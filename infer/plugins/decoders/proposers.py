@@ -31,7 +31,7 @@ import torch
 from infer.core.request import Request
 from infer.core.runner import ForwardSeq, ModelRunner
 from infer.plugins.decoders import rejection
-from infer.runtime.transfer import to_device
+from infer.runtime.transfer import row_index, to_device
 
 
 @dataclass(slots=True)
@@ -224,8 +224,3 @@ class ModelProposer:
             pos = to_device([positions[a] for a in sampled], torch.int64, q.device)
             chosen[index] = rejection.draw(q[index], seeds, pos)
         return chosen, q
-
-
-def row_index(rows: list[int], total: int, device: torch.device) -> torch.Tensor | slice:
-    # rows: sorted, distinct -> an index for dim 0 (a plain slice when every row is listed)
-    return slice(None) if len(rows) == total else to_device(rows, torch.int64, device)

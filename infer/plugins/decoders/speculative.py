@@ -57,12 +57,11 @@ from infer.plugins.decoders.proposers import (
     Proposal,
     Proposer,
     has_penalties,
-    row_index,
     view,
 )
 from infer.runtime.constraints import constrain, is_constrained
 from infer.runtime.prompt_logprobs import prompt_rows, take_prompt_logprobs
-from infer.runtime.transfer import to_device
+from infer.runtime.transfer import row_index, to_device
 
 
 def make_proposer(ctx: DecoderContext, rows_upto: int) -> tuple[Proposer, str]:

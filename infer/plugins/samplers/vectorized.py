@@ -19,6 +19,7 @@ from infer.core.hookspecs import hookimpl
 from infer.core.interfaces import Capabilities, RegisterFn, SamplerOutput
 from infer.core.request import Request, SamplingParams
 from infer.kernels import rng
+from infer.runtime.transfer import row_index, to_device
 
 NEG_INF = float("-inf")
 
@@ -41,7 +42,7 @@ class VectorizedSampler:
         apply_penalties_(work, requests)
         num_logprobs = [r.params.logprobs for r in requests]
         asked = [i for i, k in enumerate(num_logprobs) if k is not None]
-        logprobs = work[_index(asked, len(requests), work.device)].log_softmax(dim=-1) if asked else None
+        logprobs = work[row_index(asked, len(requests), work.device)].log_softmax(dim=-1) if asked else None
         tokens = choose_tokens_(work, requests, positions)
         if logprobs is None:
             return SamplerOutput(token_ids=tokens.tolist())
@@ -75,14 +76,14 @@ class VectorizedSampler:
         greedy = [i for i, r in enumerate(requests) if r.params.temperature == 0.0]
         sampled = [i for i, r in enumerate(requests) if r.params.temperature != 0.0]
         if sampled:
-            index = _index(sampled, len(requests), work.device)
+            index = row_index(sampled, len(requests), work.device)
             p = process_rows_(work[index], [requests[i].params for i in sampled]).softmax(dim=-1)
             if not greedy:
                 return p
             work[index] = p
         # one-hot rows built on the device: assigning a Python scalar through an index copies it
         # from pageable memory, which waits for every kernel queued before (the verify forward)
-        rows = _index(greedy, len(requests), work.device)
+        rows = row_index(greedy, len(requests), work.device)
         top = work[rows].argmax(dim=-1, keepdim=True)  # [G, 1]
         one_hot = torch.zeros(top.shape[0], work.shape[1], dtype=work.dtype, device=work.device).scatter_(1, top, 1.0)
         if isinstance(rows, slice):
@@ -98,31 +99,20 @@ class VectorizedSampler:
         asked = [i for i, k in enumerate(num_logprobs) if k is not None]
         if not asked:
             return [{} for _ in requests]
-        logprobs = work[_index(asked, len(requests), work.device)].log_softmax(dim=-1)
-        tokens = _tensor(token_ids, torch.int64, work.device)
+        logprobs = work[row_index(asked, len(requests), work.device)].log_softmax(dim=-1)
+        tokens = to_device(token_ids, torch.int64, work.device)
         return _with_logprobs(tokens, logprobs, asked, num_logprobs).logprobs or []
-
-
-def _tensor(data: list, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-    # host list -> device tensor; copied from pinned memory, so the host does not wait for the GPU
-    host = torch.tensor(data, dtype=dtype)
-    return host if device.type == "cpu" else host.pin_memory().to(device, non_blocking=True)
-
-
-def _index(rows: list[int], total: int, device: torch.device) -> torch.Tensor | slice:
-    # rows: sorted, distinct -> an index for dim 0 (a plain slice when every row is listed)
-    return slice(None) if len(rows) == total else _tensor(rows, torch.int64, device)
 
 
 def _column(values: list[float], device: torch.device) -> torch.Tensor:
     # -> [N, 1] float32
-    return _tensor(values, torch.float32, device)[:, None]
+    return to_device(values, torch.float32, device)[:, None]
 
 
 def _entries(token_lists: list[list[int]], vocab: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
     # -> flat index row * V + token, and row: [N] each, over every listed token in row order
-    tokens = _tensor(list(chain.from_iterable(token_lists)), torch.int64, device)
-    lengths = _tensor([len(t) for t in token_lists], torch.int64, device)
+    tokens = to_device(list(chain.from_iterable(token_lists)), torch.int64, device)
+    lengths = to_device([len(t) for t in token_lists], torch.int64, device)
     rows = torch.repeat_interleave(torch.arange(len(token_lists), device=device), lengths, output_size=tokens.numel())
     return rows * vocab + tokens, rows
 
@@ -161,7 +151,7 @@ def choose_tokens_(work: torch.Tensor, requests: list[Request], positions: list[
     if all(greedy):
         return work.argmax(dim=-1)
     sampled = [i for i, g in enumerate(greedy) if not g]
-    index = _index(sampled, len(requests), work.device)
+    index = row_index(sampled, len(requests), work.device)
     tokens = work.argmax(dim=-1) if any(greedy) else None
     x = work[index]  # [S, V]
     draws = sample_rows_(x, [requests[i] for i in sampled], [positions[i] for i in sampled])
@@ -174,8 +164,8 @@ def sample_rows_(x: torch.Tensor, requests: list[Request], positions: list[int])
     # x: [S, V] penalised logits of rows that sample, overwritten -> [S] int64
     device = x.device
     process_rows_(x, [r.params for r in requests])
-    seeds = _tensor([rng.split_seed(r.seed) for r in requests], torch.int64, device)  # [S, 2]
-    key, mult = rng.row_keys(seeds, _tensor(positions, torch.int64, device))
+    seeds = to_device([rng.split_seed(r.seed) for r in requests], torch.int64, device)  # [S, 2]
+    key, mult = rng.row_keys(seeds, to_device(positions, torch.int64, device))
     noise = rng.exponential(key, mult, torch.arange(x.shape[1], device=device))  # [S, V] float64
     # exponential race: argmax(p / E) with E ~ Exp(1) draws from p; softmax's normaliser is
     # shared by the row, so exp(x - max) stands in for p
@@ -194,7 +184,7 @@ def process_rows_(x: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor
     if len(rows) == len(params):
         top_k_top_p_(x, params)
     elif rows:
-        index = _index(rows, len(params), device)
+        index = row_index(rows, len(params), device)
         x[index] = top_k_top_p_(x[index], [params[i] for i in rows])
     return x
 
@@ -205,7 +195,7 @@ def top_k_top_p_(x: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
     vocab = x.shape[1]
     values, order = x.sort(dim=-1, descending=True)  # [R, V]
     if any(p.top_k > 0 for p in params):
-        top_k = _tensor([p.top_k or vocab for p in params], torch.int64, x.device)[:, None]
+        top_k = to_device([p.top_k or vocab for p in params], torch.int64, x.device)[:, None]
         values.masked_fill_(torch.arange(vocab, device=x.device)[None, :] >= top_k, NEG_INF)
     if any(p.top_p < 1.0 for p in params):
         top_p = _column([p.top_p if p.top_p < 1.0 else math.inf for p in params], x.device)  # inf: off
@@ -221,7 +211,7 @@ def _with_logprobs(
     num_logprobs: list[int | None],
 ) -> SamplerOutput:
     k = min(max(num_logprobs[i] or 0 for i in asked), logprobs.shape[1])
-    chosen = logprobs.gather(1, tokens[_index(asked, tokens.shape[0], tokens.device)][:, None])  # [A, 1]
+    chosen = logprobs.gather(1, tokens[row_index(asked, tokens.shape[0], tokens.device)][:, None])  # [A, 1]
     top = logprobs.topk(k, dim=-1)  # [A, k] each
     table = torch.cat([chosen.double(), top.indices.double(), top.values.double()], dim=1)  # [A, 1 + 2k]
     flat = torch.cat([tokens.double(), table.flatten()]).tolist()  # the step's one device-to-host copy
