@@ -120,9 +120,7 @@ class SamplingParams:
         self.structured = StructuredOutputs.coerce(self.structured)
         if isinstance(self.logit_bias, dict):
             self.logit_bias = {_token_key(k): v for k, v in self.logit_bias.items()}
-        if self.structured is not None:
-            if not isinstance(self.structured, StructuredOutputs):
-                raise _bad("structured", self.structured, "use StructuredOutputs(...) or a dict of its fields")
+        if self.structured is not None:  # coerce refused any other form
             self.structured.validate()
         if self.logit_bias is not None:
             if not isinstance(self.logit_bias, dict):

@@ -141,7 +141,7 @@ class XGrammarProcessor:
                 one.append(row)
                 tokens.append(out[-1])
             elif state.consumed < len(out):
-                _catch_up(row.request, state)
+                _catch_up_one(row.request, state)
         if one:
             accepted = self._batch.batch_accept_token([row.state.matcher for row in one], tokens)
             stops = self.ctx.eos_token_ids
@@ -157,7 +157,7 @@ class XGrammarProcessor:
         return self._host[:num_rows]
 
 
-def _catch_up(request: Request, state: MatcherState) -> None:
+def _catch_up_one(request: Request, state: MatcherState) -> None:
     """Feed the matcher the request's output tokens it has not seen, one at a time."""
     out = request.output_token_ids
     while state.consumed < len(out) and not state.broken:
