@@ -20,7 +20,7 @@ from infer.core.engine import Engine, Prompt
 from infer.core.errors import ConfigError, InferError, RequestError
 from infer.core.request import SamplingParams
 from infer.serve.engine_thread import Abort, Add, Call, EngineThread, Item
-from infer.serve.stream import StreamOutput, merge
+from infer.serve.stream import StreamOutput, as_output, merge
 
 T = TypeVar("T")
 
@@ -62,12 +62,13 @@ class RequestStream:
         if isinstance(item, BaseException):
             self._end()
             raise item
+        item = as_output(item)
         while not item.finished and not self._queue.empty():  # behind: one output for the steps since
             later = self._queue.get_nowait()
             if isinstance(later, BaseException):
                 self._queue.put_nowait(later)  # the queue held only it: it is read next
                 break
-            item = merge(item, later)
+            item = merge(item, as_output(later))
         if item.finished:
             self._end()
         return item

@@ -28,6 +28,7 @@ from infer.core.engine import Engine
 from infer.core.errors import ConfigError, InferError, RequestError, one_line
 from infer.inputs.prompts import tokenize
 from infer.serve.engine_thread import Abort, Add, Call, EngineStepError, EngineThread, Item, Sink, hand_over
+from infer.serve.stream import StreamOutput
 
 
 @dataclass(slots=True)
@@ -167,7 +168,7 @@ class EngineProcess:
             sink = self._sinks.get(key)
             if sink is None:
                 continue
-            if isinstance(item, BaseException) or item.finished:
+            if isinstance(item, BaseException) or (isinstance(item, StreamOutput) and item.finished):
                 self._sinks.pop(key, None)
             found.append((sink, item))
         hand_over(found)

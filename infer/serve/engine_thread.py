@@ -18,9 +18,11 @@ from typing import Any, Callable, Protocol
 from infer.core.engine import Engine
 from infer.core.errors import InferError, RequestError, one_line
 from infer.core.request import Request, SamplingParams
-from infer.serve.stream import CompletionDelta, StreamOutput, Tracked
+from infer.serve.stream import News, RawDelta, StreamOutput, Tracked
 
-Item = StreamOutput | BaseException  # what a request's stream receives: an output, or the error that ended it
+# what a request's stream receives: a step's news (`as_output` makes it a StreamOutput), its last output, or
+# the error that ended it
+Item = News | StreamOutput | BaseException
 
 
 class EngineStepError(InferError):
@@ -163,7 +165,7 @@ class EngineThread:
             tracked = self._forget(output.request_id)
             if tracked is not None:
                 self._outbox.append((self._sinks.pop(output.request_id), tracked.last(output)))
-        news: dict[str, list[CompletionDelta]] = {}
+        news: dict[str, list[RawDelta]] = {}
         for request, num_checked in submitted:
             entry = self._samples.get(request)
             if entry is None or not entry[0].streams:
@@ -173,7 +175,7 @@ class EngineThread:
             if delta is not None:
                 news.setdefault(tracked.group.request_id, []).append(delta)
         for request_id, deltas in news.items():
-            self._outbox.append((self._sinks[request_id], StreamOutput(request_id, deltas, finished=False)))
+            self._outbox.append((self._sinks[request_id], (request_id, deltas)))
 
     def _forget(self, request_id: str) -> Tracked | None:
         tracked = self._tracked.pop(request_id, None)
