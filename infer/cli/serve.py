@@ -142,8 +142,15 @@ def _build_engine(config: EngineConfig) -> Any:
     """Runs in the engine's process: the plugins INFER_EXTRA_PLUGINS names are found there too."""
     from infer.core.engine import Engine
     from infer.distributed.launch import launch
+    from infer.serve.warm_up import warm_up
 
-    return Engine.from_config(config, extra_plugins(), launch=launch)
+    engine = Engine.from_config(config, extra_plugins(), launch=launch)
+    try:
+        click.echo(f"warmed up in {warm_up(engine):.1f}s (the first prefill shapes' kernels compiled)", err=True)
+    except BaseException:
+        engine.close()
+        raise
+    return engine
 
 
 @hookimpl
