@@ -262,11 +262,15 @@ class Engine:
         return self.scheduler.allocator.usage()  # type: ignore[attr-defined]
 
     def reset_stats(self) -> None:
-        """Count from here on: steps, preemptions, the decoder's totals and pipelined steps (after a warm-up run)."""
+        """Count from here on: steps, preemptions, the decoder's totals, pipelined steps and the prefix cache's
+        lookups and hits (after a warm-up run)."""
         self.num_steps = 0
         self.decoder_totals.clear()
         if isinstance(self.parts.scheduler, ResettableStats):  # the scheduler as built, however wrapped since
             self.parts.scheduler.reset_stats()
+        allocator = getattr(self.scheduler, "allocator", None)  # what kv_usage() reads
+        if isinstance(allocator, ResettableStats):
+            allocator.reset_stats()
         for runner in self.parts.runners:
             if runner.pipeline is not None:
                 runner.pipeline.hits = runner.pipeline.misses = 0

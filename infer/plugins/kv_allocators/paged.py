@@ -246,6 +246,11 @@ class PagedAllocator:
     def can_ever_run(self, request: Request, num_tokens: int) -> bool:
         return self.can_ever_fit(num_tokens)
 
+    def reset_stats(self) -> None:
+        """The prefix cache's lookup and hit counts start again (`Engine.reset_stats`)."""
+        if self.cache is not None:
+            self.cache.num_query_tokens = self.cache.num_hit_tokens = 0
+
     def usage(self) -> KVUsage:
         used = self.num_blocks - self.pool.num_free()
         bs = self.block_size
