@@ -24,12 +24,18 @@ __all__ = ["dot_config"]
 _INTERPRETED = env.triton_interpret()
 
 
-def dot_config(dtype: torch.dtype) -> tuple[Any, str]:
-    """(operand dtype, input_precision) for the kernels' `tl.dot`s on activations of `dtype`."""
+def dot_config(dtype: torch.dtype, kv_dtype: torch.dtype | None = None) -> tuple[Any, str]:
+    """(operand dtype, input_precision) for the kernels' `tl.dot`s on activations of `dtype` over a
+    cache of `kv_dtype` (default: `dtype`)."""
     import triton.language as tl
 
     if dtype == torch.float32:
         return tl.float32, "ieee"  # fp32 caches keep fp32 accuracy, not tf32's 10-bit mantissa
+    if kv_dtype == torch.float8_e4m3fn:
+        # An FP8 cache's tiles become f16 (exact: e4m3 fits f16's range and mantissa), which Hopper
+        # and Ada convert in one instruction per two values; bf16 goes through f16 and f32 (three).
+        # q and the softmax weights p lose nothing as f16 either (|q| far below 65504, p in [0, 1]).
+        return tl.float16, "tf32"
     if _INTERPRETED and dtype == torch.bfloat16:
         # Triton's interpreter multiplies bf16 operands as their raw uint16 bits (numpy has no
         # bf16), so under it bf16 dots run in fp32; compiled kernels use bf16 MMAs.

@@ -14,7 +14,7 @@ Under a sliding window (`WINDOW`, a constexpr: one compiled variant per window) 
 the oldest token the window shows, so the blocks before it are never read and no key needs a window
 mask; the partitions split what the window shows. A soft cap (`SOFT_CAP`) caps the logits
 (`scores.logits`). Left None, both compile to the kernel without them. An FP8 cache (`KV_FP8`) is
-read as e4m3 (one byte an element) and cast to the dot dtype in registers (exact); k_scale is folded
+read as e4m3 (one byte an element) and cast to f16 in registers (exact; `dot_config`); k_scale is folded
 into the logits' scale and v_scale multiplies each partition's output. Left False, the kernel is the
 one without it.
 
@@ -220,6 +220,15 @@ def _reduce_kernel(
     tl.store(out_ptr + seq * stride_ot + head * stride_oh + dims, (acc / l).to(out_ptr.dtype.element_ty), mask=dim_mask)
 
 
+def launch_config(kv_dtype: torch.dtype) -> tuple[int, int]:
+    """(num_warps, num_stages) of the decode kernel over a cache of `kv_dtype`. An e4m3 tile is
+    converted to f16 in registers and stored to shared memory as the MMA's operand, so an FP8 cache
+    does best unpipelined on two warps (more programs per SM hide the loads instead); a bf16/fp16
+    cache streams at ~2.6 TB/s with 4 warps and 2 stages (H100, docs/performance.md, "An FP8 cache's
+    decode")."""
+    return (2, 1) if kv_dtype == torch.float8_e4m3fn else (4, 2)
+
+
 def paged_decode(
     out: torch.Tensor,  # [T, H, D]; rows [0, num_seqs) written
     q: torch.Tensor,  # [T, H, D]; rows [0, num_seqs) are the decode tokens
@@ -236,18 +245,21 @@ def paged_decode(
     window: int | None = None,  # each query sees its last `window` positions; None: all of them
     soft_cap: float | None = None,  # logits capped as soft_cap * tanh(s / soft_cap)
     scales: tuple[float, float] = (1.0, 1.0),  # an FP8 cache's (k_scale, v_scale)
-    num_warps: int = 4,
-    num_stages: int = 2,
+    num_warps: int | None = None,  # None: `launch_config`'s for the cache's dtype
+    num_stages: int | None = None,
 ) -> None:
     if num_seqs == 0:
         return
+    default_warps, default_stages = launch_config(k_cache.dtype)
+    num_warps = default_warps if num_warps is None else num_warps
+    num_stages = default_stages if num_stages is None else num_stages
     num_heads, head_dim = q.shape[1], q.shape[2]
     num_kv_heads, block_size = k_cache.shape[2], k_cache.shape[1]
     group = num_heads // num_kv_heads
     block_d = triton.next_power_of_2(head_dim)
     # tl.dot needs M >= 16: pad the group's rows with zero queries that are never stored.
     group_pad = max(16, triton.next_power_of_2(group))
-    dot_dtype, precision = dot_config(q.dtype)
+    dot_dtype, precision = dot_config(q.dtype, k_cache.dtype)
     pdl = kernel_args(q.device)
     if scratch is not None:
         part_out, part_max, part_sum = scratch

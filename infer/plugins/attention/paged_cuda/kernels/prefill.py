@@ -295,7 +295,7 @@ def paged_prefill(
         return
     num_heads, head_dim = q.shape[1], q.shape[2]
     num_kv_heads, block_size = k_cache.shape[2], k_cache.shape[1]
-    dot_dtype, precision = dot_config(q.dtype)
+    dot_dtype, precision = dot_config(q.dtype, k_cache.dtype)
     _prefill_kernel[(num_q_blocks, num_kv_heads)](
         out,
         q,
