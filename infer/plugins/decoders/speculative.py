@@ -45,6 +45,7 @@ from infer.core.interfaces import (
     ScheduledSeq,
     SchedulerOutput,
     StepResult,
+    TokenSampler,
     VerifyingSampler,
 )
 from infer.core.request import Request
@@ -189,30 +190,86 @@ class SpeculativeDecoder:
         requests = [scheduled[i].request for i in verify]
         num_draft = [proposal.num_tokens[i] for i in verify]
         K = max(num_draft)
-        x, drafts = _drafts(proposal, verify, K, device)  # x: [R, K]; drafts: on the host, or None
+        x, drafts = _drafts(
+            proposal, verify, K, device
+        )  # x: [R, K] on the device, or None; drafts: on the host, or None
         constrained = is_constrained(requests)
         if drafts is None and (constrained or any(k and has_penalties(r) for r, k in zip(requests, num_draft))):
+            assert x is not None
             drafts = [row[:k] for row, k in zip(x.tolist(), num_draft)]  # penalties, masks read the draft: wait for it
         offsets, views, positions = _rows(requests, num_draft, drafts)
         if constrained:  # each row masked after the draft before it (a row past a refused token is never kept)
             assert drafts is not None
             row_requests = [r for r, k in zip(requests, num_draft) for _ in range(k + 1)]
             constrain(logits, row_requests, [d[:j] for d, k in zip(drafts, num_draft) for j in range(k + 1)])
-        p = self.target.sampler.probs(logits, views, positions)  # [T, V]
-        # index[a, j]: p's row for draft index j of request a (rows past k_a repeat the last one)
+        choices = self._greedy_choices(logits, requests, views, positions)  # [T] the target's token per row
+        if choices is not None and drafts is not None:  # one copy of the choices; the prefixes matched here
+            num_accepted, next_token = _match(choices.tolist(), offsets, drafts)
+        else:
+            num_accepted, next_token, drafts = self._accept_on_device(
+                logits, requests, verify, proposal, x, drafts, (offsets, views, positions), choices
+            )
+        sampled_tokens: dict[str, list[int]] = {}
+        num_computed: dict[str, int] = {}
+        for i, r, d, n, t in zip(verify, requests, drafts, num_accepted, next_token):
+            sampled_tokens[r.request_id] = d[:n] + [t]
+            # K/V stay valid up to the accepted draft: the rejected positions' slots are rolled back
+            num_computed[r.request_id] = r.num_computed_tokens + scheduled[i].num_new_tokens + n
+        result = StepResult(sampled=sampled_tokens, num_computed=num_computed)
+        if any(r.params.logprobs is not None for r in requests):
+            result.logprobs = self._logprobs(logits, requests, offsets, views, sampled_tokens)
+        return result
+
+    def _greedy_choices(
+        self, logits: torch.Tensor, requests: list[Request], views: list, positions: list[int]
+    ) -> torch.Tensor | None:
+        """When every request is greedy: the token the target chooses at each row ([T] int64 on the
+        device; penalties applied as `sample` applies them), with no distribution built. Else None."""
+        sampler = self.target.sampler
+        if not isinstance(sampler, TokenSampler) or not all(r.params.is_greedy for r in requests):
+            return None
+        return sampler.sample_tokens(logits, views, positions)  # None where the sampler cannot
+
+    def _accept_on_device(
+        self,
+        logits: torch.Tensor,
+        requests: list[Request],
+        verify: list[int],
+        proposal: Proposal,
+        x: torch.Tensor | None,
+        drafts: list[list[int]] | None,
+        rows: tuple[list[int], list, list[int]],
+        choices: torch.Tensor | None,
+    ) -> tuple[list[int], list[int], list[list[int]]]:
+        """Greedy prefix matching and rejection sampling as kernels, then one copy to the host of the
+        accepted counts, the next tokens and (when still on the device) the drafts."""
+        device = logits.device
+        offsets, views, positions = rows
+        num_draft = [proposal.num_tokens[i] for i in verify]
+        K = max(num_draft)
+        if x is None:  # drafts from the host, padded to K
+            assert drafts is not None
+            x = to_device([d + [0] * (K - len(d)) for d in drafts], torch.int64, device).view(len(drafts), K)
+        greedy = [a for a, r in enumerate(requests) if r.params.is_greedy]
+        sampled = [a for a, r in enumerate(requests) if not r.params.is_greedy]
+        p = None if choices is not None else self.target.sampler.probs(logits, views, positions)  # [T, V]
+        if choices is None and greedy:
+            assert p is not None
+            choices = p.argmax(dim=-1)
+        # index[a, j]: the row of draft index j of request a (rows past k_a repeat the last one)
         index = to_device(
             [o + min(j, k) for o, k in zip(offsets, num_draft) for j in range(K + 1)], torch.int64, device
         )
         index = index.view(len(verify), K + 1)
         n_draft = to_device(num_draft, torch.int64, device)
-        greedy = [a for a, r in enumerate(requests) if r.params.is_greedy]
-        sampled = [a for a, r in enumerate(requests) if not r.params.is_greedy]
         parts, owners = [], []
         if greedy:
+            assert choices is not None
             g = row_index(greedy, len(requests), device)
-            parts += list(rejection.greedy_accept(x[g], n_draft[g], p.argmax(dim=-1)[index[g]]))
+            parts += list(rejection.greedy_accept(x[g], n_draft[g], choices[index[g]]))
             owners.append(greedy)
         if sampled:
+            assert p is not None
             s_idx = row_index(sampled, len(requests), device)
             q = self._draft_probs([proposal.probs[verify[a]] for a in sampled], [num_draft[a] for a in sampled], K, p)
             seeds = rejection.seed_tensor([requests[a].seed for a in sampled], device)
@@ -230,17 +287,7 @@ class SpeculativeDecoder:
             at += 2 * len(group)
         if drafts is None:
             drafts = [flat[at + a * K : at + a * K + k] for a, k in enumerate(num_draft)]
-
-        sampled_tokens: dict[str, list[int]] = {}
-        num_computed: dict[str, int] = {}
-        for i, r, d, n, t in zip(verify, requests, drafts, num_accepted, next_token):
-            sampled_tokens[r.request_id] = d[:n] + [t]
-            # K/V stay valid up to the accepted draft: the rejected positions' slots are rolled back
-            num_computed[r.request_id] = r.num_computed_tokens + scheduled[i].num_new_tokens + n
-        result = StepResult(sampled=sampled_tokens, num_computed=num_computed)
-        if any(r.params.logprobs is not None for r in requests):
-            result.logprobs = self._logprobs(logits, requests, offsets, views, sampled_tokens)
-        return result
+        return num_accepted, next_token, drafts
 
     @staticmethod
     def _draft_probs(
@@ -307,19 +354,31 @@ def _rows(
     return offsets, views, positions
 
 
+def _match(choices: list[int], offsets: list[int], drafts: list[list[int]]) -> tuple[list[int], list[int]]:
+    """Greedy acceptance on the host: each draft's longest prefix equal to the target's choices at its
+    rows (`choices[offsets[a] + j]`: the target's token after draft token j - 1), then the target's
+    own token after it."""
+    num_accepted, next_token = [], []
+    for o, d in zip(offsets, drafts):
+        n = 0
+        while n < len(d) and d[n] == choices[o + n]:
+            n += 1
+        num_accepted.append(n)
+        next_token.append(choices[o + n])
+    return num_accepted, next_token
+
+
 def _drafts(
     proposal: Proposal, verify: list[int], K: int, device: torch.device
-) -> tuple[torch.Tensor, list[list[int]] | None]:
-    """The drafts of the `verify` rows as x [R, K] int64 on the device (zero-padded), and as host
-    lists where the proposer had them there (else None: they are still on the device)."""
+) -> tuple[torch.Tensor | None, list[list[int]] | None]:
+    """The drafts of the `verify` rows: as x [R, K] int64 on the device (zero-padded) where the
+    proposer left them there (drafts None), else as host lists (x None: made when a kernel needs it)."""
     if isinstance(proposal.token_ids, torch.Tensor):
         rows = proposal.token_ids
         if verify != list(range(rows.shape[0])):
             rows = rows[to_device(verify, torch.int64, device)]
         return rows[:, :K], None
-    drafts = [proposal.token_ids[i] for i in verify]
-    x = to_device([d + [0] * (K - len(d)) for d in drafts], torch.int64, device).view(len(drafts), K)
-    return x, drafts
+    return None, [proposal.token_ids[i] for i in verify]
 
 
 @hookimpl

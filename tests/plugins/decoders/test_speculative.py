@@ -139,6 +139,34 @@ def test_sampled_speculation_is_seeded_and_independent_of_the_batch(tiny_llama_d
     assert all(len(t) == 12 for t in batched)
 
 
+@pytest.mark.parametrize("proposer", ["ngram", "same-model"])
+def test_greedy_with_penalties_identical_to_autoregressive(tiny_llama_dir, proposer):
+    # greedy rows are accepted from the sampler's tokens (no distribution built): each row's penalties
+    # count the draft tokens before it, as autoregressive decoding would have counted them
+    params = SamplingParams(
+        max_tokens=16, temperature=0, ignore_eos=True, repetition_penalty=1.3, frequency_penalty=0.4
+    )
+    expected = run(LLM(model=str(tiny_llama_dir), block_size=4), TINY_PROMPTS, params)
+    llm = LLM(
+        model=str(tiny_llama_dir), block_size=4, decoding="speculative", **draft_options(proposer, tiny_llama_dir, None)
+    )
+    assert run(llm, TINY_PROMPTS, params) == expected
+    stats = llm.engine.stats()
+    assert stats["spec_accepted"] > 0 or proposer == "ngram"
+
+
+def test_greedy_and_sampled_requests_share_an_ngram_step(tiny_llama_dir):
+    # a batch that samples verifies on the device; its greedy rows still give autoregressive's tokens
+    sampled = SamplingParams(max_tokens=16, temperature=0.9, seed=5, ignore_eos=True)
+    expected = run(LLM(model=str(tiny_llama_dir), block_size=4), TINY_PROMPTS[0::2])
+    llm = LLM(model=str(tiny_llama_dir), block_size=4, decoding="speculative", draft="ngram")
+    params = [GREEDY, sampled] * 4
+    first = token_ids(llm.generate(TINY_PROMPTS, params))
+    assert first[0::2] == expected
+    assert token_ids(llm.generate(TINY_PROMPTS, params)) == first  # seeded
+    assert llm.engine.stats()["spec_proposed"] > 0
+
+
 def test_logprobs_of_accepted_tokens_match_autoregressive(tiny_llama_dir):
     params = SamplingParams(max_tokens=10, temperature=0, ignore_eos=True, logprobs=2, frequency_penalty=0.5)
     expected = LLM(model=str(tiny_llama_dir), block_size=4).generate(TINY_PROMPTS, params)
