@@ -39,7 +39,7 @@ import torch
 import triton
 import triton.language as tl
 
-from infer import env
+from infer import env, warmup
 from infer.kernels.gemv_tiles import INTERPRETER_TILE, Tile, candidates, tune
 from infer.kernels.layers import lamport_push
 from infer.kernels.triton_pdl import kernel_args, wait_and_release
@@ -210,6 +210,19 @@ def _gemv_kernel(
         tl.store(y_ptr + rows, y, mask=row_ok)
     else:  # a tensor-parallel partial sum, pushed into every rank's exchange slot (`push`)
         lamport_push(peers_ptr, part_offset, rows, y, row_ok, PEERS)
+
+
+def takes_rows(x: torch.Tensor, weight: torch.Tensor) -> bool:
+    """Whether `gemv(x, weight)` serves x's rows well: one row always; 2 to GEMV_MAX_ROWS rows when their
+    tile is tuned, or may be now (the engine is warming up: `infer.warmup`). Else a GEMM should."""
+    m = x.shape[0] if x.dim() == 2 else 0
+    if m == 1:
+        return True
+    if not 1 < m <= GEMV_MAX_ROWS:
+        return False
+    if _INTERPRETED or not x.is_cuda:  # one small tile under the interpreter, nothing to tune
+        return _INTERPRETED and warmup.is_warming_up()
+    return warmup.is_warming_up() or (*weight.shape, weight.dtype, x.dtype, weight.device, m) in _tiles
 
 
 def gemv(

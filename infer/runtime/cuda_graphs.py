@@ -8,7 +8,9 @@ A row is one query token at the end of its sequence's cached context: a decode s
 per sequence, a speculative verify step one per position it checks (the rows of a sequence share
 its block table and each sees the K/V the rows before it wrote in the same forward, which the
 backend promises by `writes_kv_first`). So one set of graphs serves both, sized by the most rows
-a step may have (`max_rows`: requests times one plus the decoder's lookahead).
+a step may have (`max_rows`: requests times one plus the decoder's lookahead). When there is a
+lookahead, each bucket is warmed up under `infer.warmup.warming_up()`, so kernels tuned per row count
+(the several-row GEMV) tune for the verify steps' row counts there, before capture.
 
 Inputs live in static buffers; every step copies its values in (two H2D copies: one int64 and
 one int32 staging buffer, the block-table rows in use only). The pinned staging buffers come in
@@ -25,12 +27,14 @@ from __future__ import annotations
 
 import bisect
 from collections import Counter
+from contextlib import nullcontext
 from typing import Any
 
 import numpy as np
 import torch
 
 from infer.core.interfaces import AttentionBackend, AttentionBatch, KVCache
+from infer.warmup import warming_up
 
 
 def bucket_sizes(max_rows: int) -> list[int]:
@@ -50,8 +54,10 @@ class CudaGraphRunner:
         null_block: int,  # a KV block no request owns: padded rows write there
         device: torch.device,
         num_layers: int | None = None,
+        tune_rows: bool = False,  # the warm-up may tune kernels for each bucket's row count (`infer.warmup`)
     ) -> None:
         self.model, self.attention, self.kv_caches = model, attention, kv_caches
+        self.tune_rows = tune_rows
         self.block_size, self.null_block, self.device = block_size, null_block, device
         self.num_layers = num_layers
         self.buckets = bucket_sizes(max_rows)
@@ -152,8 +158,8 @@ class CudaGraphRunner:
             self._fill(n, [], [], [])
             batch = self._batch(n, [1] * n, [[self.null_block]] * n)
             self.attention.plan(batch)
-            with torch.cuda.stream(stream):
-                self._forward(n)  # warm-up outside the graph (Triton compiles here)
+            with torch.cuda.stream(stream), warming_up() if self.tune_rows else nullcontext():
+                self._forward(n)  # warm-up outside the graph (Triton compiles, tiles are tuned here)
             torch.cuda.current_stream(self.device).wait_stream(stream)
             graph = torch.cuda.CUDAGraph()
             with torch.cuda.graph(graph, pool=self.pool):

@@ -47,6 +47,8 @@ def attach_decode_paths(
                 null_block=null_block,
                 device=device,
                 num_layers=r.num_layers,
+                # verify steps' rows (1 + lookahead a request): kernels tuned for those row counts
+                tune_rows=r is runner and max_rows > config.max_num_seqs,
             )
             graphs.capture()
         r.set_decode_paths(graphs, Pipeline(r, scheduler) if pipeline and r is runner else None)

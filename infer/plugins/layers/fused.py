@@ -92,10 +92,10 @@ class FusedSiluAndMul(nn.Module):
         )
 
     def down(self, h: torch.Tensor, weight: torch.Tensor, push: Any = None) -> torch.Tensor:
-        """matmul(self(h), weight); for one token one GEMV that applies SiLU-and-mul as it reads h."""
-        if h.dim() == 2 and h.shape[0] == 1:
-            from infer.kernels.gemv import gemv_silu_mul
+        """matmul(self(h), weight); for a few rows one GEMV that applies SiLU-and-mul as it reads h."""
+        from infer.kernels.gemv import gemv_silu_mul, takes_rows
 
+        if takes_rows(h, weight) and (push is None or h.shape[0] == 1):
             return gemv_silu_mul(h, weight, push=push)
         return FusedLinear.matmul(self(h), weight, push=push)
 
@@ -113,10 +113,12 @@ class FusedGeluAndMul(nn.Module):
 
 def _matmul(x: torch.Tensor, weight: torch.Tensor, push: Any = None) -> torch.Tensor:
     """x @ weight.T; one token through the Triton GEMV, which can push a tensor-parallel partial sum
-    into the ranks' exchange (`push`, a `infer.distributed.all_reduce.lamport.PushTarget`: one-token steps only)."""
-    if x.dim() == 2 and x.shape[0] == 1:
-        from infer.kernels.gemv import gemv
+    into the ranks' exchange (`push`, a `infer.distributed.all_reduce.lamport.PushTarget`: one-token steps
+    only); up to 8 rows (a verify step of speculative decoding, a small batch) too, where the GEMV has
+    a tile for their count (`gemv.takes_rows`: the row counts of the CUDA graphs' buckets), else cuBLAS."""
+    from infer.kernels.gemv import gemv, takes_rows
 
+    if takes_rows(x, weight) and (push is None or x.shape[0] == 1):
         return gemv(x, weight, push=push)
     if push is not None:
         raise ValueError(f"a pushed partial sum is one token's, got {tuple(x.shape)}")

@@ -202,3 +202,30 @@ def test_fused_rotary_serves_head_dims_whose_half_is_not_a_power_of_two():
     pos = torch.tensor([0, 3, 17, 40, 63])
     for got, exp in zip(fused(pos, q, k), ref(pos, q, k)):
         torch.testing.assert_close(got, exp, atol=0, rtol=0)
+
+
+def test_several_rows_take_the_gemv_only_while_warming_up(monkeypatch):
+    # a verify step's rows (2 to 8) go through the GEMV where its tile for that row count was tuned in
+    # the graph warm-up; an eager step of a new row count stays on the GEMM rather than tuning mid-run
+    from infer import warmup
+    from infer.kernels import gemv as gemv_module
+    from infer.plugins.layers import fused
+
+    torch.manual_seed(0)
+    x, h, w = torch.randn(5, 64), torch.randn(5, 2 * 64), torch.randn(48, 64)
+    calls = []
+    gemv, gated = gemv_module.gemv, gemv_module.gemv_silu_mul
+    monkeypatch.setattr(gemv_module, "gemv", lambda *a, **k: calls.append("gemv") or gemv(*a, **k))
+    monkeypatch.setattr(gemv_module, "gemv_silu_mul", lambda *a, **k: calls.append("gated") or gated(*a, **k))
+    expected = torch.nn.functional.linear(x, w)
+    expected_down = torch.nn.functional.linear(plain.SiluAndMul()(h), w)
+    act = fused.FusedSiluAndMul()
+    torch.testing.assert_close(fused._matmul(x, w), expected, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(act.down(h, w), expected_down, atol=1e-5, rtol=1e-5)
+    assert calls == []
+    with warmup.warming_up():
+        assert warmup.is_warming_up()
+        torch.testing.assert_close(fused._matmul(x, w), expected, atol=1e-5, rtol=1e-5)
+        torch.testing.assert_close(act.down(h, w), expected_down, atol=1e-5, rtol=1e-5)
+        assert fused._matmul(torch.randn(9, 64), w).shape == (9, 48)
+    assert calls == ["gemv", "gated"] and not warmup.is_warming_up()  # 9 rows: past GEMV_MAX_ROWS
