@@ -3,6 +3,8 @@ workload, and a reference made for other prompts refused with the fix."""
 
 from __future__ import annotations
 
+import json
+
 import pytest
 
 from infer.bench import speculative
@@ -28,3 +30,17 @@ def test_a_reference_of_other_prompts_is_refused_with_the_command_that_makes_one
     with pytest.raises(SystemExit, match="--save FILE"):
         speculative._reference_ids(reference, "edit", {"prompt_token_ids": [[1, 2, 3]]})
     assert speculative._reference_ids(reference, "edit", {"prompt_token_ids": [[1, 2]]}) == [[3]]
+
+
+def test_the_driver_runs_end_to_end_on_the_cpu(smollm2_dir, tmp_path, capsys):
+    # real SmolLM2 (fp32), one prompt of each workload, two passes each: every row has its figures
+    out = tmp_path / "speculative.json"
+    argv = ["--model", str(smollm2_dir), "--device", "cpu", "--prompts", "1", "--tokens", "12", "--agree-tokens", "6"]
+    speculative.main([*argv, "--exit-layers", "", "--batches", "1", "--repeats", "2", "--out", str(out)])
+    result = json.loads(out.read_text())
+    for rows in (result["agreement"], result["edit"]["batch1"]):
+        assert set(rows) == {"autoregressive", "ngram"}
+        assert rows["autoregressive"]["speedup"] == 1.0 and rows["autoregressive"]["tpot_speedup"] == 1.0
+        assert len(rows["ngram"]["passes_output_tokens_per_s"]) == 2
+        assert rows["ngram"]["vs_autoregressive"]["identical"] == "1/1"  # fp32: lossless
+    assert "decoding" in capsys.readouterr().out
