@@ -51,6 +51,10 @@ _INTERPRETED = env.triton_interpret()
 _tiles: dict[tuple, Tile] = {}
 
 
+def _tile_key(x: torch.Tensor, weight: torch.Tensor) -> tuple:
+    return (*weight.shape, weight.dtype, x.dtype, weight.device, x.shape[0])
+
+
 def _tile(
     x: torch.Tensor,
     weight: torch.Tensor,
@@ -63,7 +67,7 @@ def _tile(
     `y`: the call's output, whose shape and dtype the tuner's own output takes (default: x's dtype)."""
     if _INTERPRETED:
         return INTERPRETER_TILE
-    key = (*weight.shape, weight.dtype, x.dtype, weight.device, x.shape[0])
+    key = _tile_key(x, weight)
     if key not in _tiles:
         out = torch.empty(x.shape[0], weight.shape[0], dtype=x.dtype, device=x.device) if y is None else y
         y = torch.empty_like(out)  # the tuner's calls write here, not into the caller's output
@@ -212,17 +216,18 @@ def _gemv_kernel(
         lamport_push(peers_ptr, part_offset, rows, y, row_ok, PEERS)
 
 
-def takes_rows(x: torch.Tensor, weight: torch.Tensor) -> bool:
-    """Whether `gemv(x, weight)` serves x's rows well: one row always; 2 to GEMV_MAX_ROWS rows when their
-    tile is tuned, or may be now (the engine is warming up: `infer.warmup`). Else a GEMM should."""
+def takes_rows(x: torch.Tensor, weight: torch.Tensor, push: Any = None) -> bool:
+    """Whether `gemv(x, weight, push=push)` serves x's rows well: one row always; 2 to GEMV_MAX_ROWS rows
+    (never pushed: a pushed partial sum is one row's) when their tile is tuned, or may be now (the engine
+    is warming up: `infer.warmup`). Else a GEMM should."""
     m = x.shape[0] if x.dim() == 2 else 0
     if m == 1:
         return True
-    if not 1 < m <= GEMV_MAX_ROWS:
+    if not 1 < m <= GEMV_MAX_ROWS or push is not None:
         return False
     if _INTERPRETED or not x.is_cuda:  # one small tile under the interpreter, nothing to tune
         return _INTERPRETED and warmup.is_warming_up()
-    return warmup.is_warming_up() or (*weight.shape, weight.dtype, x.dtype, weight.device, m) in _tiles
+    return warmup.is_warming_up() or _tile_key(x, weight) in _tiles
 
 
 def gemv(

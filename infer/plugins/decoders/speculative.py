@@ -190,9 +190,8 @@ class SpeculativeDecoder:
         requests = [scheduled[i].request for i in verify]
         num_draft = [proposal.num_tokens[i] for i in verify]
         K = max(num_draft)
-        x, drafts = _drafts(
-            proposal, verify, K, device
-        )  # x: [R, K] on the device, or None; drafts: on the host, or None
+        # x: [R, K] on the device, or None; drafts: on the host, or None
+        x, drafts = _drafts(proposal, verify, K, device)
         constrained = is_constrained(requests)
         if drafts is None and (constrained or any(k and has_penalties(r) for r, k in zip(requests, num_draft))):
             assert x is not None

@@ -95,7 +95,7 @@ class FusedSiluAndMul(nn.Module):
         """matmul(self(h), weight); for a few rows one GEMV that applies SiLU-and-mul as it reads h."""
         from infer.kernels.gemv import gemv_silu_mul, takes_rows
 
-        if takes_rows(h, weight) and (push is None or h.shape[0] == 1):
+        if takes_rows(h, weight, push):
             return gemv_silu_mul(h, weight, push=push)
         return FusedLinear.matmul(self(h), weight, push=push)
 
@@ -118,7 +118,7 @@ def _matmul(x: torch.Tensor, weight: torch.Tensor, push: Any = None) -> torch.Te
     a tile for their count (`gemv.takes_rows`: the row counts of the CUDA graphs' buckets), else cuBLAS."""
     from infer.kernels.gemv import gemv, takes_rows
 
-    if takes_rows(x, weight) and (push is None or x.shape[0] == 1):
+    if takes_rows(x, weight, push):
         return gemv(x, weight, push=push)
     if push is not None:
         raise ValueError(f"a pushed partial sum is one token's, got {tuple(x.shape)}")
