@@ -22,16 +22,18 @@ cache (`writes_kv_first`), the same promise the verify step's rows rely on.
 
 from __future__ import annotations
 
+from array import array
 from dataclasses import dataclass
 from typing import Protocol
 
-import numpy as np
 import torch
 
 from infer.core.request import Request
 from infer.core.runner import ForwardSeq, ModelRunner
 from infer.plugins.decoders import rejection
 from infer.runtime.transfer import row_index, to_device
+
+_WORD = array("i").itemsize  # bytes per token id in NgramProposer's search
 
 
 @dataclass(slots=True)
@@ -94,20 +96,20 @@ class NgramProposer:
         return Proposal([len(t) for t in tokens], tokens, [None] * len(rows))
 
     def lookup(self, ids: list[int], k: int) -> list[int]:
-        seq = np.asarray(ids, dtype=np.int64)
-        ends = np.flatnonzero(seq[:-1] == seq[-1])  # earlier positions holding the last token
-        best: dict[int, int] = {}  # n -> the latest end of an earlier occurrence of the last n tokens
-        n = 1
-        while ends.size and n <= self.max_n:
-            if n >= self.min_n:
-                best[n] = int(ends[-1])
-            ends = ends[ends >= n]  # room for one more token before
-            ends = ends[seq[ends - n] == seq[-1 - n]] if n < len(seq) - 1 else ends[:0]
-            n += 1
-        for n in range(self.max_n, self.min_n - 1, -1):  # the longest match wins
-            if n in best:
-                start = best[n] + 1
-                return seq[start : start + k].tolist()
+        # the ids as 4-byte words, searched from the end by bytes.rfind (C speed, no per-step array ops:
+        # at batch 1 the host's step is on the critical path); a hit between two words is skipped
+        if len(ids) < 2:
+            return []
+        words = array("i", ids).tobytes()
+        body = words[:-_WORD]  # an occurrence ends before the last token
+        for n in range(min(self.max_n, len(ids) - 1), self.min_n - 1, -1):
+            tail = words[-n * _WORD :]
+            end = len(body)
+            while (at := body.rfind(tail, 0, end)) >= 0:
+                if at % _WORD == 0:
+                    start = at // _WORD + n
+                    return ids[start : start + k]
+                end = at + len(tail) - 1  # the next occurrence starts before this one
         return []
 
 

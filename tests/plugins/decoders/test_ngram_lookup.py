@@ -30,6 +30,20 @@ def test_lookup_matches_the_rule(max_n, min_n):
         assert proposer.lookup(ids, k) == reference(ids, k, max_n, min_n), ids
 
 
+@pytest.mark.parametrize("max_n,min_n", [(3, 1), (2, 2)])
+def test_lookup_skips_matches_across_token_boundaries(max_n, min_n):
+    # ids whose bytes repeat across neighbours: a byte search finds the tail between two ids too
+    words = [1, 256, 65536, 16777216, 0x01000100, 0x01010101, 0x00010001, 2**31 - 1]
+    rng = random.Random(max_n)
+    proposer = NgramProposer(max_n, min_n)
+    for _ in range(3000):
+        ids = [rng.choice(words) for _ in range(rng.randint(1, 30))]
+        k = rng.randint(1, 5)
+        assert proposer.lookup(ids, k) == reference(ids, k, max_n, min_n), ids
+    # the last id's bytes (01 00 00 00) also start at the last byte of 0x01000000, later than the real match
+    assert NgramProposer().lookup([1, 5, 0x01000000, 0, 7, 1], 1) == [5]
+
+
 def test_lookup_prefers_the_longest_then_the_latest_match():
     proposer = NgramProposer()
     # "1 2 3" occurred once (-> 7); "3" alone last occurred before 9
