@@ -10,6 +10,7 @@ from dataclasses import dataclass
 
 import torch
 
+from infer import overlap
 from infer.core.interfaces import (
     AttentionBackend,
     AttentionBatch,
@@ -156,6 +157,7 @@ class ModelRunner:
         token_ids = self.pipeline.sample(logits, seqs) if self.pipeline is not None else None
         if token_ids is not None:
             return StepResult(sampled={r.request_id: [t] for r, t in zip(sampled_requests, token_ids)})
+        overlap.waiting()  # the sampler's copy to the host waits for the forward (the pipeline announces its own)
         result = self.sampler.sample(logits, sampled_requests)
         sampled = {r.request_id: [t] for r, t in zip(sampled_requests, result.token_ids)}
         logprobs = {}

@@ -22,6 +22,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from infer import overlap
 from infer.core.interfaces import BatchOutlook, PipeliningScheduler, Scheduler, TokenSampler
 from infer.core.request import Request
 from infer.core.runner import ForwardSeq, ModelRunner
@@ -86,6 +87,7 @@ class Pipeline:
             ready.record()
         if self._should_queue_ahead():
             self._launch_ahead(seqs, tokens)
+        overlap.waiting()
         if ready is not None:
             ready.synchronize()  # this step's ids only: the forward queued ahead runs meanwhile
         token_ids = host.tolist()

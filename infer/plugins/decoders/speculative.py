@@ -37,6 +37,7 @@ import time
 
 import torch
 
+from infer import overlap
 from infer.core.errors import ConfigError
 from infer.core.hookspecs import hookimpl
 from infer.core.interfaces import (
@@ -195,6 +196,7 @@ class SpeculativeDecoder:
         constrained = is_constrained(requests)
         if drafts is None and (constrained or any(k and has_penalties(r) for r, k in zip(requests, num_draft))):
             assert x is not None
+            overlap.waiting()
             drafts = [row[:k] for row, k in zip(x.tolist(), num_draft)]  # penalties, masks read the draft: wait for it
         offsets, views, positions = _rows(requests, num_draft, drafts)
         if constrained:  # each row masked after the draft before it (a row past a refused token is never kept)
@@ -203,6 +205,7 @@ class SpeculativeDecoder:
             constrain(logits, row_requests, [d[:j] for d, k in zip(drafts, num_draft) for j in range(k + 1)])
         choices = self._greedy_choices(logits, requests, views, positions)  # [T] the target's token per row
         if choices is not None and drafts is not None:  # one copy of the choices; the prefixes matched here
+            overlap.waiting()
             num_accepted, next_token = _match(choices.tolist(), offsets, drafts)
         else:
             num_accepted, next_token, drafts = self._accept_on_device(
@@ -277,6 +280,7 @@ class SpeculativeDecoder:
             owners.append(sampled)
         if drafts is None:
             parts.append(x.flatten())  # the drafts come back with the counts
+        overlap.waiting()
         flat = torch.cat(parts).tolist()  # the step's one device-to-host copy
         num_accepted, next_token = [0] * len(requests), [0] * len(requests)
         at = 0

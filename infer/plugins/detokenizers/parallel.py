@@ -1,10 +1,16 @@
-"""The `parallel` detokenizer: one batched decode per step in a worker thread, overlapping the next forward."""
+"""The `parallel` detokenizer: one batched decode per step in a worker thread, overlapping the next forward.
+
+A step's job is started when the engine's thread next waits on the device (`infer.overlap`), not when
+it is submitted: run beside the host's work of launching the next forward, the worker's Python would
+take the GIL from it.
+"""
 
 from __future__ import annotations
 
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
+from infer import overlap
 from infer.core.hookspecs import hookimpl
 from infer.core.interfaces import DetokenizedDelta, RegisterFn
 from infer.core.request import Request
@@ -19,18 +25,25 @@ class ParallelDetokenizer:
         self._table = StreamTable()
         self._ready: dict[str, DetokenizedDelta] = {}
         self._pending: Future[dict[str, DetokenizedDelta]] | None = None
+        self._queued: tuple[list[Stream], list[tuple[str, Stream]]] | None = None  # submitted, not started
         self._worker = ThreadPoolExecutor(max_workers=1, thread_name_prefix="infer-detokenizer")
 
     def submit(self, updates: list[tuple[Request, list[int]]]) -> None:
         self._wait()  # the worker owns the streams until its job is done
-        work, submitted = self._table.feed(updates)
-        self._pending = self._worker.submit(self._job, work, submitted)
+        self._queued = self._table.feed(updates)
+        overlap.defer(self._start)
+
+    def _start(self) -> None:
+        queued, self._queued = self._queued, None
+        if queued is not None:
+            self._pending = self._worker.submit(self._job, *queued)
 
     def _job(self, work: list[Stream], submitted: list[tuple[str, Stream]]) -> dict[str, DetokenizedDelta]:
         run_streams(work, self._decode)
         return {rid: s.delta() for rid, s in submitted}
 
     def _wait(self) -> None:
+        self._start()  # nobody announced a wait on the device since the submit: the job runs now
         pending = self._pending
         if pending is None:
             return

@@ -1,5 +1,6 @@
 import random
 import threading
+import time
 
 import pytest
 from hypothesis import HealthCheck, given, settings
@@ -7,6 +8,7 @@ from hypothesis import strategies as st
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 from transformers import PreTrainedTokenizerFast
 
+from infer import overlap
 from infer.core.interfaces import DetokenizedDelta
 from infer.core.request import Request, SamplingParams
 from infer.plugins.detokenizers import parallel, sequential
@@ -315,17 +317,38 @@ def detokenizer_threads() -> list[threading.Thread]:
     return [t for t in threading.enumerate() if t.name.startswith("infer-detokenizer")]
 
 
-@pytest.mark.parametrize("pending", [False, True], ids=["collected", "pending"])
-def test_close_leaves_no_thread(tokenizer, pending):
+@pytest.mark.parametrize("state", ["collected", "started", "queued"])
+def test_close_leaves_no_thread(tokenizer, state):
     assert not detokenizer_threads()
     detok = ParallelDetokenizer(tokenizer)
     detok.submit([(new_request(), encode(tokenizer, "hello world"))])
-    if not pending:
+    if state != "queued":
+        overlap.waiting()  # the job starts in the worker
+        assert detokenizer_threads()
+    if state == "collected":
         assert detok.collect()["r"].text == "hello world"
-    assert detokenizer_threads()
     detok.release("r")
     detok.close()
     assert not detokenizer_threads()
+
+
+def test_parallel_job_starts_when_the_engine_waits_on_the_device(tokenizer):
+    detok = ParallelDetokenizer(tokenizer)
+    ran_in = []
+    decode = detok._decode
+    detok._decode = lambda windows: (ran_in.append(threading.current_thread().name), decode(windows))[1]
+    try:
+        detok.submit([(new_request(), encode(tokenizer, "the cat sat"))])
+        time.sleep(0.05)
+        assert ran_in == []  # not beside the host's launch of the next forward
+        overlap.waiting()
+        assert detok.collect()["r"].text == "the cat sat"
+        assert len(ran_in) == 1 and ran_in[0].startswith("infer-detokenizer")
+        detok.submit([(new_request(), encode(tokenizer, "the cat sat on"))])
+        assert detok.collect()["r"].text == "the cat sat on"  # no wait announced: collect starts it
+        assert len(ran_in) == 2 and ran_in[1].startswith("infer-detokenizer")
+    finally:
+        detok.close()
 
 
 def test_release_drops_state(make, tokenizer):
