@@ -12,10 +12,10 @@ a step may have (`max_rows`: requests times one plus the decoder's lookahead). W
 lookahead, each bucket is warmed up under `infer.warmup.warming_up()`, so kernels tuned per row count
 (the several-row GEMV) tune for the verify steps' row counts there, before capture.
 
-Inputs live in static buffers; every step copies its values in (two H2D copies: one int64 and
-one int32 staging buffer, the block-table rows in use only). The pinned staging buffers come in
-pairs used in turn, and one is refilled only once its last copy has run (an event per buffer): the
-host may queue steps ahead of the GPU, as decode pipelining and a draft model's proposal steps do.
+Inputs live in one static buffer; every step copies its values in (one H2D copy from a pinned
+staging buffer, the block-table rows in use only). The staging buffers come in pairs used in turn,
+and one is refilled only once its last copy has run (an event per buffer): the host may queue steps
+ahead of the GPU, as decode pipelining and a draft model's proposal steps do.
 A step's token ids may instead come from a device tensor (the tokens the step before sampled, not
 yet on the host). Padded rows read and write only the null block, a spare KV block that the
 allocator never hands out. The attention backend must be graph-safe (`cuda_graph_safe`): its
@@ -35,6 +35,21 @@ import torch
 
 from infer.core.interfaces import AttentionBackend, AttentionBatch, KVCache
 from infer.warmup import warming_up
+
+
+class _Staging:
+    """A pinned copy of the runner's input buffer, with numpy views of its parts, and the event recorded
+    after its copy to the device. cu_seqlens is 0, 1, 2, ... for every bucket: written once, here."""
+
+    def __init__(self, size: int, b: int, w: int, pinned: bool) -> None:
+        self.host = torch.zeros(size, dtype=torch.uint8, pin_memory=pinned)
+        raw = self.host.numpy()
+        self.i64 = raw[: 8 * 3 * b].view(np.int64)  # ids | positions | slots
+        i32 = raw[8 * 3 * b :].view(np.int32)
+        self.seq_lens = i32[:b]
+        i32[b : 2 * b + 1] = np.arange(b + 1, dtype=np.int32)
+        self.tables = i32[2 * b + 1 :].reshape(b, w)
+        self.copied = torch.cuda.Event() if pinned else None
 
 
 def bucket_sizes(max_rows: int) -> list[int]:
@@ -64,24 +79,28 @@ class CudaGraphRunner:
         self.max_batch = self.buckets[-1]
         self.max_blocks = -(-max_model_len // block_size) + 1
         b, w = self.max_batch, self.max_blocks
-        # int64: input_ids | positions | slot_mapping ; int32: seq_lens | cu_seqlens | block_tables
-        self.i64 = torch.zeros(3 * b, dtype=torch.int64, device=device)
-        self.i32 = torch.zeros(b + (b + 1) + b * w, dtype=torch.int32, device=device)
+        # one buffer, so a step's inputs go over in one copy: int64 input_ids | positions | slot_mapping,
+        # then int32 seq_lens | cu_seqlens | block_tables
+        size = 8 * 3 * b + 4 * (b + (b + 1) + b * w)
+        self.inputs = torch.zeros(size, dtype=torch.uint8, device=device)
+        self.i64 = self.inputs[: 8 * 3 * b].view(torch.int64)
+        self.i32 = self.inputs[8 * 3 * b :].view(torch.int32)
         on_gpu = device.type == "cuda"
-        self.staging = [
-            (
-                torch.zeros(3 * b, dtype=torch.int64, pin_memory=on_gpu),
-                torch.zeros(b + (b + 1) + b * w, dtype=torch.int32, pin_memory=on_gpu),
-                torch.cuda.Event() if on_gpu else None,  # recorded after the buffer's copies
-            )
-            for _ in range(2)
-        ]
+        self.staging = [_Staging(size, b, w, on_gpu) for _ in range(2)]
         self.turn = 0
         self.graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
         self.pool: Any = None
         self.replays: Counter[int] = Counter()  # bucket -> steps replayed with it
+        self._view_cache: dict[int, tuple[torch.Tensor, ...]] = {}
 
     def _views(self, n: int) -> tuple[torch.Tensor, ...]:
+        # sliced once per bucket (the static tensors never move), not at every step
+        views = self._view_cache.get(n)
+        if views is None:
+            views = self._view_cache[n] = self._make_views(n)
+        return views
+
+    def _make_views(self, n: int) -> tuple[torch.Tensor, ...]:
         b, w = self.max_batch, self.max_blocks
         ids, pos, slots = self.i64[:n], self.i64[b : b + n], self.i64[2 * b : 2 * b + n]
         seq_lens = self.i32[:n]
@@ -122,26 +141,23 @@ class CudaGraphRunner:
         positions = [s - 1 for s in seq_lens]
         slots = [t[p // bs] * bs + p % bs for t, p in zip(tables, positions)] + [self.null_block * bs] * pad
         self.turn ^= 1
-        h64, h32, copied = self.staging[self.turn]
-        if copied is not None:
-            copied.synchronize()  # this buffer's copies of two steps ago have run
-        # written through numpy views of the pinned buffers: a few microseconds, where a torch op each costs tens
-        n64, n32 = h64.numpy(), h32.numpy()
-        n64[:n] = token_ids + [0] * pad
-        n64[b : b + n] = positions
-        n64[2 * b : 2 * b + n] = slots
-        n32[:n] = seq_lens
-        n32[b : b + n + 1] = np.arange(n + 1, dtype=np.int32)
+        stage = self.staging[self.turn]
+        if stage.copied is not None:
+            stage.copied.synchronize()  # this buffer's copy of two steps ago has run
+        # written through numpy views of the pinned buffer: a few microseconds, where a torch op each costs tens
+        stage.i64[:n] = token_ids + [0] * pad
+        stage.i64[b : b + n] = positions
+        stage.i64[2 * b : 2 * b + n] = slots
+        stage.seq_lens[:n] = seq_lens
         # only the columns in use this step: kernels never read a table past its seq_len (a table may hold
         # more blocks, reserved for draft tokens past max_model_len's last block)
         width = min(max((len(t) for t in tables), default=1), w)
         rows = [t[:width] + [self.null_block] * (width - len(t)) for t in tables] + [[self.null_block] * width] * pad
-        n32[2 * b + 1 : 2 * b + 1 + b * w].reshape(b, w)[:n, :width] = rows
-        self.i64.copy_(h64, non_blocking=True)
-        used = 2 * b + 1 + n * w
-        self.i32[:used].copy_(h32[:used], non_blocking=True)
-        if copied is not None:
-            copied.record()
+        stage.tables[:n, :width] = rows
+        used = 8 * 3 * b + 4 * (2 * b + 1 + n * w)  # the block-table rows in use, no further
+        self.inputs[:used].copy_(stage.host[:used], non_blocking=True)
+        if stage.copied is not None:
+            stage.copied.record()
         if ids is not None:
             self.i64[:num_real].copy_(ids)
 
