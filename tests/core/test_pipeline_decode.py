@@ -11,7 +11,9 @@ import random
 import pytest
 import torch
 
+import infer
 from infer import LLM, SamplingParams
+from infer.core.interfaces import Capabilities
 from infer.core.runner import ModelRunner
 
 rng = random.Random(0)
@@ -125,26 +127,34 @@ def test_beam_search_beside_plain_requests(tiny_llama_dir):
     assert outputs(pipeline_decode=True) == outputs(pipeline_decode=False)
 
 
-def test_decoders_that_do_not_step_one_token_at_a_time_are_not_pipelined(tiny_llama_dir):
-    with LLM(
-        model=str(tiny_llama_dir),
-        device="cpu",
-        dtype="float32",
-        pipeline_decode=True,
-        decoding="speculative",
-        draft="ngram",
-    ) as llm:
-        assert llm.engine.decoder.target.pipeline is None
-    with LLM(
-        model=str(tiny_llama_dir),
-        device="cpu",
-        dtype="float32",
-        pipeline_decode=True,
-        decoding="early-exit",
-        exit_layer=1,
-    ) as llm:
+class UndeclaredDecoder:
+    """Steps through the runner, one token a step, but does not declare `pipeline_safe`."""
+
+    capabilities = Capabilities()
+    num_lookahead_tokens = 0
+
+    def __init__(self, ctx) -> None:
+        self.runner = ctx.runner
+
+    def execute(self, out):
+        return self.runner.execute(out)
+
+
+class UndeclaredPlugin:
+    @staticmethod
+    @infer.hookimpl
+    def infer_register_decoders(register):
+        register("undeclared", UndeclaredDecoder)
+
+
+def test_only_decoders_that_declare_it_are_pipelined(tiny_llama_dir):
+    options = dict(device="cpu", dtype="float32", pipeline_decode=True)
+    with LLM(model=str(tiny_llama_dir), decoding="undeclared", plugins=[UndeclaredPlugin], **options) as llm:
+        assert llm.engine.decoder.runner.pipeline is None
+    with LLM(model=str(tiny_llama_dir), decoding="early-exit", exit_layer=1, **options) as llm:
         llm.generate(PROMPTS[:2], SamplingParams(max_tokens=8, temperature=0, ignore_eos=True))
         assert llm.engine.decoder.runner.pipeline.hits > 0
+    # speculative decoding's steps that draft nothing are plain steps: tests/plugins/decoders/test_speculative.py
 
 
 def test_full_batch_with_requests_waiting(tiny_llama_dir):

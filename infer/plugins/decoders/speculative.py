@@ -24,6 +24,12 @@ tokens' K/V stay valid: the accepted draft positions are kept, the rejected ones
 (their slots are overwritten later). The host waits for the GPU once per step, for the accepted
 counts and the draft tokens together.
 
+A verify step cannot be queued before the step it follows has reached the host (its inputs are the
+tokens that step accepts), so its host work sits between two forwards. A step where nothing was
+drafted (prompt lookup found no match) is a plain step through the runner instead: with decode
+pipelining it takes the forward queued ahead at the step before when that was one too, and queues
+the next, betting that it drafts nothing either; a step that drafts drops the queued forward.
+
 In fp32 the output is autoregressive decoding's, token for token. In bf16 it is what the target
 computes in the verify forward: its logits move in the last bits with the shape of the step (the
 linear layers reduce in an order set by the row count, and so does the decode kernel's split of
@@ -92,8 +98,9 @@ def _check_sampler(sampler: object, flag: str) -> None:
 
 
 class SpeculativeDecoder:
-    # cuda_graph_safe: a step whose verify is all decode rows replays the target's graphs
-    capabilities = Capabilities(needs_draft=True, cuda_graph_safe=True)
+    # cuda_graph_safe: a step whose verify is all decode rows replays the target's graphs;
+    # pipeline_safe: a step with no draft is a plain step, queued ahead by the step before it if that was one
+    capabilities = Capabilities(needs_draft=True, cuda_graph_safe=True, pipeline_safe=True)
 
     def __init__(self, ctx: DecoderContext) -> None:
         self.target = ctx.runner
@@ -125,11 +132,19 @@ class SpeculativeDecoder:
             [DraftRow(s.request, s.num_new_tokens, self.max_draft(s)) for s in out.scheduled]
         )
         drafted = time.perf_counter()
-        order, logits = self._verify(out.scheduled, proposal)  # logits: [sum(k_i + 1), V]
-        verify = [i for i in order if out.scheduled[i].samples]
-        result = self._accept(logits, out.scheduled, verify, proposal)
-        verified = time.perf_counter()
         proposed = proposal.num_tokens
+        if not any(proposed):
+            # nothing to verify: a plain step, which takes the forward queued ahead at the step before
+            # when it computed this step, and may queue the next one (tokens are the verify's: a row
+            # with no draft samples what the sampler would)
+            result = self.target.execute(out)
+            verify = []
+        else:
+            self.target.discard_ahead()  # a forward queued ahead computed only this step's first rows
+            order, logits = self._verify(out.scheduled, proposal)  # logits: [sum(k_i + 1), V]
+            verify = [i for i in order if out.scheduled[i].samples]
+            result = self._accept(logits, out.scheduled, verify, proposal)
+        verified = time.perf_counter()
         accepted = [len(result.sampled[out.scheduled[i].request.request_id]) - 1 for i in verify if proposed[i]]
         result.stats = {
             "spec_proposed": float(sum(proposed)),

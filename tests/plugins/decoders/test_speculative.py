@@ -167,6 +167,26 @@ def test_greedy_and_sampled_requests_share_an_ngram_step(tiny_llama_dir):
     assert llm.engine.stats()["spec_proposed"] > 0
 
 
+@pytest.mark.parametrize("one_at_a_time", [True, False], ids=["batch-1", "batch-8"])
+def test_ngram_steps_without_a_draft_are_pipelined_and_lossless(tiny_llama_dir, tiny_expected, one_at_a_time):
+    # a step where prompt lookup finds nothing is a plain step: with decode pipelining the next one is
+    # queued ahead (used when it drafts nothing either, dropped when it drafts); the tokens do not move
+    sampled = SamplingParams(max_tokens=16, temperature=0.9, seed=5, ignore_eos=True)
+    outputs = {}
+    for pipelined in (False, True):
+        llm = LLM(
+            model=str(tiny_llama_dir), block_size=4, decoding="speculative", draft="ngram", pipeline_decode=pipelined
+        )
+        greedy = run(llm, TINY_PROMPTS, one_at_a_time=one_at_a_time)
+        outputs[pipelined] = greedy, run(llm, TINY_PROMPTS, sampled, one_at_a_time=one_at_a_time)
+        stats = llm.engine.stats()
+        assert greedy == tiny_expected
+        assert stats["spec_accepted"] > 0
+        assert (stats.get("pipelined_steps", 0) > 0) == pipelined
+        llm.close()
+    assert outputs[True] == outputs[False]  # the seeded samples too
+
+
 def test_logprobs_of_accepted_tokens_match_autoregressive(tiny_llama_dir):
     params = SamplingParams(max_tokens=10, temperature=0, ignore_eos=True, logprobs=2, frequency_penalty=0.5)
     expected = LLM(model=str(tiny_llama_dir), block_size=4).generate(TINY_PROMPTS, params)
