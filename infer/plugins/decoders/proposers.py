@@ -85,10 +85,16 @@ def view(request: Request, extra: list[int]) -> Request | DraftView:
 
 
 class NgramProposer:
-    """Prompt lookup: the latest earlier occurrence of the sequence's last n tokens (n = 3, 2, 1)
-    predicts the k tokens that followed it. Proposals are deterministic (q is one-hot)."""
+    """Prompt lookup: the latest earlier occurrence of the sequence's last n tokens (n = 3, then 2)
+    predicts the k tokens that followed it. Proposals are deterministic (q is one-hot).
 
-    def __init__(self, max_n: int = 3, min_n: int = 1) -> None:
+    One token is not enough by default (min_n = 2): replayed over SmolLM2's greedy answers to the
+    edit workload at K = 2-7, 5-11% of a one-token match's draft tokens were right (two tokens'
+    35-48%, three tokens' 67-87%), while a verify step of 2-8 rows costs 1.2-1.7 plain steps on an
+    H100 at batch 1, and a step that drafts nothing is a plain one, which decode pipelining overlaps
+    with the step before."""
+
+    def __init__(self, max_n: int = 3, min_n: int = 2) -> None:
         self.max_n, self.min_n = max_n, min_n
 
     def propose(self, rows: list[DraftRow]) -> Proposal:

@@ -41,12 +41,18 @@ def test_lookup_skips_matches_across_token_boundaries(max_n, min_n):
         k = rng.randint(1, 5)
         assert proposer.lookup(ids, k) == reference(ids, k, max_n, min_n), ids
     # the last id's bytes (01 00 00 00) also start at the last byte of 0x01000000, later than the real match
-    assert NgramProposer().lookup([1, 5, 0x01000000, 0, 7, 1], 1) == [5]
+    assert NgramProposer(3, 1).lookup([1, 5, 0x01000000, 0, 7, 1], 1) == [5]
 
 
 def test_lookup_prefers_the_longest_then_the_latest_match():
-    proposer = NgramProposer()
+    proposer = NgramProposer(3, 1)
     # "1 2 3" occurred once (-> 7); "3" alone last occurred before 9
     assert proposer.lookup([1, 2, 3, 7, 8, 3, 9, 1, 2, 3], 2) == [7, 8]
     assert proposer.lookup([5, 3, 7, 3, 9, 3], 3) == [9, 3]
     assert proposer.lookup([4, 5, 6], 3) == []
+
+
+def test_the_default_needs_two_tokens_to_match():
+    proposer = NgramProposer()
+    assert proposer.lookup([5, 3, 7, 3, 9, 3], 3) == []  # only "3" recurs
+    assert proposer.lookup([5, 3, 7, 9, 3, 8, 9, 3], 3) == [8, 9, 3]  # "9 3" last occurred before 8
