@@ -10,14 +10,20 @@ seed, the output index it decides and a salt per purpose, so a request's tokens 
 on its batch. Each (salt, index) stream is consumed at most once by an emitted token: a proposal
 at an index that is later discarded is redrawn with the same counter, but nothing before that
 index ever depended on it.
+
+`accept_on_device` applies both rules to a verify step's rows as kernels and brings the outcome
+to the host in one copy (the speculative decoder's path for sampled requests and device drafts).
 """
 
 from __future__ import annotations
 
 import torch
 
+from infer import overlap
+from infer.core.interfaces import VerifyingSampler
+from infer.core.request import Request
 from infer.kernels import rng
-from infer.runtime.transfer import to_device
+from infer.runtime.transfer import row_index, to_device
 
 DRAFT_SALT = 0x5DEECE66D1F3A7B  # the draft's own draws (x ~ q)
 ACCEPT_SALT = 0x2545F4914F6CDD1D  # the uniforms u of the acceptance test
@@ -101,3 +107,75 @@ def rejection_sample(
     residual = torch.where(empty, p_n, residual)
     dist = torch.where(rejected[:, None], residual, p_n)
     return n, draw(dist, seeds, positions + n)
+
+
+def accept_on_device(
+    sampler: VerifyingSampler,
+    logits: torch.Tensor,  # [sum(k_a + 1), V] the target's, request a's rows from offsets[a]
+    requests: list[Request],
+    num_draft: list[int],  # k_a
+    q_rows: list[torch.Tensor | None],  # request a's draft distributions [k_a, V] (None: a deterministic proposer)
+    x: torch.Tensor | None,  # [R, K] the drafts on the device, or None: made from `drafts`
+    drafts: list[list[int]] | None,  # on the host, or None: copied back with the counts
+    rows: tuple[list[int], list, list[int]],  # offsets, each row's request as the sampler sees it, output index
+    choices: torch.Tensor | None,  # [T] the target's greedy token per row, where already chosen
+) -> tuple[list[int], list[int], list[list[int]]]:
+    """Greedy prefix matching and rejection sampling as kernels, then one copy to the host of the
+    accepted counts, the next tokens and (when still on the device) the drafts."""
+    device = logits.device
+    offsets, views, positions = rows
+    K = max(num_draft)
+    if x is None:  # drafts from the host, padded to K
+        assert drafts is not None
+        x = to_device([d + [0] * (K - len(d)) for d in drafts], torch.int64, device).view(len(drafts), K)
+    greedy = [a for a, r in enumerate(requests) if r.params.is_greedy]
+    sampled = [a for a, r in enumerate(requests) if not r.params.is_greedy]
+    p = None if choices is not None else sampler.probs(logits, views, positions)  # [T, V]
+    if choices is None and greedy:
+        assert p is not None
+        choices = p.argmax(dim=-1)
+    # index[a, j]: the row of draft index j of request a (rows past k_a repeat the last one)
+    index = to_device([o + min(j, k) for o, k in zip(offsets, num_draft) for j in range(K + 1)], torch.int64, device)
+    index = index.view(len(requests), K + 1)
+    n_draft = to_device(num_draft, torch.int64, device)
+    parts, owners = [], []
+    if greedy:
+        assert choices is not None
+        g = row_index(greedy, len(requests), device)
+        parts += list(greedy_accept(x[g], n_draft[g], choices[index[g]]))
+        owners.append(greedy)
+    if sampled:
+        assert p is not None
+        s_idx = row_index(sampled, len(requests), device)
+        q = _draft_probs([q_rows[a] for a in sampled], [num_draft[a] for a in sampled], K, p)
+        seeds = seed_tensor([requests[a].seed for a in sampled], device)
+        base = to_device([len(requests[a].output_token_ids) for a in sampled], torch.int64, device)
+        parts += list(rejection_sample(x[s_idx], n_draft[s_idx], p[index[s_idx]], q, seeds, base))
+        owners.append(sampled)
+    if drafts is None:
+        parts.append(x.flatten())  # the drafts come back with the counts
+    overlap.waiting()
+    flat = torch.cat(parts).tolist()  # the step's one device-to-host copy
+    num_accepted, next_token = [0] * len(requests), [0] * len(requests)
+    at = 0
+    for group in owners:
+        for j, a in enumerate(group):
+            num_accepted[a], next_token[a] = flat[at + j], flat[at + len(group) + j]
+        at += 2 * len(group)
+    if drafts is None:
+        drafts = [flat[at + a * K : at + a * K + k] for a, k in enumerate(num_draft)]
+    return num_accepted, next_token, drafts
+
+
+def _draft_probs(
+    probs: list[torch.Tensor | None], num_draft: list[int], K: int, p: torch.Tensor
+) -> torch.Tensor | None:
+    # -> [S, K, V] q of the sampled rows, zero-padded; None when the proposer is deterministic
+    if all(q is None for q, k in zip(probs, num_draft) if k):
+        return None
+    assert all(q is not None for q, k in zip(probs, num_draft) if k), "a model proposer gives q for every draft"
+    q = p.new_zeros(len(probs), K, p.shape[1])
+    for i, rows in enumerate(probs):
+        if rows is not None:
+            q[i, : rows.shape[0]] = rows
+    return q

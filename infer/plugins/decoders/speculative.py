@@ -69,7 +69,7 @@ from infer.plugins.decoders.proposers import (
 )
 from infer.runtime.constraints import constrain, is_constrained
 from infer.runtime.prompt_logprobs import prompt_rows, take_prompt_logprobs
-from infer.runtime.transfer import row_index, to_device
+from infer.runtime.transfer import to_device
 
 
 def make_proposer(ctx: DecoderContext, rows_upto: int) -> tuple[Proposer, str]:
@@ -140,8 +140,8 @@ class SpeculativeDecoder:
             result = self.target.execute(out)
             verify = []
         else:
-            self.target.discard_ahead()  # a forward queued ahead computed only this step's first rows
-            order, logits = self._verify(out.scheduled, proposal)  # logits: [sum(k_i + 1), V]
+            ahead = self._take_ahead(out.scheduled)
+            order, logits = self._verify(out.scheduled, proposal, ahead)  # logits: [sum(k_i + 1), V]
             verify = [i for i in order if out.scheduled[i].samples]
             result = self._accept(logits, out.scheduled, verify, proposal)
         verified = time.perf_counter()
@@ -155,25 +155,51 @@ class SpeculativeDecoder:
         }
         return result
 
-    def _verify(self, scheduled: list[ScheduledSeq], proposal: Proposal) -> tuple[list[int], torch.Tensor]:
-        """The target's forward over every request's new tokens and draft. Returns the requests' order
-        in it (decodes first) and the logits, k_i + 1 rows per request that samples."""
+    def _take_ahead(self, scheduled: list[ScheduledSeq]) -> tuple[list[int], torch.Tensor] | None:
+        """When the step before drafted nothing and queued this step's forward ahead, and every decoding
+        request's new token is what it computed: those requests (scheduled indices) and their logits
+        [len, V], whose rows the verify then need not compute again. Else None (the forward is dropped)."""
+        pipeline = self.target.pipeline
+        rows = [i for i, s in enumerate(scheduled) if s.num_new_tokens == 1 and s.samples]
+        if pipeline is None or not rows:
+            self.target.discard_ahead()
+            return None
+        firsts = []
+        for i in rows:
+            r = scheduled[i].request
+            firsts.append(ForwardSeq(r, [r.token_at(r.num_computed_tokens)], r.num_computed_tokens, 1))
+        logits = pipeline.take(firsts)
+        # copied: the verify may replay the graph whose output buffer holds these rows
+        return None if logits is None else (rows, logits.clone())
+
+    def _verify(
+        self, scheduled: list[ScheduledSeq], proposal: Proposal, ahead: tuple[list[int], torch.Tensor] | None = None
+    ) -> tuple[list[int], torch.Tensor]:
+        """The target's forward over every request's new tokens and draft (a new token computed ahead
+        only its draft). Returns the requests' order in it (decodes first) and the logits, k_i + 1 rows
+        per request that samples."""
         on_device = isinstance(proposal.token_ids, torch.Tensor)
+        computed = set(ahead[0]) if ahead is not None else set()
         groups: list[tuple[int, list[ForwardSeq]]] = []
         for i, s in enumerate(scheduled):
             r, c, k = s.request, s.request.num_computed_tokens, proposal.num_tokens[i]
             new = [r.token_at(c)] if s.num_new_tokens == 1 else r.all_token_ids[c : c + s.num_new_tokens]
             draft = [0] * k if on_device else proposal.token_ids[i]  # device drafts: filled in on the device
+            if i in computed:  # its new token's row (and K/V) came from the forward queued ahead
+                new, c = [], c + 1
             if self.as_rows and s.num_new_tokens == 1 and s.samples:
                 groups.append((i, [ForwardSeq(r, [t], c + j, 1) for j, t in enumerate(new + draft)]))
+            elif new or draft:
+                rows = (len(new) + k if i in computed else k + 1) if s.samples else 0
+                groups.append((i, [ForwardSeq(r, new + draft, c, rows, prompt_rows(r, c, len(new)))]))
             else:
-                groups.append(
-                    (i, [ForwardSeq(r, new + draft, c, k + 1 if s.samples else 0, prompt_rows(r, c, len(new)))])
-                )
-        groups.sort(key=lambda g: len(g[1][0].token_ids) != 1)  # decodes first
+                groups.append((i, []))
+        groups.sort(key=lambda g: bool(g[1]) and len(g[1][0].token_ids) != 1)  # decodes first
         ids = self._device_ids(groups, proposal) if on_device and any(proposal.num_tokens) else None
         seqs = [seq for _, group in groups for seq in group]
         logits = take_prompt_logprobs(self.target.forward(seqs, input_ids_t=ids), seqs)  # prompt rows scored, dropped
+        if ahead is not None:  # each such request's first row from the forward queued ahead
+            logits = _with_rows_ahead(logits, groups, *ahead)
         return [i for i, _ in groups], logits
 
     def _device_ids(self, groups: list[tuple[int, list[ForwardSeq]]], proposal: Proposal) -> torch.Tensor:
@@ -223,8 +249,17 @@ class SpeculativeDecoder:
             overlap.waiting()
             num_accepted, next_token = _match(choices.tolist(), offsets, drafts)
         else:
-            num_accepted, next_token, drafts = self._accept_on_device(
-                logits, requests, verify, proposal, x, drafts, (offsets, views, positions), choices
+            q_rows = [proposal.probs[i] for i in verify]
+            num_accepted, next_token, drafts = rejection.accept_on_device(
+                self.target.sampler,
+                logits,
+                requests,
+                num_draft,
+                q_rows,
+                x,
+                drafts,
+                (offsets, views, positions),
+                choices,
             )
         sampled_tokens: dict[str, list[int]] = {}
         num_computed: dict[str, int] = {}
@@ -246,80 +281,6 @@ class SpeculativeDecoder:
         if not isinstance(sampler, TokenSampler) or not all(r.params.is_greedy for r in requests):
             return None
         return sampler.sample_tokens(logits, views, positions)  # None where the sampler cannot
-
-    def _accept_on_device(
-        self,
-        logits: torch.Tensor,
-        requests: list[Request],
-        verify: list[int],
-        proposal: Proposal,
-        x: torch.Tensor | None,
-        drafts: list[list[int]] | None,
-        rows: tuple[list[int], list, list[int]],
-        choices: torch.Tensor | None,
-    ) -> tuple[list[int], list[int], list[list[int]]]:
-        """Greedy prefix matching and rejection sampling as kernels, then one copy to the host of the
-        accepted counts, the next tokens and (when still on the device) the drafts."""
-        device = logits.device
-        offsets, views, positions = rows
-        num_draft = [proposal.num_tokens[i] for i in verify]
-        K = max(num_draft)
-        if x is None:  # drafts from the host, padded to K
-            assert drafts is not None
-            x = to_device([d + [0] * (K - len(d)) for d in drafts], torch.int64, device).view(len(drafts), K)
-        greedy = [a for a, r in enumerate(requests) if r.params.is_greedy]
-        sampled = [a for a, r in enumerate(requests) if not r.params.is_greedy]
-        p = None if choices is not None else self.target.sampler.probs(logits, views, positions)  # [T, V]
-        if choices is None and greedy:
-            assert p is not None
-            choices = p.argmax(dim=-1)
-        # index[a, j]: the row of draft index j of request a (rows past k_a repeat the last one)
-        index = to_device(
-            [o + min(j, k) for o, k in zip(offsets, num_draft) for j in range(K + 1)], torch.int64, device
-        )
-        index = index.view(len(verify), K + 1)
-        n_draft = to_device(num_draft, torch.int64, device)
-        parts, owners = [], []
-        if greedy:
-            assert choices is not None
-            g = row_index(greedy, len(requests), device)
-            parts += list(rejection.greedy_accept(x[g], n_draft[g], choices[index[g]]))
-            owners.append(greedy)
-        if sampled:
-            assert p is not None
-            s_idx = row_index(sampled, len(requests), device)
-            q = self._draft_probs([proposal.probs[verify[a]] for a in sampled], [num_draft[a] for a in sampled], K, p)
-            seeds = rejection.seed_tensor([requests[a].seed for a in sampled], device)
-            base = to_device([len(requests[a].output_token_ids) for a in sampled], torch.int64, device)
-            parts += list(rejection.rejection_sample(x[s_idx], n_draft[s_idx], p[index[s_idx]], q, seeds, base))
-            owners.append(sampled)
-        if drafts is None:
-            parts.append(x.flatten())  # the drafts come back with the counts
-        overlap.waiting()
-        flat = torch.cat(parts).tolist()  # the step's one device-to-host copy
-        num_accepted, next_token = [0] * len(requests), [0] * len(requests)
-        at = 0
-        for group in owners:
-            for j, a in enumerate(group):
-                num_accepted[a], next_token[a] = flat[at + j], flat[at + len(group) + j]
-            at += 2 * len(group)
-        if drafts is None:
-            drafts = [flat[at + a * K : at + a * K + k] for a, k in enumerate(num_draft)]
-        return num_accepted, next_token, drafts
-
-    @staticmethod
-    def _draft_probs(
-        probs: list[torch.Tensor | None], num_draft: list[int], K: int, p: torch.Tensor
-    ) -> torch.Tensor | None:
-        # -> [S, K, V] q of the sampled rows, zero-padded; None when the proposer is deterministic
-        if all(q is None for q, k in zip(probs, num_draft) if k):
-            return None
-        assert all(q is not None for q, k in zip(probs, num_draft) if k), "a model proposer gives q for every draft"
-        q = p.new_zeros(len(probs), K, p.shape[1])
-        for i, rows in enumerate(probs):
-            if rows is not None:
-                q[i, : rows.shape[0]] = rows
-        return q
 
     def _logprobs(
         self,
@@ -370,6 +331,23 @@ def _rows(
             views.append(view(r, drafts[a][:j] if drafts is not None else []))
             positions.append(base + j)
     return offsets, views, positions
+
+
+def _with_rows_ahead(
+    logits: torch.Tensor, groups: list[tuple[int, list[ForwardSeq]]], rows: list[int], ahead: torch.Tensor
+) -> torch.Tensor:
+    """The verify's logits ([T, V], groups' rows in order) with each request of `rows` given its first
+    row from `ahead` ([len(rows), V]): the layout of a verify that computed every row itself."""
+    first = {i: a for a, i in enumerate(rows)}
+    index: list[int] = []
+    at = 0
+    for i, group in groups:
+        if i in first:
+            index.append(logits.shape[0] + first[i])
+        n = sum(seq.logits_rows for seq in group)
+        index += range(at, at + n)
+        at += n
+    return torch.cat([logits, ahead])[to_device(index, torch.int64, logits.device)]
 
 
 def _match(choices: list[int], offsets: list[int], drafts: list[list[int]]) -> tuple[list[int], list[int]]:
