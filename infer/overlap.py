@@ -9,7 +9,8 @@ it has queued a forward and is about to block until it has run: the GIL is free 
 
 The runner calls `waiting()` before its sampler copies the tokens to the host (and the decode
 pipeline before it waits for them); a decoder that blocks elsewhere calls it there. Work never
-started that way starts when its result is asked for. Per thread, like the engine's loop.
+started that way starts when its result is asked for. Per thread, like the engine's loop: a start
+must be safe to call again, from another thread, once its work has begun (a later call does nothing).
 """
 
 from __future__ import annotations
@@ -34,5 +35,11 @@ def waiting() -> None:
     queue = getattr(_local, "queue", None)
     if queue:
         _local.queue = []
-        for start in queue:
-            start()
+        error: BaseException | None = None
+        for start in queue:  # each one, whatever the others do
+            try:
+                start()
+            except BaseException as exc:  # noqa: BLE001 - re-raised below, after the rest have started
+                error = error or exc
+        if error is not None:
+            raise error

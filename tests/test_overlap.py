@@ -36,6 +36,20 @@ def test_the_same_start_is_queued_once():
     assert started == [1]
 
 
+def test_a_failing_start_does_not_keep_the_others_from_starting():
+    started = []
+
+    def broken() -> None:
+        raise RuntimeError("broken")
+
+    overlap.defer(broken)
+    overlap.defer(lambda: started.append("after"))
+    with pytest.raises(RuntimeError, match="broken"):
+        overlap.waiting()
+    assert started == ["after"]
+    overlap.waiting()  # the queue is empty again
+
+
 def test_threads_keep_their_own_queues():
     started = []
     overlap.defer(lambda: started.append("main"))

@@ -278,7 +278,8 @@ class Engine:
     def stats(self) -> dict[str, float]:
         stats = {"steps": self.num_steps, **self.scheduler.stats(), **self.decoder_stats()}
         runner = self.parts.runners[0] if self.parts.runners else None
-        if runner is not None and runner.pipeline is not None:  # decode pipelining: steps served ahead
+        if runner is not None and runner.pipeline is not None:  # decode pipelining: steps served ahead (and
+            # speculative verify steps that took their new tokens' rows from a forward queued ahead)
             stats.update(pipelined_steps=runner.pipeline.hits, pipeline_misses=runner.pipeline.misses)
         return stats
 

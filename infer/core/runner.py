@@ -168,6 +168,6 @@ class ModelRunner:
         return StepResult(sampled=sampled, logprobs=logprobs)
 
     def discard_ahead(self) -> None:
-        """Drop a forward queued ahead (its step failed)."""
+        """Drop a forward queued ahead (its step failed, or a decoder runs a forward of its own instead)."""
         if self.pipeline is not None:
             self.pipeline.discard()

@@ -37,6 +37,12 @@ from infer.core.interfaces import AttentionBackend, AttentionBatch, KVCache
 from infer.warmup import warming_up
 
 
+def _int32_at(b: int) -> int:
+    """Where the int32 part of the input buffer starts: after the int64 part, 256-byte aligned as an
+    allocation of its own would be."""
+    return -(-8 * 3 * b // 256) * 256
+
+
 class _Staging:
     """A pinned copy of the runner's input buffer, with numpy views of its parts, and the event recorded
     after its copy to the device. cu_seqlens is 0, 1, 2, ... for every bucket: written once, here."""
@@ -45,7 +51,7 @@ class _Staging:
         self.host = torch.zeros(size, dtype=torch.uint8, pin_memory=pinned)
         raw = self.host.numpy()
         self.i64 = raw[: 8 * 3 * b].view(np.int64)  # ids | positions | slots
-        i32 = raw[8 * 3 * b :].view(np.int32)
+        i32 = raw[_int32_at(b) :].view(np.int32)
         self.seq_lens = i32[:b]
         i32[b : 2 * b + 1] = np.arange(b + 1, dtype=np.int32)
         self.tables = i32[2 * b + 1 :].reshape(b, w)
@@ -81,10 +87,10 @@ class CudaGraphRunner:
         b, w = self.max_batch, self.max_blocks
         # one buffer, so a step's inputs go over in one copy: int64 input_ids | positions | slot_mapping,
         # then int32 seq_lens | cu_seqlens | block_tables
-        size = 8 * 3 * b + 4 * (b + (b + 1) + b * w)
+        size = _int32_at(b) + 4 * (b + (b + 1) + b * w)
         self.inputs = torch.zeros(size, dtype=torch.uint8, device=device)
         self.i64 = self.inputs[: 8 * 3 * b].view(torch.int64)
-        self.i32 = self.inputs[8 * 3 * b :].view(torch.int32)
+        self.i32 = self.inputs[_int32_at(b) :].view(torch.int32)
         on_gpu = device.type == "cuda"
         self.staging = [_Staging(size, b, w, on_gpu) for _ in range(2)]
         self.turn = 0
@@ -154,7 +160,7 @@ class CudaGraphRunner:
         width = min(max((len(t) for t in tables), default=1), w)
         rows = [t[:width] + [self.null_block] * (width - len(t)) for t in tables] + [[self.null_block] * width] * pad
         stage.tables[:n, :width] = rows
-        used = 8 * 3 * b + 4 * (2 * b + 1 + n * w)  # the block-table rows in use, no further
+        used = _int32_at(b) + 4 * (2 * b + 1 + n * w)  # the block-table rows in use, no further
         self.inputs[:used].copy_(stage.host[:used], non_blocking=True)
         if stage.copied is not None:
             stage.copied.record()

@@ -20,8 +20,8 @@ class Capabilities:
     writes_kv_first: bool = False  # attention: a step's K/V all written before any is read (verify rows)
     # decode pipelining. attention: plan() for the next step may run while the step before is still
     # queued (it writes no host memory that queued copies still read); decoder: its steps go through
-    # ModelRunner.execute, one token per sequence, and any other forward it runs comes after
-    # ModelRunner.discard_ahead()
+    # ModelRunner.execute, one token per sequence; a forward it runs itself first takes the one queued
+    # ahead (`DecodePipeline.take`, the rows it computed) or drops it (`ModelRunner.discard_ahead`)
     pipeline_safe: bool = False
     needs_draft: bool = False  # decoder: requires --draft
     uses_exit_layer: bool = False  # decoder: requires --exit-layer (the layers it keeps)

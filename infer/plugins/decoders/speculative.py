@@ -28,7 +28,8 @@ A verify step cannot be queued before the step it follows has reached the host (
 tokens that step accepts), so its host work sits between two forwards. A step where nothing was
 drafted (prompt lookup found no match) is a plain step through the runner instead: with decode
 pipelining it takes the forward queued ahead at the step before when that was one too, and queues
-the next, betting that it drafts nothing either; a step that drafts drops the queued forward.
+the next, betting that it drafts nothing either. A step that drafts after such a forward takes its
+new tokens' rows from it and verifies only the drafts (k decode rows, not k + 1), or drops it.
 
 In fp32 the output is autoregressive decoding's, token for token. In bf16 it is what the target
 computes in the verify forward: its logits move in the last bits with the shape of the step (the
@@ -161,7 +162,8 @@ class SpeculativeDecoder:
         [len, V], whose rows the verify then need not compute again. Else None (the forward is dropped)."""
         pipeline = self.target.pipeline
         rows = [i for i, s in enumerate(scheduled) if s.num_new_tokens == 1 and s.samples]
-        if pipeline is None or not rows:
+        # a self-draft wrote its layers' K/V at the new token's position since: the verify rewrites it
+        if pipeline is None or not rows or getattr(self.proposer, "shares_target_kv", False):
             self.target.discard_ahead()
             return None
         firsts = []

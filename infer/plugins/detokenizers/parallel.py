@@ -7,6 +7,7 @@ take the GIL from it.
 
 from __future__ import annotations
 
+import threading
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
@@ -26,6 +27,7 @@ class ParallelDetokenizer:
         self._ready: dict[str, DetokenizedDelta] = {}
         self._pending: Future[dict[str, DetokenizedDelta]] | None = None
         self._queued: tuple[list[Stream], list[tuple[str, Stream]]] | None = None  # submitted, not started
+        self._starting = threading.Lock()  # a start queued in one thread may run while another collects
         self._worker = ThreadPoolExecutor(max_workers=1, thread_name_prefix="infer-detokenizer")
 
     def submit(self, updates: list[tuple[Request, list[int]]]) -> None:
@@ -34,9 +36,10 @@ class ParallelDetokenizer:
         overlap.defer(self._start)
 
     def _start(self) -> None:
-        queued, self._queued = self._queued, None
-        if queued is not None:
-            self._pending = self._worker.submit(self._job, *queued)
+        with self._starting:
+            queued, self._queued = self._queued, None
+            if queued is not None:
+                self._pending = self._worker.submit(self._job, *queued)
 
     def _job(self, work: list[Stream], submitted: list[tuple[str, Stream]]) -> dict[str, DetokenizedDelta]:
         run_streams(work, self._decode)

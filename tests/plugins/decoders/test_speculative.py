@@ -167,34 +167,35 @@ def test_greedy_and_sampled_requests_share_an_ngram_step(tiny_llama_dir):
     assert llm.engine.stats()["spec_proposed"] > 0
 
 
+@pytest.mark.parametrize("as_rows", [True, False], ids=["decode-rows", "extend"])
 @pytest.mark.parametrize("one_at_a_time", [True, False], ids=["batch-1", "batch-8"])
-def test_ngram_steps_without_a_draft_are_pipelined_and_lossless(tiny_llama_dir, tiny_expected, one_at_a_time):
+def test_ngram_steps_without_a_draft_are_pipelined_and_lossless(tiny_llama_dir, tiny_expected, one_at_a_time, as_rows):
     # a step where prompt lookup finds nothing is a plain step: with decode pipelining the next one is
     # queued ahead; the next step takes it when it drafts nothing either, and when it drafts, its
-    # verify takes each new token's row from it and computes only the drafts' rows
+    # verify takes each new token's row from it and computes only the drafts' rows (as decode rows, or
+    # as one extend sequence per request where the backend does not write a step's K/V first)
     sampled = SamplingParams(max_tokens=16, temperature=0.9, seed=5, ignore_eos=True)
     outputs = {}
     for pipelined in (False, True):
-        llm = LLM(
-            model=str(tiny_llama_dir), block_size=4, decoding="speculative", draft="ngram", pipeline_decode=pipelined
-        )
-        decoder = llm.engine.decoder
-        take, reused = decoder._take_ahead, []
+        options = dict(block_size=4, decoding="speculative", draft="ngram", pipeline_decode=pipelined)
+        with LLM(model=str(tiny_llama_dir), **options) as llm:
+            decoder = llm.engine.decoder
+            decoder.as_rows = as_rows
+            take, reused = decoder._take_ahead, []
 
-        def counted(scheduled):
-            ahead = take(scheduled)
-            reused.append(ahead is not None)
-            return ahead
+            def counted(scheduled, take=take, reused=reused):
+                ahead = take(scheduled)
+                reused.append(ahead is not None)
+                return ahead
 
-        decoder._take_ahead = counted
-        greedy = run(llm, TINY_PROMPTS, one_at_a_time=one_at_a_time)
-        outputs[pipelined] = greedy, run(llm, TINY_PROMPTS, sampled, one_at_a_time=one_at_a_time)
-        stats = llm.engine.stats()
+            decoder._take_ahead = counted
+            greedy = run(llm, TINY_PROMPTS, one_at_a_time=one_at_a_time)
+            outputs[pipelined] = greedy, run(llm, TINY_PROMPTS, sampled, one_at_a_time=one_at_a_time)
+            stats = llm.engine.stats()
         assert greedy == tiny_expected
         assert stats["spec_accepted"] > 0
         assert (stats.get("pipelined_steps", 0) > 0) == pipelined
         assert any(reused) == pipelined  # verify steps that reused a row computed ahead
-        llm.close()
     assert outputs[True] == outputs[False]  # the seeded samples too
 
 
