@@ -192,7 +192,7 @@ class SpeculativeDecoder:
             if self.as_rows and s.num_new_tokens == 1 and s.samples:
                 groups.append((i, [ForwardSeq(r, [t], c + j, 1) for j, t in enumerate(new + draft)]))
             elif new or draft:
-                rows = (len(new) + k if i in computed else k + 1) if s.samples else 0
+                rows = k + (i not in computed) if s.samples else 0  # the new token's row unless taken ahead
                 groups.append((i, [ForwardSeq(r, new + draft, c, rows, prompt_rows(r, c, len(new)))]))
             else:
                 groups.append((i, []))
