@@ -62,6 +62,8 @@ HELP: dict[str, str] = {  # EngineConfig field -> help, in the order `--help` li
     "num_speculative_tokens": "Draft tokens verified per request per step.",
     "exit_layer": "Decoder layers kept by --decoding early-exit or --draft self.",
     "cuda_graphs": "Capture decode steps in CUDA graphs where the attention backend allows.",
+    "cuda_graph_max_tokens": "Replay steps with prompt tokens from CUDA graphs too, up to this many tokens "
+    "(0: decode steps only).",
     "pipeline_decode": "Queue each decode step's forward before the step before's tokens reach the host "
     "(default: on CUDA).",
     "seed": "Seeds dummy weights and unseeded sampling.",

@@ -65,6 +65,8 @@ class EngineConfig:
     max_model_len: int | None = None  # default: the model's context length
     seed: int = 0  # seeds dummy weights and unseeded sampling
     cuda_graphs: bool = True
+    # steps with prompt tokens replay a graph too, up to this many tokens (0: decode steps only)
+    cuda_graph_max_tokens: int = 512
     pipeline_decode: bool | None = (
         None  # queue the next decode forward before this step's tokens reach the host; None: on CUDA
     )

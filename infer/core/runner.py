@@ -50,7 +50,7 @@ class StepInputs:
     block_tables: list[list[int]]  # seq i -> block ids
     logits_rows: list[int]  # which of the T tokens get logits, in order
     num_layers: int | None  # run only the first layers (early exit, self-draft); None: all
-    use_graphs: bool  # a decode-only step replayed from a CUDA graph
+    use_graphs: bool  # replayed from a CUDA graph (a decode step, or a small one with prompt tokens)
     input_ids_t: torch.Tensor | None = None  # [T] int64 on the device: the ids, not yet on the host
 
 
@@ -101,11 +101,15 @@ class ModelRunner:
     def forward(self, seqs: list[ForwardSeq], input_ids_t: torch.Tensor | None = None) -> torch.Tensor:
         """Run the model over `seqs` (decodes first); returns logits [sum(prompt_rows + logits_rows), V] float32.
         `input_ids_t`: the step's ids as a device tensor (decode pipelining; seqs' token_ids unused)."""
-        use_graphs = (
-            self.graphs is not None
-            and self.graphs.can_run(len(seqs))
-            and all(len(s.token_ids) == 1 and s.logits_rows == 1 for s in seqs)
-        )
+        graphs = self.graphs
+        if graphs is None:
+            use_graphs = False
+        elif all(len(s.token_ids) == 1 and s.logits_rows == 1 for s in seqs):
+            use_graphs = graphs.can_run(len(seqs))
+        else:  # prompt tokens (or verify tokens) too: each token a row, when the step is small enough
+            use_graphs = graphs.takes(
+                sum(len(s.token_ids) for s in seqs), sum(s.logits_rows + s.prompt_rows for s in seqs)
+            )
         step = StepInputs([], [], [], [], [], self.num_layers, use_graphs, input_ids_t)
         for seq in seqs:
             step.input_ids.extend(seq.token_ids)
@@ -126,7 +130,10 @@ class ModelRunner:
         """The forward itself (every tensor-parallel rank runs this): logits [len(logits_rows), vocab] float32."""
         if step.use_graphs:
             assert self.graphs is not None
-            return self.graphs.run(step.input_ids, step.seq_lens, step.block_tables, step.input_ids_t)
+            args = (step.input_ids, step.seq_lens, step.block_tables, step.input_ids_t)
+            if len(step.query_lens) == len(step.logits_rows) == sum(step.query_lens):  # a token and its logits a seq
+                return self.graphs.run(*args)
+            return self.graphs.run(*args, query_lens=step.query_lens, logits_rows=step.logits_rows)
         batch = AttentionBatch.build(step.query_lens, step.seq_lens, step.block_tables, self.block_size, self.device)
         self.attention.plan(batch)
         ids = step.input_ids_t

@@ -49,6 +49,7 @@ RANGES: dict[str, tuple[Callable[[Any], bool], str]] = {
     "max_num_batched_tokens": (lambda v: v >= 1, "an integer >= 1"),
     "max_model_len": (lambda v: v >= 1, "an integer >= 1, or None for the model's context length"),
     "seed": (lambda v: v >= 0, "an integer >= 0"),
+    "cuda_graph_max_tokens": (lambda v: v >= 0, "an integer >= 0 (0: graphs for decode steps only)"),
     "tensor_parallel_size": (lambda v: v >= 1, "an integer >= 1"),
     "num_speculative_tokens": (lambda v: v >= 1, "an integer >= 1"),
     "exit_layer": (lambda v: v >= 1, "an integer >= 1 (decoder layers kept), or None"),

@@ -1,4 +1,4 @@
-"""CUDA graphs for decode-only steps: one graph per row-count bucket, padded, replayed each step.
+"""CUDA graphs for decode steps and small prefills: one graph per row-count bucket, padded, replayed.
 
 A decode step of a 7B model launches some 500 kernels; launched from Python that costs more than
 the GPU needs to run them at small batch. Capturing the whole forward (embedding to logits) once
@@ -11,6 +11,12 @@ backend promises by `writes_kv_first`). So one set of graphs serves both, sized 
 a step may have (`max_rows`: requests times one plus the decoder's lookahead). When there is a
 lookahead, each bucket is warmed up under `infer.warmup.warming_up()`, so kernels tuned per row count
 (the several-row GEMV) tune for the verify steps' row counts there, before capture.
+
+A step with prompt tokens becomes rows the same way (`max_tokens`): token j of a sequence computed from
+position `start` is a row whose context ends at start + j + 1, so a prompt of a few hundred tokens runs
+as one replay instead of its several hundred eager launches (on a 30-layer model ~20 ms of host work
+for ~1 ms of kernels). Buckets past `max_rows` compute logits only for the rows a step asks for
+(a static index, `max_rows` long: a step samples at most one row per request and verify row).
 
 Inputs live in one static buffer; every step copies its values in (one H2D copy from a pinned
 staging buffer, the block-table rows in use only). The staging buffers come in pairs used in turn,
@@ -37,21 +43,21 @@ from infer.core.interfaces import AttentionBackend, AttentionBatch, KVCache
 from infer.warmup import warming_up
 
 
-def _int32_at(b: int) -> int:
-    """Where the int32 part of the input buffer starts: after the int64 part, 256-byte aligned as an
-    allocation of its own would be."""
-    return -(-8 * 3 * b // 256) * 256
+def _int32_at(n64: int) -> int:
+    """Where the int32 part of the input buffer starts: after the n64 int64 values, 256-byte aligned as
+    an allocation of its own would be."""
+    return -(-8 * n64 // 256) * 256
 
 
 class _Staging:
     """A pinned copy of the runner's input buffer, with numpy views of its parts, and the event recorded
     after its copy to the device. cu_seqlens is 0, 1, 2, ... for every bucket: written once, here."""
 
-    def __init__(self, size: int, b: int, w: int, pinned: bool) -> None:
+    def __init__(self, size: int, n64: int, b: int, w: int, pinned: bool) -> None:
         self.host = torch.zeros(size, dtype=torch.uint8, pin_memory=pinned)
         raw = self.host.numpy()
-        self.i64 = raw[: 8 * 3 * b].view(np.int64)  # ids | positions | slots
-        i32 = raw[_int32_at(b) :].view(np.int32)
+        self.i64 = raw[: 8 * n64].view(np.int64)  # ids | positions | slots | logits rows
+        i32 = raw[_int32_at(n64) :].view(np.int32)
         self.seq_lens = i32[:b]
         i32[b : 2 * b + 1] = np.arange(b + 1, dtype=np.int32)
         self.tables = i32[2 * b + 1 :].reshape(b, w)
@@ -70,29 +76,34 @@ class CudaGraphRunner:
         attention: AttentionBackend,
         kv_caches: list[KVCache],
         block_size: int,
-        max_rows: int,  # rows a decode-only step may have
+        max_rows: int,  # rows a decode-only step may have: every one gets logits
         max_model_len: int,
         null_block: int,  # a KV block no request owns: padded rows write there
         device: torch.device,
         num_layers: int | None = None,
         tune_rows: bool = False,  # the warm-up may tune kernels for each bucket's row count (`infer.warmup`)
+        max_tokens: int = 0,  # tokens a step with prompt tokens may have to replay (0: decode steps only)
     ) -> None:
         self.model, self.attention, self.kv_caches = model, attention, kv_caches
         self.tune_rows = tune_rows
         self.block_size, self.null_block, self.device = block_size, null_block, device
         self.num_layers = num_layers
-        self.buckets = bucket_sizes(max_rows)
+        self.max_rows, self.max_tokens = max_rows, max_tokens
+        # every decode step fits a bucket of at most max_rows rows (all with logits); larger ones are for
+        # steps with prompt tokens
+        self.buckets = bucket_sizes(max_rows) + [n for n in bucket_sizes(max_tokens) if n > max_rows]
         self.max_batch = self.buckets[-1]
         self.max_blocks = -(-max_model_len // block_size) + 1
         b, w = self.max_batch, self.max_blocks
-        # one buffer, so a step's inputs go over in one copy: int64 input_ids | positions | slot_mapping,
-        # then int32 seq_lens | cu_seqlens | block_tables
-        size = _int32_at(b) + 4 * (b + (b + 1) + b * w)
+        # one buffer, so a step's inputs go over in one copy: int64 input_ids | positions | slot_mapping |
+        # logits rows, then int32 seq_lens | cu_seqlens | block_tables
+        self.n64 = 3 * b + max_rows
+        size = _int32_at(self.n64) + 4 * (b + (b + 1) + b * w)
         self.inputs = torch.zeros(size, dtype=torch.uint8, device=device)
-        self.i64 = self.inputs[: 8 * 3 * b].view(torch.int64)
-        self.i32 = self.inputs[_int32_at(b) :].view(torch.int32)
+        self.i64 = self.inputs[: 8 * self.n64].view(torch.int64)
+        self.i32 = self.inputs[_int32_at(self.n64) :].view(torch.int32)
         on_gpu = device.type == "cuda"
-        self.staging = [_Staging(size, b, w, on_gpu) for _ in range(2)]
+        self.staging = [_Staging(size, self.n64, b, w, on_gpu) for _ in range(2)]
         self.turn = 0
         self.graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
         self.pool: Any = None
@@ -109,13 +120,14 @@ class CudaGraphRunner:
     def _make_views(self, n: int) -> tuple[torch.Tensor, ...]:
         b, w = self.max_batch, self.max_blocks
         ids, pos, slots = self.i64[:n], self.i64[b : b + n], self.i64[2 * b : 2 * b + n]
+        logits_rows = self.i64[3 * b : 3 * b + self.max_rows]
         seq_lens = self.i32[:n]
         cu = self.i32[b : b + n + 1]
         tables = self.i32[2 * b + 1 : 2 * b + 1 + b * w].view(b, w)[:n]
-        return ids, pos, slots, seq_lens, cu, tables
+        return ids, pos, slots, seq_lens, cu, tables, logits_rows
 
     def _batch(self, n: int, seq_lens: list[int], tables: list[list[int]]) -> AttentionBatch:
-        _, pos, slots, seq_lens_t, cu, tables_t = self._views(n)
+        _, pos, slots, seq_lens_t, cu, tables_t, _ = self._views(n)
         return AttentionBatch(
             query_lens=[1] * n,
             seq_lens=seq_lens,
@@ -129,6 +141,13 @@ class CudaGraphRunner:
             positions=pos,
         )
 
+    def _stage(self) -> _Staging:
+        self.turn ^= 1
+        stage = self.staging[self.turn]
+        if stage.copied is not None:
+            stage.copied.synchronize()  # this buffer's copy of two steps ago has run
+        return stage
+
     def _fill(
         self,
         n: int,
@@ -137,6 +156,7 @@ class CudaGraphRunner:
         tables: list[list[int]],
         ids: torch.Tensor | None = None,
     ) -> None:
+        """A decode step's inputs: one row a sequence."""
         b, w, bs = self.max_batch, self.max_blocks, self.block_size
         num_real = len(seq_lens)
         if ids is not None:
@@ -146,10 +166,7 @@ class CudaGraphRunner:
         seq_lens = seq_lens + [1] * pad
         positions = [s - 1 for s in seq_lens]
         slots = [t[p // bs] * bs + p % bs for t, p in zip(tables, positions)] + [self.null_block * bs] * pad
-        self.turn ^= 1
-        stage = self.staging[self.turn]
-        if stage.copied is not None:
-            stage.copied.synchronize()  # this buffer's copy of two steps ago has run
+        stage = self._stage()
         # written through numpy views of the pinned buffer: a few microseconds, where a torch op each costs tens
         stage.i64[:n] = token_ids + [0] * pad
         stage.i64[b : b + n] = positions
@@ -160,7 +177,53 @@ class CudaGraphRunner:
         width = min(max((len(t) for t in tables), default=1), w)
         rows = [t[:width] + [self.null_block] * (width - len(t)) for t in tables] + [[self.null_block] * width] * pad
         stage.tables[:n, :width] = rows
-        used = _int32_at(b) + 4 * (2 * b + 1 + n * w)  # the block-table rows in use, no further
+        self._copy(stage, n, num_real, ids)
+
+    def _fill_rows(
+        self,
+        n: int,
+        token_ids: list[int],
+        query_lens: list[int],
+        seq_lens: list[int],
+        tables: list[list[int]],
+        logits_rows: list[int],
+        ids: torch.Tensor | None = None,
+    ) -> list[int]:
+        """A step with prompt tokens as rows: sequence i's query_lens[i] tokens end at seq_lens[i], so
+        its j-th is a row whose context ends at seq_lens[i] - query_lens[i] + j + 1. Returns the rows'
+        context lengths."""
+        b, w, bs, null = self.max_batch, self.max_blocks, self.block_size, self.null_block
+        q, ends = np.asarray(query_lens), np.asarray(seq_lens)
+        num_real = int(q.sum())
+        first = np.repeat(np.cumsum(q) - q, q)  # each row's sequence's first row
+        lens = np.repeat(ends - q, q) + np.arange(num_real) - first + 1
+        stage = self._stage()
+        width = min(max((len(t) for t in tables), default=1), w)
+        row = 0
+        for t, count in zip(tables, query_lens):
+            stage.tables[row : row + count, : len(t[:width])] = t[:width]
+            stage.tables[row : row + count, len(t) : width] = null
+            row += count
+        stage.tables[num_real:n, :width] = null
+        positions = lens - 1
+        slots = stage.tables[np.arange(num_real), positions // bs].astype(np.int64) * bs + positions % bs
+        if ids is None:
+            assert len(token_ids) == num_real
+            stage.i64[:num_real] = token_ids
+        stage.i64[num_real:n] = 0
+        stage.i64[b : b + num_real] = positions
+        stage.i64[b + num_real : b + n] = 0
+        stage.i64[2 * b : 2 * b + num_real] = slots
+        stage.i64[2 * b + num_real : 2 * b + n] = null * bs
+        stage.i64[3 * b : 3 * b + len(logits_rows)] = logits_rows
+        stage.i64[3 * b + len(logits_rows) : 3 * b + self.max_rows] = 0  # the graph reads them all: rows that exist
+        stage.seq_lens[:num_real] = lens
+        stage.seq_lens[num_real:n] = 1
+        self._copy(stage, n, num_real, ids)
+        return lens.tolist()
+
+    def _copy(self, stage: _Staging, n: int, num_real: int, ids: torch.Tensor | None) -> None:
+        used = _int32_at(self.n64) + 4 * (2 * self.max_batch + 1 + n * self.max_blocks)  # table rows in use only
         self.inputs[:used].copy_(stage.host[:used], non_blocking=True)
         if stage.copied is not None:
             stage.copied.record()
@@ -168,8 +231,10 @@ class CudaGraphRunner:
             self.i64[:num_real].copy_(ids)
 
     def _forward(self, n: int) -> torch.Tensor:
-        ids, pos, *_ = self._views(n)
+        ids, pos, *_, logits_rows = self._views(n)
         hidden = self.model.forward(ids, pos, self.kv_caches, self.num_layers)
+        if n > self.max_rows:  # a bucket only prompt tokens fill: the rows the step samples from
+            hidden = hidden.index_select(0, logits_rows)
         return self.model.compute_logits(hidden)
 
     @torch.inference_mode()
@@ -191,7 +256,12 @@ class CudaGraphRunner:
         torch.cuda.synchronize(self.device)
 
     def can_run(self, num_seqs: int) -> bool:
-        return bool(self.graphs) and 0 < num_seqs <= self.max_batch
+        """Whether a decode step of num_seqs rows replays."""
+        return bool(self.graphs) and 0 < num_seqs <= self.max_rows
+
+    def takes(self, num_tokens: int, num_logits: int) -> bool:
+        """Whether a step with prompt tokens replays: num_tokens rows, logits for num_logits of them."""
+        return bool(self.graphs) and 0 < num_tokens <= self.max_tokens and num_logits <= self.max_rows
 
     def release(self) -> None:
         """Destroy the captured graphs and their memory pool (steps run eagerly after this). Under
@@ -204,17 +274,36 @@ class CudaGraphRunner:
         self.pool = None
 
     def run(
-        self, token_ids: list[int], seq_lens: list[int], tables: list[list[int]], ids: torch.Tensor | None = None
+        self,
+        token_ids: list[int],
+        seq_lens: list[int],
+        tables: list[list[int]],
+        ids: torch.Tensor | None = None,
+        query_lens: list[int] | None = None,
+        logits_rows: list[int] | None = None,
     ) -> torch.Tensor:
-        """One token for each row; returns logits [len(seq_lens), vocab]. `ids`: the token ids as a
-        device tensor instead of `token_ids`."""
-        num_real = len(seq_lens)
+        """A decode step (one token a sequence: logits [len(seq_lens), vocab]), or with `query_lens`
+        a step of query_lens[i] tokens for sequence i (logits [len(logits_rows), vocab], the rows of
+        the step's tokens listed there). `ids`: the token ids as a device tensor instead of `token_ids`."""
+        num_real = len(seq_lens) if query_lens is None else sum(query_lens)
         n = self.buckets[bisect.bisect_left(self.buckets, num_real)]
-        self._fill(n, token_ids, seq_lens, tables, ids)
-        padded = tables + [[self.null_block]] * (n - num_real)
-        self.attention.plan(self._batch(n, seq_lens + [1] * (n - num_real), padded))
+        if query_lens is None:
+            self._fill(n, token_ids, seq_lens, tables, ids)
+            row_lens, row_tables = seq_lens, tables
+        else:
+            assert logits_rows is not None
+            row_lens = self._fill_rows(n, token_ids, query_lens, seq_lens, tables, logits_rows, ids)
+            row_tables = [t for t, count in zip(tables, query_lens) for _ in range(count)]
+        padded = row_tables + [[self.null_block]] * (n - num_real)
+        self.attention.plan(self._batch(n, row_lens + [1] * (n - num_real), padded))
         self.replays[n] += 1
-        return self._replay(n)[:num_real]
+        logits = self._replay(n)
+        if query_lens is None or len(logits_rows or ()) == num_real:  # every row's, in order
+            return logits[:num_real]
+        assert logits_rows is not None
+        if n > self.max_rows:  # the graph took the rows listed
+            return logits[: len(logits_rows)]
+        return logits.index_select(0, self._views(n)[-1][: len(logits_rows)])
 
     def _replay(self, n: int) -> torch.Tensor:
         graph, logits = self.graphs[n]

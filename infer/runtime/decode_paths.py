@@ -13,6 +13,7 @@ from infer.core.config import EngineConfig
 from infer.core.interfaces import Capabilities, Scheduler
 from infer.core.runner import ModelRunner
 from infer.runtime.cuda_graphs import CudaGraphRunner
+from infer.runtime.hybrid_attention import HybridAttention
 from infer.runtime.pipeline import Pipeline
 
 
@@ -32,6 +33,9 @@ def attach_decode_paths(
     use_graphs = config.cuda_graphs and device.type == "cuda" and attention.capabilities.cuda_graph_safe
     pipeline = config.pipeline_decode if config.pipeline_decode is not None else device.type == "cuda"
     pipeline = pipeline and attention.capabilities.pipeline_safe and decoder.pipeline_safe
+    # steps with prompt tokens replay as rows: the backend writes a step's K/V before attending (each row
+    # sees the rows before it), and no --prefill-attention backend was chosen for them
+    rows = attention.capabilities.writes_kv_first and not isinstance(attention, HybridAttention)
     for r in runners:
         # CUDA graphs: the target's decode-only steps when the decoder allows (verify steps of decode
         # rows included); a draft's proposal steps whatever the decoder does with the target.
@@ -49,6 +53,10 @@ def attach_decode_paths(
                 num_layers=r.num_layers,
                 # verify steps' rows (1 + lookahead a request): kernels tuned for those row counts
                 tune_rows=r is runner and max_rows > config.max_num_seqs,
+                # a self-draft's runner shares the target's cache: the target computes its prompts
+                max_tokens=config.cuda_graph_max_tokens
+                if rows and (r is runner or r.kv_caches is not runner.kv_caches)
+                else 0,
             )
             graphs.capture()
         r.set_decode_paths(graphs, Pipeline(r, scheduler) if pipeline and r is runner else None)

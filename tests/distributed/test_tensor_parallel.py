@@ -452,7 +452,7 @@ def test_graphs_are_released_before_the_groups_go():
             Graph.released += 1
 
     graphs = object.__new__(CudaGraphRunner)
-    graphs.graphs, graphs.pool, graphs.max_batch = {1: (Graph(), None), 2: (Graph(), None)}, object(), 2
+    graphs.graphs, graphs.pool, graphs.max_rows = {1: (Graph(), None), 2: (Graph(), None)}, object(), 2
     assert graphs.can_run(1)
     release_graphs([SimpleNamespace(graphs=graphs), SimpleNamespace(graphs=None)], torch.device("cpu"))
     assert Graph.released == 2 and graphs.graphs == {} and graphs.pool is None

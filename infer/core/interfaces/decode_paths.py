@@ -11,9 +11,12 @@ if TYPE_CHECKING:
 
 
 class DecodeGraphs(Protocol):
-    """Decode-only steps (one token per sequence) replayed from captured graphs."""
+    """Steps replayed from captured graphs: decode steps (one token per sequence), and steps with
+    prompt tokens up to a size (each token a row, as a decode step's)."""
 
-    def can_run(self, num_seqs: int) -> bool: ...
+    def can_run(self, num_seqs: int) -> bool: ...  # a decode step of num_seqs sequences
+
+    def takes(self, num_tokens: int, num_logits: int) -> bool: ...  # a step with prompt tokens
 
     def run(
         self,
@@ -21,7 +24,9 @@ class DecodeGraphs(Protocol):
         seq_lens: list[int],
         tables: list[list[int]],
         ids: torch.Tensor | None = None,  # the ids as a device tensor, instead of token_ids
-    ) -> torch.Tensor: ...  # logits [len(seq_lens), vocab]
+        query_lens: list[int] | None = None,  # tokens per sequence; None: one each (a decode step)
+        logits_rows: list[int] | None = None,  # with query_lens: which of the step's tokens get logits
+    ) -> torch.Tensor: ...  # logits [len(seq_lens), vocab], or [len(logits_rows), vocab]
 
     def release(self) -> None: ...  # destroy the graphs and their memory; steps run eagerly after
 

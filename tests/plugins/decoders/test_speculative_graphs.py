@@ -21,8 +21,8 @@ import infer
 from infer import SamplingParams
 from infer.llm import LLM
 from infer.plugins.attention.torch_backend import TorchAttention
-from infer.runtime.cuda_graphs import CudaGraphRunner
 from infer.testing.decoder import write_tiny_llamas
+from infer.testing.graphs import StandInGraphs, attach_stand_in_graphs
 
 PROMPTS = [
     [5, 6, 7, 8, 9, 5, 6, 7],
@@ -48,19 +48,6 @@ PROPOSERS = {
 }
 
 
-class StandInGraphs(CudaGraphRunner):
-    """Captures nothing: a replay runs the forward eagerly over the static buffers."""
-
-    def capture(self) -> None:
-        self.graphs = {n: (None, None) for n in self.buckets}  # type: ignore[misc]
-
-    def _replay(self, n: int) -> torch.Tensor:
-        return self._forward(n)
-
-    def release(self) -> None:
-        self.graphs.clear()
-
-
 @dataclasses.dataclass
 class Step:
     use_graphs: bool
@@ -73,19 +60,7 @@ def stand_in_graphs(llm: LLM) -> list[list[Step]]:
     spec's rows), and record each forward's shape; returns the records, one list per runner."""
     records = []
     for runner in llm.engine.parts.runners:
-        graphs = StandInGraphs(
-            runner.model,
-            runner.attention,
-            runner.kv_caches,
-            runner.block_size,
-            runner.attention.spec.max_num_seqs,
-            llm.engine.parts.max_model_len,
-            null_block=runner.kv_caches[0][0].shape[0] - 1,
-            device=runner.device,
-            num_layers=runner.num_layers,
-        )
-        graphs.capture()
-        runner.set_decode_paths(graphs)
+        attach_stand_in_graphs(runner, llm.engine.parts.max_model_len)
         steps: list[Step] = []
         records.append(steps)
         runner.run = recording(runner.run, steps)
