@@ -168,6 +168,44 @@ def test_tp2_matches_tp1_bf16_with_graphs(shape_dir, attention, prefill, all_red
     assert_same_until_a_near_tie(got, ref)
 
 
+@pytest.mark.parametrize("dtype,cuda_graphs,tol", [("bfloat16", True, 1e-1), ("float32", False, 2e-2)])
+def test_fp8_tp2_matches_tp1(shape_dir, dtype, cuda_graphs, tol):
+    """FP8 weights (the same dummy weights quantized at load) in the CUDA kernels at tp 2: the row-parallel
+    shards quantize their columns of x with the whole row's scale (an all-reduce of the row amax over the
+    ranks), one-token steps through the FP8 GEMV and several rows through the FP8 GEMM. Greedy tokens as
+    tp 1's up to a near tie: tp 2 sums rounded partial products, and one ulp there can move an activation
+    of the next projection to the neighbouring e4m3 value."""
+    from infer.plugins.layers.fp8_fused import _reason
+
+    if _reason() is not None:
+        pytest.skip(_reason())
+    options = dict(attention="paged-cuda", dtype=dtype, cuda_graphs=cuda_graphs, quantization="fp8")
+    ref = reference(shape_dir, **options)
+    got = generate(shape_dir, 2, **options)
+    assert_same_until_a_near_tie(got, ref, tol)
+    one_at_a_time = generate(shape_dir, 2, [PROMPTS[1], PROMPTS[4]], **options)  # one-row steps: the GEMV
+    assert_same_until_a_near_tie(one_at_a_time, [[column[i] for i in (1, 4)] for column in ref], tol)
+
+
+def test_fp8_tp2_speculative_is_lossless(shape_dir, tmp_path):
+    """FP8 weights at tp 2 with a one-layer FP8 draft: verify steps (K + 1 rows through the FP8 GEMM)
+    give plain tp 2 decoding's greedy tokens (one row through the GEMV), up to a near tie."""
+    from infer.plugins.layers.fp8_fused import _reason
+
+    if _reason() is not None:
+        pytest.skip(_reason())
+    draft = tmp_path / "draft"
+    draft.mkdir()
+    (draft / "config.json").write_text(json.dumps({**SHAPE, "num_hidden_layers": 1}))
+    options = dict(attention="paged-cuda", dtype="bfloat16", cuda_graphs=True, quantization="fp8")
+    prompts = [PROMPTS[1], PROMPTS[3]]
+    plain = generate(shape_dir, 2, prompts, **options)
+    spec = generate(
+        shape_dir, 2, prompts, decoding="speculative", draft=str(draft), num_speculative_tokens=3, **options
+    )
+    assert_same_until_a_near_tie(spec, plain, 1e-1)
+
+
 def test_tp2_with_pdl_matches_tp1(shape_dir, monkeypatch):
     """PDL (on by default on Hopper): the Triton kernels and FlashInfer's all-reduce launched as
     programmatic dependents, in every rank's CUDA graphs; the tokens of plain launches (INFER_PDL=0)."""
