@@ -183,22 +183,20 @@ def embed_push_target(parallel: ParallelState, input_ids: torch.Tensor, weight: 
     return exchange.embed_target()
 
 
-def quantized_shard(linear: Any, features: int, shard: Shard, parallel: ParallelState, bias: bool = False) -> nn.Module:
+def quantized_shard(linear: Any, features: int, shard: Shard, bias: bool = False) -> nn.Module:
     """The quantized linear class `linear` (`QuantizedLinear`) at this rank's shape, carrying `shard`:
     column-parallel [shard's rows, features], or row-parallel [features, shard's columns], whose output is
-    this rank's partial sum (its bias held by the rank with the first columns: `load_quantized`) and whose
-    input rows are quantized with their whole rows' scales (`RowParallelQuantized.row_amax`: a max over
-    the ranks), so the product is tp = 1's."""
+    this rank's partial sum (its bias held by the rank with the first columns: `load_quantized`). Its
+    weights are tp = 1's (`RowParallelQuantized.load_columns`); it quantizes its own columns of x as it
+    would a whole input, so no collective precedes the product."""
     if shard.dim == 1 and not isinstance(linear, RowParallelQuantized):
         raise ConfigError(
             f"the quantized linear {linear.__module__}.{linear.__qualname__} cannot hold a row-parallel shard "
-            f"(it has no load_columns or row_amax): use --tp 1 with this quantization"
+            f"(it has no load_columns): use --tp 1 with this quantization"
         )
     in_features, out_features = (features, shard.local_size) if shard.dim == 0 else (shard.local_size, features)
     module = linear(in_features, out_features, bias=bias)
     module.shard = shard  # a plain attribute: `shard_of` and `load_sharded` read it
-    if shard.dim == 1:
-        module.row_amax = parallel.all_reduce_max
     return module
 
 
@@ -224,8 +222,8 @@ def attention_projections(
     if quantized is not None:
         _check_partial_sums(reduce)
         o_shard = Shard(1, (q_full,), (q,))
-        return quantized_shard(quantized, config.hidden_size, qkv_shard, parallel, qkv_bias), quantized_shard(
-            quantized, config.hidden_size, o_shard, parallel, o_bias
+        return quantized_shard(quantized, config.hidden_size, qkv_shard, qkv_bias), quantized_shard(
+            quantized, config.hidden_size, o_shard, o_bias
         )
     qkv_proj = ColumnParallelLinear(config.hidden_size, qkv_shard, matmul, bias=qkv_bias)
     o_proj = RowParallelLinear(config.hidden_size, Shard(1, (q_full,), (q,)), parallel, matmul, reduce, o_bias)
@@ -251,8 +249,8 @@ def mlp_projections(
     if quantized is not None:
         _check_partial_sums(reduce)
         gate_up = Shard(0, (width, width), (part, part))
-        return quantized_shard(quantized, config.hidden_size, gate_up, parallel), quantized_shard(
-            quantized, config.hidden_size, Shard(1, (width,), (part,)), parallel
+        return quantized_shard(quantized, config.hidden_size, gate_up), quantized_shard(
+            quantized, config.hidden_size, Shard(1, (width,), (part,))
         )
     gate_up_proj = ColumnParallelLinear(config.hidden_size, Shard(0, (width, width), (part, part)), matmul)
     down_proj = RowParallelLinear(config.hidden_size, Shard(1, (width,), (part,)), parallel, matmul, reduce)

@@ -96,13 +96,6 @@ class ParallelState:
         dist.all_reduce(x, group=self.group)
         return x
 
-    def all_reduce_max(self, x: torch.Tensor) -> torch.Tensor:
-        """The elementwise largest `x` over the ranks, in place (a row-parallel FP8 shard's row amax)."""
-        import torch.distributed as dist
-
-        dist.all_reduce(x, op=dist.ReduceOp.MAX, group=self.group)
-        return x
-
     @property
     def exchange(self) -> Any:
         """The fast all-reduce's `LamportExchange` (one-token steps' partial sums pushed by the

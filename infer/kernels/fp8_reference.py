@@ -39,11 +39,10 @@ def to_e4m3(x: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
     return (x.float() * (1.0 / scale)).clamp(-FP8_MAX, FP8_MAX).to(FP8)
 
 
-def quantize_rows_reference(x: torch.Tensor, amax: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-    # x: [T, K] -> q: [T, K] float8_e4m3fn, scale: [T, 1] float32; amax: [T, 1] float32, each row's largest
-    # |x| if given (a row of which x holds some columns: a tensor-parallel shard's), else x's own
+def quantize_rows_reference(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    # x: [T, K] -> q: [T, K] float8_e4m3fn, scale: [T, 1] float32
     xf = x.float()
-    amax = xf.abs().amax(dim=-1, keepdim=True) if amax is None else amax
+    amax = xf.abs().amax(dim=-1, keepdim=True)
     scale = amax.clamp(min=SCALE_MIN) * FP8_MAX_INV
     return to_e4m3(xf, scale), scale
 

@@ -66,11 +66,8 @@ def shard_of(model: nn.Module, param_name: str) -> Shard | None:
 class RowParallelQuantized(Protocol):
     """A quantized linear (`QuantizedLinear`) that can hold a row-parallel shard: `load_columns(name, start,
     tensor)` fills it with columns [start, start + in_features) of the whole checkpoint tensor `name`,
-    quantizing each whole row first (so its scales are tp = 1's), and returns the parameter names filled;
-    `row_amax`, once set, takes the [T, 1] amax of each row of this rank's columns of x to the whole row's
-    (an all-reduce), so x is quantized with tp = 1's scale."""
-
-    row_amax: Any
+    quantizing each whole row first (so its scales are tp = 1's), and returns the parameter names filled.
+    Its forward takes this rank's columns of x and returns this rank's partial sum."""
 
     def load_columns(self, name: str, start: int, tensor: torch.Tensor) -> list[str]: ...
 

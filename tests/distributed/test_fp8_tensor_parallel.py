@@ -1,8 +1,9 @@
 """FP8 weights under tensor parallelism (`--quantization fp8 --tp 2`, CPU ranks over gloo): the sharded
 projections hold e4m3 values with tp = 1's scales (column-parallel: their rows'; row-parallel: each full
-row's), and row-parallel shards quantize their input with each whole row's scale: tp = 2 holds tp = 1's weights
-and gives its greedy tokens and logprobs, for a float checkpoint quantized at load, an FP8 checkpoint
-(llm-compressor's compressed-tensors layout, or a scale per tensor) and dummy weights."""
+row's), and row-parallel shards quantize their own columns of the input per row: tp = 2 holds tp = 1's weights
+and gives the tokens and logprobs of tp = 1 computing each row-parallel product as the two ranks do, for a float
+checkpoint quantized at load, an FP8 checkpoint (llm-compressor's compressed-tensors layout, or a scale per
+tensor) and dummy weights."""
 
 from __future__ import annotations
 
@@ -49,9 +50,28 @@ def _fp8_checkpoint(source, folder, per_tensor: bool):
     return folder
 
 
-def _run(tp: int, **options):
+def _as_ranks(linear: Fp8Linear, tp: int) -> None:
+    """Make tp = 1's row-parallel projection compute as `tp` ranks do: each quantizes its own columns of x
+    per row and multiplies them by its columns of the weights; the partial sums, each in x's dtype, are added."""
+    columns = linear.in_features // tp
+    ranks = []
+    for r in range(tp):
+        rank = Fp8Linear(columns, linear.out_features)
+        rank.weight.data.copy_(linear.weight[:, r * columns : (r + 1) * columns])
+        rank.weight_scale.data.copy_(linear.weight_scale)
+        ranks.append(rank)
+    linear.forward = lambda x: sum(rank(part) for rank, part in zip(ranks, x.split(columns, dim=-1)))
+
+
+def _run(tp: int, as_ranks: int = 1, **options):
+    """(outputs, rank 0's parameters, rank 0's model); `as_ranks`: tp = 1's row-parallel products computed
+    as that many ranks compute them (`_as_ranks`)."""
     with LLM(tensor_parallel_size=tp, device="cpu", dtype="float32", block_size=4, **options) as llm:
         model = llm.engine.decoder.runner.model  # rank 0's
+        if as_ranks > 1:
+            for layer in model.layers:
+                _as_ranks(layer.self_attn.o_proj, as_ranks)
+                _as_ranks(layer.mlp.down_proj, as_ranks)
         qkv, down = model.layers[0].self_attn.qkv_proj, model.layers[0].mlp.down_proj
         assert isinstance(qkv, Fp8Linear) and qkv.weight.dtype == FP8 and down.weight.dtype == FP8
         assert down.weight_scale.shape == (down.out_features,)  # a row-parallel shard keeps every row's scale
@@ -83,19 +103,16 @@ def test_fp8_tp2_gives_tp1s_tokens_and_logprobs(tiny_llama_dir, tmp_path, weight
     options = dict(model=str(tiny_llama_dir), quantization="fp8")
     if weights != "quantized-at-load":
         options = dict(model=str(_fp8_checkpoint(tiny_llama_dir, tmp_path / "fp8", weights == "per-tensor")))
-    (expected, full, _), (actual, sharded, model) = _run(1, **options), _run(2, **options)
+    (expected, full, _), (actual, sharded, model) = _run(1, as_ranks=2, **options), _run(2, **options)
     _assert_shards_of(full, sharded, model)
     _assert_same(expected, actual)
 
 
 def test_dummy_fp8_weights_are_tp1s_at_tp2(tiny_llama_dir):
     options = dict(model=str(tiny_llama_dir), quantization="fp8", load_format="dummy", seed=3)
-    (expected, full, _), (actual, sharded, model) = _run(1, **options), _run(2, **options)
+    (expected, full, _), (actual, sharded, model) = _run(1, as_ranks=2, **options), _run(2, **options)
     _assert_shards_of(full, sharded, model)
-    # the same model, but tp = 2 sums the row-parallel partial outputs in float32 (1 ulp off tp = 1's single
-    # rounding), and with these weights one such ulp flips the e4m3 rounding of one activation of the next
-    # projection: one prompt's logprobs move by 3e-3 from there on, the tokens stay
-    _assert_same(expected, actual, atol=1e-2)
+    _assert_same(expected, actual)
 
 
 def test_a_quantized_linear_that_cannot_hold_columns_is_refused_under_tp():

@@ -13,14 +13,15 @@ through a GEMV; more rows go to FP8 tensor cores at twice bf16's rate, each half
 This module is the reference, in plain torch on any device (float32 products of the dequantized values);
 `infer.plugins.layers.fp8_fused` runs the same math in FP8 kernels on CUDA. The LM head keeps the model's dtype.
 Under tensor parallelism each projection is this class at one rank's shape (`quantized_shard` in
-infer.distributed.layers): a row-parallel one keeps every full row's scale and quantizes its columns of x
-with the whole row's scale (`row_amax`), so a rank's partial sums add up to tp = 1's product.
+infer.distributed.layers): a row-parallel one keeps every full row's weight scale (its e4m3 values are tp
+= 1's) and quantizes its own columns of x per row, as vLLM's shards do: no collective before the product,
+and each partial sum has the finer scale of its rank's columns, so tp > 1 sums differently rounded
+activations than tp = 1 (within e4m3's rounding, not bit for bit).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Callable
 
 import torch
 import torch.nn.functional as F
@@ -43,9 +44,6 @@ def quantize_weight(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 class Fp8Linear(nn.Module):
     quantization = "fp8"
     capabilities = Capabilities(priority=0)
-    # set on a row-parallel shard (`infer.distributed.layers.quantized_shard`): [T, 1] row amax of this
-    # rank's columns of x -> the whole row's, so x is quantized with the scale tp = 1 takes; None: x is whole
-    row_amax: Callable[[torch.Tensor], torch.Tensor] | None = None
 
     def __init__(self, in_features: int, out_features: int, bias: bool = False) -> None:
         super().__init__()
@@ -57,16 +55,10 @@ class Fp8Linear(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         # the e4m3 products have 8 significant bits and their sums fit float64's 53 exactly, whatever the
         # order: a row's result does not depend on the rows beside it (or on the BLAS), then both scales
-        q, scale = self.quantize_input(x)
+        q, scale = quantize_rows_reference(x)
         sums = F.linear(q.double(), self.weight.double())
         y = (sums * scale.double() * self.weight_scale.double()).to(x.dtype)
         return y if self.bias is None else y + self.bias
-
-    def quantize_input(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """(q [T, K] e4m3, scale [T, 1] float32): x quantized per row, a shard's x with its whole row's scale."""
-        if self.row_amax is None:
-            return quantize_rows_reference(x)
-        return quantize_rows_reference(x, self.row_amax(x.float().abs().amax(dim=-1, keepdim=True)))
 
     @torch.no_grad()
     def load_rows(self, name: str, offset: int, size: int, tensor: torch.Tensor) -> list[str]:

@@ -46,17 +46,12 @@ class FusedFp8Linear(Fp8Linear):
     def forward(self, x: torch.Tensor | QuantizedRows) -> torch.Tensor:
         if isinstance(x, QuantizedRows):
             return self.quantized(x)
-        if self.row_amax is not None:  # a row-parallel shard: the whole row's scale, quantized in torch
-            return self.quantized(QuantizedRows(*self.quantize_input(x), x.dtype))
         from infer.kernels.fp8 import quantize_rows
 
         return self.quantized(QuantizedRows(*quantize_rows(x), x.dtype))
 
     def gated(self, h: torch.Tensor) -> torch.Tensor:
         """self(SiLU(gate) * up) for h = [gate | up] ([T, 2 * in_features]), quantized as it is made."""
-        if self.row_amax is not None:  # a row-parallel shard: SiLU-and-mul as the reference, then forward
-            gate, up = h.chunk(2, dim=-1)
-            return self(torch.nn.functional.silu(gate) * up)
         from infer.kernels.fp8 import silu_and_mul_fp8
 
         return self.quantized(QuantizedRows(*silu_and_mul_fp8(h), h.dtype))
