@@ -9,7 +9,8 @@ Each scheme rounds the projections' weights (and, for w8a8, each product's input
 
     per-channel        e4m3 with a scale per output row, max |w| / 448: what --quantization fp8 stores
     per-channel-mse    e4m3 with each row's scale picked from max |w| x 0.50..1.00 for the least squared error
-    per-group-128, -32 e4m3 with a scale per 128 (32) input columns of each row
+    per-group-128, -32 e4m3 with a scale per 128 (32) input columns of each row (the last group of a row
+                       may be shorter)
     mantissa-3, -4     each weight rounded to 3 (4) significand bits after the leading one, with no exponent
                        limit: e4m3's precision without its range, and one bit more
     w8a8               per-channel weights and activations quantized per token: what the engine multiplies
@@ -33,13 +34,14 @@ from typing import Callable, Iterator
 import torch
 
 from infer.kernels.fp8_reference import FP8_MAX_INV, SCALE_MIN, quantize_rows_reference, to_e4m3
+from infer.plugins.layers.fp8 import quantize_weight
 
 Rounding = Callable[[torch.Tensor], torch.Tensor]  # [N, K] float32 -> the same, rounded
 
 
 def per_rows(w: torch.Tensor) -> torch.Tensor:
-    q, scale = quantize_rows_reference(w)
-    return q.float() * scale
+    q, scale = quantize_weight(w)
+    return q.float() * scale[:, None]
 
 
 def per_rows_mse(w: torch.Tensor, steps: int = 11) -> torch.Tensor:
@@ -58,8 +60,8 @@ def per_rows_mse(w: torch.Tensor, steps: int = 11) -> torch.Tensor:
 def per_groups(size: int) -> Rounding:
     def rounding(w: torch.Tensor) -> torch.Tensor:
         n, k = w.shape
-        group = math.gcd(size, k)  # a width the group does not divide takes the largest group that does
-        return per_rows(w.reshape(n * k // group, group)).reshape(n, k)
+        padded = torch.nn.functional.pad(w, (0, -k % size))  # zeros: a shorter last group keeps its own amax
+        return per_rows(padded.reshape(-1, size)).reshape(n, -1)[:, :k]
 
     return rounding
 
@@ -113,7 +115,7 @@ def rounded(model: torch.nn.Module, scheme: str) -> Iterator[None]:
     """The model's projections rounded as `scheme` (a SCHEMES name) says, restored on exit."""
     rounding, activations, keep_last = SCHEMES[scheme]
     layers = projections(model)
-    last = max(int(name.split(".layers.")[-1].split(".")[0]) for name in layers)
+    last = max(int(f".{name}".split(".layers.")[-1].split(".")[0]) for name in layers) if keep_last else None
     weights = {name: m.weight.data.clone() for name, m in layers.items()}
     hooks = []
     try:
@@ -158,20 +160,18 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--out", help="write the figures as JSON here")
     args = p.parse_args(argv)
 
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers import AutoModelForCausalLM
 
     from infer.bench.texts import load_text_set
     from infer.models.hub import resolve_model_path
+    from infer.models.loader import load_tokenizer
 
     folder = resolve_model_path(args.model)
     if folder is None:
         print(f"no model folder for {args.model!r}: pass a folder, or `infer models pull {args.model}` first")
         return 2
     model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
-    try:
-        tokenizer = AutoTokenizer.from_pretrained(folder)
-    except (OSError, ValueError):  # a test model without one reads the text's bytes
-        tokenizer = None
+    tokenizer = load_tokenizer(folder)  # None for a folder without one (a test model): the text's bytes
     text = load_text_set(tokenizer, model.config.vocab_size, args.windows, args.window_tokens, 0, 1)
     print(f"{folder}: perplexity over {text.name}\n{'scheme':16s} {'perplexity':>10s} {'ratio':>8s}", flush=True)
     rows = measure(model, text.windows, args.schemes)

@@ -19,6 +19,9 @@ def test_per_channel_rounding_is_what_the_fp8_layer_stores():
     q, scale = quantize_weight(w)
     assert torch.equal(fp8_error.per_rows(w), q.float() * scale[:, None])
     assert torch.equal(fp8_error.per_groups(80)(w), fp8_error.per_rows(w))  # one group per row is per channel
+    grouped = fp8_error.per_groups(32)(w)  # 80 columns: groups of 32, 32 and 16
+    for start, stop in ((0, 32), (32, 64), (64, 80)):
+        assert torch.equal(grouped[:, start:stop], fp8_error.per_rows(w[:, start:stop]))
 
 
 def test_a_group_takes_its_own_scale():
@@ -44,7 +47,7 @@ def test_mse_scales_never_round_a_row_worse_than_the_amax_scale():
     assert (mse_err <= amax_err).all() and (mse_err < amax_err).any()
 
 
-def test_w8a8_scores_what_the_engines_fp8_weights_score(tiny_llama_dir, tmp_path):
+def test_the_bench_scores_every_scheme(tiny_llama_dir, tmp_path):
     out = tmp_path / "fp8_error.json"
     assert fp8_error.main(["--model", str(tiny_llama_dir), *WINDOWS, "--out", str(out)]) == 0
     rows = {r["scheme"]: r for r in json.loads(out.read_text())["rows"]}
