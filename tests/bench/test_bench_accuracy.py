@@ -5,7 +5,6 @@ are refused in one line naming the fix."""
 from __future__ import annotations
 
 import json
-import math
 import sys
 
 import pytest
@@ -25,14 +24,9 @@ def invoke(*args: str):
 def hf_perplexity(folder, windows: list[list[int]], dtype: torch.dtype = torch.float32) -> float:
     from transformers import AutoModelForCausalLM
 
-    model = AutoModelForCausalLM.from_pretrained(folder, dtype=dtype).eval()
-    nll, count = 0.0, 0
-    with torch.no_grad():
-        for window in windows:
-            logprobs = model(torch.tensor([window])).logits[0].float().log_softmax(-1)
-            nll -= logprobs[torch.arange(len(window) - 1), window[1:]].sum().item()
-            count += len(window) - 1
-    return math.exp(nll / count)
+    from infer.bench.fp8_error import perplexity
+
+    return perplexity(AutoModelForCausalLM.from_pretrained(folder, dtype=dtype).eval(), windows)
 
 
 def test_the_default_lossy_configs_against_the_baseline(tiny_llama_dir, tmp_path):
