@@ -1,4 +1,5 @@
-"""AsyncEngine: streamed deltas add up to LLM.generate's output exactly; a reader that leaves aborts its
+"""AsyncEngine: streamed deltas add up to the request's final output exactly, and that is LLM.generate's
+(its logprobs up to float32 rounding); a reader that leaves aborts its
 request and frees its blocks; bad input, a full queue and a failing step stay with their requests."""
 
 from __future__ import annotations
@@ -49,6 +50,16 @@ def _used_blocks(engine):
     return engine.call(lambda e: (e.kv_usage().num_used_blocks, e.has_unfinished()))
 
 
+def _assert_close_logprobs(got, expected, atol=1e-3):
+    """The same top tokens at each position, their logprobs within float32 rounding: requests that arrive
+    over several steps share batches other than LLM.generate's, and the CPU's matrix products may round a
+    row differently in another batch (seen: up to 1.5e-5, growing along the output)."""
+    assert (got is None) == (expected is None)
+    for g, e in zip(got or [], expected or [], strict=True):
+        assert g.keys() == e.keys()
+        assert max(abs(g[t] - e[t]) for t in e) < atol, (g, e)
+
+
 def test_streamed_deltas_add_up_to_the_offline_output(served):
     engine, expected = served
 
@@ -61,9 +72,9 @@ def test_streamed_deltas_add_up_to_the_offline_output(served):
         assert final.prompt == ref.prompt and final.prompt_token_ids == ref.prompt_token_ids
         for c, f in zip(ref.outputs, final.outputs):
             assert (f.text, f.token_ids, f.finish_reason) == (c.text, c.token_ids, c.finish_reason)
-            assert f.logprobs == c.logprobs
             assert texts[c.index] == c.text and tokens[c.index] == c.token_ids
-            assert logprobs[c.index] == (c.logprobs or [])
+            assert logprobs[c.index] == (f.logprobs or [])  # the deltas add up to the final output, exactly
+            _assert_close_logprobs(f.logprobs, c.logprobs)
         assert len(outs) > 2  # streamed step by step, not all at the end
 
 
