@@ -46,14 +46,13 @@ def per_rows(w: torch.Tensor) -> torch.Tensor:
 
 def per_rows_mse(w: torch.Tensor, steps: int = 11) -> torch.Tensor:
     amax = w.abs().amax(dim=1, keepdim=True).clamp(min=SCALE_MIN)
-    best, best_err = None, None
+    best, best_err = w, torch.full_like(amax, math.inf)
     for clip in torch.linspace(0.5, 1.0, steps).tolist():
         scale = amax * clip * FP8_MAX_INV
         rounded = to_e4m3(w, scale).float() * scale
         err = (rounded - w).pow(2).sum(dim=1, keepdim=True)
-        better = err if best_err is None else err < best_err
-        best = rounded if best is None else torch.where(better, rounded, best)
-        best_err = err if best_err is None else torch.minimum(err, best_err)
+        better = err < best_err  # [N, 1]: the earlier clip keeps a tie
+        best, best_err = torch.where(better, rounded, best), torch.where(better, err, best_err)
     return best
 
 

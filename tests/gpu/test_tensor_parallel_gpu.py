@@ -115,6 +115,26 @@ def assert_same_until_a_near_tie(got, ref, tol=5e-2):
         torch.testing.assert_close(torch.tensor(lps[:stop]), torch.tensor(ref_lps[:stop]), atol=tol, rtol=0)
 
 
+def _skip_without_fp8_kernels() -> None:
+    from infer.plugins.layers.fp8_fused import CAPS
+
+    reason = CAPS.available()
+    if reason is not None:
+        pytest.skip(reason)
+
+
+def plain_and_speculative(folder, tmp_path, prompts, **options):
+    """tp 2's plain decoding of `prompts`, then its speculative decoding with a one-layer draft of the
+    same shape (K = 3)."""
+    draft = tmp_path / "draft"
+    draft.mkdir()
+    (draft / "config.json").write_text(json.dumps({**SHAPE, "num_hidden_layers": 1}))
+    plain = generate(folder, 2, prompts, **options)
+    return plain, generate(
+        folder, 2, prompts, decoding="speculative", draft=str(draft), num_speculative_tokens=3, **options
+    )
+
+
 def _available(name):
     from infer.core.registry import PluginRegistry
 
@@ -176,10 +196,7 @@ def test_fp8_tp2_matches_tp1(shape_dir, dtype, cuda_graphs, tol=1e-1):
     to a near tie: each rank's activations are rounded to e4m3 with their own scale, which moves this
     shape's logprobs by up to 0.06 in float32 (measured with the plain-torch layer on CPU ranks), and tp 2
     sums rounded partial products."""
-    from infer.plugins.layers.fp8_fused import _reason
-
-    if _reason() is not None:
-        pytest.skip(_reason())
+    _skip_without_fp8_kernels()
     options = dict(attention="paged-cuda", dtype=dtype, cuda_graphs=cuda_graphs, quantization="fp8")
     ref = reference(shape_dir, **options)
     got = generate(shape_dir, 2, **options)
@@ -191,19 +208,9 @@ def test_fp8_tp2_matches_tp1(shape_dir, dtype, cuda_graphs, tol=1e-1):
 def test_fp8_tp2_speculative_is_lossless(shape_dir, tmp_path):
     """FP8 weights at tp 2 with a one-layer FP8 draft: verify steps (K + 1 rows through the FP8 GEMM)
     give plain tp 2 decoding's greedy tokens (one row through the GEMV), up to a near tie."""
-    from infer.plugins.layers.fp8_fused import _reason
-
-    if _reason() is not None:
-        pytest.skip(_reason())
-    draft = tmp_path / "draft"
-    draft.mkdir()
-    (draft / "config.json").write_text(json.dumps({**SHAPE, "num_hidden_layers": 1}))
+    _skip_without_fp8_kernels()
     options = dict(attention="paged-cuda", dtype="bfloat16", cuda_graphs=True, quantization="fp8")
-    prompts = [PROMPTS[1], PROMPTS[3]]
-    plain = generate(shape_dir, 2, prompts, **options)
-    spec = generate(
-        shape_dir, 2, prompts, decoding="speculative", draft=str(draft), num_speculative_tokens=3, **options
-    )
+    plain, spec = plain_and_speculative(shape_dir, tmp_path, [PROMPTS[1], PROMPTS[3]], **options)
     assert_same_until_a_near_tie(spec, plain, 1e-1)
 
 
@@ -254,15 +261,8 @@ def test_tp2_speculative_with_pushed_sums_is_lossless(shape_dir, tmp_path):
     all-reduce; greedy tokens as plain decoding's at tp 2, up to a near tie (the two sum in another order)."""
     if not _available("flashinfer"):
         pytest.skip("needs flashinfer")
-    draft = tmp_path / "draft"
-    draft.mkdir()
-    (draft / "config.json").write_text(json.dumps({**SHAPE, "num_hidden_layers": 1}))
     options = dict(attention="paged-cuda", dtype="bfloat16", cuda_graphs=True, all_reduce="flashinfer")
-    prompts = [PROMPTS[1], PROMPTS[3]]
-    plain = generate(shape_dir, 2, prompts, **options)
-    spec = generate(
-        shape_dir, 2, prompts, decoding="speculative", draft=str(draft), num_speculative_tokens=3, **options
-    )
+    plain, spec = plain_and_speculative(shape_dir, tmp_path, [PROMPTS[1], PROMPTS[3]], **options)
     assert PUSHES["last"] > 0
     assert_same_until_a_near_tie(spec, plain)
 

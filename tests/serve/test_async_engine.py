@@ -1,6 +1,6 @@
 """AsyncEngine: streamed deltas add up to the request's final output exactly, and that is LLM.generate's
-(its logprobs up to float32 rounding); a reader that leaves aborts its
-request and frees its blocks; bad input, a full queue and a failing step stay with their requests."""
+(its logprobs up to float32 rounding); a reader that leaves aborts its request and frees its blocks; bad
+input, a full queue and a failing step stay with their requests."""
 
 from __future__ import annotations
 
