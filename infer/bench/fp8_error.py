@@ -15,6 +15,9 @@ Each scheme rounds the projections' weights (and, for w8a8, each product's input
                        limit: e4m3's precision without its range, and one bit more
     w8a8               per-channel weights and activations quantized per token: what the engine multiplies
     w8a8-last-kept     w8a8 with the last decoder layer's projections left unrounded
+    gptq, w8a8-gptq    per-channel e4m3 rounded column by column with error compensation over calibration
+                       text (`infer models quantize`'s gptq: --calibration-windows chats from the text's
+                       end, none of the scored windows); w8a8 with those weights
 
 A scheme whose ratio the scale choices do not move, and that the significand's width does, is bound by the
 format. The rounding is `infer.kernels.fp8_reference`'s (the plain-torch FP8 layer's); the engine's own
@@ -80,6 +83,11 @@ def quantize_activation(module: torch.nn.Module, args: tuple) -> tuple:
     return ((q.float() * scale).reshape(x.shape).to(x.dtype), *args[1:])
 
 
+def gptq_placeholder(w: torch.Tensor) -> torch.Tensor:
+    """Marks the gptq schemes: `rounded` rounds each projection with its own calibration Hessian."""
+    raise AssertionError("gptq rounds with a projection's Hessian: see `rounded`")
+
+
 # name -> (weight rounding, activations per token, keep the last layer)
 SCHEMES: dict[str, tuple[Rounding | None, bool, bool]] = {
     "none": (None, False, False),
@@ -91,6 +99,8 @@ SCHEMES: dict[str, tuple[Rounding | None, bool, bool]] = {
     "mantissa-4": (significand(4), False, False),
     "w8a8": (per_rows, True, False),
     "w8a8-last-kept": (per_rows, True, True),
+    "gptq": (gptq_placeholder, False, False),
+    "w8a8-gptq": (gptq_placeholder, True, False),
 }
 
 
@@ -110,9 +120,20 @@ def perplexity(model: torch.nn.Module, windows: list[list[int]]) -> float:
 
 
 @contextmanager
-def rounded(model: torch.nn.Module, scheme: str) -> Iterator[None]:
-    """The model's projections rounded as `scheme` (a SCHEMES name) says, restored on exit."""
+def rounded(model: torch.nn.Module, scheme: str, hessians: dict[str, torch.Tensor] | None = None) -> Iterator[None]:
+    """The model's projections rounded as `scheme` (a SCHEMES name) says, restored on exit; the gptq
+    schemes take each projection's calibration Hessian from `hessians` (`infer.quantize.hessians`)."""
     rounding, activations, keep_last = SCHEMES[scheme]
+
+    def round_weight(name: str, w: torch.Tensor) -> torch.Tensor:
+        if rounding is not gptq_placeholder:
+            return rounding(w)
+        from infer.quantize import gptq
+
+        assert hessians is not None, f"{scheme} needs the projections' calibration Hessians"
+        q, scale = gptq(w, hessians[name])
+        return q.float() * scale[:, None]
+
     layers = projections(model)
     last = max(int(f".{name}".split(".layers.")[-1].split(".")[0]) for name in layers) if keep_last else None
     weights = {name: m.weight.data.clone() for name, m in layers.items()}
@@ -122,7 +143,7 @@ def rounded(model: torch.nn.Module, scheme: str) -> Iterator[None]:
             if keep_last and f".layers.{last}." in f".{name}":
                 continue
             if rounding is not None:
-                m.weight.data.copy_(rounding(weights[name].float()))
+                m.weight.data.copy_(round_weight(name, weights[name].float()))
             if activations:
                 hooks.append(m.register_forward_pre_hook(quantize_activation))
         yield
@@ -133,11 +154,23 @@ def rounded(model: torch.nn.Module, scheme: str) -> Iterator[None]:
             m.weight.data.copy_(weights[name])
 
 
-def measure(model: torch.nn.Module, windows: list[list[int]], schemes: list[str]) -> list[dict]:
+def measure(
+    model: torch.nn.Module,
+    windows: list[list[int]],
+    schemes: list[str],
+    calibration: list[list[int]] | None = None,
+) -> list[dict]:
+    """Perplexity over `windows` under each scheme; the gptq ones calibrate on `calibration` (token ids)."""
     rows: list[dict] = []
+    hessians = None
+    if any(SCHEMES[s][0] is gptq_placeholder for s in schemes):
+        from infer.quantize import hessians as collect
+
+        assert calibration, "the gptq schemes need calibration windows"
+        hessians = collect(model, calibration)
     for scheme in ["none", *(s for s in schemes if s != "none")]:
         started = time.perf_counter()
-        with rounded(model, scheme):
+        with rounded(model, scheme, hessians):
             ppl = perplexity(model, windows)
         rows.append({"scheme": scheme, "perplexity": ppl, "wall_s": time.perf_counter() - started})
         print(f"{scheme:16s} {ppl:10.4f} {ppl / rows[0]['perplexity']:8.4f}", flush=True)
@@ -156,12 +189,13 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--windows", type=int, default=32)
     p.add_argument("--window-tokens", type=int, default=512)
     p.add_argument("--schemes", nargs="+", default=list(SCHEMES), choices=list(SCHEMES))
+    p.add_argument("--calibration-windows", type=int, default=16, help="the gptq schemes' calibration windows")
     p.add_argument("--out", help="write the figures as JSON here")
     args = p.parse_args(argv)
 
     from transformers import AutoModelForCausalLM
 
-    from infer.bench.texts import load_text_set
+    from infer.bench.texts import calibration_windows, load_text_set
     from infer.models.hub import resolve_model_path
     from infer.models.loader import load_tokenizer
 
@@ -172,8 +206,13 @@ def main(argv: list[str] | None = None) -> int:
     model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
     tokenizer = load_tokenizer(folder)  # None for a folder without one (a test model): the text's bytes
     text = load_text_set(tokenizer, model.config.vocab_size, args.windows, args.window_tokens, 0, 1)
+    calibration = None
+    if any(SCHEMES[s][0] is gptq_placeholder for s in args.schemes):
+        found = calibration_windows(tokenizer, model.config.vocab_size, args.calibration_windows, args.window_tokens)
+        print(f"gptq calibrates on {found.name}", flush=True)
+        calibration = found.windows
     print(f"{folder}: perplexity over {text.name}\n{'scheme':16s} {'perplexity':>10s} {'ratio':>8s}", flush=True)
-    rows = measure(model, text.windows, args.schemes)
+    rows = measure(model, text.windows, args.schemes, calibration)
     if args.out:
         record = {"model": str(folder), "text": text.name, "scored_tokens": sum(len(w) - 1 for w in text.windows)}
         with open(args.out, "w") as f:

@@ -31,8 +31,9 @@ def chats() -> Iterator[str]:
         import chitchat_dataset
     except ImportError:
         raise ConfigError(
-            f"infer bench accuracy reads its text from the {SOURCE} package, which is not installed: "
-            f"pip install 'infer[bench]' (or {SOURCE}==0.9.0)"
+            f"the chat text (infer bench accuracy's, and infer models quantize's calibration) comes from the "
+            f"{SOURCE} package, which is not installed: pip install 'infer[bench]' (or {SOURCE}==0.9.0), "
+            f"or give infer models quantize --calibration a text file"
         ) from None
     for chat in chitchat_dataset.Dataset().values():
         yield "\n".join(" ".join(u["text"] for u in message) for message in chat["messages"])
@@ -76,3 +77,20 @@ def load_text_set(
         )
     name = f"{SOURCE}: {num_windows} x {window_tokens} tokens of {num_chats} chats, {num_prompts} later chats' openings"
     return TextSet(name, windows, prompts)
+
+
+def calibration_windows(tokenizer: Any | None, vocab_size: int, num_windows: int, window_tokens: int) -> TextSet:
+    """Windows of the chats taken from the dataset's end, last chat first: text that no window or prompt of
+    `load_text_set` (which reads from its start) holds, for calibrating a quantizer on."""
+    encode = encoder(tokenizer, vocab_size)
+    stream: list[int] = []
+    num_chats = 0
+    for text in reversed(list(chats())):
+        stream += encode(text + "\n\n")
+        num_chats += 1
+        if len(stream) >= num_windows * window_tokens:
+            break
+    windows = [stream[i * window_tokens : (i + 1) * window_tokens] for i in range(num_windows)]
+    if not windows or len(windows[-1]) < window_tokens:
+        raise ConfigError(f"{SOURCE} holds fewer than {num_windows} x {window_tokens} tokens: ask for fewer")
+    return TextSet(f"{SOURCE}: {num_windows} x {window_tokens} tokens of its last {num_chats} chats", windows, [])

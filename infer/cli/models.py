@@ -1,6 +1,9 @@
-"""`infer models`: named shapes and cached models; `infer models pull NAME` fetches one."""
+"""`infer models`: named shapes and cached models; `infer models pull NAME` fetches one, `infer models
+quantize MODEL OUT` writes its FP8 checkpoint."""
 
 from __future__ import annotations
+
+from pathlib import Path
 
 import click
 
@@ -11,7 +14,8 @@ from infer.cli.common import user_errors
 @click.pass_context
 @user_errors
 def models(ctx: click.Context) -> None:
-    """Named shapes and cached models; `infer models pull NAME` fetches one."""
+    """Named shapes and cached models; `infer models pull NAME` fetches one, `infer models quantize` writes
+    a model's FP8 checkpoint."""
     if ctx.invoked_subcommand is not None:
         return
     from infer.core.registry import PluginRegistry
@@ -39,3 +43,86 @@ def pull(name: str, force: bool) -> None:
 
     path = hub.pull(name, force=force, progress=lambda msg: click.echo(msg, err=True))
     click.echo(str(path))
+
+
+@models.command()
+@click.argument("model")
+@click.argument("out", type=click.Path(path_type=Path))
+@click.option(
+    "--method",
+    type=click.Choice(["gptq", "rtn"]),
+    default="gptq",
+    show_default=True,
+    help="gptq: round each weight's columns in turn, compensating their errors through the calibration "
+    "text's activations; rtn: round to nearest, what --quantization fp8 does at load.",
+)
+@click.option(
+    "--calibration",
+    default="chat",
+    show_default=True,
+    help="gptq's calibration text: chat (the last chats of the chitchat-dataset package, none of the text "
+    "`infer bench accuracy` scores) or a UTF-8 text file.",
+)
+@click.option(
+    "--calibration-windows",
+    type=click.IntRange(min=1),
+    default=16,
+    show_default=True,
+    help="Windows of text gptq reads.",
+)
+@click.option(
+    "--window-tokens", type=click.IntRange(min=2), default=512, show_default=True, help="Tokens per calibration window."
+)
+@user_errors
+def quantize(
+    model: str, out: Path, method: str, calibration: str, calibration_windows: int, window_tokens: int
+) -> None:
+    """Write MODEL (a cached model or an HF folder) with its decoder projections in FP8 (e4m3, a scale per
+    output channel) into the new folder OUT, in the layout llm-compressor writes: `--model OUT` loads it."""
+    from infer.core.errors import ConfigError, ModelLoadError
+    from infer.models.hub import resolve_model_path
+
+    source = resolve_model_path(model)
+    if source is None:
+        raise ModelLoadError(f"no model folder for {model!r}: pass an HF model folder, or `infer models pull {model}`")
+    if out.exists() and (not out.is_dir() or any(out.iterdir())):
+        raise ConfigError(f"{out} exists and is not an empty folder: name a new one")
+    windows = None
+    if method == "gptq":
+        windows = _calibration(source, calibration, calibration_windows, window_tokens)
+    from infer import quantize as fp8
+
+    try:
+        fp8.quantize_folder(source, out, method, windows, progress=lambda msg: click.echo(msg, err=True))
+    except (OSError, ValueError) as exc:
+        raise ModelLoadError(f"could not quantize {source}: {exc}") from exc
+    click.echo(str(out))
+
+
+def _calibration(source: Path, calibration: str, num_windows: int, window_tokens: int) -> list[list[int]]:
+    from transformers import AutoConfig
+
+    from infer.bench import texts
+    from infer.core.errors import ConfigError
+    from infer.models.loader import load_tokenizer
+
+    tokenizer = load_tokenizer(source)  # None for a folder without one: the text's bytes
+    vocab_size = AutoConfig.from_pretrained(source).vocab_size
+    if calibration == "chat":
+        found = texts.calibration_windows(tokenizer, vocab_size, num_windows, window_tokens)
+        click.echo(f"calibration text: {found.name}", err=True)
+        return found.windows
+    path = Path(calibration)
+    if not path.is_file():
+        raise ConfigError(f"--calibration {calibration!r} is neither chat nor a text file")
+    try:
+        ids = texts.encoder(tokenizer, vocab_size)(path.read_text(encoding="utf-8"))
+    except UnicodeDecodeError as exc:
+        raise ConfigError(f"--calibration {path} is not UTF-8 text ({exc.reason} at byte {exc.start})") from None
+    count = min(num_windows, len(ids) // window_tokens)
+    if count == 0:
+        raise ConfigError(
+            f"--calibration {path} holds {len(ids)} tokens, fewer than one window of --window-tokens {window_tokens}: "
+            "give more text or shorter windows"
+        )
+    return [ids[i * window_tokens : (i + 1) * window_tokens] for i in range(count)]

@@ -1,0 +1,133 @@
+"""`infer models quantize`: GPTQ against round-to-nearest on the objective it minimizes, the folder it writes
+loading as saved (an rtn folder is exactly what --quantization fp8 makes at load), and its bad inputs."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from click.testing import CliRunner
+from safetensors.torch import load_file
+
+from infer import LLM
+from infer import quantize as fp8
+from infer.cli.main import cli
+from infer.plugins.layers.fp8 import quantize_weight
+
+
+def _output_error(w: torch.Tensor, q: torch.Tensor, scale: torch.Tensor, h: torch.Tensor) -> float:
+    """tr(D H D^T) for D = dequantized - w: the squared error of the layer's output over the activations."""
+    d = (q.double() * scale.double()[:, None]) - w.double()
+    return torch.trace(d @ h.double() @ d.T).item()
+
+
+def _correlated_hessian(k: int, seed: int) -> torch.Tensor:
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(4 * k, k // 4, generator=g) @ torch.randn(k // 4, k, generator=g)  # columns correlated
+    x += 0.05 * torch.randn(4 * k, k, generator=g)
+    return (x.T @ x / x.shape[0]).double()
+
+
+@pytest.mark.parametrize("k,block", [(64, 128), (200, 64)])  # one block; several, the last one short
+def test_gptq_keeps_rtns_scales_and_makes_the_layers_output_error_smaller(k, block):
+    w = torch.randn(48, k, generator=torch.Generator().manual_seed(k)) * 0.05
+    h = _correlated_hessian(k, seed=k + 1)
+    q, scale = fp8.gptq(w, h, block=block)
+    rtn_q, rtn_scale = quantize_weight(w)
+    assert q.dtype == torch.float8_e4m3fn and q.shape == w.shape
+    torch.testing.assert_close(scale, rtn_scale, rtol=1e-6, atol=0)
+    assert _output_error(w, q, scale, h) < 0.5 * _output_error(w, rtn_q, rtn_scale, h)
+
+
+def test_with_uncorrelated_columns_gptq_is_round_to_nearest():
+    """A diagonal H: no column's error reaches another, so every weight rounds as rtn rounds it."""
+    w = torch.randn(32, 96, generator=torch.Generator().manual_seed(5))
+    h = torch.diag(torch.rand(96, generator=torch.Generator().manual_seed(6)) + 0.5).double()
+    q, scale = fp8.gptq(w, h, damp=0.0)
+    rtn_q, _ = quantize_weight(w)
+    assert torch.equal(q.view(torch.uint8), rtn_q.view(torch.uint8))
+
+
+def test_a_column_no_token_reaches_is_zeroed():
+    w = torch.randn(8, 32, generator=torch.Generator().manual_seed(7))
+    h = _correlated_hessian(32, seed=8)
+    h[3, :], h[:, 3] = 0.0, 0.0
+    q, _ = fp8.gptq(w, h)
+    assert (q[:, 3].float() == 0).all() and (q.float() != 0).sum() > 0.9 * (w.numel() - 8)
+
+
+def _engine_state(folder, **kwargs) -> dict[str, torch.Tensor]:
+    llm = LLM(str(folder), dtype="fp32", device="cpu", num_kv_blocks=32, **kwargs)
+    return llm.engine.decoder.runner.model.state_dict()
+
+
+def test_an_rtn_folder_is_what_quantizing_at_load_makes(tiny_llama_dir, tmp_path):
+    out = fp8.quantize_folder(tiny_llama_dir, tmp_path / "rtn", method="rtn", progress=lambda msg: None)
+    config = json.loads((out / "config.json").read_text())
+    assert config["quantization_config"]["quant_method"] == "compressed-tensors"
+    saved, at_load = _engine_state(out), _engine_state(tiny_llama_dir, quantization="fp8")
+    assert saved.keys() == at_load.keys()
+    for name, tensor in at_load.items():
+        assert torch.equal(tensor.view(torch.uint8), saved[name].view(torch.uint8)), name
+    assert saved["layers.0.self_attn.qkv_proj.weight"].dtype == torch.float8_e4m3fn
+
+
+def test_a_gptq_folder_loads_as_saved_and_generates(tiny_llama_dir, tmp_path):
+    windows = [[(7 * i + j) % 250 for j in range(32)] for i in range(4)]
+    out = fp8.quantize_folder(
+        tiny_llama_dir, tmp_path / "gptq", method="gptq", windows=windows, progress=lambda m: None
+    )
+    stored = load_file(str(out / "model.safetensors"))
+    state = _engine_state(out)
+    qkv = torch.cat([stored[f"model.layers.1.self_attn.{p}_proj.weight"] for p in "qkv"])
+    assert torch.equal(state["layers.1.self_attn.qkv_proj.weight"].view(torch.uint8), qkv.view(torch.uint8))
+    scales = torch.cat([stored[f"model.layers.1.self_attn.{p}_proj.weight_scale"][:, 0] for p in "qkv"])
+    assert torch.equal(state["layers.1.self_attn.qkv_proj.weight_scale"], scales)
+    rtn = _engine_state(tiny_llama_dir, quantization="fp8")["layers.1.self_attn.qkv_proj.weight"]
+    assert not torch.equal(state["layers.1.self_attn.qkv_proj.weight"].view(torch.uint8), rtn.view(torch.uint8))
+    llm = LLM(str(out), dtype="fp32", device="cpu", num_kv_blocks=32)
+    assert len(llm.generate([{"prompt_token_ids": [1, 2, 3]}])[0].outputs[0].token_ids) > 0
+
+
+def _quantize(*args: str):
+    return CliRunner().invoke(cli, ["models", "quantize", *args])
+
+
+def test_the_command_writes_a_folder_from_a_text_file(tiny_llama_dir, tmp_path):
+    text = tmp_path / "calibration.txt"
+    text.write_text("The quick brown fox jumps over the lazy dog. " * 20)
+    out = tmp_path / "out"
+    result = _quantize(str(tiny_llama_dir), str(out), "--calibration", str(text), "--window-tokens", "64")
+    assert result.exit_code == 0, result.output
+    assert result.stdout.strip().endswith(str(out)) and (out / "model.safetensors").exists()
+    assert "projections quantized (gptq)" in result.stderr
+
+
+@pytest.mark.parametrize(
+    "case,message",
+    [
+        ("no model", "no model folder for"),
+        ("out not empty", "is not an empty folder"),
+        ("no such file", "is neither chat nor a text file"),
+        ("short file", "fewer than one window"),
+        ("not utf-8", "is not UTF-8 text"),
+    ],
+)
+def test_bad_input_is_one_line_and_exit_2(case, message, tiny_llama_dir, tmp_path):
+    text = tmp_path / "calibration.txt"
+    text.write_text("a few words")
+    model, out, calibration = str(tiny_llama_dir), tmp_path / "out", str(text)
+    if case == "no model":
+        model = str(tmp_path / "missing")
+    elif case == "out not empty":
+        out.mkdir()
+        (out / "file").write_text("x")
+    elif case == "no such file":
+        calibration = str(tmp_path / "nope.txt")
+    elif case == "not utf-8":
+        text.write_bytes(b"\xff\xfe" * 400)
+    result = _quantize(model, str(out), "--calibration", calibration)
+    assert result.exit_code == 2, result.output
+    assert message in result.stderr and "Traceback" not in result.output
+    assert len(result.stderr.strip().splitlines()) == 1
