@@ -112,6 +112,7 @@ def test_the_command_writes_a_folder_from_a_text_file(tiny_llama_dir, tmp_path):
         ("no such file", "is neither chat nor a text file"),
         ("short file", "fewer than one window"),
         ("not utf-8", "is not UTF-8 text"),
+        ("unknown architecture", "could not quantize"),
     ],
 )
 def test_bad_input_is_one_line_and_exit_2(case, message, tiny_llama_dir, tmp_path):
@@ -127,6 +128,11 @@ def test_bad_input_is_one_line_and_exit_2(case, message, tiny_llama_dir, tmp_pat
         calibration = str(tmp_path / "nope.txt")
     elif case == "not utf-8":
         text.write_bytes(b"\xff\xfe" * 400)
+    elif case == "unknown architecture":
+        folder = tmp_path / "strange"
+        folder.mkdir()
+        (folder / "config.json").write_text(json.dumps({"model_type": "no-such-model", "vocab_size": 16}))
+        model = str(folder)
     result = _quantize(model, str(out), "--calibration", calibration)
     assert result.exit_code == 2, result.output
     assert message in result.stderr and "Traceback" not in result.output

@@ -87,12 +87,10 @@ def quantize(
         raise ModelLoadError(f"no model folder for {model!r}: pass an HF model folder, or `infer models pull {model}`")
     if out.exists() and (not out.is_dir() or any(out.iterdir())):
         raise ConfigError(f"{out} exists and is not an empty folder: name a new one")
-    windows = None
-    if method == "gptq":
-        windows = _calibration(source, calibration, calibration_windows, window_tokens)
     from infer import quantize as fp8
 
-    try:
+    try:  # transformers refuses a folder it cannot read (no config, an unknown architecture) with these
+        windows = _calibration(source, calibration, calibration_windows, window_tokens) if method == "gptq" else None
         fp8.quantize_folder(source, out, method, windows, progress=lambda msg: click.echo(msg, err=True))
     except (OSError, ValueError) as exc:
         raise ModelLoadError(f"could not quantize {source}: {exc}") from exc
