@@ -87,6 +87,7 @@ def gptq(
     (dampened by `damp` x its mean diagonal). A column no token reaches (zero diagonal) is set to zero."""
     w = w.double().clone()
     n, k = w.shape
+    scale = (w.abs().amax(dim=1).float().clamp(min=SCALE_MIN) * FP8_MAX_INV)[:, None]  # [N, 1] float32: rtn's
     h = hessian.double().clone()
     dead = torch.diag(h) == 0
     h[dead, dead] = 1.0
@@ -94,7 +95,6 @@ def gptq(
     h += damp * torch.diag(h).mean() * torch.eye(k, dtype=h.dtype)
     # the upper Cholesky factor of H^-1: row i holds how column i's error moves the columns after it
     inverse = torch.linalg.cholesky(torch.cholesky_inverse(torch.linalg.cholesky(h)), upper=True)
-    scale = (w.abs().amax(dim=1).float().clamp(min=SCALE_MIN) * FP8_MAX_INV)[:, None]  # [N, 1] float32
     q = torch.empty(n, k, dtype=torch.float8_e4m3fn)
     for start in range(0, k, block):
         stop = min(start + block, k)

@@ -53,8 +53,10 @@ def test_a_column_no_token_reaches_is_zeroed():
     w = torch.randn(8, 32, generator=torch.Generator().manual_seed(7))
     h = _correlated_hessian(32, seed=8)
     h[3, :], h[:, 3] = 0.0, 0.0
-    q, _ = fp8.gptq(w, h)
+    w[:, 3] = 10.0  # every row's largest weight sits in the dead column: the scales stay rtn's all the same
+    q, scale = fp8.gptq(w, h)
     assert (q[:, 3].float() == 0).all() and (q.float() != 0).sum() > 0.9 * (w.numel() - 8)
+    assert torch.equal(scale, quantize_weight(w)[1])
 
 
 def _engine_state(folder, **kwargs) -> dict[str, torch.Tensor]:
