@@ -38,6 +38,7 @@ import torch
 
 from infer.kernels.fp8_reference import FP8_MAX_INV, SCALE_MIN, quantize_rows_reference, to_e4m3
 from infer.plugins.layers.fp8 import quantize_weight
+from infer.quantize import projections
 
 Rounding = Callable[[torch.Tensor], torch.Tensor]  # [N, K] float32 -> the same, rounded
 
@@ -102,11 +103,6 @@ SCHEMES: dict[str, tuple[Rounding | None, bool, bool]] = {
     "gptq": (gptq_placeholder, False, False),
     "w8a8-gptq": (gptq_placeholder, True, False),
 }
-
-
-def projections(model: torch.nn.Module) -> dict[str, torch.nn.Linear]:
-    """The decoder layers' linear layers (attention and MLP projections), by name."""
-    return {name: m for name, m in model.named_modules() if isinstance(m, torch.nn.Linear) and ".layers." in f".{name}"}
 
 
 def perplexity(model: torch.nn.Module, windows: list[list[int]]) -> float:

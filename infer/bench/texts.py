@@ -50,17 +50,10 @@ def load_text_set(
 ) -> TextSet:
     encode = encoder(tokenizer, vocab_size)
     texts = chats()
-    stream: list[int] = []
-    num_chats = 0
-    for text in texts:
-        stream += encode(text + "\n\n")
-        num_chats += 1
-        if len(stream) >= num_windows * window_tokens:
-            break
-    windows = [stream[i * window_tokens : (i + 1) * window_tokens] for i in range(num_windows)]
+    windows, num_chats, num_tokens = _windows(texts, encode, num_windows, window_tokens)
     if not windows or len(windows[-1]) < window_tokens:
         raise ConfigError(
-            f"{SOURCE} holds {len(stream)} tokens, fewer than --windows {num_windows} x --window-tokens "
+            f"{SOURCE} holds {num_tokens} tokens, fewer than --windows {num_windows} x --window-tokens "
             f"{window_tokens}: ask for fewer windows or shorter ones"
         )
     prompts: list[list[int]] = []
@@ -83,14 +76,23 @@ def calibration_windows(tokenizer: Any | None, vocab_size: int, num_windows: int
     """Windows of the chats taken from the dataset's end, last chat first: text that no window or prompt of
     `load_text_set` (which reads from its start) holds, for calibrating a quantizer on."""
     encode = encoder(tokenizer, vocab_size)
+    windows, num_chats, _ = _windows(reversed(list(chats())), encode, num_windows, window_tokens)
+    if not windows or len(windows[-1]) < window_tokens:
+        raise ConfigError(f"{SOURCE} holds fewer than {num_windows} x {window_tokens} tokens: ask for fewer")
+    return TextSet(f"{SOURCE}: {num_windows} x {window_tokens} tokens of its last {num_chats} chats", windows, [])
+
+
+def _windows(
+    texts: Iterator[str], encode: Callable[[str], list[int]], num_windows: int, window_tokens: int
+) -> tuple[list[list[int]], int, int]:
+    """Consecutive windows of the token ids of `texts` (each followed by a blank line), read only as far as
+    they need (a caller may go on with the same iterator): the windows (the last may be short when the
+    text runs out), the texts read and the tokens read."""
     stream: list[int] = []
     num_chats = 0
-    for text in reversed(list(chats())):
+    for text in texts:
         stream += encode(text + "\n\n")
         num_chats += 1
         if len(stream) >= num_windows * window_tokens:
             break
-    windows = [stream[i * window_tokens : (i + 1) * window_tokens] for i in range(num_windows)]
-    if not windows or len(windows[-1]) < window_tokens:
-        raise ConfigError(f"{SOURCE} holds fewer than {num_windows} x {window_tokens} tokens: ask for fewer")
-    return TextSet(f"{SOURCE}: {num_windows} x {window_tokens} tokens of its last {num_chats} chats", windows, [])
+    return [stream[i * window_tokens : (i + 1) * window_tokens] for i in range(num_windows)], num_chats, len(stream)
