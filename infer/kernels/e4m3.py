@@ -1,10 +1,13 @@
 """How this project's Triton kernels store a value as FP8 (e4m3): clamp(x * scale_inv, -448, 448)
 rounded to the nearest e4m3 value, ties to even. These are the bits of
 `torch.Tensor.to(torch.float8_e4m3fn)` after the same clamp (`infer.runtime.kv_cache.quantize_fp8`).
-The rounding is done here in float32 arithmetic, so the cast to e4m3 that follows is exact:
-compiled, Triton's cast (`cvt.rn.satfinite`) rounds the same way, but Triton's interpreter truncates a
-mantissa that rounds up into the next power of two (1.99 becomes 1.0), and CI runs the interpreter.
-The FP8 KV cache's write (`paged-cuda`) and the activation quantizers (`infer.kernels.fp8`) take it.
+Compiled, Triton's cast (`cvt.rn.satfinite`, one instruction for two values) rounds that way itself.
+Triton's interpreter truncates instead a mantissa that rounds up into the next power of two (1.99
+becomes 1.0), so there (how CI runs the kernels) the value is first rounded in float32 arithmetic
+(`round_e4m3`) and the cast after it is exact. The rounding is some twenty instructions a value: a
+one-token row quantized by one program took 2x the time with it on an H200 (docs/performance.md,
+"FP8 activations (W8A8)"). The FP8 KV cache's write (`paged-cuda`) and the activation quantizers
+(`infer.kernels.fp8`) take it.
 """
 
 from __future__ import annotations
@@ -12,6 +15,10 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
+from infer import env
+
+# read once: the kernels are interpreted or compiled as TRITON_INTERPRET was at this import
+_INTERPRETED = tl.constexpr(env.triton_interpret())
 E4M3_MAX = tl.constexpr(448.0)
 E4M3_MIN_NORMAL = tl.constexpr(0.015625)  # 2^-6; below it e4m3 is subnormal, in steps of 2^-9
 SIGN_BIT = tl.constexpr(-0x80000000)  # float32's sign bit, as an int32
@@ -38,4 +45,7 @@ def round_e4m3(x):
 @triton.jit
 def quantize(x, scale_inv, dtype: tl.constexpr):
     """x as an e4m3 `dtype` value standing for x: x * scale_inv, clamped to +-448 and rounded."""
-    return round_e4m3(tl.clamp(x.to(tl.float32) * scale_inv, -E4M3_MAX, E4M3_MAX)).to(dtype)
+    y = tl.clamp(x.to(tl.float32) * scale_inv, -E4M3_MAX, E4M3_MAX)
+    if _INTERPRETED:
+        y = round_e4m3(y)
+    return y.to(dtype)

@@ -25,6 +25,7 @@ from infer.kernels.triton_pdl import kernel_args, wait_and_release
 __all__ = ["quantize_rows", "rms_norm_fp8", "silu_and_mul_fp8", "gelu_and_mul_fp8", "scaled_mm"]
 
 _FP8_MAX_INV = tl.constexpr(FP8_MAX_INV)
+FEW_ROWS = 64  # fewer rows than this take more warps a row (`_warps`)
 _SCALE_MIN = tl.constexpr(SCALE_MIN)
 
 
@@ -83,6 +84,14 @@ def _act_and_mul_fp8_kernel(
     _store_quantized(act_and_mul(gate, up, GELU).to(tl.float32), q_ptr + row * N, scale_ptr + row, cols, mask)
 
 
+def _warps(rows: int, block: int) -> int:
+    """Warps of each program (one a row of `block` columns): 16, except 4 for rows of at most 4096
+    columns when there are enough rows to fill the GPU. A few rows leave most SMs idle and each row's
+    time is its own program's instructions, which more warps share; SiLU-and-mul's wide rows take 16
+    at any count (measured: docs/performance.md, "FP8 activations (W8A8)")."""
+    return 16 if rows < FEW_ROWS or block > 4096 else 4
+
+
 def _outputs(rows: int, k: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
     return torch.empty(rows, k, dtype=FP8, device=device), torch.empty(rows, 1, dtype=torch.float32, device=device)
 
@@ -93,7 +102,8 @@ def quantize_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     rows, k = x.shape
     q, scale = _outputs(rows, k, x.device)
     if rows:
-        _quantize_rows_kernel[(rows,)](x, q, scale, K=k, BLOCK=triton.next_power_of_2(k), **kernel_args(x.device))
+        block = triton.next_power_of_2(k)
+        _quantize_rows_kernel[(rows,)](x, q, scale, K=k, BLOCK=block, num_warps=_warps(rows, block), **kernel_args(x.device))
     return q, scale
 
 
@@ -104,6 +114,7 @@ def rms_norm_fp8(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: to
     rows, n = x.shape
     q, scale = _outputs(rows, n, x.device)
     res_out = torch.empty_like(x) if residual is not None else x  # without a residual: its dtype only
+    block = triton.next_power_of_2(n)
     if rows:
         _rms_norm_fp8_kernel[(rows,)](
             x,
@@ -114,8 +125,9 @@ def rms_norm_fp8(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: to
             res_out,
             eps,
             N=n,
-            BLOCK=triton.next_power_of_2(n),
+            BLOCK=block,
             HAS_RESIDUAL=residual is not None,
+            num_warps=_warps(rows, block),
             **kernel_args(x.device),
         )
     return (q, scale) if residual is None else ((q, scale), res_out)
@@ -125,9 +137,10 @@ def _act_and_mul_fp8(h: torch.Tensor, gelu: bool) -> tuple[torch.Tensor, torch.T
     h = h.contiguous()
     rows, n = h.shape[0], h.shape[1] // 2
     q, scale = _outputs(rows, n, h.device)
+    block = triton.next_power_of_2(n)
     if rows:
         _act_and_mul_fp8_kernel[(rows,)](
-            h, q, scale, N=n, BLOCK=triton.next_power_of_2(n), GELU=gelu, **kernel_args(h.device)
+            h, q, scale, N=n, BLOCK=block, GELU=gelu, num_warps=_warps(rows, block), **kernel_args(h.device)
         )
     return q, scale
 

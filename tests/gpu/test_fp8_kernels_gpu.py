@@ -53,6 +53,23 @@ def test_quantize_rows_matches_reference(dtype, t):
         assert_same_bits(fp8.quantize_rows(x), quantize_rows_reference(x))
 
 
+def test_the_compiled_cast_rounds_as_torch_near_every_e4m3_value():
+    """Compiled, the quantizers leave the rounding to the cast (the interpreter rounds in float32 first):
+    in a row whose amax is 448 (scale ~1), every e4m3 value, the midpoints between neighbours and the
+    floats either side of each, of both signs (ties to even, subnormals, -0.0), give torch's bits."""
+    from infer.kernels import fp8
+    from infer.kernels.fp8_reference import quantize_rows_reference
+
+    values = torch.arange(256, dtype=torch.uint8).view(torch.float8_e4m3fn).float()
+    values = values[values.isfinite()].unique()
+    mids = (values[1:] + values[:-1]) / 2
+    up, down = torch.full_like(mids, float("inf")), torch.full_like(mids, -float("inf"))
+    row = torch.cat([values, mids, mids.nextafter(up), mids.nextafter(down), torch.tensor([-1e-30, 1e-30, -0.0])])
+    x = row.view(1, -1).cuda()
+    for warps_row in (x, x.expand(fp8.FEW_ROWS, -1)):  # one program's warps for a row both ways (`_warps`)
+        assert_same_bits(fp8.quantize_rows(warps_row), quantize_rows_reference(warps_row))
+
+
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("t", TOKENS)
 @pytest.mark.parametrize("with_residual", [False, True])
