@@ -9,7 +9,8 @@ does at load. `gptq` keeps the same scales and rounds the columns of each weight
 rounding error spread over the columns not yet rounded in proportion to how the calibration text's
 activations correlate them (GPTQ: Frantar et al., 2022, with the row scales fixed up front): it minimizes
 the error of the layer's output on that text rather than of each weight. The activations are those of the
-unquantized model (HF transformers' own implementation, float32, CPU), collected in one pass.
+unquantized model (HF transformers' own implementation, float32, CPU), collected one decoder layer at a
+time (`layer_hessians`), so that only one layer's statistics are in memory at once.
 
 The LM head and embeddings stay in the checkpoint's dtype; activations are quantized per token at run time
 (the config says so), as under --quantization fp8.
@@ -20,7 +21,7 @@ from __future__ import annotations
 import json
 import shutil
 from pathlib import Path
-from typing import Callable
+from typing import Callable, Iterable, Iterator
 
 import torch
 
@@ -54,29 +55,104 @@ def projections(model: torch.nn.Module) -> dict[str, torch.nn.Linear]:
     return {name: m for name, m in model.named_modules() if isinstance(m, torch.nn.Linear) and ".layers." in f".{name}"}
 
 
-def hessians(model: torch.nn.Module, windows: list[list[int]]) -> dict[str, torch.Tensor]:
-    """Per projection, the mean of x x^T over every token of `windows` that reaches its input: [K, K] float64."""
-    layers = projections(model)
-    sums = {name: torch.zeros(m.in_features, m.in_features, dtype=torch.float64) for name, m in layers.items()}
-    counts = dict.fromkeys(layers, 0)
+class _Captured(Exception):
+    """Raised by the hook on the last decoder layer once every layer's inputs of a window are known: the rest
+    of the forward is not needed."""
 
-    def collect(name: str) -> Callable:
-        def hook(module: torch.nn.Module, args: tuple) -> None:
-            x = args[0].reshape(-1, args[0].shape[-1]).double()
-            sums[name] += x.T @ x
-            counts[name] += x.shape[0]
+
+def decoder_layers(model: torch.nn.Module, names: Iterable[str]) -> tuple[str, torch.nn.ModuleList]:
+    """(its name, the list) of the decoder layers that hold the projections `names` ("<list>.<i>.<...>")."""
+    prefix = next(iter(names)).split(".layers.")[0] + ".layers"
+    layers = model.get_submodule(prefix)
+    if not isinstance(layers, torch.nn.ModuleList):
+        raise ValueError(f"{prefix} is a {type(layers).__name__}, not the list of decoder layers")
+    return prefix, layers
+
+
+def _layer_inputs(layers: torch.nn.ModuleList, model: torch.nn.Module, windows: list[list[int]]) -> tuple[list, list]:
+    """(the first layer's hidden states, window by window; for each layer, each window's other arguments as
+    the model passed them: (hidden state positional?, other positional args, keyword args)). Layers may
+    differ in them (Gemma 2's alternate sliding-window and full attention masks); the tensors among them
+    (masks, rotary tables) are shared between layers, and no later hidden state is kept."""
+    hidden: list[torch.Tensor] = []
+    calls: list[list[tuple[bool, tuple, dict]]] = [[] for _ in layers]
+
+    def capture(i: int) -> Callable:
+        def hook(module: torch.nn.Module, args: tuple, kwargs: dict) -> None:
+            if i == 0:
+                hidden.append(args[0] if args else kwargs["hidden_states"])
+            others = {key: value for key, value in kwargs.items() if key != "hidden_states"}
+            calls[i].append((bool(args), args[1:], others))
+            if i == len(layers) - 1:
+                raise _Captured
 
         return hook
 
-    hooks = [m.register_forward_pre_hook(collect(name)) for name, m in layers.items()]
+    hooks = [layer.register_forward_pre_hook(capture(i), with_kwargs=True) for i, layer in enumerate(layers)]
     try:
         with torch.no_grad():
             for window in windows:
-                model(torch.tensor([window]))
+                try:
+                    model(torch.tensor([window]), use_cache=False)
+                except _Captured:
+                    pass
     finally:
         for hook in hooks:
             hook.remove()
-    return {name: sums[name] / max(1, counts[name]) for name in layers}
+    return hidden, calls
+
+
+def layer_hessians(model: torch.nn.Module, windows: list[list[int]]) -> Iterator[dict[str, torch.Tensor]]:
+    """Per decoder layer in turn, the mean of x x^T over every token of `windows` that reaches each of its
+    projections' input: {name: [K, K] float64}. Projections that read the same tensor (q, k and v; gate and
+    up) share one matrix. The windows go through one layer at a time, each layer's outputs kept as the next
+    one's inputs (`_layer_inputs` gives the first's and every layer's other arguments), so only one
+    layer's matrices exist at once; the activations are the unquantized model's, as in one full forward."""
+    found = projections(model)
+    prefix, layers = decoder_layers(model, found)
+    hidden, calls = _layer_inputs(layers, model, windows)
+    for i, layer in enumerate(layers):
+        mine = {name: m for name, m in found.items() if name.startswith(f"{prefix}.{i}.")}
+        sums: dict[str, torch.Tensor] = {}
+        counts: dict[str, int] = {}
+        same: dict[str, str] = {}  # projection -> the first one that read its input tensor
+        # id of an input tensor of this window's call -> (the tensor, held so that its id is not reused by
+        # another while the call runs; the first projection to read it)
+        first: dict[int, tuple[torch.Tensor, str]] = {}
+
+        def collect(name: str) -> Callable:
+            def hook(module: torch.nn.Module, args: tuple) -> None:
+                if (seen := first.get(id(args[0]))) is not None:
+                    same[name] = seen[1]
+                    return
+                first[id(args[0])] = (args[0], name)
+                x = args[0].reshape(-1, args[0].shape[-1]).double()
+                sums[name] = sums.get(name, 0) + x.T @ x
+                counts[name] = counts.get(name, 0) + x.shape[0]
+
+            return hook
+
+        hooks = [m.register_forward_pre_hook(collect(name)) for name, m in mine.items()]
+        try:
+            with torch.no_grad():
+                for j, (positional, args, kwargs) in enumerate(calls[i]):
+                    first.clear()
+                    if positional:
+                        out = layer(hidden[j], *args, **kwargs)
+                    else:
+                        out = layer(*args, hidden_states=hidden[j], **kwargs)
+                    hidden[j] = out[0] if isinstance(out, tuple) else out
+        finally:
+            for hook in hooks:
+                hook.remove()
+        calls[i] = []
+        means = {name: sums[name] / max(1, counts[name]) for name in sums}
+        yield {name: means[same.get(name, name)] for name in mine if same.get(name, name) in means}
+
+
+def hessians(model: torch.nn.Module, windows: list[list[int]]) -> dict[str, torch.Tensor]:
+    """Every projection's `layer_hessians` matrix at once (for small models: they all stay in memory)."""
+    return {name: h for layer in layer_hessians(model, windows) for name, h in layer.items()}
 
 
 def gptq(
@@ -134,16 +210,23 @@ def quantize_folder(
     layers = projections(model)
     if not layers:
         raise ValueError(f"{source} has no decoder projections to quantize")
-    found = hessians(model, windows) if method == "gptq" else {}
-    if found:
-        progress(f"calibrated over {sum(len(w) for w in windows)} tokens in {len(windows)} windows")
+    if method == "gptq":
+        progress(f"calibrating over {sum(len(w) for w in windows)} tokens in {len(windows)} windows, layer by layer")
+        by_layer: Iterable[dict[str, torch.Tensor | None]] = layer_hessians(model, windows)
+    else:
+        by_layer = [dict.fromkeys(layers)]
     quantized: dict[str, torch.Tensor] = {}
-    for i, (name, module) in enumerate(layers.items()):
-        w = module.weight.detach().float()
-        q, scale = gptq(w, found[name]) if method == "gptq" else quantize_weight(w)
-        quantized[f"{name}.weight"], quantized[f"{name}.weight_scale"] = q, scale.float()[:, None]
-        if (i + 1) % 50 == 0 or i + 1 == len(layers):
-            progress(f"{i + 1}/{len(layers)} projections quantized ({method})")
+    for found in by_layer:
+        for name, hessian in found.items():
+            w = layers[name].weight.detach().float()
+            q, scale = quantize_weight(w) if hessian is None else gptq(w, hessian)
+            quantized[f"{name}.weight"], quantized[f"{name}.weight_scale"] = q, scale.float()[:, None]
+            done = len(quantized) // 2
+            if done % 50 == 0 or done == len(layers):
+                progress(f"{done}/{len(layers)} projections quantized ({method})")
+    if len(quantized) // 2 != len(layers):  # a projection no calibration token reached: its layer never ran it
+        unseen = sorted(n for n in layers if f"{n}.weight" not in quantized)
+        raise ValueError(f"no calibration token reached {unseen[0]} (and {len(unseen) - 1} more): cannot gptq it")
     out.mkdir(parents=True, exist_ok=True)
     tensors: dict[str, torch.Tensor] = {}
     for shard in sorted(source.glob("*.safetensors")):

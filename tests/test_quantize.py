@@ -59,6 +59,61 @@ def test_a_column_no_token_reaches_is_zeroed():
     assert torch.equal(scale, quantize_weight(w)[1])
 
 
+def _one_pass_hessians(model, windows) -> dict[str, torch.Tensor]:
+    """The plain way: hooks on every projection through whole forwards, each keeping its own sum."""
+    found = fp8.projections(model)
+    sums = {name: torch.zeros(m.in_features, m.in_features, dtype=torch.float64) for name, m in found.items()}
+    counts = dict.fromkeys(found, 0)
+
+    def collect(name):
+        def hook(module, args):
+            x = args[0].reshape(-1, args[0].shape[-1]).double()
+            sums[name] += x.T @ x
+            counts[name] += x.shape[0]
+
+        return hook
+
+    hooks = [m.register_forward_pre_hook(collect(name)) for name, m in found.items()]
+    with torch.no_grad():
+        for window in windows:
+            model(torch.tensor([window]))
+    for hook in hooks:
+        hook.remove()
+    return {name: sums[name] / counts[name] for name in found}
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen3", "gemma2"])
+def test_layer_by_layer_hessians_are_a_whole_forwards(family):
+    """One layer at a time (the first layer's inputs captured, each layer's outputs fed to the next) gives
+    the bits of hooks through whole forwards, q/k/v and gate/up sharing one matrix, one layer's at a time."""
+    import transformers
+
+    config_class, model_class = {
+        "llama": (transformers.LlamaConfig, transformers.LlamaForCausalLM),
+        "qwen3": (transformers.Qwen3Config, transformers.Qwen3ForCausalLM),
+        "gemma2": (transformers.Gemma2Config, transformers.Gemma2ForCausalLM),
+    }[family]
+    torch.manual_seed(0)
+    config = config_class(
+        vocab_size=96, hidden_size=32, intermediate_size=48, num_hidden_layers=3, num_attention_heads=4,
+        num_key_value_heads=2, head_dim=8, max_position_embeddings=64,
+    )  # fmt: skip
+    model = model_class(config).eval()
+    windows = [[(5 * i + 3 * j) % 96 for j in range(12 + i)] for i in range(3)]
+    expected = _one_pass_hessians(model, windows)
+    seen = {}
+    for i, layer in enumerate(fp8.layer_hessians(model, windows)):
+        assert set(layer) == {name for name in expected if name.startswith(f"model.layers.{i}.")}
+        seen |= layer
+        prefix = f"model.layers.{i}."
+        assert layer[prefix + "self_attn.q_proj"] is layer[prefix + "self_attn.v_proj"]
+        assert layer[prefix + "mlp.gate_proj"] is layer[prefix + "mlp.up_proj"]
+        assert layer[prefix + "self_attn.o_proj"] is not layer[prefix + "self_attn.q_proj"]
+    assert seen.keys() == expected.keys()
+    for name, h in expected.items():
+        assert torch.equal(seen[name], h), name
+
+
 def _engine_state(folder, **kwargs) -> dict[str, torch.Tensor]:
     llm = LLM(str(folder), dtype="fp32", device="cpu", num_kv_blocks=32, **kwargs)
     return llm.engine.decoder.runner.model.state_dict()
