@@ -226,7 +226,10 @@ def quantize_folder(
                 progress(f"{done}/{len(layers)} projections quantized ({method})")
     if len(quantized) // 2 != len(layers):  # a projection no calibration token reached: its layer never ran it
         unseen = sorted(n for n in layers if f"{n}.weight" not in quantized)
-        raise ValueError(f"no calibration token reached {unseen[0]} (and {len(unseen) - 1} more): cannot gptq it")
+        raise ValueError(
+            f"no calibration token reached {unseen[0]} (and {len(unseen) - 1} more), so gptq has nothing to weigh "
+            "its columns by: calibrate on other text (--calibration FILE), or use --method rtn"
+        )
     out.mkdir(parents=True, exist_ok=True)
     tensors: dict[str, torch.Tensor] = {}
     for shard in sorted(source.glob("*.safetensors")):

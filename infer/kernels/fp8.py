@@ -25,8 +25,8 @@ from infer.kernels.triton_pdl import kernel_args, wait_and_release
 __all__ = ["quantize_rows", "rms_norm_fp8", "silu_and_mul_fp8", "gelu_and_mul_fp8", "scaled_mm"]
 
 _FP8_MAX_INV = tl.constexpr(FP8_MAX_INV)
-FEW_ROWS = 64  # fewer rows than this take more warps a row (`_warps`)
 _SCALE_MIN = tl.constexpr(SCALE_MIN)
+FEW_ROWS = 64  # fewer rows than this take more warps a row (`_warps`)
 
 
 @triton.jit
@@ -103,7 +103,9 @@ def quantize_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     q, scale = _outputs(rows, k, x.device)
     if rows:
         block = triton.next_power_of_2(k)
-        _quantize_rows_kernel[(rows,)](x, q, scale, K=k, BLOCK=block, num_warps=_warps(rows, block), **kernel_args(x.device))
+        _quantize_rows_kernel[(rows,)](
+            x, q, scale, K=k, BLOCK=block, num_warps=_warps(rows, block), **kernel_args(x.device)
+        )
     return q, scale
 
 
