@@ -190,6 +190,27 @@ def gptq(
     return q, scale[:, 0]
 
 
+def _gptq_all(
+    model: torch.nn.Module, windows: list[list[int]], progress: Callable[[str], object]
+) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
+    """Every projection's (e4m3 weight, scale) by GPTQ, keyed by its weight's name, layer by layer."""
+    layers = projections(model)
+    progress(f"calibrating over {sum(len(w) for w in windows)} tokens in {len(windows)} windows, layer by layer")
+    quantized = {}
+    for found in layer_hessians(model, windows):
+        for name, hessian in found.items():
+            quantized[f"{name}.weight"] = gptq(layers[name].weight.detach().float(), hessian)
+            if len(quantized) % 50 == 0 or len(quantized) == len(layers):
+                progress(f"{len(quantized)}/{len(layers)} projections quantized (gptq)")
+    if len(quantized) != len(layers):  # a projection no calibration token reached: its layer never ran it
+        unseen = sorted(n for n in layers if f"{n}.weight" not in quantized)
+        raise ValueError(
+            f"no calibration token reached {unseen[0]} (and {len(unseen) - 1} more), so gptq has nothing to weigh "
+            "its columns by: calibrate on other text (--calibration FILE), or use --method rtn"
+        )
+    return quantized
+
+
 def quantize_folder(
     source: Path,
     out: Path,
@@ -198,53 +219,64 @@ def quantize_folder(
     progress: Callable[[str], object] = print,
 ) -> Path:
     """Write `source` (an HF model folder) to `out` with its projections in FP8 (`method`: gptq, over the
-    calibration `windows` of token ids, or rtn). Returns `out`."""
-    from safetensors.torch import load_file, save_file
-    from transformers import AutoModelForCausalLM
+    calibration `windows` of token ids, or rtn). The weights are read and written one safetensors shard at a
+    time, the output keeping the source's shard names (and an index when it has several); rtn loads no
+    model, only each projection's tensor as its shard is written. Returns `out`."""
+    from safetensors import safe_open
+    from safetensors.torch import save_file
+    from transformers import AutoConfig, AutoModelForCausalLM
 
     if method not in METHODS:
         raise ValueError(f"method must be one of {', '.join(METHODS)}, not {method!r}")
     if method == "gptq" and not windows:
         raise ValueError("gptq needs calibration windows (token ids)")
-    model = AutoModelForCausalLM.from_pretrained(source, dtype=torch.float32).eval()
-    layers = projections(model)
-    if not layers:
-        raise ValueError(f"{source} has no decoder projections to quantize")
+    shards = sorted(source.glob("*.safetensors"))
+    if not shards:
+        raise ValueError(f"{source} has no .safetensors weights")
     if method == "gptq":
-        progress(f"calibrating over {sum(len(w) for w in windows)} tokens in {len(windows)} windows, layer by layer")
-        by_layer: Iterable[dict[str, torch.Tensor | None]] = layer_hessians(model, windows)
-    else:
-        by_layer = [dict.fromkeys(layers)]
-    quantized: dict[str, torch.Tensor] = {}
-    for found in by_layer:
-        for name, hessian in found.items():
-            w = layers[name].weight.detach().float()
-            q, scale = quantize_weight(w) if hessian is None else gptq(w, hessian)
-            quantized[f"{name}.weight"], quantized[f"{name}.weight_scale"] = q, scale.float()[:, None]
-            done = len(quantized) // 2
-            if done % 50 == 0 or done == len(layers):
-                progress(f"{done}/{len(layers)} projections quantized ({method})")
-    if len(quantized) // 2 != len(layers):  # a projection no calibration token reached: its layer never ran it
-        unseen = sorted(n for n in layers if f"{n}.weight" not in quantized)
-        raise ValueError(
-            f"no calibration token reached {unseen[0]} (and {len(unseen) - 1} more), so gptq has nothing to weigh "
-            "its columns by: calibrate on other text (--calibration FILE), or use --method rtn"
-        )
-    out.mkdir(parents=True, exist_ok=True)
-    tensors: dict[str, torch.Tensor] = {}
-    for shard in sorted(source.glob("*.safetensors")):
-        for name, t in load_file(str(shard)).items():
-            if name in quantized:
-                tensors[name], tensors[name + "_scale"] = quantized[name], quantized[name + "_scale"]
-            else:
-                tensors[name] = t
-    missing = sorted(n for n in quantized if n not in tensors)
+        model = AutoModelForCausalLM.from_pretrained(source, dtype=torch.float32).eval()
+    else:  # the projections' names only: a model on the meta device holds no weights
+        with torch.device("meta"):
+            model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(source))
+    targets = {f"{name}.weight" for name in projections(model)}
+    if not targets:
+        raise ValueError(f"{source} has no decoder projections to quantize")
+    stored: set[str] = set()
+    for shard in shards:
+        with safe_open(str(shard), "pt") as f:
+            stored.update(f.keys())
+    missing = sorted(targets - stored)
     if missing:
         raise ValueError(f"{source}'s safetensors lack {missing[0]} (and {len(missing) - 1} more): not an HF folder")
+    quantized = _gptq_all(model, windows, progress) if method == "gptq" else {}
+    del model  # the float32 model is not needed to write the shards
+    out.mkdir(parents=True, exist_ok=True)
+    weight_map: dict[str, str] = {}
+    total, done = 0, 0
+    for shard in shards:
+        tensors: dict[str, torch.Tensor] = {}
+        with safe_open(str(shard), "pt") as f:
+            for name in f.keys():
+                t = f.get_tensor(name)
+                if name not in targets:
+                    tensors[name] = t
+                    continue
+                q, scale = quantized.pop(name) if method == "gptq" else quantize_weight(t.float())
+                tensors[name], tensors[name + "_scale"] = q, scale.float()[:, None]
+                done += 1
+                if method == "rtn" and (done % 50 == 0 or done == len(targets)):
+                    progress(f"{done}/{len(targets)} projections quantized (rtn)")
+        save_file(tensors, str(out / shard.name), metadata={"format": "pt"})
+        weight_map.update(dict.fromkeys(tensors, shard.name))
+        total += sum(t.nbytes for t in tensors.values())
+    index = source / "model.safetensors.index.json"
+    if len(shards) > 1 or index.exists():
+        (out / index.name).write_text(
+            json.dumps({"metadata": {"total_size": total}, "weight_map": weight_map}, indent=2)
+        )
     for f in source.iterdir():  # config, tokenizer, generation config: everything but the weights
         if f.is_file() and f.suffix != ".safetensors" and not f.name.endswith(".safetensors.index.json"):
             shutil.copy(f, out / f.name)
-    save_file(tensors, str(out / "model.safetensors"))
     config = json.loads((out / "config.json").read_text())
     (out / "config.json").write_text(json.dumps({**config, "quantization_config": QUANTIZATION_CONFIG}, indent=2))
     return out

@@ -147,6 +147,34 @@ def test_a_gptq_folder_loads_as_saved_and_generates(tiny_llama_dir, tmp_path):
     assert len(llm.generate([{"prompt_token_ids": [1, 2, 3]}])[0].outputs[0].token_ids) > 0
 
 
+def test_a_sharded_checkpoint_is_written_shard_by_shard(tiny_llama_dir, tmp_path):
+    """The output keeps the source's shards and indexes each tensor (scales beside their weights), and
+    holds what a one-file source gives, for rtn (which loads no model) and gptq."""
+    from safetensors import safe_open
+    from transformers import LlamaForCausalLM
+
+    sharded = tmp_path / "sharded"
+    LlamaForCausalLM.from_pretrained(tiny_llama_dir).save_pretrained(sharded, max_shard_size="200KB")
+    shards = sorted(p.name for p in sharded.glob("*.safetensors"))
+    assert len(shards) > 1
+    windows = [[(7 * i + j) % 250 for j in range(32)] for i in range(4)]
+    for method in ("rtn", "gptq"):
+        calibration = windows if method == "gptq" else None
+        out = fp8.quantize_folder(sharded, tmp_path / method, method, calibration, progress=lambda m: None)
+        one = fp8.quantize_folder(tiny_llama_dir, tmp_path / f"{method}-one", method, calibration, lambda m: None)
+        assert sorted(p.name for p in out.glob("*.safetensors")) == shards
+        weight_map = json.loads((out / "model.safetensors.index.json").read_text())["weight_map"]
+        for shard in shards:
+            with safe_open(str(out / shard), "pt") as f:
+                assert {n for n, file in weight_map.items() if file == shard} == set(f.keys())
+        assert (
+            weight_map["model.layers.2.mlp.down_proj.weight_scale"] == weight_map["model.layers.2.mlp.down_proj.weight"]
+        )
+        mine, theirs = _engine_state(out), _engine_state(one)
+        for name, tensor in theirs.items():
+            assert torch.equal(tensor.view(torch.uint8), mine[name].view(torch.uint8)), (method, name)
+
+
 def _quantize(*args: str):
     return CliRunner().invoke(cli, ["models", "quantize", *args])
 
