@@ -232,7 +232,9 @@ def quantize_folder(
         raise ValueError("gptq needs calibration windows (token ids)")
     shards = sorted(source.glob("*.safetensors"))
     if not shards:
-        raise ValueError(f"{source} has no .safetensors weights")
+        raise ValueError(
+            f"{source} has no .safetensors weights: load it in transformers and save_pretrained() it to a new folder"
+        )
     if method == "gptq":
         model = AutoModelForCausalLM.from_pretrained(source, dtype=torch.float32).eval()
     else:  # the projections' names only: a model on the meta device holds no weights

@@ -198,6 +198,7 @@ def test_the_command_writes_a_folder_from_a_text_file(tiny_llama_dir, tmp_path):
         ("short file", "fewer than one window"),
         ("not utf-8", "is not UTF-8 text"),
         ("unknown architecture", "could not quantize"),
+        ("no safetensors", "has no .safetensors weights"),
     ],
 )
 def test_bad_input_is_one_line_and_exit_2(case, message, tiny_llama_dir, tmp_path):
@@ -217,6 +218,15 @@ def test_bad_input_is_one_line_and_exit_2(case, message, tiny_llama_dir, tmp_pat
         folder = tmp_path / "strange"
         folder.mkdir()
         (folder / "config.json").write_text(json.dumps({"model_type": "no-such-model", "vocab_size": 16}))
+        model = str(folder)
+    elif case == "no safetensors":  # weights only in another format
+        folder = tmp_path / "bin-only"
+        folder.mkdir()
+        for f in tiny_llama_dir.iterdir():
+            if f.suffix != ".safetensors":
+                (folder / f.name).write_bytes(f.read_bytes())
+        (folder / "pytorch_model.bin").write_bytes(b"x")
+        text.write_text("The quick brown fox jumps over the lazy dog. " * 200)
         model = str(folder)
     result = _quantize(model, str(out), "--calibration", calibration)
     assert result.exit_code == 2, result.output
