@@ -25,8 +25,8 @@ from typing import Callable, Iterable, Iterator
 
 import torch
 
-from infer.kernels.fp8_reference import FP8_MAX_INV, SCALE_MIN, to_e4m3
-from infer.plugins.layers.fp8 import quantize_weight
+from infer.kernels.fp8_reference import to_e4m3
+from infer.plugins.layers.fp8 import quantize_weight, weight_scales
 
 METHODS = ("gptq", "rtn")
 QUANTIZATION_CONFIG = {
@@ -146,7 +146,7 @@ def layer_hessians(model: torch.nn.Module, windows: list[list[int]]) -> Iterator
             for hook in hooks:
                 hook.remove()
         calls[i] = []
-        means = {name: sums[name] / max(1, counts[name]) for name in sums}
+        means = {name: sums[name] / counts[name] for name in sums}
         yield {name: means[same.get(name, name)] for name in mine if same.get(name, name) in means}
 
 
@@ -163,7 +163,7 @@ def gptq(
     (dampened by `damp` x its mean diagonal). A column no token reaches (zero diagonal) is set to zero."""
     w = w.double().clone()
     n, k = w.shape
-    scale = (w.abs().amax(dim=1).float().clamp(min=SCALE_MIN) * FP8_MAX_INV)[:, None]  # [N, 1] float32: rtn's
+    scale = weight_scales(w)[:, None]  # [N, 1] float32: rtn's
     h = hessian.double().clone()
     dead = torch.diag(h) == 0
     h[dead, dead] = 1.0

@@ -32,12 +32,17 @@ from infer.core.interfaces import Capabilities
 from infer.kernels.fp8_reference import FP8, FP8_MAX_INV, quantize_rows_reference, to_e4m3
 
 
+def weight_scales(w: torch.Tensor) -> torch.Tensor:
+    """Float32 [N]: each row's amax / 448 of w [N, K] (1 for a row of zeros)."""
+    amax = w.float().abs().amax(dim=1)
+    return torch.where(amax > 0, amax * FP8_MAX_INV, torch.ones_like(amax))
+
+
 def quantize_weight(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """(Q, s): e4m3 values [N, K] and float32 scales [N] with Q * s[:, None] ~ w, s = amax of the row / 448
-    (1 for a row of zeros); Q = w * (1 / s) in float32, rounded to nearest. The same bits on any device."""
+    """(Q, s): e4m3 values [N, K] and float32 scales [N] with Q * s[:, None] ~ w, s = `weight_scales(w)`;
+    Q = w * (1 / s) in float32, rounded to nearest. The same bits on any device."""
     w = w.float()
-    amax = w.abs().amax(dim=1)
-    scale = torch.where(amax > 0, amax * FP8_MAX_INV, torch.ones_like(amax))
+    scale = weight_scales(w)
     return to_e4m3(w, scale[:, None]), scale
 
 
