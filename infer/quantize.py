@@ -9,8 +9,10 @@ does at load. `gptq` keeps the same scales and rounds the columns of each weight
 rounding error spread over the columns not yet rounded in proportion to how the calibration text's
 activations correlate them (GPTQ: Frantar et al., 2022, with the row scales fixed up front): it minimizes
 the error of the layer's output on that text rather than of each weight. The activations are those of the
-unquantized model (HF transformers' own implementation, float32, CPU), collected one decoder layer at a
-time (`layer_hessians`), so that only one layer's statistics are in memory at once.
+unquantized model (HF transformers' own implementation, float32), collected one decoder layer at a time
+(`layer_hessians`), so that only one layer's statistics are in memory at once. The model is read into CPU
+memory; with a CUDA device (`--device`, by default one when there is one) each decoder layer in turn, its
+statistics and its projections' rounding run there.
 
 The LM head and embeddings stay in the checkpoint's dtype; activations are quantized per token at run time
 (the config says so), as under --quantization fp8.
@@ -102,16 +104,40 @@ def _layer_inputs(layers: torch.nn.ModuleList, model: torch.nn.Module, windows: 
     return hidden, calls
 
 
-def layer_hessians(model: torch.nn.Module, windows: list[list[int]]) -> Iterator[dict[str, torch.Tensor]]:
+def _to(value: object, device: torch.device, moved: dict[int, torch.Tensor]) -> object:
+    """`value` (a tensor, or tuples, lists and dicts of them) with its tensors on `device`; a tensor met
+    twice (the masks and rotary tables every layer shares) is moved once (`moved`, by id)."""
+    if isinstance(value, torch.Tensor):
+        if id(value) not in moved:
+            moved[id(value)] = value.to(device)
+        return moved[id(value)]
+    if isinstance(value, (tuple, list)):
+        return type(value)(_to(v, device, moved) for v in value)
+    if isinstance(value, dict):
+        return {key: _to(v, device, moved) for key, v in value.items()}
+    return value
+
+
+def layer_hessians(
+    model: torch.nn.Module, windows: list[list[int]], device: torch.device | str = "cpu"
+) -> Iterator[dict[str, torch.Tensor]]:
     """Per decoder layer in turn, the mean of x x^T over every token of `windows` that reaches each of its
     projections' input: {name: [K, K] float64}. Projections that read the same tensor (q, k and v; gate and
     up) share one matrix. The windows go through one layer at a time, each layer's outputs kept as the next
     one's inputs (`_layer_inputs` gives the first's and every layer's other arguments), so only one
-    layer's matrices exist at once; the activations are the unquantized model's, as in one full forward."""
+    layer's matrices exist at once; the activations are the unquantized model's, as in one full forward.
+    Each layer moves to `device` (with the windows' states) for its turn, and is on it, with the matrices,
+    while the caller holds them; it goes back to where it was when the next one is asked for."""
     found = projections(model)
     prefix, layers = decoder_layers(model, found)
     hidden, calls = _layer_inputs(layers, model, windows)
+    device = torch.device(device)
+    moved: dict[int, torch.Tensor] = {}
+    hidden = [h.to(device) for h in hidden]
+    calls = [_to(layer_calls, device, moved) for layer_calls in calls]
     for i, layer in enumerate(layers):
+        home = next(layer.parameters()).device
+        layer.to(device)
         mine = {name: m for name, m in found.items() if name.startswith(f"{prefix}.{i}.")}
         sums: dict[str, torch.Tensor] = {}
         counts: dict[str, int] = {}
@@ -148,6 +174,7 @@ def layer_hessians(model: torch.nn.Module, windows: list[list[int]]) -> Iterator
         calls[i] = []
         means = {name: sums[name] / counts[name] for name in sums}
         yield {name: means[same.get(name, name)] for name in mine if same.get(name, name) in means}
+        layer.to(home)
 
 
 def hessians(model: torch.nn.Module, windows: list[list[int]]) -> dict[str, torch.Tensor]:
@@ -160,23 +187,24 @@ def gptq(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """w [N, K] as e4m3 [N, K] and a float32 scale per row [N] (rtn's scales), the columns rounded in order
     with each one's error compensated on the columns after it through the inverse of `hessian` [K, K]
-    (dampened by `damp` x its mean diagonal). A column no token reaches (zero diagonal) is set to zero."""
-    w = w.double().clone()
+    (dampened by `damp` x its mean diagonal). A column no token reaches (zero diagonal) is set to zero. Runs
+    on `hessian`'s device (w is moved there); the results are on it too."""
+    w = w.to(hessian.device, torch.float64, copy=True)
     n, k = w.shape
     scale = weight_scales(w)[:, None]  # [N, 1] float32: rtn's
     h = hessian.double().clone()
     dead = torch.diag(h) == 0
     h[dead, dead] = 1.0
     w[:, dead] = 0.0
-    h += damp * torch.diag(h).mean() * torch.eye(k, dtype=h.dtype)
+    h += damp * torch.diag(h).mean() * torch.eye(k, dtype=h.dtype, device=h.device)
     # the upper Cholesky factor of H^-1: row i holds how column i's error moves the columns after it
     inverse = torch.linalg.cholesky(torch.cholesky_inverse(torch.linalg.cholesky(h)), upper=True)
-    q = torch.empty(n, k, dtype=torch.float8_e4m3fn)
+    q = torch.empty(n, k, dtype=torch.float8_e4m3fn, device=w.device)
     for start in range(0, k, block):
         stop = min(start + block, k)
         part, errors, inv = (
             w[:, start:stop].clone(),
-            torch.zeros(n, stop - start, dtype=w.dtype),
+            torch.zeros(n, stop - start, dtype=w.dtype, device=w.device),
             inverse[start:stop, start:stop],
         )
         for i in range(stop - start):
@@ -191,15 +219,19 @@ def gptq(
 
 
 def _gptq_all(
-    model: torch.nn.Module, windows: list[list[int]], progress: Callable[[str], object]
+    model: torch.nn.Module, windows: list[list[int]], progress: Callable[[str], object], device: torch.device
 ) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
-    """Every projection's (e4m3 weight, scale) by GPTQ, keyed by its weight's name, layer by layer."""
+    """Every projection's (e4m3 weight, scale) by GPTQ, keyed by its weight's name, layer by layer on
+    `device`; the results in CPU memory."""
     layers = projections(model)
-    progress(f"calibrating over {sum(len(w) for w in windows)} tokens in {len(windows)} windows, layer by layer")
+    progress(
+        f"calibrating over {sum(len(w) for w in windows)} tokens in {len(windows)} windows, layer by layer, on {device}"
+    )
     quantized = {}
-    for found in layer_hessians(model, windows):
+    for found in layer_hessians(model, windows, device):
         for name, hessian in found.items():
-            quantized[f"{name}.weight"] = gptq(layers[name].weight.detach().float(), hessian)
+            q, scale = gptq(layers[name].weight.detach().float(), hessian)
+            quantized[f"{name}.weight"] = (q.cpu(), scale.cpu())
             if len(quantized) % 50 == 0 or len(quantized) == len(layers):
                 progress(f"{len(quantized)}/{len(layers)} projections quantized (gptq)")
     if len(quantized) != len(layers):  # a projection no calibration token reached: its layer never ran it
@@ -217,11 +249,12 @@ def quantize_folder(
     method: str = "gptq",
     windows: list[list[int]] | None = None,
     progress: Callable[[str], object] = print,
+    device: torch.device | str = "cpu",
 ) -> Path:
     """Write `source` (an HF model folder) to `out` with its projections in FP8 (`method`: gptq, over the
-    calibration `windows` of token ids, or rtn). The weights are read and written one safetensors shard at a
-    time, the output keeping the source's shard names (and an index when it has several); rtn loads no
-    model, only each projection's tensor as its shard is written. Returns `out`."""
+    calibration `windows` of token ids, on `device`, or rtn). The weights are read and written one
+    safetensors shard at a time, the output keeping the source's shard names (and an index when it has
+    several); rtn loads no model, only each projection's tensor as its shard is written. Returns `out`."""
     from safetensors import safe_open
     from safetensors.torch import save_file
     from transformers import AutoConfig, AutoModelForCausalLM
@@ -250,7 +283,7 @@ def quantize_folder(
     missing = sorted(targets - stored)
     if missing:
         raise ValueError(f"{source}'s safetensors lack {missing[0]} (and {len(missing) - 1} more): not an HF folder")
-    quantized = _gptq_all(model, windows, progress) if method == "gptq" else {}
+    quantized = _gptq_all(model, windows, progress, torch.device(device)) if method == "gptq" else {}
     del model  # the float32 model is not needed to write the shards
     out.mkdir(parents=True, exist_ok=True)
     weight_map: dict[str, str] = {}

@@ -200,6 +200,9 @@ def test_the_command_writes_a_folder_from_a_text_file(tiny_llama_dir, tmp_path):
         ("not utf-8", "is not UTF-8 text"),
         ("unknown architecture", "could not quantize"),
         ("no safetensors", "has no .safetensors weights"),
+        ("not a device", "is not a device: use cpu, cuda, cuda:N or auto"),
+        ("not a gptq device", "gptq runs on cpu or cuda"),
+        ("a missing cuda device", "use --device cpu or auto"),
     ],
 )
 def test_bad_input_is_one_line_and_exit_2(case, message, tiny_llama_dir, tmp_path):
@@ -229,7 +232,8 @@ def test_bad_input_is_one_line_and_exit_2(case, message, tiny_llama_dir, tmp_pat
         (folder / "pytorch_model.bin").write_bytes(b"x")
         text.write_text("The quick brown fox jumps over the lazy dog. " * 200)
         model = str(folder)
-    result = _quantize(model, str(out), "--calibration", calibration)
+    device = {"not a device": "gpu0", "not a gptq device": "meta", "a missing cuda device": "cuda:64"}.get(case, "cpu")
+    result = _quantize(model, str(out), "--calibration", calibration, "--device", device)
     assert result.exit_code == 2, result.output
     assert message in result.stderr and "Traceback" not in result.output
     assert len(result.stderr.strip().splitlines()) == 1

@@ -4,10 +4,14 @@ quantize MODEL OUT` writes its FP8 checkpoint."""
 from __future__ import annotations
 
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import click
 
 from infer.cli.common import user_errors
+
+if TYPE_CHECKING:
+    import torch
 
 
 @click.group(invoke_without_command=True)
@@ -73,9 +77,16 @@ def pull(name: str, force: bool) -> None:
 @click.option(
     "--window-tokens", type=click.IntRange(min=2), default=512, show_default=True, help="Tokens per calibration window."
 )
+@click.option(
+    "--device",
+    default="auto",
+    show_default=True,
+    help="Where gptq runs its calibration and rounding, one decoder layer at a time (the model itself is "
+    "read into CPU memory): cpu, cuda, cuda:N, or auto (cuda when there is one).",
+)
 @user_errors
 def quantize(
-    model: str, out: Path, method: str, calibration: str, calibration_windows: int, window_tokens: int
+    model: str, out: Path, method: str, calibration: str, calibration_windows: int, window_tokens: int, device: str
 ) -> None:
     """Write MODEL (a cached model or an HF folder) with its decoder projections in FP8 (e4m3, a scale per
     output channel) into the new folder OUT, in the layout llm-compressor writes: `--model OUT` loads it."""
@@ -87,14 +98,36 @@ def quantize(
         raise ModelLoadError(f"no model folder for {model!r}: pass an HF model folder, or `infer models pull {model}`")
     if out.exists() and (not out.is_dir() or any(out.iterdir())):
         raise ConfigError(f"{out} exists and is not an empty folder: name a new one")
+    where = _device(device)
     from infer import quantize as fp8
 
     try:  # transformers refuses a folder it cannot read (no config, an unknown architecture) with these
         windows = _calibration(source, calibration, calibration_windows, window_tokens) if method == "gptq" else None
-        fp8.quantize_folder(source, out, method, windows, progress=lambda msg: click.echo(msg, err=True))
+        fp8.quantize_folder(source, out, method, windows, lambda msg: click.echo(msg, err=True), where)
     except (OSError, ValueError) as exc:
         raise ModelLoadError(f"could not quantize {source}: {exc}") from exc
     click.echo(str(out))
+
+
+def _device(name: str) -> torch.device:
+    import torch
+
+    from infer.core.errors import ConfigError
+
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    try:
+        device = torch.device(name)
+    except RuntimeError:
+        raise ConfigError(f"--device {name!r} is not a device: use cpu, cuda, cuda:N or auto") from None
+    if device.type not in ("cpu", "cuda"):
+        raise ConfigError(f"--device {name!r}: gptq runs on cpu or cuda")
+    if device.type == "cuda":
+        count = torch.cuda.device_count()
+        if device.index is not None and device.index >= count or count == 0:
+            found = f"{count} CUDA device{'s' if count != 1 else ''}" if count else "no CUDA device"
+            raise ConfigError(f"--device {name}: this machine has {found}: use --device cpu or auto")
+    return device
 
 
 def _calibration(source: Path, calibration: str, num_windows: int, window_tokens: int) -> list[list[int]]:
