@@ -71,11 +71,18 @@ def decoder_layers(model: torch.nn.Module, names: Iterable[str]) -> tuple[str, t
     return prefix, layers
 
 
+def _passthrough(*args: object, **kwargs: object) -> object:
+    """A decoder layer's forward while `_layer_inputs` runs: its hidden states back, unchanged."""
+    return args[0] if args else kwargs["hidden_states"]
+
+
 def _layer_inputs(layers: torch.nn.ModuleList, model: torch.nn.Module, windows: list[list[int]]) -> tuple[list, list]:
     """(the first layer's hidden states, window by window; for each layer, each window's other arguments as
     the model passed them: (hidden state positional?, other positional args, keyword args)). Layers may
     differ in them (Gemma 2's alternate sliding-window and full attention masks); the tensors among them
-    (masks, rotary tables) are shared between layers, and no later hidden state is kept."""
+    (masks, rotary tables) are shared between layers, and no later hidden state is kept. The layers hand
+    their input straight on meanwhile (`_passthrough`): what the model passes a layer besides its hidden
+    states does not depend on them, so the capture costs the embedding's lookup, not a forward."""
     hidden: list[torch.Tensor] = []
     calls: list[list[tuple[bool, tuple, dict]]] = [[] for _ in layers]
 
@@ -91,6 +98,8 @@ def _layer_inputs(layers: torch.nn.ModuleList, model: torch.nn.Module, windows: 
         return hook
 
     hooks = [layer.register_forward_pre_hook(capture(i), with_kwargs=True) for i, layer in enumerate(layers)]
+    for layer in layers:
+        layer.forward = _passthrough  # the instance's, over its class's, until the `del` below
     try:
         with torch.no_grad():
             for window in windows:
@@ -101,6 +110,8 @@ def _layer_inputs(layers: torch.nn.ModuleList, model: torch.nn.Module, windows: 
     finally:
         for hook in hooks:
             hook.remove()
+        for layer in layers:
+            del layer.forward
     return hidden, calls
 
 
