@@ -11,8 +11,9 @@ activations correlate them (GPTQ: Frantar et al., 2022, with the row scales fixe
 the error of the layer's output on that text rather than of each weight. The activations are those of the
 unquantized model (HF transformers' own implementation, float32), collected one decoder layer at a time
 (`layer_hessians`), so that only one layer's statistics are in memory at once. The model is read into CPU
-memory; with a CUDA device (`--device`, by default one when there is one) each decoder layer in turn, its
-statistics and its projections' rounding run there.
+memory in its checkpoint's dtype, each layer widened to float32 in its turn; with a CUDA device
+(`--device`, by default one when there is one) each decoder layer in turn, its statistics and its
+projections' rounding run there.
 
 The LM head and embeddings stay in the checkpoint's dtype; activations are quantized per token at run time
 (the config says so), as under --quantization fp8.
@@ -137,8 +138,9 @@ def layer_hessians(
     up) share one matrix. The windows go through one layer at a time, each layer's outputs kept as the next
     one's inputs (`_layer_inputs` gives the first's and every layer's other arguments), so only one
     layer's matrices exist at once; the activations are the unquantized model's, as in one full forward.
-    Each layer moves to `device` (with the windows' states) for its turn, and is on it, with the matrices,
-    while the caller holds them; it goes back to where it was when the next one is asked for."""
+    Each layer moves to `device` in float32 (with the windows' states) for its turn, and is there, with the
+    matrices, while the caller holds them; it goes back to where it was, in its dtype, when the next one is
+    asked for. The rest of the model is expected in float32 (`quantize_folder` makes it so)."""
     found = projections(model)
     prefix, layers = decoder_layers(model, found)
     hidden, calls = _layer_inputs(layers, model, windows)
@@ -147,8 +149,9 @@ def layer_hessians(
     hidden = [h.to(device) for h in hidden]
     calls = [_to(layer_calls, device, moved) for layer_calls in calls]
     for i, layer in enumerate(layers):
-        home = next(layer.parameters()).device
-        layer.to(device)
+        home = next(layer.parameters())
+        home_device, home_dtype = home.device, home.dtype
+        layer.to(device, torch.float32)
         mine = {name: m for name, m in found.items() if name.startswith(f"{prefix}.{i}.")}
         sums: dict[str, torch.Tensor] = {}
         counts: dict[str, int] = {}
@@ -185,7 +188,7 @@ def layer_hessians(
         calls[i] = []
         means = {name: sums[name] / counts[name] for name in sums}
         yield {name: means[same.get(name, name)] for name in mine if same.get(name, name) in means}
-        layer.to(home)
+        layer.to(home_device, home_dtype)
 
 
 def hessians(model: torch.nn.Module, windows: list[list[int]]) -> dict[str, torch.Tensor]:
@@ -254,6 +257,22 @@ def _gptq_all(
     return quantized
 
 
+def _float32_but_layers(model: torch.nn.Module) -> torch.nn.Module:
+    """`model`, loaded in its checkpoint's dtype, with the floating tensors that calibration reads outside
+    its decoder layers (input embeddings, rotary tables, norms) in float32. The layers stay as stored, half
+    the memory of a float32 copy for a bf16 checkpoint, until `layer_hessians` runs each in float32 in its
+    turn (bf16 and fp16 widen to float32 exactly, so the statistics are those of the model loaded in
+    float32); an untied LM head, which calibration never reaches, stays as stored too."""
+    prefix, _ = decoder_layers(model, projections(model))
+    head = model.get_output_embeddings()
+    unread = {id(p) for p in head.parameters()} if head is not None else set()
+    unread -= {id(p) for p in model.get_input_embeddings().parameters()}
+    for name, tensor in [*model.named_parameters(), *model.named_buffers()]:
+        if not name.startswith(f"{prefix}.") and tensor.is_floating_point() and id(tensor) not in unread:
+            tensor.data = tensor.data.float()
+    return model
+
+
 def quantize_folder(
     source: Path,
     out: Path,
@@ -280,7 +299,7 @@ def quantize_folder(
             f"{source} has no .safetensors weights: load it in transformers and save_pretrained() it to a new folder"
         )
     if method == "gptq":
-        model = AutoModelForCausalLM.from_pretrained(source, dtype=torch.float32).eval()
+        model = _float32_but_layers(AutoModelForCausalLM.from_pretrained(source, dtype="auto").eval())
     else:  # the projections' names only: a model on the meta device holds no weights
         with torch.device("meta"):
             model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(source))

@@ -148,6 +148,27 @@ def test_a_gptq_folder_loads_as_saved_and_generates(tiny_llama_dir, tmp_path):
     assert len(llm.generate([{"prompt_token_ids": [1, 2, 3]}])[0].outputs[0].token_ids) > 0
 
 
+def test_a_bf16_checkpoint_calibrates_as_its_float32_copy(tiny_llama_dir, tmp_path):
+    """gptq keeps a bf16 checkpoint's layers in bf16 and widens each in its turn (and what calibration reads
+    besides): the folder is the one made from the same weights stored in float32."""
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(tiny_llama_dir, dtype=torch.bfloat16)
+    model.save_pretrained(tmp_path / "bf16")
+    model.float().save_pretrained(tmp_path / "fp32")
+    windows = [[(5 * i + j) % 250 for j in range(32)] for i in range(4)]
+    made = {}
+    for dtype in ("bf16", "fp32"):
+        out = fp8.quantize_folder(tmp_path / dtype, tmp_path / f"out-{dtype}", "gptq", windows, lambda m: None)
+        made[dtype] = load_file(str(out / "model.safetensors"))
+    projections = [name for name, t in made["fp32"].items() if t.dtype == torch.float8_e4m3fn]
+    assert len(projections) == 3 * 7
+    for name in projections:
+        assert torch.equal(made["bf16"][name].view(torch.uint8), made["fp32"][name].view(torch.uint8)), name
+        assert torch.equal(made["bf16"][f"{name}_scale"], made["fp32"][f"{name}_scale"]), name
+    assert made["bf16"]["model.layers.0.input_layernorm.weight"].dtype == torch.bfloat16  # the rest as stored
+
+
 def test_a_sharded_checkpoint_is_written_shard_by_shard(tiny_llama_dir, tmp_path):
     """The output keeps the source's shards and indexes each tensor (scales beside their weights), and
     holds what a one-file source gives, for rtn (which loads no model) and gptq."""
