@@ -131,7 +131,7 @@ def _to(value: object, device: torch.device, moved: dict[int, torch.Tensor]) -> 
 
 
 def layer_hessians(
-    model: torch.nn.Module, windows: list[list[int]], device: torch.device | str = "cpu"
+    model: torch.nn.Module, windows: list[list[int]], device: torch.device | str = "cpu", keep: bool = True
 ) -> Iterator[dict[str, torch.Tensor]]:
     """Per decoder layer in turn, the mean of x x^T over every token of `windows` that reaches each of its
     projections' input: {name: [K, K] float64}. Projections that read the same tensor (q, k and v; gate and
@@ -139,8 +139,9 @@ def layer_hessians(
     one's inputs (`_layer_inputs` gives the first's and every layer's other arguments), so only one
     layer's matrices exist at once; the activations are the unquantized model's, as in one full forward.
     Each layer moves to `device` in float32 (with the windows' states) for its turn, and is there, with the
-    matrices, while the caller holds them; it goes back to where it was, in its dtype, when the next one is
-    asked for. The rest of the model is expected in float32 (`quantize_folder` makes it so)."""
+    matrices, while the caller holds them; when the next one is asked for it goes back to where it was, in
+    its dtype, or with `keep` False to the meta device, its memory freed (the model is then spent). The rest
+    of the model is expected in float32 (`quantize_folder` makes it so)."""
     found = projections(model)
     prefix, layers = decoder_layers(model, found)
     hidden, calls = _layer_inputs(layers, model, windows)
@@ -188,7 +189,10 @@ def layer_hessians(
         calls[i] = []
         means = {name: sums[name] / counts[name] for name in sums}
         yield {name: means[same.get(name, name)] for name in mine if same.get(name, name) in means}
-        layer.to(home_device, home_dtype)
+        if keep:
+            layer.to(home_device, home_dtype)
+        else:
+            layer.to("meta")
 
 
 def hessians(model: torch.nn.Module, windows: list[list[int]]) -> dict[str, torch.Tensor]:
@@ -236,13 +240,14 @@ def _gptq_all(
     model: torch.nn.Module, windows: list[list[int]], progress: Callable[[str], object], device: torch.device
 ) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
     """Every projection's (e4m3 weight, scale) by GPTQ, keyed by its weight's name, layer by layer on
-    `device`; the results in CPU memory."""
+    `device`; the results in CPU memory. Each layer's memory is freed once its projections are rounded:
+    the model is spent."""
     layers = projections(model)
     progress(
         f"calibrating over {sum(len(w) for w in windows)} tokens in {len(windows)} windows, layer by layer, on {device}"
     )
     quantized = {}
-    for found in layer_hessians(model, windows, device):
+    for found in layer_hessians(model, windows, device, keep=False):
         for name, hessian in found.items():
             q, scale = gptq(layers[name].weight.detach().float(), hessian)
             quantized[f"{name}.weight"] = (q.cpu(), scale.cpu())
