@@ -224,6 +224,7 @@ def test_the_command_writes_a_folder_from_a_text_file(tiny_llama_dir, tmp_path):
         ("not a device", "is not a device: use cpu, cuda, cuda:N or auto"),
         ("not a gptq device", "gptq runs on cpu or cuda"),
         ("a missing cuda device", "use --device cpu or auto"),
+        ("too little chat", "fewer than --calibration-windows 1000000 x --window-tokens 512: ask for fewer"),
     ],
 )
 def test_bad_input_is_one_line_and_exit_2(case, message, tiny_llama_dir, tmp_path):
@@ -254,7 +255,10 @@ def test_bad_input_is_one_line_and_exit_2(case, message, tiny_llama_dir, tmp_pat
         text.write_text("The quick brown fox jumps over the lazy dog. " * 200)
         model = str(folder)
     device = {"not a device": "gpu0", "not a gptq device": "meta", "a missing cuda device": "cuda:64"}.get(case, "cpu")
-    result = _quantize(model, str(out), "--calibration", calibration, "--device", device)
+    options = ["--calibration", calibration, "--device", device]
+    if case == "too little chat":
+        options = ["--calibration", "chat", "--calibration-windows", "1000000"]
+    result = _quantize(model, str(out), *options)
     assert result.exit_code == 2, result.output
     assert message in result.stderr and "Traceback" not in result.output
     assert len(result.stderr.strip().splitlines()) == 1

@@ -50,12 +50,8 @@ def load_text_set(
 ) -> TextSet:
     encode = encoder(tokenizer, vocab_size)
     texts = chats()
-    windows, num_chats, num_tokens = _windows(texts, encode, num_windows, window_tokens)
-    if not windows or len(windows[-1]) < window_tokens:
-        raise ConfigError(
-            f"{SOURCE} holds {num_tokens} tokens, fewer than --windows {num_windows} x --window-tokens "
-            f"{window_tokens}: ask for fewer windows or shorter ones"
-        )
+    asked = f"--windows {num_windows} x --window-tokens {window_tokens}"
+    windows, num_chats = _windows(texts, encode, num_windows, window_tokens, asked)
     prompts: list[list[int]] = []
     for text in texts:  # the chats after the windows'
         if len(prompts) == num_prompts:
@@ -76,18 +72,17 @@ def calibration_windows(tokenizer: Any | None, vocab_size: int, num_windows: int
     """Windows of the chats taken from the dataset's end, last chat first: text that no window or prompt of
     `load_text_set` (which reads from its start) holds, for calibrating a quantizer on."""
     encode = encoder(tokenizer, vocab_size)
-    windows, num_chats, _ = _windows(reversed(list(chats())), encode, num_windows, window_tokens)
-    if not windows or len(windows[-1]) < window_tokens:
-        raise ConfigError(f"{SOURCE} holds fewer than {num_windows} x {window_tokens} tokens: ask for fewer")
+    asked = f"--calibration-windows {num_windows} x --window-tokens {window_tokens}"
+    windows, num_chats = _windows(reversed(list(chats())), encode, num_windows, window_tokens, asked)
     return TextSet(f"{SOURCE}: {num_windows} x {window_tokens} tokens of its last {num_chats} chats", windows, [])
 
 
 def _windows(
-    texts: Iterator[str], encode: Callable[[str], list[int]], num_windows: int, window_tokens: int
-) -> tuple[list[list[int]], int, int]:
+    texts: Iterator[str], encode: Callable[[str], list[int]], num_windows: int, window_tokens: int, asked: str
+) -> tuple[list[list[int]], int]:
     """Consecutive windows of the token ids of `texts` (each followed by a blank line), read only as far as
-    they need (a caller may go on with the same iterator): the windows (the last may be short when the
-    text runs out), the texts read and the tokens read."""
+    they need (a caller may go on with the same iterator): the windows and the texts read. Too little text
+    for them is a ConfigError that names what was `asked` for (the options that set the windows)."""
     stream: list[int] = []
     num_chats = 0
     for text in texts:
@@ -95,4 +90,8 @@ def _windows(
         num_chats += 1
         if len(stream) >= num_windows * window_tokens:
             break
-    return [stream[i * window_tokens : (i + 1) * window_tokens] for i in range(num_windows)], num_chats, len(stream)
+    if len(stream) < num_windows * window_tokens:
+        raise ConfigError(
+            f"{SOURCE} holds {len(stream)} tokens, fewer than {asked}: ask for fewer windows or shorter ones"
+        )
+    return [stream[i * window_tokens : (i + 1) * window_tokens] for i in range(num_windows)], num_chats

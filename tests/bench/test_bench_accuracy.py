@@ -73,6 +73,7 @@ def test_the_default_lossy_configs_against_the_baseline(tiny_llama_dir, tmp_path
         (["--compare", "max_num_seqs=0"], "invalid max_num_seqs=0 (--max-num-seqs): use"),
         (["--window-tokens", "600"], "--window-tokens 600 does not fit tiny-llama"),
         (["--prompt-tokens", "500"], "--prompt-tokens 500 + --max-tokens 64 exceed tiny-llama"),
+        (["--windows", "1000000"], "fewer than --windows 1000000 x --window-tokens 96: ask for fewer windows"),
     ],
 )
 def test_bad_options_are_refused_naming_the_fix(tiny_llama_dir, args, message):
