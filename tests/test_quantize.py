@@ -221,9 +221,14 @@ def test_the_command_writes_a_folder_from_a_text_file(tiny_llama_dir, tmp_path):
         ("not utf-8", "is not UTF-8 text"),
         ("unknown architecture", "could not quantize"),
         ("no safetensors", "has no .safetensors weights"),
-        ("not a device", "is not a device: use cpu, cuda, cuda:N or auto"),
-        ("not a gptq device", "gptq runs on cpu or cuda"),
-        ("a missing cuda device", "use --device cpu or auto"),
+        ("not a device", "unknown --device 'gpu0': use cpu, cuda or cuda:N"),
+        ("not a gptq device", "unknown --device 'meta': use cpu, cuda or cuda:N"),
+        (
+            "a missing cuda device",
+            "CUDA device(s): use --device cpu or auto"
+            if torch.cuda.is_available()
+            else "--device cuda was asked for but no CUDA device is visible: use --device cpu",
+        ),
         ("too little chat", "fewer than --calibration-windows 1000000 x --window-tokens 512: ask for fewer"),
     ],
 )

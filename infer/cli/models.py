@@ -110,23 +110,17 @@ def quantize(
 
 
 def _device(name: str) -> torch.device:
+    """`--device NAME` read as the engine reads it (`EngineConfig.resolve_device`), and present here."""
     import torch
 
+    from infer.core.config import EngineConfig
     from infer.core.errors import ConfigError
+    from infer.doctor import device_present
 
-    if name == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    try:
-        device = torch.device(name)
-    except RuntimeError:
-        raise ConfigError(f"--device {name!r} is not a device: use cpu, cuda, cuda:N or auto") from None
-    if device.type not in ("cpu", "cuda"):
-        raise ConfigError(f"--device {name!r}: gptq runs on cpu or cuda")
-    if device.type == "cuda":
+    device = EngineConfig(device=name).resolve_device()
+    if not device_present(device):
         count = torch.cuda.device_count()
-        if device.index is not None and device.index >= count or count == 0:
-            found = f"{count} CUDA device{'s' if count != 1 else ''}" if count else "no CUDA device"
-            raise ConfigError(f"--device {name}: this machine has {found}: use --device cpu or auto")
+        raise ConfigError(f"--device {name}: this machine has {count} CUDA device(s): use --device cpu or auto")
     return device
 
 
