@@ -319,7 +319,7 @@ def quantize_folder(
     if missing:
         raise ValueError(f"{source}'s safetensors lack {missing[0]} (and {len(missing) - 1} more): not an HF folder")
     quantized = _gptq_all(model, windows, progress, torch.device(device)) if method == "gptq" else {}
-    del model  # the float32 model is not needed to write the shards
+    del model  # what is left of it (embeddings, norms) is not needed to write the shards
     out.mkdir(parents=True, exist_ok=True)
     weight_map: dict[str, str] = {}
     total, done = 0, 0
