@@ -35,7 +35,7 @@ import triton.language as tl
 
 from infer.kernels.triton_pdl import kernel_args, wait_and_release
 from infer.plugins.attention.paged_cuda.kernels import dot_config
-from infer.plugins.attention.paged_cuda.kernels.fp8 import scale_output
+from infer.plugins.attention.paged_cuda.kernels.fp8 import scale_output, widen_values
 from infer.plugins.attention.paged_cuda.kernels.scores import logits, window_start
 
 LOG2E = 1.4426950408889634
@@ -90,7 +90,8 @@ def _attend_tile(
     alpha = tl.exp2(m_i - m_new)
     p = tl.exp2(s - m_new[:, None])  # [G, N]
     l_i = l_i * alpha + tl.sum(p, axis=1)
-    pv = tl.dot(p.to(DOT_DTYPE), v.to(DOT_DTYPE), input_precision=DOT_PRECISION)
+    v = widen_values(v, tok_mask[:, None], DOT_DTYPE)
+    pv = tl.dot(p.to(DOT_DTYPE), v, input_precision=DOT_PRECISION)
     acc = acc * alpha[:, None] + pv  # [G, D]
     return acc, l_i, m_new
 
@@ -118,7 +119,6 @@ def _decode_kernel(
     stride_bt,
     stride_ps,
     stride_ph,  # part_out strides; part_max/sum are [S, H, P] contiguous
-    block_size,
     head_dim,
     group,
     max_partitions,
@@ -129,6 +129,7 @@ def _decode_kernel(
     DOT_DTYPE: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
     GROUP_PAD: tl.constexpr,
+    BLOCK_SIZE: tl.constexpr,  # the cache's tokens a block: a constant, so no division at run time
     BLOCK_N: tl.constexpr,
     BLOCK_D: tl.constexpr,
     USE_PDL: tl.constexpr,
@@ -155,8 +156,8 @@ def _decode_kernel(
         for n0 in range(start, end, BLOCK_N):
             offs = n0 + tl.arange(0, BLOCK_N)  # [N] token positions
             tok_mask = offs < end
-            block = tl.load(table + offs // block_size, mask=tok_mask, other=0).to(tl.int64)
-            row = block * stride_cb + (offs % block_size) * stride_cs + kv_head * stride_ch  # [N]
+            block = tl.load(table + offs // BLOCK_SIZE, mask=tok_mask, other=0).to(tl.int64)
+            row = block * stride_cb + (offs % BLOCK_SIZE) * stride_cs + kv_head * stride_ch  # [N]
             kv_mask = tok_mask[:, None] & dim_mask[None, :]
             k = tl.load(k_cache_ptr + row[:, None] + dims[None, :], mask=kv_mask, other=0.0)  # [N, D]
             v = tl.load(v_cache_ptr + row[:, None] + dims[None, :], mask=kv_mask, other=0.0)  # [N, D]
@@ -220,15 +221,6 @@ def _reduce_kernel(
     tl.store(out_ptr + seq * stride_ot + head * stride_oh + dims, (acc / l).to(out_ptr.dtype.element_ty), mask=dim_mask)
 
 
-def launch_config(kv_dtype: torch.dtype) -> tuple[int, int]:
-    """(num_warps, num_stages) of the decode kernel over a cache of `kv_dtype`. An e4m3 tile is
-    converted to f16 in registers and stored to shared memory as the MMA's operand, so an FP8 cache
-    does best unpipelined on two warps (more programs per SM hide the loads instead); a bf16/fp16
-    cache streams at ~2.6 TB/s with 4 warps and 2 stages (H100, docs/performance.md, "An FP8 cache's
-    decode")."""
-    return (2, 1) if kv_dtype == torch.float8_e4m3fn else (4, 2)
-
-
 def paged_decode(
     out: torch.Tensor,  # [T, H, D]; rows [0, num_seqs) written
     q: torch.Tensor,  # [T, H, D]; rows [0, num_seqs) are the decode tokens
@@ -245,14 +237,13 @@ def paged_decode(
     window: int | None = None,  # each query sees its last `window` positions; None: all of them
     soft_cap: float | None = None,  # logits capped as soft_cap * tanh(s / soft_cap)
     scales: tuple[float, float] = (1.0, 1.0),  # an FP8 cache's (k_scale, v_scale)
-    num_warps: int | None = None,  # None: `launch_config`'s for the cache's dtype
-    num_stages: int | None = None,
+    # the best of every cache dtype: an e4m3 cache's K tiles pipelined as bf16's, its V tiles widened
+    # first (`widen_values`; docs/performance.md, "An FP8 cache's decode")
+    num_warps: int = 4,
+    num_stages: int = 2,
 ) -> None:
     if num_seqs == 0:
         return
-    default_warps, default_stages = launch_config(k_cache.dtype)
-    num_warps = default_warps if num_warps is None else num_warps
-    num_stages = default_stages if num_stages is None else num_stages
     num_heads, head_dim = q.shape[1], q.shape[2]
     num_kv_heads, block_size = k_cache.shape[2], k_cache.shape[1]
     group = num_heads // num_kv_heads
@@ -291,7 +282,6 @@ def paged_decode(
         block_tables.stride(0),
         stride_ps,
         stride_ph,
-        block_size,
         head_dim,
         group,
         max_partitions,
@@ -302,6 +292,7 @@ def paged_decode(
         DOT_DTYPE=dot_dtype,
         DOT_PRECISION=precision,
         GROUP_PAD=group_pad,
+        BLOCK_SIZE=block_size,
         BLOCK_N=block_n,
         BLOCK_D=block_d,
         num_warps=num_warps,
