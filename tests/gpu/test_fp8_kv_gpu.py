@@ -99,6 +99,79 @@ def test_decode_cuda_graph_replay():
     torch.testing.assert_close(out.float(), naive_attention(second), atol=2e-2, rtol=2e-2)
 
 
+_MMA_CONTEXTS = (0, 14, 15, 16, 31, 32, 99, 510, 999, 4094, 1, 255, 777, 2048, 3000, 63)
+
+
+@pytest.mark.parametrize("splits", [1, 4])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
+@pytest.mark.parametrize("block_size", [16, 64])
+@pytest.mark.parametrize("heads", [(32, 8), (32, 32), (28, 4), (16, 2)], ids=["gqa4", "mha", "gqa7", "gqa8"])
+@pytest.mark.parametrize("warps", [1, 2, 4])
+def test_e4m3_mma_decode_matches_the_decode_kernel(warps, heads, block_size, dtype, splits):
+    """`decode_e4m3` (K and V loaded into MMA registers by PTX) against `decode`'s Triton kernel on the same
+    FP8 cache: contexts of every length modulo 16 (a step's tokens past the end masked), 1-4 warps a
+    program (warps with no token in a step), groups of 1, 4, 7 and 8 heads, whole and split contexts."""
+    from infer.plugins.attention.paged_cuda.kernels import decode, decode_e4m3
+
+    case = quantized(paged_case((1,) * len(_MMA_CONTEXTS), _MMA_CONTEXTS, *heads, block_size, dtype), SCALES)
+    k_cache, v_cache = case.kv_cache
+    assert decode_e4m3.fits(case.q, k_cache, None, None)
+    num_seqs, num_heads = len(_MMA_CONTEXTS), heads[0]
+
+    def attend(kernel, **kwargs):
+        out = torch.full_like(case.q, float("nan"))
+        scratch = None
+        if splits > 1:
+            scratch = (
+                torch.empty(num_seqs, num_heads, splits, 128, device="cuda"),
+                torch.empty(num_seqs, num_heads, splits, device="cuda"),
+                torch.empty(num_seqs, num_heads, splits, device="cuda"),
+            )
+        args = (case.batch.block_tables_t, case.batch.seq_lens_t, case.spec.scale, num_seqs, scratch, 64)
+        kernel(out, case.q, k_cache, v_cache, *args, scales=SCALES, **kwargs)
+        return out
+
+    got = attend(decode_e4m3.paged_decode_e4m3, num_warps=warps)
+    expected = attend(decode.paged_decode)
+    tolerance = TOLERANCE[dtype]
+    torch.testing.assert_close(got.float(), expected.float(), atol=tolerance, rtol=tolerance)
+
+
+def test_backend_takes_the_e4m3_mma_decode_under_graph_replay(monkeypatch):
+    """An unsplit FP8 decode batch (64 sequences x 8 KV heads) goes to `decode_e4m3`, captured in a CUDA
+    graph and replayed over other contexts; a sliding window keeps the Triton kernel."""
+    from infer.plugins.attention.paged_cuda import PagedCudaAttention
+    from infer.plugins.attention.paged_cuda.kernels import decode_e4m3
+
+    calls = []
+    launch = decode_e4m3.paged_decode_e4m3
+    monkeypatch.setattr(decode_e4m3, "paged_decode_e4m3", lambda *a, **k: calls.append(k) or launch(*a, **k))
+    rng = torch.Generator().manual_seed(5)
+    lens = [tuple(torch.randint(0, 4000, (64,), generator=rng).tolist()) for _ in range(2)]
+    num_blocks = 64 * (-(-MAX_MODEL_LEN // 16)) + 8
+    first, second = (
+        quantized(paged_case((1,) * 64, c, *HEADS["gqa"], 16, torch.bfloat16, seed, num_blocks), SCALES)
+        for seed, c in zip((2, 3), lens)
+    )
+    backend = PagedCudaAttention(first.spec)
+    backend.plan(first.batch)
+    kv_cache = first.kv_cache
+    backend.forward(first.q, first.k, first.v, kv_cache)  # compile outside the capture
+    assert [k["num_warps"] for k in calls] == [decode_e4m3.warps(64 * 8, backend.num_sms)]
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = backend.forward(first.q, first.k, first.v, kv_cache)
+    for name in ("seq_lens_t", "block_tables_t", "slot_mapping", "positions"):
+        getattr(first.batch, name).copy_(getattr(second.batch, name))
+    for dst, src in [(first.q, second.q), (first.k, second.k), (first.v, second.v), *zip(kv_cache, second.kv_cache)]:
+        dst.copy_(src)
+    graph.replay()
+    torch.cuda.synchronize()
+    torch.testing.assert_close(out.float(), naive_attention(second), atol=2e-2, rtol=2e-2)
+    assert not decode_e4m3.fits(first.q, kv_cache[0], 256, None)
+    assert not decode_e4m3.fits(first.q, kv_cache[0], None, 50.0)
+
+
 @pytest.mark.parametrize("batch_name", ["decode-64-to-4096", "extend-chunked-spec", "mixed-60-decode"])
 def test_flashinfer_matches_the_torch_backend(batch_name):
     pytest.importorskip("flashinfer")

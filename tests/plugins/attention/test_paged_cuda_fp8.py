@@ -151,3 +151,14 @@ def test_forward_with_rotary_is_forward_of_the_rotated_heads(batch_spec):
 def test_declares_fp8_kv():
     assert PagedCudaAttention.capabilities.fp8_kv and TorchAttention.capabilities.fp8_kv
     assert "fp8-kv" in PagedCudaAttention.capabilities.describe()
+
+
+def test_e4m3_mma_decode_is_taken_only_where_its_ptx_runs():
+    """`decode_e4m3` (PTX, GPU-tested in tests/gpu/test_fp8_kv_gpu.py) never serves an interpreted or CPU
+    run; its warps a program fill ~16 warps an SM in 1, 2 or 4 a program."""
+    from infer.plugins.attention.paged_cuda.kernels import decode_e4m3
+
+    q = torch.zeros(1, 32, 128, dtype=torch.bfloat16, device=DEVICE)
+    k_cache = torch.zeros(4, 16, 8, 128, dtype=FP8, device=DEVICE)
+    assert not decode_e4m3.fits(q, k_cache, None, None)
+    assert [decode_e4m3.warps(programs, 132) for programs in (2000, 1056, 1000, 512, 256, 8)] == [1, 2, 2, 4, 4, 4]

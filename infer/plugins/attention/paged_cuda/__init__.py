@@ -82,9 +82,10 @@ class PagedCudaAttention:
         prefill_block_n: int = 64,  # prefill key tile, tokens
     ) -> None:
         # triton is imported here, not at module import, so the registry loads without it.
-        from infer.plugins.attention.paged_cuda.kernels import cache_write, decode, prefill
+        from infer.plugins.attention.paged_cuda.kernels import cache_write, decode, decode_e4m3, prefill
 
         self._cache_write, self._decode, self._prefill = cache_write, decode, prefill
+        self._decode_e4m3 = decode_e4m3
         assert spec.num_heads % spec.num_kv_heads == 0
         on_gpu = spec.device.type == "cuda"
         if spec.kv_cache_dtype == FP8 and on_gpu and torch.cuda.get_device_capability(spec.device) < (8, 9):
@@ -105,6 +106,7 @@ class PagedCudaAttention:
             # and lost at 256 on an H200 (docs/performance.md, "Split-K crossover")
             split_below_programs = 3 * num_sms // 2
         self.split_below_programs = split_below_programs
+        self.num_sms = num_sms
         self.split_programs = 4 * num_sms if split_programs is None else split_programs
         # no more partitions than tiles in the longest context
         self.max_splits = max(1, min(max_splits, _cdiv(spec.max_model_len, decode_block_n)))
@@ -205,21 +207,38 @@ class PagedCudaAttention:
         k_cache, v_cache = kv_cache
         scales = kv_scales(kv_cache)
         out = torch.empty_like(q)  # [T, H, D]
-        self._decode.paged_decode(
-            out,
-            q,
-            k_cache,
-            v_cache,
-            batch.block_tables_t,
-            batch.seq_lens_t,
-            self.spec.scale,
-            num_seqs=plan.num_decode,
-            scratch=self._scratch(plan.num_decode, plan.splits) if plan.split else None,
-            block_n=self.decode_block_n,
-            window=window,
-            soft_cap=self.spec.soft_cap,
-            scales=scales,
-        )
+        if not plan.split and self._decode_e4m3.fits(q, k_cache, window, self.spec.soft_cap):
+            # an FP8 cache's unsplit decode: K and V straight into MMA registers (decode_e4m3)
+            self._decode_e4m3.paged_decode_e4m3(
+                out,
+                q,
+                k_cache,
+                v_cache,
+                batch.block_tables_t,
+                batch.seq_lens_t,
+                self.spec.scale,
+                num_seqs=plan.num_decode,
+                scratch=None,
+                block_n=self.decode_block_n,
+                scales=scales,
+                num_warps=self._decode_e4m3.warps(plan.num_decode * self.spec.num_kv_heads, self.num_sms),
+            )
+        else:
+            self._decode.paged_decode(
+                out,
+                q,
+                k_cache,
+                v_cache,
+                batch.block_tables_t,
+                batch.seq_lens_t,
+                self.spec.scale,
+                num_seqs=plan.num_decode,
+                scratch=self._scratch(plan.num_decode, plan.splits) if plan.split else None,
+                block_n=self.decode_block_n,
+                window=window,
+                soft_cap=self.spec.soft_cap,
+                scales=scales,
+            )
         self._prefill.paged_prefill(
             out,
             q,

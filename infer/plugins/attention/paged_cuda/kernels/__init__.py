@@ -17,11 +17,16 @@ import torch
 
 from infer import env
 
-__all__ = ["dot_config"]
+__all__ = ["dot_config", "interpreted"]
 
 # read once, at import: Triton fixes TRITON_INTERPRET for a kernel when it decorates it (at the import
 # of its submodule, which imports this package first), and dot_config runs at every launch
 _INTERPRETED = env.triton_interpret()
+
+
+def interpreted() -> bool:
+    """Whether the kernels run under Triton's interpreter (TRITON_INTERPRET=1, as in CI)."""
+    return _INTERPRETED
 
 
 def dot_config(dtype: torch.dtype, kv_dtype: torch.dtype | None = None) -> tuple[Any, str]:

@@ -1,0 +1,649 @@
+"""The FP8 cache's decode with K and V loaded straight into `mma.sync` registers.
+
+`decode._decode_kernel` feeds its MMAs through shared memory, where an e4m3 V tile is widened and
+transposed on the way (P @ V sums over tokens, and each thread's operand holds values of consecutive
+tokens); that trip, not the bytes, bounds it at about half the bf16 kernel's rate. Here a warp takes 16
+tokens a step and each lane loads its operands' bytes itself, 16 at a time, in the order the MMA wants:
+
+- scores, S = q K^T with m16n8k16 f16 MMAs: lane (g = lane / 4, t = lane % 4) loads bytes [32t, 32t + 32)
+  of tokens g and 8 + g, which are its B fragments for the 8 k-steps of two 8-token tiles as they are
+  (the MMA's k order is then a permutation of d, the same for q's A fragments, loaded once per program in
+  that order, so the sums are the same); row g of the 16 is query head g of the GQA group (at most 8; the
+  rest, and rows 8-15, are zero);
+- P @ V: the softmax weights of the two tiles are the A fragment of one k16 step as they come out of the
+  scores' MMAs (rows g), and lane (g, t) loads bytes [16g, 16g + 16) of tokens 2t, 2t + 1, 2t + 8, 2t + 9:
+  a byte permute pairs consecutive tokens and one conversion widens each pair to f16x2, the B fragments of
+  16 n-tiles whose columns are d = 16g + j (j the n-tile), so the output's columns are permuted, undone
+  where it is stored;
+- an online softmax in fp32 over each row's 4 lanes (two butterfly shuffles), exp2 with log2(e) and k_scale
+  folded into the logits' scale, as in `decode._decode_kernel`.
+
+The step is PTX (`tl.inline_asm_elementwise`, one element a thread): Triton cannot place these operands in
+registers itself. Triton does the rest: the partition of the context (`decode._partition`), the block-table
+walk, the combination of the warps' shares (a program of WARPS warps gives warp w the steps w, w + WARPS,
+...), and the output's stores. With one warp a program the kernel streams an FP8 cache at ~1.3x the rate of
+`decode._decode_kernel` when the grid holds some 16 warps an SM (docs/performance.md, "An FP8 cache's
+decode"); with few programs and short contexts it loses (each warp walks its tokens alone), so the backend
+takes it only for unsplit decode batches (`fits`, `warps`).
+
+Requires: an e4m3 cache [num_blocks, block_size, Hkv, D], D = 128 contiguous, block_size a multiple of 16,
+16-byte-aligned rows; a GQA group of at most 8 heads; q and out bf16 or fp16; no sliding window or soft cap.
+PTX does not run under Triton's interpreter: on a CPU the decode kernel serves every batch.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from infer.kernels.triton_pdl import kernel_args, wait_and_release
+from infer.plugins.attention.paged_cuda.kernels import interpreted
+from infer.plugins.attention.paged_cuda.kernels.decode import LOG2E, _partition, _reduce
+
+__all__ = ["fits", "paged_decode_e4m3", "warps"]
+
+NEG_INF = "0fFF800000"
+
+
+def _q_asm(bf16: bool) -> str:
+    """PTX loading lane (g, t)'s A fragments of q, once a program: out $0-$15, f16x2 word w holding d =
+    32t + 2w and 32t + 2w + 1 of head g (widened from bf16 when `bf16`); in $16 the address of q[head g,
+    32t], $17 nonzero when row g is a head of the group (zeros otherwise)."""
+    lines = ["{", ".reg .pred pv;", ".reg .b32 r<16>, lo, hi;", "setp.ne.s32 pv, $17, 0;"]
+    lines += [f"mov.b32 r{i}, 0;" for i in range(16)]
+    lines += [
+        f"@pv ld.global.v4.b32 {{r{4 * i}, r{4 * i + 1}, r{4 * i + 2}, r{4 * i + 3}}}, [$16+{16 * i}];"
+        for i in range(4)
+    ]
+    for w in range(16):
+        if bf16:
+            lines += [f"shl.b32 lo, r{w}, 16;", f"and.b32 hi, r{w}, 0xffff0000;", f"cvt.rn.f16x2.f32 ${w}, hi, lo;"]
+        else:
+            lines.append(f"mov.b32 ${w}, r{w};")
+    lines.append("}")
+    return "\n".join(lines)
+
+
+def _step_asm() -> str:
+    """PTX for one warp's step of 16 tokens. Out: $0 the running max logit of row g, $1 its exp sum (this
+    lane's share: its 4 tokens a step), $2-$33 row g's output (n-tile j: $2 + 2j at d = 32t + j, $3 + 2j
+    at 32t + 16 + j). In: $34-$67 the same before the step, $68-$83 q's fragments, $84 the address of
+    token g's byte 32t, $85 of token 2t's byte 16g, $86 the cache's token stride (bytes), $87 how many of
+    the 16 tokens are real (0-16; V rows past them are not read), $88 the logits' scale (log2 units)."""
+    L = [
+        "{",
+        ".reg .pred p0, p1, p2, p3, pz;",
+        ".reg .b32 lane, t, tv0, tv1, tv2, tv3, zero, b0, b1, pa0, pa2, x0, x1, x2, x3;",
+        ".reg .b32 k<16>, va<4>, vb<4>, vc<4>, vd<4>;",
+        ".reg .b16 h0, h1;",
+        ".reg .b64 kp1, vp1, vp2, vp3, st8;",
+        ".reg .f32 s<8>, mx, tmp, mnew, mref, alpha, e0, e1, e2, e3, fz, d0, d1;",
+        "mov.u32 lane, %laneid;",
+        "and.b32 t, lane, 3;",
+        "mov.b32 zero, 0;",
+        "mov.f32 fz, 0f00000000;",
+        "shl.b64 st8, $86, 3;",
+        "add.s64 kp1, $84, st8;",
+        "ld.global.v4.b32 {k0, k1, k2, k3}, [$84];",
+        "ld.global.v4.b32 {k4, k5, k6, k7}, [$84+16];",
+        "ld.global.v4.b32 {k8, k9, k10, k11}, [kp1];",
+        "ld.global.v4.b32 {k12, k13, k14, k15}, [kp1+16];",
+        "shl.b32 tv0, t, 1;",
+        "add.s32 tv1, tv0, 1;",
+        "add.s32 tv2, tv0, 8;",
+        "add.s32 tv3, tv0, 9;",
+        "setp.lt.s32 p0, tv0, $87;",
+        "setp.lt.s32 p1, tv1, $87;",
+        "setp.lt.s32 p2, tv2, $87;",
+        "setp.lt.s32 p3, tv3, $87;",
+        "add.s64 vp1, $85, $86;",
+        "add.s64 vp2, $85, st8;",
+        "add.s64 vp3, vp2, $86;",
+    ]
+    for n in ("va", "vb", "vc", "vd"):
+        L += [f"mov.b32 {n}{i}, 0;" for i in range(4)]
+    for p, n, a in ((0, "va", "$85"), (1, "vb", "vp1"), (2, "vc", "vp2"), (3, "vd", "vp3")):
+        L.append(f"@p{p} ld.global.v4.b32 {{{n}0, {n}1, {n}2, {n}3}}, [{a}];")
+    L += [f"mov.f32 s{i}, 0f00000000;" for i in range(8)]
+    for st in range(8):
+        for tile in range(2):
+            c = 4 * tile
+            L += [
+                f"mov.b32 {{h0, h1}}, k{8 * tile + st};",
+                "cvt.rn.f16x2.e4m3x2 b0, h0;",
+                "cvt.rn.f16x2.e4m3x2 b1, h1;",
+                "mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 "
+                f"{{s{c}, s{c + 1}, s{c + 2}, s{c + 3}}}, {{${68 + 2 * st}, zero, ${69 + 2 * st}, zero}}, {{b0, b1}}, "
+                f"{{s{c}, s{c + 1}, s{c + 2}, s{c + 3}}};",
+            ]
+    # row g's logits: tile 0 columns 2t, 2t + 1 (s0, s1), tile 1 columns 8 + 2t, 9 + 2t (s4, s5)
+    for s, p in (("s0", 0), ("s1", 1), ("s4", 2), ("s5", 3)):
+        L += [f"mul.f32 {s}, {s}, $88;", f"selp.f32 {s}, {s}, {NEG_INF}, p{p};"]
+    L += [
+        "max.f32 mx, s0, s1;",
+        "max.f32 mx, mx, s4;",
+        "max.f32 mx, mx, s5;",
+        "shfl.sync.bfly.b32 tmp, mx, 1, 0x1f, 0xffffffff;",
+        "max.f32 mx, mx, tmp;",
+        "shfl.sync.bfly.b32 tmp, mx, 2, 0x1f, 0xffffffff;",
+        "max.f32 mx, mx, tmp;",
+        "max.f32 mnew, $34, mx;",
+        # a warp that has seen no token yet (its steps so far past the end) measures from 0, not -inf
+        "setp.eq.f32 pz, mnew, 0fFF800000;",
+        "selp.f32 mref, 0f00000000, mnew, pz;",
+        "sub.f32 tmp, $34, mref;",
+        "ex2.approx.ftz.f32 alpha, tmp;",
+    ]
+    for e, s in (("e0", "s0"), ("e1", "s1"), ("e2", "s4"), ("e3", "s5")):
+        L += [f"sub.f32 tmp, {s}, mref;", f"ex2.approx.ftz.f32 {e}, tmp;"]
+    L += [
+        "add.f32 tmp, e0, e1;",
+        "add.f32 tmp, tmp, e2;",
+        "add.f32 tmp, tmp, e3;",
+        "fma.rn.f32 $1, $35, alpha, tmp;",
+        "mov.f32 $0, mnew;",
+        "cvt.rn.f16x2.f32 pa0, e1, e0;",
+        "cvt.rn.f16x2.f32 pa2, e3, e2;",
+    ]
+    for w in range(4):
+        L += [
+            f"prmt.b32 x0, va{w}, vb{w}, 0x5140;",
+            f"prmt.b32 x1, va{w}, vb{w}, 0x7362;",
+            f"prmt.b32 x2, vc{w}, vd{w}, 0x5140;",
+            f"prmt.b32 x3, vc{w}, vd{w}, 0x7362;",
+        ]
+        for i in range(4):
+            j = 4 * w + i
+            lo, hi = ("x0", "x2") if i < 2 else ("x1", "x3")
+            half = "h0" if i % 2 == 0 else "h1"
+            L += [
+                f"mov.b32 {{h0, h1}}, {lo};",
+                f"cvt.rn.f16x2.e4m3x2 b0, {half};",
+                f"mov.b32 {{h0, h1}}, {hi};",
+                f"cvt.rn.f16x2.e4m3x2 b1, {half};",
+                f"mul.f32 ${2 + 2 * j}, ${36 + 2 * j}, alpha;",
+                f"mul.f32 ${3 + 2 * j}, ${37 + 2 * j}, alpha;",
+                "mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 "
+                f"{{${2 + 2 * j}, ${3 + 2 * j}, d0, d1}}, {{pa0, zero, pa2, zero}}, {{b0, b1}}, "
+                f"{{${2 + 2 * j}, ${3 + 2 * j}, fz, fz}};",
+            ]
+    L.append("}")
+    return "\n".join(L)
+
+
+def _out_asm(kind: str) -> str:
+    """Store row g's normalised output. $0 out: l summed over the row's 4 lanes; $1-$32 acc; $33 l (this
+    lane's share); $34 address of out[head g, d = 32t]; $35 nonzero for a real row; $36 a factor (v_scale).
+    Accumulator pair j holds d = 32t + j and 32t + 16 + j."""
+    L = [
+        "{",
+        ".reg .pred pv;",
+        ".reg .f32 l, tmp, r;",
+        ".reg .b16 hb;",
+        "shfl.sync.bfly.b32 tmp, $33, 1, 0x1f, 0xffffffff;",
+        "add.f32 l, $33, tmp;",
+        "shfl.sync.bfly.b32 tmp, l, 2, 0x1f, 0xffffffff;",
+        "add.f32 l, l, tmp;",
+        "div.rn.f32 r, $36, l;",
+        "setp.ne.s32 pv, $35, 0;",
+    ]
+    size = 4 if kind == "f32" else 2
+    for j in range(16):
+        for half, reg in ((0, 1 + 2 * j), (1, 2 + 2 * j)):
+            off = (16 * half + j) * size
+            L.append(f"mul.f32 tmp, ${reg}, r;")
+            if kind == "f32":
+                L.append(f"@pv st.global.f32 [$34+{off}], tmp;")
+            else:
+                L += [f"cvt.rn.{kind}.f32 hb, tmp;", f"@pv st.global.b16 [$34+{off}], hb;"]
+    L += ["mov.f32 $0, l;", "}"]
+    return "\n".join(L)
+
+
+Q_ASM = {torch.bfloat16: _q_asm(True), torch.float16: _q_asm(False)}
+STEP_ASM = _step_asm()
+OUT_ASM = {torch.bfloat16: _out_asm("bf16"), torch.float16: _out_asm("f16"), torch.float32: _out_asm("f32")}
+
+
+@triton.jit
+def _decode_e4m3_kernel(
+    out_ptr,  # [T, H, D]; decode token i belongs to sequence i
+    part_out_ptr,
+    part_max_ptr,
+    part_sum_ptr,  # SPLIT: as in decode._decode_kernel
+    q_ptr,  # [T, H, D]
+    k_cache_ptr,
+    v_cache_ptr,  # [num_blocks, block_size, Hkv, D] e4m3
+    block_tables_ptr,
+    seq_lens_ptr,
+    scale_log2,  # softmax scale * log2(e) * k_scale
+    v_scale,
+    stride_qt,
+    stride_qh,
+    stride_ot,
+    stride_oh,
+    stride_cb,
+    stride_cs,
+    stride_ch,
+    stride_bt,
+    stride_ps,
+    stride_ph,
+    head_dim,
+    group,
+    max_partitions,
+    SPLIT: tl.constexpr,
+    BLOCK_SIZE: tl.constexpr,
+    BLOCK_N: tl.constexpr,  # the partitions' granularity (the reduce's), a multiple of 16
+    WARPS: tl.constexpr,
+    Q_ASM: tl.constexpr,
+    STEP_ASM: tl.constexpr,
+    OUT_ASM: tl.constexpr,
+    USE_PDL: tl.constexpr,
+):
+    wait_and_release(USE_PDL)
+    seq, kv_head, part = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    seq_len = tl.load(seq_lens_ptr + seq)
+    start, end = _partition(seq_len, part, max_partitions, SPLIT, None, BLOCK_N)
+    if start < end:
+        e = tl.arange(0, WARPS * 32)  # one element a thread: warp e // 32, lane e % 32
+        warp = e // 32
+        g = e % 32 // 4
+        t = e % 4
+        head = kv_head * group + g
+        q_addr = (q_ptr + seq * stride_qt + head * stride_qh + 32 * t).to(tl.int64)
+        q0, q1, q2, q3, q4, q5, q6, q7, q8, q9, q10, q11, q12, q13, q14, q15 = tl.inline_asm_elementwise(
+            Q_ASM,
+            "=r,=r,=r,=r,=r,=r,=r,=r,=r,=r,=r,=r,=r,=r,=r,=r,l,r",
+            [q_addr, (g < group).to(tl.int32)],
+            dtype=(
+                tl.int32,
+                tl.int32,
+                tl.int32,
+                tl.int32,
+                tl.int32,
+                tl.int32,
+                tl.int32,
+                tl.int32,
+                tl.int32,
+                tl.int32,
+                tl.int32,
+                tl.int32,
+                tl.int32,
+                tl.int32,
+                tl.int32,
+                tl.int32,
+            ),
+            is_pure=True,
+            pack=1,
+        )
+        m = tl.full([WARPS * 32], float("-inf"), tl.float32)
+        z = tl.zeros([WARPS * 32], tl.float32)
+        l = z
+        a0 = z
+        a1 = z
+        a2 = z
+        a3 = z
+        a4 = z
+        a5 = z
+        a6 = z
+        a7 = z
+        a8 = z
+        a9 = z
+        a10 = z
+        a11 = z
+        a12 = z
+        a13 = z
+        a14 = z
+        a15 = z
+        a16 = z
+        a17 = z
+        a18 = z
+        a19 = z
+        a20 = z
+        a21 = z
+        a22 = z
+        a23 = z
+        a24 = z
+        a25 = z
+        a26 = z
+        a27 = z
+        a28 = z
+        a29 = z
+        a30 = z
+        a31 = z
+        table = block_tables_ptr + seq * stride_bt
+        lane_k = g.to(tl.int64) * stride_cs + 32 * t  # token g, bytes [32t, 32t + 32)
+        lane_v = (2 * t).to(tl.int64) * stride_cs + 16 * g  # token 2t, bytes [16g, 16g + 16)
+        stride = tl.zeros([WARPS * 32], tl.int64) + stride_cs
+        for n0 in range(start, end, 16 * WARPS):
+            first = n0 + 16 * warp  # this warp's 16 tokens, all in one block
+            block = tl.load(table + first // BLOCK_SIZE, mask=first < end, other=0).to(tl.int64)
+            row = block * stride_cb + (first % BLOCK_SIZE) * stride_cs + kv_head * stride_ch
+            (
+                m,
+                l,
+                a0,
+                a1,
+                a2,
+                a3,
+                a4,
+                a5,
+                a6,
+                a7,
+                a8,
+                a9,
+                a10,
+                a11,
+                a12,
+                a13,
+                a14,
+                a15,
+                a16,
+                a17,
+                a18,
+                a19,
+                a20,
+                a21,
+                a22,
+                a23,
+                a24,
+                a25,
+                a26,
+                a27,
+                a28,
+                a29,
+                a30,
+                a31,
+            ) = tl.inline_asm_elementwise(
+                STEP_ASM,
+                "=f,=f,=f,=f,=f,=f,=f,=f,=f,=f,=f,=f,=f,=f,=f,=f,=f,=f,=f,=f,=f,=f,=f,=f,=f,=f,=f,=f,=f,=f,=f,=f,=f,=f,f,f,f,f,f,f,f,f,f,f,f,f,f,f,f,f,f,f,f,f,f,f,f,f,f,f,f,f,f,f,f,f,f,f,r,r,r,r,r,r,r,r,r,r,r,r,r,r,r,r,l,l,l,r,f",
+                [
+                    m,
+                    l,
+                    a0,
+                    a1,
+                    a2,
+                    a3,
+                    a4,
+                    a5,
+                    a6,
+                    a7,
+                    a8,
+                    a9,
+                    a10,
+                    a11,
+                    a12,
+                    a13,
+                    a14,
+                    a15,
+                    a16,
+                    a17,
+                    a18,
+                    a19,
+                    a20,
+                    a21,
+                    a22,
+                    a23,
+                    a24,
+                    a25,
+                    a26,
+                    a27,
+                    a28,
+                    a29,
+                    a30,
+                    a31,
+                    q0,
+                    q1,
+                    q2,
+                    q3,
+                    q4,
+                    q5,
+                    q6,
+                    q7,
+                    q8,
+                    q9,
+                    q10,
+                    q11,
+                    q12,
+                    q13,
+                    q14,
+                    q15,
+                    (k_cache_ptr + row + lane_k).to(tl.int64),
+                    (v_cache_ptr + row + lane_v).to(tl.int64),
+                    stride,
+                    tl.minimum(tl.maximum(end - first, 0), 16),
+                    z + scale_log2,
+                ],
+                dtype=(
+                    tl.float32,
+                    tl.float32,
+                    tl.float32,
+                    tl.float32,
+                    tl.float32,
+                    tl.float32,
+                    tl.float32,
+                    tl.float32,
+                    tl.float32,
+                    tl.float32,
+                    tl.float32,
+                    tl.float32,
+                    tl.float32,
+                    tl.float32,
+                    tl.float32,
+                    tl.float32,
+                    tl.float32,
+                    tl.float32,
+                    tl.float32,
+                    tl.float32,
+                    tl.float32,
+                    tl.float32,
+                    tl.float32,
+                    tl.float32,
+                    tl.float32,
+                    tl.float32,
+                    tl.float32,
+                    tl.float32,
+                    tl.float32,
+                    tl.float32,
+                    tl.float32,
+                    tl.float32,
+                    tl.float32,
+                    tl.float32,
+                ),
+                is_pure=True,
+                pack=1,
+            )
+        # the warps' shares of each row meet on the same 32 lanes
+        m_w = tl.reshape(m, [WARPS, 32])
+        m = tl.max(m_w, axis=0)
+        f = tl.exp2(m_w - m[None, :])
+        l = tl.sum(tl.reshape(l, [WARPS, 32]) * f, axis=0)
+        a0 = tl.sum(tl.reshape(a0, [WARPS, 32]) * f, axis=0)
+        a1 = tl.sum(tl.reshape(a1, [WARPS, 32]) * f, axis=0)
+        a2 = tl.sum(tl.reshape(a2, [WARPS, 32]) * f, axis=0)
+        a3 = tl.sum(tl.reshape(a3, [WARPS, 32]) * f, axis=0)
+        a4 = tl.sum(tl.reshape(a4, [WARPS, 32]) * f, axis=0)
+        a5 = tl.sum(tl.reshape(a5, [WARPS, 32]) * f, axis=0)
+        a6 = tl.sum(tl.reshape(a6, [WARPS, 32]) * f, axis=0)
+        a7 = tl.sum(tl.reshape(a7, [WARPS, 32]) * f, axis=0)
+        a8 = tl.sum(tl.reshape(a8, [WARPS, 32]) * f, axis=0)
+        a9 = tl.sum(tl.reshape(a9, [WARPS, 32]) * f, axis=0)
+        a10 = tl.sum(tl.reshape(a10, [WARPS, 32]) * f, axis=0)
+        a11 = tl.sum(tl.reshape(a11, [WARPS, 32]) * f, axis=0)
+        a12 = tl.sum(tl.reshape(a12, [WARPS, 32]) * f, axis=0)
+        a13 = tl.sum(tl.reshape(a13, [WARPS, 32]) * f, axis=0)
+        a14 = tl.sum(tl.reshape(a14, [WARPS, 32]) * f, axis=0)
+        a15 = tl.sum(tl.reshape(a15, [WARPS, 32]) * f, axis=0)
+        a16 = tl.sum(tl.reshape(a16, [WARPS, 32]) * f, axis=0)
+        a17 = tl.sum(tl.reshape(a17, [WARPS, 32]) * f, axis=0)
+        a18 = tl.sum(tl.reshape(a18, [WARPS, 32]) * f, axis=0)
+        a19 = tl.sum(tl.reshape(a19, [WARPS, 32]) * f, axis=0)
+        a20 = tl.sum(tl.reshape(a20, [WARPS, 32]) * f, axis=0)
+        a21 = tl.sum(tl.reshape(a21, [WARPS, 32]) * f, axis=0)
+        a22 = tl.sum(tl.reshape(a22, [WARPS, 32]) * f, axis=0)
+        a23 = tl.sum(tl.reshape(a23, [WARPS, 32]) * f, axis=0)
+        a24 = tl.sum(tl.reshape(a24, [WARPS, 32]) * f, axis=0)
+        a25 = tl.sum(tl.reshape(a25, [WARPS, 32]) * f, axis=0)
+        a26 = tl.sum(tl.reshape(a26, [WARPS, 32]) * f, axis=0)
+        a27 = tl.sum(tl.reshape(a27, [WARPS, 32]) * f, axis=0)
+        a28 = tl.sum(tl.reshape(a28, [WARPS, 32]) * f, axis=0)
+        a29 = tl.sum(tl.reshape(a29, [WARPS, 32]) * f, axis=0)
+        a30 = tl.sum(tl.reshape(a30, [WARPS, 32]) * f, axis=0)
+        a31 = tl.sum(tl.reshape(a31, [WARPS, 32]) * f, axis=0)
+        lane = tl.arange(0, 32)
+        g = lane // 4
+        t = lane % 4
+        head = kv_head * group + g
+        if SPLIT:
+            dst = part_out_ptr + seq * stride_ps + head * stride_ph + part * head_dim + 32 * t
+        else:
+            dst = out_ptr + seq * stride_ot + head * stride_oh + 32 * t
+        # every partition's output is times v_scale too: the reduce's sum is convex
+        l = tl.inline_asm_elementwise(
+            OUT_ASM,
+            "=f,f,f,f,f,f,f,f,f,f,f,f,f,f,f,f,f,f,f,f,f,f,f,f,f,f,f,f,f,f,f,f,f,f,l,r,f",
+            [
+                a0,
+                a1,
+                a2,
+                a3,
+                a4,
+                a5,
+                a6,
+                a7,
+                a8,
+                a9,
+                a10,
+                a11,
+                a12,
+                a13,
+                a14,
+                a15,
+                a16,
+                a17,
+                a18,
+                a19,
+                a20,
+                a21,
+                a22,
+                a23,
+                a24,
+                a25,
+                a26,
+                a27,
+                a28,
+                a29,
+                a30,
+                a31,
+                l,
+                dst.to(tl.int64),
+                (g < group).to(tl.int32),
+                tl.zeros([32], tl.float32) + v_scale,
+            ],
+            dtype=tl.float32,
+            is_pure=False,
+            pack=1,
+        )
+        if SPLIT:
+            stat = (seq * tl.num_programs(1) * group + head) * max_partitions + part
+            row0 = (t == 0) & (g < group)
+            tl.store(part_max_ptr + stat, m, mask=row0)
+            tl.store(part_sum_ptr + stat, l, mask=row0)
+
+
+def fits(q: torch.Tensor, k_cache: torch.Tensor, window: int | None, soft_cap: float | None) -> bool:
+    """Whether `paged_decode_e4m3` serves this decode (the module's Requires)."""
+    num_heads, head_dim = q.shape[1], q.shape[2]
+    num_kv_heads, block_size = k_cache.shape[2], k_cache.shape[1]
+    return (
+        not interpreted()
+        and q.is_cuda
+        and k_cache.dtype == torch.float8_e4m3fn
+        and q.dtype in (torch.bfloat16, torch.float16)
+        and head_dim == 128
+        and num_heads % num_kv_heads == 0
+        and num_heads // num_kv_heads <= 8
+        and block_size % 16 == 0
+        and k_cache.stride(-1) == 1
+        and k_cache.stride(1) % 16 == 0
+        and window is None
+        and soft_cap is None
+    )
+
+
+def warps(programs: int, num_sms: int) -> int:
+    """Warps a program for a grid of `programs` (sequence, KV head) programs: some 16 warps an SM in all,
+    in 1, 2 or 4 a program (H200: one warp won at 2,000 programs, four at 256-512; docs/performance.md)."""
+    w = 1
+    while w < 4 and programs * w * 2 <= 16 * num_sms:
+        w *= 2
+    return w
+
+
+def paged_decode_e4m3(
+    out: torch.Tensor,  # [T, H, D]; rows [0, num_seqs) written
+    q: torch.Tensor,  # [T, H, D]; rows [0, num_seqs) are the decode tokens
+    k_cache: torch.Tensor,  # [num_blocks, block_size, Hkv, D] e4m3
+    v_cache: torch.Tensor,
+    block_tables: torch.Tensor,  # [>= num_seqs, max_blocks] int32
+    seq_lens: torch.Tensor,  # [>= num_seqs] int32
+    scale: float,
+    num_seqs: int,
+    scratch: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None,  # as in decode.paged_decode
+    block_n: int,  # the partitions' granularity, a multiple of 16
+    scales: tuple[float, float],  # (k_scale, v_scale)
+    num_warps: int = 1,
+) -> None:
+    """`decode.paged_decode` over an FP8 cache that `fits`, without window or soft cap."""
+    if num_seqs == 0:
+        return
+    num_heads, head_dim = q.shape[1], q.shape[2]
+    num_kv_heads, block_size = k_cache.shape[2], k_cache.shape[1]
+    assert block_n % 16 == 0 and q.stride(2) == 1 and out.stride(2) == 1
+    pdl = kernel_args(q.device)
+    if scratch is not None:
+        part_out, part_max, part_sum = scratch
+        max_partitions = part_out.shape[2]
+        stride_ps, stride_ph = part_out.stride(0), part_out.stride(1)
+    else:
+        part_out = part_max = part_sum = out
+        max_partitions, stride_ps, stride_ph = 1, 0, 0
+    _decode_e4m3_kernel[(num_seqs, num_kv_heads, max_partitions)](
+        out,
+        part_out,
+        part_max,
+        part_sum,
+        q,
+        k_cache,
+        v_cache,
+        block_tables,
+        seq_lens,
+        scale * scales[0] * LOG2E,
+        scales[1],
+        q.stride(0),
+        q.stride(1),
+        out.stride(0),
+        out.stride(1),
+        k_cache.stride(0),
+        k_cache.stride(1),
+        k_cache.stride(2),
+        block_tables.stride(0),
+        stride_ps,
+        stride_ph,
+        head_dim,
+        num_heads // num_kv_heads,
+        max_partitions,
+        SPLIT=scratch is not None,
+        BLOCK_SIZE=block_size,
+        BLOCK_N=block_n,
+        WARPS=num_warps,
+        Q_ASM=Q_ASM[q.dtype],
+        STEP_ASM=STEP_ASM,
+        OUT_ASM=OUT_ASM[torch.float32 if scratch is not None else out.dtype],
+        num_warps=num_warps,
+        num_stages=1,
+        **pdl,
+    )
+    if scratch is not None:
+        _reduce(out, scratch, seq_lens, (num_seqs, num_heads), head_dim, None, block_n, 128, pdl)
