@@ -5,6 +5,8 @@ Each submodule imports triton at its top, so import them only where they are abo
 
 - `cache_write`: new K/V into their slots of the paged cache (`slot_mapping`).
 - `decode`: one query token per sequence over its block table, split-K over partitions + reduce.
+- `decode_e4m3`: the same over an FP8 cache with K and V loaded straight into MMA registers (PTX;
+  unsplit batches, compiled runs only).
 - `prefill`: variable-length causal prefill/extend over the paged cache (`cu_seqlens_q`).
 - `scores`: what both share about a score: its logit (scale, soft cap) and a sliding window's start.
 """
