@@ -206,32 +206,19 @@ STEP_ASM = _step_asm()
 OUT_ASM = {torch.bfloat16: _out_asm("bf16"), torch.float16: _out_asm("f16"), torch.float32: _out_asm("f32")}
 
 
+# fmt: off
+# (the kernel's 32 output registers a lane are 32 names, listed compactly; Triton takes no starred lists)
 @triton.jit
 def _decode_e4m3_kernel(
     out_ptr,  # [T, H, D]; decode token i belongs to sequence i
-    part_out_ptr,
-    part_max_ptr,
-    part_sum_ptr,  # SPLIT: as in decode._decode_kernel
+    part_out_ptr, part_max_ptr, part_sum_ptr,  # SPLIT: as in decode._decode_kernel
     q_ptr,  # [T, H, D]
-    k_cache_ptr,
-    v_cache_ptr,  # [num_blocks, block_size, Hkv, D] e4m3
-    block_tables_ptr,
-    seq_lens_ptr,
+    k_cache_ptr, v_cache_ptr,  # [num_blocks, block_size, Hkv, D] e4m3
+    block_tables_ptr, seq_lens_ptr,
     scale_log2,  # softmax scale * log2(e) * k_scale
     v_scale,
-    stride_qt,
-    stride_qh,
-    stride_ot,
-    stride_oh,
-    stride_cb,
-    stride_cs,
-    stride_ch,
-    stride_bt,
-    stride_ps,
-    stride_ph,
-    head_dim,
-    group,
-    max_partitions,
+    stride_qt, stride_qh, stride_ot, stride_oh, stride_cb, stride_cs, stride_ch, stride_bt, stride_ps, stride_ph,
+    head_dim, group, max_partitions,
     SPLIT: tl.constexpr,
     BLOCK_SIZE: tl.constexpr,
     BLOCK_N: tl.constexpr,  # the partitions' granularity (the reduce's), a multiple of 16
@@ -253,26 +240,10 @@ def _decode_e4m3_kernel(
         head = kv_head * group + g
         q_addr = (q_ptr + seq * stride_qt + head * stride_qh + 32 * t).to(tl.int64)
         q0, q1, q2, q3, q4, q5, q6, q7, q8, q9, q10, q11, q12, q13, q14, q15 = tl.inline_asm_elementwise(
-            Q_ASM,
-            "=r,=r,=r,=r,=r,=r,=r,=r,=r,=r,=r,=r,=r,=r,=r,=r,l,r",
-            [q_addr, (g < group).to(tl.int32)],
+            Q_ASM, "=r,=r,=r,=r,=r,=r,=r,=r,=r,=r,=r,=r,=r,=r,=r,=r,l,r", [q_addr, (g < group).to(tl.int32)],
             dtype=(
-                tl.int32,
-                tl.int32,
-                tl.int32,
-                tl.int32,
-                tl.int32,
-                tl.int32,
-                tl.int32,
-                tl.int32,
-                tl.int32,
-                tl.int32,
-                tl.int32,
-                tl.int32,
-                tl.int32,
-                tl.int32,
-                tl.int32,
-                tl.int32,
+                tl.int32, tl.int32, tl.int32, tl.int32, tl.int32, tl.int32, tl.int32, tl.int32,
+                tl.int32, tl.int32, tl.int32, tl.int32, tl.int32, tl.int32, tl.int32, tl.int32,
             ),
             is_pure=True,
             pack=1,
@@ -280,38 +251,10 @@ def _decode_e4m3_kernel(
         m = tl.full([WARPS * 32], float("-inf"), tl.float32)
         z = tl.zeros([WARPS * 32], tl.float32)
         l = z
-        a0 = z
-        a1 = z
-        a2 = z
-        a3 = z
-        a4 = z
-        a5 = z
-        a6 = z
-        a7 = z
-        a8 = z
-        a9 = z
-        a10 = z
-        a11 = z
-        a12 = z
-        a13 = z
-        a14 = z
-        a15 = z
-        a16 = z
-        a17 = z
-        a18 = z
-        a19 = z
-        a20 = z
-        a21 = z
-        a22 = z
-        a23 = z
-        a24 = z
-        a25 = z
-        a26 = z
-        a27 = z
-        a28 = z
-        a29 = z
-        a30 = z
-        a31 = z
+        a0, a1, a2, a3, a4, a5, a6, a7 = z, z, z, z, z, z, z, z
+        a8, a9, a10, a11, a12, a13, a14, a15 = z, z, z, z, z, z, z, z
+        a16, a17, a18, a19, a20, a21, a22, a23 = z, z, z, z, z, z, z, z
+        a24, a25, a26, a27, a28, a29, a30, a31 = z, z, z, z, z, z, z, z
         table = block_tables_ptr + seq * stride_bt
         lane_k = g.to(tl.int64) * stride_cs + 32 * t  # token g, bytes [32t, 32t + 32)
         lane_v = (2 * t).to(tl.int64) * stride_cs + 16 * g  # token 2t, bytes [16g, 16g + 16)
@@ -321,94 +264,17 @@ def _decode_e4m3_kernel(
             block = tl.load(table + first // BLOCK_SIZE, mask=first < end, other=0).to(tl.int64)
             row = block * stride_cb + (first % BLOCK_SIZE) * stride_cs + kv_head * stride_ch
             (
-                m,
-                l,
-                a0,
-                a1,
-                a2,
-                a3,
-                a4,
-                a5,
-                a6,
-                a7,
-                a8,
-                a9,
-                a10,
-                a11,
-                a12,
-                a13,
-                a14,
-                a15,
-                a16,
-                a17,
-                a18,
-                a19,
-                a20,
-                a21,
-                a22,
-                a23,
-                a24,
-                a25,
-                a26,
-                a27,
-                a28,
-                a29,
-                a30,
-                a31,
+                m, l, a0, a1, a2, a3, a4, a5, a6, a7, a8, a9, a10, a11, a12, a13, a14, a15,
+                a16, a17, a18, a19, a20, a21, a22, a23, a24, a25, a26, a27, a28, a29, a30, a31,
             ) = tl.inline_asm_elementwise(
                 STEP_ASM,
-                "=f,=f,=f,=f,=f,=f,=f,=f,=f,=f,=f,=f,=f,=f,=f,=f,=f,=f,=f,=f,=f,=f,=f,=f,=f,=f,=f,=f,=f,=f,=f,=f,=f,=f,f,f,f,f,f,f,f,f,f,f,f,f,f,f,f,f,f,f,f,f,f,f,f,f,f,f,f,f,f,f,f,f,f,f,r,r,r,r,r,r,r,r,r,r,r,r,r,r,r,r,l,l,l,r,f",
+                "=f,=f,=f,=f,=f,=f,=f,=f,=f,=f,=f,=f,=f,=f,=f,=f,=f,=f,=f,=f,=f,=f,=f,=f,=f,=f,=f,=f,=f,=f,=f,=f,=f,=f,"
+                "f,f,f,f,f,f,f,f,f,f,f,f,f,f,f,f,f,f,f,f,f,f,f,f,f,f,f,f,f,f,f,f,f,f,"
+                "r,r,r,r,r,r,r,r,r,r,r,r,r,r,r,r,l,l,l,r,f",
                 [
-                    m,
-                    l,
-                    a0,
-                    a1,
-                    a2,
-                    a3,
-                    a4,
-                    a5,
-                    a6,
-                    a7,
-                    a8,
-                    a9,
-                    a10,
-                    a11,
-                    a12,
-                    a13,
-                    a14,
-                    a15,
-                    a16,
-                    a17,
-                    a18,
-                    a19,
-                    a20,
-                    a21,
-                    a22,
-                    a23,
-                    a24,
-                    a25,
-                    a26,
-                    a27,
-                    a28,
-                    a29,
-                    a30,
-                    a31,
-                    q0,
-                    q1,
-                    q2,
-                    q3,
-                    q4,
-                    q5,
-                    q6,
-                    q7,
-                    q8,
-                    q9,
-                    q10,
-                    q11,
-                    q12,
-                    q13,
-                    q14,
-                    q15,
+                    m, l, a0, a1, a2, a3, a4, a5, a6, a7, a8, a9, a10, a11, a12, a13, a14, a15,
+                    a16, a17, a18, a19, a20, a21, a22, a23, a24, a25, a26, a27, a28, a29, a30, a31,
+                    q0, q1, q2, q3, q4, q5, q6, q7, q8, q9, q10, q11, q12, q13, q14, q15,
                     (k_cache_ptr + row + lane_k).to(tl.int64),
                     (v_cache_ptr + row + lane_v).to(tl.int64),
                     stride,
@@ -416,40 +282,11 @@ def _decode_e4m3_kernel(
                     z + scale_log2,
                 ],
                 dtype=(
-                    tl.float32,
-                    tl.float32,
-                    tl.float32,
-                    tl.float32,
-                    tl.float32,
-                    tl.float32,
-                    tl.float32,
-                    tl.float32,
-                    tl.float32,
-                    tl.float32,
-                    tl.float32,
-                    tl.float32,
-                    tl.float32,
-                    tl.float32,
-                    tl.float32,
-                    tl.float32,
-                    tl.float32,
-                    tl.float32,
-                    tl.float32,
-                    tl.float32,
-                    tl.float32,
-                    tl.float32,
-                    tl.float32,
-                    tl.float32,
-                    tl.float32,
-                    tl.float32,
-                    tl.float32,
-                    tl.float32,
-                    tl.float32,
-                    tl.float32,
-                    tl.float32,
-                    tl.float32,
-                    tl.float32,
-                    tl.float32,
+                    tl.float32, tl.float32, tl.float32, tl.float32, tl.float32, tl.float32, tl.float32, tl.float32,
+                    tl.float32, tl.float32, tl.float32, tl.float32, tl.float32, tl.float32, tl.float32, tl.float32,
+                    tl.float32, tl.float32, tl.float32, tl.float32, tl.float32, tl.float32, tl.float32, tl.float32,
+                    tl.float32, tl.float32, tl.float32, tl.float32, tl.float32, tl.float32, tl.float32, tl.float32,
+                    tl.float32, tl.float32,
                 ),
                 is_pure=True,
                 pack=1,
@@ -504,42 +341,9 @@ def _decode_e4m3_kernel(
             OUT_ASM,
             "=f,f,f,f,f,f,f,f,f,f,f,f,f,f,f,f,f,f,f,f,f,f,f,f,f,f,f,f,f,f,f,f,f,f,l,r,f",
             [
-                a0,
-                a1,
-                a2,
-                a3,
-                a4,
-                a5,
-                a6,
-                a7,
-                a8,
-                a9,
-                a10,
-                a11,
-                a12,
-                a13,
-                a14,
-                a15,
-                a16,
-                a17,
-                a18,
-                a19,
-                a20,
-                a21,
-                a22,
-                a23,
-                a24,
-                a25,
-                a26,
-                a27,
-                a28,
-                a29,
-                a30,
-                a31,
-                l,
-                dst.to(tl.int64),
-                (g < group).to(tl.int32),
-                tl.zeros([32], tl.float32) + v_scale,
+                a0, a1, a2, a3, a4, a5, a6, a7, a8, a9, a10, a11, a12, a13, a14, a15,
+                a16, a17, a18, a19, a20, a21, a22, a23, a24, a25, a26, a27, a28, a29, a30, a31,
+                l, dst.to(tl.int64), (g < group).to(tl.int32), tl.zeros([32], tl.float32) + v_scale,
             ],
             dtype=tl.float32,
             is_pure=False,
@@ -550,6 +354,7 @@ def _decode_e4m3_kernel(
             row0 = (t == 0) & (g < group)
             tl.store(part_max_ptr + stat, m, mask=row0)
             tl.store(part_sum_ptr + stat, l, mask=row0)
+# fmt: on
 
 
 def fits(q: torch.Tensor, k_cache: torch.Tensor, window: int | None, soft_cap: float | None) -> bool:
