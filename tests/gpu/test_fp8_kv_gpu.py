@@ -115,7 +115,7 @@ def test_e4m3_mma_decode_matches_the_decode_kernel(warps, heads, block_size, dty
 
     case = quantized(paged_case((1,) * len(_MMA_CONTEXTS), _MMA_CONTEXTS, *heads, block_size, dtype), SCALES)
     k_cache, v_cache = case.kv_cache
-    assert decode_e4m3.fits(case.q, k_cache, None, None)
+    assert decode_e4m3.fits(case.q, k_cache, v_cache, None, None)
     num_seqs, num_heads = len(_MMA_CONTEXTS), heads[0]
 
     def attend(kernel, **kwargs):
@@ -168,8 +168,8 @@ def test_backend_takes_the_e4m3_mma_decode_under_graph_replay(monkeypatch):
     graph.replay()
     torch.cuda.synchronize()
     torch.testing.assert_close(out.float(), naive_attention(second), atol=2e-2, rtol=2e-2)
-    assert not decode_e4m3.fits(first.q, kv_cache[0], 256, None)
-    assert not decode_e4m3.fits(first.q, kv_cache[0], None, 50.0)
+    assert not decode_e4m3.fits(first.q, kv_cache[0], kv_cache[1], 256, None)
+    assert not decode_e4m3.fits(first.q, kv_cache[0], kv_cache[1], None, 50.0)
 
 
 @pytest.mark.parametrize("batch_name", ["decode-64-to-4096", "extend-chunked-spec", "mixed-60-decode"])

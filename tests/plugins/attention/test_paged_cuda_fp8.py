@@ -159,6 +159,38 @@ def test_e4m3_mma_decode_is_taken_only_where_its_ptx_runs():
     from infer.plugins.attention.paged_cuda.kernels import decode_e4m3
 
     q = torch.zeros(1, 32, 128, dtype=torch.bfloat16, device=DEVICE)
-    k_cache = torch.zeros(4, 16, 8, 128, dtype=FP8, device=DEVICE)
-    assert not decode_e4m3.fits(q, k_cache, None, None)
+    cache = torch.zeros(2, 4, 16, 8, 128, dtype=FP8, device=DEVICE)
+    assert decode_e4m3.layout_fits(q, cache[0], cache[1], None, None)
+    assert not decode_e4m3.fits(q, cache[0], cache[1], None, None)
     assert [decode_e4m3.warps(programs, 132) for programs in (2000, 1056, 1000, 512, 256, 8)] == [1, 2, 2, 4, 4, 4]
+
+
+@pytest.mark.parametrize(
+    "change",
+    [
+        dict(window=256),
+        dict(soft_cap=50.0),
+        dict(q=torch.zeros(1, 32, 128)),  # fp32 activations
+        dict(q=torch.zeros(1, 32, 64, dtype=torch.bfloat16)),  # head_dim 64
+        dict(q=torch.zeros(1, 128, 128, dtype=torch.bfloat16)),  # a GQA group of 16
+        dict(q=torch.zeros(1, 32, 129, dtype=torch.bfloat16)[:, :, 1:]),  # q's rows off 16 bytes
+        dict(k=torch.zeros(4, 8, 8, 128, dtype=FP8)),  # blocks of 8 tokens
+        dict(v=torch.zeros(4 * 16 * 8 * 128 + 1, dtype=FP8)[1:].view(4, 16, 8, 128)),  # V off 16 bytes
+        dict(v=torch.zeros(4, 16, 8, 128, dtype=torch.bfloat16)),
+    ],
+    ids=["window", "soft-cap", "fp32", "head-dim-64", "group-16", "q-misaligned", "block-8", "v-misaligned", "v-bf16"],
+)
+def test_e4m3_mma_decode_refuses_what_its_lanes_cannot_load(change):
+    """`decode_e4m3.layout_fits`, the kernel's Requires: one thing off at a time, the Triton kernel serves."""
+    args = dict(
+        q=torch.zeros(1, 32, 128, dtype=torch.bfloat16),
+        k=torch.zeros(4, 16, 8, 128, dtype=FP8),
+        v=torch.zeros(4, 16, 8, 128, dtype=FP8),
+        window=None,
+        soft_cap=None,
+    )
+    from infer.plugins.attention.paged_cuda.kernels import decode_e4m3
+
+    assert decode_e4m3.layout_fits(*args.values())
+    args.update(change)
+    assert not decode_e4m3.layout_fits(*args.values())

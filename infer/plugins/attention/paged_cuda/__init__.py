@@ -209,7 +209,7 @@ class PagedCudaAttention:
         k_cache, v_cache = kv_cache
         scales = kv_scales(kv_cache)
         out = torch.empty_like(q)  # [T, H, D]
-        if not plan.split and self._decode_e4m3.fits(q, k_cache, window, self.spec.soft_cap):
+        if not plan.split and self._decode_e4m3.fits(q, k_cache, v_cache, window, self.spec.soft_cap):
             # an FP8 cache's unsplit decode: K and V straight into MMA registers (decode_e4m3)
             self._decode_e4m3.paged_decode_e4m3(
                 out,

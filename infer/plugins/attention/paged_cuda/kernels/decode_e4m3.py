@@ -41,7 +41,7 @@ from infer.kernels.triton_pdl import kernel_args, wait_and_release
 from infer.plugins.attention.paged_cuda.kernels import interpreted
 from infer.plugins.attention.paged_cuda.kernels.decode import LOG2E, _partition, _reduce
 
-__all__ = ["fits", "paged_decode_e4m3", "warps"]
+__all__ = ["fits", "layout_fits", "paged_decode_e4m3", "warps"]
 
 NEG_INF = "0fFF800000"
 
@@ -357,21 +357,37 @@ def _decode_e4m3_kernel(
 # fmt: on
 
 
-def fits(q: torch.Tensor, k_cache: torch.Tensor, window: int | None, soft_cap: float | None) -> bool:
-    """Whether `paged_decode_e4m3` serves this decode (the module's Requires)."""
+def fits(
+    q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, window: int | None, soft_cap: float | None
+) -> bool:
+    """Whether `paged_decode_e4m3` serves this decode here: a compiled run on a GPU, and `layout_fits`."""
+    return not interpreted() and q.is_cuda and layout_fits(q, k_cache, v_cache, window, soft_cap)
+
+
+def layout_fits(
+    q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, window: int | None, soft_cap: float | None
+) -> bool:
+    """Whether the kernel takes these tensors (the module's Requires): its lanes load 16 bytes at a time
+    from the caches and q, so their rows must start 16-byte aligned."""
     num_heads, head_dim = q.shape[1], q.shape[2]
     num_kv_heads, block_size = k_cache.shape[2], k_cache.shape[1]
     return (
-        not interpreted()
-        and q.is_cuda
-        and k_cache.dtype == torch.float8_e4m3fn
+        k_cache.dtype == v_cache.dtype == torch.float8_e4m3fn
         and q.dtype in (torch.bfloat16, torch.float16)
         and head_dim == 128
         and num_heads % num_kv_heads == 0
         and num_heads // num_kv_heads <= 8
         and block_size % 16 == 0
-        and k_cache.stride(-1) == 1
-        and k_cache.stride(1) % 16 == 0
+        and k_cache.shape == v_cache.shape
+        and k_cache.stride() == v_cache.stride()
+        and k_cache.stride(3) == 1
+        and all(s % 16 == 0 for s in k_cache.stride()[:3])
+        and k_cache.data_ptr() % 16 == 0
+        and v_cache.data_ptr() % 16 == 0
+        and q.stride(2) == 1
+        and q.stride(0) % 8 == 0
+        and q.stride(1) % 8 == 0
+        and q.data_ptr() % 16 == 0
         and window is None
         and soft_cap is None
     )
