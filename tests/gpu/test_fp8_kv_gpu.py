@@ -99,7 +99,7 @@ def test_decode_cuda_graph_replay():
     torch.testing.assert_close(out.float(), naive_attention(second), atol=2e-2, rtol=2e-2)
 
 
-_MMA_CONTEXTS = (0, 14, 15, 16, 31, 32, 99, 510, 999, 4094, 1, 255, 777, 2048, 3000, 63)
+_MMA_CONTEXTS = tuple(range(16)) + (16, 31, 99, 510, 999, 4094, 255, 777, 2048, 3000, 63)  # last steps of 1-16 tokens
 
 
 @pytest.mark.parametrize("splits", [1, 4])
@@ -109,7 +109,7 @@ _MMA_CONTEXTS = (0, 14, 15, 16, 31, 32, 99, 510, 999, 4094, 1, 255, 777, 2048, 3
 @pytest.mark.parametrize("warps", [1, 2, 4])
 def test_e4m3_mma_decode_matches_the_decode_kernel(warps, heads, block_size, dtype, splits):
     """`decode_e4m3` (K and V loaded into MMA registers by PTX) against `decode`'s Triton kernel on the same
-    FP8 cache: contexts of every length modulo 16 (a step's tokens past the end masked), 1-4 warps a
+    FP8 cache: sequences whose last step holds each of 1-16 tokens (the rest masked), 1-4 warps a
     program (warps with no token in a step), groups of 1, 4, 7 and 8 heads, whole and split contexts."""
     from infer.plugins.attention.paged_cuda.kernels import decode, decode_e4m3
 

@@ -18,13 +18,17 @@ tokens a step and each lane loads its operands' bytes itself, 16 at a time, in t
 - an online softmax in fp32 over each row's 4 lanes (two butterfly shuffles), exp2 with log2(e) and k_scale
   folded into the logits' scale, as in `decode._decode_kernel`.
 
-The step is PTX (`tl.inline_asm_elementwise`, one element a thread): Triton cannot place these operands in
-registers itself. Triton does the rest: the partition of the context (`decode._partition`), the block-table
-walk, the combination of the warps' shares (a program of WARPS warps gives warp w the steps w, w + WARPS,
-...), and the output's stores. With one warp a program the kernel streams an FP8 cache at ~1.3x the rate of
-`decode._decode_kernel` when the grid holds some 16 warps an SM (docs/performance.md, "An FP8 cache's
-decode"); with few programs and short contexts it loses (each warp walks its tokens alone), so the backend
-takes it only for unsplit decode batches (`fits`, `warps`).
+Loading q, a step and storing the output are PTX (`tl.inline_asm_elementwise`, one element a thread:
+element e of a [WARPS * 32] tensor lives in lane e % 32 of warp e // 32, Triton's default layout for it,
+which the PTX's `%laneid` and the lane arithmetic around it both assume); Triton cannot place these
+operands in registers itself. Triton does the rest: the partition of the context (`decode._partition`),
+the block-table walk, and the combination of the warps' shares (a program of WARPS warps gives warp w the
+steps w, w + WARPS, ...; the combined rows are held by every warp, so each stores them). The asm is
+declared impure, as it reads memory the kernel before writes (the SASS is the same either way). With one
+warp a program the kernel streams an FP8 cache at ~1.3x the rate of `decode._decode_kernel` when the grid
+holds some 16 warps an SM (docs/performance.md, "An FP8 cache's decode"); with few programs and short
+contexts it loses (each warp walks its tokens alone), so the backend takes it for unsplit decode batches
+only, with `warps` a program.
 
 Requires: an e4m3 cache [num_blocks, block_size, Hkv, D], D = 128 contiguous, block_size a multiple of 16,
 16-byte-aligned rows; a GQA group of at most 8 heads; q and out bf16 or fp16; no sliding window or soft cap.
@@ -245,7 +249,7 @@ def _decode_e4m3_kernel(
                 tl.int32, tl.int32, tl.int32, tl.int32, tl.int32, tl.int32, tl.int32, tl.int32,
                 tl.int32, tl.int32, tl.int32, tl.int32, tl.int32, tl.int32, tl.int32, tl.int32,
             ),
-            is_pure=True,
+            is_pure=False,
             pack=1,
         )
         m = tl.full([WARPS * 32], float("-inf"), tl.float32)
@@ -288,7 +292,7 @@ def _decode_e4m3_kernel(
                     tl.float32, tl.float32, tl.float32, tl.float32, tl.float32, tl.float32, tl.float32, tl.float32,
                     tl.float32, tl.float32,
                 ),
-                is_pure=True,
+                is_pure=False,
                 pack=1,
             )
         # the warps' shares of each row meet on the same 32 lanes
@@ -422,6 +426,7 @@ def paged_decode_e4m3(
     num_heads, head_dim = q.shape[1], q.shape[2]
     num_kv_heads, block_size = k_cache.shape[2], k_cache.shape[1]
     assert block_n % 16 == 0 and q.stride(2) == 1 and out.stride(2) == 1
+    assert scratch is None or scratch[0].is_contiguous() and scratch[1].is_contiguous(), "indexed densely"
     pdl = kernel_args(q.device)
     if scratch is not None:
         part_out, part_max, part_sum = scratch

@@ -2,8 +2,8 @@
 
 A write stores clamp(x * (1 / scale), -448, 448) rounded to the nearest e4m3 value, ties to even
 (`infer.kernels.e4m3.quantize`): the bits the `torch` backend stores. A read casts the loaded e4m3
-to the dot dtype (exact; values through `widen_values`), folds k_scale into the logits' scale, and
-multiplies the output by v_scale (`scale_output`).
+to the dot dtype (exact; the decode kernel's values through `widen_values`), folds k_scale into the
+logits' scale, and multiplies the output by v_scale (`scale_output`).
 """
 
 from __future__ import annotations
