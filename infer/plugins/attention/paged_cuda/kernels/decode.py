@@ -221,6 +221,56 @@ def _reduce_kernel(
     tl.store(out_ptr + seq * stride_ot + head * stride_oh + dims, (acc / l).to(out_ptr.dtype.element_ty), mask=dim_mask)
 
 
+def launch_args(
+    out: torch.Tensor,
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    seq_lens: torch.Tensor,
+    scale: float,
+    scales: tuple[float, float],
+    scratch: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None,
+) -> tuple[tuple[Any, ...], int]:
+    """The arguments before the constexprs that `_decode_kernel` and `decode_e4m3`'s kernel share (out
+    through max_partitions), and the partitions a context is split into (the grid's third axis)."""
+    if scratch is not None:
+        part_out, part_max, part_sum = scratch
+        assert part_out.is_contiguous() and part_max.is_contiguous(), "the kernels index the scratch densely"
+        max_partitions = part_out.shape[2]
+        stride_ps, stride_ph = part_out.stride(0), part_out.stride(1)
+    else:
+        part_out = part_max = part_sum = out  # unused when SPLIT is False
+        max_partitions, stride_ps, stride_ph = 1, 0, 0
+    args = (
+        out,
+        part_out,
+        part_max,
+        part_sum,
+        q,
+        k_cache,
+        v_cache,
+        block_tables,
+        seq_lens,
+        scale * scales[0] * LOG2E,
+        scales[1],
+        q.stride(0),
+        q.stride(1),
+        out.stride(0),
+        out.stride(1),
+        k_cache.stride(0),
+        k_cache.stride(1),
+        k_cache.stride(2),
+        block_tables.stride(0),
+        stride_ps,
+        stride_ph,
+        q.shape[2],  # head_dim
+        q.shape[1] // k_cache.shape[2],  # group
+        max_partitions,
+    )
+    return args, max_partitions
+
+
 def paged_decode(
     out: torch.Tensor,  # [T, H, D]; rows [0, num_seqs) written
     q: torch.Tensor,  # [T, H, D]; rows [0, num_seqs) are the decode tokens
@@ -252,39 +302,9 @@ def paged_decode(
     group_pad = max(16, triton.next_power_of_2(group))
     dot_dtype, precision = dot_config(q.dtype, k_cache.dtype)
     pdl = kernel_args(q.device)
-    if scratch is not None:
-        part_out, part_max, part_sum = scratch
-        assert part_out.is_contiguous() and part_max.is_contiguous(), "the kernels index the scratch densely"
-        max_partitions = part_out.shape[2]
-        stride_ps, stride_ph = part_out.stride(0), part_out.stride(1)
-    else:
-        part_out = part_max = part_sum = out  # unused when SPLIT is False
-        max_partitions, stride_ps, stride_ph = 1, 0, 0
+    args, max_partitions = launch_args(out, q, k_cache, v_cache, block_tables, seq_lens, scale, scales, scratch)
     _decode_kernel[(num_seqs, num_kv_heads, max_partitions)](
-        out,
-        part_out,
-        part_max,
-        part_sum,
-        q,
-        k_cache,
-        v_cache,
-        block_tables,
-        seq_lens,
-        scale * scales[0] * LOG2E,
-        scales[1],
-        q.stride(0),
-        q.stride(1),
-        out.stride(0),
-        out.stride(1),
-        k_cache.stride(0),
-        k_cache.stride(1),
-        k_cache.stride(2),
-        block_tables.stride(0),
-        stride_ps,
-        stride_ph,
-        head_dim,
-        group,
-        max_partitions,
+        *args,
         SPLIT=scratch is not None,
         WINDOW=window,
         SOFT_CAP=soft_cap,

@@ -43,7 +43,7 @@ import triton.language as tl
 
 from infer.kernels.triton_pdl import kernel_args, wait_and_release
 from infer.plugins.attention.paged_cuda.kernels import interpreted
-from infer.plugins.attention.paged_cuda.kernels.decode import LOG2E, _partition, _reduce
+from infer.plugins.attention.paged_cuda.kernels.decode import _partition, _reduce, launch_args
 
 __all__ = ["fits", "layout_fits", "paged_decode_e4m3", "warps"]
 
@@ -426,40 +426,10 @@ def paged_decode_e4m3(
     num_heads, head_dim = q.shape[1], q.shape[2]
     num_kv_heads, block_size = k_cache.shape[2], k_cache.shape[1]
     assert block_n % 16 == 0 and q.stride(2) == 1 and out.stride(2) == 1
-    assert scratch is None or scratch[0].is_contiguous() and scratch[1].is_contiguous(), "indexed densely"
     pdl = kernel_args(q.device)
-    if scratch is not None:
-        part_out, part_max, part_sum = scratch
-        max_partitions = part_out.shape[2]
-        stride_ps, stride_ph = part_out.stride(0), part_out.stride(1)
-    else:
-        part_out = part_max = part_sum = out
-        max_partitions, stride_ps, stride_ph = 1, 0, 0
+    args, max_partitions = launch_args(out, q, k_cache, v_cache, block_tables, seq_lens, scale, scales, scratch)
     _decode_e4m3_kernel[(num_seqs, num_kv_heads, max_partitions)](
-        out,
-        part_out,
-        part_max,
-        part_sum,
-        q,
-        k_cache,
-        v_cache,
-        block_tables,
-        seq_lens,
-        scale * scales[0] * LOG2E,
-        scales[1],
-        q.stride(0),
-        q.stride(1),
-        out.stride(0),
-        out.stride(1),
-        k_cache.stride(0),
-        k_cache.stride(1),
-        k_cache.stride(2),
-        block_tables.stride(0),
-        stride_ps,
-        stride_ph,
-        head_dim,
-        num_heads // num_kv_heads,
-        max_partitions,
+        *args,
         SPLIT=scratch is not None,
         BLOCK_SIZE=block_size,
         BLOCK_N=block_n,
