@@ -209,15 +209,11 @@ class PagedCudaAttention:
         k_cache, v_cache = kv_cache
         scales = kv_scales(kv_cache)
         out = torch.empty_like(q)  # [T, H, D]
+        tensors = (out, q, k_cache, v_cache, batch.block_tables_t, batch.seq_lens_t)  # every kernel's first six
         if not plan.split and self._decode_e4m3.fits(q, k_cache, v_cache, window, self.spec.soft_cap):
             # an FP8 cache's unsplit decode: K and V straight into MMA registers (decode_e4m3)
             self._decode_e4m3.paged_decode_e4m3(
-                out,
-                q,
-                k_cache,
-                v_cache,
-                batch.block_tables_t,
-                batch.seq_lens_t,
+                *tensors,
                 self.spec.scale,
                 num_seqs=plan.num_decode,
                 scratch=None,
@@ -227,12 +223,7 @@ class PagedCudaAttention:
             )
         else:
             self._decode.paged_decode(
-                out,
-                q,
-                k_cache,
-                v_cache,
-                batch.block_tables_t,
-                batch.seq_lens_t,
+                *tensors,
                 self.spec.scale,
                 num_seqs=plan.num_decode,
                 scratch=self._scratch(plan.num_decode, plan.splits) if plan.split else None,
@@ -242,12 +233,7 @@ class PagedCudaAttention:
                 scales=scales,
             )
         self._prefill.paged_prefill(
-            out,
-            q,
-            k_cache,
-            v_cache,
-            batch.block_tables_t,
-            batch.seq_lens_t,
+            *tensors,
             batch.cu_seqlens_q,
             plan.q_block_seq,
             plan.q_block_start,
