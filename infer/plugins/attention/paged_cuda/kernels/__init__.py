@@ -6,7 +6,7 @@ Each submodule imports triton at its top, so import them only where they are abo
 - `cache_write`: new K/V into their slots of the paged cache (`slot_mapping`).
 - `decode`: one query token per sequence over its block table, split-K over partitions + reduce.
 - `decode_e4m3`: the same over an FP8 cache with K and V loaded straight into MMA registers (PTX;
-  unsplit batches, compiled runs only).
+  unsplit batches, compiled runs only); its PTX strings in `decode_e4m3_ptx` (no triton import).
 - `prefill`: variable-length causal prefill/extend over the paged cache (`cu_seqlens_q`).
 - `scores`: what both share about a score: its logit (scale, soft cap) and a sliding window's start.
 """
