@@ -21,8 +21,8 @@ tokens a step and each lane loads its operands' bytes itself, 16 at a time, in t
 Loading q, a step and storing the output are PTX (`decode_e4m3_ptx`, run by `tl.inline_asm_elementwise`,
 one element a thread: element e of a [WARPS * 32] tensor lives in lane e % 32 of warp e // 32, Triton's
 default layout for it, which the PTX's `%laneid` and the lane arithmetic around it both assume); Triton
-cannot place these operands in registers itself. Triton does the rest: the partition of the context (`decode._partition`),
-the block-table walk, and the combination of the warps' shares (a program of WARPS warps gives warp w the
+cannot place these operands in registers itself. Triton does the rest: the partition of the context
+(`decode._partition`), the block-table walk, and the combination of the warps' shares (a program of WARPS warps gives warp w the
 steps w, w + WARPS, ...; the combined rows are held by every warp, so each stores them). The asm is
 declared impure, as it reads memory the kernel before writes (the SASS is the same either way). With one
 warp a program the kernel streams an FP8 cache at ~1.3x the rate of `decode._decode_kernel` when the grid
