@@ -18,15 +18,19 @@ tokens a step and each lane loads its operands' bytes itself, 16 at a time, in t
 - an online softmax in fp32 over each row's 4 lanes (two butterfly shuffles), exp2 with log2(e) and k_scale
   folded into the logits' scale, as in `decode._decode_kernel`.
 
-Loading q, a step and storing the output are PTX (`decode_e4m3_ptx`, run by `tl.inline_asm_elementwise`,
-one element a thread: element e of a [WARPS * 32] tensor lives in lane e % 32 of warp e // 32, Triton's
-default layout for it, which the PTX's `%laneid` and the lane arithmetic around it both assume); Triton
-cannot place these operands in registers itself. Triton does the rest: the partition of the context
-(`decode._partition`), the block-table walk, and the combination of the warps' shares (a program of WARPS warps gives warp w the
-steps w, w + WARPS, ...; the combined rows are held by every warp, so each stores them). The asm is
-declared impure, as it reads memory the kernel before writes (the SASS is the same either way). With one
-warp a program the kernel streams an FP8 cache at ~1.3x the rate of `decode._decode_kernel` when the grid
-holds some 16 warps an SM (docs/performance.md, "An FP8 cache's decode"); with few programs and short
+A warp's steps are software-pipelined: the next step's K and V are loaded while this one is computed (and
+the block-table entry of the one after), and rows past the context's end are not read.
+
+Loading q, loading a step, computing it and storing the output are PTX (`decode_e4m3_ptx`, run by
+`tl.inline_asm_elementwise`, one element a thread: element e of a [WARPS * 32] tensor lives in lane e % 32
+of warp e // 32, Triton's default layout for it, which the PTX's `%laneid` and the lane arithmetic around
+it both assume); Triton cannot place these operands in registers itself. Triton does the rest: the
+partition of the context (`decode._partition`), the block-table walk, and the combination of the warps'
+shares (a program of WARPS warps gives warp w the steps w, w + WARPS, ...; the combined rows are held by
+every warp, so each stores them). The asm is declared impure, as it reads memory the kernel before writes
+(the SASS is the same either way). With one warp a program the kernel streams an FP8 cache at ~1.3x the
+rate of `decode._decode_kernel` when the grid holds some 16 warps an SM, and 1.2-1.9x with 2-4 warps a
+program over 32-128 sequences (docs/performance.md, "An FP8 cache's decode"); with few programs and short
 contexts it loses (each warp walks its tokens alone), so the backend takes it for unsplit decode batches
 only, with `warps` a program.
 
@@ -44,9 +48,76 @@ import triton.language as tl
 from infer.kernels.triton_pdl import kernel_args, wait_and_release
 from infer.plugins.attention.paged_cuda.kernels import interpreted
 from infer.plugins.attention.paged_cuda.kernels.decode import _partition, _reduce, launch_args
-from infer.plugins.attention.paged_cuda.kernels.decode_e4m3_ptx import OUT_ASM, Q_ASM, STEP_ASM
+from infer.plugins.attention.paged_cuda.kernels.decode_e4m3_ptx import LOAD_ASM, OUT_ASM, Q_ASM, STEP_ASM
 
 __all__ = ["fits", "layout_fits", "paged_decode_e4m3", "warps"]
+
+
+@triton.jit
+def _load_step(
+    LOAD_ASM: tl.constexpr,
+    k_cache_ptr,
+    v_cache_ptr,
+    block,
+    first,
+    end,
+    lane_k,
+    lane_v,
+    stride,
+    kv_head,
+    stride_cb,
+    stride_cs,
+    stride_ch,
+    BLOCK_SIZE: tl.constexpr,
+):
+    """A warp's K and V registers for its 16 tokens from `first` (in cache block `block`; none past `end`)."""
+    row = block * stride_cb + (first % BLOCK_SIZE) * stride_cs + kv_head * stride_ch
+    return tl.inline_asm_elementwise(
+        LOAD_ASM,
+        "=r,=r,=r,=r,=r,=r,=r,=r,=r,=r,=r,=r,=r,=r,=r,=r,=r,=r,=r,=r,=r,=r,=r,=r,=r,=r,=r,=r,=r,=r,=r,=r,l,l,l,r",
+        [
+            (k_cache_ptr + row + lane_k).to(tl.int64),
+            (v_cache_ptr + row + lane_v).to(tl.int64),
+            stride,
+            tl.minimum(tl.maximum(end - first, 0), 16),
+        ],
+        dtype=(
+            tl.int32,
+            tl.int32,
+            tl.int32,
+            tl.int32,
+            tl.int32,
+            tl.int32,
+            tl.int32,
+            tl.int32,
+            tl.int32,
+            tl.int32,
+            tl.int32,
+            tl.int32,
+            tl.int32,
+            tl.int32,
+            tl.int32,
+            tl.int32,
+            tl.int32,
+            tl.int32,
+            tl.int32,
+            tl.int32,
+            tl.int32,
+            tl.int32,
+            tl.int32,
+            tl.int32,
+            tl.int32,
+            tl.int32,
+            tl.int32,
+            tl.int32,
+            tl.int32,
+            tl.int32,
+            tl.int32,
+            tl.int32,
+        ),
+        is_pure=False,
+        pack=1,
+    )
 
 
 # fmt: off
@@ -67,6 +138,7 @@ def _decode_e4m3_kernel(
     BLOCK_N: tl.constexpr,  # the partitions' granularity (the reduce's), a multiple of 16
     WARPS: tl.constexpr,
     Q_ASM: tl.constexpr,
+    LOAD_ASM: tl.constexpr,
     STEP_ASM: tl.constexpr,
     OUT_ASM: tl.constexpr,
     USE_PDL: tl.constexpr,
@@ -102,10 +174,25 @@ def _decode_e4m3_kernel(
         lane_k = g.to(tl.int64) * stride_cs + 32 * t  # token g, bytes [32t, 32t + 32)
         lane_v = (2 * t).to(tl.int64) * stride_cs + 16 * g  # token 2t, bytes [16g, 16g + 16)
         stride = tl.zeros([WARPS * 32], tl.int64) + stride_cs
-        for n0 in range(start, end, 16 * WARPS):
-            first = n0 + 16 * warp  # this warp's 16 tokens, all in one block
-            block = tl.load(table + first // BLOCK_SIZE, mask=first < end, other=0).to(tl.int64)
-            row = block * stride_cb + (first % BLOCK_SIZE) * stride_cs + kv_head * stride_ch
+        step = 16 * WARPS
+        # software-pipelined: a step's K and V are loaded while the step before is computed, and the
+        # block-table entry a step before that (the loads' addresses do not wait on it)
+        first = start + 16 * warp  # this warp's 16 tokens, all in one block
+        block = tl.load(table + first // BLOCK_SIZE, mask=first < end, other=0).to(tl.int64)
+        (
+            c0, c1, c2, c3, c4, c5, c6, c7, c8, c9, c10, c11, c12, c13, c14, c15,
+            c16, c17, c18, c19, c20, c21, c22, c23, c24, c25, c26, c27, c28, c29, c30, c31,
+        ) = _load_step(LOAD_ASM, k_cache_ptr, v_cache_ptr, block, first, end, lane_k, lane_v, stride,
+                       kv_head, stride_cb, stride_cs, stride_ch, BLOCK_SIZE)
+        block = tl.load(table + (first + step) // BLOCK_SIZE, mask=first + step < end, other=0).to(tl.int64)
+        for n in range(start, end, step):
+            first = n + 16 * warp
+            ahead = tl.load(table + (first + 2 * step) // BLOCK_SIZE, mask=first + 2 * step < end, other=0)
+            (
+                n0, n1, n2, n3, n4, n5, n6, n7, n8, n9, n10, n11, n12, n13, n14, n15,
+                n16, n17, n18, n19, n20, n21, n22, n23, n24, n25, n26, n27, n28, n29, n30, n31,
+            ) = _load_step(LOAD_ASM, k_cache_ptr, v_cache_ptr, block, first + step, end, lane_k, lane_v, stride,
+                           kv_head, stride_cb, stride_cs, stride_ch, BLOCK_SIZE)
             (
                 m, l, a0, a1, a2, a3, a4, a5, a6, a7, a8, a9, a10, a11, a12, a13, a14, a15,
                 a16, a17, a18, a19, a20, a21, a22, a23, a24, a25, a26, a27, a28, a29, a30, a31,
@@ -113,14 +200,14 @@ def _decode_e4m3_kernel(
                 STEP_ASM,
                 "=f,=f,=f,=f,=f,=f,=f,=f,=f,=f,=f,=f,=f,=f,=f,=f,=f,=f,=f,=f,=f,=f,=f,=f,=f,=f,=f,=f,=f,=f,=f,=f,=f,=f,"
                 "f,f,f,f,f,f,f,f,f,f,f,f,f,f,f,f,f,f,f,f,f,f,f,f,f,f,f,f,f,f,f,f,f,f,"
-                "r,r,r,r,r,r,r,r,r,r,r,r,r,r,r,r,l,l,l,r,f",
+                "r,r,r,r,r,r,r,r,r,r,r,r,r,r,r,r,"
+                "r,r,r,r,r,r,r,r,r,r,r,r,r,r,r,r,r,r,r,r,r,r,r,r,r,r,r,r,r,r,r,r,r,f",
                 [
                     m, l, a0, a1, a2, a3, a4, a5, a6, a7, a8, a9, a10, a11, a12, a13, a14, a15,
                     a16, a17, a18, a19, a20, a21, a22, a23, a24, a25, a26, a27, a28, a29, a30, a31,
                     q0, q1, q2, q3, q4, q5, q6, q7, q8, q9, q10, q11, q12, q13, q14, q15,
-                    (k_cache_ptr + row + lane_k).to(tl.int64),
-                    (v_cache_ptr + row + lane_v).to(tl.int64),
-                    stride,
+                    c0, c1, c2, c3, c4, c5, c6, c7, c8, c9, c10, c11, c12, c13, c14, c15,
+                    c16, c17, c18, c19, c20, c21, c22, c23, c24, c25, c26, c27, c28, c29, c30, c31,
                     tl.minimum(tl.maximum(end - first, 0), 16),
                     z + scale_log2,
                 ],
@@ -134,6 +221,11 @@ def _decode_e4m3_kernel(
                 is_pure=False,
                 pack=1,
             )
+            c0, c1, c2, c3, c4, c5, c6, c7 = n0, n1, n2, n3, n4, n5, n6, n7
+            c8, c9, c10, c11, c12, c13, c14, c15 = n8, n9, n10, n11, n12, n13, n14, n15
+            c16, c17, c18, c19, c20, c21, c22, c23 = n16, n17, n18, n19, n20, n21, n22, n23
+            c24, c25, c26, c27, c28, c29, c30, c31 = n24, n25, n26, n27, n28, n29, n30, n31
+            block = ahead.to(tl.int64)
         # the warps' shares of each row meet on the same 32 lanes
         m_w = tl.reshape(m, [WARPS, 32])
         m = tl.max(m_w, axis=0)
@@ -274,6 +366,7 @@ def paged_decode_e4m3(
         BLOCK_N=block_n,
         WARPS=num_warps,
         Q_ASM=Q_ASM[q.dtype],
+        LOAD_ASM=LOAD_ASM,
         STEP_ASM=STEP_ASM,
         OUT_ASM=OUT_ASM[torch.float32 if scratch is not None else out.dtype],
         num_warps=num_warps,

@@ -1,5 +1,6 @@
 """The PTX of `decode_e4m3`'s kernel, as strings for `tl.inline_asm_elementwise`: loading a lane's q
-fragments (`Q_ASM`, by q's dtype), one warp's step of 16 tokens (`STEP_ASM`) and storing a row's output
+fragments (`Q_ASM`, by q's dtype), loading one warp's step of 16 tokens (`LOAD_ASM`), computing it
+(`STEP_ASM`) and storing a row's output
 (`OUT_ASM`, by the output's dtype). Which bytes a lane loads and which registers hold what:
 `decode_e4m3`'s docstring. Plain strings: this module imports no triton.
 """
@@ -8,7 +9,7 @@ from __future__ import annotations
 
 import torch
 
-__all__ = ["OUT_ASM", "Q_ASM", "STEP_ASM"]
+__all__ = ["LOAD_ASM", "OUT_ASM", "Q_ASM", "STEP_ASM"]
 
 NEG_INF = "0fFF800000"
 
@@ -32,52 +33,78 @@ def _q_asm(bf16: bool) -> str:
     return "\n".join(lines)
 
 
+def _load_asm() -> str:
+    """PTX loading one warp's step of 16 tokens into registers, issued a step before `STEP_ASM` uses them.
+    Out: $0-$15 K's bytes [32t, 32t + 32) of tokens g ($0-$7) and 8 + g ($8-$15); $16-$31 V's bytes
+    [16g, 16g + 16) of tokens 2t, 2t + 1, 2t + 8, 2t + 9 (4 words each). In: $32 the address of token g's
+    byte 32t, $33 of token 2t's byte 16g, $34 the cache's token stride (bytes), $35 how many of the 16
+    tokens are real (0-16). Rows past them are not read: zeros (V must be: a zero weight times a NaN of
+    unwritten cache would not be zero)."""
+    L = [
+        "{",
+        ".reg .pred pk0, pk1, p0, p1, p2, p3;",
+        ".reg .b32 lane, g, t, tv0, tv1, tv2, tv3;",
+        ".reg .b64 kp1, vp1, vp2, vp3, st8;",
+        "mov.u32 lane, %laneid;",
+        "and.b32 t, lane, 3;",
+        "shr.u32 g, lane, 2;",
+        "setp.lt.s32 pk0, g, $35;",
+        "add.s32 tv0, g, 8;",
+        "setp.lt.s32 pk1, tv0, $35;",
+        "shl.b32 tv0, t, 1;",
+        "add.s32 tv1, tv0, 1;",
+        "add.s32 tv2, tv0, 8;",
+        "add.s32 tv3, tv0, 9;",
+        "setp.lt.s32 p0, tv0, $35;",
+        "setp.lt.s32 p1, tv1, $35;",
+        "setp.lt.s32 p2, tv2, $35;",
+        "setp.lt.s32 p3, tv3, $35;",
+        "shl.b64 st8, $34, 3;",
+        "add.s64 kp1, $32, st8;",
+        "add.s64 vp1, $33, $34;",
+        "add.s64 vp2, $33, st8;",
+        "add.s64 vp3, vp2, $34;",
+    ]
+    L += [f"mov.b32 ${i}, 0;" for i in range(32)]
+    for p, r, a in (("pk0", 0, "$32"), ("pk0", 4, "$32+16"), ("pk1", 8, "kp1"), ("pk1", 12, "kp1+16")):
+        L.append(f"@{p} ld.global.v4.b32 {{${r}, ${r + 1}, ${r + 2}, ${r + 3}}}, [{a}];")
+    for p, r, a in (("p0", 16, "$33"), ("p1", 20, "vp1"), ("p2", 24, "vp2"), ("p3", 28, "vp3")):
+        L.append(f"@{p} ld.global.v4.b32 {{${r}, ${r + 1}, ${r + 2}, ${r + 3}}}, [{a}];")
+    L.append("}")
+    return "\n".join(L)
+
+
 def _step_asm() -> str:
-    """PTX for one warp's step of 16 tokens. Out: $0 the running max logit of row g, $1 its exp sum (this
-    lane's share: its 4 tokens a step), $2-$33 row g's output (n-tile j: $2 + 2j at d = 32t + j, $3 + 2j
-    at 32t + 16 + j). In: $34-$67 the same before the step, $68-$83 q's fragments, $84 the address of
-    token g's byte 32t, $85 of token 2t's byte 16g, $86 the cache's token stride (bytes), $87 how many of
-    the 16 tokens are real (0-16; V rows past them are not read), $88 the logits' scale (log2 units)."""
+    """PTX for one warp's step of 16 tokens, loaded by `LOAD_ASM`. Out: $0 the running max logit of row g,
+    $1 its exp sum (this lane's share: its 4 tokens a step), $2-$33 row g's output (n-tile j: $2 + 2j at
+    d = 32t + j, $3 + 2j at 32t + 16 + j). In: $34-$67 the same before the step, $68-$83 q's fragments,
+    $84-$115 the step's K and V registers (`LOAD_ASM`'s $0-$31), $116 how many of the 16 tokens are real
+    (0-16), $117 the logits' scale (log2 units)."""
     L = [
         "{",
         ".reg .pred p0, p1, p2, p3, pz;",
         ".reg .b32 lane, t, tv0, tv1, tv2, tv3, zero, b0, b1, pa0, pa2, x0, x1, x2, x3;",
-        ".reg .b32 k<16>, va<4>, vb<4>, vc<4>, vd<4>;",
         ".reg .b16 h0, h1;",
-        ".reg .b64 kp1, vp1, vp2, vp3, st8;",
         ".reg .f32 s<8>, mx, tmp, mnew, mref, alpha, e0, e1, e2, e3, fz, d0, d1;",
         "mov.u32 lane, %laneid;",
         "and.b32 t, lane, 3;",
         "mov.b32 zero, 0;",
         "mov.f32 fz, 0f00000000;",
-        "shl.b64 st8, $86, 3;",
-        "add.s64 kp1, $84, st8;",
-        "ld.global.v4.b32 {k0, k1, k2, k3}, [$84];",
-        "ld.global.v4.b32 {k4, k5, k6, k7}, [$84+16];",
-        "ld.global.v4.b32 {k8, k9, k10, k11}, [kp1];",
-        "ld.global.v4.b32 {k12, k13, k14, k15}, [kp1+16];",
         "shl.b32 tv0, t, 1;",
         "add.s32 tv1, tv0, 1;",
         "add.s32 tv2, tv0, 8;",
         "add.s32 tv3, tv0, 9;",
-        "setp.lt.s32 p0, tv0, $87;",
-        "setp.lt.s32 p1, tv1, $87;",
-        "setp.lt.s32 p2, tv2, $87;",
-        "setp.lt.s32 p3, tv3, $87;",
-        "add.s64 vp1, $85, $86;",
-        "add.s64 vp2, $85, st8;",
-        "add.s64 vp3, vp2, $86;",
+        "setp.lt.s32 p0, tv0, $116;",
+        "setp.lt.s32 p1, tv1, $116;",
+        "setp.lt.s32 p2, tv2, $116;",
+        "setp.lt.s32 p3, tv3, $116;",
     ]
-    for n in ("va", "vb", "vc", "vd"):
-        L += [f"mov.b32 {n}{i}, 0;" for i in range(4)]
-    for p, n, a in ((0, "va", "$85"), (1, "vb", "vp1"), (2, "vc", "vp2"), (3, "vd", "vp3")):
-        L.append(f"@p{p} ld.global.v4.b32 {{{n}0, {n}1, {n}2, {n}3}}, [{a}];")
     L += [f"mov.f32 s{i}, 0f00000000;" for i in range(8)]
     for st in range(8):
         for tile in range(2):
             c = 4 * tile
             L += [
-                f"mov.b32 {{h0, h1}}, k{8 * tile + st};",
+                f"mov.b32 {{h0, h1}}, ${84 + 8 * tile + st};",
                 "cvt.rn.f16x2.e4m3x2 b0, h0;",
                 "cvt.rn.f16x2.e4m3x2 b1, h1;",
                 "mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 "
@@ -86,7 +113,7 @@ def _step_asm() -> str:
             ]
     # row g's logits: tile 0 columns 2t, 2t + 1 (s0, s1), tile 1 columns 8 + 2t, 9 + 2t (s4, s5)
     for s, p in (("s0", 0), ("s1", 1), ("s4", 2), ("s5", 3)):
-        L += [f"mul.f32 {s}, {s}, $88;", f"selp.f32 {s}, {s}, {NEG_INF}, p{p};"]
+        L += [f"mul.f32 {s}, {s}, $117;", f"selp.f32 {s}, {s}, {NEG_INF}, p{p};"]
     L += [
         "max.f32 mx, s0, s1;",
         "max.f32 mx, mx, s4;",
@@ -115,10 +142,10 @@ def _step_asm() -> str:
     ]
     for w in range(4):
         L += [
-            f"prmt.b32 x0, va{w}, vb{w}, 0x5140;",
-            f"prmt.b32 x1, va{w}, vb{w}, 0x7362;",
-            f"prmt.b32 x2, vc{w}, vd{w}, 0x5140;",
-            f"prmt.b32 x3, vc{w}, vd{w}, 0x7362;",
+            f"prmt.b32 x0, ${100 + w}, ${104 + w}, 0x5140;",
+            f"prmt.b32 x1, ${100 + w}, ${104 + w}, 0x7362;",
+            f"prmt.b32 x2, ${108 + w}, ${112 + w}, 0x5140;",
+            f"prmt.b32 x3, ${108 + w}, ${112 + w}, 0x7362;",
         ]
         for i in range(4):
             j = 4 * w + i
@@ -169,5 +196,6 @@ def _out_asm(kind: str) -> str:
 
 
 Q_ASM = {torch.bfloat16: _q_asm(True), torch.float16: _q_asm(False)}
+LOAD_ASM = _load_asm()
 STEP_ASM = _step_asm()
 OUT_ASM = {torch.bfloat16: _out_asm("bf16"), torch.float16: _out_asm("f16"), torch.float32: _out_asm("f32")}
