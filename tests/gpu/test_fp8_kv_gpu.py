@@ -26,7 +26,7 @@ pytestmark = [
 ]
 pytest.importorskip("triton")
 
-from test_paged_cuda_gpu import BATCHES, HEADS, MAX_MODEL_LEN, paged_case  # noqa: E402  (tests/gpu, on sys.path)
+from test_paged_cuda_gpu import BATCHES, HEADS, MAX_MODEL_LEN, paged_case, replayed  # noqa: E402  (tests/gpu, on sys.path)
 
 SCALES = (0.37, 2.5)
 TOLERANCE = {torch.bfloat16: 2e-2, torch.float16: 5e-3, torch.float32: 1e-4}
@@ -74,28 +74,14 @@ def test_within_fp8_error_of_unquantized_attention(batch_name):
 
 
 def test_decode_cuda_graph_replay():
-    from infer.plugins.attention.paged_cuda import PagedCudaAttention
-
     num_blocks = 8 * (-(-MAX_MODEL_LEN // 16)) + 8
     lens = [(100, 4000, 1, 2047, 513, 16, 3000, 64), (4095, 7, 900, 31, 2500, 1024, 0, 333)]
     first, second = (
         quantized(paged_case((1,) * 8, c, *HEADS["gqa"], 16, torch.bfloat16, seed, num_blocks), SCALES)
         for seed, c in zip((2, 3), lens)
     )
-    backend = PagedCudaAttention(first.spec)
-    backend.plan(first.batch)
-    kv_cache = first.kv_cache
-    backend.forward(first.q, first.k, first.v, kv_cache)  # compile outside the capture
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        out = backend.forward(first.q, first.k, first.v, kv_cache)
-    for name in ("seq_lens_t", "block_tables_t", "slot_mapping", "positions"):
-        getattr(first.batch, name).copy_(getattr(second.batch, name))
-    for dst, src in [(first.q, second.q), (first.k, second.k), (first.v, second.v), *zip(kv_cache, second.kv_cache)]:
-        dst.copy_(src)
-    graph.replay()
-    torch.cuda.synchronize()
-    assert isinstance(kv_cache, FP8KVCache)
+    _, out = replayed(first, second)
+    assert isinstance(first.kv_cache, FP8KVCache)
     torch.testing.assert_close(out.float(), naive_attention(second), atol=2e-2, rtol=2e-2)
 
 
@@ -140,7 +126,6 @@ def test_e4m3_mma_decode_matches_the_decode_kernel(warps, heads, block_size, dty
 def test_backend_takes_the_e4m3_mma_decode_under_graph_replay(monkeypatch):
     """An unsplit FP8 decode batch (64 sequences x 8 KV heads) goes to `decode_e4m3`, captured in a CUDA
     graph and replayed over other contexts; a sliding window keeps the Triton kernel."""
-    from infer.plugins.attention.paged_cuda import PagedCudaAttention
     from infer.plugins.attention.paged_cuda.kernels import decode_e4m3
 
     calls = []
@@ -153,21 +138,11 @@ def test_backend_takes_the_e4m3_mma_decode_under_graph_replay(monkeypatch):
         quantized(paged_case((1,) * 64, c, *HEADS["gqa"], 16, torch.bfloat16, seed, num_blocks), SCALES)
         for seed, c in zip((2, 3), lens)
     )
-    backend = PagedCudaAttention(first.spec)
-    backend.plan(first.batch)
-    kv_cache = first.kv_cache
-    backend.forward(first.q, first.k, first.v, kv_cache)  # compile outside the capture
-    assert [k["num_warps"] for k in calls] == [decode_e4m3.warps(64 * 8, backend.num_sms)]
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        out = backend.forward(first.q, first.k, first.v, kv_cache)
-    for name in ("seq_lens_t", "block_tables_t", "slot_mapping", "positions"):
-        getattr(first.batch, name).copy_(getattr(second.batch, name))
-    for dst, src in [(first.q, second.q), (first.k, second.k), (first.v, second.v), *zip(kv_cache, second.kv_cache)]:
-        dst.copy_(src)
-    graph.replay()
-    torch.cuda.synchronize()
+    backend, out = replayed(first, second)
+    # the compiling call and the captured one
+    assert [k["num_warps"] for k in calls] == [decode_e4m3.warps(64 * 8, backend.num_sms)] * 2
     torch.testing.assert_close(out.float(), naive_attention(second), atol=2e-2, rtol=2e-2)
+    kv_cache = first.kv_cache
     assert not decode_e4m3.fits(first.q, kv_cache[0], kv_cache[1], 256, None)
     assert not decode_e4m3.fits(first.q, kv_cache[0], kv_cache[1], None, 50.0)
 

@@ -114,14 +114,11 @@ def test_split_and_unsplit_decode_agree(split_below_programs):
     torch.testing.assert_close(out.float(), naive_attention(case), atol=2e-2, rtol=2e-2)
 
 
-@pytest.mark.parametrize("heads", HEADS.values(), ids=HEADS.keys())
-def test_decode_cuda_graph_replay(heads):
-    """Capture one decode step, then replay it on other lengths, tables and inputs copied in place."""
+def replayed(first: AttentionCase, second: AttentionCase):
+    """`PagedCudaAttention`'s forward over `first`, captured in a CUDA graph, then replayed with `second`'s
+    lengths, tables, inputs and cache copied into first's tensors in place: (the backend, the output)."""
     from infer.plugins.attention.paged_cuda import PagedCudaAttention
 
-    num_blocks = 8 * (-(-MAX_MODEL_LEN // 16)) + 8
-    first = paged_case((1,) * 8, (100, 4000, 1, 2047, 513, 16, 3000, 64), *heads, 16, torch.bfloat16, 2, num_blocks)
-    second = paged_case((1,) * 8, (4095, 7, 900, 31, 2500, 1024, 0, 333), *heads, 16, torch.bfloat16, 3, num_blocks)
     backend = PagedCudaAttention(first.spec)
     backend.plan(first.batch)  # graph-shaped: the same batch tensors are refilled before each replay
     kv_cache = first.kv_cache
@@ -135,4 +132,14 @@ def test_decode_cuda_graph_replay(heads):
         dst.copy_(src)
     graph.replay()
     torch.cuda.synchronize()
+    return backend, out
+
+
+@pytest.mark.parametrize("heads", HEADS.values(), ids=HEADS.keys())
+def test_decode_cuda_graph_replay(heads):
+    """Capture one decode step, then replay it on other lengths, tables and inputs copied in place."""
+    num_blocks = 8 * (-(-MAX_MODEL_LEN // 16)) + 8
+    first = paged_case((1,) * 8, (100, 4000, 1, 2047, 513, 16, 3000, 64), *heads, 16, torch.bfloat16, 2, num_blocks)
+    second = paged_case((1,) * 8, (4095, 7, 900, 31, 2500, 1024, 0, 333), *heads, 16, torch.bfloat16, 3, num_blocks)
+    _, out = replayed(first, second)
     torch.testing.assert_close(out.float(), naive_attention(second), atol=2e-2, rtol=2e-2)
