@@ -74,6 +74,8 @@ class ModelRunner:
         self.device = device
         self.num_layers = num_layers
         self.executor = executor if executor is not None else LocalExecutor()
+        # (k_scale, v_scale) per layer for an FP8 KV cache: its checkpoint's calibrated scales (None: 1.0)
+        self.kv_scales: list[tuple[float, float]] | None = None
         self.graphs: DecodeGraphs | None = None  # replays decode-only steps (`set_decode_paths`)
         self.pipeline: DecodePipeline | None = None  # queues the next decode forward ahead
 

@@ -30,8 +30,8 @@ class FP8KVCache(tuple):
 
     It is a tuple, so whatever moves a layer's (k, v) (the block mover, swaps, CUDA graphs) moves it
     as it moves any cache; only attention backends with `capabilities.fp8_kv` read the scales. The
-    scales are static: 1.0 unless `allocate_kv_cache` is given others (a checkpoint's calibrated
-    `k_scale` / `v_scale` belong to FP8-weight checkpoints, which this engine does not load yet).
+    scales are static, one pair a layer: a checkpoint's calibrated `k_scale` / `v_scale` where it holds
+    them (`infer.models.kv_scales`), else 1.0.
     e4m3 keeps 3 mantissa bits from 2^-6 to 448, so with scale 1 any K/V within +-448 keeps a relative
     error of at most 2^-4, and smaller values (below 2^-6) an absolute error of at most 2^-10. A scale
     moves that range, not the relative error: on SmolLM2 an amax / 448 scale leaves K and V as far off
@@ -172,12 +172,12 @@ def build_kv_caches(
         CacheShape(r.num_layers or c.num_layers, parallel.heads(c.num_heads, c.num_kv_heads).num_kv_heads, c.head_dim)
         for r, c in models
     ]
-    dtype = kv_cache_dtype(config.kv_cache_dtype, model_dtype)  # FP8: 1 byte an element, scales of 1 (FP8KVCache)
+    dtype = kv_cache_dtype(config.kv_cache_dtype, model_dtype)  # FP8: 1 byte an element (FP8KVCache)
     num_blocks, num_cpu_blocks = plan_blocks(
         config, shapes, max_model_len, lookahead, dtype, device, agree=parallel.min
     )
     for (r, _), s in zip(models, shapes):  # one block more than the allocator owns: the null block
-        r.kv_caches.extend(allocate_kv_cache(s, num_blocks + 1, config.block_size, dtype, device))
+        r.kv_caches.extend(allocate_kv_cache(s, num_blocks + 1, config.block_size, dtype, device, r.kv_scales))
     block_mover = BlockMover(num_cpu_blocks)
     for r, _ in models:
         block_mover.add(r.kv_caches)

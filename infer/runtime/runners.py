@@ -10,10 +10,12 @@ from typing import TYPE_CHECKING, Any
 
 from infer.core.interfaces import AttentionSpec, Communicator, DecoderContext
 from infer.core.runner import ModelRunner
+from infer.log import get_logger
 from infer.models.build import check_draft, load_model
+from infer.models.kv_scales import read_kv_scales
 from infer.models.loader import ModelSource, load_tokenizer, resolve_source
 from infer.runtime.hybrid_attention import HybridAttention
-from infer.runtime.kv_cache import kv_cache_dtype
+from infer.runtime.kv_cache import FP8, kv_cache_dtype
 
 if TYPE_CHECKING:
     from infer.core.builder import BuildPlan
@@ -59,6 +61,17 @@ def build_model(plan: BuildPlan, source: Any, model_config: Any, parallel: Commu
     return model, attention
 
 
+def kv_scales(plan: BuildPlan, source: ModelSource, model_config: Any) -> list[tuple[float, float]] | None:
+    """The (k_scale, v_scale) of each layer an FP8 KV cache reads with: the checkpoint's calibrated ones
+    (`infer.models.kv_scales`), or None (1.0) for a cache in the model's dtype or a checkpoint without."""
+    if source.path is None or kv_cache_dtype(plan.config.kv_cache_dtype, plan.dtype) != FP8:
+        return None
+    scales = read_kv_scales(source.path, model_config.num_layers)
+    if scales is not None:
+        get_logger(model=source.name).info("FP8 KV cache reads the checkpoint's calibrated scales", layers=len(scales))
+    return scales
+
+
 def check_draft_source(plan: BuildPlan, name_or_path: str | None = None) -> ModelSource:
     """The draft model's source, found and checked against the target (config.json and the weights'
     headers, no weights)."""
@@ -80,6 +93,7 @@ def load_models(plan: BuildPlan, parallel: Communicator) -> tuple[Models, Any, A
         tokenizer.chat_template = plan.chat_template
     sampler = composition.sampler.factory(plan.model_config.vocab_size, device)
     runner = ModelRunner(model, attention, [], sampler, config.block_size, device, executor=parallel.executor(0))
+    runner.kv_scales = kv_scales(plan, plan.source, plan.model_config)
     models: Models = [(runner, plan.model_config)]
     draft_source = plan.draft_source
 
@@ -96,12 +110,14 @@ def load_models(plan: BuildPlan, parallel: Communicator) -> tuple[Models, Any, A
         draft = ModelRunner(
             draft_model, draft_attention, [], draft_sampler, config.block_size, device, executor=executor
         )
+        draft.kv_scales = kv_scales(plan, draft_source, draft_config)
         models.append((draft, draft_config))
         return draft
 
     def share_model(num_layers: int) -> ModelRunner:  # its own model id: every rank replays its own graphs
         shared = ModelRunner(model, attention, runner.kv_caches, sampler, config.block_size, device, num_layers)
         shared.executor = parallel.executor(len(models))
+        shared.kv_scales = runner.kv_scales
         models.append((shared, plan.model_config))
         return shared
 

@@ -1,14 +1,19 @@
 """`--kv-cache-dtype fp8` through the whole engine, on a tiny random Llama (fp32 on the CPU).
 
 The FP8 run follows the fp32-KV run's greedy tokens closely (figures printed, floors asserted); the
-same budget holds twice the blocks of a bf16 cache; swap, prefix caching and chunked prefill give the
+same budget holds twice the blocks of a bf16 cache; a checkpoint's calibrated KV scales are what its
+cache is written and read with; swap, prefix caching and chunked prefill give the
 FP8 run's own tokens exactly (a block's bytes are the same however it got there); a backend without
 an FP8 KV cache is refused before any weight loads, naming the ones that have it.
 """
 
 from __future__ import annotations
 
+import shutil
+
 import pytest
+import torch
+from safetensors.torch import load_file, save_file
 
 import infer
 from infer import SamplingParams
@@ -16,7 +21,7 @@ from infer.core.errors import IncompatiblePluginsError
 from infer.core.interfaces import Capabilities
 from infer.llm import LLM
 from infer.plugins.attention.torch_backend import TorchAttention
-from infer.runtime.kv_cache import FP8, FP8KVCache
+from infer.runtime.kv_cache import FP8, FP8KVCache, quantize_fp8
 from infer.testing.agreement import forced_agreement, prefix_agreement
 
 PROMPTS = [[(7 * i + 3 * j) % 200 + 3 for j in range(5 + i % 9)] for i in range(16)]
@@ -113,3 +118,64 @@ def test_a_backend_without_an_fp8_cache_is_refused_before_the_model_is_read(flag
     able = message.split("one that has it (")[1].split(")")[0].split(", ")
     assert "torch" in able and "no-fp8" not in able  # test_doctor.py checks the whole list
     assert message.endswith("or --kv-cache-dtype auto") and "\n" not in message
+
+
+CALIBRATED = [(0.37, 0.011), (2.5, 0.4), (1.0, 0.75)]  # (k_scale, v_scale) of the 3 layers
+
+
+@pytest.fixture(scope="module")
+def calibrated_dir(tiny_llama_dir, tmp_path_factory):
+    """The tiny Llama saved with calibrated KV scales, as llm-compressor's kv_cache_scheme stores them."""
+    folder = tmp_path_factory.mktemp("kv-scales")
+    for f in tiny_llama_dir.iterdir():
+        shutil.copy(f, folder / f.name)
+    tensors = load_file(str(tiny_llama_dir / "model.safetensors"))
+    for layer, (k, v) in enumerate(CALIBRATED):
+        tensors[f"model.layers.{layer}.self_attn.k_scale"] = torch.tensor(k)
+        tensors[f"model.layers.{layer}.self_attn.v_scale"] = torch.tensor(v)
+    save_file(tensors, str(folder / "model.safetensors"), metadata={"format": "pt"})
+    return folder
+
+
+def test_a_checkpoints_calibrated_kv_scales_are_what_its_cache_is_written_with(calibrated_dir):
+    """Each layer's cache holds its K and V quantized with the checkpoint's scales: after one prompt's
+    prefill, layer 0's bytes (whose K and V depend on no attention) are exactly the fp32 cache's values
+    quantized with them. A cache in the model's dtype ignores the scales (the same tokens as without)."""
+    kwargs = dict(block_size=4, num_kv_blocks=64, max_model_len=64)
+    fp32 = LLM(model=str(calibrated_dir), **kwargs)
+    fp8 = LLM(model=str(calibrated_dir), kv_cache_dtype="fp8", **kwargs)
+    caches = fp8.engine.parts.runners[0].kv_caches
+    assert [(c.k_scale, c.v_scale) for c in caches] == [pytest.approx(s) for s in CALIBRATED]
+    once = SamplingParams(max_tokens=1, temperature=0)
+    for llm in (fp32, fp8):
+        llm.generate([PROMPTS[5]], once)
+    (k32, v32), (k8, v8) = fp32.engine.parts.runners[0].kv_caches[0], caches[0]
+    assert k32.abs().amax() > 0  # the prompt was written
+    assert torch.equal(k8.view(torch.uint8), quantize_fp8(k32, caches[0].k_scale).view(torch.uint8))
+    assert torch.equal(v8.view(torch.uint8), quantize_fp8(v32, caches[0].v_scale).view(torch.uint8))
+
+
+def test_a_calibrated_checkpoint_runs_as_its_scales_say(tiny_llama_dir, calibrated_dir, fp32_kv):
+    """The scales change nothing in the weights (an fp32 cache gives the tokens of the checkpoint without
+    them), and an FP8 cache read with them still follows the fp32 cache's greedy tokens."""
+    plain = LLM(model=str(calibrated_dir), block_size=4)
+    reference = [o.outputs[0].token_ids for o in fp32_kv.generate(PROMPTS, GREEDY)]
+    assert [o.outputs[0].token_ids for o in plain.generate(PROMPTS, GREEDY)] == reference
+    fp8 = LLM(model=str(calibrated_dir), block_size=4, kv_cache_dtype="fp8")
+    outputs = [o.outputs[0].token_ids for o in fp8.generate(PROMPTS, GREEDY)]
+    prefix, forced = prefix_agreement(reference, outputs), forced_agreement(fp8, PROMPTS, reference)
+    print(f"tiny llama, fp8 KV with calibrated scales: {prefix:.1%} before the first difference, {forced:.1%} forced")
+    assert forced >= 0.85 and prefix >= 0.25
+
+
+@pytest.mark.parametrize("draft", ["model", "self"])
+def test_a_draft_reads_its_cache_with_its_own_checkpoints_scales(tiny_llama_dir, calibrated_dir, draft):
+    """A draft model's cache takes its checkpoint's scales (none here: 1.0), a self-draft's (the target's
+    first layers) is the target's own cache."""
+    extra = dict(draft=str(tiny_llama_dir)) if draft == "model" else dict(draft="self", exit_layer=2)
+    llm = LLM(model=str(calibrated_dir), block_size=4, kv_cache_dtype="fp8", decoding="speculative", **extra)
+    target, drafter = llm.engine.parts.runners[:2]
+    assert [(c.k_scale, c.v_scale) for c in target.kv_caches] == [pytest.approx(s) for s in CALIBRATED]
+    expected = [(1.0, 1.0)] * 3 if draft == "model" else [pytest.approx(s) for s in CALIBRATED]
+    assert [(c.k_scale, c.v_scale) for c in drafter.kv_caches] == expected
+    assert llm.generate([PROMPTS[3]], KV_GREEDY)[0].outputs[0].token_ids  # and it runs

@@ -1,0 +1,75 @@
+"""A checkpoint's calibrated FP8 KV-cache scales, which `--kv-cache-dtype fp8` reads its cache with.
+
+Quantizers that calibrate an FP8 KV cache store, beside each layer's weights, the scales its keys and
+values are read with (a stored key x means x * k_scale): llm-compressor's `kv_cache_scheme` as
+`model.layers.N.self_attn.k_scale` / `v_scale`, older compressed-tensors checkpoints as the k and v
+projections' `output_scale`, ModelOpt as `k_proj.k_scale` / `v_proj.v_scale`, AutoFP8's first layout as
+one `kv_scale` for both. An FP8 cache allocated for such a checkpoint reads each layer with its scales
+(`infer.runtime.kv_cache.FP8KVCache`); a layer it gives none keeps 1.0. A scale of several elements (one
+per KV head) is taken as its largest: every head's values then fit e4m3's range, the smaller heads with
+fewer of its bits. The model's weights ignore these tensors, and a cache in the model's dtype does not
+read them.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+from pathlib import Path
+
+import torch
+
+from infer.core.errors import ModelLoadError, one_line
+from infer.models.loader import weight_files
+
+# layer index, then which tensor: k_scale, v_scale, or kv_scale (both)
+_NAME = re.compile(
+    r"(?:^|\.)layers\.(\d+)\.self_attn\.(k_scale|v_scale|kv_scale|k_proj\.output_scale|v_proj\.output_scale"
+    r"|k_proj\.k_scale|v_proj\.v_scale)$"
+)
+_KIND = {
+    "k_scale": "k",
+    "k_proj.output_scale": "k",
+    "k_proj.k_scale": "k",
+    "v_scale": "v",
+    "v_proj.output_scale": "v",
+    "v_proj.v_scale": "v",
+    "kv_scale": "kv",
+}
+
+
+def read_kv_scales(folder: Path, num_layers: int) -> list[tuple[float, float]] | None:
+    """(k_scale, v_scale) for each of the first `num_layers` layers from the checkpoint in `folder` (1.0
+    where a layer has none; a layer's own k_scale or v_scale before its kv_scale), or None when it
+    holds no KV-cache scale. Only those tensors are read."""
+    from safetensors import SafetensorError, safe_open
+
+    found: dict[tuple[int, str], float] = {}
+    for file in weight_files(folder):
+        try:
+            with safe_open(str(file), framework="pt") as f:
+                for name in f.keys():
+                    match = _NAME.search(name)
+                    if match is not None and int(match.group(1)) < num_layers:
+                        found[(int(match.group(1)), _KIND[match.group(2)])] = _scale(name, f.get_tensor(name), file)
+        except (SafetensorError, OSError, RuntimeError, ValueError) as exc:
+            raise ModelLoadError(
+                f"corrupt weight file {file} ({one_line(exc)}): re-download or re-convert the model"
+            ) from exc
+    if not found:
+        return None
+    return [
+        tuple(found.get((layer, which), found.get((layer, "kv"), 1.0)) for which in "kv")  # type: ignore[misc]
+        for layer in range(num_layers)
+    ]
+
+
+def _scale(name: str, tensor: torch.Tensor, file: Path) -> float:
+    values = tensor.float().flatten()
+    if values.numel() == 0 or not all(math.isfinite(v) and v > 0 for v in values.tolist()):
+        shown = values.tolist()[:4]
+        raise ModelLoadError(
+            f"tensor {name} in {file} holds {shown}, not a KV-cache scale (a positive, finite number): re-export "
+            f"the checkpoint's KV scales, or drop --kv-cache-dtype fp8 (its cache then keeps the model's dtype)"
+        )
+    return float(values.max())
