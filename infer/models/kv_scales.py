@@ -2,9 +2,11 @@
 
 Quantizers that calibrate an FP8 KV cache store, beside each layer's weights, the scales its keys and
 values are read with (a stored key x means x * k_scale): llm-compressor's `kv_cache_scheme` as
-`model.layers.N.self_attn.k_scale` / `v_scale`, older compressed-tensors checkpoints as the k and v
-projections' `output_scale`, ModelOpt as `k_proj.k_scale` / `v_proj.v_scale`, AutoFP8's first layout as
-one `kv_scale` for both. An FP8 cache allocated for such a checkpoint reads each layer with its scales
+`model.layers.N.self_attn.k_scale` / `v_scale` (`qkv_proj.k_scale` where the checkpoint fuses q, k and
+v, `attn.k_scale` in vLLM's own names), older compressed-tensors checkpoints as the k and v projections'
+`output_scale`, ModelOpt as `k_proj.k_scale` / `v_proj.v_scale`, AutoFP8's first layout as one
+`kv_scale` for both (a layer's own k or v scale comes first). Two different values for one layer's
+k (or v) scale are refused. An FP8 cache allocated for such a checkpoint reads each layer with its scales
 (`infer.runtime.kv_cache.FP8KVCache`); a layer it gives none keeps 1.0. A scale of several elements (one
 per KV head) is taken as its largest: every head's values then fit e4m3's range, the smaller heads with
 fewer of its bits. The model's weights ignore these tensors, and a cache in the model's dtype does not
@@ -22,20 +24,18 @@ import torch
 from infer.core.errors import ModelLoadError, one_line
 from infer.models.loader import weight_files
 
-# layer index, then which tensor: k_scale, v_scale, or kv_scale (both)
+# layer index, then which tensor: a k_scale, a v_scale, or a kv_scale (both)
 _NAME = re.compile(
-    r"(?:^|\.)layers\.(\d+)\.self_attn\.(k_scale|v_scale|kv_scale|k_proj\.output_scale|v_proj\.output_scale"
-    r"|k_proj\.k_scale|v_proj\.v_scale)$"
+    r"(?:^|\.)layers\.(\d+)\.self_attn\.((?:attn\.|qkv_proj\.)?(?:k_scale|v_scale|kv_scale)"
+    r"|k_proj\.(?:output_scale|k_scale)|v_proj\.(?:output_scale|v_scale))$"
 )
-_KIND = {
-    "k_scale": "k",
-    "k_proj.output_scale": "k",
-    "k_proj.k_scale": "k",
-    "v_scale": "v",
-    "v_proj.output_scale": "v",
-    "v_proj.v_scale": "v",
-    "kv_scale": "kv",
-}
+
+
+def _kind(suffix: str) -> str:
+    last = suffix.rsplit(".", 1)[-1]
+    if last == "output_scale":
+        return suffix[0]  # k_proj. / v_proj.
+    return last.removesuffix("_scale")  # k, v or kv
 
 
 def read_kv_scales(folder: Path, num_layers: int) -> list[tuple[float, float]] | None:
@@ -44,22 +44,31 @@ def read_kv_scales(folder: Path, num_layers: int) -> list[tuple[float, float]] |
     holds no KV-cache scale. Only those tensors are read."""
     from safetensors import SafetensorError, safe_open
 
-    found: dict[tuple[int, str], float] = {}
+    found: dict[tuple[int, str], tuple[float, str]] = {}
     for file in weight_files(folder):
         try:
             with safe_open(str(file), framework="pt") as f:
                 for name in f.keys():
                     match = _NAME.search(name)
-                    if match is not None and int(match.group(1)) < num_layers:
-                        found[(int(match.group(1)), _KIND[match.group(2)])] = _scale(name, f.get_tensor(name), file)
+                    if match is None or int(match.group(1)) >= num_layers:
+                        continue
+                    key, value = (int(match.group(1)), _kind(match.group(2))), _scale(name, f.get_tensor(name), file)
+                    if key in found and found[key][0] != value:
+                        raise ModelLoadError(
+                            f"{folder} holds two {key[1]}_scale values for layer {key[0]}: {found[key][1]} = "
+                            f"{found[key][0]} and {name} = {value}; keep one in the checkpoint, or drop "
+                            f"--kv-cache-dtype fp8"
+                        )
+                    found[key] = (value, name)
         except (SafetensorError, OSError, RuntimeError, ValueError) as exc:
             raise ModelLoadError(
                 f"corrupt weight file {file} ({one_line(exc)}): re-download or re-convert the model"
             ) from exc
     if not found:
         return None
+    scales = {key: value for key, (value, _) in found.items()}
     return [
-        tuple(found.get((layer, which), found.get((layer, "kv"), 1.0)) for which in "kv")  # type: ignore[misc]
+        tuple(scales.get((layer, which), scales.get((layer, "kv"), 1.0)) for which in "kv")  # type: ignore[misc]
         for layer in range(num_layers)
     ]
 

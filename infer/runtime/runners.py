@@ -87,13 +87,14 @@ def load_models(plan: BuildPlan, parallel: Communicator) -> tuple[Models, Any, A
     block tables, so a block costs every model's bytes. Each runner's list is filled in place later
     (a self-draft shares the target's)."""
     config, composition, device = plan.config, plan.composition, plan.device
+    scales = kv_scales(plan, plan.source, plan.model_config)  # read (and checked) before the weights
     model, attention = build_model(plan, plan.source, plan.model_config, parallel)
     tokenizer = load_tokenizer(plan.source.tokenizer_path)
     if tokenizer is not None and plan.chat_template is not None:
         tokenizer.chat_template = plan.chat_template
     sampler = composition.sampler.factory(plan.model_config.vocab_size, device)
     runner = ModelRunner(model, attention, [], sampler, config.block_size, device, executor=parallel.executor(0))
-    runner.kv_scales = kv_scales(plan, plan.source, plan.model_config)
+    runner.kv_scales = scales
     models: Models = [(runner, plan.model_config)]
     draft_source = plan.draft_source
 
@@ -104,20 +105,21 @@ def load_models(plan: BuildPlan, parallel: Communicator) -> tuple[Models, Any, A
         draft_config = draft_source.model_config()
         if num_layers is not None:
             draft_config = draft_config.with_layers(num_layers)
+        draft_scales = kv_scales(plan, draft_source, draft_config)
         draft_model, draft_attention = build_model(plan, draft_source, draft_config, parallel)
         draft_sampler = composition.sampler.factory(draft_config.vocab_size, device)
         executor = parallel.executor(len(models))
         draft = ModelRunner(
             draft_model, draft_attention, [], draft_sampler, config.block_size, device, executor=executor
         )
-        draft.kv_scales = kv_scales(plan, draft_source, draft_config)
+        draft.kv_scales = draft_scales
         models.append((draft, draft_config))
         return draft
 
     def share_model(num_layers: int) -> ModelRunner:  # its own model id: every rank replays its own graphs
         shared = ModelRunner(model, attention, runner.kv_caches, sampler, config.block_size, device, num_layers)
         shared.executor = parallel.executor(len(models))
-        shared.kv_scales = runner.kv_scales
+        shared.kv_scales = runner.kv_scales  # its cache is the target's (allocated with these)
         models.append((shared, plan.model_config))
         return shared
 
