@@ -53,22 +53,12 @@ from infer.plugins.attention.paged_cuda.kernels.decode_e4m3_ptx import LOAD_ASM,
 __all__ = ["fits", "layout_fits", "paged_decode_e4m3", "warps"]
 
 
+# fmt: off
+# (a lane's 32 output or K/V registers are 32 names, listed compactly; Triton takes no starred lists)
 @triton.jit
 def _load_step(
-    LOAD_ASM: tl.constexpr,
-    k_cache_ptr,
-    v_cache_ptr,
-    block,
-    first,
-    end,
-    lane_k,
-    lane_v,
-    stride,
-    kv_head,
-    stride_cb,
-    stride_cs,
-    stride_ch,
-    BLOCK_SIZE: tl.constexpr,
+    LOAD_ASM: tl.constexpr, k_cache_ptr, v_cache_ptr, block, first, end, lane_k, lane_v, stride,
+    kv_head, stride_cb, stride_cs, stride_ch, BLOCK_SIZE: tl.constexpr,
 ):
     """A warp's K and V registers for its 16 tokens from `first` (in cache block `block`; none past `end`)."""
     row = block * stride_cb + (first % BLOCK_SIZE) * stride_cs + kv_head * stride_ch
@@ -82,46 +72,16 @@ def _load_step(
             tl.minimum(tl.maximum(end - first, 0), 16),
         ],
         dtype=(
-            tl.int32,
-            tl.int32,
-            tl.int32,
-            tl.int32,
-            tl.int32,
-            tl.int32,
-            tl.int32,
-            tl.int32,
-            tl.int32,
-            tl.int32,
-            tl.int32,
-            tl.int32,
-            tl.int32,
-            tl.int32,
-            tl.int32,
-            tl.int32,
-            tl.int32,
-            tl.int32,
-            tl.int32,
-            tl.int32,
-            tl.int32,
-            tl.int32,
-            tl.int32,
-            tl.int32,
-            tl.int32,
-            tl.int32,
-            tl.int32,
-            tl.int32,
-            tl.int32,
-            tl.int32,
-            tl.int32,
-            tl.int32,
+            tl.int32, tl.int32, tl.int32, tl.int32, tl.int32, tl.int32, tl.int32, tl.int32,
+            tl.int32, tl.int32, tl.int32, tl.int32, tl.int32, tl.int32, tl.int32, tl.int32,
+            tl.int32, tl.int32, tl.int32, tl.int32, tl.int32, tl.int32, tl.int32, tl.int32,
+            tl.int32, tl.int32, tl.int32, tl.int32, tl.int32, tl.int32, tl.int32, tl.int32,
         ),
         is_pure=False,
         pack=1,
     )
 
 
-# fmt: off
-# (the kernel's 32 output registers a lane are 32 names, listed compactly; Triton takes no starred lists)
 @triton.jit
 def _decode_e4m3_kernel(
     out_ptr,  # [T, H, D]; decode token i belongs to sequence i
