@@ -105,7 +105,8 @@ def _verdict(
     return Verdict(label, name, reason, runs)
 
 
-def _model(config: EngineConfig, registry: PluginRegistry) -> tuple[Verdict, Any]:
+def _model(config: EngineConfig, registry: PluginRegistry) -> tuple[Verdict, Any, Any]:
+    """The model's verdict, its ModelConfig and its source (None, None where it cannot be read)."""
     from infer.models import hub
     from infer.models.loader import check_weight_shapes, meta_model, resolve_source
 
@@ -120,21 +121,49 @@ def _model(config: EngineConfig, registry: PluginRegistry) -> tuple[Verdict, Any
         )
     except InferError as exc:
         if config.load_format != "dummy" and config.model in hub.KNOWN_SOURCES and registry.preset(config.model):
-            return Verdict("model", config.model, note="not cached yet: `infer run` downloads it once"), None
-        return Verdict(
-            "model", config.model, str(exc), tuple(n for n in registry.preset_names() if n != config.model)[:6]
-        ), None
+            return Verdict("model", config.model, note="not cached yet: `infer run` downloads it once"), None, None
+        return (
+            Verdict(
+                "model", config.model, str(exc), tuple(n for n in registry.preset_names() if n != config.model)[:6]
+            ),
+            None,
+            None,
+        )
     try:
         mc = source.model_config()
         if source.path is not None:  # the safetensors headers against the config's shapes; no weight is read
             check_weight_shapes(meta_model(source, mc, registry.layers("cpu")), source.path)
     except InferError as exc:
-        return Verdict("model", config.model, str(exc)), None
+        return Verdict("model", config.model, str(exc)), None, None
     weights = "dummy weights" if source.path is None else f"weights in {source.path}"
     note = f"{source.architecture.name}, {mc.num_layers} layers, {mc.num_heads}/{mc.num_kv_heads} heads, {weights}"
     if config.exit_layer is not None and not 1 <= config.exit_layer <= mc.num_layers:
-        return Verdict("model", config.model, f"--exit-layer must be in [1, {mc.num_layers}] for {source.name}"), None
-    return Verdict("model", config.model, note=note), mc
+        return (
+            Verdict("model", config.model, f"--exit-layer must be in [1, {mc.num_layers}] for {source.name}"),
+            None,
+            None,
+        )
+    return Verdict("model", config.model, note=note), mc, source
+
+
+def _kv_cache(source: Any, mc: Any) -> Verdict:
+    """An FP8 KV cache's scales: the checkpoint's calibrated ones (`infer.models.kv_scales`), or 1.0."""
+    from infer.models.kv_scales import read_kv_scales
+
+    if source.path is None:
+        return Verdict("kv_cache", "fp8", note="scales 1.0: dummy weights")
+    try:
+        scales = read_kv_scales(source.path, mc.num_layers)
+    except InferError as exc:
+        return Verdict("kv_cache", "fp8", str(exc))
+    if scales is None:
+        return Verdict("kv_cache", "fp8", note="scales 1.0: the checkpoint holds no calibrated KV scales")
+    k, v = zip(*scales)
+    return Verdict(
+        "kv_cache",
+        "fp8",
+        note=f"the checkpoint's calibrated scales, k {min(k):.3g}-{max(k):.3g}, v {min(v):.3g}-{max(v):.3g}",
+    )
 
 
 def _quantization(config: EngineConfig, registry: PluginRegistry, device: torch.device, mc: Any) -> Verdict:
@@ -166,7 +195,7 @@ def diagnose(
     config: EngineConfig, registry: PluginRegistry, check_model: bool = True, device: torch.device | None = None
 ) -> Diagnosis:
     """Every slot's verdict for `config` on this machine (on `device`, when given, present or not);
-    reads config.json files and safetensors headers, never weights."""
+    reads config.json files, safetensors headers and an FP8 KV cache's scales, never weights."""
     verdicts: list[Verdict] = []
     try:
         config.validate()
@@ -180,8 +209,10 @@ def diagnose(
             device = torch.device("cuda" if config.device.startswith("cuda") else "cpu")
     model_config = None
     if check_model:
-        model_verdict, model_config = _model(config, registry)
+        model_verdict, model_config, source = _model(config, registry)
         verdicts.append(model_verdict)
+        if model_config is not None and config.kv_cache_dtype == "fp8":
+            verdicts.append(_kv_cache(source, model_config))
     model_dtype = model_config.torch_dtype if model_config is not None else None
     dtype = (
         config.resolve_dtype(device, model_dtype) if config.dtype == "auto" or config.dtype in DTYPES else torch.float32
