@@ -105,8 +105,8 @@ def _verdict(
     return Verdict(label, name, reason, runs)
 
 
-def _model(config: EngineConfig, registry: PluginRegistry) -> tuple[Verdict, Any, Any]:
-    """The model's verdict, its ModelConfig and its source (None, None where it cannot be read)."""
+def _model(config: EngineConfig, registry: PluginRegistry) -> tuple[list[Verdict], Any]:
+    """The model's verdict (and an FP8 KV cache's: its scales), and its ModelConfig (None if unreadable)."""
     from infer.models import hub
     from infer.models.loader import check_weight_shapes, meta_model, resolve_source
 
@@ -121,29 +121,24 @@ def _model(config: EngineConfig, registry: PluginRegistry) -> tuple[Verdict, Any
         )
     except InferError as exc:
         if config.load_format != "dummy" and config.model in hub.KNOWN_SOURCES and registry.preset(config.model):
-            return Verdict("model", config.model, note="not cached yet: `infer run` downloads it once"), None, None
-        return (
-            Verdict(
-                "model", config.model, str(exc), tuple(n for n in registry.preset_names() if n != config.model)[:6]
-            ),
-            None,
-            None,
-        )
+            return [Verdict("model", config.model, note="not cached yet: `infer run` downloads it once")], None
+        return [
+            Verdict("model", config.model, str(exc), tuple(n for n in registry.preset_names() if n != config.model)[:6])
+        ], None
     try:
         mc = source.model_config()
         if source.path is not None:  # the safetensors headers against the config's shapes; no weight is read
             check_weight_shapes(meta_model(source, mc, registry.layers("cpu")), source.path)
     except InferError as exc:
-        return Verdict("model", config.model, str(exc)), None, None
+        return [Verdict("model", config.model, str(exc))], None
     weights = "dummy weights" if source.path is None else f"weights in {source.path}"
     note = f"{source.architecture.name}, {mc.num_layers} layers, {mc.num_heads}/{mc.num_kv_heads} heads, {weights}"
     if config.exit_layer is not None and not 1 <= config.exit_layer <= mc.num_layers:
-        return (
-            Verdict("model", config.model, f"--exit-layer must be in [1, {mc.num_layers}] for {source.name}"),
-            None,
-            None,
-        )
-    return Verdict("model", config.model, note=note), mc, source
+        return [Verdict("model", config.model, f"--exit-layer must be in [1, {mc.num_layers}] for {source.name}")], None
+    verdicts = [Verdict("model", config.model, note=note)]
+    if config.kv_cache_dtype == "fp8":
+        verdicts.append(_kv_cache(source, mc))
+    return verdicts, mc
 
 
 def _kv_cache(source: Any, mc: Any) -> Verdict:
@@ -209,10 +204,8 @@ def diagnose(
             device = torch.device("cuda" if config.device.startswith("cuda") else "cpu")
     model_config = None
     if check_model:
-        model_verdict, model_config, source = _model(config, registry)
-        verdicts.append(model_verdict)
-        if model_config is not None and config.kv_cache_dtype == "fp8":
-            verdicts.append(_kv_cache(source, model_config))
+        model_verdicts, model_config = _model(config, registry)
+        verdicts.extend(model_verdicts)
     model_dtype = model_config.torch_dtype if model_config is not None else None
     dtype = (
         config.resolve_dtype(device, model_dtype) if config.dtype == "auto" or config.dtype in DTYPES else torch.float32
