@@ -2,7 +2,11 @@
 
 from __future__ import annotations
 
+import shutil
+from pathlib import Path
+
 import torch
+from safetensors.torch import load_file, save_file
 
 from infer.plugins.layers.fp8 import FP8, quantize_weight
 
@@ -22,3 +26,17 @@ def stored(w: torch.Tensor, per_tensor: bool) -> tuple[torch.Tensor, torch.Tenso
         return (w * (1 / scale)).clamp(-448, 448).to(FP8), scale
     q, scale = quantize_weight(w)
     return q, scale[:, None]
+
+
+def with_kv_scales(source: Path, folder: Path, scales: list[tuple[float, float]]) -> Path:
+    """`source` (a one-file checkpoint) copied to `folder` (made here) with each layer's (k_scale, v_scale)
+    beside its weights, as llm-compressor's kv_cache_scheme stores them."""
+    folder.mkdir()
+    for f in source.iterdir():
+        shutil.copy(f, folder / f.name)
+    tensors = load_file(str(source / "model.safetensors"))
+    for layer, (k, v) in enumerate(scales):
+        tensors[f"model.layers.{layer}.self_attn.k_scale"] = torch.tensor(k)
+        tensors[f"model.layers.{layer}.self_attn.v_scale"] = torch.tensor(v)
+    save_file(tensors, str(folder / "model.safetensors"), metadata={"format": "pt"})
+    return folder

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import pytest
 from click.testing import CliRunner
+from fp8_checkpoints import with_kv_scales  # tests/, on sys.path
 
 from infer.cli.main import cli
 
@@ -252,23 +253,6 @@ def test_doctor_names_the_linear_layer_of_a_quantization_and_refuses_an_unknown_
     assert "OK  (fp8: infer.plugins.layers.fp8.Fp8Linear)" in result.output, result.output
 
 
-def _with_kv_scales(source, folder, scales):
-    import shutil
-
-    import torch
-    from safetensors.torch import load_file, save_file
-
-    folder.mkdir()
-    for f in source.iterdir():
-        shutil.copy(f, folder / f.name)
-    tensors = load_file(str(source / "model.safetensors"))
-    for layer, (k, v) in enumerate(scales):
-        tensors[f"model.layers.{layer}.self_attn.k_scale"] = torch.tensor(k)
-        tensors[f"model.layers.{layer}.self_attn.v_scale"] = torch.tensor(v)
-    save_file(tensors, str(folder / "model.safetensors"), metadata={"format": "pt"})
-    return folder
-
-
 def test_doctor_says_which_scales_an_fp8_kv_cache_reads_with(invoke, tiny_llama_dir, tmp_path):
     def row(*args):
         result = invoke("doctor", "--device", "cpu", "--kv-cache-dtype", "fp8", "--model", *args)
@@ -279,10 +263,10 @@ def test_doctor_says_which_scales_an_fp8_kv_cache_reads_with(invoke, tiny_llama_
     assert code == 0 and line.endswith("OK  (scales 1.0: the checkpoint holds no calibrated KV scales)"), line
     code, line = row("smollm2-135m", "--load-format", "dummy")
     assert code == 0 and line.endswith("OK  (scales 1.0: dummy weights)"), line
-    calibrated = _with_kv_scales(tiny_llama_dir, tmp_path / "calibrated", [(0.5, 0.02), (2.0, 0.3), (1.0, 0.125)])
+    calibrated = with_kv_scales(tiny_llama_dir, tmp_path / "calibrated", [(0.5, 0.02), (2.0, 0.3), (1.0, 0.125)])
     code, line = row(str(calibrated))
     assert code == 0 and line.endswith("OK  (the checkpoint's calibrated scales, k 0.5-2, v 0.02-0.3)"), line
-    broken = _with_kv_scales(tiny_llama_dir, tmp_path / "broken", [(0.5, 0.02), (-2.0, 0.3)])
+    broken = with_kv_scales(tiny_llama_dir, tmp_path / "broken", [(0.5, 0.02), (-2.0, 0.3)])
     code, line = row(str(broken))
     assert code == 2 and "REFUSED: tensor model.layers.1.self_attn.k_scale in " in line, line
     assert "kv_cache" not in invoke("doctor", "--device", "cpu", "--model", str(broken)).output  # a bf16 cache

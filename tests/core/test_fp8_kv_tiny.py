@@ -9,11 +9,9 @@ an FP8 KV cache is refused before any weight loads, naming the ones that have it
 
 from __future__ import annotations
 
-import shutil
-
 import pytest
 import torch
-from safetensors.torch import load_file, save_file
+from fp8_checkpoints import with_kv_scales  # tests/, on sys.path
 
 import infer
 from infer import SamplingParams
@@ -126,15 +124,7 @@ CALIBRATED = [(0.37, 0.011), (2.5, 0.4), (1.0, 0.75)]  # (k_scale, v_scale) of t
 @pytest.fixture(scope="module")
 def calibrated_dir(tiny_llama_dir, tmp_path_factory):
     """The tiny Llama saved with calibrated KV scales, as llm-compressor's kv_cache_scheme stores them."""
-    folder = tmp_path_factory.mktemp("kv-scales")
-    for f in tiny_llama_dir.iterdir():
-        shutil.copy(f, folder / f.name)
-    tensors = load_file(str(tiny_llama_dir / "model.safetensors"))
-    for layer, (k, v) in enumerate(CALIBRATED):
-        tensors[f"model.layers.{layer}.self_attn.k_scale"] = torch.tensor(k)
-        tensors[f"model.layers.{layer}.self_attn.v_scale"] = torch.tensor(v)
-    save_file(tensors, str(folder / "model.safetensors"), metadata={"format": "pt"})
-    return folder
+    return with_kv_scales(tiny_llama_dir, tmp_path_factory.mktemp("kv-scales") / "model", CALIBRATED)
 
 
 def test_a_checkpoints_calibrated_kv_scales_are_what_its_cache_is_written_with(calibrated_dir):
