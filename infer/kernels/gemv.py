@@ -12,7 +12,9 @@ waiting for the kernel that wrote x.
 FP8 weights (torch.float8_e4m3fn, compute capability 8.9 or newer) stream half the bytes: each
 weight is cast to fp32 as loaded, and each output row's sum is multiplied by its float32 scale in
 the epilogue (y[n] = (sum_k w[n, k] x[k]) * scale[n], rounded once to x's dtype). The scales, like
-the weights, are loaded before the wait.
+the weights, are loaded before the wait. One row of e4m3 x (an activation quantized per row) against
+e4m3 weights may instead take `infer.kernels.gemv_e4m3` (`Tile.f16_sums`: the products summed in f16
+pairs, no widening of each weight to fp32), where the tuner finds it faster.
 
 Up to GEMV_MAX_ROWS rows of x (a small batch, speculative decoding's verify step) share one read
 of the weights: each weight tile meets every row, as fp32 FMAs over [M, BLOCK_N, BLOCK_K], or on
@@ -40,6 +42,7 @@ import triton
 import triton.language as tl
 
 from infer import env, warmup
+from infer.kernels import gemv_e4m3
 from infer.kernels.gemv_tiles import INTERPRETER_TILE, Tile, candidates, tune
 from infer.kernels.layers import lamport_push
 from infer.kernels.triton_pdl import kernel_args, wait_and_release
@@ -241,7 +244,7 @@ def gemv(
     """x [M, K] @ weight[N, K].T -> [M, N] in x's dtype (fp32 accumulation), 1 <= M <= GEMV_MAX_ROWS:
     the weights are read once for all rows. An e4m3 weight (torch.float8_e4m3fn, compute capability
     8.9 or newer) takes `scale`, float32 [N]: y[m, n] = (sum_k w[n, k] x[m, k]) * scale[n], rounded
-    once. An e4m3 x (an activation quantized per row, FMA tiles only) takes `x_scale`, float32 [M, 1],
+    once. An e4m3 x (an activation quantized per row, no MMA tiles) takes `x_scale`, float32 [M, 1],
     which multiplies row m's sums too, and the output dtype `out_dtype`. With PDL on, `weight` and
     `scale` are read before the kernel just before has finished: they must be no output of that kernel
     (model weights never are). `push` (one row only): see `_launch`."""
@@ -296,17 +299,18 @@ def run_tile(
     num_stages: int | None = None,
     pdl: bool = False,
     scale: torch.Tensor | None = None,
+    x_scale: torch.Tensor | None = None,
 ) -> None:
     """y = x @ weight.T with a given tile (a `Tile`, or its first fields: (BLOCK_N, BLOCK_K,
     num_warps)), its software-pipeline depth replaced by `num_stages` if given, launched as a
     programmatic dependent when `pdl` (whatever `INFER_PDL` says): one launch for tile sweeps
     (`infer.bench.gemv_sweep`). x [M, K] contiguous, weight [N, K] with contiguous rows (e4m3 with
-    its `scale` as in `gemv`), y [M, N] contiguous."""
+    its `scale`, and an e4m3 x with its `x_scale`, as in `gemv`), y [M, N] contiguous."""
     _check_scale(weight, scale)
     tile = Tile(*tile) if num_stages is None else Tile(*tile)._replace(num_stages=num_stages)
     assert not tile.mma or x.dtype in (torch.bfloat16, torch.float16), "an MMA tile takes bf16 or fp16 x"
     launch = {"USE_PDL": True, "launch_pdl": True} if pdl else {"USE_PDL": False}
-    _run(x, weight, y, False, tile, scale, launch=launch)
+    _run(x, weight, y, False, tile, scale, launch=launch, x_scale=x_scale)
 
 
 def _launch(
@@ -348,6 +352,12 @@ def _run(
     n, k = weight.shape
     mma = tile.mma and x.shape[0] > 1  # one row takes the FMA kernel whatever the tile
     peers, offset = (y, 0) if push is None else (push.peers, push.offset)
+    launch = kernel_args(x.device) if launch is None else launch
+    if tile.f16_sums:
+        assert x.shape[0] == 1 and gemv_e4m3.laid_out(x, weight), "an f16_sums tile takes one aligned e4m3 row"
+        assert push is None, "an f16_sums tile stores its result: no push"
+        gemv_e4m3.run(x, weight, y, tile, scale, x_scale, launch)
+        return
     _gemv_kernel[(triton.cdiv(n, tile.block_n),)](
         x,
         weight,
@@ -371,5 +381,5 @@ def _run(
         MMA=mma,
         num_warps=tile.num_warps,
         num_stages=tile.num_stages,
-        **(kernel_args(x.device) if launch is None else launch),
+        **launch,
     )

@@ -8,17 +8,21 @@ from typing import Callable, NamedTuple
 import torch
 import triton
 
+from infer.kernels import gemv_e4m3
+
 
 class Tile(NamedTuple):
     """How a call is launched: BLOCK_N rows of W a program, BLOCK_K columns a step, its warps and
     software-pipeline stages, and `mma`: the rows of x meet the weight tile on tensor cores (tl.dot,
-    x padded to 16 rows; several rows of bf16 or fp16 x) rather than in fp32 FMAs."""
+    x padded to 16 rows; several rows of bf16 or fp16 x) rather than in fp32 FMAs; `f16_sums`: one row of
+    e4m3 x against e4m3 weights, the products summed in f16 pairs (`infer.kernels.gemv_e4m3`)."""
 
     block_n: int
     block_k: int
     num_warps: int
     num_stages: int = 1
     mma: bool = False
+    f16_sums: bool = False
 
 
 # (BLOCK_N, BLOCK_K, num_warps): few rows and long, coalesced rows of 16-byte loads win at one token;
@@ -35,13 +39,19 @@ FP8_CANDIDATES = [
 ]
 # several rows also try tensor cores, weight tiles pipelined through shared memory
 MMA_CANDIDATES = [Tile(n, k, 4, 3, mma=True) for n, k in [(16, 512), (32, 256), (32, 512), (64, 128), (64, 256)]]
+# one e4m3 row against e4m3 weights also tries the f16-pair kernel (where `gemv_e4m3.fits`)
+F16_SUMS_CANDIDATES = [
+    Tile(n, k, w, f16_sums=True)
+    for n, k, w in [(1, 2048, 4), (1, 4096, 4), (2, 1024, 4), (2, 2048, 4), (2, 4096, 8), (4, 1024, 4), (4, 2048, 8)]
+]
 INTERPRETER_TILE = Tile(4, 32, 1)
 
 
 def candidates(x: torch.Tensor, weight: torch.Tensor) -> list[Tile]:
     fp8 = FP8_CANDIDATES if weight.element_size() == 1 else []
     mma = MMA_CANDIDATES if x.shape[0] > 1 and x.dtype in (torch.bfloat16, torch.float16) else []
-    return CANDIDATES + fp8 + mma
+    f16_sums = F16_SUMS_CANDIDATES if gemv_e4m3.fits(x, weight) else []
+    return CANDIDATES + fp8 + mma + f16_sums
 
 
 def tune(tiles: list[Tile], weight: torch.Tensor, run: Callable[[Tile, torch.Tensor], None]) -> Tile:

@@ -1,6 +1,7 @@
 """The GEMV compiled on a GPU at Llama-3-8B's weight shapes: e4m3 weights over 1 to 8 rows of x
-against the dequantized reference x.float() @ (w.float() * scale[:, None]).T rounded to bf16, bf16
-weights over several rows, and one bf16 row with the bits of the one-row kernel it grew from.
+against the dequantized reference x.float() @ (w.float() * scale[:, None]).T rounded to bf16, one
+e4m3 row summed in f16 pairs against the float64 product of its e4m3 values, bf16 weights over
+several rows, and one bf16 row with the bits of the one-row kernel it grew from.
 Run: `pytest -m gpu tests/gpu/test_gemv_gpu.py`."""
 
 import importlib.util
@@ -20,7 +21,7 @@ needs_e4m3 = pytest.mark.skipif(
     torch.cuda.is_available() and torch.cuda.get_device_capability() < (8, 9), reason="e4m3 needs sm_89+"
 )
 
-QKV, GATE_UP, DOWN = (6144, 4096), (28672, 4096), (4096, 14336)  # (N, K)
+QKV, O, GATE_UP, DOWN = (6144, 4096), (4096, 4096), (28672, 4096), (4096, 14336)  # (N, K)
 ROWS = (1, 2, 4, 8)
 BF16_ULP = 2**-7
 
@@ -85,6 +86,62 @@ def test_fp8_down_projection_reads_silu_and_mul_inside():
         got = triton_gemv.gemv_silu_mul(h, w8, scale=scale)
         assert torch.equal(got, triton_gemv.gemv(act, w8, scale=scale))
         assert_close(got, act, w8, scale)
+
+
+@needs_e4m3
+@pytest.mark.parametrize("n,k", [QKV, O, GATE_UP, DOWN, (1000, 4112)])
+def test_one_e4m3_row_with_f16_sums_is_the_product_of_its_e4m3_values(n, k):
+    """Each f16_sums tile (`infer.kernels.gemv_e4m3`), with an fp32 output, against the float64 sum of
+    the same e4m3 values (K 4112 takes the masked tail, N 1000 a partial last program). Each row's
+    error is bounded by 2^-8 of its sum of |terms| (the f16 partial sums round at most 7 times a half,
+    2^-11 each, plus products below f16's normal range: a missing or misplaced product would break it
+    only where it dominates); over the rows the median error is far under a dropped group of 16 terms
+    (~1e-3 of the sum of |terms|: checked at 2^-13). An outlier column meeting an outlier activation
+    (products at e4m3's 448 x 448) overflows nothing. A bf16 output is the fp32 one rounded, and under
+    PDL the bits are the same."""
+    from infer.kernels import gemv as triton_gemv
+    from infer.kernels import gemv_tiles
+    from infer.kernels.fp8 import quantize_rows as quantize_activation
+
+    torch.manual_seed(5)
+    w = torch.randn(n, k, device="cuda") / k**0.5
+    w[:, 7] *= 50
+    w8, scale = quantize_rows(w)
+    x = torch.randn(1, k, device="cuda", dtype=torch.bfloat16)
+    x[0, 7] = 400.0
+    q, x_scale = quantize_activation(x)
+    assert q[0, 7].float().abs() == 448 and (w8[:, 7].float().abs() == 448).float().mean() > 0.9
+    dequantized = w8.double() * scale.double()[:, None]
+    exact = (dequantized @ (q.double() * x_scale.double()).T)[:, 0]
+    magnitude = (dequantized.abs() @ (q.double().abs() * x_scale.double()).T)[:, 0]
+    for tile in gemv_tiles.F16_SUMS_CANDIDATES:
+        y = torch.empty(1, n, device="cuda")
+        triton_gemv.run_tile(q, w8, y, tile, scale=scale, x_scale=x_scale)
+        assert torch.isfinite(y).all(), tile
+        error = (y[0].double() - exact).abs() / magnitude
+        assert error.max() <= 2**-8, (tile, error.max().item())
+        assert error.median() <= 2**-13, (tile, error.median().item())
+    y16 = torch.empty(1, n, device="cuda", dtype=torch.bfloat16)  # the last tile's: fewer compiles
+    triton_gemv.run_tile(q, w8, y16, tile, scale=scale, x_scale=x_scale)
+    assert torch.equal(y16, y.bfloat16())
+    triton_gemv.run_tile(q, w8, y16, tile, scale=scale, x_scale=x_scale, pdl=True)
+    assert torch.equal(y16, y.bfloat16())
+
+
+@needs_e4m3
+def test_the_tuner_offers_f16_sums_to_one_e4m3_row_only():
+    """One e4m3 row against e4m3 weights may be tuned to an f16_sums tile; a bf16 row, or two e4m3
+    rows, never are (that kernel takes neither)."""
+    from infer.kernels import gemv_tiles
+    from infer.kernels.fp8 import quantize_rows as quantize_activation
+
+    w8, _ = quantize_rows(torch.randn(*QKV, device="cuda"))
+    one, _ = quantize_activation(torch.randn(1, QKV[1], device="cuda", dtype=torch.bfloat16))
+    two, _ = quantize_activation(torch.randn(2, QKV[1], device="cuda", dtype=torch.bfloat16))
+    bf16 = torch.randn(1, QKV[1], device="cuda", dtype=torch.bfloat16)
+    assert set(gemv_tiles.F16_SUMS_CANDIDATES) <= set(gemv_tiles.candidates(one, w8))
+    for x in (two, bf16):
+        assert not any(t.f16_sums for t in gemv_tiles.candidates(x, w8))
 
 
 @pytest.mark.parametrize("n,k", [QKV, DOWN])

@@ -18,3 +18,16 @@ def test_run_tile_is_gemv_with_the_tile_given():
     tiles = triton_gemv.tuned_tiles()
     tiles[("not", "a", "shape")] = (1, 1, 1)  # a copy: the tuner's own table is not changed
     assert ("not", "a", "shape") not in triton_gemv.tuned_tiles()
+
+
+def test_f16_sums_tiles_are_offered_only_where_their_kernel_runs():
+    """The f16-pair kernel is PTX: never on a CPU (or under the interpreter), never for an x or a
+    weight it cannot read 8 values a word."""
+    from infer.kernels import gemv_e4m3, gemv_tiles
+
+    e4m3 = torch.float8_e4m3fn
+    x, w = torch.zeros(1, 64).to(e4m3), torch.zeros(8, 64).to(e4m3)
+    assert gemv_e4m3.laid_out(x, w) and not gemv_e4m3.fits(x, w)
+    assert not any(tile.f16_sums for tile in gemv_tiles.candidates(x, w))
+    assert not gemv_e4m3.laid_out(torch.zeros(1, 80).to(e4m3)[:, 1:65], w)  # x 1 byte off a word
+    assert not gemv_e4m3.laid_out(x[:, :40], w[:, :40])  # K 40: not a multiple of 16
