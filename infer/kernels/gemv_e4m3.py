@@ -161,7 +161,7 @@ def run(
     launch: dict[str, Any],
 ) -> None:
     """y = (x @ weight.T) * scale * x_scale for `fits` operands with a `Tile` (its block_n, block_k,
-    num_warps), launched with `launch` (the PDL keywords). No push: the FP8 layers' partial sums are
+    num_warps, num_stages), launched with `launch` (the PDL keywords). No push: the FP8 layers' partial sums are
     all-reduced, not pushed (`infer.kernels.gemv._launch`)."""
     n, k = weight.shape
     _gemv_e4m3_kernel[(triton.cdiv(n, tile.block_n),)](
@@ -177,6 +177,6 @@ def run(
         BLOCK_K=tile.block_k,
         EVEN=k % tile.block_k == 0,
         num_warps=tile.num_warps,
-        num_stages=1,
+        num_stages=tile.num_stages,
         **launch,
     )

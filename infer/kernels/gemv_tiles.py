@@ -39,10 +39,12 @@ FP8_CANDIDATES = [
 ]
 # several rows also try tensor cores, weight tiles pipelined through shared memory
 MMA_CANDIDATES = [Tile(n, k, 4, 3, mma=True) for n, k in [(16, 512), (32, 256), (32, 512), (64, 128), (64, 256)]]
-# one e4m3 row against e4m3 weights also tries the f16-pair kernel (where `gemv_e4m3.fits`)
+# one e4m3 row against e4m3 weights also tries the f16-pair kernel (where `gemv_e4m3.fits`); the last
+# three won at one of Llama-3-8B's four shapes each in a wider sweep (docs/performance.md, "FP8")
 F16_SUMS_CANDIDATES = [
-    Tile(n, k, w, f16_sums=True)
-    for n, k, w in [(1, 2048, 4), (1, 4096, 4), (2, 1024, 4), (2, 2048, 4), (2, 4096, 8), (4, 1024, 4), (4, 2048, 8)]
+    Tile(n, k, w, s, f16_sums=True)
+    for n, k, w, s in [(1, 2048, 4, 1), (1, 4096, 4, 1), (2, 1024, 4, 1), (2, 2048, 4, 1), (2, 4096, 8, 1)]
+    + [(4, 1024, 4, 1), (4, 2048, 8, 1), (2, 2048, 2, 1), (2, 2048, 4, 2), (4, 2048, 4, 1)]
 ]
 INTERPRETER_TILE = Tile(4, 32, 1)
 
