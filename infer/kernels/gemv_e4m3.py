@@ -3,7 +3,7 @@ FP8 GEMV at the speed of reading its weights (Hopper and Ada; PTX, so never unde
 
 The FMA form (`infer.kernels.gemv`) widens every weight to fp32 before its FMA: two conversions a
 weight pair (e4m3x2 -> f16x2 -> two f32), 141 instructions for a thread's 32 weights at gate_up's tile,
-which keeps the issue slots 77% busy and the GEMV 3-14% short of a plain read of its bytes. Here the
+which keeps the issue slots 77% busy and the GEMV 4-14% short of a plain read of its bytes. Here the
 weights stop at f16x2: a `cvt.rn.f16x2.e4m3x2` a pair and one `fma.rn.f16x2` a pair against x's f16x2,
 16 products summed in f16 before one conversion to fp32 and one fp32 add (76 instructions for the same
 32 weights). x is converted once for all of a program's rows, scaled by 2^-8 on the way (exact), so
