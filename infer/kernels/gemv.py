@@ -241,7 +241,8 @@ def gemv(
     x_scale: torch.Tensor | None = None,
     out_dtype: torch.dtype | None = None,
 ) -> torch.Tensor:
-    """x [M, K] @ weight[N, K].T -> [M, N] in x's dtype (fp32 accumulation), 1 <= M <= GEMV_MAX_ROWS:
+    """x [M, K] @ weight[N, K].T -> [M, N] in x's dtype (fp32 accumulation; an e4m3 row on an
+    `f16_sums` tile sums each 16 products in f16 first), 1 <= M <= GEMV_MAX_ROWS:
     the weights are read once for all rows. An e4m3 weight (torch.float8_e4m3fn, compute capability
     8.9 or newer) takes `scale`, float32 [N]: y[m, n] = (sum_k w[n, k] x[m, k]) * scale[n], rounded
     once. An e4m3 x (an activation quantized per row, no MMA tiles) takes `x_scale`, float32 [M, 1],
@@ -353,9 +354,9 @@ def _run(
     mma = tile.mma and x.shape[0] > 1  # one row takes the FMA kernel whatever the tile
     peers, offset = (y, 0) if push is None else (push.peers, push.offset)
     launch = kernel_args(x.device) if launch is None else launch
-    if tile.f16_sums:
-        assert x.shape[0] == 1 and gemv_e4m3.laid_out(x, weight), "an f16_sums tile takes one aligned e4m3 row"
-        assert push is None, "an f16_sums tile stores its result: no push"
+    # an f16_sums tile's call that its kernel cannot take (a push, an x off an 8-byte boundary) runs
+    # the FMA kernel at the same tile shape
+    if tile.f16_sums and push is None and x_scale is not None and gemv_e4m3.takes(x, weight):
         gemv_e4m3.run(x, weight, y, tile, scale, x_scale, launch)
         return
     _gemv_kernel[(triton.cdiv(n, tile.block_n),)](

@@ -5,15 +5,18 @@ The FMA form (`infer.kernels.gemv`) widens every weight to fp32 before its FMA: 
 weight pair (e4m3x2 -> f16x2 -> two f32), 141 instructions for a thread's 32 weights at gate_up's tile,
 which keeps the issue slots 77% busy and the GEMV 4-14% short of a plain read of its bytes. Here the
 weights stop at f16x2: a `cvt.rn.f16x2.e4m3x2` a pair and one `fma.rn.f16x2` a pair against x's f16x2,
-16 products summed in f16 before one conversion to fp32 and one fp32 add (76 instructions for the same
-32 weights). x is converted once for all of a program's rows, scaled by 2^-8 on the way (exact), so
-that |w x| <= 448 * 1.75 = 784 and a sum of 16 stays below 12,544, far inside f16's 65,504; the 2^8
-comes back in the epilogue with the scales: y[n] = (sum_k w[n, k] x[k]) * scale[n] * x_scale * 256.
+16 products summed in f16x2 (8 in each half) before one conversion to fp32 and one fp32 add (76
+instructions for the same 32 weights). x is converted once for all of a program's rows, scaled by 2^-8
+on the way (exact), so that |w x| <= 448 * 1.75 = 784 and a half's sum of 8 stays below 6,272, far
+inside f16's 65,504; the 2^8 comes back in the epilogue with the scales:
+y[n] = (sum_k w[n, k] x[k]) * scale[n] * x_scale * 256.
 
-What the f16 sums cost in precision: each partial sum of 16 products is rounded to 11 significant
-bits (fp32's 24 before), and a product below 2^-14 (w x < 2^-6, i.e. two values near the bottom of
-e4m3's range) keeps fewer. Against the float64 sum of the same e4m3 values the output's error stays
-within the bf16 rounding of the output (docs/performance.md, "FP8"), and far under the e4m3
+What the f16 sums cost in precision: each partial sum is rounded to 11 significant bits (fp32's 24
+before) at each of its 8 steps, and a product below 2^-14 (w x < 2^-6, two values near the bottom of
+e4m3's range) keeps fewer. Against the float64 sum of the same e4m3 values, in an fp32 output: up to
+~2^-13 of the row's sum of |terms| where one product dominates the row (an outlier weight meeting an
+outlier activation: 2^-8 at the very worst), ~2^-15 at most on Gaussian rows (`tests/gpu/test_gemv_gpu.py`
+bounds both). That is of the order of the bf16 output's own rounding, and far under the e4m3
 quantization of x and w themselves (2^-4 relative, each).
 
 Tiles: `Tile(..., f16_sums=True)`, among the tuner's candidates when `fits` (`gemv_tiles.candidates`).
@@ -124,25 +127,26 @@ def _gemv_e4m3_kernel(
 
 
 def fits(x: torch.Tensor, weight: torch.Tensor) -> bool:
-    """Whether this kernel takes `x @ weight.T`: one row of e4m3 x against e4m3 weights on a CUDA GPU
-    (compute capability 8.9 or newer), compiled (not interpreted), laid out as `laid_out` says."""
+    """Whether this kernel may be tuned for `x @ weight.T`: operands it `takes`, on a CUDA GPU of
+    compute capability 8.9 or newer, compiled (not interpreted)."""
+    return (
+        takes(x, weight)
+        and x.is_cuda
+        and not env.triton_interpret()
+        and torch.cuda.get_device_capability(x.device) >= (8, 9)
+    )
+
+
+def takes(x: torch.Tensor, weight: torch.Tensor) -> bool:
+    """One row of e4m3 x against e4m3 weights, K a multiple of 16, x contiguous and the weight's rows
+    contiguous, both 8-byte aligned (the kernel reads 8 values a word). Checked at every launch
+    (`infer.kernels.gemv._run`: a call it refuses takes the FMA kernel); the rest of `fits` holds for
+    a shape's tuned tile once it held at tuning."""
     return (
         x.dtype == weight.dtype == torch.float8_e4m3fn
         and x.dim() == 2
         and x.shape[0] == 1
-        and x.is_cuda
-        and not env.triton_interpret()
-        and torch.cuda.get_device_capability(x.device) >= (8, 9)
-        and laid_out(x, weight)
-    )
-
-
-def laid_out(x: torch.Tensor, weight: torch.Tensor) -> bool:
-    """K a multiple of 16, x contiguous and the weight's rows contiguous, both 8-byte aligned (the
-    kernel reads 8 values a word). Checked at every launch: the rest of `fits` holds for a shape's
-    tuned tile once it held at tuning."""
-    return (
-        weight.shape[1] % 16 == 0
+        and weight.shape[1] % 16 == 0
         and x.stride(1) == 1
         and weight.stride(1) == 1
         and weight.stride(0) % 8 == 0

@@ -27,7 +27,8 @@ class FusedFp8Linear(Fp8Linear):
     """`Fp8Linear` in kernels, on CUDA. Its input comes quantized per row: by the norm before it
     (`FusedRMSNorm.quantize_output`, set where `takes_quantized_input`), by the kernel that applies the
     MLP's activation (`gated`: SiLU-and-mul of gate | up), or else by one quantizing kernel. One row goes
-    through the weight-streaming GEMV (e4m3 x and weights, both scales in its epilogue, fp32 sums); more
+    through the weight-streaming GEMV (e4m3 x and weights, both scales in its epilogue; fp32 sums, or
+    f16 sums of 16 products first where the tuner picks `infer.kernels.gemv_e4m3`); more
     through torch._scaled_mm with row-wise scales (Hopper's FP8 tensor cores keep fewer bits than fp32 in
     their partial sums, so a row's bits may differ between the two)."""
 
