@@ -56,7 +56,8 @@ mov.b32 {p0, p1}, p; cvt.f32.f16 f0, p0; cvt.f32.f16 f1, p1; add.f32 $0, f0, f1;
 
 @triton.jit
 def _words(ptr, k0, cols, n_words, EVEN: tl.constexpr, evict: tl.constexpr):
-    """Words k0 + cols (8 e4m3 values each) of a row (ptr: [1, BLOCK] or [BLOCK_N, 1] row starts)."""
+    """Words k0 + cols, 8 e4m3 values each: of x (ptr its start, cols [WORDS]) or of the weight's rows
+    (ptr [BLOCK_N, 1] row starts, cols [1, WORDS])."""
     if EVEN:
         return tl.load(ptr + k0 + cols, eviction_policy=evict)
     return tl.load(ptr + k0 + cols, mask=k0 + cols < n_words, other=0, eviction_policy=evict)
