@@ -21,8 +21,8 @@ from pathlib import Path
 
 import torch
 
-from infer.core.errors import ModelLoadError, one_line
-from infer.models.loader import weight_files
+from infer.core.errors import ModelLoadError
+from infer.models.loader import iter_safetensors
 
 # layer index, then which tensor: a k_scale, a v_scale, or a kv_scale (both)
 _NAME = re.compile(
@@ -42,28 +42,19 @@ def read_kv_scales(folder: Path, num_layers: int) -> list[tuple[float, float]] |
     """(k_scale, v_scale) for each of the first `num_layers` layers from the checkpoint in `folder` (1.0
     where a layer has none; a layer's own k_scale or v_scale before its kv_scale), or None when it
     holds no KV-cache scale. Only those tensors are read."""
-    from safetensors import SafetensorError, safe_open
-
     found: dict[tuple[int, str], tuple[float, str]] = {}
-    for file in weight_files(folder):
-        try:
-            with safe_open(str(file), framework="pt") as f:
-                for name in f.keys():
-                    match = _NAME.search(name)
-                    if match is None or int(match.group(1)) >= num_layers:
-                        continue
-                    key, value = (int(match.group(1)), _kind(match.group(2))), _scale(name, f.get_tensor(name), file)
-                    if key in found and found[key][0] != value:
-                        raise ModelLoadError(
-                            f"{folder} holds two {key[1]}_scale values for layer {key[0]}: {found[key][1]} = "
-                            f"{found[key][0]} and {name} = {value}; keep one in the checkpoint, or drop "
-                            f"--kv-cache-dtype fp8"
-                        )
-                    found[key] = (value, name)
-        except (SafetensorError, OSError, RuntimeError, ValueError) as exc:
+    for name, tensor in iter_safetensors(folder, lazy=True):  # a slice: read only where it is a scale
+        match = _NAME.search(name)
+        if match is None or int(match.group(1)) >= num_layers:
+            continue
+        key, value = (int(match.group(1)), _kind(match.group(2))), _scale(name, tensor[...], folder)
+        if key in found and found[key][0] != value:
             raise ModelLoadError(
-                f"corrupt weight file {file} ({one_line(exc)}): re-download or re-convert the model"
-            ) from exc
+                f"{folder} holds two {key[1]}_scale values for layer {key[0]}: {found[key][1]} = "
+                f"{found[key][0]} and {name} = {value}; keep one in the checkpoint, or drop "
+                f"--kv-cache-dtype fp8"
+            )
+        found[key] = (value, name)
     if not found:
         return None
     scales = {key: value for key, (value, _) in found.items()}
@@ -73,12 +64,12 @@ def read_kv_scales(folder: Path, num_layers: int) -> list[tuple[float, float]] |
     ]
 
 
-def _scale(name: str, tensor: torch.Tensor, file: Path) -> float:
+def _scale(name: str, tensor: torch.Tensor, folder: Path) -> float:
     values = tensor.float().flatten()
     if values.numel() == 0 or not all(math.isfinite(v) and v > 0 for v in values.tolist()):
         shown = values.tolist()[:4]
         raise ModelLoadError(
-            f"tensor {name} in {file} holds {shown}, not a KV-cache scale (a positive, finite number): re-export "
+            f"tensor {name} in {folder} holds {shown}, not a KV-cache scale (a positive, finite number): re-export "
             f"the checkpoint's KV scales, or drop --kv-cache-dtype fp8 (its cache then keeps the model's dtype)"
         )
     return float(values.max())

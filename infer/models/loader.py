@@ -164,8 +164,7 @@ def _from_name(model: str, registry: PluginRegistry, load_format: str, pull: boo
     )
 
 
-def weight_files(folder: Path) -> list[Path]:
-    """The folder's safetensors files, sorted; none is an error naming the fix."""
+def _weight_files(folder: Path) -> list[Path]:
     files = sorted(folder.glob("*.safetensors"))
     if not files:
         raise ModelLoadError(
@@ -179,7 +178,7 @@ def iter_safetensors(folder: Path, lazy: bool = False) -> Iterator[tuple[str, An
     indexing the slice (`s[rows]`, `s[:, cols]`) reads only those bytes (tensor-parallel ranks)."""
     from safetensors import SafetensorError, safe_open
 
-    for file in weight_files(folder):
+    for file in _weight_files(folder):
         try:
             with safe_open(str(file), framework="pt") as f:
                 for name in f.keys():
@@ -194,7 +193,7 @@ def iter_shapes(folder: Path) -> Iterator[tuple[str, tuple[int, ...], Path]]:
     """(name, shape, file) for every tensor of the folder's safetensors files, from their headers alone."""
     from safetensors import SafetensorError, safe_open
 
-    for file in weight_files(folder):
+    for file in _weight_files(folder):
         try:
             with safe_open(str(file), framework="pt") as f:
                 shapes = [(name, tuple(f.get_slice(name).get_shape())) for name in f.keys()]
