@@ -73,7 +73,7 @@ def best_tile(weight, scale, x, x_scale, kind: str):
 @pytest.mark.benchmark(group="gemv-llama3-8b-fp8-layer")
 @pytest.mark.parametrize("impl", ["fp8-fma", "fp8-f16-sums", "fp8-tuned", "bf16"])
 def test_fp8_gemv_layers(benchmark, copy_bandwidth, impl):
-    from infer.bench.ceilings import captured_seconds
+    from infer.bench.ceilings import weight_streams
     from infer.kernels import gemv, triton_pdl
 
     layers = layer_operands(fp8=impl != "bf16")
@@ -101,25 +101,13 @@ def test_fp8_gemv_layers(benchmark, copy_bandwidth, impl):
         error = ((outputs[name][0].double() - exact).abs() / magnitude).max().item()
         assert error <= 2**-7, f"{impl} {name}: error {error:.2e} of the sum of |terms|"
 
-    def one_layer(i: int) -> None:
-        for name in PROJECTIONS:
-            project(name, i)
-
-    seconds = captured_seconds(one_layer, calls=LAYERS)  # per layer: four GEMVs
     layer_bytes = sum(ops[0].nbytes for ops in layers[0].values())
-    per = {name: captured_seconds(lambda i, name=name: project(name, i), calls=LAYERS) for name in PROJECTIONS}
-    benchmark.extra_info.update(
-        layer_us=seconds * 1e6,
-        layer_bytes=layer_bytes,
-        achieved_gbps=layer_bytes / seconds / 1e9,
-        ratio_to_copy=layer_bytes / seconds / copy_bandwidth,
-        copy_gbps=copy_bandwidth / 1e9,
-        tiles={name: tuple(tile) for name, tile in tiles.items()},
-        **{f"{name}_us": s * 1e6 for name, s in per.items()},
-    )
+    benchmark.extra_info.update(weight_streams(project, PROJECTIONS, LAYERS, layer_bytes, copy_bandwidth))
+    benchmark.extra_info["tiles"] = {name: tuple(tile) for name, tile in tiles.items()}
 
     def step() -> None:
-        one_layer(0)
+        for name in PROJECTIONS:
+            project(name, 0)
         torch.cuda.synchronize()
 
     benchmark(step)

@@ -72,7 +72,7 @@ def layer_weights(tp: int) -> list[dict[str, tuple[torch.Tensor, torch.Tensor]]]
 @pytest.mark.parametrize("impl", ["triton", "triton-pdl", "cublas"])
 @pytest.mark.parametrize("tp", [1, 2])
 def test_gemv_layers(benchmark, copy_bandwidth, pdl_switch, tp, impl):
-    from infer.bench.ceilings import captured_seconds
+    from infer.bench.ceilings import weight_streams
     from infer.kernels.gemv import gemv
 
     if not pdl_switch(impl == "triton-pdl") and impl == "triton-pdl":
@@ -86,24 +86,12 @@ def test_gemv_layers(benchmark, copy_bandwidth, pdl_switch, tp, impl):
         w, x = layers[i % LAYERS][name]
         matmul(x, w)
 
-    def one_layer(i: int) -> None:
-        for name in PROJECTIONS:
-            project(name, i)
-
-    seconds = captured_seconds(one_layer, calls=LAYERS)  # per layer: four GEMVs
     layer_bytes = sum(w.nbytes for w, _ in layers[0].values())
-    per = {name: captured_seconds(lambda i, name=name: project(name, i), calls=LAYERS) for name in PROJECTIONS}
-    benchmark.extra_info.update(
-        layer_us=seconds * 1e6,
-        layer_bytes=layer_bytes,
-        achieved_gbps=layer_bytes / seconds / 1e9,
-        ratio_to_copy=layer_bytes / seconds / copy_bandwidth,
-        copy_gbps=copy_bandwidth / 1e9,
-        **{f"{name}_us": s * 1e6 for name, s in per.items()},
-    )
+    benchmark.extra_info.update(weight_streams(project, PROJECTIONS, LAYERS, layer_bytes, copy_bandwidth))
 
     def step() -> None:
-        one_layer(0)
+        for name in PROJECTIONS:
+            project(name, 0)
         torch.cuda.synchronize()
 
     benchmark(step)

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Callable
+from typing import Callable, Iterable
 
 import torch
 
@@ -19,6 +19,32 @@ def copy_bandwidth(device: torch.device, num_bytes: int = 2 * 2**30, iters: int 
     dst = torch.empty_like(src)
     seconds = seconds_per_call(lambda: dst.copy_(src), iters, warmup=3)
     return 2 * num_bytes / seconds
+
+
+def weight_streams(
+    project: Callable[[str, int], object], names: Iterable[str], calls: int, layer_bytes: int, bandwidth: float
+) -> dict[str, float]:
+    """One layer's weight streams against the copy `bandwidth`: `project(name, i)` runs projection
+    `name` of layer i (i < `calls`, distinct weights so that none is served from L2). The layer's
+    projections, then each alone, captured back to back in a CUDA graph (as a decode step runs them):
+    the layer's and each projection's microseconds, and the layer's `layer_bytes` over its time as
+    GB/s and as a ratio to `bandwidth`."""
+    names = list(names)
+
+    def one_layer(i: int) -> None:
+        for name in names:
+            project(name, i)
+
+    seconds = captured_seconds(one_layer, calls=calls)
+    per = {name: captured_seconds(lambda i, name=name: project(name, i), calls=calls) for name in names}
+    return {
+        "layer_us": seconds * 1e6,
+        "layer_bytes": layer_bytes,
+        "achieved_gbps": layer_bytes / seconds / 1e9,
+        "ratio_to_copy": layer_bytes / seconds / bandwidth,
+        "copy_gbps": bandwidth / 1e9,
+        **{f"{name}_us": s * 1e6 for name, s in per.items()},
+    }
 
 
 def weight_bytes(model: torch.nn.Module) -> int:
