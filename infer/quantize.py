@@ -17,6 +17,13 @@ projections' rounding run there.
 
 The LM head and embeddings stay in the checkpoint's dtype; activations are quantized per token at run time
 (the config says so), as under --quantization fp8.
+
+gptq's calibration also gives each layer's FP8 KV-cache scales, written as llm-compressor writes them
+(`model.layers.N.self_attn.k_scale` / `v_scale`, and a `kv_cache_scheme` in the config), which
+`--kv-cache-dtype fp8` reads the cache with: the largest |value| and |key| the calibration text put in
+that layer's cache, over e4m3's 448. A key is taken after its rotary embedding, which turns each pair of
+its dimensions by the token's angle: the pair's length bounds both rotated values and is what counts
+(at most sqrt(2) over the largest rotated value, never under it). rtn reads no text and writes none.
 """
 
 from __future__ import annotations
@@ -24,11 +31,11 @@ from __future__ import annotations
 import json
 import shutil
 from pathlib import Path
-from typing import Callable, Iterable, Iterator
+from typing import Any, Callable, Iterable, Iterator
 
 import torch
 
-from infer.kernels.fp8_reference import to_e4m3
+from infer.kernels.fp8_reference import FP8_MAX, to_e4m3
 from infer.plugins.layers.fp8 import quantize_weight, weight_scales
 
 METHODS = ("gptq", "rtn")
@@ -51,6 +58,8 @@ QUANTIZATION_CONFIG = {
         }
     },
 }
+# what a folder with calibrated KV-cache scales adds to QUANTIZATION_CONFIG: one static scale a tensor
+KV_CACHE_SCHEME = {"type": "float", "num_bits": 8, "strategy": "tensor", "symmetric": True, "dynamic": False}
 
 
 def projections(model: torch.nn.Module) -> dict[str, torch.nn.Linear]:
@@ -130,8 +139,59 @@ def _to(value: object, device: torch.device, moved: dict[int, torch.Tensor]) -> 
     return value
 
 
+def _observe_kv(layer: torch.nn.Module, config: Any, amax: list[float]) -> list[Any]:
+    """Hooks that raise `amax` [key, value] to the largest |value| and rotary-pair length of key (see the
+    module's docstring) that `layer`'s attention puts in its cache: from k_norm's output where the
+    attention normalizes its keys, else k_proj's, and v_proj's (or the k and v parts of a fused qkv_proj's
+    output). None for an attention laid out otherwise (that layer gets no scales)."""
+    attention = getattr(layer, "self_attn", None)
+    if attention is None:
+        return []
+    heads = config.num_attention_heads
+    kv_heads = getattr(config, "num_key_value_heads", None) or heads
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
+    factor = getattr(config, "partial_rotary_factor", None)
+    if factor is None:
+        factor = (getattr(config, "rope_parameters", None) or {}).get("partial_rotary_factor", 1.0)
+    rotary = int(head_dim * factor) // 2 * 2
+
+    def keys(k: torch.Tensor) -> None:
+        k = k.detach().reshape(-1, head_dim).float()
+        half = rotary // 2
+        lengths = torch.sqrt(k[:, :half] ** 2 + k[:, half:rotary] ** 2)
+        amax[0] = max(amax[0], lengths.max().item(), k[:, rotary:].abs().max().item() if rotary < head_dim else 0.0)
+
+    def values(v: torch.Tensor) -> None:
+        amax[1] = max(amax[1], v.detach().abs().max().item())
+
+    def output(fn: Callable[[torch.Tensor], None]) -> Callable:
+        return lambda module, args, out: fn(out)
+
+    def module(name: str) -> torch.nn.Module | None:
+        found = getattr(attention, name, None)
+        return found if isinstance(found, torch.nn.Module) else None
+
+    k_norm, v_source = module("k_norm"), module("v_proj")
+    k_source = k_norm if k_norm is not None else module("k_proj")
+    if k_source is not None and v_source is not None:
+        return [k_source.register_forward_hook(output(keys)), v_source.register_forward_hook(output(values))]
+    q_size, kv_size = heads * head_dim, kv_heads * head_dim
+    if module("qkv_proj") is not None and k_norm is None:
+
+        def fused(module: torch.nn.Module, args: tuple, out: torch.Tensor) -> None:
+            keys(out[..., q_size : q_size + kv_size])
+            values(out[..., q_size + kv_size : q_size + 2 * kv_size])
+
+        return [attention.qkv_proj.register_forward_hook(fused)]
+    return []
+
+
 def layer_hessians(
-    model: torch.nn.Module, windows: list[list[int]], device: torch.device | str = "cpu", keep: bool = True
+    model: torch.nn.Module,
+    windows: list[list[int]],
+    device: torch.device | str = "cpu",
+    keep: bool = True,
+    kv_amax: dict[int, list[float]] | None = None,
 ) -> Iterator[dict[str, torch.Tensor]]:
     """Per decoder layer in turn, the mean of x x^T over every token of `windows` that reaches each of its
     projections' input: {name: [K, K] float64}. Projections that read the same tensor (q, k and v; gate and
@@ -141,7 +201,9 @@ def layer_hessians(
     Each layer moves to `device` in float32 (with the windows' states) for its turn, and is there, with the
     matrices, while the caller holds them; when the next one is asked for it goes back to where it was, in
     its dtype, or with `keep` False to the meta device, its memory freed (the model is then spent). The rest
-    of the model is expected in float32 (`quantize_folder` makes it so)."""
+    of the model is expected in float32 (`quantize_folder` makes it so). With `kv_amax`, each layer's
+    largest key and value on their way to its KV cache are recorded there too, [key, value] by layer index
+    (`_observe_kv`), before its matrices are yielded."""
     found = projections(model)
     prefix, layers = decoder_layers(model, found)
     hidden, calls = _layer_inputs(layers, model, windows)
@@ -174,6 +236,11 @@ def layer_hessians(
             return hook
 
         hooks = [m.register_forward_pre_hook(collect(name)) for name, m in mine.items()]
+        if kv_amax is not None:
+            amax = [0.0, 0.0]
+            if observers := _observe_kv(layer, model.config, amax):
+                hooks += observers
+                kv_amax[i] = amax
         try:
             with torch.no_grad():
                 for j, (positional, args, kwargs) in enumerate(calls[i]):
@@ -238,16 +305,18 @@ def gptq(
 
 def _gptq_all(
     model: torch.nn.Module, windows: list[list[int]], progress: Callable[[str], object], device: torch.device
-) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
+) -> tuple[dict[str, tuple[torch.Tensor, torch.Tensor]], dict[int, tuple[float, float]]]:
     """Every projection's (e4m3 weight, scale) by GPTQ, keyed by its weight's name, layer by layer on
-    `device`; the results in CPU memory. Each layer's memory is freed once its projections are rounded:
-    the model is spent."""
+    `device`, the results in CPU memory; and each layer's KV-cache scales (k_scale, v_scale) by its index
+    (see the module's docstring). Each layer's memory is freed once its projections are rounded: the model
+    is spent."""
     layers = projections(model)
     progress(
         f"calibrating over {sum(len(w) for w in windows)} tokens in {len(windows)} windows, layer by layer, on {device}"
     )
     quantized = {}
-    for found in layer_hessians(model, windows, device, keep=False):
+    kv_amax: dict[int, list[float]] = {}
+    for found in layer_hessians(model, windows, device, keep=False, kv_amax=kv_amax):
         for name, hessian in found.items():
             q, scale = gptq(layers[name].weight.detach().float(), hessian)
             quantized[f"{name}.weight"] = (q.cpu(), scale.cpu())
@@ -259,7 +328,8 @@ def _gptq_all(
             f"no calibration token reached {unseen[0]} (and {len(unseen) - 1} more), so gptq has nothing to weigh "
             "its columns by: calibrate on other text (--calibration FILE), or use --method rtn"
         )
-    return quantized
+    kv_scales = {i: tuple(a / FP8_MAX if a > 0 else 1.0 for a in amax) for i, amax in kv_amax.items()}
+    return quantized, kv_scales  # type: ignore[return-value]
 
 
 def _float32_but_layers(model: torch.nn.Module) -> torch.nn.Module:
@@ -287,7 +357,7 @@ def quantize_folder(
     device: torch.device | str = "cpu",
 ) -> Path:
     """Write `source` (an HF model folder) to `out` with its projections in FP8 (`method`: gptq, over the
-    calibration `windows` of token ids, on `device`, or rtn). The weights are read and written one
+    calibration `windows` of token ids, on `device`, with each layer's KV-cache scales, or rtn). The weights are read and written one
     safetensors shard at a time, the output keeping the source's shard names (and an index when it has
     several); rtn loads no model, only each projection's tensor as its shard is written. Returns `out`."""
     from safetensors import safe_open
@@ -318,7 +388,9 @@ def quantize_folder(
     missing = sorted(targets - stored)
     if missing:
         raise ValueError(f"{source}'s safetensors lack {missing[0]} (and {len(missing) - 1} more): not an HF folder")
-    quantized = _gptq_all(model, windows, progress, torch.device(device)) if method == "gptq" else {}
+    quantized, kv_scales = _gptq_all(model, windows, progress, torch.device(device)) if method == "gptq" else ({}, {})
+    prefix, _ = decoder_layers(model, projections(model))
+    kv_scheme = {"kv_cache_scheme": KV_CACHE_SCHEME} if kv_scales else {}
     del model  # what is left of it (embeddings, norms) is not needed to write the shards
     out.mkdir(parents=True, exist_ok=True)
     weight_map: dict[str, str] = {}
@@ -336,6 +408,9 @@ def quantize_folder(
                 done += 1
                 if method == "rtn" and (done % 50 == 0 or done == len(targets)):
                     progress(f"{done}/{len(targets)} projections quantized (rtn)")
+        for i in [i for i in kv_scales if any(name.startswith(f"{prefix}.{i}.") for name in tensors)]:
+            for which, value in zip("kv", kv_scales.pop(i)):  # beside the layer's weights
+                tensors[f"{prefix}.{i}.self_attn.{which}_scale"] = torch.tensor(value, dtype=torch.float32)
         save_file(tensors, str(out / shard.name), metadata={"format": "pt"})
         weight_map.update(dict.fromkeys(tensors, shard.name))
         total += sum(t.nbytes for t in tensors.values())
@@ -348,5 +423,6 @@ def quantize_folder(
         if f.is_file() and f.suffix != ".safetensors" and not f.name.endswith(".safetensors.index.json"):
             shutil.copy(f, out / f.name)
     config = json.loads((out / "config.json").read_text())
-    (out / "config.json").write_text(json.dumps({**config, "quantization_config": QUANTIZATION_CONFIG}, indent=2))
+    scheme = {**QUANTIZATION_CONFIG, **kv_scheme}
+    (out / "config.json").write_text(json.dumps({**config, "quantization_config": scheme}, indent=2))
     return out

@@ -115,6 +115,45 @@ def test_layer_by_layer_hessians_are_a_whole_forwards(family):
         assert torch.equal(seen[name], h), name
 
 
+@pytest.mark.parametrize("family", ["llama", "qwen3", "gemma2", "phi3"])
+def test_each_layers_kv_cache_scales_cover_what_its_cache_holds(family):
+    """The largest value and key each layer's attention puts in its cache (HF's own cache through whole
+    forwards: keys after their rotary embedding; Qwen 3's after k_norm, Phi-3's from the fused qkv_proj),
+    against what calibration records layer by layer: the values' exactly, the keys' as the largest
+    rotary-pair length, which bounds every rotated key and exceeds the largest by sqrt(2) at most."""
+    import transformers
+
+    config_class, model_class = {
+        "llama": (transformers.LlamaConfig, transformers.LlamaForCausalLM),
+        "qwen3": (transformers.Qwen3Config, transformers.Qwen3ForCausalLM),
+        "gemma2": (transformers.Gemma2Config, transformers.Gemma2ForCausalLM),
+        "phi3": (transformers.Phi3Config, transformers.Phi3ForCausalLM),
+    }[family]
+    torch.manual_seed(1)
+    config = config_class(
+        vocab_size=96, hidden_size=32, intermediate_size=48, num_hidden_layers=3, num_attention_heads=4,
+        num_key_value_heads=2, head_dim=8, max_position_embeddings=64, pad_token_id=0,
+    )  # fmt: skip
+    model = model_class(config).eval()
+    windows = [[(5 * i + 3 * j) % 96 for j in range(12 + i)] for i in range(3)]
+    cached = [[0.0, 0.0] for _ in range(3)]
+    with torch.no_grad():
+        for window in windows:
+            cache = model(torch.tensor([window]), use_cache=True).past_key_values
+            for i, layer in enumerate(cache.layers):
+                cached[i] = [
+                    max(cached[i][0], layer.keys.abs().max().item()),
+                    max(cached[i][1], layer.values.abs().max().item()),
+                ]
+    observed: dict[int, list[float]] = {}
+    for _ in fp8.layer_hessians(model, windows, kv_amax=observed):
+        pass
+    assert sorted(observed) == [0, 1, 2]
+    for i, (key, value) in observed.items():
+        assert value == cached[i][1], (i, value, cached[i][1])
+        assert cached[i][0] * (1 - 1e-6) <= key <= 2**0.5 * cached[i][0] * (1 + 1e-6), (i, key, cached[i][0])
+
+
 def _engine_state(folder, **kwargs) -> dict[str, torch.Tensor]:
     llm = LLM(str(folder), dtype="fp32", device="cpu", num_kv_blocks=32, **kwargs)
     return llm.engine.decoder.runner.model.state_dict()
@@ -146,6 +185,37 @@ def test_a_gptq_folder_loads_as_saved_and_generates(tiny_llama_dir, tmp_path):
     assert not torch.equal(state["layers.1.self_attn.qkv_proj.weight"].view(torch.uint8), rtn.view(torch.uint8))
     llm = LLM(str(out), dtype="fp32", device="cpu", num_kv_blocks=32)
     assert len(llm.generate([{"prompt_token_ids": [1, 2, 3]}])[0].outputs[0].token_ids) > 0
+
+
+def test_a_gptq_folder_holds_the_kv_cache_scales_of_its_calibration(tiny_llama_dir, tmp_path):
+    """gptq writes each layer's k_scale and v_scale (0-dim, float32, beside the layer's weights: the
+    largest key and value calibration saw, over 448) and a kv_cache_scheme in the config; an FP8 cache
+    reads them, a bf16 one ignores them; rtn writes neither."""
+    from transformers import AutoModelForCausalLM
+
+    windows = [[(7 * i + j) % 250 for j in range(32)] for i in range(4)]
+    out = fp8.quantize_folder(tiny_llama_dir, tmp_path / "gptq", "gptq", windows, progress=lambda m: None)
+    stored = load_file(str(out / "model.safetensors"))
+    amax: dict[int, list[float]] = {}
+    for _ in fp8.layer_hessians(
+        AutoModelForCausalLM.from_pretrained(tiny_llama_dir).float().eval(), windows, kv_amax=amax
+    ):
+        pass
+    scales = []
+    for i, (key, value) in sorted(amax.items()):
+        k, v = (stored[f"model.layers.{i}.self_attn.{which}_scale"] for which in "kv")
+        assert k.shape == v.shape == () and k.dtype == v.dtype == torch.float32
+        assert k.item() == pytest.approx(key / 448, rel=1e-6) and v.item() == pytest.approx(value / 448, rel=1e-6)
+        scales.append((k.item(), v.item()))
+    assert len(scales) == 3
+    config = json.loads((out / "config.json").read_text())["quantization_config"]
+    assert config["kv_cache_scheme"] == fp8.KV_CACHE_SCHEME
+    fp8_cache = LLM(str(out), dtype="fp32", device="cpu", num_kv_blocks=32, kv_cache_dtype="fp8")
+    assert fp8_cache.engine.decoder.runner.kv_scales == scales
+    assert len(fp8_cache.generate([{"prompt_token_ids": [1, 2, 3]}])[0].outputs[0].token_ids) > 0
+    rtn = fp8.quantize_folder(tiny_llama_dir, tmp_path / "rtn", "rtn", progress=lambda m: None)
+    assert not any(name.endswith(("k_scale", "v_scale")) for name in load_file(str(rtn / "model.safetensors")))
+    assert "kv_cache_scheme" not in json.loads((rtn / "config.json").read_text())["quantization_config"]
 
 
 def test_a_bf16_checkpoint_calibrates_as_its_float32_copy(tiny_llama_dir, tmp_path):

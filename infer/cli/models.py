@@ -58,7 +58,8 @@ def pull(name: str, force: bool) -> None:
     default="gptq",
     show_default=True,
     help="gptq: round each weight's columns in turn, compensating their errors through the calibration "
-    "text's activations; rtn: round to nearest, what --quantization fp8 does at load.",
+    "text's activations, and write each layer's KV-cache scales (read with --kv-cache-dtype fp8); rtn: round "
+    "to nearest, what --quantization fp8 does at load (no KV-cache scales).",
 )
 @click.option(
     "--calibration",
