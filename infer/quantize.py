@@ -22,13 +22,17 @@ gptq's calibration also gives each layer's FP8 KV-cache scales, written as llm-c
 (`model.layers.N.self_attn.k_scale` / `v_scale`, and a `kv_cache_scheme` in the config), which
 `--kv-cache-dtype fp8` reads the cache with: the largest |value| and |key| the calibration text put in
 that layer's cache, over e4m3's 448. A key is taken after its rotary embedding, which turns each pair of
-its dimensions by the token's angle: the pair's length bounds both rotated values and is what counts
-(at most sqrt(2) over the largest rotated value, never under it). rtn reads no text and writes none.
+its dimensions by the token's angle (and scales it by yarn's or longrope's attention factor): the pair's
+length, so scaled, bounds both rotated values and is what counts (at most sqrt(2) over the largest
+rotated value, never under it). Only for the attention layouts these hooks are checked against (Llama,
+Mistral, Qwen 2 and 3, Gemma 2, Phi-3: `KV_SCALE_MODELS`); another model's folder gets none, and says so.
+rtn reads no text and writes none.
 """
 
 from __future__ import annotations
 
 import json
+import math
 import shutil
 from pathlib import Path
 from typing import Any, Callable, Iterable, Iterator
@@ -60,6 +64,8 @@ QUANTIZATION_CONFIG = {
 }
 # what a folder with calibrated KV-cache scales adds to QUANTIZATION_CONFIG: one static scale a tensor
 KV_CACHE_SCHEME = {"type": "float", "num_bits": 8, "strategy": "tensor", "symmetric": True, "dynamic": False}
+# the model types whose attention `_observe_kv` reads as their cache holds it (tests/test_quantize.py)
+KV_SCALE_MODELS = frozenset({"llama", "mistral", "qwen2", "qwen3", "gemma2", "phi3"})
 
 
 def projections(model: torch.nn.Module) -> dict[str, torch.nn.Linear]:
@@ -139,30 +145,44 @@ def _to(value: object, device: torch.device, moved: dict[int, torch.Tensor]) -> 
     return value
 
 
-def _observe_kv(layer: torch.nn.Module, config: Any, amax: list[float]) -> list[Any]:
-    """Hooks that raise `amax` [key, value] to the largest |value| and rotary-pair length of key (see the
-    module's docstring) that `layer`'s attention puts in its cache: from k_norm's output where the
-    attention normalizes its keys, else k_proj's, and v_proj's (or the k and v parts of a fused qkv_proj's
-    output). None for an attention laid out otherwise (that layer gets no scales)."""
+def _rotary_scaling(model: torch.nn.Module) -> float:
+    """The factor the model's rotary embedding multiplies cos and sin by (yarn's and longrope's
+    attention scaling; 1 for the others)."""
+    found = [m.attention_scaling for m in model.modules() if isinstance(getattr(m, "attention_scaling", None), float)]
+    return max(found, default=1.0)
+
+
+def _observe_kv(layer: torch.nn.Module, config: Any, amax: list[float], scaling: float = 1.0) -> list[Any]:
+    """Hooks that raise `amax` [key, value] to the largest |value| and rotary-pair length of key (times
+    `scaling`, the rotary's attention factor; see the module's docstring) that `layer`'s attention puts in
+    its cache: from k_norm's output where the attention normalizes its keys, else k_proj's, and v_proj's
+    (or the k and v parts of a fused qkv_proj's output). None for an attention laid out otherwise (that
+    layer gets no scales)."""
     attention = getattr(layer, "self_attn", None)
     if attention is None:
         return []
     heads = config.num_attention_heads
     kv_heads = getattr(config, "num_key_value_heads", None) or heads
     head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
-    factor = getattr(config, "partial_rotary_factor", None)
+    factor = (getattr(config, "rope_parameters", None) or {}).get("partial_rotary_factor")
     if factor is None:
-        factor = (getattr(config, "rope_parameters", None) or {}).get("partial_rotary_factor", 1.0)
+        factor = getattr(config, "partial_rotary_factor", None) or 1.0
     rotary = int(head_dim * factor) // 2 * 2
 
     def keys(k: torch.Tensor) -> None:
         k = k.detach().reshape(-1, head_dim).float()
         half = rotary // 2
-        lengths = torch.sqrt(k[:, :half] ** 2 + k[:, half:rotary] ** 2)
-        amax[0] = max(amax[0], lengths.max().item(), k[:, rotary:].abs().max().item() if rotary < head_dim else 0.0)
+        lengths = torch.sqrt(k[:, :half] ** 2 + k[:, half:rotary] ** 2) * scaling
+        rest = k[:, rotary:].abs().max().item() if rotary < head_dim else 0.0
+        raise_to(0, lengths.max().item())
+        raise_to(0, rest)
 
     def values(v: torch.Tensor) -> None:
-        amax[1] = max(amax[1], v.detach().abs().max().item())
+        raise_to(1, v.detach().abs().max().item())
+
+    def raise_to(which: int, value: float) -> None:  # a NaN sticks (max() would drop it)
+        if math.isnan(value) or value > amax[which]:
+            amax[which] = value
 
     def output(fn: Callable[[torch.Tensor], None]) -> Callable:
         return lambda module, args, out: fn(out)
@@ -206,6 +226,7 @@ def layer_hessians(
     (`_observe_kv`), before its matrices are yielded."""
     found = projections(model)
     prefix, layers = decoder_layers(model, found)
+    text_config, scaling = model.config.get_text_config(), _rotary_scaling(model)
     hidden, calls = _layer_inputs(layers, model, windows)
     device = torch.device(device)
     moved: dict[int, torch.Tensor] = {}
@@ -238,7 +259,7 @@ def layer_hessians(
         hooks = [m.register_forward_pre_hook(collect(name)) for name, m in mine.items()]
         if kv_amax is not None:
             amax = [0.0, 0.0]
-            if observers := _observe_kv(layer, model.config, amax):
+            if observers := _observe_kv(layer, text_config, amax, scaling):
                 hooks += observers
                 kv_amax[i] = amax
         try:
@@ -315,7 +336,10 @@ def _gptq_all(
         f"calibrating over {sum(len(w) for w in windows)} tokens in {len(windows)} windows, layer by layer, on {device}"
     )
     quantized = {}
-    kv_amax: dict[int, list[float]] = {}
+    model_type = model.config.get_text_config().model_type
+    kv_amax: dict[int, list[float]] | None = {} if model_type in KV_SCALE_MODELS else None
+    if kv_amax is None:
+        progress(f"no KV-cache scales: {model_type}'s attention is not a layout calibration reads them from")
     for found in layer_hessians(model, windows, device, keep=False, kv_amax=kv_amax):
         for name, hessian in found.items():
             q, scale = gptq(layers[name].weight.detach().float(), hessian)
@@ -328,7 +352,13 @@ def _gptq_all(
             f"no calibration token reached {unseen[0]} (and {len(unseen) - 1} more), so gptq has nothing to weigh "
             "its columns by: calibrate on other text (--calibration FILE), or use --method rtn"
         )
-    kv_scales = {i: tuple(a / FP8_MAX if a > 0 else 1.0 for a in amax) for i, amax in kv_amax.items()}
+    for i, amax in (kv_amax or {}).items():
+        if not all(math.isfinite(a) for a in amax):
+            raise ValueError(
+                f"layer {i}'s keys or values reached {amax} on the calibration text: not finite, so no KV-cache "
+                "scale fits them (is the checkpoint's dtype too narrow for it?)"
+            )
+    kv_scales = {i: tuple(a / FP8_MAX if a > 0 else 1.0 for a in amax) for i, amax in (kv_amax or {}).items()}
     return quantized, kv_scales  # type: ignore[return-value]
 
 
@@ -357,9 +387,10 @@ def quantize_folder(
     device: torch.device | str = "cpu",
 ) -> Path:
     """Write `source` (an HF model folder) to `out` with its projections in FP8 (`method`: gptq, over the
-    calibration `windows` of token ids, on `device`, with each layer's KV-cache scales, or rtn). The weights are read and written one
-    safetensors shard at a time, the output keeping the source's shard names (and an index when it has
-    several); rtn loads no model, only each projection's tensor as its shard is written. Returns `out`."""
+    calibration `windows` of token ids, on `device`, with each layer's KV-cache scales, or rtn). The
+    weights are read and written one safetensors shard at a time, the output keeping the source's shard
+    names (and an index when it has several); rtn loads no model, only each projection's tensor as its
+    shard is written. Returns `out`."""
     from safetensors import safe_open
     from safetensors.torch import save_file
     from transformers import AutoConfig, AutoModelForCausalLM
@@ -414,6 +445,8 @@ def quantize_folder(
         save_file(tensors, str(out / shard.name), metadata={"format": "pt"})
         weight_map.update(dict.fromkeys(tensors, shard.name))
         total += sum(t.nbytes for t in tensors.values())
+    if kv_scales:  # every layer's projections are stored (checked above): its scales went beside them
+        raise AssertionError(f"no shard holds layers {sorted(kv_scales)}'s tensors")
     index = source / "model.safetensors.index.json"
     if len(shards) > 1 or index.exists():
         (out / index.name).write_text(

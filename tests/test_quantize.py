@@ -115,12 +115,29 @@ def test_layer_by_layer_hessians_are_a_whole_forwards(family):
         assert torch.equal(seen[name], h), name
 
 
-@pytest.mark.parametrize("family", ["llama", "qwen3", "gemma2", "phi3"])
-def test_each_layers_kv_cache_scales_cover_what_its_cache_holds(family):
-    """The largest value and key each layer's attention puts in its cache (HF's own cache through whole
-    forwards: keys after their rotary embedding; Qwen 3's after k_norm, Phi-3's from the fused qkv_proj),
-    against what calibration records layer by layer: the values' exactly, the keys' as the largest
-    rotary-pair length, which bounds every rotated key and exceeds the largest by sqrt(2) at most."""
+YARN = {"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0, "original_max_position_embeddings": 16}
+LONGROPE = {"rope_type": "longrope", "rope_theta": 10000.0, "short_factor": [1.0, 1.0], "long_factor": [2.0, 2.0]}
+
+
+@pytest.mark.parametrize(
+    "family,extra",
+    [
+        ("llama", {}),
+        ("llama", {"rope_parameters": YARN}),  # cos and sin scaled by yarn's attention factor
+        ("qwen3", {}),
+        ("gemma2", {}),
+        ("phi3", {}),
+        ("phi3", {"partial_rotary_factor": 0.5}),  # half of each head rotated, half passed through
+        ("phi3", {"partial_rotary_factor": 0.5, "max_position_embeddings": 256, "original_max_position_embeddings": 64,
+                  "rope_parameters": LONGROPE}),
+    ],
+)  # fmt: skip
+def test_each_layers_kv_cache_scales_cover_what_its_cache_holds(family, extra):
+    """What each layer's attention puts in its cache (HF's own cache through whole forwards: keys after
+    their rotary embedding; Qwen 3's after k_norm, Phi-3's from the fused qkv_proj) against what
+    calibration records layer by layer: the largest value, and the largest length of a rotated pair of key
+    dimensions (a rotation keeps it; yarn and longrope scale it), or |key| where a dimension is not rotated.
+    The pair length bounds every rotated key and exceeds the largest by sqrt(2) at most."""
     import transformers
 
     config_class, model_class = {
@@ -131,27 +148,33 @@ def test_each_layers_kv_cache_scales_cover_what_its_cache_holds(family):
     }[family]
     torch.manual_seed(1)
     config = config_class(
-        vocab_size=96, hidden_size=32, intermediate_size=48, num_hidden_layers=3, num_attention_heads=4,
-        num_key_value_heads=2, head_dim=8, max_position_embeddings=64, pad_token_id=0,
+        **{
+            "vocab_size": 96, "hidden_size": 32, "intermediate_size": 48, "num_hidden_layers": 3,
+            "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 8, "max_position_embeddings": 64,
+            "pad_token_id": 0, **extra,
+        }
     )  # fmt: skip
     model = model_class(config).eval()
-    windows = [[(5 * i + 3 * j) % 96 for j in range(12 + i)] for i in range(3)]
-    cached = [[0.0, 0.0] for _ in range(3)]
+    rotary = int(8 * extra.get("partial_rotary_factor", 1.0))
+    windows = [[(5 * i + 3 * j) % 96 for j in range(40 + i)] for i in range(3)]
+    cached = [[0.0, 0.0, 0.0] for _ in range(3)]  # pair length, |value|, |key|
     with torch.no_grad():
         for window in windows:
             cache = model(torch.tensor([window]), use_cache=True).past_key_values
             for i, layer in enumerate(cache.layers):
-                cached[i] = [
-                    max(cached[i][0], layer.keys.abs().max().item()),
-                    max(cached[i][1], layer.values.abs().max().item()),
-                ]
+                k = layer.keys.reshape(-1, 8).float()
+                pairs = torch.sqrt(k[:, : rotary // 2] ** 2 + k[:, rotary // 2 : rotary] ** 2).max()
+                key = max(pairs.item(), k[:, rotary:].abs().max().item() if rotary < 8 else 0.0)
+                cached[i] = [max(cached[i][0], key), max(cached[i][1], layer.values.abs().max().item()),
+                             max(cached[i][2], k.abs().max().item())]  # fmt: skip
     observed: dict[int, list[float]] = {}
     for _ in fp8.layer_hessians(model, windows, kv_amax=observed):
         pass
     assert sorted(observed) == [0, 1, 2]
     for i, (key, value) in observed.items():
         assert value == cached[i][1], (i, value, cached[i][1])
-        assert cached[i][0] * (1 - 1e-6) <= key <= 2**0.5 * cached[i][0] * (1 + 1e-6), (i, key, cached[i][0])
+        assert key == pytest.approx(cached[i][0], rel=1e-5), (i, key, cached[i][0])
+        assert cached[i][2] <= key * (1 + 1e-6) and key <= 2**0.5 * cached[i][2] * (1 + 1e-6)
 
 
 def _engine_state(folder, **kwargs) -> dict[str, torch.Tensor]:
@@ -213,9 +236,26 @@ def test_a_gptq_folder_holds_the_kv_cache_scales_of_its_calibration(tiny_llama_d
     fp8_cache = LLM(str(out), dtype="fp32", device="cpu", num_kv_blocks=32, kv_cache_dtype="fp8")
     assert fp8_cache.engine.decoder.runner.kv_scales == scales
     assert len(fp8_cache.generate([{"prompt_token_ids": [1, 2, 3]}])[0].outputs[0].token_ids) > 0
+    assert LLM(str(out), dtype="fp32", device="cpu", num_kv_blocks=32).engine.decoder.runner.kv_scales is None
     rtn = fp8.quantize_folder(tiny_llama_dir, tmp_path / "rtn", "rtn", progress=lambda m: None)
     assert not any(name.endswith(("k_scale", "v_scale")) for name in load_file(str(rtn / "model.safetensors")))
     assert "kv_cache_scheme" not in json.loads((rtn / "config.json").read_text())["quantization_config"]
+
+
+def test_a_model_whose_attention_calibration_does_not_know_gets_no_kv_cache_scales(
+    tiny_llama_dir, tmp_path, monkeypatch
+):
+    """Scales are written only for the model types whose attention the hooks were checked against; another
+    folder gets its FP8 weights, no scales and no kv_cache_scheme, and the progress says why."""
+    monkeypatch.setattr(fp8, "KV_SCALE_MODELS", frozenset({"qwen3"}))
+    said: list[str] = []
+    windows = [[(7 * i + j) % 250 for j in range(32)] for i in range(2)]
+    out = fp8.quantize_folder(tiny_llama_dir, tmp_path / "gptq", "gptq", windows, progress=said.append)
+    stored = load_file(str(out / "model.safetensors"))
+    assert any(t.dtype == torch.float8_e4m3fn for t in stored.values())
+    assert not any(name.endswith(("k_scale", "v_scale")) for name in stored)
+    assert "kv_cache_scheme" not in json.loads((out / "config.json").read_text())["quantization_config"]
+    assert any("no KV-cache scales: llama's attention" in line for line in said), said
 
 
 def test_a_bf16_checkpoint_calibrates_as_its_float32_copy(tiny_llama_dir, tmp_path):
