@@ -83,23 +83,32 @@ def _one_pass_hessians(model, windows) -> dict[str, torch.Tensor]:
     return {name: sums[name] / counts[name] for name in found}
 
 
-@pytest.mark.parametrize("family", ["llama", "qwen3", "gemma2"])
-def test_layer_by_layer_hessians_are_a_whole_forwards(family):
-    """One layer at a time (the first layer's inputs captured, each layer's outputs fed to the next) gives
-    the bits of hooks through whole forwards, q/k/v and gate/up sharing one matrix, one layer's at a time."""
+def _tiny_hf_model(family: str, seed: int, **extra) -> torch.nn.Module:
+    """A 3-layer HF transformers model of `family` with random weights (head_dim 8, 2 KV heads of 4)."""
     import transformers
 
     config_class, model_class = {
         "llama": (transformers.LlamaConfig, transformers.LlamaForCausalLM),
         "qwen3": (transformers.Qwen3Config, transformers.Qwen3ForCausalLM),
         "gemma2": (transformers.Gemma2Config, transformers.Gemma2ForCausalLM),
+        "phi3": (transformers.Phi3Config, transformers.Phi3ForCausalLM),
     }[family]
-    torch.manual_seed(0)
+    torch.manual_seed(seed)
     config = config_class(
-        vocab_size=96, hidden_size=32, intermediate_size=48, num_hidden_layers=3, num_attention_heads=4,
-        num_key_value_heads=2, head_dim=8, max_position_embeddings=64,
+        **{
+            "vocab_size": 96, "hidden_size": 32, "intermediate_size": 48, "num_hidden_layers": 3,
+            "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 8, "max_position_embeddings": 64,
+            "pad_token_id": 0, **extra,
+        }
     )  # fmt: skip
-    model = model_class(config).eval()
+    return model_class(config).eval()
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen3", "gemma2"])
+def test_layer_by_layer_hessians_are_a_whole_forwards(family):
+    """One layer at a time (the first layer's inputs captured, each layer's outputs fed to the next) gives
+    the bits of hooks through whole forwards, q/k/v and gate/up sharing one matrix, one layer's at a time."""
+    model = _tiny_hf_model(family, seed=0)
     windows = [[(5 * i + 3 * j) % 96 for j in range(12 + i)] for i in range(3)]
     expected = _one_pass_hessians(model, windows)
     seen = {}
@@ -138,23 +147,7 @@ def test_each_layers_kv_cache_scales_cover_what_its_cache_holds(family, extra):
     calibration records layer by layer: the largest value, and the largest length of a rotated pair of key
     dimensions (a rotation keeps it; yarn and longrope scale it), or |key| where a dimension is not rotated.
     The pair length bounds every rotated key and exceeds the largest by sqrt(2) at most."""
-    import transformers
-
-    config_class, model_class = {
-        "llama": (transformers.LlamaConfig, transformers.LlamaForCausalLM),
-        "qwen3": (transformers.Qwen3Config, transformers.Qwen3ForCausalLM),
-        "gemma2": (transformers.Gemma2Config, transformers.Gemma2ForCausalLM),
-        "phi3": (transformers.Phi3Config, transformers.Phi3ForCausalLM),
-    }[family]
-    torch.manual_seed(1)
-    config = config_class(
-        **{
-            "vocab_size": 96, "hidden_size": 32, "intermediate_size": 48, "num_hidden_layers": 3,
-            "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 8, "max_position_embeddings": 64,
-            "pad_token_id": 0, **extra,
-        }
-    )  # fmt: skip
-    model = model_class(config).eval()
+    model = _tiny_hf_model(family, seed=1, **extra)
     rotary = int(8 * extra.get("partial_rotary_factor", 1.0))
     windows = [[(5 * i + 3 * j) % 96 for j in range(40 + i)] for i in range(3)]
     cached = [[0.0, 0.0, 0.0] for _ in range(3)]  # pair length, |value|, |key|
