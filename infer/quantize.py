@@ -18,28 +18,21 @@ projections' rounding run there.
 The LM head and embeddings stay in the checkpoint's dtype; activations are quantized per token at run time
 (the config says so), as under --quantization fp8.
 
-gptq's calibration also gives each layer's FP8 KV-cache scales, written as llm-compressor writes them
-(`model.layers.N.self_attn.k_scale` / `v_scale`, and a `kv_cache_scheme` in the config), which
-`--kv-cache-dtype fp8` reads the cache with: the largest |value| and |key| the calibration text put in
-that layer's cache, over e4m3's 448. A key is taken after its rotary embedding, which turns each pair of
-its dimensions by the token's angle (and scales it by yarn's or longrope's attention factor): the pair's
-length, so scaled, bounds both rotated values and is what counts (at most sqrt(2) over the largest
-rotated value, never under it). Only for the attention layouts these hooks are checked against (Llama,
-Mistral, Qwen 2 and 3, Gemma 2, Phi-3: `KV_SCALE_MODELS`); another model's folder gets none, and says so.
-rtn reads no text and writes none.
+gptq's calibration also gives each layer's FP8 KV-cache scales (`infer.kv_calibration`), written beside
+its weights as llm-compressor writes them; rtn reads no text and writes none.
 """
 
 from __future__ import annotations
 
 import json
-import math
 import shutil
 from pathlib import Path
-from typing import Any, Callable, Iterable, Iterator
+from typing import Callable, Iterable, Iterator
 
 import torch
 
-from infer.kernels.fp8_reference import FP8_MAX, to_e4m3
+from infer import kv_calibration
+from infer.kernels.fp8_reference import to_e4m3
 from infer.plugins.layers.fp8 import quantize_weight, weight_scales
 
 METHODS = ("gptq", "rtn")
@@ -62,10 +55,6 @@ QUANTIZATION_CONFIG = {
         }
     },
 }
-# what a folder with calibrated KV-cache scales adds to QUANTIZATION_CONFIG: one static scale a tensor
-KV_CACHE_SCHEME = {"type": "float", "num_bits": 8, "strategy": "tensor", "symmetric": True, "dynamic": False}
-# the model types whose attention `_observe_kv` reads as their cache holds it (tests/test_quantize.py)
-KV_SCALE_MODELS = frozenset({"llama", "mistral", "qwen2", "qwen3", "gemma2", "phi3"})
 
 
 def projections(model: torch.nn.Module) -> dict[str, torch.nn.Linear]:
@@ -145,67 +134,6 @@ def _to(value: object, device: torch.device, moved: dict[int, torch.Tensor]) -> 
     return value
 
 
-def _rotary_scaling(model: torch.nn.Module) -> float:
-    """The factor the model's rotary embedding multiplies cos and sin by (yarn's and longrope's
-    attention scaling; 1 for the others)."""
-    found = [m.attention_scaling for m in model.modules() if isinstance(getattr(m, "attention_scaling", None), float)]
-    return max(found, default=1.0)
-
-
-def _observe_kv(layer: torch.nn.Module, config: Any, amax: list[float], scaling: float = 1.0) -> list[Any]:
-    """Hooks that raise `amax` [key, value] to the largest |value| and rotary-pair length of key (times
-    `scaling`, the rotary's attention factor; see the module's docstring) that `layer`'s attention puts in
-    its cache: from k_norm's output where the attention normalizes its keys, else k_proj's, and v_proj's
-    (or the k and v parts of a fused qkv_proj's output). None for an attention laid out otherwise (that
-    layer gets no scales)."""
-    attention = getattr(layer, "self_attn", None)
-    if attention is None:
-        return []
-    heads = config.num_attention_heads
-    kv_heads = getattr(config, "num_key_value_heads", None) or heads
-    head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
-    factor = (getattr(config, "rope_parameters", None) or {}).get("partial_rotary_factor")
-    if factor is None:
-        factor = getattr(config, "partial_rotary_factor", None) or 1.0
-    rotary = int(head_dim * factor) // 2 * 2
-
-    def keys(k: torch.Tensor) -> None:
-        k = k.detach().reshape(-1, head_dim).float()
-        half = rotary // 2
-        lengths = torch.sqrt(k[:, :half] ** 2 + k[:, half:rotary] ** 2) * scaling
-        rest = k[:, rotary:].abs().max().item() if rotary < head_dim else 0.0
-        raise_to(0, lengths.max().item())
-        raise_to(0, rest)
-
-    def values(v: torch.Tensor) -> None:
-        raise_to(1, v.detach().abs().max().item())
-
-    def raise_to(which: int, value: float) -> None:  # a NaN sticks (max() would drop it)
-        if math.isnan(value) or value > amax[which]:
-            amax[which] = value
-
-    def output(fn: Callable[[torch.Tensor], None]) -> Callable:
-        return lambda module, args, out: fn(out)
-
-    def module(name: str) -> torch.nn.Module | None:
-        found = getattr(attention, name, None)
-        return found if isinstance(found, torch.nn.Module) else None
-
-    k_norm, v_source = module("k_norm"), module("v_proj")
-    k_source = k_norm if k_norm is not None else module("k_proj")
-    if k_source is not None and v_source is not None:
-        return [k_source.register_forward_hook(output(keys)), v_source.register_forward_hook(output(values))]
-    q_size, kv_size = heads * head_dim, kv_heads * head_dim
-    if module("qkv_proj") is not None and k_norm is None:
-
-        def fused(module: torch.nn.Module, args: tuple, out: torch.Tensor) -> None:
-            keys(out[..., q_size : q_size + kv_size])
-            values(out[..., q_size + kv_size : q_size + 2 * kv_size])
-
-        return [attention.qkv_proj.register_forward_hook(fused)]
-    return []
-
-
 def layer_hessians(
     model: torch.nn.Module,
     windows: list[list[int]],
@@ -223,10 +151,10 @@ def layer_hessians(
     its dtype, or with `keep` False to the meta device, its memory freed (the model is then spent). The rest
     of the model is expected in float32 (`quantize_folder` makes it so). With `kv_amax`, each layer's
     largest key and value on their way to its KV cache are recorded there too, [key, value] by layer index
-    (`_observe_kv`), before its matrices are yielded."""
+    (`infer.kv_calibration.observe`), before its matrices are yielded."""
     found = projections(model)
     prefix, layers = decoder_layers(model, found)
-    text_config, scaling = model.config.get_text_config(), _rotary_scaling(model)
+    text_config, scaling = model.config.get_text_config(), kv_calibration.rotary_scaling(model)
     hidden, calls = _layer_inputs(layers, model, windows)
     device = torch.device(device)
     moved: dict[int, torch.Tensor] = {}
@@ -259,7 +187,7 @@ def layer_hessians(
         hooks = [m.register_forward_pre_hook(collect(name)) for name, m in mine.items()]
         if kv_amax is not None:
             amax = [0.0, 0.0]
-            if observers := _observe_kv(layer, text_config, amax, scaling):
+            if observers := kv_calibration.observe(layer, text_config, amax, scaling):
                 hooks += observers
                 kv_amax[i] = amax
         try:
@@ -329,7 +257,7 @@ def _gptq_all(
 ) -> tuple[dict[str, tuple[torch.Tensor, torch.Tensor]], dict[int, tuple[float, float]]]:
     """Every projection's (e4m3 weight, scale) by GPTQ, keyed by its weight's name, layer by layer on
     `device`, the results in CPU memory; and each layer's KV-cache scales (k_scale, v_scale) by its index
-    (see the module's docstring). Each layer's memory is freed once its projections are rounded: the model
+    (`infer.kv_calibration`). Each layer's memory is freed once its projections are rounded: the model
     is spent."""
     layers = projections(model)
     progress(
@@ -337,7 +265,7 @@ def _gptq_all(
     )
     quantized = {}
     model_type = model.config.get_text_config().model_type
-    kv_amax: dict[int, list[float]] | None = {} if model_type in KV_SCALE_MODELS else None
+    kv_amax: dict[int, list[float]] | None = {} if model_type in kv_calibration.MODEL_TYPES else None
     if kv_amax is None:
         progress(f"no KV-cache scales: {model_type}'s attention is not a layout calibration reads them from")
     for found in layer_hessians(model, windows, device, keep=False, kv_amax=kv_amax):
@@ -352,14 +280,7 @@ def _gptq_all(
             f"no calibration token reached {unseen[0]} (and {len(unseen) - 1} more), so gptq has nothing to weigh "
             "its columns by: calibrate on other text (--calibration FILE), or use --method rtn"
         )
-    for i, amax in (kv_amax or {}).items():
-        if not all(math.isfinite(a) for a in amax):
-            raise ValueError(
-                f"layer {i}'s keys or values reached {amax} on the calibration text: not finite, so no KV-cache "
-                "scale fits them (is the checkpoint's dtype too narrow for it?)"
-            )
-    kv_scales = {i: tuple(a / FP8_MAX if a > 0 else 1.0 for a in amax) for i, amax in (kv_amax or {}).items()}
-    return quantized, kv_scales  # type: ignore[return-value]
+    return quantized, kv_calibration.scales(kv_amax or {})
 
 
 def _float32_but_layers(model: torch.nn.Module) -> torch.nn.Module:
@@ -421,7 +342,7 @@ def quantize_folder(
         raise ValueError(f"{source}'s safetensors lack {missing[0]} (and {len(missing) - 1} more): not an HF folder")
     quantized, kv_scales = _gptq_all(model, windows, progress, torch.device(device)) if method == "gptq" else ({}, {})
     prefix, _ = decoder_layers(model, projections(model))
-    kv_scheme = {"kv_cache_scheme": KV_CACHE_SCHEME} if kv_scales else {}
+    kv_scheme = {"kv_cache_scheme": kv_calibration.KV_CACHE_SCHEME} if kv_scales else {}
     del model  # what is left of it (embeddings, norms) is not needed to write the shards
     out.mkdir(parents=True, exist_ok=True)
     weight_map: dict[str, str] = {}

@@ -10,7 +10,7 @@ import torch
 from click.testing import CliRunner
 from safetensors.torch import load_file
 
-from infer import LLM
+from infer import LLM, kv_calibration
 from infer import quantize as fp8
 from infer.cli.main import cli
 from infer.plugins.layers.fp8 import quantize_weight
@@ -225,7 +225,7 @@ def test_a_gptq_folder_holds_the_kv_cache_scales_of_its_calibration(tiny_llama_d
         scales.append((k.item(), v.item()))
     assert len(scales) == 3
     config = json.loads((out / "config.json").read_text())["quantization_config"]
-    assert config["kv_cache_scheme"] == fp8.KV_CACHE_SCHEME
+    assert config["kv_cache_scheme"] == kv_calibration.KV_CACHE_SCHEME
     fp8_cache = LLM(str(out), dtype="fp32", device="cpu", num_kv_blocks=32, kv_cache_dtype="fp8")
     assert fp8_cache.engine.decoder.runner.kv_scales == scales
     assert len(fp8_cache.generate([{"prompt_token_ids": [1, 2, 3]}])[0].outputs[0].token_ids) > 0
@@ -240,7 +240,7 @@ def test_a_model_whose_attention_calibration_does_not_know_gets_no_kv_cache_scal
 ):
     """Scales are written only for the model types whose attention the hooks were checked against; another
     folder gets its FP8 weights, no scales and no kv_cache_scheme, and the progress says why."""
-    monkeypatch.setattr(fp8, "KV_SCALE_MODELS", frozenset({"qwen3"}))
+    monkeypatch.setattr(kv_calibration, "MODEL_TYPES", frozenset({"qwen3"}))
     said: list[str] = []
     windows = [[(7 * i + j) % 250 for j in range(32)] for i in range(2)]
     out = fp8.quantize_folder(tiny_llama_dir, tmp_path / "gptq", "gptq", windows, progress=said.append)
