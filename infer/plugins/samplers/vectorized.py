@@ -10,6 +10,7 @@ the arithmetic, on a CPU above all.
 
 from __future__ import annotations
 
+import importlib.util
 import math
 from itertools import chain
 
@@ -22,6 +23,7 @@ from infer.kernels import rng
 from infer.runtime.transfer import row_index, to_device
 
 NEG_INF = float("-inf")
+_HAS_TRITON = importlib.util.find_spec("triton") is not None
 
 
 class VectorizedSampler:
@@ -38,7 +40,7 @@ class VectorizedSampler:
         positions: list[int] | None = None,
     ) -> SamplerOutput:
         positions = rng.row_positions(logits, requests, positions)
-        work = logits.clone(memory_format=torch.contiguous_format)  # [B, V]: the stages write into it
+        work = _working_copy(logits, requests)  # [B, V]: the stages write into it
         apply_penalties_(work, requests)
         num_logprobs = [r.params.logprobs for r in requests]
         asked = [i for i, k in enumerate(num_logprobs) if k is not None]
@@ -59,7 +61,7 @@ class VectorizedSampler:
         if any(r.params.logprobs is not None for r in requests):
             return None
         positions = rng.row_positions(logits, requests, positions)
-        work = logits.clone(memory_format=torch.contiguous_format)
+        work = _working_copy(logits, requests)
         apply_penalties_(work, requests)
         return choose_tokens_(work, requests, positions)
 
@@ -102,6 +104,28 @@ class VectorizedSampler:
         logprobs = work[row_index(asked, len(requests), work.device)].log_softmax(dim=-1)
         tokens = to_device(token_ids, torch.int64, work.device)
         return _with_logprobs(tokens, logprobs, asked, num_logprobs).logprobs or []
+
+
+def _working_copy(logits: torch.Tensor, requests: list[Request]) -> torch.Tensor:
+    """A copy of the logits for the stages to write into; the logits themselves where no stage will
+    (greedy rows without penalties only read them)."""
+    if all(r.params.temperature == 0.0 and not _penalised(r.params) for r in requests):
+        return logits
+    return logits.clone(memory_format=torch.contiguous_format)
+
+
+def _penalised(params: SamplingParams) -> bool:
+    return params.repetition_penalty != 1.0 or params.presence_penalty != 0.0 or params.frequency_penalty != 0.0
+
+
+def argmax_rows(work: torch.Tensor) -> torch.Tensor:
+    """[B, V] -> [B] int64, `work.argmax(dim=-1)`: on a GPU with Triton in `infer.kernels.argmax`'s two
+    small kernels (torch's reduction takes one block for a row: ~27 us at one row of 128,256 logits)."""
+    if work.is_cuda and _HAS_TRITON and work.shape[1] > 0:
+        from infer.kernels.argmax import argmax_rows as kernel
+
+        return kernel(work)
+    return work.argmax(dim=-1)
 
 
 def _column(values: list[float], device: torch.device) -> torch.Tensor:
@@ -149,10 +173,10 @@ def choose_tokens_(work: torch.Tensor, requests: list[Request], positions: list[
     # are sampled from their rows of work (a copy of them when some rows are greedy)
     greedy = [r.params.temperature == 0.0 for r in requests]
     if all(greedy):
-        return work.argmax(dim=-1)
+        return argmax_rows(work)
     sampled = [i for i, g in enumerate(greedy) if not g]
     index = row_index(sampled, len(requests), work.device)
-    tokens = work.argmax(dim=-1) if any(greedy) else None
+    tokens = argmax_rows(work) if any(greedy) else None
     x = work[index]  # [S, V]
     draws = sample_rows_(x, [requests[i] for i in sampled], [positions[i] for i in sampled])
     if tokens is None:
