@@ -14,6 +14,8 @@ import triton.language as tl
 from infer.kernels.triton_pdl import kernel_args, wait_and_release
 
 CHUNK = 4096  # columns a program of the first kernel takes
+DTYPES = (torch.float32, torch.bfloat16, torch.float16)  # compared as float32, exactly
+MAX_PARTS = 65535  # the chunks of a row lie on the grid's second axis, which CUDA caps there
 _NONE = tl.constexpr(2**31 - 1)  # an index past every row
 
 
@@ -56,17 +58,21 @@ def _rows_kernel(value_ptr, index_ptr, out_ptr, PARTS, BLOCK: tl.constexpr, USE_
     tl.store(out_ptr + row, first.to(tl.int64))
 
 
+def takes(x: torch.Tensor) -> bool:
+    """Whether `argmax_rows` takes x: [B, V] in float32, bfloat16 or float16 (float64 would lose its
+    extra bits), 1 <= V <= MAX_PARTS * CHUNK."""
+    return x.dim() == 2 and x.dtype in DTYPES and 0 < x.shape[1] <= MAX_PARTS * CHUNK
+
+
 def argmax_rows(x: torch.Tensor) -> torch.Tensor:
-    """x: [B, V] floating, V < 2^31 -> [B] int64, `x.argmax(dim=-1)`'s values."""
-    assert x.dim() == 2 and x.is_floating_point() and x.shape[1] < 2**31 - 1
+    """x: [B, V] that this module `takes` -> [B] int64, `x.argmax(dim=-1)`'s values."""
+    assert takes(x), f"argmax_rows takes [B, V] float32/bfloat16/float16 rows of 1 to {MAX_PARTS * CHUNK} columns"
     if x.stride(1) != 1:
         x = x.contiguous()
     rows, vocab = x.shape
     out = torch.empty(rows, dtype=torch.int64, device=x.device)
     if rows == 0:
         return out
-    if vocab == 0:
-        raise ValueError("argmax of an empty row")  # as torch refuses it
     parts = triton.cdiv(vocab, CHUNK)
     values = torch.empty(rows, parts, dtype=torch.float32, device=x.device)
     index = torch.empty(rows, parts, dtype=torch.int32, device=x.device)

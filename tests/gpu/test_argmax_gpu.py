@@ -17,8 +17,8 @@ def edge_rows(v: int, dtype: torch.dtype) -> torch.Tensor:
     x[2, 5000], x[2, v - 5] = float("nan"), float("nan")
     x[3, 100], x[3, v - 100] = 1e4, 1e4
     x[4, 70000], x[4, 9000] = float("inf"), float("inf")
-    x[5] = 0.0
-    x[5, 3] = -0.0
+    x[5] = -1.0
+    x[5, 3], x[5, 3 + 4096] = -0.0, 0.0  # equal, in two chunks: the first wins
     x[6, v - 1] = 1e4
     x[7, v - 1], x[7, 0] = float("nan"), float("inf")
     return x.to(dtype)

@@ -25,15 +25,15 @@ def edge_rows(v: int) -> torch.Tensor:
     x[2, 5], x[2, v - 50] = NAN, NAN
     x[3, 100], x[3, v - 100] = 1e9, 1e9
     x[4, 70], x[4, 10] = INF, INF
-    x[5] = 0.0
-    x[5, 3] = -0.0
+    x[5] = -1.0
+    x[5, 3], x[5, 3 + 64] = -0.0, 0.0  # equal: the first wins, whichever sign
     x[6] = 2.5
     x[7, v - 1] = 1e9
     x[8, v - 1], x[8, 0] = NAN, INF
     return x
 
 
-@pytest.mark.parametrize("v", [300, 256, 129])
+@pytest.mark.parametrize("v", [300, 256, 129, 2100])  # 2,100: more chunks (33) than one warp's lanes
 def test_argmax_rows_is_torch_argmax(v):
     x = edge_rows(v)
     assert torch.equal(argmax.argmax_rows(x), x.argmax(dim=-1))
@@ -51,3 +51,14 @@ def test_argmax_rows_of_strided_short_and_empty_batches():
     for x in (wide[:, ::2], wide[:, :64], wide[:, :1], wide[:0]):
         got = argmax.argmax_rows(x)
         assert got.dtype == torch.int64 and torch.equal(got, x.argmax(dim=-1))
+
+
+def test_argmax_rows_takes_what_float32_holds_exactly():
+    """float64 rows would lose their extra bits in the float32 comparisons: refused (the sampler then
+    uses torch's), as are rows without columns."""
+    assert argmax.takes(torch.zeros(2, 5)) and argmax.takes(torch.zeros(2, 5, dtype=torch.bfloat16))
+    assert not argmax.takes(torch.zeros(2, 5, dtype=torch.float64))
+    assert not argmax.takes(torch.zeros(2, 0))
+    assert not argmax.takes(torch.zeros(5))
+    with pytest.raises(AssertionError, match="float32/bfloat16/float16"):
+        argmax.argmax_rows(torch.tensor([[1.0, 1.0 + 1e-12]], dtype=torch.float64))

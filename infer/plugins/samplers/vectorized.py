@@ -107,9 +107,10 @@ class VectorizedSampler:
 
 
 def _working_copy(logits: torch.Tensor, requests: list[Request]) -> torch.Tensor:
-    """A copy of the logits for the stages to write into; the logits themselves where no stage will
-    (greedy rows without penalties only read them)."""
-    if all(r.params.temperature == 0.0 and not _penalised(r.params) for r in requests):
+    """A contiguous copy of the logits for the stages to write into; the logits themselves where no
+    stage will (greedy rows without penalties only read them) and they are contiguous (a tensor-parallel
+    vocabulary's gathered columns may be a slice)."""
+    if logits.is_contiguous() and all(r.params.temperature == 0.0 and not _penalised(r.params) for r in requests):
         return logits
     return logits.clone(memory_format=torch.contiguous_format)
 
@@ -121,10 +122,11 @@ def _penalised(params: SamplingParams) -> bool:
 def argmax_rows(work: torch.Tensor) -> torch.Tensor:
     """[B, V] -> [B] int64, `work.argmax(dim=-1)`: on a GPU with Triton in `infer.kernels.argmax`'s two
     small kernels (torch's reduction takes one block for a row: ~27 us at one row of 128,256 logits)."""
-    if work.is_cuda and _HAS_TRITON and work.shape[1] > 0:
-        from infer.kernels.argmax import argmax_rows as kernel
+    if work.is_cuda and _HAS_TRITON:
+        from infer.kernels import argmax
 
-        return kernel(work)
+        if argmax.takes(work):
+            return argmax.argmax_rows(work)
     return work.argmax(dim=-1)
 
 

@@ -104,6 +104,26 @@ def test_greedy_equals_argmax(factory):
     assert out.logprobs is None
 
 
+@pytest.mark.parametrize("method", ["sample", "sample_tokens"])
+def test_greedy_reads_strided_logits_and_leaves_them_as_they_were(factory, method):
+    """Logits that are a slice of wider rows (a tensor-parallel vocabulary's gathered columns), greedy
+    rows with and without a penalty beside them: each row's argmax after its penalty, and the caller's
+    logits untouched."""
+    if not hasattr(factory, method):
+        pytest.skip(f"{factory.__name__} has no {method}")
+    wide = torch.randn(3, 16, generator=torch.Generator().manual_seed(1)) * 0.1
+    wide[2, 4], wide[2, 7] = 1.5, 1.0  # row 2: 4 first, 7 once 4 is penalised by 2
+    logits = wide[:, :10]
+    before = logits.clone()
+    plain = [make_request(i, SamplingParams(temperature=0.0)) for i in range(3)]
+    penalised = [*plain[:2], make_request(2, SamplingParams(temperature=0.0, presence_penalty=2.0), output=[4])]
+    for reqs, last in ((plain, 4), (penalised, 7)):
+        got = getattr(factory(10, CPU), method)(logits, reqs)
+        tokens = got.token_ids if method == "sample" else got.tolist()
+        assert tokens == [*logits[:2].argmax(dim=-1).tolist(), last]
+        assert torch.equal(logits, before)
+
+
 def test_greedy_applies_penalties(factory):
     logits = [2.7, 2.9, -0.5, 1.9, 2.0, 0.5]
     negative = [-1.0, -0.2, -0.3, -2.0, -0.9, -1.5]
