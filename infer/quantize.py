@@ -330,7 +330,8 @@ def quantize_folder(
     else:  # the projections' names only: a model on the meta device holds no weights
         with torch.device("meta"):
             model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(source))
-    targets = {f"{name}.weight" for name in projections(model)}
+    found = projections(model)
+    targets = {f"{name}.weight" for name in found}
     if not targets:
         raise ValueError(f"{source} has no decoder projections to quantize")
     stored: set[str] = set()
@@ -340,8 +341,8 @@ def quantize_folder(
     missing = sorted(targets - stored)
     if missing:
         raise ValueError(f"{source}'s safetensors lack {missing[0]} (and {len(missing) - 1} more): not an HF folder")
+    prefix, _ = decoder_layers(model, found)
     quantized, kv_scales = _gptq_all(model, windows, progress, torch.device(device)) if method == "gptq" else ({}, {})
-    prefix, _ = decoder_layers(model, projections(model))
     kv_scheme = {"kv_cache_scheme": kv_calibration.KV_CACHE_SCHEME} if kv_scales else {}
     del model  # what is left of it (embeddings, norms) is not needed to write the shards
     out.mkdir(parents=True, exist_ok=True)
