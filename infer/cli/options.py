@@ -54,6 +54,10 @@ HELP: dict[str, str] = {  # EngineConfig field -> help, in the order `--help` li
     "swap_space_gib": "CPU KV pool in GiB for --preemption-mode swap (recompute when it is full).",
     "max_num_seqs": "Requests running at once, at most.",
     "max_num_batched_tokens": "Tokens computed per step at most (longer prompts are chunked).",
+    "max_step_ms": "A step's target time in ms: the per-step token budget shrinks to what the device computes in it "
+    "(measured as it runs), so a long prompt cannot freeze other streams; default: none (infer serve: 500).",
+    "structured_compile_timeout_s": "Seconds a request waits for its output constraint (grammar) to compile; "
+    "past it the request is refused.",
     "max_model_len": "Context length, prompt and output (default: the model's).",
     "tensor_parallel_size": "Tensor-parallel ranks.",
     "all_reduce": "How --tp sums: symm-mem (one-shot kernel over peer memory), flashinfer (fused with the residual "

@@ -62,6 +62,12 @@ class EngineConfig:
     gpu_memory_utilization: float = 0.9
     max_num_seqs: int = 256  # running requests at most
     max_num_batched_tokens: int = 4096  # tokens computed per step at most (long prompts are chunked)
+    # a step's target time: the per-step token budget shrinks (never below 16 tokens, never above
+    # max_num_batched_tokens) to what the device computes in this time, so one long prompt cannot
+    # freeze the other requests' streams on a slow device; None: max_num_batched_tokens always
+    max_step_ms: float | None = None
+    # an output constraint (grammar) compiles beside the step loop; a request waits for it at most this long
+    structured_compile_timeout_s: float = 10.0
     max_model_len: int | None = None  # default: the model's context length
     seed: int = 0  # seeds dummy weights and unseeded sampling
     cuda_graphs: bool = True

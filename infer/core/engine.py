@@ -2,20 +2,32 @@
 
 from __future__ import annotations
 
+import concurrent.futures
 import contextlib
 import itertools
 import queue
 import random
 import time
+from concurrent.futures import FIRST_COMPLETED
 from dataclasses import dataclass
 from typing import Any, Iterable, Sequence
 
 import torch
 
 from infer.core.errors import RequestError, one_line
-from infer.core.interfaces import Decoder, KVUsage, Launch, ResettableStats, Scheduler, StatsSummary
+from infer.core.interfaces import (
+    Decoder,
+    KVUsage,
+    Launch,
+    PreparingProcessor,
+    ResettableStats,
+    Scheduler,
+    StatsSummary,
+    TokenBudgeted,
+)
 from infer.core.output import Group, OutputProcessor
-from infer.core.request import FinishReason, Request, RequestOutput, SamplingParams
+from infer.core.request import FinishReason, Request, RequestOutput, RequestStatus, SamplingParams
+from infer.core.step_budget import StepBudget
 from infer.inputs.prompts import tokenize
 from infer.runtime.block_mover import BlockMover
 from infer.runtime.constraints import admit
@@ -46,6 +58,15 @@ class EngineParts:
     processors: tuple[Any, ...] = ()  # every logits processor built (`LogitsProcessor`)
 
 
+@dataclass(slots=True)
+class Preparing:
+    """A request waiting, outside the scheduler, for its processors' `prepare` futures (a grammar compiling)."""
+
+    group: Group
+    futures: list[concurrent.futures.Future]
+    deadline: float  # perf_counter time past which it is refused
+
+
 class Engine:
     def __init__(self, parts: EngineParts) -> None:
         self.parts = parts
@@ -63,6 +84,14 @@ class Engine:
         self.num_steps = 0
         self.decoder_totals: dict[str, float] = {}  # StepResult.stats summed over steps
         self.closed = False
+        self._preparing: dict[str, Preparing] = {}  # parent id -> a request waiting for its constraint
+        self._refusals: list[RequestOutput] = []  # requests refused after they were added: output next step
+        budgeted = parts.scheduler if isinstance(parts.scheduler, TokenBudgeted) else None
+        target_ms = getattr(parts.config, "max_step_ms", None)
+        self._budget = None  # the step budget that sizes the scheduler's token budget, with max_step_ms
+        if budgeted is not None and target_ms is not None:
+            self._budget = StepBudget(target_ms / 1000, budgeted.max_num_batched_tokens)
+            budgeted.max_num_batched_tokens = self._budget.tokens
 
     @classmethod
     def from_config(cls, config: Any, extra_plugins: Iterable[Any] = (), launch: Launch | None = None) -> "Engine":
@@ -118,9 +147,21 @@ class Engine:
                 arrival_time=now,
                 fork_parent=children[0] if children else None,  # shares the first one's prompt blocks
             )
-            child.constraints = admit(self.parts.processors, child)
             children.append(child)
-        self.output.add(Group(parent_id, text, children))
+        group = Group(parent_id, text, children)
+        futures = self._prepare(children[0])
+        if any(not f.done() for f in futures):  # its constraint is being prepared (compiled): it waits outside
+            self.output.add(group)
+            for child in children:
+                self.requests[child.request_id] = child
+            timeout = getattr(self.parts.config, "structured_compile_timeout_s", 10.0)
+            self._preparing[parent_id] = Preparing(group, futures, now + timeout)
+            return parent_id
+        for future in futures:
+            future.result()  # prepared already (a grammar compiled before): raises what preparing it raised
+        for child in children:
+            child.constraints = admit(self.parts.processors, child)
+        self.output.add(group)
         try:
             for child in children:
                 self.requests[child.request_id] = child
@@ -153,9 +194,10 @@ class Engine:
                 continue
             for child in group.children:
                 if not child.is_finished:
-                    self.scheduler.finish(child, FinishReason.ABORT)
+                    self.scheduler.finish(child, FinishReason.ABORT)  # one still preparing is in no queue
                 self.output.mark_final(child)
                 self.requests.pop(child.request_id, None)
+            self._stop_preparing(group.request_id)
 
     def has_unfinished(self) -> bool:
         return self.scheduler.has_unfinished() or self.output.has_pending()
@@ -166,6 +208,9 @@ class Engine:
         if self.closed:
             raise RequestError(CLOSED)
         self.abort_pending()  # asked for from other threads since the last step
+        if self._preparing:
+            self._admit_prepared(wait=not self.scheduler.has_unfinished() and not self.output.in_flight)
+        start = time.perf_counter()
         out = self.scheduler.schedule()
         self.block_mover.apply(out.block_ops)  # copy-on-write and swap copies, batched, before the forward
         result = self.decoder.execute(out)  # forward pass (+ sampling)
@@ -175,7 +220,79 @@ class Engine:
         self.num_steps += 1
         for key, value in result.stats.items():
             self.decoder_totals[key] = self.decoder_totals.get(key, 0.0) + value
+        if self._budget is not None:
+            budget = self._budget.observe(out.num_tokens, time.perf_counter() - start)
+            self.parts.scheduler.max_num_batched_tokens = budget  # type: ignore[attr-defined]
         return self._finished_outputs()
+
+    # ------------------------------------------------------------------ constraints being prepared
+
+    def _prepare(self, request: Request) -> list[concurrent.futures.Future]:
+        """The futures of the processors that prepare something for `request` (none done yet)."""
+        futures = []
+        try:
+            for processor in self.parts.processors:
+                if isinstance(processor, PreparingProcessor):
+                    future = processor.prepare(request)
+                    if future is not None:
+                        futures.append(future)
+        except BaseException:
+            for future in futures:
+                future.cancel()
+            raise
+        return futures
+
+    def _admit_prepared(self, wait: bool) -> None:
+        """Move the requests whose preparation is done into the scheduler; refuse those it failed or that
+        waited past their deadline. wait: nothing else to do, so block a little for a future to finish."""
+        if wait:
+            pending = [f for p in self._preparing.values() for f in p.futures if not f.done()]
+            nearest = min(p.deadline for p in self._preparing.values()) - time.perf_counter()
+            if pending and nearest > 0:
+                concurrent.futures.wait(pending, timeout=min(0.05, nearest), return_when=FIRST_COMPLETED)
+        now = time.perf_counter()
+        for parent_id, preparing in list(self._preparing.items()):
+            if all(f.done() for f in preparing.futures):
+                del self._preparing[parent_id]
+                self._admit_group(preparing)
+            elif now > preparing.deadline:
+                limit = getattr(self.parts.config, "structured_compile_timeout_s", None)
+                self._refuse(
+                    preparing.group,
+                    RequestError(
+                        f"invalid structured: the output constraint did not compile within {limit:g} s (the "
+                        f"engine's structured_compile_timeout_s, --structured-compile-timeout-s): simplify the "
+                        f"schema or grammar, or raise that limit"
+                    ),
+                )
+
+    def _admit_group(self, preparing: Preparing) -> None:
+        group = preparing.group
+        try:
+            for future in preparing.futures:
+                future.result()  # raises the preparation's error
+            for child in group.children:
+                child.constraints = admit(self.parts.processors, child)
+        except Exception as exc:
+            self._refuse(group, exc)
+            return
+        for child in group.children:
+            self.scheduler.add(child)
+
+    def _refuse(self, group: Group, exc: BaseException) -> None:
+        """A request refused after it was added: its output (with `error`) comes from the next step."""
+        self._stop_preparing(group.request_id)
+        first = group.children[0]
+        self._refusals.append(rejected_output(group.request_id, group.prompt, exc, first.prompt_token_ids))
+        for child in group.children:
+            child.status = RequestStatus.FINISHED
+            self.requests.pop(child.request_id, None)
+        self.output.discard(group.request_id)
+
+    def _stop_preparing(self, parent_id: str) -> None:
+        preparing = self._preparing.pop(parent_id, None)
+        for future in preparing.futures if preparing is not None else ():
+            future.cancel()
 
     def _stop_strings(self, stops: list[tuple[Request, int]]) -> None:
         for request, stop_index in stops:
@@ -188,6 +305,8 @@ class Engine:
 
     def _finished_outputs(self) -> list[RequestOutput]:
         outputs = self.output.finished_outputs()
+        if self._refusals:
+            outputs, self._refusals = outputs + self._refusals, []
         for o in outputs:
             self.requests.pop(o.request_id, None)
             i = 0
@@ -247,9 +366,11 @@ class Engine:
             self._stop_strings(self.output.collect())
         for rid in request_ids:
             self._forget(rid)
+        self._refusals.clear()
 
     def _forget(self, request_id: str) -> None:
         """End a request group, free its blocks and drop it without an output."""
+        self._stop_preparing(request_id)
         group = self.output.groups.get(request_id)
         for child in group.children if group else []:
             self.scheduler.finish(child, FinishReason.ABORT)  # frees its blocks; no-op when finished or never added
@@ -305,10 +426,12 @@ class Engine:
                 torch.cuda.empty_cache()  # the next engine's KV budget is read from the device's free memory
 
 
-def rejected_output(request_id: str, prompt: Any, exc: Exception) -> RequestOutput:
+def rejected_output(
+    request_id: str, prompt: Any, exc: BaseException, prompt_token_ids: Sequence[int] = ()
+) -> RequestOutput:
     """The output of a prompt refused before it ran: `error` is one line naming the problem and the fix."""
     error = (
         str(exc) if isinstance(exc, RequestError) else f"this prompt could not be added ({type(exc).__name__}: {exc})"
     )
     text = prompt if isinstance(prompt, str) else None
-    return RequestOutput(request_id, text, [], [], finished=True, error=one_line(error))
+    return RequestOutput(request_id, text, list(prompt_token_ids), [], finished=True, error=one_line(error))

@@ -47,6 +47,8 @@ RANGES: dict[str, tuple[Callable[[Any], bool], str]] = {
     "gpu_memory_utilization": (lambda v: 0 < v <= 1, "a fraction in (0, 1]"),
     "max_num_seqs": (lambda v: v >= 1, "an integer >= 1"),
     "max_num_batched_tokens": (lambda v: v >= 1, "an integer >= 1"),
+    "max_step_ms": (lambda v: math.isfinite(v) and v > 0, "a number of milliseconds > 0, or None for no target"),
+    "structured_compile_timeout_s": (lambda v: math.isfinite(v) and v > 0, "a number of seconds > 0"),
     "max_model_len": (lambda v: v >= 1, "an integer >= 1, or None for the model's context length"),
     "seed": (lambda v: v >= 0, "an integer >= 0"),
     "cuda_graph_max_tokens": (lambda v: v >= 0, "an integer >= 0 (0: graphs for decode steps only)"),

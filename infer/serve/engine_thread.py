@@ -164,7 +164,9 @@ class EngineThread:
         for output in finished:
             tracked = self._forget(output.request_id)
             if tracked is not None:
-                self._outbox.append((self._sinks.pop(output.request_id), tracked.last(output)))
+                # refused after it was added (its constraint failed to compile, or in time): the error is its answer
+                item = RequestError(output.error) if output.error is not None else tracked.last(output)
+                self._outbox.append((self._sinks.pop(output.request_id), item))
         news: dict[str, list[RawDelta]] = {}
         for request, num_checked in submitted:
             entry = self._samples.get(request)

@@ -18,7 +18,7 @@ from infer.core.interfaces.attention import (
     RotaryFusingAttention,
 )
 from infer.core.interfaces.capabilities import DEFAULT_CAPABILITIES, Capabilities, capabilities_of
-from infer.core.interfaces.constraints import LogitsProcessor, LogitsRow, ProcessorContext
+from infer.core.interfaces.constraints import LogitsProcessor, LogitsRow, PreparingProcessor, ProcessorContext
 from infer.core.interfaces.decode_paths import DecodeGraphs, DecodePipeline
 from infer.core.interfaces.decoding import Decoder, DecoderContext, ModelRunnerLike, SelfDescribing, StatsSummary
 from infer.core.interfaces.kv import BlockOps, KVAllocator, KVUsage
@@ -49,6 +49,7 @@ from infer.core.interfaces.scheduling import (
     Scheduler,
     SchedulerOutput,
     StepResult,
+    TokenBudgeted,
 )
 from infer.core.interfaces.text import DetokenizedDelta, Detokenizer
 
@@ -57,11 +58,11 @@ __all__ = [
     "AttentionSpec", "AttentionBatch", "KVCache", "AttentionBackend", "RotaryFusingAttention",
     "KVAllocator", "KVUsage", "BlockOps",
     "ScheduledSeq", "SchedulerOutput", "StepResult", "Scheduler", "BatchOutlook", "PipeliningScheduler",
-    "ResettableStats",
+    "ResettableStats", "TokenBudgeted",
     "SamplerOutput", "Sampler", "TokenSampler", "VerifyingSampler",
     "ModelRunnerLike", "DecoderContext", "Decoder", "SelfDescribing", "StatsSummary",
     "DetokenizedDelta", "Detokenizer",
-    "LogitsProcessor", "LogitsRow", "ProcessorContext",
+    "LogitsProcessor", "LogitsRow", "ProcessorContext", "PreparingProcessor",
     "LAYER_KINDS", "Layers", "RotaryTables", "FusingActivation", "LinearMatmul", "QuantizedLinear", "PushingMatmul",
     "CausalLM", "CheckpointShapes", "ModelArchitecture", "HFArchitectures", "ModelPresets", "RegisterFn",
     "DecoderStack", "KitConfig",

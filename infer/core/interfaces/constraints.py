@@ -2,8 +2,9 @@
 
 from __future__ import annotations
 
+from concurrent.futures import Future
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Protocol, Sequence
+from typing import TYPE_CHECKING, Any, Protocol, Sequence, runtime_checkable
 
 from torch import Tensor
 
@@ -52,3 +53,18 @@ class LogitsProcessor(Protocol):
     def admit(self, request: "Request") -> Any | None: ...
 
     def apply(self, logits: Tensor, rows: Sequence[LogitsRow]) -> None: ...
+
+
+@runtime_checkable
+class PreparingProcessor(Protocol):
+    """A logits processor whose `admit` needs slow work first (a grammar to compile) that must not
+    stall the step loop. `prepare` runs when a request is added, on the engine's thread, before
+    `admit`; it returns None when the request needs nothing prepared, else a Future that is done
+    when `admit` can run at once (the work runs elsewhere: a pool of the processor's own). Until
+    every such future is done the request waits outside the running batch; then `admit` runs. A
+    future that raises refuses the request with its message (raise `RequestError` naming the field
+    and the fix). The engine cancels the future when the request is aborted before it is done,
+    and when it is not done within `EngineConfig.structured_compile_timeout_s` (the request is then
+    refused with that limit named)."""
+
+    def prepare(self, request: "Request") -> Future | None: ...

@@ -98,3 +98,12 @@ class PipeliningScheduler(Protocol):
 @runtime_checkable
 class ResettableStats(Protocol):
     def reset_stats(self) -> None: ...
+
+
+@runtime_checkable
+class TokenBudgeted(Protocol):
+    """A scheduler whose per-step token budget the engine may change between steps (`max_step_ms`:
+    the engine sizes it to the device's measured speed). `schedule` reads it each step and never
+    computes more tokens than it allows (a budget below a decode batch still runs the decodes it can)."""
+
+    max_num_batched_tokens: int

@@ -1,7 +1,10 @@
 """`xgrammar`: structured output (a JSON schema, any JSON object, a regex, a choice, an EBNF grammar).
 
-A request's constraint is compiled when it is added (xgrammar caches compiled grammars, so a
-schema repeated across requests compiles once) into a matcher that follows the request's tokens.
+A request's constraint compiles beside the step loop (`prepare`: a small pool of threads; xgrammar
+releases the GIL while it compiles), and the request waits outside the running batch until it has;
+then it gets a matcher that follows its tokens. Requests asking for the same constraint share one
+compile, and the last COMPILED_KEPT compiled grammars are kept, so a repeated schema compiles once;
+a compile whose every request left before it began never runs.
 Each step the matchers of the step's rows fill a token bitmask on the host (several threads),
 while the forward is still running on the GPU; one copy takes it to the device and one kernel
 sets the masked logits to -inf for all the rows. Speculative decoding's verify rows are filled
@@ -17,7 +20,12 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import os
+import queue
 import re
+import threading
+from collections import OrderedDict
+from concurrent.futures import Future
 from dataclasses import dataclass
 from typing import Any, Sequence
 
@@ -33,6 +41,8 @@ from infer.log import get_logger
 from infer.runtime.transfer import row_index
 
 log = get_logger()
+COMPILED_KEPT = 64  # compiled grammars kept for requests that repeat a constraint
+COMPILE_THREADS = max(1, min(2, (os.cpu_count() or 1) // 2))  # compiles at once (each a pool thread)
 XGRAMMAR_LOG_PREFIX = re.compile(r"^\[[\d:]+\] \S+:\d+: ")  # "[21:45:25] /project/cpp/regex_converter.cc:83: "
 
 
@@ -63,6 +73,31 @@ class XGrammarProcessor:
         self._batch: Any = None
         self._host: torch.Tensor | None = None  # [rows, words] int32 bitmask, pinned for a GPU
         self._no_control: torch.Tensor | None = None  # [words] int32: the tokens without a byte below 0x20
+        self._pool: _DaemonPool | None = None  # compiles beside the step loop, made at the first
+        self._compiles: OrderedDict[tuple[str, str], _Compile] = OrderedDict()  # constraint -> its compile
+        self._lock = threading.Lock()  # _compiles is read by the engine's thread and the pool's callbacks
+
+    def prepare(self, request: Request) -> Future | None:
+        spec = request.params.structured
+        if spec is None or spec.backend not in (None, "xgrammar") or self.ctx.tokenizer is None:
+            return None  # admit answers (or refuses) it at once
+        key = _key(spec)
+        with self._lock:
+            entry = self._compiles.get(key)
+            if entry is None or entry.shared.cancelled():
+                if self._pool is None:
+                    self._pool = _DaemonPool(COMPILE_THREADS)
+                grammar = grammar_of(spec)  # fast (milliseconds): a bad constraint is refused here, at once
+                entry = _Compile(self._pool.submit(self.compile, spec, grammar))
+                self._compiles[key] = entry
+            self._compiles.move_to_end(key)
+            self._evict()
+            return entry.waiter()
+
+    def _evict(self) -> None:
+        done = [k for k, e in self._compiles.items() if e.shared.done()]
+        for key in done[: max(0, len(done) - COMPILED_KEPT)]:
+            del self._compiles[key]
 
     def admit(self, request: Request) -> MatcherState | None:
         spec = request.params.structured
@@ -75,24 +110,20 @@ class XGrammarProcessor:
             )
         import xgrammar as xgr
 
-        return MatcherState(xgr.GrammarMatcher(self.compile(spec)), is_json=spec.kind in ("json", "json_object"))
+        with self._lock:
+            entry = self._compiles.get(_key(spec))
+        compiled = entry.shared.result() if entry is not None and entry.shared.done() else self.compile(spec)
+        return MatcherState(xgr.GrammarMatcher(compiled), is_json=spec.kind in ("json", "json_object"))
 
-    def compile(self, spec: StructuredOutputs) -> Any:
-        compiler = self._compiler or self._build_compiler()
-        kind = spec.kind
+    def compile(self, spec: StructuredOutputs, grammar: Any = None) -> Any:
+        """The compiled grammar (slow: a pool thread runs it); `grammar`: `grammar_of(spec)` if known."""
+        grammar = grammar_of(spec) if grammar is None else grammar
+        with self._lock:  # one compiler, built once, whichever thread asks first
+            compiler = self._compiler or self._build_compiler()
         try:
-            if kind == "json":
-                return compiler.compile_json_schema(spec.schema(), any_whitespace=False)
-            if kind == "json_object":
-                return compiler.compile_json_schema('{"type": "object"}', any_whitespace=False)
-            if kind == "regex":
-                return compiler.compile_regex(spec.regex)
-            if kind == "choice":
-                return compiler.compile_grammar(choice_grammar(spec.choice or []))
-            return compiler.compile_grammar(spec.grammar)
+            return compiler.compile_grammar(grammar)
         except Exception as exc:  # xgrammar raises RuntimeError / ValueError with the parser's message
-            reason = XGRAMMAR_LOG_PREFIX.sub("", one_line(exc))
-            raise RequestError(f"invalid structured.{kind}: {reason}: fix the {kind}") from None
+            raise _invalid(spec.kind, exc) from None
 
     def _build_compiler(self) -> Any:
         import xgrammar as xgr
@@ -100,7 +131,7 @@ class XGrammarProcessor:
         info = xgr.TokenizerInfo.from_huggingface(
             self.ctx.tokenizer, vocab_size=self.ctx.vocab_size, stop_token_ids=sorted(self.ctx.eos_token_ids)
         )
-        self._compiler = xgr.GrammarCompiler(info)
+        self._compiler = xgr.GrammarCompiler(info, max_threads=COMPILE_THREADS, cache_limit_bytes=512 << 20)
         self._no_control = no_control_bitmask(info.decoded_vocab, self.ctx.vocab_size)
         self._batch = xgr.BatchGrammarMatcher()
         return self._compiler
@@ -155,6 +186,96 @@ class XGrammarProcessor:
             host = torch.empty(max(num_rows, 64), words, dtype=torch.int32)
             self._host = host.pin_memory() if device.type == "cuda" else host
         return self._host[:num_rows]
+
+
+def grammar_of(spec: StructuredOutputs) -> Any:
+    """The constraint as an xgrammar Grammar, not yet compiled against the vocabulary (milliseconds)."""
+    import xgrammar as xgr
+
+    kind = spec.kind
+    try:
+        if kind == "json":
+            return xgr.Grammar.from_json_schema(spec.schema(), any_whitespace=False)
+        if kind == "json_object":
+            return xgr.Grammar.from_json_schema('{"type": "object"}', any_whitespace=False)
+        if kind == "regex":
+            return xgr.Grammar.from_regex(spec.regex)
+        if kind == "choice":
+            return xgr.Grammar.from_ebnf(choice_grammar(spec.choice or []))
+        return xgr.Grammar.from_ebnf(spec.grammar)
+    except Exception as exc:  # xgrammar raises RuntimeError / ValueError with the parser's message
+        raise _invalid(kind, exc) from None
+
+
+def _invalid(kind: str, exc: BaseException) -> RequestError:
+    reason = XGRAMMAR_LOG_PREFIX.sub("", one_line(exc))
+    return RequestError(f"invalid structured.{kind}: {reason}: fix the {kind}")
+
+
+def _key(spec: StructuredOutputs) -> tuple[str, str]:
+    """What a compile is shared by: the constraint's kind and text."""
+    if spec.kind == "json":
+        return "json", spec.schema()
+    text = {"regex": spec.regex, "choice": json.dumps(spec.choice), "grammar": spec.grammar}.get(spec.kind)
+    return spec.kind, str(text)
+
+
+class _DaemonPool:
+    """Threads that run submitted calls into futures; daemons, unlike ThreadPoolExecutor's, so a runaway
+    compile never holds the interpreter's exit (or a server's shutdown) hostage."""
+
+    def __init__(self, num_threads: int) -> None:
+        self._queue: queue.SimpleQueue[tuple[Future, Any, tuple[Any, ...]]] = queue.SimpleQueue()
+        for i in range(num_threads):
+            threading.Thread(target=self._work, name=f"infer-grammar-{i}", daemon=True).start()
+
+    def submit(self, fn: Any, *args: Any) -> Future:
+        future: Future = Future()
+        self._queue.put((future, fn, args))
+        return future
+
+    def _work(self) -> None:
+        while True:
+            future, fn, args = self._queue.get()
+            if not future.set_running_or_notify_cancel():  # cancelled while queued
+                continue
+            try:
+                future.set_result(fn(*args))
+            except BaseException as exc:
+                future.set_exception(exc)
+
+
+class _Compile:
+    """One compile shared by the requests that ask for it: each waits on a future of its own; when every
+    waiter is cancelled (its request left) before the compile starts, it does not run."""
+
+    def __init__(self, shared: Future) -> None:
+        self.shared = shared
+        self.num_waiting = 0
+
+    def waiter(self) -> Future:
+        mine: Future = Future()
+        self.num_waiting += 1
+
+        def settle(shared: Future) -> None:
+            if not mine.set_running_or_notify_cancel():
+                return
+            if shared.cancelled():
+                mine.set_exception(RequestError("the output constraint's compile was cancelled: retry the request"))
+            elif shared.exception() is not None:
+                mine.set_exception(shared.exception())
+            else:
+                mine.set_result(None)
+
+        def left(f: Future) -> None:
+            if f.cancelled():
+                self.num_waiting -= 1
+                if self.num_waiting == 0:
+                    self.shared.cancel()  # not started yet: it never runs; running: it ends on its own
+
+        mine.add_done_callback(left)
+        self.shared.add_done_callback(settle)
+        return mine
 
 
 def _catch_up_one(request: Request, state: MatcherState) -> None:

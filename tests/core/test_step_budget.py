@@ -1,0 +1,81 @@
+"""The step budget (`max_step_ms`): on a simulated device whose step costs a + b * tokens it settles where a
+step takes the target, keeps the configured budget on a fast device, grows only from steps that used it;
+in the engine, a long prompt is chunked so that the steps of a stream beside it stay near the target."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+
+from infer import LLM, SamplingParams
+from infer.core.step_budget import FIRST_TOKENS, MIN_TOKENS, StepBudget
+
+
+def _settle(budget: StepBudget, fixed_s: float, per_token_s: float, steps: int = 30) -> list[float]:
+    times = []
+    for _ in range(steps):
+        elapsed = fixed_s + per_token_s * budget.tokens  # every step has work for its whole budget
+        times.append(elapsed)
+        budget.observe(budget.tokens, elapsed)
+    return times
+
+
+@pytest.mark.parametrize("fixed_ms, per_token_us", [(0.0, 500.0), (100.0, 400.0), (20.0, 2000.0), (5.0, 50.0)])
+def test_it_settles_where_a_step_takes_the_target(fixed_ms, per_token_us):
+    budget = StepBudget(target_s=0.5, max_tokens=1 << 20)
+    times = _settle(budget, fixed_ms / 1e3, per_token_us / 1e6)
+    assert times[-1] == pytest.approx(0.5, rel=0.02)
+    assert budget.tokens == pytest.approx((0.5 - fixed_ms / 1e3) / (per_token_us / 1e6), rel=0.02)
+
+
+def test_a_fast_device_keeps_the_configured_budget():
+    budget = StepBudget(target_s=0.5, max_tokens=4096)
+    assert budget.tokens == FIRST_TOKENS
+    times = _settle(budget, 0.005, 25e-6)  # an H100-like 40k tokens/s
+    assert budget.tokens == 4096 and max(times[-5:]) < 0.5
+
+
+def test_it_stays_within_its_floor_and_moves_at_most_twice_a_step():
+    budget = StepBudget(target_s=0.1, max_tokens=4096)
+    assert budget.observe(256, 100.0) == 128  # a step far over the target: halved, not cut to nothing
+    for _ in range(20):
+        budget.observe(budget.tokens, 100.0)
+    assert budget.tokens == MIN_TOKENS
+    assert budget.observe(MIN_TOKENS, 1e-6) == 2 * MIN_TOKENS
+
+
+def test_steps_short_of_work_do_not_grow_or_shrink_it():
+    budget = StepBudget(target_s=0.5, max_tokens=4096)
+    budget.observe(256, 0.01)
+    grown = budget.tokens
+    assert budget.observe(20, 0.001) == grown  # a few decodes, fast: says nothing of a prefill's cost
+    assert budget.observe(8, 10.0) == grown  # too few tokens to tell
+
+
+def test_a_long_prompt_is_chunked_to_the_target_beside_a_stream(smollm2_dir):
+    """SmolLM2 on the CPU with max_step_ms=100: a 1,500-token prompt arrives beside a stream; it runs in
+    chunks, and the stream gets a token every step, each step near the target (bounded loosely: two shared
+    cores). Without the budget its first chunk is the whole prompt, one step of seconds."""
+    llm = LLM(model=str(smollm2_dir), attention="torch", max_model_len=2048, max_step_ms=100.0)
+    try:
+        engine = llm.engine
+        stream = engine.add_request([1] * 8, SamplingParams(max_tokens=200, temperature=0, ignore_eos=True))
+        for _ in range(8):  # the budget settles on the stream's steps and a warm-up prompt's chunks
+            engine.step()
+        engine.add_request([2] * 300, SamplingParams(max_tokens=1, temperature=0))
+        while len(engine.requests) > 1:
+            engine.step()
+        engine.add_request([3] * 1500, SamplingParams(max_tokens=1, temperature=0))
+        times, budgets = [], []
+        while len(engine.requests) > 1:
+            start = time.perf_counter()
+            engine.step()
+            times.append(time.perf_counter() - start)
+            budgets.append(engine.parts.scheduler.max_num_batched_tokens)
+        assert len(times) >= 4 and max(budgets) < 1500  # chunked
+        assert sorted(times)[len(times) // 2] < 0.3, times  # the median step near the 100 ms target
+        assert max(times) < 1.0, times
+        assert stream in engine.output.groups  # still streaming
+    finally:
+        llm.close()
