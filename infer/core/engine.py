@@ -2,13 +2,11 @@
 
 from __future__ import annotations
 
-import concurrent.futures
 import contextlib
 import itertools
 import queue
 import random
 import time
-from concurrent.futures import FIRST_COMPLETED
 from dataclasses import dataclass
 from typing import Any, Iterable, Sequence
 
@@ -19,13 +17,13 @@ from infer.core.interfaces import (
     Decoder,
     KVUsage,
     Launch,
-    PreparingProcessor,
     ResettableStats,
     Scheduler,
     StatsSummary,
     TokenBudgeted,
 )
 from infer.core.output import Group, OutputProcessor
+from infer.core.preparing import Preparations, Preparing, prepare
 from infer.core.request import FinishReason, Request, RequestOutput, RequestStatus, SamplingParams
 from infer.core.step_budget import StepBudget
 from infer.inputs.prompts import tokenize
@@ -58,15 +56,6 @@ class EngineParts:
     processors: tuple[Any, ...] = ()  # every logits processor built (`LogitsProcessor`)
 
 
-@dataclass(slots=True)
-class Preparing:
-    """A request waiting, outside the scheduler, for its processors' `prepare` futures (a grammar compiling)."""
-
-    group: Group
-    futures: list[concurrent.futures.Future]
-    deadline: float  # perf_counter time past which it is refused
-
-
 class Engine:
     def __init__(self, parts: EngineParts) -> None:
         self.parts = parts
@@ -84,7 +73,7 @@ class Engine:
         self.num_steps = 0
         self.decoder_totals: dict[str, float] = {}  # StepResult.stats summed over steps
         self.closed = False
-        self._preparing: dict[str, Preparing] = {}  # parent id -> a request waiting for its constraint
+        self._preparing = Preparations()  # requests waiting for their constraint, outside the scheduler
         self._refusals: list[RequestOutput] = []  # requests refused after they were added: output next step
         budgeted = parts.scheduler if isinstance(parts.scheduler, TokenBudgeted) else None
         target_ms = getattr(parts.config, "max_step_ms", None)
@@ -149,7 +138,7 @@ class Engine:
             )
             children.append(child)
         group = Group(parent_id, text, children)
-        futures = self._prepare(children[0])
+        futures = prepare(self.parts.processors, children[0])
         if any(not f.done() for f in futures):  # its constraint is being prepared (compiled): it waits outside
             self.output.add(group)
             for child in children:
@@ -197,7 +186,7 @@ class Engine:
                     self.scheduler.finish(child, FinishReason.ABORT)  # one still preparing is in no queue
                 self.output.mark_final(child)
                 self.requests.pop(child.request_id, None)
-            self._stop_preparing(group.request_id)
+            self._preparing.cancel(group.request_id)
 
     def has_unfinished(self) -> bool:
         return self.scheduler.has_unfinished() or self.output.has_pending()
@@ -227,44 +216,20 @@ class Engine:
 
     # ------------------------------------------------------------------ constraints being prepared
 
-    def _prepare(self, request: Request) -> list[concurrent.futures.Future]:
-        """The futures of the processors that prepare something for `request` (none done yet)."""
-        futures = []
-        try:
-            for processor in self.parts.processors:
-                if isinstance(processor, PreparingProcessor):
-                    future = processor.prepare(request)
-                    if future is not None:
-                        futures.append(future)
-        except BaseException:
-            for future in futures:
-                future.cancel()
-            raise
-        return futures
-
     def _admit_prepared(self, wait: bool) -> None:
         """Move the requests whose preparation is done into the scheduler; refuse those it failed or that
         waited past their deadline. wait: nothing else to do, so block a little for a future to finish."""
-        if wait:
-            pending = [f for p in self._preparing.values() for f in p.futures if not f.done()]
-            nearest = min(p.deadline for p in self._preparing.values()) - time.perf_counter()
-            if pending and nearest > 0:
-                concurrent.futures.wait(pending, timeout=min(0.05, nearest), return_when=FIRST_COMPLETED)
-        now = time.perf_counter()
-        for parent_id, preparing in list(self._preparing.items()):
-            if all(f.done() for f in preparing.futures):
-                del self._preparing[parent_id]
-                self._admit_group(preparing)
-            elif now > preparing.deadline:
-                limit = getattr(self.parts.config, "structured_compile_timeout_s", None)
-                self._refuse(
-                    preparing.group,
-                    RequestError(
-                        f"invalid structured: the output constraint did not compile within {limit:g} s (the "
-                        f"engine's structured_compile_timeout_s, --structured-compile-timeout-s): simplify the "
-                        f"schema or grammar, or raise that limit"
-                    ),
-                )
+        ready, expired = self._preparing.settle(wait)
+        for preparing in ready:
+            self._admit_group(preparing)
+        limit = getattr(self.parts.config, "structured_compile_timeout_s", None)
+        for preparing in expired:
+            error = RequestError(
+                f"invalid structured: the output constraint did not compile within {limit:g} s (the engine's "
+                f"structured_compile_timeout_s, --structured-compile-timeout-s): simplify the schema or grammar, "
+                f"or raise that limit"
+            )
+            self._refuse(preparing.group, error)
 
     def _admit_group(self, preparing: Preparing) -> None:
         group = preparing.group
@@ -281,18 +246,13 @@ class Engine:
 
     def _refuse(self, group: Group, exc: BaseException) -> None:
         """A request refused after it was added: its output (with `error`) comes from the next step."""
-        self._stop_preparing(group.request_id)
+        self._preparing.cancel(group.request_id)
         first = group.children[0]
         self._refusals.append(rejected_output(group.request_id, group.prompt, exc, first.prompt_token_ids))
         for child in group.children:
             child.status = RequestStatus.FINISHED
             self.requests.pop(child.request_id, None)
         self.output.discard(group.request_id)
-
-    def _stop_preparing(self, parent_id: str) -> None:
-        preparing = self._preparing.pop(parent_id, None)
-        for future in preparing.futures if preparing is not None else ():
-            future.cancel()
 
     def _stop_strings(self, stops: list[tuple[Request, int]]) -> None:
         for request, stop_index in stops:
@@ -370,7 +330,7 @@ class Engine:
 
     def _forget(self, request_id: str) -> None:
         """End a request group, free its blocks and drop it without an output."""
-        self._stop_preparing(request_id)
+        self._preparing.cancel(request_id)
         group = self.output.groups.get(request_id)
         for child in group.children if group else []:
             self.scheduler.finish(child, FinishReason.ABORT)  # frees its blocks; no-op when finished or never added
