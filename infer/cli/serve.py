@@ -11,13 +11,19 @@ stops with one line naming the install.
 A --model is MODEL[:FIELD=VALUE,...]: the model as `infer run --model` takes it, then options of its
 engine only (any engine option's field name: attention, num_kv_blocks, ...; `name` is the id requests
 use, default MODEL). The engine options given as flags apply to every model; a model's own override them.
+
+What one client may ask is bounded by the `ServeLimits` options (`LIMITS_HELP`: --max-request-bytes,
+--body-timeout, --header-timeout, --keep-alive-timeout, --max-stop, --max-logit-bias,
+--max-schema-bytes, --max-schema-depth, --max-choices, --max-choices-length, --max-regex-length,
+--max-grammar-length). --api-key guards every route but /health; --metrics-public leaves /metrics open.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Callable
 
 import click
 
@@ -26,6 +32,7 @@ from infer.cli.options import engine_config, engine_options_except
 from infer.core.config import EngineConfig
 from infer.core.errors import ConfigError
 from infer.core.hookspecs import hookimpl
+from infer.serve.limits import ServeLimits, option_name
 from infer.serve.tool_parsers import PARSERS
 
 EXTRA = "pip install 'infer[serve]'"
@@ -78,6 +85,42 @@ def model_configs(specs: tuple[str, ...], shared: dict[str, Any]) -> dict[str, E
     return configs
 
 
+LIMITS_HELP = {  # ServeLimits field -> its option's help
+    "max_request_bytes": "A request body past this many bytes is a 413 (by Content-Length, or counted as it arrives).",
+    "body_timeout_s": "Seconds a request body may go without a byte (or stop short of its Content-Length): a 408.",
+    "header_timeout_s": "Seconds a connection may hold a request's partial headers before it is closed.",
+    "keep_alive_timeout_s": "Seconds an idle keep-alive connection stays open.",
+    "max_stop": "Stop strings per request, at most.",
+    "max_logit_bias": "logit_bias entries per request, at most.",
+    "max_schema_bytes": "A JSON schema's size as JSON text, at most (response_format, guided_json, tool parameters).",
+    "max_schema_depth": "A JSON schema's nesting depth (objects and arrays inside each other), at most.",
+    "max_choices": "guided_choice strings per request, at most.",
+    "max_choices_length": "guided_choice strings' characters, all together, at most.",
+    "max_regex_length": "A guided_regex's characters, at most.",
+    "max_grammar_length": "A guided_grammar's characters, at most.",
+}
+
+
+def limit_options(command: Callable[..., Any]) -> Callable[..., Any]:
+    """One option per ServeLimits field (LIMITS_HELP), handed to `command` together as `limits`."""
+    defaults = ServeLimits()
+    names = {option_name(f.name): f.name for f in dataclasses.fields(ServeLimits)}
+
+    @functools.wraps(command)
+    def with_limits(**kwargs: Any) -> Any:
+        limits = ServeLimits(**{name: kwargs.pop(name) for name in names.values()})
+        return command(limits=limits, **kwargs)
+
+    for option, name in reversed(names.items()):
+        default = getattr(defaults, name)
+        kind = click.FloatRange(min=0, min_open=True) if isinstance(default, float) else click.IntRange(min=1)
+        help_text = LIMITS_HELP[name]
+        with_limits = click.option(option, name, type=kind, default=default, show_default=True, help=help_text)(
+            with_limits
+        )
+    return with_limits
+
+
 @click.command()
 @click.option(
     "--model",
@@ -87,10 +130,24 @@ def model_configs(specs: tuple[str, ...], shared: dict[str, Any]) -> dict[str, E
     help="A model to serve (repeatable), with options of its engine only, e.g. "
     "'llama3-8b:load_format=dummy,attention=torch,name=llama'. [default: smollm2-135m]",
 )
-@engine_options_except("model")
+@engine_options_except("model", "max_step_ms")
+@click.option(
+    "--max-step-ms",
+    "max_step_ms",
+    type=click.FloatRange(min=0, min_open=True),
+    default=500.0,
+    show_default=True,
+    help="A step's target time in ms: the per-step token budget (at most --max-num-batched-tokens) shrinks to "
+    "what the device computes in it, measured as it serves, so one long prompt cannot freeze the other streams.",
+)
 @click.option("--host", default="127.0.0.1", show_default=True, help="Address to listen on (0.0.0.0: every one).")
 @click.option("--port", type=click.IntRange(0, 65535), default=8000, show_default=True, help="Port to listen on.")
-@click.option("--api-key", default=None, help="Require 'Authorization: Bearer KEY' on /v1/* and /(de)tokenize.")
+@click.option(
+    "--api-key",
+    default=None,
+    help="Require 'Authorization: Bearer KEY' on every route but /health (/metrics too, unless --metrics-public).",
+)
+@click.option("--metrics-public", is_flag=True, help="With --api-key, serve /metrics without the key (to a scraper).")
 @click.option(
     "--max-waiting",
     type=click.IntRange(min=0),
@@ -104,14 +161,17 @@ def model_configs(specs: tuple[str, ...], shared: dict[str, Any]) -> dict[str, E
     help="The format of the tool calls models write (hermes: Hermes, Qwen 2.5 and 3; llama3_json: Llama 3.1+), "
     "read for chats with tool_choice 'auto'. Without it such chats are refused.",
 )
+@limit_options
 @user_errors
 def serve(
     models: tuple[str, ...],
     host: str,
     port: int,
     api_key: str | None,
+    metrics_public: bool,
     max_waiting: int | None,
     tool_call_parser: str | None,
+    limits: ServeLimits,
     **engine_opts: Any,
 ) -> None:
     """Serve models over the OpenAI API: /v1/completions, /v1/chat/completions, /v1/models, /metrics."""
@@ -119,6 +179,7 @@ def serve(
         import uvicorn
 
         from infer.serve.app import create_app
+        from infer.serve.http_limits import uvicorn_options
     except ImportError as exc:
         raise ConfigError(f"infer serve needs the serve extra ({exc.name} is missing): {EXTRA}") from None
     from infer.serve.async_engine import AsyncEngine
@@ -130,9 +191,12 @@ def serve(
             click.echo(f"loading {name} ({config.model})", err=True)
             # each engine steps in a process of its own: the event loop here never holds the GIL its steps need
             engines[name] = AsyncEngine.spawn(functools.partial(_build_engine, config), max_waiting=max_waiting)
-        app = create_app(engines, api_key=api_key, tool_call_parser=tool_call_parser)
+        app = create_app(
+            engines, api_key=api_key, tool_call_parser=tool_call_parser, limits=limits, metrics_public=metrics_public
+        )
         click.echo(f"serving {', '.join(engines)} at http://{host}:{port}/v1", err=True)
-        uvicorn.run(app, host=host, port=port, log_level="info", timeout_graceful_shutdown=5)
+        options = uvicorn_options(limits)
+        uvicorn.run(app, host=host, port=port, log_level="info", timeout_graceful_shutdown=5, **options)
     finally:
         for engine in engines.values():
             engine.close()

@@ -89,3 +89,24 @@ def _check_schema(schema: Any) -> None:
             raise RequestError(f"invalid structured.json: not JSON ({exc}): give a JSON schema") from None
     if not isinstance(schema, (dict, bool)):
         raise RequestError(f"invalid structured.json={schema!r}: a JSON schema is an object (a dict)")
+    ref = _outside_ref(schema)
+    if ref is not None:
+        raise RequestError(
+            f"invalid structured.json: $ref {ref!r} points outside the schema, and nothing is fetched: "
+            "inline it under $defs and refer to it as '#/$defs/NAME'"
+        )
+
+
+def _outside_ref(schema: Any) -> str | None:
+    """The first `$ref` not into the schema itself (not '#...'); values (const, enum, default, examples) skipped."""
+    stack = [schema]
+    while stack:  # not recursive: a deep schema cannot overflow the stack
+        node = stack.pop()
+        if isinstance(node, list):
+            stack.extend(node)
+        elif isinstance(node, dict):
+            ref = node.get("$ref")
+            if isinstance(ref, str) and not ref.startswith("#"):
+                return ref
+            stack.extend(v for k, v in node.items() if k not in ("const", "enum", "default", "examples"))
+    return None

@@ -9,14 +9,18 @@ calls a model writes in its text (`constrained`, `tool_parsers`).
     POST /tokenize, /detokenize                  vLLM's shapes
     GET  /health, /metrics                       liveness; Prometheus text
 
-With `api_key`, /v1/* and /(de)tokenize need `Authorization: Bearer <key>`; /health and /metrics
-stay open to the probes and scrapers of the network the server is on. The app does not own the
-engines: whoever made them closes them.
+With `api_key`, every route but /health needs `Authorization: Bearer <key>` (the scheme in any
+case): /v1/*, /(de)tokenize, /openapi.json, and /metrics unless `metrics_public` (for a scraper
+that sends no key). /docs and /redoc are off (they load their pages from a CDN); GET /openapi.json
+describes every route, with the `limits` (`ServeLimits`) it can state. Requests past the limits are
+refused before any work: bodies and slow clients by `http_limits`, fields by `request_limits`.
+The app does not own the engines: whoever made them closes them.
 """
 
 from __future__ import annotations
 
 import contextlib
+import functools
 import secrets
 from typing import Any, Iterator, Mapping
 
@@ -27,13 +31,17 @@ from prometheus_client import CONTENT_TYPE_LATEST
 from infer import __version__
 from infer.core.errors import ConfigError, RequestError, one_line
 from infer.inputs.chat_template import check_template_kwargs, render_chat, template_for
+from infer.inputs.prompts import check_encodable
 from infer.serve import errors
 from infer.serve.async_engine import AsyncEngine
 from infer.serve.constrained import output_rules
 from infer.serve.errors import APIError
 from infer.serve.formats import ChatFormat, CompletionFormat
 from infer.serve.generation import Generation, answer, max_tokens_rule
+from infer.serve.http_limits import BodyLimits
+from infer.serve.limits import ServeLimits
 from infer.serve.metrics import ServeMetrics
+from infer.serve.offload import Offload, longest_token_chars, refuse_long_text
 from infer.serve.protocol import (
     ChatCompletion,
     ChatRequest,
@@ -47,6 +55,7 @@ from infer.serve.protocol import (
     TokenizeRequest,
     TokenizeResponse,
 )
+from infer.serve.request_limits import check_request, openapi_limits
 from infer.serve.served import ServedModel
 from infer.serve.tool_parsers import PARSERS
 
@@ -66,24 +75,42 @@ ERRORS: dict[int | str, dict[str, Any]] = {
 
 
 def _streamed(model: type) -> dict[int | str, dict[str, Any]]:
-    content = {"text/event-stream": {"schema": {"type": "string", "description": "with stream: chunks, then [DONE]"}}}
+    # before OpenAPI 3.2, an event stream's `schema` is each event's: its data a chunk's JSON, then [DONE]
+    event = {"type": "object", "properties": {"data": {"type": "string"}}, "required": ["data"]}
+    content = {"text/event-stream": {"schema": {**event, "description": "with stream: chunks, then [DONE]"}}}
     return {200: {"model": model, "content": content}, **ERRORS}
 
 
 def create_app(
-    engines: Mapping[str, AsyncEngine], api_key: str | None = None, tool_call_parser: str | None = None
+    engines: Mapping[str, AsyncEngine],
+    api_key: str | None = None,
+    tool_call_parser: str | None = None,
+    *,
+    limits: ServeLimits | None = None,
+    metrics_public: bool = False,
 ) -> FastAPI:
     """tool_call_parser: the format of the calls models write in their text (a name in `PARSERS`), read
-    for chats with tool_choice "auto"; None: such chats are refused."""
+    for chats with tool_choice "auto"; None: such chats are refused. limits: None: ServeLimits()'s
+    defaults. metrics_public: /metrics needs no key even with `api_key`."""
     if not engines:
         raise ConfigError("serve at least one model: give --model NAME")
     if tool_call_parser is not None and tool_call_parser not in PARSERS:
         raise ConfigError(f"unknown tool-call parser {tool_call_parser!r}: use one of {', '.join(PARSERS)}")
     models = Models({name: ServedModel(name, engine) for name, engine in engines.items()})
+    models.offload = Offload()  # tokenizing and chat templates run here, off the event loop
     metrics = ServeMetrics(models.values())
-    app = FastAPI(title="infer", version=__version__, summary="An OpenAI-compatible server over infer's engines.")
-    app.state.models, app.state.metrics = models, metrics
+    limits = limits or ServeLimits()
+    app = FastAPI(
+        title="infer",
+        version=__version__,
+        summary="An OpenAI-compatible server over infer's engines.",
+        docs_url=None,  # Swagger UI and ReDoc load from a CDN: blank offline
+        redoc_url=None,
+        openapi_url=None,  # served below, behind the key
+    )
+    app.state.models, app.state.metrics, app.state.limits = models, metrics, limits
     errors.install(app)
+    app.add_middleware(BodyLimits, limits=limits)
     guarded = [Depends(_bearer(api_key))] if api_key else []
 
     @app.get("/health", responses=ERRORS)
@@ -93,7 +120,7 @@ def create_app(
             raise APIError(503, f"the engine of {', '.join(down)} stopped: restart the server", "server_error")
         return JSONResponse({"status": "ok"})
 
-    @app.get("/metrics", response_class=Response)
+    @app.get("/metrics", response_class=Response, dependencies=[] if metrics_public else guarded)
     async def prometheus() -> Response:
         return Response(await metrics.scrape(), media_type=CONTENT_TYPE_LATEST)
 
@@ -102,13 +129,23 @@ def create_app(
         cards = [ModelCard(id=m.name, created=m.created, max_model_len=m.max_model_len) for m in models.values()]
         return ModelList(data=cards)
 
-    _generation_routes(app, models, metrics, guarded, tool_call_parser)
+    _generation_routes(app, models, metrics, guarded, tool_call_parser, limits)
     _token_routes(app, models, guarded)
+    _openapi_route(app, guarded, limits)
     return app
 
 
 class Models(dict[str, ServedModel]):
-    """The served models by name."""
+    """The served models by name, and the pool their prompts are tokenized in."""
+
+    offload: Offload  # set by create_app
+
+    def refuse_long(self, served: ServedModel, num_chars: int, param: str) -> None:
+        """A 400 for text longer than the model's context holds in any tokenization, before encoding it."""
+        bounds = self.__dict__.setdefault("_chars_per_token", {})
+        if served.name not in bounds:
+            bounds[served.name] = longest_token_chars(served.tokenizer)
+        refuse_long_text(num_chars, bounds[served.name], served.max_model_len, param)
 
     def named(self, name: str | None) -> ServedModel:
         """The model a request names (None: the only one, if there is one); a 404 names the others."""
@@ -127,16 +164,25 @@ class Models(dict[str, ServedModel]):
 
 
 def _generation_routes(
-    app: FastAPI, models: Models, metrics: ServeMetrics, guarded: list[Any], tool_call_parser: str | None
+    app: FastAPI,
+    models: Models,
+    metrics: ServeMetrics,
+    guarded: list[Any],
+    tool_call_parser: str | None,
+    limits: ServeLimits,
 ) -> None:
     @app.post("/v1/completions", dependencies=guarded, response_model=None, responses=_streamed(Completion))
     async def completions(req: CompletionRequest, request: Request) -> Response:
         served = models.named(req.model)
         with _counted(metrics, served):
             req.refuse()
+            check_request(req, limits)
             rules = output_rules(req)
             with _about("prompt"):
-                prompts = [served.engine.engine.tokenize(p)[1] for p in req.prompts()]
+                num_chars = [len(p) for p in req.prompts() if isinstance(p, str)]
+                for n in num_chars:
+                    models.refuse_long(served, n, "prompt")
+                prompts = await models.offload.run(sum(num_chars), _tokenize_all, served, req.prompts())
             default = COMPLETIONS_DEFAULT_MAX_TOKENS
             limit = max_tokens_rule(req.max_tokens, default, served.max_model_len, "max_tokens", "prompt")
             gen = Generation.start("cmpl", served, metrics, req, prompts, limit, req.logprobs, rules)
@@ -147,9 +193,14 @@ def _generation_routes(
         served = models.named(req.model)
         with _counted(metrics, served):
             req.refuse()
+            check_request(req, limits)
             rules = output_rules(req, tool_call_parser)
             with _about("messages"):
-                ids = _chat_ids(served, req.messages, True, req.chat_template_kwargs, rules.tools)
+                num_chars = _num_chars(req.messages) + (len(str(rules.tools)) if rules.tools else 0)
+                models.refuse_long(served, num_chars, "messages")
+                ids = await models.offload.run(
+                    num_chars, _chat_ids, served, req.messages, True, req.chat_template_kwargs, rules.tools
+                )
             param = "max_completion_tokens" if req.max_completion_tokens is not None else "max_tokens"
             limit = max_tokens_rule(req.max_new_tokens, None, served.max_model_len, param, "messages")
             gen = Generation.start("chatcmpl", served, metrics, req, [ids], limit, req.num_logprobs, rules)
@@ -164,9 +215,17 @@ def _token_routes(app: FastAPI, models: Models, guarded: list[Any]) -> None:
         if (req.prompt is None) == (req.messages is None):
             raise APIError(400, "give exactly one of prompt (text) or messages (a chat)", param="prompt")
         if req.messages is not None:
-            ids = _chat_ids(served, req.messages, req.add_generation_prompt, None, None)
+            with _about("messages"):
+                num_chars = _num_chars(req.messages)
+                models.refuse_long(served, num_chars, "messages")
+                chat = functools.partial(_chat_ids, served, req.messages, req.add_generation_prompt, None, None)
+                ids = await models.offload.run(num_chars, chat)
         else:
-            ids = list(tokenizer.encode(req.prompt, add_special_tokens=req.add_special_tokens))
+            with _about("prompt"):
+                check_encodable(req.prompt, "prompt")
+                models.refuse_long(served, len(req.prompt), "prompt")
+            encode = functools.partial(tokenizer.encode, req.prompt, add_special_tokens=req.add_special_tokens)
+            ids = list(await models.offload.run(len(req.prompt), encode))
         return TokenizeResponse(count=len(ids), max_model_len=served.max_model_len, tokens=ids)
 
     @app.post("/detokenize", dependencies=guarded, responses=ERRORS)
@@ -177,6 +236,22 @@ def _token_routes(app: FastAPI, models: Models, guarded: list[Any]) -> None:
         if any(t >= vocab_size for t in req.tokens):
             raise APIError(400, f"token ids must be in [0, {vocab_size}): fix the list", param="tokens")
         return DetokenizeResponse(prompt=tokenizer.decode(req.tokens))
+
+
+def _openapi_route(app: FastAPI, guarded: list[Any], limits: ServeLimits) -> None:
+    """GET /openapi.json behind the key; `app.openapi()` states the limits too."""
+    plain = app.openapi
+
+    def with_limits() -> dict[str, Any]:
+        if app.openapi_schema is None:
+            app.openapi_schema = openapi_limits(plain(), limits)
+        return app.openapi_schema
+
+    app.openapi = with_limits  # type: ignore[method-assign]
+
+    @app.get("/openapi.json", dependencies=guarded, include_in_schema=False)
+    async def openapi() -> JSONResponse:
+        return JSONResponse(app.openapi())
 
 
 @contextlib.contextmanager
@@ -205,6 +280,20 @@ def _tokenizer(served: ServedModel) -> Any:
     return served.tokenizer
 
 
+def _tokenize_all(served: ServedModel, prompts: list[str | list[int]]) -> list[list[int]]:
+    """Each prompt's token ids, checked against the model's vocabulary and context (on a pool thread)."""
+    return [served.engine.engine.tokenize(p)[1] for p in prompts]
+
+
+def _num_chars(messages: list[Any]) -> int:
+    """The characters of a chat's texts (what its rendering holds, less the template's own)."""
+    total = 0
+    for m in messages:
+        content = m.content
+        total += len(content) if isinstance(content, str) else sum(len(p.text) for p in content or ())
+    return total
+
+
 def _chat_ids(
     served: ServedModel, messages: list[Any], add_generation_prompt: bool, kwargs: Any, tools: list[Any] | None
 ) -> list[int]:
@@ -216,11 +305,12 @@ def _chat_ids(
 
 
 def _bearer(api_key: str) -> Any:
-    expected = f"Bearer {api_key}".encode()
+    expected = api_key.encode()
 
     async def check(request: Request) -> None:
-        given = request.headers.get("authorization", "").encode()
-        if not secrets.compare_digest(given, expected):
+        scheme, _, given = request.headers.get("authorization", "").partition(" ")
+        # the scheme is case-insensitive (RFC 9110); the key is compared in constant time
+        if scheme.lower() != "bearer" or not secrets.compare_digest(given.strip().encode(), expected):
             raise APIError(
                 401,
                 "no valid API key: send the server's --api-key as the header 'Authorization: Bearer KEY'",

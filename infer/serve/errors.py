@@ -1,8 +1,9 @@
 """Every error the server answers, in OpenAI's shape: {"error": {"message", "type", "param", "code"}}.
 
 Bad input is a 400 (pydantic's validation errors included), an unknown model a 404, a missing or
-wrong API key a 401, a full waiting queue a 429 with Retry-After; only the server's own failures
-are 5xx. No traceback reaches a client.
+wrong API key a 401, a full waiting queue a 429 with Retry-After, a body too large a 413 and one
+too slow a 408 (`http_limits`); only the server's own failures are 5xx. No traceback reaches a
+client.
 """
 
 from __future__ import annotations
@@ -93,7 +94,7 @@ def validation_error(exc: RequestValidationError) -> APIError:
     if first.get("type") == "extra_forbidden":
         param = ".".join(map(str, loc))
         return APIError(
-            400, f"unrecognized request argument {param!r}: drop it (GET /docs lists the fields)", param=param
+            400, f"unrecognized request argument {param!r}: drop it (GET /openapi.json lists the fields)", param=param
         )
     param = ".".join(map(str, itertools.takewhile(lambda part: isinstance(part, int) or part in FIELDS, loc))) or None
     where = f"{param}: " if param else ""
@@ -110,7 +111,9 @@ def install(app: FastAPI) -> None:
 
     async def on_http(request: Request, exc: StarletteHTTPException) -> JSONResponse:
         kind = {401: "authentication_error", 404: "not_found_error"}.get(exc.status_code, "invalid_request_error")
-        message = f"{exc.detail}: see GET /docs for the routes" if exc.status_code in (404, 405) else str(exc.detail)
+        message = (
+            f"{exc.detail}: see GET /openapi.json for the routes" if exc.status_code in (404, 405) else str(exc.detail)
+        )
         headers = dict(exc.headers) if exc.headers else None
         return APIError(exc.status_code, message, kind, headers=headers).response()
 

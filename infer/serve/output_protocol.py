@@ -12,7 +12,7 @@ Name = Annotated[StrictStr, Field(min_length=1)]
 
 
 class JsonSchemaFormat(BaseModel):
-    model_config = ConfigDict(extra="forbid", populate_by_name=True)
+    model_config = ConfigDict(extra="forbid", strict=True, populate_by_name=True)
 
     name: Name  # the schema's name (OpenAI requires one; it changes nothing here)
     description: StrictStr | None = None
@@ -20,10 +20,20 @@ class JsonSchemaFormat(BaseModel):
     strict: StrictBool | None = None  # accepted: the output always matches its schema here
 
 
+# json_schema with type json_schema, and only then (as the validator below says it)
+SCHEMA_WITH_ITS_TYPE = [
+    {
+        "properties": {"type": {"const": "json_schema"}, "json_schema": {"not": {"type": "null"}}},
+        "required": ["json_schema"],
+    },
+    {"properties": {"type": {"enum": ["text", "json_object"]}, "json_schema": {"type": "null"}}},
+]
+
+
 class ResponseFormat(BaseModel):
     """text: free text; json_object: any JSON object; json_schema: JSON valid against `json_schema.schema`."""
 
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", strict=True, json_schema_extra={"oneOf": SCHEMA_WITH_ITS_TYPE})
 
     type: Literal["text", "json_object", "json_schema"]
     json_schema: JsonSchemaFormat | None = None  # with type json_schema, and only then
@@ -36,7 +46,7 @@ class ResponseFormat(BaseModel):
 
 
 class FunctionDefinition(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", strict=True)
 
     name: Name  # what the model calls it by
     description: StrictStr | None = None
@@ -45,14 +55,14 @@ class FunctionDefinition(BaseModel):
 
 
 class Tool(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", strict=True)
 
     type: Literal["function"]
     function: FunctionDefinition
 
 
 class FunctionName(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", strict=True)
 
     name: Name
 
@@ -60,7 +70,7 @@ class FunctionName(BaseModel):
 class NamedToolChoice(BaseModel):
     """Call this function: the output is its arguments."""
 
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", strict=True)
 
     type: Literal["function"]
     function: FunctionName

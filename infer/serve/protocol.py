@@ -6,7 +6,14 @@ constrain the output (`structured_outputs`, the older `guided_*`). A field OpenA
 server cannot honour is refused with a 400 naming it and why (`Refused`), never silently ignored;
 the few that change nothing a self-hosted model does (`user`, `metadata`, `store`, ...) are
 accepted and ignored. A field OpenAI does not define is refused by validation, as OpenAI refuses
-one ("Extra inputs are not permitted").
+one ("Extra inputs are not permitted"). Each field is checked for its JSON type strictly, as OpenAI
+checks it: "5" or true for an integer, true for a number, "yes" for a boolean are 400s; an integer
+passes for a number, and a whole number written 5.0 for an integer (JSON Schema's integers).
+
+The OpenAPI schema states what the handlers enforce, refusals included (`echo` only false,
+`modalities` only ["text"], /tokenize's prompt or messages, ...), so a client generated from it
+sends nothing it forbids; what it cannot state is the model's (its context, vocabulary and chat
+template), the constraint compilers' and rules across fields (`best_of` = `n`, one constraint).
 """
 
 from __future__ import annotations
@@ -15,7 +22,7 @@ import contextlib
 import json
 from typing import Annotated, Any, Literal, Union
 
-from pydantic import BaseModel, ConfigDict, Field, StrictInt, StrictStr
+from pydantic import AfterValidator, BaseModel, BeforeValidator, ConfigDict, Field, StrictStr, WithJsonSchema
 
 from infer.core.request import SamplingParams
 from infer.inputs.structured import StructuredOutputs
@@ -24,9 +31,42 @@ from infer.serve.output_protocol import NamedToolChoice, ResponseFormat, Tool, T
 MAX_LOGPROBS = 20  # top logprobs per token, at most (OpenAI's chat limit; vLLM's default)
 MAX_N = 128  # samples per prompt, at most (OpenAI's limit)
 
-TokenIds = Annotated[list[Annotated[StrictInt, Field(ge=0)]], Field(min_length=1)]
+
+def _whole(value: Any) -> Any:
+    """5.0 is the integer 5 to JSON Schema (and so to the OpenAPI schema's clients); 5.5, "5" and true are not."""
+    return int(value) if isinstance(value, float) and value.is_integer() else value
+
+
+# after an integer field's Field(...) (so that its bounds reach the OpenAPI schema): requests are validated
+# strictly (no "5", no true for an integer), and a whole number written 5.0 passes as JSON Schema says it does
+WHOLE = BeforeValidator(_whole)
+TokenIds = Annotated[list[Annotated[int, Field(ge=0), WHOLE]], Field(min_length=1)]
 Text = Annotated[StrictStr, Field(min_length=1)]
-Stop = Union[StrictStr, list[StrictStr], None]
+Stop = Union[Text, list[Text], None]
+NULL_ONLY: dict[str, Any] = {"type": "null"}  # the schema of a field refused whatever its value
+# a string with a character str.strip() keeps (JSON Schema's \s is not Python's whitespace)
+NOT_BLANK = "[^\t\n\v\f\r\x1c-\x20\x85\xa0\u1680\u2000-\u200a\u2028\u2029\u202f\u205f\u3000]"
+
+
+def _given(*names: str) -> list[Any]:
+    """JSON Schema's oneOf branches "this field is given" (present and not null), one per name."""
+    return [{"required": [name], "properties": {name: {"not": {"type": "null"}}}} for name in names]
+
+
+def _token_key(key: str) -> str:
+    if not (key.isascii() and key.isdigit()):
+        raise ValueError("use token ids (integers >= 0, written as strings) as its keys")
+    return key
+
+
+# a logit_bias key: a token id as OpenAI writes it, "1234"
+TokenKey = Annotated[str, AfterValidator(_token_key), WithJsonSchema({"type": "string", "pattern": "^[0-9]+$"})]
+
+# top_logprobs > 0 needs logprobs: true (the route refuses it otherwise)
+TOP_LOGPROBS_NEED_LOGPROBS = {
+    "if": {"properties": {"top_logprobs": {"type": "integer", "minimum": 1}}, "required": ["top_logprobs"]},
+    "then": {"properties": {"logprobs": {"const": True}}, "required": ["logprobs"]},
+}
 
 
 class Refused(ValueError):
@@ -38,7 +78,7 @@ class Refused(ValueError):
 
 
 class StreamOptions(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", strict=True)
 
     include_usage: bool | None = None  # a last chunk with the usage (and no choices)
     include_obfuscation: bool | None = None  # accepted and ignored: no obfuscation field is sent
@@ -47,14 +87,14 @@ class StreamOptions(BaseModel):
 class SamplingFields(BaseModel):
     """What completions and chat completions share."""
 
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", strict=True)
 
     model: StrictStr  # a name GET /v1/models lists
-    n: int | None = Field(default=None, ge=1, le=MAX_N)  # samples per prompt; None: 1
+    n: Annotated[int, Field(ge=1, le=MAX_N), WHOLE] | None = None  # samples per prompt; None: 1
     temperature: float | None = Field(default=None, ge=0, le=2)  # None: 1; 0 is greedy
-    top_p: float | None = Field(default=None, ge=0, le=1)  # None: 1
-    stop: Stop = None  # up to any number of stop strings (excluded from the text)
-    seed: int | None = Field(default=None, ge=-(2**63), lt=2**63)  # same seed, same tokens
+    top_p: float | None = Field(default=None, gt=0, le=1)  # None: 1
+    stop: Stop = None  # up to --max-stop stop strings (excluded from the text)
+    seed: Annotated[int, Field(ge=-(2**63), lt=2**63), WHOLE] | None = None  # same seed, same tokens
     presence_penalty: float | None = Field(default=None, ge=-2, le=2)
     frequency_penalty: float | None = Field(default=None, ge=-2, le=2)
     stream: bool | None = None
@@ -65,22 +105,24 @@ class SamplingFields(BaseModel):
     service_tier: str | None = None  # accepted and ignored: one tier
     safety_identifier: str | None = None  # accepted and ignored
     prompt_cache_key: str | None = None  # accepted and ignored: prefix caching needs no key
-    logit_bias: dict[str, float] | None = None  # token id (as text) -> added to its logit, in [-100, 100]
+    # token id (as text) -> added to its logit; up to --max-logit-bias entries
+    logit_bias: dict[TokenKey, Annotated[float, Field(ge=-100, le=100)]] | None = None
     response_format: ResponseFormat | None = None  # what the output must be: text, a JSON object, JSON by a schema
     # vLLM's extras
     structured_outputs: dict[str, Any] | None = None  # StructuredOutputs' fields: {"json": schema}, {"regex": ...}
     guided_json: Union[dict[str, Any], StrictStr, None] = None  # vLLM's older names for structured_outputs' kinds
     guided_regex: StrictStr | None = None
-    guided_choice: list[StrictStr] | None = None
+    guided_choice: Annotated[list[StrictStr], Field(min_length=1)] | None = None
     guided_grammar: StrictStr | None = None
-    min_tokens: int | None = Field(default=None, ge=0)  # EOS and stop tokens banned until this many are out
-    bad_words: list[StrictStr] | None = None  # words never generated
-    allowed_token_ids: list[Annotated[StrictInt, Field(ge=0)]] | None = None  # only these tokens are generated
-    top_k: int | None = Field(default=None, ge=-1)  # None, 0 or -1: off
+    min_tokens: Annotated[int, Field(ge=0), WHOLE] | None = None  # EOS and stop tokens banned until this many are out
+    bad_words: list[Annotated[StrictStr, Field(pattern=NOT_BLANK)]] | None = None  # words never generated
+    # only these tokens are generated
+    allowed_token_ids: Annotated[list[Annotated[int, Field(ge=0), WHOLE]], Field(min_length=1)] | None = None
+    top_k: Annotated[int, Field(ge=-1), WHOLE] | None = None  # None, 0 or -1: off
     min_p: float | None = Field(default=None, ge=0, le=1)
     repetition_penalty: float | None = Field(default=None, gt=0)
     ignore_eos: bool | None = None
-    stop_token_ids: list[Annotated[StrictInt, Field(ge=0)]] | None = None
+    stop_token_ids: list[Annotated[int, Field(ge=0), WHOLE]] | None = None
     return_tokens_as_token_ids: bool | None = None  # logprobs name tokens "token_id:N", not by their text
 
     def sampling(self, max_tokens: int, logprobs: int | None, structured: StructuredOutputs | None) -> SamplingParams:
@@ -119,11 +161,11 @@ class CompletionRequest(SamplingFields):
     prompt: Union[
         Text, Annotated[list[Text], Field(min_length=1)], TokenIds, Annotated[list[TokenIds], Field(min_length=1)]
     ]
-    max_tokens: int | None = Field(default=None, ge=1)  # None: 16, as OpenAI
-    logprobs: int | None = Field(default=None, ge=0, le=MAX_LOGPROBS)  # top logprobs per token
-    echo: bool | None = None  # refused when true
-    suffix: str | None = None  # refused
-    best_of: int | None = Field(default=None, ge=1, le=MAX_N)  # refused unless equal to n
+    max_tokens: Annotated[int, Field(ge=1), WHOLE] | None = None  # None: 16, as OpenAI
+    logprobs: Annotated[int, Field(ge=0, le=MAX_LOGPROBS), WHOLE] | None = None  # top logprobs per token
+    echo: bool | None = Field(default=None, json_schema_extra={"enum": [False, None]})  # refused when true
+    suffix: StrictStr | None = Field(default=None, json_schema_extra={"maxLength": 0})  # refused unless empty
+    best_of: Annotated[int, Field(ge=1, le=MAX_N), WHOLE] | None = None  # refused unless equal to n
 
     def refuse(self) -> None:
         """Raise Refused for a field set to something this server cannot do."""
@@ -142,7 +184,7 @@ class CompletionRequest(SamplingFields):
 
 
 class TextPart(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", strict=True)
 
     type: Literal["text"]
     text: StrictStr
@@ -151,7 +193,7 @@ class TextPart(BaseModel):
 class ChatMessage(BaseModel):
     """One message; fields beyond these (tool_calls, tool_call_id, ...) reach the chat template as given."""
 
-    model_config = ConfigDict(extra="allow")
+    model_config = ConfigDict(extra="allow", strict=True)
 
     role: Annotated[StrictStr, Field(min_length=1)]  # system, developer, user, assistant, tool
     content: Union[StrictStr, list[TextPart], None] = None  # text parts are joined with newlines
@@ -174,22 +216,27 @@ class ChatMessage(BaseModel):
 class ChatRequest(SamplingFields):
     """POST /v1/chat/completions."""
 
+    model_config = ConfigDict(extra="forbid", strict=True, json_schema_extra=TOP_LOGPROBS_NEED_LOGPROBS)
+
     messages: Annotated[list[ChatMessage], Field(min_length=1)]
-    max_completion_tokens: int | None = Field(default=None, ge=1)  # None: max_tokens, else all the context left
-    max_tokens: int | None = Field(default=None, ge=1)  # OpenAI's older name
+    # None: max_tokens, else all the context left
+    max_completion_tokens: Annotated[int, Field(ge=1), WHOLE] | None = None
+    max_tokens: Annotated[int, Field(ge=1), WHOLE] | None = None  # OpenAI's older name
     logprobs: bool | None = None
-    top_logprobs: int | None = Field(default=None, ge=0, le=MAX_LOGPROBS)  # with logprobs: true
+    top_logprobs: Annotated[int, Field(ge=0, le=MAX_LOGPROBS), WHOLE] | None = None  # with logprobs: true
     tools: list[Tool] | None = None  # functions the model may call (the chat template shows them to it)
     # none: text; auto (the default with tools): text, and the calls `--tool-call-parser` finds in it;
     # required: one or more calls; a named function: a call of it
     tool_choice: Union[Literal["none", "auto", "required"], NamedToolChoice, None] = None
     parallel_tool_calls: bool | None = None  # False: tool_choice "required" makes one call
-    functions: list[dict[str, Any]] | None = None  # refused unless empty: tools replace them
-    function_call: Union[str, dict[str, Any], None] = None  # refused unless "none"
-    modalities: list[str] | None = None  # refused unless ["text"]
-    audio: dict[str, Any] | None = None  # refused
-    prediction: dict[str, Any] | None = None  # refused
-    web_search_options: dict[str, Any] | None = None  # refused
+    # refused unless empty: tools replace them
+    functions: list[dict[str, Any]] | None = Field(default=None, json_schema_extra={"maxItems": 0})
+    # refused unless "none"
+    function_call: Union[str, dict[str, Any], None] = Field(default=None, json_schema_extra={"enum": ["none", None]})
+    modalities: list[str] | None = Field(default=None, json_schema_extra={"enum": [["text"], None]})  # only text
+    audio: dict[str, Any] | None = Field(default=None, json_schema_extra=NULL_ONLY)  # refused
+    prediction: dict[str, Any] | None = Field(default=None, json_schema_extra=NULL_ONLY)  # refused
+    web_search_options: dict[str, Any] | None = Field(default=None, json_schema_extra=NULL_ONLY)  # refused
     reasoning_effort: str | None = None  # accepted and ignored
     verbosity: str | None = None  # accepted and ignored
     chat_template_kwargs: dict[str, Any] | None = None  # vLLM's: variables for the chat template
@@ -220,11 +267,11 @@ class ChatRequest(SamplingFields):
 class TokenizeRequest(BaseModel):
     """POST /tokenize (vLLM's shape): a prompt, or chat messages rendered by the chat template."""
 
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", strict=True, json_schema_extra={"oneOf": _given("prompt", "messages")})
 
     model: StrictStr | None = None  # None: the only model, when there is one
     prompt: StrictStr | None = None
-    messages: list[ChatMessage] | None = None
+    messages: Annotated[list[ChatMessage], Field(min_length=1)] | None = None
     add_special_tokens: bool = True  # for prompt
     add_generation_prompt: bool = True  # for messages
 
@@ -232,10 +279,10 @@ class TokenizeRequest(BaseModel):
 class DetokenizeRequest(BaseModel):
     """POST /detokenize (vLLM's shape)."""
 
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", strict=True)
 
     model: StrictStr | None = None
-    tokens: list[Annotated[StrictInt, Field(ge=0)]]
+    tokens: list[Annotated[int, Field(ge=0), WHOLE]]
 
 
 def _or(value: Any, default: Any) -> Any:

@@ -80,9 +80,10 @@ def tiny(tiny_chat_dir):
 
 
 class LiveServer:
-    """uvicorn serving `app` on 127.0.0.1 at a free port, in a thread; `url` is its /v1 base."""
+    """uvicorn serving `app` on 127.0.0.1 at a free port, in a thread; `url` is its /v1 base; `options`:
+    more of uvicorn.Config's keyword arguments (`http_limits.uvicorn_options(limits)`)."""
 
-    def __init__(self, app) -> None:
+    def __init__(self, app, **options) -> None:
         import uvicorn
 
         self._socket = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
@@ -91,7 +92,7 @@ class LiveServer:
         self.port = self._socket.getsockname()[1]
         self.root = f"http://127.0.0.1:{self.port}"
         self.url = f"{self.root}/v1"
-        config = uvicorn.Config(app, log_level="warning", access_log=False, timeout_graceful_shutdown=5)
+        config = uvicorn.Config(app, log_level="warning", access_log=False, timeout_graceful_shutdown=5, **options)
         self.server = uvicorn.Server(config)
         self._thread = threading.Thread(target=self.server.run, kwargs={"sockets": [self._socket]}, daemon=True)
         self._thread.start()
@@ -109,11 +110,11 @@ class LiveServer:
 
 @pytest.fixture(scope="module")
 def live():
-    """live(app) -> a LiveServer, stopped at the end of the test module."""
+    """live(app, **uvicorn_options) -> a LiveServer, stopped at the end of the test module."""
     servers: list[LiveServer] = []
 
-    def start(app) -> LiveServer:
-        servers.append(LiveServer(app))
+    def start(app, **options) -> LiveServer:
+        servers.append(LiveServer(app, **options))
         return servers[-1]
 
     yield start

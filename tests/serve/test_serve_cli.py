@@ -106,7 +106,8 @@ def test_two_models_served_by_one_process(tiny_chat_dir):
             for m in ("fcfs", "static")
         ]
         assert texts[0]["choices"][0]["text"] == texts[1]["choices"][0]["text"]  # one checkpoint, two schedulers
-        metrics = httpx.get(f"{root}/metrics").text
+        assert httpx.get(f"{root}/metrics").status_code == 401  # --api-key guards it (no --metrics-public)
+        metrics = httpx.get(f"{root}/metrics", headers=auth).text
         assert 'infer_kv_cache_blocks{model="fcfs"} 16.0' in metrics
         assert 'infer_kv_cache_blocks{model="static"} 24.0' in metrics
     finally:
