@@ -16,12 +16,22 @@ What one client may ask is bounded by the `ServeLimits` options (`LIMITS_HELP`: 
 --body-timeout, --header-timeout, --keep-alive-timeout, --max-stop, --max-logit-bias,
 --max-schema-bytes, --max-schema-depth, --max-choices, --max-choices-length, --max-regex-length,
 --max-grammar-length). --api-key guards every route but /health; --metrics-public leaves /metrics open.
+
+SIGTERM or SIGINT shuts down gracefully (`infer.serve.server`): new requests get a 503, running ones
+finish for up to --shutdown-timeout seconds, then each open stream gets an error event and `[DONE]`
+(a JSON request a 503), the engines close and their processes exit. A second signal cuts at once.
+If an engine's process dies, its requests get 503s (streams: an error event and `[DONE]`), /health
+is a 503, /metrics still answers (`infer_engine_up` 0); --restart-engine builds it again in a fresh
+process, else the server shuts down so that an orchestrator restarts it. The exit code says how it
+ended: 0 every request finished, 4 requests were cut at --shutdown-timeout, 5 an engine died (and
+was not restarted); 2 a bad option or model, 3 the address could not be bound (uvicorn's).
 """
 
 from __future__ import annotations
 
 import dataclasses
 import functools
+import sys
 from dataclasses import dataclass
 from typing import Any, Callable
 
@@ -161,6 +171,20 @@ def limit_options(command: Callable[..., Any]) -> Callable[..., Any]:
     help="The format of the tool calls models write (hermes: Hermes, Qwen 2.5 and 3; llama3_json: Llama 3.1+), "
     "read for chats with tool_choice 'auto'. Without it such chats are refused.",
 )
+@click.option(
+    "--shutdown-timeout",
+    type=click.FloatRange(min=0),
+    default=30.0,
+    show_default=True,
+    help="On SIGTERM or SIGINT, seconds the running requests may take to finish (new ones get a 503); then "
+    "each open stream ends with an error event and [DONE], and the exit code is 4 (0 when all finished).",
+)
+@click.option(
+    "--restart-engine",
+    is_flag=True,
+    help="When an engine's process dies, build it again (its requests get 503s meanwhile); without it the "
+    "server shuts down and exits with code 5, for an orchestrator to restart.",
+)
 @limit_options
 @user_errors
 def serve(
@@ -171,35 +195,58 @@ def serve(
     metrics_public: bool,
     max_waiting: int | None,
     tool_call_parser: str | None,
+    shutdown_timeout: float,
+    restart_engine: bool,
     limits: ServeLimits,
     **engine_opts: Any,
 ) -> None:
-    """Serve models over the OpenAI API: /v1/completions, /v1/chat/completions, /v1/models, /metrics."""
+    """Serve models over the OpenAI API: /v1/completions, /v1/chat/completions, /v1/models, /metrics.
+
+    SIGTERM or SIGINT drains (--shutdown-timeout); an engine process that dies is built again
+    (--restart-engine) or the server shuts down. Exit codes: 0 every request finished, 4 requests were
+    cut at --shutdown-timeout, 5 an engine died and was not restarted.
+    """
     try:
         import uvicorn
 
         from infer.serve.app import create_app
         from infer.serve.http_limits import uvicorn_options
+        from infer.serve.lifecycle import Lifecycle
+        from infer.serve.server import Server
     except ImportError as exc:
         raise ConfigError(f"infer serve needs the serve extra ({exc.name} is missing): {EXTRA}") from None
     from infer.serve.async_engine import AsyncEngine
 
     configs = model_configs(models, engine_opts)
     engines: dict[str, AsyncEngine] = {}
+    exit_code = 0
     try:
         for name, config in configs.items():
             click.echo(f"loading {name} ({config.model})", err=True)
             # each engine steps in a process of its own: the event loop here never holds the GIL its steps need
             engines[name] = AsyncEngine.spawn(functools.partial(_build_engine, config), max_waiting=max_waiting)
+        lifecycle = Lifecycle()
         app = create_app(
-            engines, api_key=api_key, tool_call_parser=tool_call_parser, limits=limits, metrics_public=metrics_public
+            engines,
+            api_key=api_key,
+            tool_call_parser=tool_call_parser,
+            limits=limits,
+            metrics_public=metrics_public,
+            lifecycle=lifecycle,
         )
         click.echo(f"serving {', '.join(engines)} at http://{host}:{port}/v1", err=True)
-        options = uvicorn_options(limits)
-        uvicorn.run(app, host=host, port=port, log_level="info", timeout_graceful_shutdown=5, **options)
+        # the Server drains before uvicorn's own shutdown: what is left for it after the cut is cancelled
+        config = uvicorn.Config(
+            app, host=host, port=port, log_level="info", timeout_graceful_shutdown=5, **uvicorn_options(limits)
+        )
+        server = Server(config, engines, lifecycle, shutdown_timeout, restart_engines=restart_engine)
+        server.run()
+        exit_code = server.exit_code
     finally:
         for engine in engines.values():
             engine.close()
+    if exit_code:
+        sys.exit(exit_code)
 
 
 def _build_engine(config: EngineConfig) -> Any:

@@ -14,7 +14,12 @@ case): /v1/*, /(de)tokenize, /openapi.json, and /metrics unless `metrics_public`
 that sends no key). /docs and /redoc are off (they load their pages from a CDN); GET /openapi.json
 describes every route, with the `limits` (`ServeLimits`) it can state. Requests past the limits are
 refused before any work: bodies and slow clients by `http_limits`, fields by `request_limits`.
-The app does not own the engines: whoever made them closes them.
+The app does not own the engines: whoever made them closes them (and stops the `lifecycle`, whose
+`Admission` answers 503 to new requests once a shutdown begins: `server.Server` does both).
+
+/health is a 503 while an engine is stopped (dead, or being restarted) and while the server shuts
+down; a request to a stopped engine is a 503 (`EngineDeadError`), never a 400. /metrics reads what the
+engines last published (`metrics`) and answers whatever their state.
 """
 
 from __future__ import annotations
@@ -39,6 +44,7 @@ from infer.serve.errors import APIError
 from infer.serve.formats import ChatFormat, CompletionFormat
 from infer.serve.generation import Generation, answer, max_tokens_rule
 from infer.serve.http_limits import BodyLimits
+from infer.serve.lifecycle import Admission, Lifecycle
 from infer.serve.limits import ServeLimits
 from infer.serve.metrics import ServeMetrics
 from infer.serve.offload import Offload, longest_token_chars, refuse_long_text
@@ -70,6 +76,7 @@ ERRORS: dict[int | str, dict[str, Any]] = {
         (404, "No such model"),
         (429, "The waiting queue is full: retry after Retry-After seconds"),
         (500, "The engine failed"),
+        (503, "The engine stopped (it died, or is being restarted) or the server is shutting down: retry"),
     ]
 }
 
@@ -88,10 +95,12 @@ def create_app(
     *,
     limits: ServeLimits | None = None,
     metrics_public: bool = False,
+    lifecycle: Lifecycle | None = None,
 ) -> FastAPI:
     """tool_call_parser: the format of the calls models write in their text (a name in `PARSERS`), read
     for chats with tool_choice "auto"; None: such chats are refused. limits: None: ServeLimits()'s
-    defaults. metrics_public: /metrics needs no key even with `api_key`."""
+    defaults. metrics_public: /metrics needs no key even with `api_key`. lifecycle: what a shutdown
+    stops (None: one of the app's own, never stopped)."""
     if not engines:
         raise ConfigError("serve at least one model: give --model NAME")
     if tool_call_parser is not None and tool_call_parser not in PARSERS:
@@ -111,18 +120,23 @@ def create_app(
     app.state.models, app.state.metrics, app.state.limits = models, metrics, limits
     errors.install(app)
     app.add_middleware(BodyLimits, limits=limits)
+    app.add_middleware(Admission, lifecycle=lifecycle or Lifecycle())  # outermost: refused before the body is read
     guarded = [Depends(_bearer(api_key))] if api_key else []
 
     @app.get("/health", responses=ERRORS)
     async def health() -> JSONResponse:
-        down = [name for name, m in models.items() if not m.engine.is_alive]
+        down = [
+            f"the engine of {name} stopped" + (" and is being restarted" if m.engine.restarting else "")
+            for name, m in models.items()
+            if not m.engine.is_alive
+        ]
         if down:
-            raise APIError(503, f"the engine of {', '.join(down)} stopped: restart the server", "server_error")
+            raise APIError(503, "; ".join(down), "server_error", code="engine_dead")
         return JSONResponse({"status": "ok"})
 
     @app.get("/metrics", response_class=Response, dependencies=[] if metrics_public else guarded)
     async def prometheus() -> Response:
-        return Response(await metrics.scrape(), media_type=CONTENT_TYPE_LATEST)
+        return Response(metrics.scrape(), media_type=CONTENT_TYPE_LATEST)
 
     @app.get("/v1/models", dependencies=guarded, responses=ERRORS)
     async def list_models() -> ModelList:

@@ -7,6 +7,12 @@
 The Engine runs in a thread of its own (`engine_thread`): this side checks and tokenizes a request,
 hands it over, and reads what the thread delivers. A reader that stops early (`aclose`, a cancelled
 task, an HTTP client gone) aborts its request: its KV blocks are freed before the next step.
+
+When the engine is gone (its process died, its thread ended, or `close()`), its streams end and new
+requests are refused with `EngineDeadError`: the request was not at fault. A spawned engine can be
+built again in a fresh process (`restart`). A server that stops ends what is still open with its own
+error at once (`end_all`), without waiting on the engine's thread (which may be mid-step).
+`snapshot` is the engine's state as its thread last published it (for /metrics: no call, no wait).
 """
 
 from __future__ import annotations
@@ -19,7 +25,8 @@ from typing import Any, AsyncIterator, Callable, Iterable, TypeVar
 from infer.core.engine import Engine, Prompt
 from infer.core.errors import ConfigError, InferError, RequestError
 from infer.core.request import SamplingParams
-from infer.serve.engine_thread import Abort, Add, Call, EngineThread, Item
+from infer.serve.engine_thread import Abort, Add, Call, EngineDeadError, EngineThread, Item
+from infer.serve.snapshot import EngineSnapshot
 from infer.serve.stream import StreamOutput, as_output, merge
 
 T = TypeVar("T")
@@ -41,11 +48,13 @@ class RequestStream:
         self._queue: asyncio.Queue[Item] = asyncio.Queue()
         self._started = False  # something arrived: it no longer counts as waiting
         self._closed = False
+        self._failed = False  # an error was put: it is the last item (what the engine sends after is dropped)
 
     def put(self, item: Item) -> None:
-        """On the event loop, from the engine's thread."""
+        """On the event loop, from the engine's thread (or `end_all`)."""
         self._mark_started()
-        if not self._closed:
+        if not self._closed and not self._failed:
+            self._failed = isinstance(item, BaseException)
             self._queue.put_nowait(item)
 
     def __aiter__(self) -> "RequestStream":
@@ -112,6 +121,10 @@ class AsyncEngine:
         self._live: dict[str, RequestStream] = {}  # unfinished streams by request id
         self._ids = itertools.count()
         self._thread = thread if thread is not None else EngineThread(engine)
+        self._build: Callable[[], Engine] | None = None  # what `spawn` was given: `restart` builds it again
+        self._ended: BaseException | None = None  # set by end_all: every new request is refused with it
+        self.num_restarts = 0  # times `restart` built it again
+        self.restarting = False  # a restart is building it now
 
     @classmethod
     def from_config(
@@ -130,7 +143,9 @@ class AsyncEngine:
         from infer.serve.engine_process import EngineProcess
 
         process = EngineProcess(build)
-        return cls(process.front, max_waiting, thread=process)  # type: ignore[arg-type]
+        engine = cls(process.front, max_waiting, thread=process)  # type: ignore[arg-type]
+        engine._build = build
+        return engine
 
     @property
     def tokenizer(self) -> Any:
@@ -141,14 +156,25 @@ class AsyncEngine:
         """Whether the engine's thread runs (it ends only with close(), or if it crashed)."""
         return self._thread.is_alive
 
+    @property
+    def exitcode(self) -> int | None:
+        """A spawned engine's process exit code once it ended (-9: SIGKILL); None while it runs, or in-thread."""
+        return getattr(self._thread, "exitcode", None)
+
+    @property
+    def snapshot(self) -> EngineSnapshot:
+        """The engine's state as its thread last published it (at most ~0.25 s old while it steps)."""
+        return self._thread.snapshot
+
     def submit(
         self, prompt: Prompt, params: SamplingParams | None = None, request_id: str | None = None
     ) -> RequestStream:
         """Check and queue one request, on the event loop that will read its stream. A bad prompt or
         params raise RequestError here, a full queue QueueFullError, before anything runs."""
         loop = asyncio.get_running_loop()
-        if self.closed or not self.is_alive:
-            raise RequestError("this engine is closed (or its thread stopped): build a new AsyncEngine")
+        if self._ended is not None:
+            raise self._ended
+        self._check_alive()
         params = SamplingParams() if params is None else params
         if not isinstance(params, SamplingParams):
             raise RequestError(f"sampling params must be a SamplingParams, not {type(params).__name__}")
@@ -198,19 +224,64 @@ class AsyncEngine:
 
     async def call(self, fn: Callable[[Engine], T]) -> T:
         """Run fn(engine) on the engine's thread between steps (to read its state safely)."""
-        if self.closed:
-            raise RequestError("this engine is closed: build a new AsyncEngine")
+        self._check_alive()
         future: Future[T] = Future()
         self._thread.send(Call(fn, future))
         return await asyncio.wrap_future(future)
 
+    def end_all(self, error: BaseException) -> None:
+        """End every open stream with `error` now (each reader gets it next), abort their requests, and refuse
+        new ones with it: how a server that stops answers what it has not finished, even while the engine
+        is in the middle of a long step."""
+        self._ended = error
+        for stream in list(self._live.values()):
+            stream.put(error)
+            self._forget(stream.request_id)
+            try:
+                self._thread.send(Abort(stream.request_id))
+            except Exception:  # the engine is gone: nothing to abort
+                pass
+
+    async def restart(self) -> None:
+        """Build a spawned engine again in a fresh process, after its process died (its streams have ended).
+        Requests are refused with EngineDeadError until it is built; what building raises, this raises."""
+        from infer.serve.engine_process import EngineProcess
+
+        if self._build is None:
+            raise ConfigError("only an engine made by AsyncEngine.spawn can be restarted")
+        if self.closed or self.is_alive:
+            raise ConfigError("restart a spawned engine only after its process died (and before close())")
+        loop = asyncio.get_running_loop()
+        self.restarting = True
+        try:
+            await loop.run_in_executor(None, self._thread.stop, 5.0)  # the dead process's pipe and reader
+            process = await loop.run_in_executor(None, EngineProcess, self._build)
+        finally:
+            self.restarting = False
+        if self.closed:  # closed while it was built
+            process.stop()
+            return
+        self.engine, self._thread = process.front, process  # type: ignore[assignment]
+        self.num_restarts += 1
+
     def close(self) -> None:
-        """Stop the thread (unfinished requests end with a RequestError) and free the engine."""
+        """Stop the thread (unfinished requests end with a ShuttingDownError) and free the engine."""
         if self.closed:
             return
         self.closed = True
         self._thread.stop()
         self.engine.close()
+
+    def _check_alive(self) -> None:
+        if self.closed:
+            raise EngineDeadError(
+                "this engine was closed: the request did not run (embedding: build a new AsyncEngine)"
+            )
+        if not self.is_alive:
+            code = self.exitcode
+            how = f" (its process ended, exit code {code})" if code is not None else ""
+            then = "it is being restarted: retry in a few seconds" if self.restarting else "retry it once it is back"
+            raise EngineDeadError(f"the engine stopped{how}: the request did not run; {then}")
 
     def _new_id(self) -> str:
         while (request_id := f"req-{next(self._ids)}") in self._live:

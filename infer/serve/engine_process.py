@@ -9,6 +9,15 @@ them to the event loop with one `call_soon_threadsafe`, as the thread-served eng
 
 The front keeps what it needs to check requests before they cross (`EngineFront`: the tokenizer and
 the limits); calls into the engine (`AsyncEngine.call`) must be picklable: module-level functions.
+The engine's state for /metrics crosses the same pipe (`EngineThread` publishes an `EngineSnapshot`
+after a step at most every 0.25 s): `snapshot` is the latest, read without a call into the child.
+
+When the child dies (killed, out of memory), the reader thread finds the pipe's end: every request
+in flight ends with an `EngineDeadError` (a 503 to an HTTP client), and so does every command sent
+after; `is_alive` turns False and `exitcode` says how it ended. The child ignores SIGINT and SIGTERM:
+a terminal's Ctrl-C or a `kill` of the whole process group reaches it too, and the server, which
+drains its requests first, stops it through the pipe; if the server itself dies, the pipe's end
+stops the child.
 """
 
 from __future__ import annotations
@@ -27,7 +36,18 @@ from typing import Any, Callable
 from infer.core.engine import Engine
 from infer.core.errors import ConfigError, InferError, RequestError, one_line
 from infer.inputs.prompts import tokenize
-from infer.serve.engine_thread import Abort, Add, Call, EngineStepError, EngineThread, Item, Sink, hand_over
+from infer.serve.engine_thread import (
+    Abort,
+    Add,
+    Call,
+    EngineDeadError,
+    EngineStepError,
+    EngineThread,
+    Item,
+    Sink,
+    hand_over,
+)
+from infer.serve.snapshot import EngineSnapshot, snapshot
 from infer.serve.stream import StreamOutput
 
 
@@ -39,6 +59,7 @@ class EngineFacts:
     vocab_size: int  # token ids must be below it
     max_model_len: int  # prompt + output tokens, at most
     model_name: str  # named in errors about prompts
+    snapshot: EngineSnapshot  # its state when built, until the first one published
 
 
 class EngineFront:
@@ -91,10 +112,16 @@ class EngineProcess:
                 f"the engine's process exited while building the engine (exit code {self._process.exitcode}): "
                 f"see its output above"
             ) from None
+        except BaseException:  # interrupted while it builds (Ctrl-C): no child outlives its parent
+            self._process.terminate()
+            self._process.join(5)
+            raise
         if kind == "error":
             self._process.join()
             raise payload
         self.front = EngineFront(payload)
+        self.snapshot: EngineSnapshot = payload.snapshot  # the latest the child published
+        self._gone = False  # the pipe's end was found: the child is dead or stopping
         self._sinks: dict[int, Sink] = {}  # sink key -> where a request's outputs go, while unfinished
         self._calls: dict[int, Future] = {}  # call id -> its caller's future
         self._ids = itertools.count()  # sink keys and call ids
@@ -117,11 +144,15 @@ class EngineProcess:
             self._calls[key] = command.future
             message = _RemoteCall(key, command.fn)
         try:
+            if self._gone:  # checked after the sink is in: else the reader's last pass has it
+                raise EOFError
             with self._send_lock:
                 self._conn.send(message)
         except Exception as exc:  # the process is gone, or fn does not pickle: this command alone fails
             self._sinks.pop(key, None)
             self._calls.pop(key, None)
+            if self._gone or not self._process.is_alive():
+                raise self._dead() from None
             raise EngineStepError(f"the engine's process cannot take this ({one_line(exc)})") from None
 
     def stop(self, timeout: float | None = 30.0) -> None:
@@ -139,6 +170,20 @@ class EngineProcess:
     def is_alive(self) -> bool:
         return self._process.is_alive() and self._reader.is_alive()
 
+    @property
+    def exitcode(self) -> int | None:
+        """The child's exit code once it ended (-9: killed by SIGKILL); None while it runs."""
+        return self._process.exitcode
+
+    def _dead(self) -> EngineDeadError:
+        self._process.join(1)  # the pipe's end comes just before the exit code
+        code = self._process.exitcode
+        how = f"exit code {code}" if code is None or code >= 0 else f"killed by signal {-code}"
+        return EngineDeadError(
+            f"the engine stopped (its process ended, {how}): the request did not finish; retry it once the server "
+            f"is back"
+        )
+
     def _read(self) -> None:
         """The parent's reader thread: each message, one step's outputs (or a call's result)."""
         try:
@@ -150,12 +195,16 @@ class EngineProcess:
                 if message[0] == "items":
                     self._deliver(message[1])
                     continue
+                if message[0] == "snapshot":
+                    self.snapshot = message[1]
+                    continue
                 _, call_id, ok, value = message
                 future = self._calls.pop(call_id, None)
                 if future is not None and future.set_running_or_notify_cancel():  # else its caller gave up
                     future.set_result(value) if ok else future.set_exception(value)
         finally:
-            gone = EngineStepError("the engine's process ended: the requests in flight ended; restart the server")
+            self._gone = True
+            gone = self._dead()
             self._deliver([(key, gone) for key in list(self._sinks)])
             for call_id in list(self._calls):
                 future = self._calls.pop(call_id, None)
@@ -197,18 +246,23 @@ class _RemoteSink:
 
 
 def _child_main(conn: Connection, build: Callable[[], Engine]) -> None:
-    # Ctrl-C reaches the terminal's whole process group: the server shuts down gracefully and then stops
-    # this process; ending the requests here at once would cut that short
+    # Ctrl-C reaches the terminal's whole process group (and a kill of the group, SIGTERM): the server
+    # drains its requests and then stops this process through the pipe; dying here at once would cut that short
     signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
     try:
         engine = build()
     except BaseException as exc:  # a bad model or option: the parent raises it
         conn.send(("error", exc if isinstance(exc, InferError) else ConfigError(f"{type(exc).__name__}: {exc}")))
         return
     parts = engine.parts
-    conn.send(("ready", EngineFacts(engine.tokenizer, parts.vocab_size, parts.max_model_len, parts.model_config.name)))
+    facts = EngineFacts(
+        engine.tokenizer, parts.vocab_size, parts.max_model_len, parts.model_config.name, snapshot(engine)
+    )
+    conn.send(("ready", facts))
     loop = _PipeLoop(conn)
-    thread = EngineThread(engine)
+    # every send of this process after "ready" is the engine thread's (outputs, results, snapshots): no lock
+    thread = EngineThread(engine, publish=lambda snap: conn.send(("snapshot", snap)))
     try:
         while True:
             try:

@@ -4,6 +4,11 @@ It applies what the event loop asked for (new requests, aborts, calls) between s
 there is work, and sleeps on its queue when there is none. After each step it hands every request's
 news to the event loop it came from with one `call_soon_threadsafe`: the step loop does no more
 per-token work than `infer run`'s beyond slicing each request's new tokens and text.
+
+It also publishes the engine's state (`snapshot`): after a step at most every `snapshot_interval_s`,
+and whenever it goes idle, before that step's outputs leave (so a client that has its answer scrapes
+figures that include it). `snapshot` is the latest, readable from any thread; `publish` (if given)
+gets each one too: `engine_process` sends them across its pipe.
 """
 
 from __future__ import annotations
@@ -11,6 +16,7 @@ from __future__ import annotations
 import asyncio
 import queue
 import threading
+import time
 from concurrent.futures import Future
 from dataclasses import dataclass
 from typing import Any, Callable, Protocol
@@ -18,6 +24,8 @@ from typing import Any, Callable, Protocol
 from infer.core.engine import Engine
 from infer.core.errors import InferError, RequestError, one_line
 from infer.core.request import Request, SamplingParams
+from infer.log import get_logger
+from infer.serve.snapshot import SNAPSHOT_INTERVAL_S, EngineSnapshot, snapshot
 from infer.serve.stream import News, RawDelta, StreamOutput, Tracked
 
 # what a request's stream receives: a step's news (`as_output` makes it a StreamOutput), its last output, or
@@ -27,6 +35,19 @@ Item = News | StreamOutput | BaseException
 
 class EngineStepError(InferError):
     """A step raised (a plugin's error): the requests in flight ended with it; the engine serves on."""
+
+    exit_code = 1
+
+
+class EngineDeadError(InferError):
+    """The engine stopped (its process died, or its thread ended): what it held will not finish. The
+    request was not at fault (a 503, never a 400): retry it once the engine is back."""
+
+    exit_code = 1
+
+
+class ShuttingDownError(InferError):
+    """The server stops: a request it had not finished, or one that came too late (a 503: retry it elsewhere)."""
 
     exit_code = 1
 
@@ -64,8 +85,19 @@ class _Stop:
 
 
 class EngineThread:
-    def __init__(self, engine: Engine, name: str = "infer-engine") -> None:
+    def __init__(
+        self,
+        engine: Engine,
+        name: str = "infer-engine",
+        publish: Callable[[EngineSnapshot], None] | None = None,
+        snapshot_interval_s: float = SNAPSHOT_INTERVAL_S,
+    ) -> None:
+        """publish: called on the engine's thread with each snapshot (it must not block for long)."""
         self.engine = engine
+        self.snapshot_interval_s = snapshot_interval_s
+        self._publish_to = publish
+        self._published_at = 0.0  # time.monotonic() of the last snapshot
+        self.snapshot = snapshot(engine)  # the latest: replaced whole, so any thread may read it
         self._inbox: queue.SimpleQueue[Add | Abort | Call | _Stop] = queue.SimpleQueue()
         self._tracked: dict[str, Tracked] = {}  # request id -> its progress, while unfinished
         self._sinks: dict[str, Sink] = {}  # request id -> where its outputs go
@@ -99,8 +131,9 @@ class EngineThread:
                     self._step()
             except Exception as exc:  # a step (or this loop) failed: its requests end, the thread serves on
                 self._fail(exc)
+            self._publish(idle=not self.engine.has_unfinished())
             self._flush()
-        stopping = RequestError("the server is shutting down: retry the request on another server")
+        stopping = ShuttingDownError("the server is shutting down: retry the request on another server")
         self._end_all(stopping)
         while not self._inbox.empty():  # commands sent after the stop
             command = self._inbox.get()
@@ -202,6 +235,21 @@ class EngineThread:
             self._forget(request_id)
             self._outbox.append((self._sinks.pop(request_id), error))
         self._submitted = []
+
+    def _publish(self, idle: bool) -> None:
+        """A new snapshot when the last is `snapshot_interval_s` old, or the engine goes idle (each loop did
+        something: a step, or commands that came while idle). Metrics never stop the serving: a failure
+        here is logged and the last snapshot stays."""
+        now = time.monotonic()
+        if not idle and now - self._published_at < self.snapshot_interval_s:
+            return
+        try:
+            self.snapshot = snapshot(self.engine)
+            self._published_at = now
+            if self._publish_to is not None:
+                self._publish_to(self.snapshot)
+        except Exception as exc:
+            get_logger().warning("engine snapshot failed", error=f"{type(exc).__name__}: {one_line(exc)}")
 
     def _flush(self) -> None:
         """One call_soon_threadsafe per event loop (there is one, as a rule) for the whole step."""

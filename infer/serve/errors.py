@@ -2,8 +2,9 @@
 
 Bad input is a 400 (pydantic's validation errors included), an unknown model a 404, a missing or
 wrong API key a 401, a full waiting queue a 429 with Retry-After, a body too large a 413 and one
-too slow a 408 (`http_limits`); only the server's own failures are 5xx. No traceback reaches a
-client.
+too slow a 408 (`http_limits`); only the server's own failures are 5xx: a step that failed a 500,
+an engine that stopped (`EngineDeadError`) or a server that is shutting down (`ShuttingDownError`) a
+503, whose request was fine and may be retried (never a 400). No traceback reaches a client.
 """
 
 from __future__ import annotations
@@ -20,7 +21,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from infer.core.errors import InferError, RequestError, one_line
 from infer.serve import output_protocol, protocol
 from infer.serve.async_engine import QueueFullError
-from infer.serve.engine_thread import EngineStepError
+from infer.serve.engine_thread import EngineDeadError, EngineStepError, ShuttingDownError
 from infer.serve.protocol import Refused
 
 RETRY_AFTER_S = 1  # what a 429 asks a client to wait
@@ -70,6 +71,10 @@ def api_error(exc: BaseException) -> APIError:
         return APIError(429, one_line(exc), "rate_limit_exceeded", code="queue_full", headers=headers)
     if isinstance(exc, EngineStepError):
         return APIError(500, one_line(exc), "server_error")
+    if isinstance(exc, EngineDeadError):
+        return APIError(503, one_line(exc), "server_error", code="engine_dead")
+    if isinstance(exc, ShuttingDownError):
+        return APIError(503, one_line(exc), "server_error", code="server_shutting_down")
     if isinstance(exc, RequestError):
         return APIError(400, one_line(exc), param=_param_of(str(exc)))
     if isinstance(exc, InferError):

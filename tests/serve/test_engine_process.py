@@ -19,7 +19,7 @@ from infer.core.config import EngineConfig
 from infer.core.errors import InferError, RequestError
 from infer.serve.app import create_app
 from infer.serve.async_engine import AsyncEngine, build_engine
-from infer.serve.engine_thread import EngineStepError
+from infer.serve.engine_thread import EngineDeadError
 from infer.serve.served import snapshot
 
 PROMPTS = ["The capital of France is", "Once upon a time"]
@@ -77,9 +77,15 @@ def test_a_dead_process_ends_its_streams(tiny_chat_dir):
             os.kill(engine._thread._process.pid, signal.SIGKILL)
             return [out async for out in stream]
 
-        with pytest.raises(EngineStepError, match="process ended"):
+        with pytest.raises(EngineDeadError, match="process ended, killed by signal 9"):
             asyncio.run(read())
         assert not engine.is_alive
+
+        async def more():
+            return engine.submit([5, 6, 7], SamplingParams(max_tokens=4))
+
+        with pytest.raises(EngineDeadError, match="the engine stopped"):  # a new request too: not a RequestError
+            asyncio.run(more())
     finally:
         engine.close()
 
