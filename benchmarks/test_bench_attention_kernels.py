@@ -14,7 +14,7 @@ import math
 import pytest
 import torch
 
-from infer.core.interfaces import AttentionBatch, AttentionSpec
+from infer.api import AttentionBatch, AttentionSpec
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 

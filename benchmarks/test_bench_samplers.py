@@ -3,7 +3,7 @@ import random
 import pytest
 import torch
 
-from infer.core.request import Request, SamplingParams
+from infer.api.request import Request, SamplingParams
 from infer.plugins.samplers.naive import NaiveSampler
 from infer.plugins.samplers.vectorized import VectorizedSampler
 

@@ -12,9 +12,9 @@ from __future__ import annotations
 
 import pytest
 
-from infer.core.config import EngineConfig
-from infer.core.interfaces import StepResult
-from infer.core.request import Request, SamplingParams
+from infer.api import StepResult
+from infer.api.config import EngineConfig
+from infer.api.request import Request, SamplingParams
 from infer.plugins.kv_allocators.paged import PagedAllocator
 from infer.plugins.schedulers.fcfs import FcfsScheduler
 from infer.plugins.schedulers.static import StaticScheduler

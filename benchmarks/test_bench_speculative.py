@@ -49,7 +49,7 @@ def timed_run(llm: LLM, prompts, params) -> tuple[float, int]:
 
 @pytest.fixture(scope="module")
 def smollm2_dir():
-    from infer.core.errors import ModelLoadError
+    from infer.api.errors import ModelLoadError
     from infer.models import hub
 
     try:

@@ -1,8 +1,8 @@
 """infer: a plugin-architecture LLM inference engine."""
 
-from infer.core.hookspecs import PLUGIN_API_VERSION, hookimpl
-from infer.core.interfaces import Capabilities
-from infer.core.request import CompletionOutput, RequestOutput, SamplingParams
+from infer.api import Capabilities
+from infer.api.hookspecs import PLUGIN_API_VERSION, hookimpl
+from infer.api.request import CompletionOutput, RequestOutput, SamplingParams
 
 __version__ = "0.1.0"
 

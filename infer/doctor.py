@@ -11,11 +11,11 @@ from typing import Any
 
 import torch
 
+from infer.api.config import DTYPES, EngineConfig
+from infer.api.errors import ConfigError, InferError
+from infer.api.slots import CHOSEN, PREFILL_ATTENTION, SLOT
 from infer.core.compose import _auto_attention, check_model_attention, compose, refusal
-from infer.core.config import DTYPES, EngineConfig
-from infer.core.errors import ConfigError, InferError
 from infer.core.registry import BrokenPlugin, PluginRegistry, Strategy
-from infer.core.slots import CHOSEN, PREFILL_ATTENTION, SLOT
 
 
 @dataclass(frozen=True, slots=True)
@@ -159,7 +159,7 @@ def _kv_cache(source: Any, mc: Any) -> Verdict:
 
 def _quantization(config: EngineConfig, registry: PluginRegistry, device: torch.device, mc: Any) -> Verdict:
     """The linear layer that holds the quantized weights (--quantization, or the checkpoint's scheme)."""
-    from infer.core.config import ModelConfig
+    from infer.api.config import ModelConfig
     from infer.models.quantization import quantization_for
 
     asked = config.quantization or "(the checkpoint's)"

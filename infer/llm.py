@@ -6,10 +6,10 @@ import threading
 from collections.abc import Mapping
 from typing import Any, Iterable, Sequence
 
-from infer.core.config import EngineConfig
+from infer.api.config import EngineConfig
+from infer.api.errors import RequestError
+from infer.api.request import RequestOutput, SamplingParams
 from infer.core.engine import Engine, Prompt
-from infer.core.errors import RequestError
-from infer.core.request import RequestOutput, SamplingParams
 from infer.distributed.launch import launch
 from infer.inputs.prompts import as_batch
 

@@ -10,9 +10,9 @@ from types import SimpleNamespace
 
 import torch
 
-from infer.core.config import EngineConfig
+from infer.api.config import EngineConfig
+from infer.api.slots import SLOT
 from infer.core.registry import PluginRegistry
-from infer.core.slots import SLOT
 from infer.doctor import device_present, diagnose
 
 MATRIX_SLOTS = tuple(SLOT[name] for name in ("attention", "sampler", "scheduler", "decoder"))

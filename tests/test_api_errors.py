@@ -10,7 +10,7 @@ import threading
 import pytest
 
 from infer import SamplingParams
-from infer.core.errors import InferError, RequestError
+from infer.api.errors import InferError, RequestError
 from infer.llm import LLM
 
 GOOD = [[5, 6, 7, 8, 9], [10, 11]]

@@ -114,8 +114,8 @@ def test_bad_input_exits_2_with_one_line(case, tiny_llama_dir, tmp_path):
 def test_every_engine_config_field_is_an_option_with_help():
     import dataclasses
 
+    from infer.api.config import EngineConfig
     from infer.cli.options import HELP
-    from infer.core.config import EngineConfig
 
     assert set(HELP) == {f.name for f in dataclasses.fields(EngineConfig)}
     params = {p.name: p for p in cli.commands["run"].params}

@@ -229,7 +229,7 @@ def test_all_reduce_verdict_names_missing_peer_access(monkeypatch):
     import torch
 
     from infer import doctor
-    from infer.core.config import EngineConfig
+    from infer.api.config import EngineConfig
 
     monkeypatch.delenv("RANK", raising=False)
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)

@@ -103,8 +103,8 @@ def test_inline_plugin_registered_per_engine(tiny_llama_dir):
     """simonw/llm style: register an inline plugin class for one engine only."""
     import infer
     from infer import SamplingParams
-    from infer.core.errors import PluginNotFoundError
-    from infer.core.interfaces import SamplerOutput
+    from infer.api import SamplerOutput
+    from infer.api.errors import PluginNotFoundError
     from infer.llm import LLM
 
     class AlwaysSeven:

@@ -17,12 +17,12 @@ import pytest
 import torch
 from click.testing import CliRunner
 
+from infer.api.config import EngineConfig
+from infer.api.errors import ConfigError, IncompatiblePluginsError, InferError, ModelLoadError, PluginNotFoundError
+from infer.api.request import CompletionOutput, RequestOutput
 from infer.bench.progress import ProgressLines
 from infer.cli.main import cli
-from infer.core.config import EngineConfig
-from infer.core.errors import ConfigError, IncompatiblePluginsError, InferError, ModelLoadError, PluginNotFoundError
 from infer.core.registry import PluginRegistry
-from infer.core.request import CompletionOutput, RequestOutput
 
 NO_DIR = "/no/such/folder"
 

@@ -24,12 +24,12 @@ from typing import Any
 
 import click
 
+from infer.api.config import EngineConfig
+from infer.api.errors import ConfigError, InferError, RequestError
+from infer.api.request import SamplingParams
+from infer.api.slots import find
 from infer.bench.engines import release_memory
 from infer.bench.texts import TextSet, load_text_set
-from infer.core.config import EngineConfig
-from infer.core.errors import ConfigError, InferError, RequestError
-from infer.core.request import SamplingParams
-from infer.core.slots import find
 from infer.distributed.launch import launch
 from infer.testing.agreement import forced_agreement, prefix_agreement
 

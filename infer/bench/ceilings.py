@@ -63,7 +63,7 @@ def decode_step_seconds(
     the GPUs' time for a step without the scheduler and sampler. With `profile`, also the kernels of
     five such forwards on this rank (`kernel_times`). Writes K/V into one position of free blocks: run
     it after the measured work."""
-    from infer.core.runner import StepInputs
+    from infer.api.runner import StepInputs
 
     runner = engine.decoder.runner
     size = engine.parts.config.block_size

@@ -17,12 +17,12 @@ from typing import Any
 
 import torch
 
+from infer.api.config import EngineConfig
+from infer.api.request import SamplingParams
 from infer.bench.engines import release_memory
 from infer.bench.report import run_workload, warm_up
 from infer.bench.workloads import Workload
-from infer.core.config import EngineConfig
 from infer.core.engine import Engine
-from infer.core.request import SamplingParams
 
 
 def run(label: str, workload: Workload, keep_outputs: bool = False, **opts: Any) -> dict[str, Any]:

@@ -17,6 +17,8 @@ from typing import Any, Iterator
 import torch
 import torch.nn.functional as F
 
+from infer.api.config import EngineConfig
+from infer.api.request import SamplingParams
 from infer.bench.ceilings import (
     captured_seconds,
     copy_bandwidth,
@@ -27,9 +29,7 @@ from infer.bench.ceilings import (
 from infer.bench.engines import decode_graph, release_memory
 from infer.bench.report import run_workload, warm_up
 from infer.bench.workloads import Workload
-from infer.core.config import EngineConfig
 from infer.core.engine import Engine
-from infer.core.request import SamplingParams
 from infer.kernels import gemv as triton_gemv
 from infer.kernels.gemv import gemv
 from infer.plugins.layers import fused as fused_layers

@@ -11,14 +11,14 @@ from typing import Any, Iterable
 
 import click
 
+from infer.api.config import EngineConfig
+from infer.api.errors import ConfigError, InferError
+from infer.api.request import SamplingParams
+from infer.api.slots import CHOSEN, PREFILL_ATTENTION, find
 from infer.bench.engines import release_memory
 from infer.bench.report import RunRecord, prepare_prompts, run_workload
 from infer.bench.workloads import Workload, load_workload, needs_vocab
-from infer.core.config import EngineConfig
-from infer.core.errors import ConfigError, InferError
 from infer.core.registry import PluginRegistry
-from infer.core.request import SamplingParams
-from infer.core.slots import CHOSEN, PREFILL_ATTENTION, find
 from infer.distributed.launch import launch
 from infer.doctor import diagnose
 
@@ -83,8 +83,8 @@ def _peer_runs(
 ) -> list[dict[str, Any]]:
     import torch
 
+    from infer.api.config import DTYPES
     from infer.bench.peers import build_hf_model, hf_continuous, hf_static
-    from infer.core.config import DTYPES
     from infer.models.loader import resolve_source
 
     source = resolve_source(

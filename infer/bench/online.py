@@ -17,7 +17,7 @@ from typing import Any, Callable, Literal
 
 import httpx
 
-from infer.core.errors import InferError, one_line
+from infer.api.errors import InferError, one_line
 
 Endpoint = Literal["completions", "chat"]
 PATHS = {"completions": "/v1/completions", "chat": "/v1/chat/completions"}

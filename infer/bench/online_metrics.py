@@ -9,8 +9,8 @@ from typing import Any, Sequence
 
 import numpy as np
 
+from infer.api.errors import ConfigError
 from infer.bench.online import LoadResult, RequestRecord
-from infer.core.errors import ConfigError
 
 SLO_METRICS = ("ttft", "tpot", "e2e")  # --goodput NAME:MS, each a bound on the request's own figure
 PERCENTILES = (50, 90, 99)

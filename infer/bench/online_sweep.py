@@ -11,6 +11,7 @@ from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any, Callable
 
+from infer.api.errors import ConfigError, InferError, one_line
 from infer.bench.online import (
     Endpoint,
     LoadResult,
@@ -23,7 +24,6 @@ from infer.bench.online import (
 )
 from infer.bench.online_metrics import detail_table, rate_text, request_figures, summarize, sweep_table
 from infer.bench.workloads import Workload, load_workload, needs_vocab
-from infer.core.errors import ConfigError, InferError, one_line
 
 
 @dataclass(frozen=True, slots=True)

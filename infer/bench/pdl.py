@@ -24,12 +24,12 @@ def one(tp: int, all_reduce: str) -> dict:
     """In a fresh process whose INFER_PDL is set: build, warm up, time, close."""
     import torch
 
+    from infer.api.config import EngineConfig
+    from infer.api.request import SamplingParams
     from infer.bench.ceilings import decode_step_seconds
     from infer.bench.report import run_workload, warm_up
     from infer.bench.workloads import load_workload
-    from infer.core.config import EngineConfig
     from infer.core.engine import Engine
-    from infer.core.request import SamplingParams
     from infer.distributed.launch import launch
     from infer.kernels import triton_pdl
     from infer.log import configure

@@ -17,7 +17,7 @@ from typing import Any, Callable
 
 import torch
 
-from infer.core.errors import ConfigError
+from infer.api.errors import ConfigError
 from infer.core.runner import ModelRunner
 
 DEVICE_KEYS = ("embedding", "attention", "rest", "final norm + LM head", "sampler")

@@ -11,7 +11,7 @@ from typing import Any, Callable, Iterator, Literal
 
 import click
 
-from infer.core.request import RequestOutput
+from infer.api.request import RequestOutput
 
 ProgressMode = Literal["bar", "lines", "off"]
 

@@ -7,10 +7,10 @@ import time
 from dataclasses import asdict, dataclass, field
 from typing import Any, Callable
 
+from infer.api.errors import RequestError
+from infer.api.request import RequestOutput, SamplingParams
 from infer.bench.workloads import Workload
 from infer.core.engine import Engine
-from infer.core.errors import RequestError
-from infer.core.request import RequestOutput, SamplingParams
 
 
 @dataclass(slots=True)

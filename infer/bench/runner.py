@@ -8,14 +8,14 @@ from typing import Any, Sequence
 
 import click
 
+from infer.api.config import EngineConfig
+from infer.api.errors import ConfigError, RequestError
+from infer.api.request import RequestOutput, SamplingParams
 from infer.bench.profiler import StepProfiler, format_profile
 from infer.bench.progress import ProgressLines, ProgressMode, progress
 from infer.bench.report import RunRecord, format_table, run_workload
 from infer.bench.workloads import Workload, load_workload, needs_vocab
-from infer.core.config import EngineConfig
 from infer.core.engine import Engine
-from infer.core.errors import ConfigError, RequestError
-from infer.core.request import RequestOutput, SamplingParams
 from infer.distributed.launch import launch
 from infer.inputs.prompts import check_text
 

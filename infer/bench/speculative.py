@@ -25,12 +25,12 @@ from typing import Any
 
 import torch
 
+from infer.api.config import EngineConfig
+from infer.api.request import SamplingParams
 from infer.bench.engines import release_memory
 from infer.bench.report import run_workload, warm_up
 from infer.bench.workloads import Workload, edit, load_workload
-from infer.core.config import EngineConfig
 from infer.core.engine import Engine
-from infer.core.request import SamplingParams
 
 
 def run(args: argparse.Namespace, label: str, workload: Workload, batch: int, **opts: Any) -> dict[str, Any]:

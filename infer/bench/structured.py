@@ -21,11 +21,11 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
+from infer.api.config import EngineConfig
+from infer.api.request import SamplingParams
 from infer.bench.report import run_workload, warm_up
 from infer.bench.workloads import Workload
-from infer.core.config import EngineConfig
 from infer.core.engine import Engine
-from infer.core.request import SamplingParams
 
 SCHEMA: dict[str, Any] = {
     "type": "array",

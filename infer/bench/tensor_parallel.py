@@ -28,13 +28,13 @@ from typing import Any
 
 import torch
 
+from infer.api.config import EngineConfig
+from infer.api.request import SamplingParams
 from infer.bench.ceilings import decode_step_seconds
 from infer.bench.engines import release_memory
 from infer.bench.report import format_table, run_workload, warm_up
 from infer.bench.workloads import load_workload
-from infer.core.config import EngineConfig
 from infer.core.engine import Engine
-from infer.core.request import SamplingParams
 from infer.distributed.launch import launch
 from infer.log import configure
 

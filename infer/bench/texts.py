@@ -13,7 +13,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Callable, Iterator
 
-from infer.core.errors import ConfigError
+from infer.api.errors import ConfigError
 
 SOURCE = "chitchat-dataset"
 

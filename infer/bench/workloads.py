@@ -14,8 +14,8 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
-from infer.core.errors import DatasetError
-from infer.core.request import SamplingParams
+from infer.api.errors import DatasetError
+from infer.api.request import SamplingParams
 
 BUILTIN_PROMPTS = [
     "What is the capital of France?",

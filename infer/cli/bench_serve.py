@@ -6,9 +6,9 @@ from pathlib import Path
 
 import click
 
+from infer.api.errors import ConfigError
 from infer.cli.common import user_errors
 from infer.cli.options import writable
-from infer.core.errors import ConfigError
 
 
 @click.command("serve")

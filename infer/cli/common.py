@@ -10,7 +10,7 @@ from typing import Any, Callable
 import click
 
 from infer import env
-from infer.core.errors import ConfigError, InferError, one_line
+from infer.api.errors import ConfigError, InferError, one_line
 
 
 def user_errors(f: Callable[..., Any]) -> Callable[..., Any]:

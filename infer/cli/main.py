@@ -7,13 +7,13 @@ from typing import Any
 
 import click
 
+from infer.api.errors import InferError, one_line
 from infer.cli.bench import bench
 from infer.cli.common import extra_plugins
 from infer.cli.doctor import doctor
 from infer.cli.models import models
 from infer.cli.plugins import plugins
 from infer.cli.run import run
-from infer.core.errors import InferError, one_line
 
 
 class OneLineErrors(click.Group):

@@ -91,7 +91,7 @@ def quantize(
 ) -> None:
     """Write MODEL (a cached model or an HF folder) with its decoder projections in FP8 (e4m3, a scale per
     output channel) into the new folder OUT, in the layout llm-compressor writes: `--model OUT` loads it."""
-    from infer.core.errors import ConfigError, ModelLoadError
+    from infer.api.errors import ConfigError, ModelLoadError
     from infer.models.hub import resolve_model_path
 
     source = resolve_model_path(model)
@@ -114,8 +114,8 @@ def _device(name: str) -> torch.device:
     """`--device NAME` read as the engine reads it (`EngineConfig.resolve_device`), and present here."""
     import torch
 
-    from infer.core.config import EngineConfig
-    from infer.core.errors import ConfigError
+    from infer.api.config import EngineConfig
+    from infer.api.errors import ConfigError
     from infer.doctor import device_present
 
     device = EngineConfig(device=name).resolve_device()
@@ -128,8 +128,8 @@ def _device(name: str) -> torch.device:
 def _calibration(source: Path, calibration: str, num_windows: int, window_tokens: int) -> list[list[int]]:
     from transformers import AutoConfig
 
+    from infer.api.errors import ConfigError
     from infer.bench import texts
-    from infer.core.errors import ConfigError
     from infer.models.loader import load_tokenizer
 
     tokenizer = load_tokenizer(source)  # None for a folder without one: the text's bytes

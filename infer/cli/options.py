@@ -10,8 +10,8 @@ from typing import Any, Callable
 
 import click
 
-from infer.core.config import CHOICES, EngineConfig
-from infer.inputs.options import FieldType, field_types, flag
+from infer.api.config import CHOICES, EngineConfig
+from infer.api.options import FieldType, field_types, flag
 
 
 def _slot_help(what: str, builtin: str) -> str:

@@ -4,10 +4,10 @@ from __future__ import annotations
 
 import click
 
+from infer.api.slots import SLOTS
 from infer.cli.common import extra_plugins, user_errors
 from infer.cli.options import engine_config
 from infer.core.registry import PluginRegistry
-from infer.core.slots import SLOTS
 
 
 @click.command()

@@ -8,10 +8,10 @@ from typing import Any
 
 import click
 
+from infer.api.config import EngineConfig
+from infer.api.errors import ConfigError
 from infer.cli.common import extra_plugins, user_errors
 from infer.cli.options import engine_config, engine_options, writable
-from infer.core.config import EngineConfig
-from infer.core.errors import ConfigError
 
 
 def parse_baseline(spec: str) -> dict[str, Any]:

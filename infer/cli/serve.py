@@ -37,11 +37,11 @@ from typing import Any, Callable
 
 import click
 
+from infer.api.config import EngineConfig
+from infer.api.errors import ConfigError
+from infer.api.hookspecs import hookimpl
 from infer.cli.common import extra_plugins, user_errors
 from infer.cli.options import engine_config, engine_options_except
-from infer.core.config import EngineConfig
-from infer.core.errors import ConfigError
-from infer.core.hookspecs import hookimpl
 from infer.serve.limits import ServeLimits, option_name
 from infer.serve.tool_parsers import PARSERS
 

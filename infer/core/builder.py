@@ -14,11 +14,11 @@ from typing import Any, Iterable
 
 import torch
 
+from infer.api import Communicator, Launch, Layers, ProcessorContext, SelfDescribing, SingleProcess
+from infer.api.config import EngineConfig, ModelConfig
+from infer.api.errors import ConfigError
 from infer.core.compose import Composition, check_model_attention, compose
-from infer.core.config import EngineConfig, ModelConfig
 from infer.core.engine import EngineParts
-from infer.core.errors import ConfigError
-from infer.core.interfaces import Communicator, Launch, Layers, ProcessorContext, SelfDescribing, SingleProcess
 from infer.core.output import OutputProcessor
 from infer.core.registry import PluginRegistry
 from infer.inputs.chat_template import load_chat_template

@@ -9,10 +9,10 @@ from dataclasses import dataclass
 
 import torch
 
-from infer.core.config import EngineConfig, ModelConfig
-from infer.core.errors import ConfigError, IncompatiblePluginsError
+from infer.api.config import EngineConfig, ModelConfig
+from infer.api.errors import ConfigError, IncompatiblePluginsError
+from infer.api.slots import CHOSEN, PREFILL_ATTENTION
 from infer.core.registry import PluginRegistry, Strategy
-from infer.core.slots import CHOSEN, PREFILL_ATTENTION
 
 
 @dataclass(frozen=True, slots=True)

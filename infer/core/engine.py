@@ -12,8 +12,7 @@ from typing import Any, Iterable, Sequence
 
 import torch
 
-from infer.core.errors import RequestError, one_line
-from infer.core.interfaces import (
+from infer.api import (
     Decoder,
     KVUsage,
     Launch,
@@ -22,13 +21,14 @@ from infer.core.interfaces import (
     StatsSummary,
     TokenBudgeted,
 )
+from infer.api.constrain import admit
+from infer.api.errors import RequestError, one_line
+from infer.api.request import FinishReason, Request, RequestOutput, RequestStatus, SamplingParams
 from infer.core.output import Group, OutputProcessor
 from infer.core.preparing import Preparations, Preparing, prepare
-from infer.core.request import FinishReason, Request, RequestOutput, RequestStatus, SamplingParams
 from infer.core.step_budget import StepBudget
 from infer.inputs.prompts import tokenize
 from infer.runtime.block_mover import BlockMover
-from infer.runtime.constraints import admit
 
 CLOSED = "this engine is closed (its memory was given back): build a new LLM"
 

@@ -9,8 +9,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from infer.core.interfaces import Detokenizer
-from infer.core.request import CompletionOutput, FinishReason, Request, RequestOutput
+from infer.api import Detokenizer
+from infer.api.request import CompletionOutput, FinishReason, Request, RequestOutput
 
 
 @dataclass(slots=True)

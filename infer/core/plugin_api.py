@@ -16,7 +16,7 @@ import operator
 import re
 from typing import Any, Callable
 
-from infer.core.hookspecs import PLUGIN_API_VERSION
+from infer.api.hookspecs import PLUGIN_API_VERSION
 
 ATTRIBUTES = ("INFER_PLUGIN_API", "infer_plugin_api")
 _OPS: dict[str, Callable[[int, int], bool]] = {

@@ -9,9 +9,9 @@ from concurrent.futures import FIRST_COMPLETED, Future
 from dataclasses import dataclass
 from typing import Any, Sequence
 
-from infer.core.interfaces import PreparingProcessor
+from infer.api import PreparingProcessor
+from infer.api.request import Request
 from infer.core.output import Group
-from infer.core.request import Request
 
 WAIT_S = 0.05  # an idle engine waits this long at most for a preparation before it looks at its inbox again
 

@@ -14,10 +14,10 @@ from typing import Any, Iterable
 
 import pluggy
 
-from infer.core import hookspecs, plugin_api
-from infer.core.errors import PluginLoadError, PluginNotFoundError
-from infer.core.interfaces import LAYER_KINDS, Capabilities, HFArchitectures, Layers, ModelPresets, capabilities_of
-from infer.core.slots import SLOT, SLOTS
+from infer.api import LAYER_KINDS, Capabilities, HFArchitectures, Layers, ModelPresets, capabilities_of, hookspecs
+from infer.api.errors import PluginLoadError, PluginNotFoundError
+from infer.api.slots import SLOT, SLOTS
+from infer.core import plugin_api
 
 
 @dataclass(frozen=True, slots=True)

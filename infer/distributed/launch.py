@@ -31,7 +31,7 @@ from typing import Any, Iterable
 import torch
 
 from infer import env
-from infer.core.errors import ConfigError, InferError, WorkerError
+from infer.api.errors import ConfigError, InferError, WorkerError
 from infer.distributed.ranks import (
     STOP_WAIT_S,
     STOPPED,

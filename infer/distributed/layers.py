@@ -25,9 +25,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from infer.core.config import ModelConfig
-from infer.core.errors import ConfigError
-from infer.core.interfaces import QuantizedLinear
+from infer.api import QuantizedLinear
+from infer.api.config import ModelConfig
+from infer.api.errors import ConfigError
 from infer.distributed.state import ParallelState
 from infer.models.loader import check_unscaled
 from infer.models.shards import RowParallelQuantized, Shard, load_quantized, shard_of

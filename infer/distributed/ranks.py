@@ -18,9 +18,9 @@ from typing import Any, Iterator
 
 import torch
 
-from infer.core.errors import InferError, WorkerError
-from infer.core.interfaces import BlockOps
-from infer.core.runner import StepInputs
+from infer.api import BlockOps
+from infer.api.errors import InferError, WorkerError
+from infer.api.runner import StepInputs
 from infer.distributed.state import ParallelState
 from infer.distributed.step_channel import StepChannel
 from infer.distributed.teardown import meet_for_teardown, release_graphs, take_down_groups

@@ -17,8 +17,8 @@ from typing import Any
 import torch
 
 from infer import env
-from infer.core.errors import ConfigError
-from infer.core.interfaces import Executor, HeadLayout, LocalExecutor
+from infer.api import Executor, HeadLayout, LocalExecutor
+from infer.api.errors import ConfigError
 
 
 def check_tensor_parallel(

@@ -16,8 +16,8 @@ from typing import Any
 
 import torch
 
-from infer.core.interfaces import BlockOps
-from infer.core.runner import StepInputs
+from infer.api import BlockOps
+from infer.api.runner import StepInputs
 from infer.distributed.state import ParallelState
 
 FORWARD, BLOCK_OPS, STOP = 1, 2, 3

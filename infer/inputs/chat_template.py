@@ -12,7 +12,7 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-from infer.core.errors import ConfigError, RequestError, one_line
+from infer.api.errors import ConfigError, RequestError, one_line
 from infer.inputs.prompts import check_encodable
 
 

@@ -10,7 +10,7 @@ from __future__ import annotations
 import numbers
 from typing import Any, Iterable
 
-from infer.core.errors import RequestError
+from infer.api.errors import RequestError
 
 TEXT_KEY, TOKENS_KEY = "prompt", "prompt_token_ids"
 FORMS = "a string, a list of token ids, {'prompt': str} or {'prompt_token_ids': [int, ...]}"

@@ -8,8 +8,8 @@ from typing import Any, Iterator
 import torch
 from torch import nn
 
-from infer.core.config import ModelConfig
-from infer.core.errors import ConfigError
+from infer.api.config import ModelConfig
+from infer.api.errors import ConfigError
 from infer.models.loader import ModelSource, check_weight_shapes, init_dummy_weights, load_weights, meta_model
 
 

@@ -6,8 +6,8 @@ from typing import Any, Mapping
 
 import torch
 
-from infer.core.config import DTYPES, ModelConfig
-from infer.core.errors import ModelLoadError, one_line
+from infer.api.config import DTYPES, ModelConfig
+from infer.api.errors import ModelLoadError, one_line
 
 # settings a family's plugin reads from ModelConfig.extra, under transformers' names (the core reads none);
 # quantization_config: how the checkpoint's weights are stored (infer.models.quantization)
@@ -42,7 +42,7 @@ def model_config_from_hf(hf: Any, name: str = "") -> ModelConfig:
     """From a transformers `PretrainedConfig`, or a config.json-style dict that transformers reads
     (old layout: top-level rope_theta / rope_scaling; new: rope_parameters). The RoPE is checked
     here, so a config transformers cannot use fails before any weight is read."""
-    from infer.models.rope import rope_for
+    from infer.api.rope import rope_for
 
     source = f"config.json of {name}" if name else "the model's config.json"
     if isinstance(hf, Mapping):

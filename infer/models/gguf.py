@@ -19,7 +19,7 @@ import numpy as np
 import torch
 from safetensors.torch import save_file
 
-from infer.core.errors import ModelLoadError
+from infer.api.errors import ModelLoadError
 
 _MISSING = object()
 

@@ -19,7 +19,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from infer import env
-from infer.core.errors import ModelLoadError
+from infer.api.errors import ModelLoadError
 from infer.models.gguf import convert_gguf
 
 

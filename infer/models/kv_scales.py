@@ -21,7 +21,7 @@ from pathlib import Path
 
 import torch
 
-from infer.core.errors import ModelLoadError
+from infer.api.errors import ModelLoadError
 from infer.models.loader import iter_safetensors
 
 # layer index, then which tensor: a k_scale, a v_scale, or a kv_scale (both)

@@ -10,9 +10,9 @@ from typing import Any, Iterator, Sequence
 import torch
 from torch import nn
 
-from infer.core.config import ModelConfig
-from infer.core.errors import ModelLoadError, one_line
-from infer.core.interfaces.models import CheckpointShapes, QuantizedLinear
+from infer.api.config import ModelConfig
+from infer.api.errors import ModelLoadError, one_line
+from infer.api.models import CheckpointShapes, QuantizedLinear
 from infer.core.registry import PluginRegistry, Strategy
 from infer.models.config import model_config_from_hf, transformers_config
 

@@ -11,8 +11,8 @@ from __future__ import annotations
 
 from typing import Any, Mapping
 
-from infer.core.config import ModelConfig
-from infer.core.errors import ConfigError, ModelLoadError
+from infer.api.config import ModelConfig
+from infer.api.errors import ConfigError, ModelLoadError
 
 FP8_WEIGHT_STRATEGIES = ("channel", "tensor")
 

@@ -7,6 +7,6 @@ forward queued before this step's tokens reach the host (`pipeline`); and host l
 device without waiting for the GPU (`transfer`).
 
 The core knows the decode paths only as `DecodeGraphs` and `DecodePipeline`
-(`infer.core.interfaces.decode_paths`); the builder attaches them (`decode_paths`) where the config
+(`infer.api.decode_paths`); the builder attaches them (`decode_paths`) where the config
 and the strategies' capabilities allow.
 """

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import torch
 
-from infer.core.interfaces import BlockOps, KVCache
+from infer.api import BlockOps, KVCache
 
 
 class BlockMover:

@@ -39,7 +39,8 @@ from typing import Any
 import numpy as np
 import torch
 
-from infer.core.interfaces import AttentionBackend, AttentionBatch, KVCache
+from infer.api import AttentionBackend, AttentionBatch, KVCache
+from infer.api.decode_paths import bucket_sizes
 from infer.warmup import warming_up
 
 
@@ -62,11 +63,6 @@ class _Staging:
         i32[b : 2 * b + 1] = np.arange(b + 1, dtype=np.int32)
         self.tables = i32[2 * b + 1 :].reshape(b, w)
         self.copied = torch.cuda.Event() if pinned else None
-
-
-def bucket_sizes(max_rows: int) -> list[int]:
-    sizes = [1, 2, 4, 8] + list(range(16, 256 + 1, 16)) + list(range(288, 1024 + 1, 32))
-    return [s for s in sizes if s < max_rows] + [max_rows]
 
 
 class CudaGraphRunner:

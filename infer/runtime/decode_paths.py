@@ -1,4 +1,4 @@
-"""Which runners get the faster decode paths (`infer.core.interfaces.decode_paths`), as the config
+"""Which runners get the faster decode paths (`infer.api.decode_paths`), as the config
 and the strategies' capabilities allow: CUDA graphs (`cuda_graphs`) and decode pipelining through
 the scheduler (`pipeline`). The builder calls `attach_decode_paths` once every KV cache exists.
 """
@@ -9,8 +9,8 @@ from typing import Sequence
 
 import torch
 
-from infer.core.config import EngineConfig
-from infer.core.interfaces import Capabilities, Scheduler
+from infer.api import Capabilities, Scheduler
+from infer.api.config import EngineConfig
 from infer.core.runner import ModelRunner
 from infer.runtime.cuda_graphs import CudaGraphRunner
 from infer.runtime.hybrid_attention import HybridAttention

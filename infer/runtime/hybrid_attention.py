@@ -10,7 +10,7 @@ from dataclasses import replace
 
 import torch
 
-from infer.core.interfaces import AttentionBackend, AttentionBatch, KVCache
+from infer.api import AttentionBackend, AttentionBatch, KVCache
 
 
 class HybridAttention:

@@ -10,53 +10,16 @@ from typing import TYPE_CHECKING, Any, Callable, Sequence
 
 import torch
 
-from infer.core.config import EngineConfig, KVCacheDtype
-from infer.core.errors import ConfigError
-from infer.core.interfaces import Communicator, KVCache
+from infer.api import Communicator, KVCache
+from infer.api.config import EngineConfig, KVCacheDtype
+from infer.api.errors import ConfigError
+from infer.api.kv_cache import FP8, FP8KVCache
 from infer.runtime.block_mover import BlockMover
 
 if TYPE_CHECKING:
     from infer.core.runner import ModelRunner
 
 CPU_DEFAULT_BUDGET_GIB = 1.0
-FP8 = torch.float8_e4m3fn
-FP8_MAX = torch.finfo(FP8).max  # 448: e4m3fn has no infinity, larger values are clamped to it on write
-
-
-class FP8KVCache(tuple):
-    """One layer's FP8 cache: (k, v), e4m3 tensors [num_blocks, block_size, num_kv_heads, head_dim], and
-    the float32 scales they are read with: a stored key x means x * k_scale, a stored value y means
-    y * v_scale. A write stores `quantize_fp8(k, k_scale)`.
-
-    It is a tuple, so whatever moves a layer's (k, v) (the block mover, swaps, CUDA graphs) moves it
-    as it moves any cache; only attention backends with `capabilities.fp8_kv` read the scales. The
-    scales are static, one pair a layer: a checkpoint's calibrated `k_scale` / `v_scale` where it holds
-    them (`infer.models.kv_scales`), else 1.0.
-    e4m3 keeps 3 mantissa bits from 2^-6 to 448, so with scale 1 any K/V within +-448 keeps a relative
-    error of at most 2^-4, and smaller values (below 2^-6) an absolute error of at most 2^-10. A scale
-    moves that range, not the relative error: on SmolLM2 an amax / 448 scale leaves K and V as far off
-    (2.6% RMS) as 1.0 does.
-    """
-
-    k_scale: float
-    v_scale: float
-
-    def __new__(cls, k: torch.Tensor, v: torch.Tensor, k_scale: float = 1.0, v_scale: float = 1.0) -> "FP8KVCache":
-        assert k.dtype == v.dtype == FP8, f"an FP8 cache holds {FP8}, not {k.dtype}"
-        cache = super().__new__(cls, (k, v))
-        cache.k_scale, cache.v_scale = float(k_scale), float(v_scale)
-        return cache
-
-
-def quantize_fp8(x: torch.Tensor, scale: float) -> torch.Tensor:
-    """What an FP8 cache stores for x: x * (1 / scale) in float32, clamped to +-448 and rounded to the
-    nearest e4m3, ties to even (the reciprocal, not a division: a kernel computes the same product)."""
-    return (x.float() * (1.0 / scale)).clamp(-FP8_MAX, FP8_MAX).to(FP8)
-
-
-def kv_scales(kv_cache: KVCache) -> tuple[float, float]:
-    """(k_scale, v_scale) a layer's cache is read with: 1.0 for a cache in the model's dtype."""
-    return (kv_cache.k_scale, kv_cache.v_scale) if isinstance(kv_cache, FP8KVCache) else (1.0, 1.0)
 
 
 def kv_cache_dtype(choice: KVCacheDtype, dtype: torch.dtype) -> torch.dtype:

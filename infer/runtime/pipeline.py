@@ -23,9 +23,10 @@ from dataclasses import dataclass, field
 import torch
 
 from infer import overlap
-from infer.core.interfaces import BatchOutlook, PipeliningScheduler, Scheduler, TokenSampler
-from infer.core.request import Request
-from infer.core.runner import ForwardSeq, ModelRunner
+from infer.api import BatchOutlook, PipeliningScheduler, Scheduler, TokenSampler
+from infer.api.request import Request
+from infer.api.runner import ForwardSeq
+from infer.core.runner import ModelRunner
 
 
 @dataclass(slots=True)

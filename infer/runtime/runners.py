@@ -8,14 +8,15 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
-from infer.core.interfaces import AttentionSpec, Communicator, DecoderContext
+from infer.api import AttentionSpec, Communicator, DecoderContext
+from infer.api.kv_cache import FP8
 from infer.core.runner import ModelRunner
 from infer.log import get_logger
 from infer.models.build import check_draft, load_model
 from infer.models.kv_scales import read_kv_scales
 from infer.models.loader import ModelSource, load_tokenizer, resolve_source
 from infer.runtime.hybrid_attention import HybridAttention
-from infer.runtime.kv_cache import FP8, kv_cache_dtype
+from infer.runtime.kv_cache import kv_cache_dtype
 
 if TYPE_CHECKING:
     from infer.core.builder import BuildPlan

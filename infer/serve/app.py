@@ -34,7 +34,7 @@ from fastapi.responses import JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST
 
 from infer import __version__
-from infer.core.errors import ConfigError, RequestError, one_line
+from infer.api.errors import ConfigError, RequestError, one_line
 from infer.inputs.chat_template import check_template_kwargs, render_chat, template_for
 from infer.inputs.prompts import check_encodable
 from infer.serve import errors

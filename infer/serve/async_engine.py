@@ -22,9 +22,9 @@ import itertools
 from concurrent.futures import Future
 from typing import Any, AsyncIterator, Callable, Iterable, TypeVar
 
+from infer.api.errors import ConfigError, InferError, RequestError
+from infer.api.request import SamplingParams
 from infer.core.engine import Engine, Prompt
-from infer.core.errors import ConfigError, InferError, RequestError
-from infer.core.request import SamplingParams
 from infer.serve.engine_thread import Abort, Add, Call, EngineDeadError, EngineThread, Item
 from infer.serve.snapshot import EngineSnapshot
 from infer.serve.stream import StreamOutput, as_output, merge

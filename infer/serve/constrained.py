@@ -13,8 +13,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from infer.core.errors import RequestError, one_line
-from infer.inputs.structured import StructuredOutputs
+from infer.api.errors import RequestError, one_line
+from infer.api.structured import StructuredOutputs
 from infer.serve.errors import APIError
 from infer.serve.output_protocol import NamedToolChoice, Tool
 from infer.serve.protocol import ChatRequest, SamplingFields

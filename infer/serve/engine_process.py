@@ -33,8 +33,8 @@ from dataclasses import dataclass
 from multiprocessing.connection import Connection
 from typing import Any, Callable
 
+from infer.api.errors import ConfigError, InferError, RequestError, one_line
 from infer.core.engine import Engine
-from infer.core.errors import ConfigError, InferError, RequestError, one_line
 from infer.inputs.prompts import tokenize
 from infer.serve.engine_thread import (
     Abort,

@@ -21,9 +21,9 @@ from concurrent.futures import Future
 from dataclasses import dataclass
 from typing import Any, Callable, Protocol
 
+from infer.api.errors import InferError, RequestError, one_line
+from infer.api.request import Request, SamplingParams
 from infer.core.engine import Engine
-from infer.core.errors import InferError, RequestError, one_line
-from infer.core.request import Request, SamplingParams
 from infer.log import get_logger
 from infer.serve.snapshot import SNAPSHOT_INTERVAL_S, EngineSnapshot, snapshot
 from infer.serve.stream import News, RawDelta, StreamOutput, Tracked

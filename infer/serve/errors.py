@@ -18,7 +18,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from infer.core.errors import InferError, RequestError, one_line
+from infer.api.errors import InferError, RequestError, one_line
 from infer.serve import output_protocol, protocol
 from infer.serve.async_engine import QueueFullError
 from infer.serve.engine_thread import EngineDeadError, EngineStepError, ShuttingDownError

@@ -8,7 +8,7 @@ from __future__ import annotations
 import math
 from typing import Any
 
-from infer.core.request import RequestOutput
+from infer.api.request import RequestOutput
 from infer.serve.generation import Generation, finish_reason
 from infer.serve.output_protocol import FunctionCall, ToolCallOut
 from infer.serve.protocol import (

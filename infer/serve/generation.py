@@ -20,7 +20,7 @@ from typing import Any, AsyncIterator, Callable, Protocol, TypeVar
 from fastapi import Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
-from infer.core.request import RequestOutput
+from infer.api.request import RequestOutput
 from infer.serve.async_engine import RequestStream
 from infer.serve.constrained import OutputRules
 from infer.serve.errors import APIError, api_error

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, fields
 
-from infer.core.errors import ConfigError
+from infer.api.errors import ConfigError
 
 __all__ = ["ServeLimits", "option_name"]
 

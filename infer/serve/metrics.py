@@ -17,7 +17,7 @@ from typing import Callable, Iterable, Iterator
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 
-from infer.core.request import RequestOutput
+from infer.api.request import RequestOutput
 from infer.serve.served import ServedModel
 from infer.serve.snapshot import EngineSnapshot
 

@@ -24,8 +24,8 @@ from typing import Annotated, Any, Literal, Union
 
 from pydantic import AfterValidator, BaseModel, BeforeValidator, ConfigDict, Field, StrictStr, WithJsonSchema
 
-from infer.core.request import SamplingParams
-from infer.inputs.structured import StructuredOutputs
+from infer.api.request import SamplingParams
+from infer.api.structured import StructuredOutputs
 from infer.serve.output_protocol import NamedToolChoice, ResponseFormat, Tool, ToolCallDelta, ToolCallOut
 
 MAX_LOGPROBS = 20  # top logprobs per token, at most (OpenAI's chat limit; vLLM's default)

@@ -37,7 +37,7 @@ from typing import Mapping
 
 import uvicorn
 
-from infer.core.errors import one_line
+from infer.api.errors import one_line
 from infer.serve.async_engine import AsyncEngine
 from infer.serve.engine_thread import ShuttingDownError
 from infer.serve.lifecycle import Lifecycle

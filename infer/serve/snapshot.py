@@ -7,8 +7,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from infer.api.request import RequestStatus
 from infer.core.engine import Engine
-from infer.core.request import RequestStatus
 
 # a busy engine's figures are at most this old (an idle engine's are its last); taking one costs a pass
 # over the requests, and crossing the pipe a few hundred bytes

@@ -12,8 +12,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from infer.api.request import Request, RequestOutput
 from infer.core.output import Group
-from infer.core.request import Request, RequestOutput
 
 # A step's news for one request as the engine's thread makes it: (request id, [(index, text, token_ids,
 # logprobs), ...]), plain tuples, so that a step of a few hundred requests crosses a pipe in a fraction of

@@ -10,8 +10,8 @@ from __future__ import annotations
 
 import time
 
+from infer.api.request import SamplingParams
 from infer.core.engine import Engine
-from infer.core.request import SamplingParams
 
 # prompt lengths, one batch each: one short prompt; sixteen of sixteen tokens; a few of odd lengths
 BATCHES = ([5], [16] * 16, [7, 9, 13])

@@ -13,8 +13,8 @@ from __future__ import annotations
 
 from typing import Any, Sequence
 
-from infer.core.errors import RequestError
-from infer.inputs.sampling import SamplingParams
+from infer.api.errors import RequestError
+from infer.api.params import SamplingParams
 
 
 def prefix_agreement(reference: Sequence[Sequence[int]], outputs: Sequence[Sequence[int]]) -> float:

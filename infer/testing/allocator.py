@@ -23,7 +23,7 @@ from hypothesis.stateful import (
     run_state_machine_as_test,
 )
 
-from infer.core.request import Request, SamplingParams
+from infer.api.request import Request, SamplingParams
 
 MACHINE_SETTINGS = settings(
     max_examples=60, stateful_step_count=30, deadline=None, suppress_health_check=[HealthCheck.too_slow]

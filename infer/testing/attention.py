@@ -16,8 +16,8 @@ from dataclasses import dataclass
 
 import torch
 
-from infer.core.interfaces import AttentionBatch, AttentionSpec, KVCache
-from infer.runtime.kv_cache import FP8, FP8KVCache, kv_scales, quantize_fp8
+from infer.api import AttentionBatch, AttentionSpec, KVCache
+from infer.api.kv_cache import FP8, FP8KVCache, kv_scales, quantize_fp8
 
 
 @dataclass(frozen=True, slots=True)

@@ -19,8 +19,8 @@ from typing import Any, Sequence
 
 import torch
 
-from infer.core.interfaces import LogitsRow, ProcessorContext
-from infer.core.request import Request, SamplingParams
+from infer.api import LogitsRow, ProcessorContext
+from infer.api.request import Request, SamplingParams
 
 EOS = 0
 MERGED_WORDS = ("the", "hello", "name", "true", "false", "null")

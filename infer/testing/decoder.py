@@ -14,7 +14,7 @@ from typing import Any, Sequence
 
 import torch
 
-from infer.core.request import SamplingParams
+from infer.api.request import SamplingParams
 
 TINY_LLAMA: dict[str, Any] = dict(
     vocab_size=256,

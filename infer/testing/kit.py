@@ -9,9 +9,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from infer.core.errors import InferError
+from infer.api.errors import InferError
+from infer.api.slots import find
 from infer.core.registry import PluginRegistry, Strategy
-from infer.core.slots import find
 
 # the slots with a suite, suites/kit_<slot>.py
 SLOTS = ("attention", "sampler", "kv_allocator", "decoder", "model", "logits_processor")

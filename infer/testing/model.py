@@ -22,8 +22,8 @@ from typing import Any, Iterator, Sequence
 
 import torch
 
-from infer.core.interfaces import KitConfig
-from infer.core.request import RequestOutput, SamplingParams
+from infer.api import KitConfig
+from infer.api.request import RequestOutput, SamplingParams
 
 SIZES: dict[str, Any] = dict(  # set where the architecture's config class has the field
     vocab_size=512,

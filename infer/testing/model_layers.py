@@ -9,8 +9,8 @@ from typing import Any, Sequence
 
 import torch
 
-from infer.core.interfaces import DecoderStack
-from infer.core.request import SamplingParams
+from infer.api import DecoderStack
+from infer.api.request import SamplingParams
 from infer.testing.model import LOGPROB_TOLERANCE, Checkpoint
 
 # of the largest |value| in HF's output of that layer: fp32 summation order gives about 1e-6 here

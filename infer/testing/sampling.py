@@ -14,7 +14,7 @@ from typing import Any
 
 import torch
 
-from infer.core.request import Request, SamplingParams
+from infer.api.request import Request, SamplingParams
 
 KNOWN_PARAMS = frozenset({"temperature", "top_k", "top_p", "min_p", "seed"})
 LOGITS8 = [0.3, 2.0, -1.2, 1.1, 0.0, 1.6, -0.4, 0.8]  # ranks differ from token order

@@ -10,6 +10,7 @@ import statistics
 import numpy as np
 import pytest
 
+from infer.api.errors import ConfigError
 from infer.bench.online import (
     LoadResult,
     LoadSettings,
@@ -20,7 +21,6 @@ from infer.bench.online import (
     run_load,
 )
 from infer.bench.online_metrics import meets, parse_goodput, summarize
-from infer.core.errors import ConfigError
 
 SLACK_S = 0.05  # a late wake-up on two busy cores; sleeps never end early
 

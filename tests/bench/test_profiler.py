@@ -8,12 +8,12 @@ import pytest
 import torch
 from click.testing import CliRunner
 
+from infer.api.config import EngineConfig
+from infer.api.request import SamplingParams
 from infer.bench import charts
 from infer.bench.profiler import StepProfiler, format_profile
 from infer.cli.main import cli
-from infer.core.config import EngineConfig
 from infer.core.engine import Engine
-from infer.core.request import SamplingParams
 
 
 def hooks(model: torch.nn.Module) -> int:

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
+from infer.api.errors import DatasetError
 from infer.bench.workloads import load_workload, needs_vocab
-from infer.core.errors import DatasetError
 
 
 def test_random_shape_by_name_is_seeded_and_in_the_vocabulary() -> None:

@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from infer import SamplingParams
-from infer.core.errors import ConfigError, ModelLoadError
+from infer.api.errors import ConfigError, ModelLoadError
 from infer.llm import LLM
 from infer.testing.decoder import TINY_LLAMA as TINY_CONFIG
 from infer.testing.prompts import SMOLLM2_PROMPTS

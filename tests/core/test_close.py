@@ -9,7 +9,7 @@ import weakref
 import pytest
 
 from infer import LLM, SamplingParams
-from infer.core.errors import RequestError
+from infer.api.errors import RequestError
 
 
 def _storage_bytes(llm: LLM) -> int:

@@ -15,11 +15,11 @@ from fp8_checkpoints import with_kv_scales  # tests/, on sys.path
 
 import infer
 from infer import SamplingParams
-from infer.core.errors import IncompatiblePluginsError
-from infer.core.interfaces import Capabilities
+from infer.api import Capabilities
+from infer.api.errors import IncompatiblePluginsError
+from infer.api.kv_cache import FP8, FP8KVCache, quantize_fp8
 from infer.llm import LLM
 from infer.plugins.attention.torch_backend import TorchAttention
-from infer.runtime.kv_cache import FP8, FP8KVCache, quantize_fp8
 from infer.testing.agreement import forced_agreement, prefix_agreement
 
 PROMPTS = [[(7 * i + 3 * j) % 200 + 3 for j in range(5 + i % 9)] for i in range(16)]

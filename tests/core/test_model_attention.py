@@ -3,10 +3,10 @@
 import pytest
 
 import infer
+from infer.api import Capabilities
+from infer.api.config import EngineConfig, ModelConfig
+from infer.api.errors import IncompatiblePluginsError
 from infer.core.compose import check_model_attention, compose
-from infer.core.config import EngineConfig, ModelConfig
-from infer.core.errors import IncompatiblePluginsError
-from infer.core.interfaces import Capabilities
 from infer.core.registry import PluginRegistry
 from infer.plugins.attention.torch_backend import TorchAttention
 from infer.runtime.hybrid_attention import HybridAttention

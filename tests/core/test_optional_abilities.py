@@ -9,8 +9,7 @@ import torch
 
 import infer
 from infer import SamplingParams
-from infer.core.errors import ConfigError
-from infer.core.interfaces import (
+from infer.api import (
     BatchOutlook,
     Capabilities,
     FusingActivation,
@@ -26,6 +25,7 @@ from infer.core.interfaces import (
     TokenSampler,
     VerifyingSampler,
 )
+from infer.api.errors import ConfigError
 from infer.llm import LLM
 from infer.plugins.samplers.vectorized import VectorizedSampler
 from infer.plugins.schedulers.fcfs import FcfsScheduler

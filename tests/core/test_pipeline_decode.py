@@ -13,7 +13,7 @@ import torch
 
 import infer
 from infer import LLM, SamplingParams
-from infer.core.interfaces import Capabilities
+from infer.api import Capabilities
 from infer.core.runner import ModelRunner
 
 rng = random.Random(0)
@@ -170,7 +170,7 @@ def test_full_batch_with_requests_waiting(tiny_llama_dir):
 def test_backoff_doubles_after_misses_and_resets_on_a_hit():
     from types import SimpleNamespace
 
-    from infer.core.interfaces import BatchOutlook
+    from infer.api import BatchOutlook
     from infer.runtime.pipeline import Pipeline
 
     pipeline = Pipeline(SimpleNamespace(sampler=None), scheduler=None)

@@ -7,8 +7,8 @@ import types
 import pytest
 
 import infer
+from infer.api.errors import PluginNotFoundError
 from infer.core import plugin_api
-from infer.core.errors import PluginNotFoundError
 from infer.core.registry import PluginRegistry
 
 V = infer.PLUGIN_API_VERSION

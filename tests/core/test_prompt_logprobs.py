@@ -10,9 +10,9 @@ import pytest
 import torch
 
 from infer import SamplingParams
-from infer.core.errors import RequestError
+from infer.api import prompt_logprobs
+from infer.api.errors import RequestError
 from infer.llm import LLM
-from infer.runtime import prompt_logprobs
 
 PROMPTS = [[(11 * i + 5 * j) % 250 + 3 for j in range(9 + 7 * i)] for i in range(6)] + [[42]]
 TOP = 3

@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 
 from infer import LLM, SamplingParams
-from infer.core.errors import RequestError
+from infer.api.errors import RequestError
 
 
 @pytest.fixture(scope="module")

@@ -6,10 +6,10 @@ import dataclasses
 
 import pytest
 
-from infer.core import hookspecs
-from infer.core.config import EngineConfig
-from infer.core.slots import CHOSEN, PREFILL_ATTENTION, SLOTS, find
-from infer.inputs.options import flag
+from infer.api import hookspecs
+from infer.api.config import EngineConfig
+from infer.api.options import flag
+from infer.api.slots import CHOSEN, PREFILL_ATTENTION, SLOTS, find
 
 
 def test_every_slot_has_its_hook_spec_and_every_chosen_slot_its_field_and_flag():

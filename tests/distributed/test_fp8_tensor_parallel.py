@@ -17,7 +17,7 @@ from fp8_checkpoints import is_projection, stored
 from safetensors.torch import load_file, save_file
 
 from infer import LLM, SamplingParams
-from infer.core.errors import ConfigError
+from infer.api.errors import ConfigError
 from infer.distributed import layers as tp
 from infer.distributed.state import ParallelState
 from infer.models.shards import shard_of

@@ -14,9 +14,9 @@ import pytest
 import torch
 
 from infer import SamplingParams
-from infer.core.errors import ConfigError, IncompatiblePluginsError, WorkerError
-from infer.core.interfaces import BlockOps
-from infer.core.runner import StepInputs
+from infer.api import BlockOps
+from infer.api.errors import ConfigError, IncompatiblePluginsError, WorkerError
+from infer.api.runner import StepInputs
 from infer.distributed.state import ParallelState, check_tensor_parallel
 from infer.distributed.step_channel import Forward, StepChannel
 from infer.llm import LLM
@@ -258,7 +258,7 @@ def test_cli_refusal_exits_2(tiny_llama_dir):
 
 
 def test_tp_without_a_launcher_is_refused(tiny_llama_dir):
-    from infer.core.config import EngineConfig
+    from infer.api.config import EngineConfig
     from infer.core.engine import Engine
 
     with pytest.raises(ConfigError, match="--tp 2 needs a launcher .*launch=infer.distributed.launch.launch"):
@@ -266,7 +266,7 @@ def test_tp_without_a_launcher_is_refused(tiny_llama_dir):
 
 
 def test_more_ranks_than_gpus_is_refused(tiny_llama_dir, monkeypatch):
-    from infer.core.config import EngineConfig
+    from infer.api.config import EngineConfig
     from infer.distributed.launch import _start_ranks
 
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
@@ -289,7 +289,7 @@ def test_symmetric_memory_all_reduce_is_refused_on_the_cpu(tiny_llama_dir):
 
 def test_backend_without_distributed_support_is_refused(tiny_llama_dir):
     import infer
-    from infer.core.interfaces import Capabilities
+    from infer.api import Capabilities
     from infer.plugins.attention.torch_backend import TorchAttention
 
     class SingleRank(TorchAttention):

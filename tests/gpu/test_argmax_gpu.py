@@ -37,7 +37,7 @@ def test_argmax_rows_is_torch_argmax(dtype, rows):
 
 
 def test_greedy_sampling_on_the_gpu_is_the_argmax():
-    from infer.core.request import SamplingParams
+    from infer.api.request import SamplingParams
     from infer.plugins.samplers.vectorized import VectorizedSampler
     from infer.testing.sampling import make_request
 

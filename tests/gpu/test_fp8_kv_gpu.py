@@ -10,9 +10,9 @@ import pytest
 import torch
 
 from infer import SamplingParams
+from infer.api.kv_cache import FP8KVCache
 from infer.llm import LLM
 from infer.plugins.attention.torch_backend import TorchAttention
-from infer.runtime.kv_cache import FP8KVCache
 from infer.testing.agreement import prefix_agreement
 from infer.testing.attention import check_backend, naive_attention, quantized
 

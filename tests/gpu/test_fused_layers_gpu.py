@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from infer.models.rope import Rope
+from infer.api.rope import Rope
 from infer.plugins.layers import torch_layers as plain
 
 pytestmark = pytest.mark.gpu

@@ -13,7 +13,7 @@ import importlib
 import pytest
 import torch
 
-from infer.core.interfaces import AttentionSpec
+from infer.api import AttentionSpec
 from infer.plugins.attention.torch_backend import TorchAttention
 from infer.runtime.hybrid_attention import HybridAttention
 from infer.testing.attention import BATCH_SPECS, AttentionCase, BatchSpec, check_backend, make_case, naive_attention

@@ -9,7 +9,7 @@ import random
 import pytest
 import torch
 
-from infer.core.interfaces import AttentionBatch, AttentionSpec
+from infer.api import AttentionBatch, AttentionSpec
 from infer.testing.attention import AttentionCase, check_backend, naive_attention
 
 pytestmark = [

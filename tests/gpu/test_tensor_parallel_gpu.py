@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from infer import SamplingParams
-from infer.core.errors import WorkerError
+from infer.api.errors import WorkerError
 from infer.llm import LLM
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 GPUs")]

@@ -14,7 +14,7 @@ import math
 import pytest
 import torch
 
-from infer.core.interfaces import AttentionBatch, AttentionSpec
+from infer.api import AttentionBatch, AttentionSpec
 from infer.plugins.attention.torch_backend import TorchAttention
 from infer.testing.attention import AttentionCase
 

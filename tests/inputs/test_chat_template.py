@@ -11,10 +11,10 @@ import torch
 from click.testing import CliRunner
 
 from infer import SamplingParams
+from infer.api.errors import ConfigError, RequestError
 from infer.bench.report import prepare_prompts
 from infer.bench.workloads import load_workload
 from infer.cli.main import cli
-from infer.core.errors import ConfigError, RequestError
 from infer.llm import LLM
 
 BOS = 1

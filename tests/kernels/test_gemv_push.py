@@ -100,7 +100,7 @@ def test_a_row_parallel_mlp_pushes_one_token_and_the_norm_after_takes_it_from_th
     `reduce_add_norm` finds it in the exchange; more tokens take the all-reduce."""
     import types
 
-    from infer.core.interfaces import Layers
+    from infer.api import Layers
     from infer.distributed.all_reduce.lamport import LamportExchange
     from infer.distributed.layers import reduce_add_norm
     from infer.distributed.state import ParallelState

@@ -11,7 +11,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from infer.core.errors import ModelLoadError
+from infer.api.errors import ModelLoadError
 from infer.models import gguf as gguf_convert
 from infer.models.gguf import convert_gguf, permute_qk, unpermute_qk
 

@@ -15,8 +15,8 @@ import torch
 from click.testing import CliRunner
 
 from infer import SamplingParams
+from infer.api.errors import ModelLoadError
 from infer.cli.main import cli
-from infer.core.errors import ModelLoadError
 from infer.core.registry import PluginRegistry
 from infer.llm import LLM
 from infer.models.loader import resolve_source

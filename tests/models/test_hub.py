@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from infer.core.errors import ModelLoadError
+from infer.api.errors import ModelLoadError
 from infer.models import hub
 
 NAME = "smollm2-135m"

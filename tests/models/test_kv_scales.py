@@ -6,7 +6,7 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
-from infer.core.errors import ModelLoadError
+from infer.api.errors import ModelLoadError
 from infer.models.kv_scales import read_kv_scales
 
 

@@ -9,8 +9,8 @@ from click.testing import CliRunner
 
 import infer
 from infer import SamplingParams
+from infer.api.errors import ModelLoadError, PluginNotFoundError
 from infer.cli.main import cli
-from infer.core.errors import ModelLoadError, PluginNotFoundError
 from infer.core.registry import PluginRegistry
 from infer.llm import LLM
 from infer.models.loader import resolve_source

@@ -116,7 +116,7 @@ def test_a_bucket_past_max_rows_computes_only_the_rows_asked(target):
         assert graphs.replays == {16: 1} and logits.shape[0] == 2
         changed = {int(b) for (k, _), k0 in zip(runner.kv_caches, before) for b in torch.nonzero(k != k0)[:, 0]}
         assert changed <= {0, 1, 2, null_block} and {0, 1, 2} <= changed
-        from infer.core.runner import StepInputs
+        from infer.api.runner import StepInputs
 
         eager = runner.run(StepInputs(tokens, query_lens, seq_lens, tables, [6, 10], None, False))
     torch.testing.assert_close(logits, eager, rtol=1e-5, atol=1e-5)

@@ -9,7 +9,7 @@ import asyncio
 import pytest
 
 from infer import LLM, SamplingParams
-from infer.core.errors import RequestError
+from infer.api.errors import RequestError
 from infer.serve.async_engine import AsyncEngine, QueueFullError
 from infer.serve.engine_thread import EngineStepError
 

@@ -15,8 +15,8 @@ import openai
 import pytest
 
 from infer import LLM, SamplingParams
-from infer.core.config import EngineConfig
-from infer.core.errors import InferError, RequestError
+from infer.api.config import EngineConfig
+from infer.api.errors import InferError, RequestError
 from infer.serve.app import create_app
 from infer.serve.async_engine import AsyncEngine, build_engine
 from infer.serve.engine_thread import EngineDeadError

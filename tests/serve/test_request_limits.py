@@ -10,7 +10,7 @@ import httpx
 import pytest
 from serve_checks import error_of
 
-from infer.core.errors import ConfigError
+from infer.api.errors import ConfigError
 from infer.serve.app import create_app
 from infer.serve.errors import APIError
 from infer.serve.limits import ServeLimits

@@ -12,8 +12,8 @@ import time
 import httpx
 import pytest
 
+from infer.api.errors import ConfigError, PluginNotFoundError
 from infer.cli.serve import model_configs, parse_model
-from infer.core.errors import ConfigError, PluginNotFoundError
 
 
 def _python(code: str) -> subprocess.CompletedProcess:

@@ -13,7 +13,7 @@ import pytest
 import torch
 
 import infer
-from infer.core.interfaces import Capabilities, SamplerOutput
+from infer.api import Capabilities, SamplerOutput
 from infer.core.registry import PluginRegistry
 from infer.plugins.attention.torch_backend import TorchAttention
 from infer.plugins.kv_allocators.paged import PagedAllocator
@@ -27,7 +27,7 @@ from infer.testing.sampling import check_distribution, check_seeds, distribution
 BROKEN_PLUGIN = '''
 import torch
 import infer
-from infer.core.interfaces import SamplerOutput
+from infer.api import SamplerOutput
 from infer.plugins.attention.torch_backend import write_kv
 from infer.plugins.models.llama import Llama
 

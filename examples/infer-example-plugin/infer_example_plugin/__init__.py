@@ -13,7 +13,7 @@ import click
 import torch
 
 import infer
-from infer.core.interfaces import SamplerOutput
+from infer.api import SamplerOutput
 
 INFER_PLUGIN_API = ">=1,<3"  # the infer plugin API versions this plugin works with (2 changed only allocators)
 

@@ -14,7 +14,7 @@ import torch
 from torch import nn
 
 import infer
-from infer.core.errors import ModelLoadError
+from infer.api.errors import ModelLoadError
 from infer.distributed import layers as tp
 from infer.models.shards import Shard
 from infer.plugins.models.llama import Llama

@@ -12,7 +12,7 @@ from typing import Any
 
 import torch
 
-from infer.core.errors import ConfigError
+from infer.api.errors import ConfigError
 from infer.distributed.state import torchrun_host
 
 

@@ -34,11 +34,11 @@ from typing import Any
 
 import torch
 
-from infer.core.hookspecs import hookimpl
-from infer.core.interfaces import AttentionBatch, AttentionSpec, Capabilities, KVCache
+from infer.api import AttentionBatch, AttentionSpec, Capabilities, KVCache
+from infer.api.decode_paths import bucket_sizes
+from infer.api.hookspecs import hookimpl
+from infer.api.kv_cache import FP8, kv_scales
 from infer.plugins.attention.torch_backend import write_kv
-from infer.runtime.cuda_graphs import bucket_sizes
-from infer.runtime.kv_cache import FP8, kv_scales
 
 INT_WORKSPACE_BYTES = 8 << 20  # what FlashInfer allocates per wrapper for its plan data
 

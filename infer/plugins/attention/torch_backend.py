@@ -14,9 +14,9 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from infer.core.hookspecs import hookimpl
-from infer.core.interfaces import AttentionBatch, AttentionSpec, Capabilities, KVCache
-from infer.runtime.kv_cache import FP8, kv_scales, quantize_fp8
+from infer.api import AttentionBatch, AttentionSpec, Capabilities, KVCache
+from infer.api.hookspecs import hookimpl
+from infer.api.kv_cache import FP8, kv_scales, quantize_fp8
 
 
 def dequantize(stored: torch.Tensor, scale: float, dtype: torch.dtype) -> torch.Tensor:

@@ -21,8 +21,8 @@ from typing import Any
 
 import torch
 
-from infer.core.hookspecs import hookimpl
-from infer.core.interfaces import AttentionBatch, AttentionSpec, Capabilities, KVCache
+from infer.api import AttentionBatch, AttentionSpec, Capabilities, KVCache
+from infer.api.hookspecs import hookimpl
 from infer.plugins.attention.torch_backend import write_kv
 
 

@@ -8,10 +8,10 @@ from typing import Any, Sequence
 
 import torch
 
-from infer.core.errors import RequestError
-from infer.core.hookspecs import hookimpl
-from infer.core.interfaces import LogitsRow, ProcessorContext, RegisterFn
-from infer.core.request import Request
+from infer.api import LogitsRow, ProcessorContext, RegisterFn
+from infer.api.errors import RequestError
+from infer.api.hookspecs import hookimpl
+from infer.api.request import Request
 from infer.plugins.constraints.token_masks import ban
 
 

@@ -32,13 +32,13 @@ from typing import Any, Sequence
 import numpy as np
 import torch
 
-from infer.core.errors import RequestError, one_line
-from infer.core.hookspecs import hookimpl
-from infer.core.interfaces import Capabilities, LogitsRow, ProcessorContext, RegisterFn
-from infer.core.request import Request
-from infer.inputs.structured import StructuredOutputs
+from infer.api import Capabilities, LogitsRow, ProcessorContext, RegisterFn
+from infer.api.errors import RequestError, one_line
+from infer.api.hookspecs import hookimpl
+from infer.api.request import Request
+from infer.api.structured import StructuredOutputs
+from infer.api.transfer import row_index
 from infer.log import get_logger
-from infer.runtime.transfer import row_index
 
 log = get_logger()
 COMPILED_KEPT = 64  # compiled grammars kept for requests that repeat a constraint

@@ -6,11 +6,11 @@ from typing import Sequence
 
 import torch
 
-from infer.core.hookspecs import hookimpl
-from infer.core.interfaces import LogitsRow, ProcessorContext, RegisterFn
-from infer.core.request import Request
+from infer.api import LogitsRow, ProcessorContext, RegisterFn
+from infer.api.hookspecs import hookimpl
+from infer.api.request import Request
+from infer.api.transfer import to_device
 from infer.plugins.constraints.token_masks import check_ids
-from infer.runtime.transfer import to_device
 
 
 class LogitBias:

@@ -6,9 +6,9 @@ from typing import Sequence
 
 import torch
 
-from infer.core.hookspecs import hookimpl
-from infer.core.interfaces import LogitsRow, ProcessorContext, RegisterFn
-from infer.core.request import Request
+from infer.api import LogitsRow, ProcessorContext, RegisterFn
+from infer.api.hookspecs import hookimpl
+from infer.api.request import Request
 from infer.plugins.constraints.token_masks import ban
 
 

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import torch
 
-from infer.core.errors import RequestError
-from infer.runtime.transfer import to_device
+from infer.api.errors import RequestError
+from infer.api.transfer import to_device
 
 
 def ban(logits: torch.Tensor, rows: list[int], tokens: list[int]) -> None:

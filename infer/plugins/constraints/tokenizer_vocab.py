@@ -8,10 +8,10 @@ from typing import Sequence
 
 import torch
 
-from infer.core.hookspecs import hookimpl
-from infer.core.interfaces import LogitsRow, ProcessorContext, RegisterFn
-from infer.core.request import Request
-from infer.runtime.transfer import row_index
+from infer.api import LogitsRow, ProcessorContext, RegisterFn
+from infer.api.hookspecs import hookimpl
+from infer.api.request import Request
+from infer.api.transfer import row_index
 
 
 class TokenizerVocab:

@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
-from infer.core.hookspecs import hookimpl
-from infer.core.interfaces import Capabilities, DecoderContext, SchedulerOutput, StepResult
+from infer.api import Capabilities, DecoderContext, SchedulerOutput, StepResult
+from infer.api.hookspecs import hookimpl
 
 
 class AutoregressiveDecoder:

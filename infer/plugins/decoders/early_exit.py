@@ -9,9 +9,9 @@ that run, so more blocks fit in the same budget.
 
 from __future__ import annotations
 
-from infer.core.errors import ConfigError
-from infer.core.hookspecs import hookimpl
-from infer.core.interfaces import Capabilities, DecoderContext, SchedulerOutput, StepResult
+from infer.api import Capabilities, DecoderContext, SchedulerOutput, StepResult
+from infer.api.errors import ConfigError
+from infer.api.hookspecs import hookimpl
 
 
 class EarlyExitDecoder:

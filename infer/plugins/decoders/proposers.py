@@ -28,10 +28,11 @@ from typing import Protocol
 
 import torch
 
-from infer.core.request import Request
-from infer.core.runner import ForwardSeq, ModelRunner
+from infer.api.decoding import ForwardRunner
+from infer.api.request import Request
+from infer.api.runner import ForwardSeq
+from infer.api.transfer import row_index, to_device
 from infer.plugins.decoders import rejection
-from infer.runtime.transfer import row_index, to_device
 
 _WORD = array("i").itemsize  # bytes per token id in NgramProposer's search
 
@@ -127,7 +128,7 @@ class ModelProposer:
     verify pass rewrites every slot the draft wrote.
     """
 
-    def __init__(self, runner: ModelRunner, shares_target_kv: bool = False, rows_upto: int = 0) -> None:
+    def __init__(self, runner: ForwardRunner, shares_target_kv: bool = False, rows_upto: int = 0) -> None:
         self.runner = runner
         self.shares_target_kv = shares_target_kv
         self.rows_upto = rows_upto  # catch-ups of at most this many tokens run one decode row per token

@@ -20,10 +20,10 @@ from __future__ import annotations
 import torch
 
 from infer import overlap
-from infer.core.interfaces import VerifyingSampler
-from infer.core.request import Request
+from infer.api import VerifyingSampler
+from infer.api.request import Request
+from infer.api.transfer import row_index, to_device
 from infer.kernels import rng
-from infer.runtime.transfer import row_index, to_device
 
 DRAFT_SALT = 0x5DEECE66D1F3A7B  # the draft's own draws (x ~ q)
 ACCEPT_SALT = 0x2545F4914F6CDD1D  # the uniforms u of the acceptance test

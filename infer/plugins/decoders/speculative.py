@@ -45,9 +45,7 @@ import time
 import torch
 
 from infer import overlap
-from infer.core.errors import ConfigError
-from infer.core.hookspecs import hookimpl
-from infer.core.interfaces import (
+from infer.api import (
     Capabilities,
     DecoderContext,
     ScheduledSeq,
@@ -56,8 +54,13 @@ from infer.core.interfaces import (
     TokenSampler,
     VerifyingSampler,
 )
-from infer.core.request import Request
-from infer.core.runner import ForwardSeq
+from infer.api.constrain import constrain, is_constrained
+from infer.api.errors import ConfigError
+from infer.api.hookspecs import hookimpl
+from infer.api.prompt_logprobs import prompt_rows, take_prompt_logprobs
+from infer.api.request import Request
+from infer.api.runner import ForwardSeq
+from infer.api.transfer import to_device
 from infer.plugins.decoders import rejection
 from infer.plugins.decoders.proposers import (
     DraftRow,
@@ -68,9 +71,6 @@ from infer.plugins.decoders.proposers import (
     has_penalties,
     view,
 )
-from infer.runtime.constraints import constrain, is_constrained
-from infer.runtime.prompt_logprobs import prompt_rows, take_prompt_logprobs
-from infer.runtime.transfer import to_device
 
 
 def make_proposer(ctx: DecoderContext, rows_upto: int) -> tuple[Proposer, str]:

@@ -12,9 +12,9 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
 from infer import overlap
-from infer.core.hookspecs import hookimpl
-from infer.core.interfaces import DetokenizedDelta, RegisterFn
-from infer.core.request import Request
+from infer.api import DetokenizedDelta, RegisterFn
+from infer.api.hookspecs import hookimpl
+from infer.api.request import Request
 from infer.plugins.detokenizers.streams import DecodeBatch, Stream, StreamTable, run_streams
 
 

@@ -4,9 +4,9 @@ from __future__ import annotations
 
 from typing import Any
 
-from infer.core.hookspecs import hookimpl
-from infer.core.interfaces import DetokenizedDelta, RegisterFn
-from infer.core.request import Request
+from infer.api import DetokenizedDelta, RegisterFn
+from infer.api.hookspecs import hookimpl
+from infer.api.request import Request
 from infer.plugins.detokenizers.streams import DecodeBatch, StreamTable, run_streams
 
 

@@ -17,8 +17,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Callable
 
-from infer.core.interfaces import DetokenizedDelta
-from infer.core.request import Request
+from infer.api import DetokenizedDelta
+from infer.api.request import Request
 
 REPLACEMENT = "\ufffd"  # what a lossy UTF-8 decode renders an incomplete character as
 SEED_TOKENS = 5  # prompt tokens that seed a new request's prefix (vLLM's initial offset)

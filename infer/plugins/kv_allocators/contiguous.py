@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
-from infer.core.hookspecs import hookimpl
-from infer.core.request import Request
+from infer.api.hookspecs import hookimpl
+from infer.api.request import Request
 from infer.plugins.kv_allocators.paged import PagedAllocator
 
 

@@ -20,9 +20,9 @@ like copy-on-write); its next `allocate_slots` brings them back into fresh devic
 
 from __future__ import annotations
 
-from infer.core.hookspecs import hookimpl
-from infer.core.interfaces import BlockOps, Capabilities, KVUsage
-from infer.core.request import Request
+from infer.api import BlockOps, Capabilities, KVUsage
+from infer.api.hookspecs import hookimpl
+from infer.api.request import Request
 from infer.plugins.kv_allocators.block_pool import BlockPool
 from infer.plugins.kv_allocators.prefix_cache import BlockKey, PrefixCache
 from infer.plugins.kv_allocators.swap import SwapSpace

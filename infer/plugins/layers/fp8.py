@@ -27,8 +27,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from infer.core.hookspecs import hookimpl
-from infer.core.interfaces import Capabilities
+from infer.api import Capabilities
+from infer.api.hookspecs import hookimpl
 from infer.kernels.fp8_reference import FP8, FP8_MAX_INV, quantize_rows_reference, to_e4m3
 
 

@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import torch
 
-from infer.core.errors import ModelLoadError
-from infer.core.hookspecs import hookimpl
-from infer.core.interfaces import Capabilities
+from infer.api import Capabilities
+from infer.api.errors import ModelLoadError
+from infer.api.hookspecs import hookimpl
 from infer.plugins.layers.fp8 import Fp8Linear, QuantizedRows
 from infer.plugins.layers.fused import triton_reason
 

@@ -17,8 +17,8 @@ import torch
 from torch import nn
 
 from infer import env
-from infer.core.hookspecs import hookimpl
-from infer.core.interfaces import Capabilities
+from infer.api import Capabilities
+from infer.api.hookspecs import hookimpl
 from infer.plugins.layers import torch_layers as plain
 
 

@@ -8,9 +8,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from infer.core.hookspecs import hookimpl
-from infer.core.interfaces import Capabilities, Layers
-from infer.models.rope import Rope
+from infer.api import Capabilities, Layers
+from infer.api.hookspecs import hookimpl
+from infer.api.rope import Rope
 
 
 class RMSNorm(nn.Module):

@@ -15,8 +15,8 @@ from typing import Any, Iterable, Iterator
 import torch
 from torch import nn
 
-from infer.core.config import ModelConfig
-from infer.core.interfaces import AttentionBackend, KVCache, Layers, QuantizedLinear
+from infer.api import AttentionBackend, KVCache, Layers, QuantizedLinear
+from infer.api.config import ModelConfig
 from infer.distributed import layers as tp
 from infer.distributed.state import ParallelState
 from infer.models.loader import check_shape, check_unscaled

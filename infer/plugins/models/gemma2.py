@@ -15,9 +15,9 @@ from typing import Any
 
 import torch
 
-from infer.core.config import ModelConfig
-from infer.core.hookspecs import hookimpl
-from infer.core.interfaces import KVCache
+from infer.api import KVCache
+from infer.api.config import ModelConfig
+from infer.api.hookspecs import hookimpl
 from infer.plugins.models.decoder import DecoderModel
 from infer.plugins.models.transformer import DecoderLayer, Family, hf_activation, quantize_inputs
 

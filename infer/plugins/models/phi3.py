@@ -3,7 +3,7 @@
 Llama's decoder with the checkpoint's projections already fused (`qkv_proj`, `gate_up_proj`: split
 here into the pieces the shared loader maps, so a tensor-parallel rank still reads its slices),
 RoPE of the config's type (longrope: short factors and its attention scaling, as transformers
-computes them; the context stays within original_max_position_embeddings, see infer.models.rope),
+computes them; the context stays within original_max_position_embeddings, see infer.api.rope),
 partial rotary (`partial_rotary_factor`), and every layer within the config's sliding_window.
 """
 
@@ -14,8 +14,8 @@ from typing import Any, Iterable, Iterator
 
 import torch
 
-from infer.core.config import ModelConfig
-from infer.core.hookspecs import hookimpl
+from infer.api.config import ModelConfig
+from infer.api.hookspecs import hookimpl
 from infer.models.loader import check_shape
 from infer.plugins.models.decoder import DecoderModel
 from infer.plugins.models.transformer import Family, hf_activation

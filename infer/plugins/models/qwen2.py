@@ -9,8 +9,8 @@ from __future__ import annotations
 
 from typing import Any
 
-from infer.core.config import ModelConfig
-from infer.core.hookspecs import hookimpl
+from infer.api.config import ModelConfig
+from infer.api.hookspecs import hookimpl
 from infer.plugins.models.decoder import DecoderModel
 from infer.plugins.models.transformer import Family, hf_activation
 

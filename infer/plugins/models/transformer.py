@@ -18,9 +18,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from infer.core.config import ModelConfig
-from infer.core.errors import ModelLoadError
-from infer.core.interfaces import (
+from infer.api import (
     AttentionBackend,
     FusingActivation,
     KVCache,
@@ -30,9 +28,11 @@ from infer.core.interfaces import (
     RotaryFusingAttention,
     RotaryTables,
 )
+from infer.api.config import ModelConfig
+from infer.api.errors import ModelLoadError
+from infer.api.rope import Rope
 from infer.distributed import layers as tp
 from infer.distributed.state import ParallelState
-from infer.models.rope import Rope
 
 ACTIVATIONS = {"silu": "silu_and_mul", "gelu_pytorch_tanh": "gelu_and_mul"}  # HF hidden_act -> layer kind
 

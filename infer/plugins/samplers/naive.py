@@ -11,9 +11,9 @@ import math
 
 import torch
 
-from infer.core.hookspecs import hookimpl
-from infer.core.interfaces import RegisterFn, SamplerOutput
-from infer.core.request import Request, SamplingParams
+from infer.api import RegisterFn, SamplerOutput
+from infer.api.hookspecs import hookimpl
+from infer.api.request import Request, SamplingParams
 from infer.kernels.rng import generator_seed, row_positions
 
 

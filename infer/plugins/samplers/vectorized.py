@@ -16,11 +16,11 @@ from itertools import chain
 
 import torch
 
-from infer.core.hookspecs import hookimpl
-from infer.core.interfaces import Capabilities, RegisterFn, SamplerOutput
-from infer.core.request import Request, SamplingParams
+from infer.api import Capabilities, RegisterFn, SamplerOutput
+from infer.api.hookspecs import hookimpl
+from infer.api.request import Request, SamplingParams
+from infer.api.transfer import row_index, to_device
 from infer.kernels import rng
-from infer.runtime.transfer import row_index, to_device
 
 NEG_INF = float("-inf")
 _HAS_TRITON = importlib.util.find_spec("triton") is not None

@@ -5,8 +5,8 @@ from __future__ import annotations
 import bisect
 import time
 
-from infer.core.interfaces import BatchOutlook, KVAllocator, SchedulerOutput, StepResult
-from infer.core.request import FinishReason, Request, RequestStatus
+from infer.api import BatchOutlook, KVAllocator, SchedulerOutput, StepResult
+from infer.api.request import FinishReason, Request, RequestStatus
 from infer.plugins.schedulers.beam_search import BeamSearch
 
 

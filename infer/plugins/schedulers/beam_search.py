@@ -28,7 +28,7 @@ from typing import Any
 
 import torch
 
-from infer.core.request import FinishReason, Request, SamplingParams
+from infer.api.request import FinishReason, Request, SamplingParams
 
 
 def div32(x: float, divisor: float) -> float:

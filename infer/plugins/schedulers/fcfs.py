@@ -17,9 +17,9 @@ from __future__ import annotations
 
 import bisect
 
-from infer.core.hookspecs import hookimpl
-from infer.core.interfaces import Capabilities, ScheduledSeq, SchedulerOutput
-from infer.core.request import FinishReason, Request, RequestStatus
+from infer.api import Capabilities, ScheduledSeq, SchedulerOutput
+from infer.api.hookspecs import hookimpl
+from infer.api.request import FinishReason, Request, RequestStatus
 from infer.plugins.schedulers.base import SchedulerBase
 
 

@@ -8,9 +8,9 @@ Kept as the baseline that continuous batching is measured against.
 
 from __future__ import annotations
 
-from infer.core.hookspecs import hookimpl
-from infer.core.interfaces import Capabilities, ScheduledSeq, SchedulerOutput
-from infer.core.request import FinishReason, Request, RequestStatus
+from infer.api import Capabilities, ScheduledSeq, SchedulerOutput
+from infer.api.hookspecs import hookimpl
+from infer.api.request import FinishReason, Request, RequestStatus
 from infer.plugins.schedulers.base import SchedulerBase
 
 

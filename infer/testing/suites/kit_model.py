@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from infer.core.interfaces import HFArchitectures
+from infer.api import HFArchitectures
 from infer.core.registry import Strategy
 from infer.testing import kit
 from infer.testing.model import SETTINGS, Checkpoint, Setting, check_model, kit_overrides, write_checkpoint

@@ -14,9 +14,9 @@ from pathlib import Path
 import pytest
 import torch
 
+from infer.api.config import EngineConfig, ModelConfig
+from infer.api.errors import IncompatiblePluginsError
 from infer.core.compose import check_model_attention, compose
-from infer.core.config import EngineConfig, ModelConfig
-from infer.core.errors import IncompatiblePluginsError
 from infer.core.registry import PluginRegistry
 from infer.plugins.attention import flashinfer_backend, xformers_backend
 from infer.plugins.attention.flashinfer_backend import FlashInferAttention, paged_kv_layout

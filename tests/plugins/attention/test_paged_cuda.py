@@ -13,7 +13,7 @@ if not torch.cuda.is_available():
 
 pytest.importorskip("triton")
 
-from infer.models.rope import Rope
+from infer.api.rope import Rope
 from infer.plugins.attention.paged_cuda import PagedCudaAttention, infer_register_attention_backends
 from infer.testing.attention import BATCH_SPECS, BatchSpec, check_backend, make_case, naive_attention
 

@@ -18,11 +18,11 @@ pytest.importorskip("triton")
 import triton
 import triton.language as tl
 
-from infer.models.rope import Rope
+from infer.api.kv_cache import FP8, FP8KVCache, quantize_fp8
+from infer.api.rope import Rope
 from infer.plugins.attention.paged_cuda import PagedCudaAttention
 from infer.plugins.attention.paged_cuda.kernels.fp8 import quantize
 from infer.plugins.attention.torch_backend import TorchAttention
-from infer.runtime.kv_cache import FP8, FP8KVCache, quantize_fp8
 from infer.testing.attention import BATCH_SPECS, BatchSpec, check_backend, make_case, naive_attention
 
 pytestmark = pytest.mark.skipif(

@@ -1,8 +1,8 @@
 import pytest
 import torch
 
+from infer.api.kv_cache import FP8
 from infer.plugins.attention.torch_backend import TorchAttention
-from infer.runtime.kv_cache import FP8
 from infer.testing.attention import BATCH_SPECS, check_backend, make_case
 
 

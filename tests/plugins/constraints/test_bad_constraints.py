@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 
 from infer import SamplingParams
-from infer.core.errors import RequestError
+from infer.api.errors import RequestError
 
 GOOD = ["The capital of France is", "Q: What is 2+2?\nA:"]
 GREEDY = dict(max_tokens=4, temperature=0)

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from infer import SamplingParams
-from infer.core.interfaces import LogitsRow, ProcessorContext
+from infer.api import LogitsRow, ProcessorContext
 from infer.plugins.constraints.bad_words import BadWords
 from infer.testing.sampling import make_request
 

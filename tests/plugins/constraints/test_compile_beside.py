@@ -11,7 +11,7 @@ import time
 import pytest
 
 from infer import SamplingParams
-from infer.core.errors import RequestError
+from infer.api.errors import RequestError
 from infer.llm import LLM
 from infer.plugins.constraints import grammar
 

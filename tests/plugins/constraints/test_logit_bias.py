@@ -7,11 +7,11 @@ import pytest
 import torch
 
 from infer import SamplingParams
-from infer.core.interfaces import ProcessorContext
+from infer.api import ProcessorContext
+from infer.api.constrain import admit, constrain
 from infer.plugins.constraints.logit_bias import LogitBias
 from infer.plugins.samplers.naive import NaiveSampler
 from infer.plugins.samplers.vectorized import VectorizedSampler
-from infer.runtime.constraints import admit, constrain
 from infer.testing.sampling import make_request
 
 VOCAB = 1000

@@ -15,7 +15,7 @@ import pytest
 from jsonschema import Draft202012Validator
 
 from infer import SamplingParams
-from infer.core.errors import RequestError
+from infer.api.errors import RequestError
 from infer.llm import LLM
 from infer.testing.json_schemas import SchemaCase, random_schemas
 

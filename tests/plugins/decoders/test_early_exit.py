@@ -6,8 +6,8 @@ import pytest
 from click.testing import CliRunner
 
 from infer import SamplingParams
+from infer.api.errors import ConfigError, IncompatiblePluginsError
 from infer.cli.main import cli
-from infer.core.errors import ConfigError, IncompatiblePluginsError
 from infer.core.registry import PluginRegistry
 from infer.llm import LLM
 

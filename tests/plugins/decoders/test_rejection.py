@@ -9,7 +9,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from infer.core.request import Request, SamplingParams
+from infer.api.request import Request, SamplingParams
 from infer.plugins.decoders import rejection
 from infer.plugins.samplers.naive import NaiveSampler
 from infer.plugins.samplers.vectorized import VectorizedSampler

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from infer import SamplingParams
-from infer.core.errors import ConfigError, IncompatiblePluginsError
+from infer.api.errors import ConfigError, IncompatiblePluginsError
 from infer.llm import LLM
 from infer.runtime.kv_cache import bytes_per_block
 from infer.testing.prompts import SMOLLM2_PROMPTS

@@ -185,7 +185,7 @@ def test_padded_rows_write_only_the_null_block_and_rows_match_the_eager_forward(
 
 
 def eager_rows(runner, tokens, seq_lens, tables) -> torch.Tensor:
-    from infer.core.runner import StepInputs
+    from infer.api.runner import StepInputs
 
     step = StepInputs(tokens, [1] * len(tokens), seq_lens, tables, list(range(len(tokens))), None, False)
     return runner.run(step)

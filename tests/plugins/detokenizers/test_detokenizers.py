@@ -9,8 +9,8 @@ from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 from transformers import PreTrainedTokenizerFast
 
 from infer import overlap
-from infer.core.interfaces import DetokenizedDelta
-from infer.core.request import Request, SamplingParams
+from infer.api import DetokenizedDelta
+from infer.api.request import Request, SamplingParams
 from infer.plugins.detokenizers import parallel, sequential
 from infer.plugins.detokenizers.parallel import ParallelDetokenizer
 from infer.plugins.detokenizers.sequential import SequentialDetokenizer

@@ -15,8 +15,8 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
-from infer.core.interfaces import KVUsage
-from infer.core.request import Request, SamplingParams
+from infer.api import KVUsage
+from infer.api.request import Request, SamplingParams
 from infer.plugins.kv_allocators.block_pool import BlockPool
 from infer.plugins.kv_allocators.contiguous import ContiguousAllocator
 from infer.plugins.kv_allocators.paged import PagedAllocator

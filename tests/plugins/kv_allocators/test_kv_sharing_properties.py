@@ -17,7 +17,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
-from infer.core.request import Request, SamplingParams
+from infer.api.request import Request, SamplingParams
 from infer.plugins.kv_allocators.contiguous import ContiguousAllocator
 from infer.plugins.kv_allocators.paged import PagedAllocator
 from infer.plugins.kv_allocators.prefix_cache import BlockKey

@@ -15,7 +15,7 @@ from fp8_checkpoints import PROJECTIONS, is_projection, stored
 from safetensors.torch import load_file, save_file
 
 from infer import LLM, SamplingParams
-from infer.core.errors import ModelLoadError, PluginNotFoundError
+from infer.api.errors import ModelLoadError, PluginNotFoundError
 from infer.kernels.fp8_reference import quantize_rows_reference as quantize_rows
 from infer.plugins.layers.fp8 import FP8, Fp8Linear, quantize_weight
 
@@ -250,7 +250,7 @@ def test_an_fp8_tensor_for_a_layer_left_unquantized_is_refused(tiny_llama_dir, t
 
 def test_gemma2_quantizes_the_mlp_input_at_its_pre_feedforward_norm():
     """Gemma 2's post-attention norm norms the attention output; the MLP's input is the pre-feedforward norm's."""
-    from infer.core.interfaces import Layers
+    from infer.api import Layers
     from infer.models.config import model_config_from_hf
     from infer.plugins.layers import torch_layers as plain
     from infer.plugins.layers.fp8_fused import FusedFp8Linear

@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from infer.models.rope import Rope, rope_for
+from infer.api.rope import Rope, rope_for
 from infer.plugins.layers import torch_layers as plain
 
 triton_layers = pytest.importorskip("infer.kernels.layers")
@@ -101,7 +101,7 @@ def test_mlp_reads_its_activation_inside_the_down_gemv(monkeypatch):
     tp 1 and on a tensor-parallel shard); more tokens, or another linear layer, keep two steps."""
     import types
 
-    from infer.core.interfaces import Layers
+    from infer.api import Layers
     from infer.distributed.layers import RowParallelLinear, Shard
     from infer.kernels import gemv as triton_gemv
     from infer.plugins.layers.fused import FusedLinear, FusedRMSNorm, FusedRotaryEmbedding, FusedSiluAndMul
@@ -142,7 +142,7 @@ def test_attention_rotates_in_the_cache_write_where_the_backend_can():
     backend without `forward_with_rotary`, rotates first."""
     import types
 
-    from infer.core.interfaces import Layers
+    from infer.api import Layers
     from infer.plugins.attention.paged_cuda import PagedCudaAttention
     from infer.plugins.attention.torch_backend import TorchAttention
     from infer.plugins.layers.fused import FusedLinear, FusedRMSNorm, FusedRotaryEmbedding, FusedSiluAndMul
@@ -181,7 +181,7 @@ def test_attention_rotates_in_the_cache_write_where_the_backend_can():
 
 
 def plain_layers():
-    from infer.core.interfaces import Layers
+    from infer.api import Layers
 
     return Layers(
         rms_norm=plain.RMSNorm,

@@ -1,7 +1,7 @@
 """Layer kinds added after plugins were written for the first ones."""
 
 import infer
-from infer.core.interfaces import Capabilities
+from infer.api import Capabilities
 from infer.core.registry import PluginRegistry
 from infer.plugins.layers import torch_layers
 

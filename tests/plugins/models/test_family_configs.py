@@ -10,8 +10,8 @@ from families import FAMILIES, PLUGINS, WINDOW, check_against_hf, hf_config, hf_
 
 import infer
 from infer import SamplingParams
-from infer.core.errors import IncompatiblePluginsError, ModelLoadError, PluginNotFoundError
-from infer.core.interfaces import Capabilities
+from infer.api import Capabilities
+from infer.api.errors import IncompatiblePluginsError, ModelLoadError, PluginNotFoundError
 from infer.core.registry import PluginRegistry
 from infer.llm import LLM
 from infer.models.config import model_config_from_hf

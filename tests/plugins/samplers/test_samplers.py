@@ -9,8 +9,8 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from infer.core import hookspecs
-from infer.core.request import Request, SamplingParams
+from infer.api import hookspecs
+from infer.api.request import Request, SamplingParams
 from infer.kernels import rng
 from infer.plugins.samplers import naive, vectorized
 from infer.testing.sampling import (

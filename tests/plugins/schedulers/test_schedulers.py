@@ -14,9 +14,9 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from infer.core.config import EngineConfig
-from infer.core.interfaces import SchedulerOutput, StepResult
-from infer.core.request import FinishReason, Request, RequestStatus, SamplingParams
+from infer.api import SchedulerOutput, StepResult
+from infer.api.config import EngineConfig
+from infer.api.request import FinishReason, Request, RequestStatus, SamplingParams
 from infer.plugins.kv_allocators.contiguous import ContiguousAllocator
 from infer.plugins.kv_allocators.paged import PagedAllocator
 from infer.plugins.schedulers.fcfs import FcfsScheduler

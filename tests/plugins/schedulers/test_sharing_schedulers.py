@@ -13,9 +13,9 @@ import torch
 from hypothesis import given, settings
 from test_schedulers import HYP, KV, SCHEDULERS, drive, workloads  # the random-workload driver and its checks
 
-from infer.core.config import EngineConfig
-from infer.core.interfaces import StepResult
-from infer.core.request import FinishReason, Request, RequestStatus, SamplingParams
+from infer.api import StepResult
+from infer.api.config import EngineConfig
+from infer.api.request import FinishReason, Request, RequestStatus, SamplingParams
 from infer.plugins.kv_allocators.paged import PagedAllocator
 from infer.plugins.schedulers.fcfs import FcfsScheduler
 

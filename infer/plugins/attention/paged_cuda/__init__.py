@@ -26,10 +26,10 @@ from dataclasses import dataclass
 import torch
 
 from infer import env
-from infer.core.errors import IncompatiblePluginsError
-from infer.core.hookspecs import hookimpl
-from infer.core.interfaces import AttentionBatch, AttentionSpec, Capabilities, KVCache
-from infer.runtime.kv_cache import FP8, kv_scales
+from infer.api import AttentionBatch, AttentionSpec, Capabilities, KVCache
+from infer.api.errors import IncompatiblePluginsError
+from infer.api.hookspecs import hookimpl
+from infer.api.kv_cache import FP8, kv_scales
 
 
 def _available() -> str | None:

@@ -12,8 +12,8 @@ import types
 import typing
 from typing import Any, Callable, Literal
 
-from infer.core.errors import ConfigError
-from infer.core.slots import CHOSEN, PREFILL_ATTENTION
+from infer.api.errors import ConfigError
+from infer.api.slots import CHOSEN, PREFILL_ATTENTION
 
 # field -> the CLI flag, where it is not the field's name with dashes
 FLAG_NAMES = {

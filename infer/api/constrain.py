@@ -6,9 +6,9 @@ from typing import Any, Sequence
 
 import torch
 
-from infer.core.errors import RequestError
-from infer.core.interfaces import LogitsProcessor, LogitsRow
-from infer.core.request import Request
+from infer.api import LogitsProcessor, LogitsRow
+from infer.api.errors import RequestError
+from infer.api.request import Request
 
 
 def admit(processors: Sequence[LogitsProcessor], request: Request) -> tuple[tuple[Any, Any], ...]:

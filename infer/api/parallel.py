@@ -12,9 +12,8 @@ from typing import TYPE_CHECKING, Any, Protocol
 import torch
 
 if TYPE_CHECKING:
-    from infer.core.config import EngineConfig, ModelConfig
-    from infer.core.engine import EngineParts
-    from infer.core.runner import ModelRunner, StepInputs
+    from infer.api.config import EngineConfig, ModelConfig
+    from infer.api.runner import StepInputs
 
 
 @dataclass(frozen=True, slots=True)
@@ -28,15 +27,21 @@ class HeadLayout:
     kv_start: int  # first KV head (of the model's)
 
 
+class StepRunner(Protocol):
+    """What an executor drives on each rank: a model runner's forward of one step's flat inputs."""
+
+    def run(self, step: StepInputs) -> torch.Tensor: ...
+
+
 class Executor(Protocol):
     """Gets each forward of a runner (`ModelRunner.forward_step`) to every rank; returns this rank's
     `runner.run(step)`."""
 
-    def forward(self, runner: ModelRunner, step: StepInputs) -> torch.Tensor: ...
+    def forward(self, runner: StepRunner, step: StepInputs) -> torch.Tensor: ...
 
 
 class LocalExecutor:
-    def forward(self, runner: ModelRunner, step: StepInputs) -> torch.Tensor:
+    def forward(self, runner: StepRunner, step: StepInputs) -> torch.Tensor:
         return runner.run(step)
 
 
@@ -75,7 +80,7 @@ class Launch(Protocol):
 
     def __call__(
         self, config: EngineConfig, extra_plugins: Any, name: str, model_config: ModelConfig, device: torch.device
-    ) -> EngineParts: ...
+    ) -> Any: ...  # rank 0's `EngineParts` (the core's: the API names no engine class)
 
 
 @dataclass(frozen=True, slots=True)

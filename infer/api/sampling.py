@@ -9,7 +9,7 @@ import torch
 from torch import Tensor
 
 if TYPE_CHECKING:
-    from infer.core.request import Request
+    from infer.api.request import Request
 
 
 @dataclass(slots=True)

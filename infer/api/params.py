@@ -7,8 +7,8 @@ import numbers
 from dataclasses import dataclass
 from typing import Any, Callable, Literal
 
-from infer.core.errors import RequestError
-from infer.inputs.structured import StructuredOutputs
+from infer.api.errors import RequestError
+from infer.api.structured import StructuredOutputs
 
 # the fields the logits processors serve (beam search takes none of them)
 CONSTRAINTS = ("structured", "logit_bias", "bad_words", "min_tokens", "allowed_token_ids")
@@ -42,7 +42,7 @@ class SamplingParams:
     best_of: int | None = None  # beam width (with use_beam_search); None: n
     length_penalty: float = 1.0
     early_stopping: bool | Literal["never"] = False  # as HF: True, False (heuristic) or "never"
-    # logits processors (`infer.core.interfaces.LogitsProcessor`): what the output must match (a
+    # logits processors (`infer.api.LogitsProcessor`): what the output must match (a
     # StructuredOutputs, or a dict of its fields: {"json": schema}, {"regex": r"..."}, {"choice": [...]})
     structured: StructuredOutputs | dict[str, Any] | None = None
     logit_bias: dict[int, float] | None = None  # token id -> added to its logit, in [-100, 100] (OpenAI's)

@@ -7,7 +7,7 @@ from typing import TYPE_CHECKING, Protocol
 import torch
 
 if TYPE_CHECKING:
-    from infer.core.runner import ForwardSeq
+    from infer.api.runner import ForwardSeq
 
 
 class DecodeGraphs(Protocol):
@@ -48,3 +48,10 @@ class DecodePipeline(Protocol):
         ...
 
     def discard(self) -> None: ...  # drop a forward queued ahead (its step failed)
+
+
+def bucket_sizes(max_rows: int) -> list[int]:
+    """The batch sizes decode steps are captured (and padded) at, up to `max_rows`: a backend that plans
+    per size (FlashInfer's CUDA-graph wrappers) plans for these."""
+    sizes = [1, 2, 4, 8] + list(range(16, 256 + 1, 16)) + list(range(288, 1024 + 1, 32))
+    return [s for s in sizes if s < max_rows] + [max_rows]

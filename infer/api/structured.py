@@ -6,7 +6,7 @@ import json
 from dataclasses import dataclass, fields
 from typing import Any
 
-from infer.core.errors import RequestError
+from infer.api.errors import RequestError
 
 KINDS = ("json", "json_object", "regex", "choice", "grammar")
 

@@ -18,8 +18,8 @@ import torch
 ROWS_AT_ONCE = 256  # rows log-softmaxed at once: a long prompt's scores take [256, V] more memory, not [P, V]
 
 if TYPE_CHECKING:
-    from infer.core.request import Request
-    from infer.core.runner import ForwardSeq
+    from infer.api.request import Request
+    from infer.api.runner import ForwardSeq
 
 
 def prompt_rows(request: Request, start: int, num_tokens: int) -> int:

@@ -6,7 +6,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Protocol
 
 if TYPE_CHECKING:
-    from infer.core.request import Request
+    from infer.api.request import Request
 
 
 @dataclass(slots=True)

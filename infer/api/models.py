@@ -7,10 +7,10 @@ from typing import TYPE_CHECKING, Any, Callable, Iterable, Protocol, Sequence, r
 
 import torch
 
-from infer.core.interfaces.attention import AttentionBackend, KVCache
+from infer.api.attention import AttentionBackend, KVCache
 
 if TYPE_CHECKING:
-    from infer.core.config import ModelConfig
+    from infer.api.config import ModelConfig
 
 
 LAYER_KINDS = ("rms_norm", "rotary_embedding", "silu_and_mul", "linear", "gelu_and_mul")
@@ -28,9 +28,7 @@ class Layers:
     """
 
     rms_norm: Any  # (hidden_size, eps) -> module; forward(x, residual=None)
-    rotary_embedding: (
-        Any  # (rope: infer.models.rope.Rope, max_position) -> module with cos, sin; forward(positions, q, k)
-    )
+    rotary_embedding: Any  # (rope: infer.api.rope.Rope, max_position) -> module with cos, sin; forward(positions, q, k)
     silu_and_mul: Any  # () -> module; forward(x [T, 2I]) -> [T, I]
     linear: Any  # (in_features, out_features, bias=False) -> module
     # () -> module; forward(x [T, 2I]) -> gelu_tanh(gate) * up [T, I] (GeGLU: Gemma). None only in a

@@ -6,10 +6,10 @@ import enum
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Protocol, runtime_checkable
 
-from infer.core.interfaces.kv import BlockOps
+from infer.api.kv import BlockOps
 
 if TYPE_CHECKING:
-    from infer.core.request import FinishReason, Request
+    from infer.api.request import FinishReason, Request
 
 
 @dataclass(slots=True)

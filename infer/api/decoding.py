@@ -5,11 +5,23 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Callable, Protocol, runtime_checkable
 
-from infer.core.interfaces.scheduling import SchedulerOutput, StepResult
+import torch
+
+from infer.api.runner import ForwardSeq
+from infer.api.scheduling import SchedulerOutput, StepResult
 
 
 class ModelRunnerLike(Protocol):
     def execute(self, out: SchedulerOutput) -> StepResult: ...
+
+
+class ForwardRunner(Protocol):
+    """A model runner as a decoder drives it itself (a draft model, the target's first layers): logits of
+    the positions each `ForwardSeq` asks for, and the runner's sampler (`Sampler.probs`)."""
+
+    sampler: Any
+
+    def forward(self, seqs: list[ForwardSeq], input_ids_t: torch.Tensor | None = None) -> torch.Tensor: ...
 
 
 @dataclass(slots=True)

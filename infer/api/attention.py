@@ -8,7 +8,7 @@ from typing import ClassVar, Protocol, runtime_checkable
 import torch
 from torch import Tensor
 
-from infer.core.interfaces.capabilities import Capabilities
+from infer.api.capabilities import Capabilities
 
 
 @dataclass(frozen=True, slots=True)

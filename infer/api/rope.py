@@ -20,7 +20,7 @@ from typing import Any, Mapping
 
 import torch
 
-from infer.core.errors import ModelLoadError, one_line
+from infer.api.errors import ModelLoadError, one_line
 
 # the RoPE types transformers' Llama accepts (LlamaRotaryEmbedding: "default" or ROPE_INIT_FUNCTIONS)
 LLAMA_ROPE_TYPES = ("default", "linear", "dynamic", "yarn", "longrope", "llama3")

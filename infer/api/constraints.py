@@ -9,7 +9,7 @@ from typing import TYPE_CHECKING, Any, Protocol, Sequence, runtime_checkable
 from torch import Tensor
 
 if TYPE_CHECKING:
-    from infer.core.request import Request
+    from infer.api.request import Request
 
 
 @dataclass(frozen=True, slots=True)

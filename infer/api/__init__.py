@@ -1,0 +1,71 @@
+"""The small interfaces every strategy implements, and the objects that cross between them.
+
+Each interface is documented by *when* the engine calls it and *what* it may change.
+Implementations are plain classes; a factory registered through a hook builds them once per
+engine, so the hot loop is ordinary method calls.
+
+One module per noun (capabilities, attention, kv, scheduling, sampling, decoding, text,
+models, parallel, decode paths, constraints); everything is importable from here: `from infer.api import AttentionBackend`.
+An optional ability is a small `runtime_checkable` protocol beside the interface it extends, whose
+docstring documents it; a strategy without it works, without what it would add.
+"""
+
+from infer.api.attention import (
+    AttentionBackend,
+    AttentionBatch,
+    AttentionSpec,
+    KVCache,
+    RotaryFusingAttention,
+)
+from infer.api.capabilities import DEFAULT_CAPABILITIES, Capabilities, capabilities_of
+from infer.api.constraints import LogitsProcessor, LogitsRow, PreparingProcessor, ProcessorContext
+from infer.api.decode_paths import DecodeGraphs, DecodePipeline
+from infer.api.decoding import Decoder, DecoderContext, ForwardRunner, ModelRunnerLike, SelfDescribing, StatsSummary
+from infer.api.kv import BlockOps, KVAllocator, KVUsage
+from infer.api.models import (
+    LAYER_KINDS,
+    CausalLM,
+    CheckpointShapes,
+    DecoderStack,
+    FusingActivation,
+    HFArchitectures,
+    KitConfig,
+    Layers,
+    LinearMatmul,
+    ModelArchitecture,
+    ModelPresets,
+    PushingMatmul,
+    QuantizedLinear,
+    RegisterFn,
+    RotaryTables,
+)
+from infer.api.parallel import Communicator, Executor, HeadLayout, Launch, LocalExecutor, SingleProcess
+from infer.api.sampling import Sampler, SamplerOutput, TokenSampler, VerifyingSampler
+from infer.api.scheduling import (
+    BatchOutlook,
+    PipeliningScheduler,
+    ResettableStats,
+    ScheduledSeq,
+    Scheduler,
+    SchedulerOutput,
+    StepResult,
+    TokenBudgeted,
+)
+from infer.api.text import DetokenizedDelta, Detokenizer
+
+__all__ = [
+    "Capabilities", "DEFAULT_CAPABILITIES", "capabilities_of",
+    "AttentionSpec", "AttentionBatch", "KVCache", "AttentionBackend", "RotaryFusingAttention",
+    "KVAllocator", "KVUsage", "BlockOps",
+    "ScheduledSeq", "SchedulerOutput", "StepResult", "Scheduler", "BatchOutlook", "PipeliningScheduler",
+    "ResettableStats", "TokenBudgeted",
+    "SamplerOutput", "Sampler", "TokenSampler", "VerifyingSampler",
+    "ModelRunnerLike", "ForwardRunner", "DecoderContext", "Decoder", "SelfDescribing", "StatsSummary",
+    "DetokenizedDelta", "Detokenizer",
+    "LogitsProcessor", "LogitsRow", "ProcessorContext", "PreparingProcessor",
+    "LAYER_KINDS", "Layers", "RotaryTables", "FusingActivation", "LinearMatmul", "QuantizedLinear", "PushingMatmul",
+    "CausalLM", "CheckpointShapes", "ModelArchitecture", "HFArchitectures", "ModelPresets", "RegisterFn",
+    "DecoderStack", "KitConfig",
+    "DecodeGraphs", "DecodePipeline",
+    "HeadLayout", "Communicator", "Executor", "LocalExecutor", "SingleProcess", "Launch",
+]  # fmt: skip

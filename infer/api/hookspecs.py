@@ -1,0 +1,119 @@
+"""The plugin contract.
+
+A plugin is a module (or object) with `@infer.hookimpl` functions, published under the `infer`
+entry-point group. Every slot has one register-callback hook; the engine calls each hook once,
+when it is built, with a `register(name, factory)` callable. The factory is a class or function
+that builds the strategy; its `capabilities` attribute (an `infer.Capabilities`) says what it can
+do, so an impossible combination is refused before any weight loads. A plugin module may declare
+the plugin API versions it was written for (`INFER_PLUGIN_API = ">=1,<2"`, an int, or
+`infer_plugin_api = (1, 1)`); one that does not fit `PLUGIN_API_VERSION` is refused at load and
+recorded as broken (see `infer.core.plugin_api`).
+
+How each slot's factory is called:
+
+========================  ===============================================================
+slot                      factory(...) -> strategy
+========================  ===============================================================
+attention                 factory(spec: AttentionSpec) -> AttentionBackend
+kv_allocator              factory(num_blocks: int, block_size: int, *, enable_prefix_caching: bool,
+                          num_cpu_blocks: int) -> KVAllocator
+scheduler                 factory(config: EngineConfig, allocator: KVAllocator) -> Scheduler
+sampler                   factory(vocab_size: int, device: torch.device) -> Sampler
+decoder                   factory(ctx: DecoderContext) -> Decoder
+detokenizer               factory(tokenizer) -> Detokenizer
+model                     an architecture class: hf_architectures, presets, and
+                          factory(config: ModelConfig, layers: Layers, attention) -> CausalLM
+layer                     factory(*args) -> torch.nn.Module, registered under a layer kind
+                          ("rms_norm", "rotary_embedding", "silu_and_mul", "linear",
+                          "gelu_and_mul"); a kind a plugin leaves out is served by
+                          another (the built-in torch layers register every kind);
+                          rotary_embedding(rope: Rope, max_position) takes transformers'
+                          frequencies and attention scaling (infer.api.rope);
+                          the highest `capabilities.priority` runnable on the device wins
+logits_processor          factory(ctx: ProcessorContext) -> LogitsProcessor; every one
+                          installed is built, and serves the requests it admits
+========================  ===============================================================
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pluggy
+
+from infer.api import RegisterFn
+
+PROJECT_NAME = "infer"
+PLUGIN_API_VERSION = 2  # bumped when a factory's call signature or an interface changes
+
+hookspec = pluggy.HookspecMarker(PROJECT_NAME)
+hookimpl = pluggy.HookimplMarker(PROJECT_NAME)
+
+
+@hookspec
+def infer_register_attention_backends(register: RegisterFn) -> None:
+    """Register attention backends: `register("paged-cuda", PagedCudaBackend)`.
+
+    Called once per engine build. The capabilities' `phases` say whether the backend serves
+    prefill, decode or both; `devices`, `dtypes` and `block_sizes` are checked against the run.
+    """
+
+
+@hookspec
+def infer_register_kv_allocators(register: RegisterFn) -> None:
+    """Register KV block allocators: `register("paged", PagedAllocator)`. Called once per build."""
+
+
+@hookspec
+def infer_register_schedulers(register: RegisterFn) -> None:
+    """Register schedulers: `register("fcfs", FcfsScheduler)`. Called once per build."""
+
+
+@hookspec
+def infer_register_samplers(register: RegisterFn) -> None:
+    """Register samplers: `register("vectorized", VectorizedSampler)`. Called once per build."""
+
+
+@hookspec
+def infer_register_decoders(register: RegisterFn) -> None:
+    """Register decoding strategies: `register("speculative", SpeculativeDecoder)`.
+
+    A decoder whose capabilities set `needs_draft` is refused unless a draft model is named.
+    """
+
+
+@hookspec
+def infer_register_detokenizers(register: RegisterFn) -> None:
+    """Register detokenizers: `register("parallel", ParallelDetokenizer)`. Called once per build."""
+
+
+@hookspec
+def infer_register_models(register: RegisterFn) -> None:
+    """Register model architectures: `register("llama", Llama)`.
+
+    The class lists the HF `architectures` names it serves and its named shapes (`presets`),
+    so `--model llama2-7b` and a folder whose config.json says LlamaForCausalLM both find it.
+    When several claim an architecture the first one found runs it, unless `--model-impl NAME`
+    names another. `pytest --infer-kit model=NAME` checks it against HF transformers' own model.
+    """
+
+
+@hookspec
+def infer_register_layers(register: RegisterFn) -> None:
+    """Register model layer implementations by kind: `register("rms_norm", FusedRMSNorm)`.
+
+    Lets a plugin swap a fused kernel into every model without touching the model code.
+    """
+
+
+@hookspec
+def infer_register_logits_processors(register: RegisterFn) -> None:
+    """Register logits processors: `register("xgrammar", XGrammarProcessor)`.
+
+    Each one decides per request whether it applies (structured output, logit bias, ...).
+    """
+
+
+@hookspec
+def infer_register_commands(cli: Any) -> None:
+    """Add commands to the `infer` click group. Called once when the CLI starts."""

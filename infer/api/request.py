@@ -1,0 +1,99 @@
+"""Requests and their outputs: what crosses the engine's public boundary (with SamplingParams,
+defined beside the other inputs in `infer.api.params`)."""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+from typing import Any
+
+from infer.api.params import SamplingParams  # re-exported: plugins import it from here
+
+
+class RequestStatus(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    PREEMPTED = "preempted"
+    FINISHED = "finished"
+
+
+class FinishReason(str, enum.Enum):
+    STOP = "stop"  # EOS, a stop token or a stop string
+    LENGTH = "length"  # max_tokens or the model's context length
+    ABORT = "abort"  # aborted by the caller
+    CAPACITY = "capacity"  # the KV cache cannot hold this request even alone
+
+
+@dataclass(slots=True, eq=False)
+class Request:
+    """One sequence inside the engine. Parallel samples (n > 1) are one Request each.
+
+    Compared by identity: a request is one entity, and the scheduler's queue look-ups (`in`,
+    `remove`) over hundreds of running requests would otherwise compare every field of each."""
+
+    request_id: str
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    arrival: int  # monotonic arrival index: lower arrived earlier (preemption order)
+    eos_token_ids: frozenset[int] = frozenset()
+    seed: int = 0  # effective sampling seed (params.seed or drawn by the engine)
+    max_model_len: int = 0  # context length limit (prompt + output)
+    output_token_ids: list[int] = field(default_factory=list)
+    output_logprobs: list[dict[int, float]] = field(default_factory=list)
+    prompt_logprobs: list[dict[int, float]] = field(default_factory=list)  # i -> prompt token i + 1's, as scored
+    status: RequestStatus = RequestStatus.WAITING
+    finish_reason: FinishReason | None = None
+    block_ids: list[int] = field(default_factory=list)  # block table: logical block i -> physical id
+    num_computed_tokens: int = 0  # tokens whose K/V are in the cache
+    num_preemptions: int = 0
+    # parallel samples and beams: the prompt's first request, whose blocks this one shares (forks)
+    fork_parent: "Request | None" = field(default=None, repr=False)
+    constraints: tuple[tuple[Any, Any], ...] = field(default=(), repr=False)  # (logits processor, its state)
+    first_token_time: float | None = None
+    arrival_time: float = 0.0
+    finish_time: float | None = None
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.prompt_token_ids)
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.prompt_token_ids) + len(self.output_token_ids)
+
+    @property
+    def all_token_ids(self) -> list[int]:
+        return self.prompt_token_ids + self.output_token_ids
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status is RequestStatus.FINISHED
+
+    @property
+    def is_prefilling(self) -> bool:
+        return self.num_computed_tokens < self.num_tokens - 1
+
+    def token_at(self, index: int) -> int:
+        p = len(self.prompt_token_ids)
+        return self.prompt_token_ids[index] if index < p else self.output_token_ids[index - p]
+
+
+@dataclass(slots=True)
+class CompletionOutput:
+    index: int  # which of the n samples
+    text: str
+    token_ids: list[int]
+    finish_reason: str | None  # "stop", "length", "abort", "capacity", or None while running
+    logprobs: list[dict[int, float]] | None = None  # per token: {token_id: logprob}
+
+
+@dataclass(slots=True)
+class RequestOutput:
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    outputs: list[CompletionOutput]
+    finished: bool
+    error: str | None = None  # set when this request was rejected; the others are unaffected
+    prompt_logprobs: list[dict[int, float] | None] | None = None  # None, then prompt token i's (i >= 1); if asked
+    metrics: dict[str, float] = field(default_factory=dict)  # ttft_s, latency_s, ...
