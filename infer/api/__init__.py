@@ -39,7 +39,16 @@ from infer.api.models import (
     RegisterFn,
     RotaryTables,
 )
-from infer.api.parallel import Communicator, Executor, HeadLayout, Launch, LocalExecutor, SingleProcess
+from infer.api.parallel import (
+    Communicator,
+    Executor,
+    HeadLayout,
+    Launch,
+    LocalExecutor,
+    ModelParallel,
+    SingleProcess,
+    TensorParallelLayers,
+)
 from infer.api.sampling import Sampler, SamplerOutput, TokenSampler, VerifyingSampler
 from infer.api.scheduling import (
     BatchOutlook,
@@ -67,5 +76,5 @@ __all__ = [
     "CausalLM", "CheckpointShapes", "ModelArchitecture", "HFArchitectures", "ModelPresets", "RegisterFn",
     "DecoderStack", "KitConfig",
     "DecodeGraphs", "DecodePipeline",
-    "HeadLayout", "Communicator", "Executor", "LocalExecutor", "SingleProcess", "Launch",
+    "HeadLayout", "Communicator", "Executor", "LocalExecutor", "SingleProcess", "ModelParallel", "TensorParallelLayers", "Launch",
 ]  # fmt: skip

@@ -7,7 +7,7 @@ engine, making the same calls in the same order: `min` and `set_up` wait for eve
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import TYPE_CHECKING, Any, Callable, Protocol
 
 import torch
 
@@ -25,6 +25,36 @@ class HeadLayout:
     num_kv_heads: int  # KV heads on this rank
     q_start: int  # first query head (of the model's)
     kv_start: int  # first KV head (of the model's)
+
+
+class TensorParallelLayers(Protocol):
+    """The tensor-parallel building blocks a model plugin builds its layers from (`ModelParallel.layers`;
+    the engine's are `infer.distributed.layers`): column- and row-parallel projections of attention and
+    the MLP, the vocabulary-parallel embedding and LM head, the partial sums' all-reduce fused with the
+    next residual add and norm, and the loading of each rank's slice of a checkpoint."""
+
+    RowParallelLinear: type  # a row-parallel projection (its output a partial sum)
+    VocabParallelEmbedding: type  # (vocab_size, hidden_size, parallel, matmul)
+    ParallelLMHead: type  # (vocab_size, hidden_size, parallel, matmul)
+    attention_projections: Callable[..., tuple[Any, Any]]  # (config, parallel, matmul, qkv_bias, o_bias, ...)
+    mlp_projections: Callable[..., tuple[Any, Any]]  # (config, parallel, matmul, reduce, quantized)
+    reduce_norm: Callable[..., tuple[torch.Tensor, torch.Tensor]]  # (parallel, x, norm) -> (normed, residual)
+    reduce_add_norm: Callable[..., tuple[torch.Tensor, torch.Tensor]]  # (parallel, x, residual, norm)
+    load_sharded: Callable[..., set[str]]  # (model, weights, target) -> the parameters loaded
+    shard_of: Callable[..., Any]  # (model, parameter name) -> its shard rule, or None
+
+
+class ModelParallel(Protocol):
+    """What a model plugin gets as `parallel` under `--tp N > 1` (None on one rank): its heads, and the
+    tensor-parallel layers to build with (it passes itself back to them)."""
+
+    rank: int
+    world_size: int
+
+    def heads(self, num_heads: int, num_kv_heads: int) -> HeadLayout: ...
+
+    @property
+    def layers(self) -> TensorParallelLayers: ...
 
 
 class StepRunner(Protocol):

@@ -28,8 +28,8 @@ from torch import nn
 from infer.api import QuantizedLinear
 from infer.api.config import ModelConfig
 from infer.api.errors import ConfigError
+from infer.api.weights import check_unscaled
 from infer.distributed.state import ParallelState
-from infer.models.loader import check_unscaled
 from infer.models.shards import RowParallelQuantized, Shard, load_quantized, shard_of
 
 Matmul = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]  # (x [T, in], weight [out, in]) -> [T, out]

@@ -75,6 +75,13 @@ class ParallelState:
         """Rank 0 runs the scheduler, the sampler and the engine loop; the other ranks follow it."""
         return self.rank == 0
 
+    @property
+    def layers(self) -> Any:
+        """The tensor-parallel layers model plugins build with (`infer.api.TensorParallelLayers`)."""
+        from infer.distributed import layers  # it imports this module
+
+        return layers
+
     def heads(self, num_heads: int, num_kv_heads: int) -> HeadLayout:
         n, r = self.world_size, self.rank
         per_rank = num_heads // n

@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass, replace
 from pathlib import Path
-from typing import Any, Iterator, Sequence
+from typing import Any, Iterator
 
 import torch
 from torch import nn
@@ -13,6 +13,7 @@ from torch import nn
 from infer.api.config import ModelConfig
 from infer.api.errors import ModelLoadError, one_line
 from infer.api.models import CheckpointShapes, QuantizedLinear
+from infer.api.weights import check_shape
 from infer.core.registry import PluginRegistry, Strategy
 from infer.models.config import model_config_from_hf, transformers_config
 
@@ -202,28 +203,6 @@ def iter_shapes(folder: Path) -> Iterator[tuple[str, tuple[int, ...], Path]]:
                 f"corrupt weight file {file} ({one_line(exc)}): re-download or re-convert the model"
             ) from exc
         yield from ((name, shape, file) for name, shape in shapes)
-
-
-def check_shape(name: str, shape: Sequence[int], expected: Sequence[int] | None, where: str = "the checkpoint") -> None:
-    """Refuse a checkpoint tensor whose shape is not the one the model's config implies (None: unused)."""
-    if expected is not None and tuple(shape) != tuple(expected):
-        raise ModelLoadError(
-            f"tensor {name} in {where} has shape {list(shape)} but config.json implies {list(expected)}: the weights "
-            f"and config.json disagree (hidden_size, intermediate_size, heads, head_dim or vocab_size); "
-            f"use the config.json saved with these weights"
-        )
-
-
-def check_unscaled(name: str, tensor: Any, param: torch.Tensor) -> Any:
-    """Refuse an FP8 checkpoint tensor bound for a parameter that is not FP8 (a layer the run does not
-    quantize): cast without its scale it would be wrong. `tensor`: a tensor or a safetensors slice."""
-    dtype = tensor.dtype if isinstance(tensor, torch.Tensor) else str(tensor.get_dtype())
-    if dtype in (torch.float8_e4m3fn, "F8_E4M3") and param.dtype != torch.float8_e4m3fn:
-        raise ModelLoadError(
-            f"tensor {name} is stored in FP8 but the layer it fills is not quantized here (the LM head, or a "
-            f"draft model run unquantized): use a checkpoint that keeps it in bf16, or pass --quantization fp8"
-        )
-    return tensor
 
 
 def check_weight_shapes(model: nn.Module, folder: Path) -> None:

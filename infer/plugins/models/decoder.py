@@ -15,11 +15,9 @@ from typing import Any, Iterable, Iterator
 import torch
 from torch import nn
 
-from infer.api import AttentionBackend, KVCache, Layers, QuantizedLinear
+from infer.api import AttentionBackend, KVCache, Layers, ModelParallel, QuantizedLinear
 from infer.api.config import ModelConfig
-from infer.distributed import layers as tp
-from infer.distributed.state import ParallelState
-from infer.models.loader import check_shape, check_unscaled
+from infer.api.weights import check_shape, check_unscaled
 from infer.plugins.models.transformer import LLAMA, DecoderLayer, Family, add_norm_for, pushes_partial_sums, tp_matmul
 
 FUSED = {  # HF name piece -> (our name piece, shard index)
@@ -42,7 +40,7 @@ class DecoderModel(nn.Module):
         return LLAMA
 
     def __init__(
-        self, config: ModelConfig, layers: Layers, attention: AttentionBackend, parallel: ParallelState | None = None
+        self, config: ModelConfig, layers: Layers, attention: AttentionBackend, parallel: ModelParallel | None = None
     ) -> None:
         super().__init__()
         self.config = config
@@ -53,7 +51,7 @@ class DecoderModel(nn.Module):
         if parallel is None:
             self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
         else:
-            self.embed_tokens = tp.VocabParallelEmbedding(
+            self.embed_tokens = parallel.layers.VocabParallelEmbedding(
                 config.vocab_size, config.hidden_size, parallel, tp_matmul(layers)
             )
         scale = None
@@ -76,13 +74,15 @@ class DecoderModel(nn.Module):
             self.lm_head = (
                 layers.linear(config.hidden_size, config.vocab_size)
                 if parallel is None
-                else tp.ParallelLMHead(config.vocab_size, config.hidden_size, parallel, tp_matmul(layers))
+                else parallel.layers.ParallelLMHead(config.vocab_size, config.hidden_size, parallel, tp_matmul(layers))
             )
 
     def _choose_pushes(self, family: Family) -> None:
         # a one-token step's partial sums may be pushed into the ranks' exchange by the GEMVs that
         # make them (infer.distributed.all_reduce.lamport), which takes them in pairs: every row-parallel
         # layer pushes, or none does; none where a layer norms or biases its output before the sum
+        assert self.parallel is not None
+        tp = self.parallel.layers
         pushes = family.partial_sums and all(
             isinstance(layer.self_attn.o_proj, tp.RowParallelLinear)  # not a quantized shard
             and isinstance(layer.mlp.down_proj, tp.RowParallelLinear)
@@ -127,7 +127,7 @@ class DecoderModel(nn.Module):
         Tensor parallel: the values may be safetensors slices, and each rank reads only its part."""
         weights = self._checked(self.checkpoint_tensors(weights))
         if self.parallel is not None:
-            loaded = tp.load_sharded(self, weights, self._target)
+            loaded = self.parallel.layers.load_sharded(self, weights, self._target)
         else:
             loaded = self._load_whole(weights)
         if self.norm_offset:  # the checkpoint holds w of norms that scale by 1 + w
@@ -173,7 +173,7 @@ class DecoderModel(nn.Module):
         owner, _, attr = target.rpartition(".")
         if attr != "weight" and isinstance(self.get_submodule(owner), QuantizedLinear):
             return None  # a scale: the layer reads its shapes (per row or per tensor)
-        shard = tp.shard_of(self, target) if self.parallel is not None else None
+        shard = self.parallel.layers.shard_of(self, target) if self.parallel is not None else None
         if shard is not None:
             shape[shard.dim] = shard.full_sizes[piece or 0]
         elif piece is not None:

@@ -16,7 +16,7 @@ import torch
 
 from infer.api.config import ModelConfig
 from infer.api.hookspecs import hookimpl
-from infer.models.loader import check_shape
+from infer.api.weights import check_shape
 from infer.plugins.models.decoder import DecoderModel
 from infer.plugins.models.transformer import Family, hf_activation
 

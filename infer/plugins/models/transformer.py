@@ -24,6 +24,7 @@ from infer.api import (
     KVCache,
     Layers,
     LinearMatmul,
+    ModelParallel,
     PushingMatmul,
     RotaryFusingAttention,
     RotaryTables,
@@ -31,8 +32,6 @@ from infer.api import (
 from infer.api.config import ModelConfig
 from infer.api.errors import ModelLoadError
 from infer.api.rope import Rope
-from infer.distributed import layers as tp
-from infer.distributed.state import ParallelState
 
 ACTIVATIONS = {"silu": "silu_and_mul", "gelu_pytorch_tanh": "gelu_and_mul"}  # HF hidden_act -> layer kind
 
@@ -87,7 +86,7 @@ class Attention(nn.Module):
         config: ModelConfig,
         layers: Layers,
         attention: AttentionBackend,
-        parallel: ParallelState | None = None,
+        parallel: ModelParallel | None = None,
         rope: Rope | None = None,  # default: config.rope(); the model computes it once for all layers
         family: Family = LLAMA,
         window: int | None = None,  # sliding window of this layer (tokens), None: the whole context
@@ -104,7 +103,7 @@ class Attention(nn.Module):
             self.qkv_proj = linear(config.hidden_size, self.q_size + 2 * self.kv_size, bias=family.qkv_bias)
             self.o_proj = linear(self.q_size, config.hidden_size, bias=family.o_bias)
         else:
-            self.qkv_proj, self.o_proj = tp.attention_projections(
+            self.qkv_proj, self.o_proj = parallel.layers.attention_projections(
                 config,
                 parallel,
                 tp_matmul(layers),
@@ -168,7 +167,7 @@ class MLP(nn.Module):
         self,
         config: Any,  # hidden_size, intermediate_size
         layers: Layers,
-        parallel: ParallelState | None = None,
+        parallel: ModelParallel | None = None,
         activation: str = "silu",
         reduce: bool = False,  # tp: all-reduce down_proj's output here (else the next norm sums it)
     ) -> None:
@@ -177,7 +176,7 @@ class MLP(nn.Module):
             self.gate_up_proj = projection(layers)(config.hidden_size, 2 * config.intermediate_size)
             self.down_proj = projection(layers)(config.intermediate_size, config.hidden_size)
         else:
-            self.gate_up_proj, self.down_proj = tp.mlp_projections(
+            self.gate_up_proj, self.down_proj = parallel.layers.mlp_projections(
                 config, parallel, tp_matmul(layers), reduce, layers.quantized_linear
             )
         kind = ACTIVATIONS[activation]
@@ -214,7 +213,7 @@ class DecoderLayer(nn.Module):
         config: ModelConfig,
         layers: Layers,
         attention: AttentionBackend,
-        parallel: ParallelState | None = None,
+        parallel: ModelParallel | None = None,
         rope: Rope | None = None,
         family: Family = LLAMA,
         window: int | None = None,
@@ -230,7 +229,7 @@ class DecoderLayer(nn.Module):
         quantize_inputs(self.post_attention_layernorm, self.mlp.gate_up_proj)
         summing = parallel if family.partial_sums else None
         self.add_norm = add_norm_for(summing)
-        self.first_norm = first_norm if summing is None else functools.partial(tp.reduce_norm, summing)
+        self.first_norm = first_norm if summing is None else functools.partial(summing.layers.reduce_norm, summing)
 
     def forward(
         self, positions: torch.Tensor, x: torch.Tensor, residual: torch.Tensor | None, kv_cache: KVCache
@@ -261,7 +260,7 @@ def first_norm(x: torch.Tensor, norm: nn.Module) -> tuple[torch.Tensor, torch.Te
     return norm(x), x
 
 
-def add_norm_for(parallel: ParallelState | None) -> Any:
+def add_norm_for(parallel: ModelParallel | None) -> Any:
     """The residual add and norm after a layer's output: under tensor parallelism the output is a
-    partial sum, all-reduced first (fused with them where it can: `tp.reduce_add_norm`)."""
-    return add_norm if parallel is None else functools.partial(tp.reduce_add_norm, parallel)
+    partial sum, all-reduced first (fused with them where it can: `reduce_add_norm`)."""
+    return add_norm if parallel is None else functools.partial(parallel.layers.reduce_add_norm, parallel)
