@@ -9,9 +9,10 @@ from typing import Any, Iterable, Sequence
 from infer.api.config import EngineConfig
 from infer.api.errors import RequestError
 from infer.api.request import RequestOutput, SamplingParams
-from infer.core.engine import Engine, Prompt
+from infer.core.engine import Prompt
 from infer.distributed.launch import launch
 from infer.inputs.prompts import as_batch
+from infer.runtime.builder import make_engine
 
 
 class LLM:
@@ -33,7 +34,7 @@ class LLM:
             configure(level="warning")
         config = EngineConfig().replace(model=model, tensor_parallel_size=tensor_parallel_size, **options)
         self.config = config
-        self.engine = Engine.from_config(config, extra_plugins=plugins, launch=launch)  # launch: --tp N's ranks
+        self.engine = make_engine(config, extra_plugins=plugins, launch=launch)  # launch: --tp N's ranks
         self._lock = threading.Lock()  # one caller steps the engine at a time; abort only queues
 
     @property

@@ -31,6 +31,7 @@ from infer.api.slots import find
 from infer.bench.engines import release_memory
 from infer.bench.texts import TextSet, load_text_set
 from infer.distributed.launch import launch
+from infer.runtime.builder import make_engine
 from infer.testing.agreement import forced_agreement, prefix_agreement
 
 DEFAULT_COMPARE = ("quantization=fp8", "kv_cache_dtype=fp8", "quantization=fp8,kv_cache_dtype=fp8")
@@ -114,7 +115,6 @@ def measure(
     sizes: dict[str, int],  # windows, window_tokens, prompts, prompt_tokens, max_tokens
     extra_plugins: list[Any],
 ) -> Measured:
-    from infer.core.engine import Engine
 
     text: TextSet | None = None
     reference: list[list[int]] = []
@@ -123,7 +123,7 @@ def measure(
     for i, (label, changes) in enumerate(variants):
         click.echo(f"running {label} ({i + 1}/{len(variants)})", err=True)
         try:
-            engine = Engine.from_config(replace(base, **changes), extra_plugins, launch)
+            engine = make_engine(replace(base, **changes), extra_plugins, launch)
         except InferError as exc:
             if not rows:  # the baseline is what every figure is relative to
                 raise

@@ -22,12 +22,12 @@ from infer.api.request import SamplingParams
 from infer.bench.engines import release_memory
 from infer.bench.report import run_workload, warm_up
 from infer.bench.workloads import Workload
-from infer.core.engine import Engine
+from infer.runtime.builder import make_engine
 
 
 def run(label: str, workload: Workload, keep_outputs: bool = False, **opts: Any) -> dict[str, Any]:
     opts.setdefault("load_format", "dummy")
-    engine = Engine.from_config(EngineConfig(dtype="bfloat16", kv_cache_memory_gib=8.0, **opts))
+    engine = make_engine(EngineConfig(dtype="bfloat16", kv_cache_memory_gib=8.0, **opts))
     try:
         warm = Workload("warm", [list(range(100, 164))], [8], ignore_eos=True)
         warm_up(engine, warm)  # count the measured run only

@@ -33,6 +33,7 @@ from infer.core.engine import Engine
 from infer.kernels import gemv as triton_gemv
 from infer.kernels.gemv import gemv
 from infer.plugins.layers import fused as fused_layers
+from infer.runtime.builder import make_engine
 
 SHAPES = {
     "qkv": (12288, 4096),
@@ -128,7 +129,7 @@ def latency(
 
 
 def _latency(model: str, tokens: int, linear: str, bw: float, profile_kernels: bool, pipeline: bool) -> dict[str, Any]:
-    engine = Engine.from_config(
+    engine = make_engine(
         EngineConfig(
             model=model, load_format="dummy", dtype="bfloat16", kv_cache_memory_gib=4.0, pipeline_decode=pipeline
         )

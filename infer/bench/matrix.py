@@ -21,6 +21,7 @@ from infer.bench.workloads import Workload, load_workload, needs_vocab
 from infer.core.registry import PluginRegistry
 from infer.distributed.launch import launch
 from infer.doctor import diagnose
+from infer.runtime.builder import make_engine
 
 PEERS = ("hf-static-1", "hf-static-64", "hf-continuous")
 
@@ -156,7 +157,6 @@ def _run_combinations(
     repeat: int,
     extra_plugins: list[Any],
 ) -> MatrixRun | None:
-    from infer.core.engine import Engine
 
     params = SamplingParams(
         max_tokens=64 if max_tokens is None else max_tokens, temperature=0.0, ignore_eos=True, seed=seed
@@ -167,7 +167,7 @@ def _run_combinations(
     for i, combo in enumerate(runnable):
         click.echo(f"running {combo.label} ({i + 1}/{len(runnable)})", err=True)
         try:
-            engine = Engine.from_config(combo.config, extra_plugins, launch)
+            engine = make_engine(combo.config, extra_plugins, launch)
         except InferError as exc:  # refused by a factory itself (an option the capabilities do not describe)
             combo.reason = str(exc)
             click.echo(f"skipped {combo.label}: {combo.reason}")

@@ -78,7 +78,7 @@ def main(argv: list[str] | None = None) -> int:
 
     overrides = {k: ast.literal_eval(v) for k, v in (s.split("=", 1) for s in args.vary)}
     if args.keep_memory:
-        from infer.core.runner import ModelRunner
+        from infer.runtime.runner import ModelRunner
 
         ModelRunner.release = lambda self: None
     start = used_gib()

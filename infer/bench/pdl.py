@@ -18,6 +18,7 @@ import subprocess
 import sys
 
 from infer import env
+from infer.runtime.builder import make_engine
 
 
 def one(tp: int, all_reduce: str) -> dict:
@@ -29,13 +30,12 @@ def one(tp: int, all_reduce: str) -> dict:
     from infer.bench.ceilings import decode_step_seconds
     from infer.bench.report import run_workload, warm_up
     from infer.bench.workloads import load_workload
-    from infer.core.engine import Engine
     from infer.distributed.launch import launch
     from infer.kernels import triton_pdl
     from infer.log import configure
 
     configure(level="warning")
-    engine = Engine.from_config(
+    engine = make_engine(
         EngineConfig(
             model="llama2-7b",
             load_format="dummy",

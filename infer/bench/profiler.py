@@ -18,7 +18,7 @@ from typing import Any, Callable
 import torch
 
 from infer.api.errors import ConfigError
-from infer.core.runner import ModelRunner
+from infer.runtime.runner import ModelRunner
 
 DEVICE_KEYS = ("embedding", "attention", "rest", "final norm + LM head", "sampler")
 

@@ -15,9 +15,9 @@ from infer.bench.profiler import StepProfiler, format_profile
 from infer.bench.progress import ProgressLines, ProgressMode, progress
 from infer.bench.report import RunRecord, format_table, run_workload
 from infer.bench.workloads import Workload, load_workload, needs_vocab
-from infer.core.engine import Engine
 from infer.distributed.launch import launch
 from infer.inputs.prompts import check_text
+from infer.runtime.builder import make_engine
 
 
 def _label(config: EngineConfig, base: EngineConfig | None) -> str:
@@ -41,7 +41,7 @@ def _run_one(
     profile: bool = False,
 ) -> tuple[RunRecord, list[RequestOutput], Workload, dict[str, Any] | None]:
     """workload: None for the workloads drawn from the model's vocabulary, built once the engine is."""
-    engine = Engine.from_config(config, extra_plugins, launch)
+    engine = make_engine(config, extra_plugins, launch)
     profiler = StepProfiler.install(engine) if profile else None
     try:
         if workload is None:

@@ -30,7 +30,7 @@ from infer.api.request import SamplingParams
 from infer.bench.engines import release_memory
 from infer.bench.report import run_workload, warm_up
 from infer.bench.workloads import Workload, edit, load_workload
-from infer.core.engine import Engine
+from infer.runtime.builder import make_engine
 
 
 def run(args: argparse.Namespace, label: str, workload: Workload, batch: int, **opts: Any) -> dict[str, Any]:
@@ -39,7 +39,7 @@ def run(args: argparse.Namespace, label: str, workload: Workload, batch: int, **
     if args.repeats > 1:
         opts = {"enable_prefix_caching": False, **opts}
     config = EngineConfig(model=args.model, device=args.device, dtype=args.dtype, max_num_seqs=batch, **opts)
-    engine = Engine.from_config(config)
+    engine = make_engine(config)
     try:
         n = min(batch, len(workload.prompts))
         warm_up(engine, Workload("warm", workload.prompts[:n], [8] * n, chat=workload.chat, ignore_eos=True))

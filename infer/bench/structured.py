@@ -26,6 +26,7 @@ from infer.api.request import SamplingParams
 from infer.bench.report import run_workload, warm_up
 from infer.bench.workloads import Workload
 from infer.core.engine import Engine
+from infer.runtime.builder import make_engine
 
 SCHEMA: dict[str, Any] = {
     "type": "array",
@@ -82,7 +83,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         dtype=args.dtype,
         max_num_seqs=args.batch,
     )
-    engine = Engine.from_config(config)
+    engine = make_engine(config)
     try:
         assert engine.tokenizer is not None, "structured output needs a tokenizer: pass --tokenizer"
         vocab = min(len(engine.tokenizer), engine.parts.vocab_size)

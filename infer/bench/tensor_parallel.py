@@ -37,6 +37,7 @@ from infer.bench.workloads import load_workload
 from infer.core.engine import Engine
 from infer.distributed.launch import launch
 from infer.log import configure
+from infer.runtime.builder import make_engine
 
 PARTS = ("70b", "7b", "spec")
 
@@ -67,7 +68,7 @@ def run_many(jobs: list, args: argparse.Namespace, **options: Any) -> list:
     # an engine that takes longer than this (a hang in start-up or teardown) prints every thread's stack
     faulthandler.dump_traceback_later(args.stacks_after_s, repeat=True)
     started = time.perf_counter()
-    engine = Engine.from_config(EngineConfig(load_format="dummy", dtype=args.dtype, **options), launch=launch)
+    engine = make_engine(EngineConfig(load_format="dummy", dtype=args.dtype, **options), launch=launch)
     build_s = time.perf_counter() - started
     results = []
     try:

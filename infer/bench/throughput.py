@@ -22,7 +22,7 @@ from infer.bench.engines import decode_graph, release_memory
 from infer.bench.peers import build_hf_model, hf_continuous, hf_static
 from infer.bench.report import run_workload, warm_up
 from infer.bench.workloads import load_workload
-from infer.core.engine import Engine
+from infer.runtime.builder import make_engine
 
 # (model, workload, requests (None: --peer-requests), static batch sizes, with continuous batching)
 PEER_RUNS = (
@@ -35,7 +35,7 @@ PEER_RUNS = (
 def run_infer(name: str, workload: str, num_prompts: int | None, **opts: Any) -> dict[str, Any]:
     config = EngineConfig(load_format="dummy", **opts)
     started = time.perf_counter()
-    engine = Engine.from_config(config)
+    engine = make_engine(config)
     build_s = time.perf_counter() - started
     try:
         wl = load_workload(workload, engine.parts.vocab_size, num_prompts, None, seed=0)

@@ -42,6 +42,7 @@ from infer.api.errors import ConfigError
 from infer.api.hookspecs import hookimpl
 from infer.cli.common import extra_plugins, user_errors
 from infer.cli.options import engine_config, engine_options_except
+from infer.runtime.builder import make_engine
 from infer.serve.limits import ServeLimits, option_name
 from infer.serve.tool_parsers import PARSERS
 
@@ -251,11 +252,10 @@ def serve(
 
 def _build_engine(config: EngineConfig) -> Any:
     """Runs in the engine's process: the plugins INFER_EXTRA_PLUGINS names are found there too."""
-    from infer.core.engine import Engine
     from infer.distributed.launch import launch
     from infer.serve.warm_up import warm_up
 
-    engine = Engine.from_config(config, extra_plugins(), launch=launch)
+    engine = make_engine(config, extra_plugins(), launch=launch)
     try:
         click.echo(f"warmed up in {warm_up(engine):.1f}s (the first prefill shapes' kernels compiled)", err=True)
     except BaseException:

@@ -8,14 +8,13 @@ import queue
 import random
 import time
 from dataclasses import dataclass
-from typing import Any, Iterable, Sequence
+from typing import Any, Sequence
 
 import torch
 
 from infer.api import (
     Decoder,
     KVUsage,
-    Launch,
     ResettableStats,
     Scheduler,
     StatsSummary,
@@ -24,11 +23,11 @@ from infer.api import (
 from infer.api.constrain import admit
 from infer.api.errors import RequestError, one_line
 from infer.api.request import FinishReason, Request, RequestOutput, RequestStatus, SamplingParams
+from infer.core.block_mover import BlockMover
 from infer.core.output import Group, OutputProcessor
 from infer.core.preparing import Preparations, Preparing, prepare
 from infer.core.step_budget import StepBudget
 from infer.inputs.prompts import tokenize
-from infer.runtime.block_mover import BlockMover
 
 CLOSED = "this engine is closed (its memory was given back): build a new LLM"
 
@@ -37,7 +36,7 @@ Prompt = Any  # str, token ids, {"prompt": str} or {"prompt_token_ids": [...]}: 
 
 @dataclass(slots=True)
 class EngineParts:
-    """Everything `Engine` runs on, built and checked by `infer.core.builder.build_engine`."""
+    """Everything `Engine` runs on, built and checked by `infer.runtime.builder.build_engine`."""
 
     config: Any  # EngineConfig
     model_config: Any  # ModelConfig
@@ -81,13 +80,6 @@ class Engine:
         if budgeted is not None and target_ms is not None:
             self._budget = StepBudget(target_ms / 1000, budgeted.max_num_batched_tokens)
             budgeted.max_num_batched_tokens = self._budget.tokens
-
-    @classmethod
-    def from_config(cls, config: Any, extra_plugins: Iterable[Any] = (), launch: Launch | None = None) -> "Engine":
-        """launch: who starts the ranks of a `--tp N > 1` engine (`infer.distributed.launch.launch`)."""
-        from infer.core.builder import build_engine
-
-        return cls(build_engine(config, extra_plugins, launch))
 
     # ------------------------------------------------------------------ requests
 

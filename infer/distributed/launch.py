@@ -60,7 +60,7 @@ def launch(config: Any, extra_plugins: Iterable[Any], name: str, model_config: A
     """The core's `Launch` for --tp N > 1: check the split, start (or join) the ranks, build this rank's
     engine. Rank 0 gets EngineParts whose forwards and block copies reach the others; a torchrun
     rank > 0 serves rank 0 here and then exits the process."""
-    from infer.core.builder import build_engine
+    from infer.runtime.builder import build_engine
 
     extra_plugins = list(extra_plugins)
     c = model_config
@@ -87,7 +87,7 @@ def launch(config: Any, extra_plugins: Iterable[Any], name: str, model_config: A
 
 def run_worker(config: Any, extra_plugins: list[Any], parallel: ParallelState) -> None:
     """Ranks 1..N-1: build this rank's engine, then run rank 0's steps until it stops them."""
-    from infer.core.builder import build_engine
+    from infer.runtime.builder import build_engine
 
     stopped_cleanly, parts = False, None
     try:

@@ -11,10 +11,10 @@ import torch
 
 from infer.api import Capabilities, Scheduler
 from infer.api.config import EngineConfig
-from infer.core.runner import ModelRunner
 from infer.runtime.cuda_graphs import CudaGraphRunner
 from infer.runtime.hybrid_attention import HybridAttention
 from infer.runtime.pipeline import Pipeline
+from infer.runtime.runner import ModelRunner
 
 
 def attach_decode_paths(

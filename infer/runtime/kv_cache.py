@@ -14,10 +14,10 @@ from infer.api import Communicator, KVCache
 from infer.api.config import EngineConfig, KVCacheDtype
 from infer.api.errors import ConfigError
 from infer.api.kv_cache import FP8, FP8KVCache
-from infer.runtime.block_mover import BlockMover
+from infer.core.block_mover import BlockMover
 
 if TYPE_CHECKING:
-    from infer.core.runner import ModelRunner
+    from infer.runtime.runner import ModelRunner
 
 CPU_DEFAULT_BUDGET_GIB = 1.0
 

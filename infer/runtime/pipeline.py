@@ -26,7 +26,7 @@ from infer import overlap
 from infer.api import BatchOutlook, PipeliningScheduler, Scheduler, TokenSampler
 from infer.api.request import Request
 from infer.api.runner import ForwardSeq
-from infer.core.runner import ModelRunner
+from infer.runtime.runner import ModelRunner
 
 
 @dataclass(slots=True)

@@ -10,16 +10,16 @@ from typing import TYPE_CHECKING, Any
 
 from infer.api import AttentionSpec, Communicator, DecoderContext
 from infer.api.kv_cache import FP8
-from infer.core.runner import ModelRunner
 from infer.log import get_logger
 from infer.models.build import check_draft, load_model
 from infer.models.kv_scales import read_kv_scales
 from infer.models.loader import ModelSource, load_tokenizer, resolve_source
 from infer.runtime.hybrid_attention import HybridAttention
 from infer.runtime.kv_cache import kv_cache_dtype
+from infer.runtime.runner import ModelRunner
 
 if TYPE_CHECKING:
-    from infer.core.builder import BuildPlan
+    from infer.runtime.builder import BuildPlan
 
 Models = list[tuple[ModelRunner, Any]]  # (runner, its ModelConfig) per model, in build order (target first)
 

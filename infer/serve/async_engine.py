@@ -1,6 +1,6 @@
 """`AsyncEngine`: one Engine served to asyncio callers, each request a stream of per-step deltas.
 
-    engine = AsyncEngine.from_config(EngineConfig(model="smollm2-135m"))
+    engine = Asyncmake_engine(EngineConfig(model="smollm2-135m"))
     async for out in engine.generate("Hello", SamplingParams(max_tokens=16, temperature=0)):
         print(out.deltas[0].text, end="")        # out.final, in the last one, is LLM.generate's output
 
@@ -25,6 +25,7 @@ from typing import Any, AsyncIterator, Callable, Iterable, TypeVar
 from infer.api.errors import ConfigError, InferError, RequestError
 from infer.api.request import SamplingParams
 from infer.core.engine import Engine, Prompt
+from infer.runtime.builder import make_engine
 from infer.serve.engine_thread import Abort, Add, Call, EngineDeadError, EngineThread, Item
 from infer.serve.snapshot import EngineSnapshot
 from infer.serve.stream import StreamOutput, as_output, merge
@@ -133,7 +134,7 @@ class AsyncEngine:
         """config: an EngineConfig (as `LLM` and `infer run` build one)."""
         from infer.distributed.launch import launch
 
-        return cls(Engine.from_config(config, extra_plugins, launch=launch), max_waiting)
+        return cls(make_engine(config, extra_plugins, launch=launch), max_waiting)
 
     @classmethod
     def spawn(cls, build: Callable[[], Engine], max_waiting: int | None = None) -> "AsyncEngine":
@@ -300,4 +301,4 @@ def build_engine(config: Any) -> Engine:
     """An Engine from an EngineConfig, its `--tp` ranks launched: what `spawn` builds by default."""
     from infer.distributed.launch import launch
 
-    return Engine.from_config(config, launch=launch)
+    return make_engine(config, launch=launch)

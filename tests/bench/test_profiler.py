@@ -13,7 +13,7 @@ from infer.api.request import SamplingParams
 from infer.bench import charts
 from infer.bench.profiler import StepProfiler, format_profile
 from infer.cli.main import cli
-from infer.core.engine import Engine
+from infer.runtime.builder import make_engine
 
 
 def hooks(model: torch.nn.Module) -> int:
@@ -21,7 +21,7 @@ def hooks(model: torch.nn.Module) -> int:
 
 
 def test_nothing_is_wrapped_unless_profiling_and_the_rows_add_up(tiny_llama_dir):
-    engine = Engine.from_config(EngineConfig(model=str(tiny_llama_dir), device="cpu"))
+    engine = make_engine(EngineConfig(model=str(tiny_llama_dir), device="cpu"))
     runner = engine.decoder.runner
     try:
         assert hooks(runner.model) == 0 and "step" not in vars(engine) and "compute_logits" not in vars(runner.model)

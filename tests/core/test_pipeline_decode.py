@@ -14,7 +14,7 @@ import torch
 import infer
 from infer import LLM, SamplingParams
 from infer.api import Capabilities
-from infer.core.runner import ModelRunner
+from infer.runtime.runner import ModelRunner
 
 rng = random.Random(0)
 PROMPTS = [[rng.randrange(3, 256) for _ in range(n)] for n in (5, 17, 9, 33, 2, 12, 24, 7)]

@@ -20,6 +20,7 @@ from infer.api.runner import StepInputs
 from infer.distributed.state import ParallelState, check_tensor_parallel
 from infer.distributed.step_channel import Forward, StepChannel
 from infer.llm import LLM
+from infer.runtime.builder import make_engine
 from infer.testing.prompts import SMOLLM2_PROMPTS
 
 PROMPTS = [[5, 6, 7, 8, 9], [10, 11], list(range(20, 60)), [3] * 17, [100, 7, 200, 13, 99, 42]]
@@ -259,10 +260,9 @@ def test_cli_refusal_exits_2(tiny_llama_dir):
 
 def test_tp_without_a_launcher_is_refused(tiny_llama_dir):
     from infer.api.config import EngineConfig
-    from infer.core.engine import Engine
 
     with pytest.raises(ConfigError, match="--tp 2 needs a launcher .*launch=infer.distributed.launch.launch"):
-        Engine.from_config(EngineConfig(model=str(tiny_llama_dir), tensor_parallel_size=2))
+        make_engine(EngineConfig(model=str(tiny_llama_dir), tensor_parallel_size=2))
 
 
 def test_more_ranks_than_gpus_is_refused(tiny_llama_dir, monkeypatch):

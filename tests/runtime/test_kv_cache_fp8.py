@@ -8,7 +8,7 @@ import torch
 from infer.api import BlockOps
 from infer.api.config import EngineConfig
 from infer.api.kv_cache import FP8, FP8KVCache, kv_scales, quantize_fp8
-from infer.runtime.block_mover import BlockMover
+from infer.core.block_mover import BlockMover
 from infer.runtime.kv_cache import CacheShape, allocate_kv_cache, plan_blocks
 
 SHAPES = [CacheShape(num_layers=3, num_kv_heads=2, head_dim=16), CacheShape(num_layers=2, num_kv_heads=1, head_dim=8)]

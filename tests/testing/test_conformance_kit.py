@@ -28,7 +28,7 @@ BROKEN_PLUGIN = '''
 import torch
 import infer
 from infer.api import SamplerOutput
-from infer.plugins.attention.torch_backend import write_kv
+from infer.api.kv_cache import write_kv
 from infer.plugins.models.llama import Llama
 
 

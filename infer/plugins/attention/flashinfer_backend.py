@@ -37,8 +37,7 @@ import torch
 from infer.api import AttentionBatch, AttentionSpec, Capabilities, KVCache
 from infer.api.decode_paths import bucket_sizes
 from infer.api.hookspecs import hookimpl
-from infer.api.kv_cache import FP8, kv_scales
-from infer.plugins.attention.torch_backend import write_kv
+from infer.api.kv_cache import FP8, kv_scales, write_kv
 
 INT_WORKSPACE_BYTES = 8 << 20  # what FlashInfer allocates per wrapper for its plan data
 

@@ -16,26 +16,7 @@ import torch.nn.functional as F
 
 from infer.api import AttentionBatch, AttentionSpec, Capabilities, KVCache
 from infer.api.hookspecs import hookimpl
-from infer.api.kv_cache import FP8, kv_scales, quantize_fp8
-
-
-def dequantize(stored: torch.Tensor, scale: float, dtype: torch.dtype) -> torch.Tensor:
-    """Cache values as `dtype`: e4m3 ones times their scale (in float32), others as they are."""
-    return (stored.float() * scale).to(dtype) if stored.dtype == FP8 else stored.to(dtype)
-
-
-def gather(cache: torch.Tensor, tables: torch.Tensor) -> torch.Tensor:
-    """cache[tables]: [N, bs, Hkv, D] -> [B, nb, bs, Hkv, D] (FP8 through its bytes, as every device indexes them)."""
-    return cache.view(torch.uint8)[tables].view(FP8) if cache.dtype == FP8 else cache[tables]
-
-
-def write_kv(kv_cache: KVCache, k: torch.Tensor, v: torch.Tensor, slot_mapping: torch.Tensor) -> None:
-    """Scatter new K/V into their slots (an FP8 cache: quantized). k, v: [T, Hkv, D]; slot_mapping: [T]."""
-    for cache, x, scale in zip(kv_cache, (k, v), kv_scales(kv_cache)):  # cache: [N, bs, Hkv, D]
-        x = quantize_fp8(x, scale) if cache.dtype == FP8 else x.to(cache.dtype)
-        if cache.dtype == FP8:  # torch has no index_copy_ for float8 on the CPU: copy the bytes
-            cache, x = cache.view(torch.uint8), x.view(torch.uint8)
-        cache.view(-1, *cache.shape[2:]).index_copy_(0, slot_mapping, x)
+from infer.api.kv_cache import dequantize, gather, kv_scales, write_kv
 
 
 class TorchAttention:

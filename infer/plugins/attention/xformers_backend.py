@@ -23,7 +23,7 @@ import torch
 
 from infer.api import AttentionBatch, AttentionSpec, Capabilities, KVCache
 from infer.api.hookspecs import hookimpl
-from infer.plugins.attention.torch_backend import write_kv
+from infer.api.kv_cache import write_kv
 
 
 @functools.cache

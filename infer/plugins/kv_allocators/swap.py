@@ -1,6 +1,6 @@
 """The CPU side of preemption by swap: a pool of CPU KV blocks and the tables of swapped-out requests.
 
-The bytes move in the engine (`infer.runtime.block_mover`), batched per step; this only keeps
+The bytes move in the engine (`infer.core.block_mover`), batched per step; this only keeps
 account. The CPU blocks of a request swapped back in are freed when the step's block operations
 are drained, after the copy that reads them has been handed to the engine.
 """

@@ -18,10 +18,10 @@ from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
 from infer.api.request import Request, SamplingParams
+from infer.core.block_mover import BlockMover
 from infer.plugins.kv_allocators.contiguous import ContiguousAllocator
 from infer.plugins.kv_allocators.paged import PagedAllocator
 from infer.plugins.kv_allocators.prefix_cache import BlockKey
-from infer.runtime.block_mover import BlockMover
 
 TOKENS = st.lists(st.integers(1, 2), min_size=1, max_size=14)  # a two-letter alphabet: prefixes collide often
 

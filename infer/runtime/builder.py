@@ -17,15 +17,15 @@ import torch
 from infer.api import Communicator, Launch, Layers, ProcessorContext, SelfDescribing, SingleProcess
 from infer.api.config import EngineConfig, ModelConfig
 from infer.api.errors import ConfigError
+from infer.core.block_mover import BlockMover
 from infer.core.compose import Composition, check_model_attention, compose
-from infer.core.engine import EngineParts
+from infer.core.engine import Engine, EngineParts
 from infer.core.output import OutputProcessor
 from infer.core.registry import PluginRegistry
 from infer.inputs.chat_template import load_chat_template
 from infer.log import get_logger
 from infer.models.loader import ModelSource, check_weight_shapes, meta_model, resolve_source, with_tokenizer
 from infer.models.quantization import quantization_for
-from infer.runtime.block_mover import BlockMover
 from infer.runtime.decode_paths import attach_decode_paths
 from infer.runtime.kv_cache import build_kv_caches, check_fits
 from infer.runtime.runners import Models, check_draft_source, load_models
@@ -119,7 +119,7 @@ def _check(
     if config.tensor_parallel_size > 1 and parallel is None and launch is None:
         raise ConfigError(
             f"--tp {config.tensor_parallel_size} needs a launcher to start its ranks and none was given: pass "
-            "launch=infer.distributed.launch.launch to build_engine or Engine.from_config (infer.LLM and "
+            "launch=infer.distributed.launch.launch to build_engine or make_engine (infer.LLM and "
             "`infer run` do), or use --tp 1"
         )
     registry = PluginRegistry.load(extra_plugins)
@@ -182,3 +182,9 @@ def _wire(plan: BuildPlan, models: Models, decoder: Any, num_blocks: int, block_
         config, decoder_caps, runners, scheduler, plan.max_rows, plan.max_model_len, num_blocks, plan.device
     )
     return scheduler
+
+
+def make_engine(config: EngineConfig, extra_plugins: Iterable[Any] = (), launch: Launch | None = None) -> Engine:
+    """An `Engine` built from `config`. launch: who starts the ranks of a `--tp N > 1` engine
+    (`infer.distributed.launch.launch`)."""
+    return Engine(build_engine(config, extra_plugins, launch))
