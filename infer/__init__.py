@@ -1,6 +1,7 @@
 """infer: a plugin-architecture LLM inference engine."""
 
 from infer.api import Capabilities
+from infer.api.config import EngineConfig
 from infer.api.hookspecs import PLUGIN_API_VERSION, hookimpl
 from infer.api.request import CompletionOutput, RequestOutput, SamplingParams
 
@@ -8,6 +9,8 @@ __version__ = "0.1.0"
 
 __all__ = [
     "LLM",
+    "make_engine",
+    "EngineConfig",
     "SamplingParams",
     "RequestOutput",
     "CompletionOutput",
@@ -23,4 +26,8 @@ def __getattr__(name: str):
         from infer.llm import LLM
 
         return LLM
+    if name == "make_engine":  # the public stepping API's engine (`infer.core.engine.Engine`)
+        from infer.runtime.builder import make_engine
+
+        return make_engine
     raise AttributeError(f"module 'infer' has no attribute {name!r}")

@@ -27,6 +27,7 @@ from infer.core.block_mover import BlockMover
 from infer.core.output import Group, OutputProcessor
 from infer.core.preparing import Preparations, Preparing, prepare
 from infer.core.step_budget import StepBudget
+from infer.core.stream import EngineStep, Streams
 from infer.inputs.prompts import tokenize
 
 CLOSED = "this engine is closed (its memory was given back): build a new LLM"
@@ -76,6 +77,7 @@ class Engine:
         self._refusals: list[RequestOutput] = []  # requests refused after they were added: output next step
         budgeted = parts.scheduler if isinstance(parts.scheduler, TokenBudgeted) else None
         target_ms = getattr(parts.config, "max_step_ms", None)
+        self._streams = Streams()  # the requests `stream` asked news of
         self._budget = None  # the step budget that sizes the scheduler's token budget, with max_step_ms
         if budgeted is not None and target_ms is not None:
             self._budget = StepBudget(target_ms / 1000, budgeted.max_num_batched_tokens)
@@ -206,6 +208,35 @@ class Engine:
             self.parts.scheduler.max_num_batched_tokens = budget  # type: ignore[attr-defined]
         return self._finished_outputs()
 
+    # ------------------------------------------------------------------ streaming: the public stepping API
+
+    def stream(self, request_id: str, prompt: str | None = None) -> None:
+        """Have `step_outputs()` report request_id's news every step: each sample's new tokens (with
+        logprobs if asked for) and new text, only what no stop string can still cut, so the pieces
+        concatenate to its final output; beams (whose tokens change until the end) come whole at the end.
+        prompt: its text, for the final output, when it was added as token ids."""
+        group = self.output.groups.get(request_id)
+        if group is None:
+            raise RequestError(f"no unfinished request {request_id!r} to stream: add_request() it first")
+        self._streams.add(group, prompt)
+
+    def step_outputs(self) -> EngineStep:
+        """One step (`step()`), as per-request outputs: the news of the streamed requests, and each request
+        that ended with its output (and, if streamed, its last StreamOutput)."""
+        finished = self.step()
+        return self._streams.after_step(finished, self.output.in_flight)
+
+    def is_generating(self, request_id: str) -> bool:
+        """Whether some sample of this unfinished request still generates tokens (aborting it would change
+        its output); False once every sample finished and only its text is on its way, or when unknown."""
+        group = self.output.groups.get(request_id)
+        return group is not None and not all(r.is_finished for r in group.children)
+
+    def abandon_all(self) -> None:
+        """After a step raised: end every request without an output, free their blocks, and leave the
+        runners and the detokenizer idle, so the engine serves on (what `generate` does before it re-raises)."""
+        self._abandon(list(self.output.groups))
+
     # ------------------------------------------------------------------ constraints being prepared
 
     def _admit_prepared(self, wait: bool) -> None:
@@ -319,10 +350,12 @@ class Engine:
         for rid in request_ids:
             self._forget(rid)
         self._refusals.clear()
+        self._streams.submitted = []
 
     def _forget(self, request_id: str) -> None:
         """End a request group, free its blocks and drop it without an output."""
         self._preparing.cancel(request_id)
+        self._streams.remove(request_id)
         group = self.output.groups.get(request_id)
         for child in group.children if group else []:
             self.scheduler.finish(child, FinishReason.ABORT)  # frees its blocks; no-op when finished or never added
@@ -330,6 +363,12 @@ class Engine:
         self.output.discard(request_id)
 
     # ------------------------------------------------------------------ reporting
+
+    @property
+    def model(self) -> Any:
+        """The target model as built (a `CausalLM`), for kits and tools that inspect its layers; stepping
+        never needs it."""
+        return self.parts.runners[0].model
 
     def kv_usage(self) -> KVUsage:
         return self.scheduler.allocator.usage()  # type: ignore[attr-defined]

@@ -25,10 +25,10 @@ from typing import Any, AsyncIterator, Callable, Iterable, TypeVar
 from infer.api.errors import ConfigError, InferError, RequestError
 from infer.api.request import SamplingParams
 from infer.core.engine import Engine, Prompt
+from infer.core.stream import StreamOutput, as_output, merge
 from infer.runtime.builder import make_engine
 from infer.serve.engine_thread import Abort, Add, Call, EngineDeadError, EngineThread, Item
 from infer.serve.snapshot import EngineSnapshot
-from infer.serve.stream import StreamOutput, as_output, merge
 
 T = TypeVar("T")
 
@@ -109,8 +109,15 @@ class RequestStream:
 class AsyncEngine:
     """An Engine stepped by its own thread. Use it from one event loop (the server's)."""
 
-    def __init__(self, engine: Engine, max_waiting: int | None = None, thread: Any = None) -> None:
-        """thread: what steps the engine (default: an `EngineThread` here; `spawn` passes an `EngineProcess`)."""
+    def __init__(
+        self,
+        engine: Engine,
+        max_waiting: int | None = None,
+        thread: Any = None,
+        build: Callable[[], Engine] | None = None,
+    ) -> None:
+        """thread: what steps the engine (default: an `EngineThread` here; `spawn` passes an `EngineProcess`).
+        build: what built it in its process (`spawn`'s): `restart` builds it again."""
         if max_waiting is not None and (isinstance(max_waiting, bool) or not isinstance(max_waiting, int)):
             raise ConfigError(f"max_waiting={max_waiting!r}: use None (no limit) or an integer >= 0")
         if max_waiting is not None and max_waiting < 0:
@@ -122,7 +129,7 @@ class AsyncEngine:
         self._live: dict[str, RequestStream] = {}  # unfinished streams by request id
         self._ids = itertools.count()
         self._thread = thread if thread is not None else EngineThread(engine)
-        self._build: Callable[[], Engine] | None = None  # what `spawn` was given: `restart` builds it again
+        self._build = build  # what `spawn` was given: `restart` builds it again
         self._ended: BaseException | None = None  # set by end_all: every new request is refused with it
         self.num_restarts = 0  # times `restart` built it again
         self.restarting = False  # a restart is building it now
@@ -144,9 +151,7 @@ class AsyncEngine:
         from infer.serve.engine_process import EngineProcess
 
         process = EngineProcess(build)
-        engine = cls(process.front, max_waiting, thread=process)  # type: ignore[arg-type]
-        engine._build = build
-        return engine
+        return cls(process.front, max_waiting, thread=process, build=build)  # type: ignore[arg-type]
 
     @property
     def tokenizer(self) -> Any:

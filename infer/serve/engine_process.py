@@ -35,6 +35,7 @@ from typing import Any, Callable
 
 from infer.api.errors import ConfigError, InferError, RequestError, one_line
 from infer.core.engine import Engine
+from infer.core.stream import StreamOutput
 from infer.inputs.prompts import tokenize
 from infer.serve.engine_thread import (
     Abort,
@@ -48,7 +49,6 @@ from infer.serve.engine_thread import (
     hand_over,
 )
 from infer.serve.snapshot import EngineSnapshot, snapshot
-from infer.serve.stream import StreamOutput
 
 
 @dataclass(slots=True)

@@ -22,11 +22,11 @@ from dataclasses import dataclass
 from typing import Any, Callable, Protocol
 
 from infer.api.errors import InferError, RequestError, one_line
-from infer.api.request import Request, SamplingParams
+from infer.api.request import SamplingParams
 from infer.core.engine import Engine
+from infer.core.stream import News, StreamOutput
 from infer.log import get_logger
 from infer.serve.snapshot import SNAPSHOT_INTERVAL_S, EngineSnapshot, snapshot
-from infer.serve.stream import News, RawDelta, StreamOutput, Tracked
 
 # what a request's stream receives: a step's news (`as_output` makes it a StreamOutput), its last output, or
 # the error that ended it
@@ -99,10 +99,7 @@ class EngineThread:
         self._published_at = 0.0  # time.monotonic() of the last snapshot
         self.snapshot = snapshot(engine)  # the latest: replaced whole, so any thread may read it
         self._inbox: queue.SimpleQueue[Add | Abort | Call | _Stop] = queue.SimpleQueue()
-        self._tracked: dict[str, Tracked] = {}  # request id -> its progress, while unfinished
-        self._sinks: dict[str, Sink] = {}  # request id -> where its outputs go
-        self._samples: dict[Request, tuple[Tracked, int]] = {}  # engine request -> (its group's, sample index)
-        self._submitted: list[tuple[Request, int]] = []  # handed to the detokenizer last step: (request, tokens)
+        self._sinks: dict[str, Sink] = {}  # unfinished request id -> where its outputs go
         self._outbox: list[tuple[Sink, Item]] = []  # delivered after the step
         self._thread = threading.Thread(target=self._run, name=name, daemon=True)
         self._thread.start()
@@ -165,7 +162,7 @@ class EngineThread:
             except Exception as exc:
                 command.future.set_exception(exc)
         elif isinstance(command, Abort):
-            if command.request_id in self._tracked and not self._is_done(command.request_id):
+            if command.request_id in self._sinks and self.engine.is_generating(command.request_id):
                 self.engine.request_abort(command.request_id)
                 self.engine.abort_pending()  # its blocks are free now; its output comes from the next step
         else:
@@ -179,44 +176,18 @@ class EngineThread:
             error = exc if isinstance(exc, InferError) else RequestError(f"this request could not be added ({exc})")
             self._outbox.append((command.sink, error))
             return
-        group = self.engine.output.groups[request_id]
-        tracked = Tracked.of(group, command.prompt)
-        self._tracked[request_id] = tracked
+        self.engine.stream(request_id, command.prompt)
         self._sinks[request_id] = command.sink
-        for index, request in enumerate(group.children):
-            self._samples[request] = (tracked, index)
-
-    def _is_done(self, request_id: str) -> bool:
-        """Every sample finished: only its text is still on its way, and there is nothing to abort."""
-        return all(r.is_finished for r in self._tracked[request_id].group.children)
 
     def _step(self) -> None:
-        submitted = self._submitted
-        finished = self.engine.step()
-        self._submitted = [(r, len(r.output_token_ids)) for r in self.engine.output.in_flight]
-        for output in finished:
-            tracked = self._forget(output.request_id)
-            if tracked is not None:
+        step = self.engine.step_outputs()
+        for output, last in step.finished:
+            sink = self._sinks.pop(output.request_id, None)
+            if sink is not None:
                 # refused after it was added (its constraint failed to compile, or in time): the error is its answer
-                item = RequestError(output.error) if output.error is not None else tracked.last(output)
-                self._outbox.append((self._sinks.pop(output.request_id), item))
-        news: dict[str, list[RawDelta]] = {}
-        for request, num_checked in submitted:
-            entry = self._samples.get(request)
-            if entry is None or not entry[0].streams:
-                continue
-            tracked, index = entry
-            delta = tracked.delta(index, request, num_checked)
-            if delta is not None:
-                news.setdefault(tracked.group.request_id, []).append(delta)
-        for request_id, deltas in news.items():
+                self._outbox.append((sink, RequestError(output.error) if output.error is not None else last))
+        for request_id, deltas in step.news:
             self._outbox.append((self._sinks[request_id], (request_id, deltas)))
-
-    def _forget(self, request_id: str) -> Tracked | None:
-        tracked = self._tracked.pop(request_id, None)
-        for request in tracked.group.children if tracked is not None else ():
-            self._samples.pop(request, None)
-        return tracked
 
     def _fail(self, exc: Exception) -> None:
         """A step (or this thread's own work) raised: end every request (blocks freed, as Engine.generate
@@ -226,15 +197,13 @@ class EngineThread:
             f"ended; retry them, and report the error if it persists"
         )
         try:  # Engine.generate's recovery: runners idle, blocks free (if it fails, the thread ends: /health says so)
-            self.engine._abandon(list(self.engine.output.groups))
+            self.engine.abandon_all()
         finally:
             self._end_all(error)
 
     def _end_all(self, error: Exception) -> None:
-        for request_id in list(self._tracked):
-            self._forget(request_id)
-            self._outbox.append((self._sinks.pop(request_id), error))
-        self._submitted = []
+        sinks, self._sinks = self._sinks, {}
+        self._outbox += [(sink, error) for sink in sinks.values()]
 
     def _publish(self, idle: bool) -> None:
         """A new snapshot when the last is `snapshot_interval_s` old, or the engine goes idle (each loop did

@@ -9,6 +9,7 @@ import math
 from typing import Any
 
 from infer.api.request import RequestOutput
+from infer.core.stream import CompletionDelta
 from infer.serve.generation import Generation, finish_reason
 from infer.serve.output_protocol import FunctionCall, ToolCallOut
 from infer.serve.protocol import (
@@ -21,7 +22,6 @@ from infer.serve.protocol import (
     CompletionLogprobs,
     TokenLogprob,
 )
-from infer.serve.stream import CompletionDelta
 from infer.serve.tool_parsers import CallDelta, ToolCallStream, ToolParser
 
 

@@ -21,13 +21,13 @@ from fastapi import Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from infer.api.request import RequestOutput
+from infer.core.stream import CompletionDelta, StreamOutput
 from infer.serve.async_engine import RequestStream
 from infer.serve.constrained import OutputRules
 from infer.serve.errors import APIError, api_error
 from infer.serve.metrics import ServeMetrics
 from infer.serve.protocol import SamplingFields, Usage
 from infer.serve.served import ServedModel
-from infer.serve.stream import CompletionDelta, StreamOutput
 
 DONE = "data: [DONE]\n\n"
 T = TypeVar("T")

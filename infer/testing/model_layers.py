@@ -79,7 +79,7 @@ def locate(checkpoint: Checkpoint, name: str, ids: list[int], plugins: Sequence[
     want, num_layers, want_logprobs = _hf_states(checkpoint, ids)
     vocab = int(want_logprobs.numel())
     with LLM(model=str(checkpoint.folder), model_impl=name, plugins=plugins, device="cpu", dtype="float32") as llm:
-        model = llm.engine.parts.runners[0].model
+        model = llm.engine.model
         watched = isinstance(model, DecoderStack) and num_layers is not None
         got: dict[str, torch.Tensor] = {}
         handles = _watch(model.embed_tokens, model.layers, got, hf=False) if watched else []

@@ -194,7 +194,7 @@ def test_a_failing_step_ends_its_requests_and_the_engine_serves_on(tiny_llama_di
 
 
 def test_a_failure_in_the_threads_own_work_is_survived_too(tiny_llama_dir, monkeypatch):
-    from infer.serve.stream import Tracked
+    from infer.core.stream import Tracked
 
     llm = LLM(model=str(tiny_llama_dir), attention="torch", num_kv_blocks=64, max_model_len=256)
     engine = AsyncEngine(llm.engine)

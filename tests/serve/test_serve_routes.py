@@ -115,8 +115,8 @@ def test_a_model_without_a_tokenizer_streams_as_it_steps(tiny_llama_dir, live):
 
 
 def test_a_delta_of_tokens_without_text_makes_a_chunk():
+    from infer.core.stream import CompletionDelta
     from infer.serve.formats import CompletionFormat
-    from infer.serve.stream import CompletionDelta
 
     assert CompletionFormat().chunks(None, 0, CompletionDelta(0, "", [], None)) == []  # nothing new: no chunk
     chunks = CompletionFormat().chunks(_Gen(), 0, CompletionDelta(0, "", [17], None))

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from infer.serve.stream import CompletionDelta, StreamOutput, merge
+from infer.core.stream import CompletionDelta, StreamOutput, merge
 
 
 def test_merge_concatenates_each_sample_and_keeps_the_later_state():

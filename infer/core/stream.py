@@ -1,5 +1,6 @@
-"""Per-request deltas: what each engine step adds to a request's samples, cut so that the streamed
-pieces concatenate to the final output exactly.
+"""Per-request deltas, the public stepping API's outputs (`Engine.stream`, `Engine.step_outputs`): what
+each engine step adds to a request's samples, cut so that the streamed pieces concatenate to the
+final output exactly.
 
 Text reaches a request one step after its tokens (the detokenizer runs beside the next forward),
 and a stop string found in that text truncates the tokens and cuts the text. So a step streams
@@ -42,6 +43,17 @@ class StreamOutput:
     deltas: list[CompletionDelta]  # the samples with something new in this step
     finished: bool  # True in the request's last output only
     final: RequestOutput | None = None  # the complete output, as LLM.generate returns it; set when finished
+
+
+@dataclass(slots=True)
+class EngineStep:
+    """What one `Engine.step_outputs()` produced: the news of each streamed request, and every request
+    that ended (streamed or not)."""
+
+    news: list[News]  # per streamed request with something new: (request id, [RawDelta per sample])
+    # each request that ended: its output, and for a streamed one that ran its last StreamOutput (the rest
+    # of each sample and its finish reason); None when it was not streamed or was refused (`output.error`)
+    finished: list[tuple[RequestOutput, StreamOutput | None]]
 
 
 @dataclass(slots=True)
@@ -96,6 +108,47 @@ class Tracked:
             logprobs = c.logprobs[tokens:] if self.logprobs and c.logprobs is not None else None
             deltas.append(CompletionDelta(c.index, c.text[chars:], c.token_ids[tokens:], logprobs, c.finish_reason))
         return StreamOutput(output.request_id, deltas, finished=True, final=output)
+
+
+class Streams:
+    """The requests an engine streams (`Engine.stream`), and what each step added to them."""
+
+    def __init__(self) -> None:
+        self.tracked: dict[str, Tracked] = {}  # streamed request id -> its progress
+        self.samples: dict[Request, tuple[Tracked, int]] = {}  # streamed sample -> (its request's, its index)
+        self.submitted: list[tuple[Request, int]] = []  # handed to the detokenizer last step: (sample, tokens)
+
+    def add(self, group: Group, prompt: str | None) -> None:
+        tracked = Tracked.of(group, prompt)
+        self.tracked[group.request_id] = tracked
+        for index, sample in enumerate(group.children):
+            self.samples[sample] = (tracked, index)
+
+    def remove(self, request_id: str) -> Tracked | None:
+        tracked = self.tracked.pop(request_id, None)
+        for sample in tracked.group.children if tracked is not None else ():
+            self.samples.pop(sample, None)
+        return tracked
+
+    def after_step(self, finished: list[RequestOutput], in_flight: list[Request]) -> EngineStep:
+        """A step's outputs: `finished`, what it ended; `in_flight`, the samples it handed to the
+        detokenizer (their text is in after the next step)."""
+        submitted = self.submitted
+        self.submitted = [(r, len(r.output_token_ids)) for r in in_flight] if self.tracked else []
+        ends: list[tuple[RequestOutput, StreamOutput | None]] = []
+        for output in finished:  # first: a request that ended gets its rest in its last output, no news
+            tracked = self.remove(output.request_id)
+            ends.append((output, tracked.last(output) if tracked is not None and output.error is None else None))
+        news: dict[str, list[RawDelta]] = {}
+        for request, num_checked in submitted:
+            entry = self.samples.get(request)
+            if entry is None or not entry[0].streams:
+                continue
+            tracked, index = entry
+            delta = tracked.delta(index, request, num_checked)
+            if delta is not None:
+                news.setdefault(tracked.group.request_id, []).append(delta)
+        return EngineStep(list(news.items()), ends)
 
 
 def as_output(item: StreamOutput | News) -> StreamOutput:

@@ -1,0 +1,62 @@
+"""The public stepping API as an app meets it: the README's example, run as written (on SmolLM2, the
+default model), and the streamed pieces of several requests, n > 1 and a stop string included, add up
+to exactly what `generate` returns for them."""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+import pytest
+
+from infer import EngineConfig, SamplingParams, make_engine
+from infer.api.errors import RequestError
+
+README = Path(__file__).resolve().parents[2] / "README.md"
+
+
+def test_the_readmes_stepping_example_runs_as_written(smollm2_dir):
+    text = README.read_text()
+    section = text[text.index("### Stepping the engine: the public stepping API") :]
+    code = re.search(r"```python\n(.*?)```", section, re.S).group(1)
+    exec(compile(code, "README.md", "exec"), {})  # its own assert: the pieces are the final text
+
+
+def test_streamed_pieces_add_up_to_generates_outputs(tiny_llama_dir):
+    params = [
+        SamplingParams(max_tokens=12, temperature=0, ignore_eos=True),
+        SamplingParams(max_tokens=10, temperature=0.8, seed=3, n=2, ignore_eos=True),
+        SamplingParams(max_tokens=16, temperature=0, ignore_eos=True, stop=["e"]),
+    ]
+    prompts = [[5, 6, 7], [8, 9], [10, 11, 12, 13]]
+    config = EngineConfig(model=str(tiny_llama_dir), attention="torch", num_kv_blocks=64, max_model_len=256)
+    engine = make_engine(config)
+    try:
+        expected = engine.generate(prompts, params)
+        ids = [engine.add_request(p, sp) for p, sp in zip(prompts, params)]
+        for request_id in ids:
+            engine.stream(request_id)
+        with pytest.raises(RequestError, match="no unfinished request"):
+            engine.stream("no-such-request")
+        texts = {(i, k): "" for i in ids for k in range(2)}
+        tokens: dict[tuple[str, int], list[int]] = {key: [] for key in texts}
+        outputs = {}
+        while engine.has_unfinished():
+            step = engine.step_outputs()
+            for request_id, deltas in step.news:
+                for index, text, token_ids, _ in deltas:
+                    texts[request_id, index] += text
+                    tokens[request_id, index] += token_ids
+            for output, last in step.finished:
+                outputs[output.request_id] = output
+                for delta in last.deltas:
+                    texts[output.request_id, delta.index] += delta.text
+                    tokens[output.request_id, delta.index] += delta.token_ids
+        for request_id, want in zip(ids, expected):
+            got = outputs[request_id]
+            for sample, want_sample in zip(got.outputs, want.outputs):
+                assert texts[request_id, sample.index] == sample.text == want_sample.text
+                assert tokens[request_id, sample.index] == sample.token_ids == want_sample.token_ids
+        assert not engine.is_generating(ids[0])  # finished (and unknown alike)
+    finally:
+        engine.close()
