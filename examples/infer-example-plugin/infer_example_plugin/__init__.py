@@ -4,7 +4,9 @@
 T = 0). It is deliberately small: a plugin implements the `Sampler` interface, declares its
 capabilities (and, for the conformance kit, the `SamplingParams` it honours), and registers
 itself; nothing in infer changes. `pytest --infer-kit sampler=temperature-only` checks it. The
-package's model plugin (`arcee`) is in `arcee.py`, under an entry point of its own.
+package's other strategies, one for every other slot, are in modules of their own, each under an
+entry point of its own (pyproject.toml): `attention.py`, `kv_allocator.py`, `scheduler.py`,
+`decoder.py`, `detokenizer.py`, `arcee.py` (the model), `layers.py` and `logits_processor.py`.
 """
 
 from __future__ import annotations
