@@ -30,6 +30,7 @@ from infer.serve.output_protocol import NamedToolChoice, ResponseFormat, Tool, T
 
 MAX_LOGPROBS = 20  # top logprobs per token, at most (OpenAI's chat limit; vLLM's default)
 MAX_N = 128  # samples per prompt, at most (OpenAI's limit)
+SAFE_INTEGER = 2**53 - 1  # the largest integer a JSON number holds exactly in every client
 
 
 def _whole(value: Any) -> Any:
@@ -94,7 +95,9 @@ class SamplingFields(BaseModel):
     temperature: float | None = Field(default=None, ge=0, le=2)  # None: 1; 0 is greedy
     top_p: float | None = Field(default=None, gt=0, le=1)  # None: 1
     stop: Stop = None  # up to --max-stop stop strings (excluded from the text)
-    seed: Annotated[int, Field(ge=-(2**63), lt=2**63), WHOLE] | None = None  # same seed, same tokens
+    # same seed, same tokens; within JSON's exact integers (2**53 - 1, JavaScript's MAX_SAFE_INTEGER): past them
+    # a client's or a schema validator's float arithmetic moves the value (a fuzzer sent -2**63 as -2**63 - 192)
+    seed: Annotated[int, Field(ge=-SAFE_INTEGER, le=SAFE_INTEGER), WHOLE] | None = None
     presence_penalty: float | None = Field(default=None, ge=-2, le=2)
     frequency_penalty: float | None = Field(default=None, ge=-2, le=2)
     stream: bool | None = None

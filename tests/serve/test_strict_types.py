@@ -49,6 +49,8 @@ WRONG_TYPES = [
     ),  # fmt: skip
     ("/detokenize", {"model": MODEL, "tokens": [1, "2"]}, "tokens"),
     ("/tokenize", {"model": MODEL, "prompt": "Hi", "add_special_tokens": "yes"}, "add_special_tokens"),
+    ("/v1/completions", {**PROMPT, "seed": 2**53}, "seed"),  # past JSON's exact integers
+    ("/v1/completions", {**PROMPT, "seed": -(2**63) - 192}, "seed"),  # what a fuzzer sent for -2**63
 ]
 
 
@@ -66,6 +68,8 @@ def test_a_value_of_the_wrong_json_type_is_a_400_naming_the_field(server, route,
 RIGHT_TYPES = [
     ("/v1/completions", {**PROMPT, "temperature": 1, "top_p": 1, "presence_penalty": 0}),  # integers for numbers
     ("/v1/completions", {**PROMPT, "n": 2.0, "max_tokens": 1.0, "seed": 7.0}),  # whole numbers for integers
+    ("/v1/completions", {**PROMPT, "seed": 2**53 - 1}),  # the largest seed
+    ("/v1/completions", {**PROMPT, "seed": -(2**53 - 1)}),
     ("/v1/completions", {**PROMPT, "prompt": [1.0, 2, 3], "logprobs": 0, "logit_bias": {"5": 1}}),
     ("/v1/chat/completions", {**CHAT, "logprobs": True, "top_logprobs": 2, "stream": False}),
     ("/v1/chat/completions", {**CHAT, "response_format": {"type": "json_object"}, "max_tokens": 4}),
