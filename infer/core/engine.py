@@ -188,6 +188,11 @@ class Engine:
     # ------------------------------------------------------------------ the loop
 
     def step(self) -> list[RequestOutput]:
+        """One step: the requests it ended, with their outputs (a streamed request's news is dropped: read
+        it with `step_outputs`)."""
+        return [output for output, _ in self.step_outputs().finished]
+
+    def _step(self) -> list[RequestOutput]:
         if self.closed:
             raise RequestError(CLOSED)
         self.abort_pending()  # asked for from other threads since the last step
@@ -218,12 +223,13 @@ class Engine:
         group = self.output.groups.get(request_id)
         if group is None:
             raise RequestError(f"no unfinished request {request_id!r} to stream: add_request() it first")
-        self._streams.add(group, prompt)
+        if request_id not in self._streams.tracked:  # a second call changes nothing
+            self._streams.add(group, prompt)
 
     def step_outputs(self) -> EngineStep:
         """One step (`step()`), as per-request outputs: the news of the streamed requests, and each request
         that ended with its output (and, if streamed, its last StreamOutput)."""
-        finished = self.step()
+        finished = self._step()
         return self._streams.after_step(finished, self.output.in_flight)
 
     def is_generating(self, request_id: str) -> bool:
@@ -236,6 +242,7 @@ class Engine:
         """After a step raised: end every request without an output, free their blocks, and leave the
         runners and the detokenizer idle, so the engine serves on (what `generate` does before it re-raises)."""
         self._abandon(list(self.output.groups))
+        self._streams = Streams()  # those refused in the failed step too (no longer in output.groups)
 
     # ------------------------------------------------------------------ constraints being prepared
 

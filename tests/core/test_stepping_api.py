@@ -60,3 +60,37 @@ def test_streamed_pieces_add_up_to_generates_outputs(tiny_llama_dir):
         assert not engine.is_generating(ids[0])  # finished (and unknown alike)
     finally:
         engine.close()
+
+
+def test_streaming_twice_step_and_abandon_all_leave_nothing_behind(tiny_llama_dir):
+    """A second `stream()` of a request changes nothing (no piece sent twice); a streamed request that
+    `step()` ends, and every request `abandon_all()` drops, leave no stream state behind."""
+    config = EngineConfig(model=str(tiny_llama_dir), attention="torch", num_kv_blocks=64, max_model_len=256)
+    engine = make_engine(config)
+    params = SamplingParams(max_tokens=8, temperature=0, ignore_eos=True)
+    try:
+        request_id = engine.add_request([5, 6, 7], params)
+        engine.stream(request_id)
+        tokens: list[int] = []
+        for _ in range(3):
+            tokens += [t for _, deltas in engine.step_outputs().news for _, _, ids, _ in deltas for t in ids]
+        engine.stream(request_id)  # again, mid-stream
+        final = None
+        while engine.has_unfinished():
+            step = engine.step_outputs()
+            tokens += [t for _, deltas in step.news for _, _, ids, _ in deltas for t in ids]
+            for output, last in step.finished:
+                final, tokens = output, tokens + last.deltas[0].token_ids
+        assert final is not None and tokens == final.outputs[0].token_ids
+
+        engine.stream(engine.add_request([5, 6, 7], params))
+        while engine.has_unfinished():
+            engine.step()  # the plain loop: the stream's news is dropped, its state too
+        assert not engine._streams.tracked and not engine._streams.samples
+
+        engine.stream(engine.add_request([5, 6, 7], params))
+        engine.step_outputs()
+        engine.abandon_all()
+        assert not engine.has_unfinished() and not engine._streams.tracked and not engine._streams.samples
+    finally:
+        engine.close()

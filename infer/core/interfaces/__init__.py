@@ -2,15 +2,14 @@
 plugins written against it; import from `infer.api` (docs/plugins.md)."""
 
 import importlib
+import pkgutil
 import sys
 import warnings
 
 import infer.api
 
-SUBMODULES = (
-    "attention", "capabilities", "constraints", "decode_paths", "decoding", "kv", "models", "parallel",
-    "sampling", "scheduling", "text",
-)  # fmt: skip
+# every submodule of infer.api, so that none is loaded a second time under this old name
+SUBMODULES = tuple(m.name for m in pkgutil.iter_modules(infer.api.__path__))
 
 warnings.warn(
     "infer.core.interfaces moved to infer.api: import from there (the old name is an alias, to be removed)",
