@@ -13,10 +13,8 @@ Where a alone reaches the target (a long prompt's late chunks on a slow device, 
 reads its whole context), no budget meets it, and chunking finer only multiplies the prompt's time:
 at 16 tokens a step an 8,000-token prompt took 4.5x as long as unchunked on one CPU core. So the
 budget never shrinks below a / b, the tokens that cost as much as the rest of the step: such a step
-takes about 2a, half of it useful work. Over the target the floor only stops the shrinking; the
-budget grows there only through the probe below, so one slow step cannot inflate it. b is measured from two steps in a row of different sizes
-(the slope between them: their contexts differ little; one more than 4x off the estimate is taken for
-noise), a from each step as its time less b * tokens.
+takes about 2a, half of it useful work. b is measured from two steps in a row of different sizes
+(the slope between them: their contexts differ little), a from each step as its time less b * tokens.
 A budget that drifts down a few percent a step never makes such a pair, so after PROBE_AFTER steps
 over the target without one, the next step probes at twice the budget (one step of up to ~1.5x its
 time) and the one after returns.
@@ -47,8 +45,7 @@ class StepBudget:
 
     def observe(self, num_tokens: int, elapsed_s: float) -> int:
         """After a step that computed `num_tokens` in `elapsed_s`: the next step's budget. A step over the
-        target shrinks it, to no less than `floor()` (which stops the shrinking but never grows the budget: a
-        slow outlier step must not make the next one larger); one under the target grows it only if it used at
+        target shrinks it, to no less than `floor()`; one under the target grows it only if it used at
         least half of it (a step short of work, decodes alone, says little of what more tokens would cost)."""
         if num_tokens < MIN_TOKENS or elapsed_s <= 0:
             return self.tokens
@@ -58,7 +55,7 @@ class StepBudget:
             wanted, self.num_unfitted = self.tokens * 2, 0
         elif elapsed_s > self.target_s:
             self.num_unfitted += 1
-            wanted = max(wanted, self.tokens / 2, min(self.floor(), self.tokens))  # the floor stops, never grows
+            wanted = max(wanted, self.tokens / 2, min(self.floor(), self.tokens * 2))
         elif num_tokens * 2 >= self.tokens:
             wanted = min(max(wanted, self.tokens), self.tokens * 2)
         else:
@@ -77,8 +74,7 @@ class StepBudget:
             last_tokens, last_s = self.last
             if abs(num_tokens - last_tokens) >= MIN_SPREAD * max(num_tokens, last_tokens):
                 slope = (elapsed_s - last_s) / (num_tokens - last_tokens)
-                # else noise outweighed the difference (or one slow step made a wild slope): no news
-                if slope > 0 and (self.token_s is None or self.token_s / 4 <= slope <= self.token_s * 4):
+                if slope > 0:  # else noise outweighed the difference: no news
                     self.token_s = slope if self.token_s is None else (self.token_s + slope) / 2
                     self.num_unfitted = 0
         self.last = (num_tokens, elapsed_s)

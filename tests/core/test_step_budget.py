@@ -49,7 +49,7 @@ def test_a_fixed_cost_past_the_target_keeps_steps_worth_their_cost():
     """a = 0.4 s alone passes a 0.3 s target: the budget stops at a / b (400 tokens, steps of ~0.8 s),
     not at MIN_TOKENS, where 16-token steps of 0.416 s would take a prompt 12x as long."""
     budget = StepBudget(target_s=0.3, max_tokens=4096)
-    times = _settle(budget, 0.4, 1e-3, steps=60)  # probes double it every 16 steps over the target
+    times = _settle(budget, 0.4, 1e-3)
     assert budget.tokens == pytest.approx(400, rel=0.05)
     assert times[-1] == pytest.approx(0.8, rel=0.05)
 
@@ -70,19 +70,6 @@ def test_a_long_prompt_whose_context_outgrows_the_target_costs_at_most_twice_its
         context += tokens
     assert total < 2.5 * 2e-3 * 8000, total
     assert all(elapsed < max(3.5 * fixed, 0.6) for fixed, elapsed in steps), steps  # ~2a; a probe ~3a
-
-
-def test_a_slow_outlier_step_never_grows_the_budget():
-    """Noise (a GC pause, a neighbour's burst) makes one step slow: over the target, the budget may stop
-    shrinking at its floor but never grows, and a slope 4x off the estimate is taken for noise."""
-    budget = StepBudget(target_s=0.3, max_tokens=8192)
-    _settle(budget, 0.25, 2e-3, steps=80)
-    for hiccup in (0.25, 0.5, 1.0):
-        before = budget.tokens
-        budget.observe(before, 0.25 + 2e-3 * before + hiccup)
-        assert budget.tokens <= before, (hiccup, before, budget.tokens)
-        _settle(budget, 0.25, 2e-3, steps=20)
-    assert budget.tokens <= 2 * 125  # near the floor a / b = 125, not run away
 
 
 def test_steps_short_of_work_do_not_grow_or_shrink_it():
