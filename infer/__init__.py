@@ -2,8 +2,11 @@
 
 from infer.api import Capabilities
 from infer.api.config import EngineConfig
-from infer.api.hookspecs import PLUGIN_API_VERSION, hookimpl
+from infer.api.hookspecs import PLUGIN_API, PLUGIN_API_VERSION, hookimpl
 from infer.api.request import CompletionOutput, RequestOutput, SamplingParams
+from infer.common import moved
+
+moved.install()  # the old names of moved modules import, with a DeprecationWarning naming the new one
 
 __version__ = "0.1.0"
 
@@ -16,6 +19,7 @@ __all__ = [
     "CompletionOutput",
     "Capabilities",
     "hookimpl",
+    "PLUGIN_API",
     "PLUGIN_API_VERSION",
     "__version__",
 ]

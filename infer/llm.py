@@ -29,7 +29,7 @@ class LLM:
         import structlog
 
         if not structlog.is_configured():  # an embedding app that did not set up logging hears only warnings
-            from infer.log import configure
+            from infer.common.log import configure
 
             configure(level="warning")
         config = EngineConfig().replace(model=model, tensor_parallel_size=tensor_parallel_size, **options)

@@ -228,8 +228,8 @@ def test_bad_extra_plugins_variable_is_one_line(tmp_path):
 def test_all_reduce_verdict_names_missing_peer_access(monkeypatch):
     import torch
 
-    from infer import doctor
     from infer.api.config import EngineConfig
+    from infer.tools import doctor
 
     monkeypatch.delenv("RANK", raising=False)
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)

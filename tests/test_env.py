@@ -1,4 +1,4 @@
-"""`infer/env.py` is the one reader of the environment: nothing else in `infer/` reads `os.environ`,
+"""`infer/common/env.py` is the one reader of the environment: nothing else in `infer/` reads `os.environ`,
 its functions read at call time with the documented defaults, and the per-launch paths do not read
 it at all."""
 
@@ -11,7 +11,7 @@ import pytest
 import torch
 
 import infer
-from infer import env
+from infer.common import env
 
 ROOT = Path(infer.__file__).parent
 
@@ -63,11 +63,11 @@ def test_the_check_lets_writes_be(source):
 def test_only_env_reads_the_environment():
     found = {}
     for path in sorted(ROOT.rglob("*.py")):
-        if path == ROOT / "env.py":
+        if path == ROOT / "common" / "env.py":
             continue
         if lines := environ_reads(path.read_text()):
             found[str(path.relative_to(ROOT.parent))] = lines
-    assert found == {}, f"read these variables through infer/env.py: {found}"
+    assert found == {}, f"read these variables through infer/common/env.py: {found}"
 
 
 def test_defaults(monkeypatch, tmp_path):

@@ -10,10 +10,11 @@ import torch
 from click.testing import CliRunner
 from safetensors.torch import load_file
 
-from infer import LLM, kv_calibration
-from infer import quantize as fp8
+from infer import LLM
 from infer.cli.main import cli
 from infer.plugins.layers.fp8 import quantize_weight
+from infer.tools import kv_calibration
+from infer.tools import quantize as fp8
 
 
 def _output_error(w: torch.Tensor, q: torch.Tensor, scale: torch.Tensor, h: torch.Tensor) -> float:

@@ -39,6 +39,7 @@ from infer.api.models import (
     RegisterFn,
     RotaryTables,
 )
+from infer.api.overlap import DeviceWaits
 from infer.api.parallel import (
     Communicator,
     Executor,
@@ -70,7 +71,7 @@ __all__ = [
     "ResettableStats", "TokenBudgeted",
     "SamplerOutput", "Sampler", "TokenSampler", "VerifyingSampler",
     "ModelRunnerLike", "ForwardRunner", "DecoderContext", "Decoder", "SelfDescribing", "StatsSummary",
-    "DetokenizedDelta", "Detokenizer",
+    "DetokenizedDelta", "Detokenizer", "DeviceWaits",
     "LogitsProcessor", "LogitsRow", "ProcessorContext", "PreparingProcessor",
     "LAYER_KINDS", "Layers", "RotaryTables", "FusingActivation", "LinearMatmul", "QuantizedLinear", "PushingMatmul",
     "CausalLM", "CheckpointShapes", "ModelArchitecture", "HFArchitectures", "ModelPresets", "RegisterFn",

@@ -2,11 +2,12 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Callable, Protocol, runtime_checkable
 
 import torch
 
+from infer.api.overlap import DeviceWaits
 from infer.api.runner import ForwardSeq
 from infer.api.scheduling import SchedulerOutput, StepResult
 
@@ -35,6 +36,9 @@ class DecoderContext:
     build_model: Callable[..., Any] | None = None
     model_config: Any = None  # the target's ModelConfig
     share_model: Callable[[int], Any] | None = None  # num_layers -> a runner of the target's first layers (self-draft)
+    # the engine's: a decoder that blocks on the device outside its runners' sampling announces it
+    # there (`waits.waiting()`), so the host work deferred to that moment runs meanwhile
+    waits: DeviceWaits = field(default_factory=DeviceWaits)
 
 
 class Decoder(Protocol):

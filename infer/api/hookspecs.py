@@ -5,9 +5,9 @@ entry-point group. Every slot has one register-callback hook; the engine calls e
 when it is built, with a `register(name, factory)` callable. The factory is a class or function
 that builds the strategy; its `capabilities` attribute (an `infer.Capabilities`) says what it can
 do, so an impossible combination is refused before any weight loads. A plugin module may declare
-the plugin API versions it was written for (`INFER_PLUGIN_API = ">=1,<2"`, an int, or
-`infer_plugin_api = (1, 1)`); one that does not fit `PLUGIN_API_VERSION` is refused at load and
-recorded as broken (see `infer.core.plugin_api`).
+the plugin API versions it was written for (`INFER_PLUGIN_API = ">=2.1,<3"`, a major as an int, or
+`infer_plugin_api = (1, 2)`, a range of majors); one that does not fit `PLUGIN_API` is refused at
+load and recorded as broken (see `infer.core.plugin_api`).
 
 How each slot's factory is called:
 
@@ -20,7 +20,7 @@ kv_allocator              factory(num_blocks: int, block_size: int, *, enable_pr
 scheduler                 factory(config: EngineConfig, allocator: KVAllocator) -> Scheduler
 sampler                   factory(vocab_size: int, device: torch.device) -> Sampler
 decoder                   factory(ctx: DecoderContext) -> Decoder
-detokenizer               factory(tokenizer) -> Detokenizer
+detokenizer               factory(tokenizer, waits: DeviceWaits) -> Detokenizer
 model                     an architecture class: hf_architectures, presets, and
                           factory(config: ModelConfig, layers: Layers, attention) -> CausalLM
 layer                     factory(*args) -> torch.nn.Module, registered under a layer kind
@@ -44,7 +44,11 @@ import pluggy
 from infer.api import RegisterFn
 
 PROJECT_NAME = "infer"
-PLUGIN_API_VERSION = 2  # bumped when a factory's call signature or an interface changes
+# The plugin API's (major, minor) version: a minor bump only adds (what it supersedes keeps working, with a
+# DeprecationWarning naming the replacement, until the next major); a major bump may remove and change.
+# docs/plugins.md lists what each version changed.
+PLUGIN_API = (2, 1)
+PLUGIN_API_VERSION = PLUGIN_API[0]  # the major
 
 hookspec = pluggy.HookspecMarker(PROJECT_NAME)
 hookimpl = pluggy.HookimplMarker(PROJECT_NAME)

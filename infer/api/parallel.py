@@ -6,6 +6,7 @@ engine, making the same calls in the same order: `min` and `set_up` wait for eve
 
 from __future__ import annotations
 
+from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Callable, Protocol
 
@@ -57,22 +58,23 @@ class ModelParallel(Protocol):
     def layers(self) -> TensorParallelLayers: ...
 
 
-class StepRunner(Protocol):
-    """What an executor drives on each rank: a model runner's forward of one step's flat inputs."""
-
-    def run(self, step: StepInputs) -> torch.Tensor: ...
-
-
 class Executor(Protocol):
-    """Gets each forward of a runner (`ModelRunner.forward_step`) to every rank; returns this rank's
-    `runner.run(step)`."""
+    """How a runner's forward reaches every rank: the runner enters `forwarding(step)` around each
+    forward it runs here (`ModelRunner.forward`). Under tensor parallelism rank 0's sends the step to
+    the other ranks on entry (they run it themselves), and turns a failure inside into the error that
+    names a rank that died; on one rank it does nothing. It never calls the runner back."""
 
-    def forward(self, runner: StepRunner, step: StepInputs) -> torch.Tensor: ...
+    def forwarding(self, step: StepInputs) -> AbstractContextManager[None]: ...
 
 
 class LocalExecutor:
-    def forward(self, runner: StepRunner, step: StepInputs) -> torch.Tensor:
-        return runner.run(step)
+    """One rank's: the forward runs here alone."""
+
+    def forwarding(self, step: StepInputs) -> AbstractContextManager[None]:
+        return _NOTHING
+
+
+_NOTHING = nullcontext()  # reentrant, and reusable: one object for every step
 
 
 class Communicator(Protocol):

@@ -21,7 +21,7 @@ import tempfile
 
 import torch
 
-from infer import env
+from infer.common import env
 
 ROWS = (1, 4, 16, 64, 128, 256, 512, 1024)
 

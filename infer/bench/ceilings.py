@@ -71,7 +71,8 @@ def decode_step_seconds(
     step = StepInputs([11], [1], [context], [table], [0], runner.num_layers, True)
 
     def forward() -> None:
-        runner.forward_step(step)
+        with runner.executor.forwarding(step):
+            runner.run(step)
 
     seconds = seconds_per_call(forward, iters, warmup=3)
     return seconds, kernel_times(forward) if profile else []

@@ -38,7 +38,7 @@ import torch
 
 from infer.kernels.fp8_reference import FP8_MAX_INV, SCALE_MIN, quantize_rows_reference, to_e4m3
 from infer.plugins.layers.fp8 import quantize_weight
-from infer.quantize import projections
+from infer.tools.quantize import projections
 
 Rounding = Callable[[torch.Tensor], torch.Tensor]  # [N, K] float32 -> the same, rounded
 
@@ -118,13 +118,13 @@ def perplexity(model: torch.nn.Module, windows: list[list[int]]) -> float:
 @contextmanager
 def rounded(model: torch.nn.Module, scheme: str, hessians: dict[str, torch.Tensor] | None = None) -> Iterator[None]:
     """The model's projections rounded as `scheme` (a SCHEMES name) says, restored on exit; the gptq
-    schemes take each projection's calibration Hessian from `hessians` (`infer.quantize.hessians`)."""
+    schemes take each projection's calibration Hessian from `hessians` (`infer.tools.quantize.hessians`)."""
     rounding, activations, keep_last = SCHEMES[scheme]
 
     def round_weight(name: str, w: torch.Tensor) -> torch.Tensor:
         if rounding is not gptq_placeholder:
             return rounding(w)
-        from infer.quantize import gptq
+        from infer.tools.quantize import gptq
 
         assert hessians is not None, f"{scheme} needs the projections' calibration Hessians"
         q, scale = gptq(w, hessians[name])
@@ -160,7 +160,7 @@ def measure(
     rows: list[dict] = []
     hessians = None
     if any(SCHEMES[s][0] is gptq_placeholder for s in schemes):
-        from infer.quantize import hessians as collect
+        from infer.tools.quantize import hessians as collect
 
         assert calibration, "the gptq schemes need calibration windows"
         hessians = collect(model, calibration)

@@ -15,8 +15,8 @@ import json
 
 import torch
 
-from infer import env
 from infer.bench.ceilings import captured_seconds, copy_bandwidth
+from infer.common import env
 from infer.kernels import gemv as triton_gemv
 from infer.kernels import pdl as pdl_switch
 

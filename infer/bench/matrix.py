@@ -20,8 +20,8 @@ from infer.bench.report import RunRecord, prepare_prompts, run_workload
 from infer.bench.workloads import Workload, load_workload, needs_vocab
 from infer.core.registry import PluginRegistry
 from infer.distributed.launch import launch
-from infer.doctor import diagnose
 from infer.runtime.builder import make_engine
+from infer.tools.doctor import diagnose
 
 PEERS = ("hf-static-1", "hf-static-64", "hf-continuous")
 

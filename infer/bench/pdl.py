@@ -17,7 +17,7 @@ import statistics
 import subprocess
 import sys
 
-from infer import env
+from infer.common import env
 from infer.runtime.builder import make_engine
 
 
@@ -30,9 +30,9 @@ def one(tp: int, all_reduce: str) -> dict:
     from infer.bench.ceilings import decode_step_seconds
     from infer.bench.report import run_workload, warm_up
     from infer.bench.workloads import load_workload
+    from infer.common.log import configure
     from infer.distributed.launch import launch
     from infer.kernels import triton_pdl
-    from infer.log import configure
 
     configure(level="warning")
     engine = make_engine(

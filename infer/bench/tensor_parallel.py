@@ -34,9 +34,9 @@ from infer.bench.ceilings import decode_step_seconds
 from infer.bench.engines import release_memory
 from infer.bench.report import format_table, run_workload, warm_up
 from infer.bench.workloads import load_workload
+from infer.common.log import configure
 from infer.core.engine import Engine
 from infer.distributed.launch import launch
-from infer.log import configure
 from infer.runtime.builder import make_engine
 
 PARTS = ("70b", "7b", "spec")

@@ -9,8 +9,8 @@ from typing import Any, Callable
 
 import click
 
-from infer import env
 from infer.api.errors import ConfigError, InferError, one_line
+from infer.common import env
 
 
 def user_errors(f: Callable[..., Any]) -> Callable[..., Any]:

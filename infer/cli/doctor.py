@@ -1,4 +1,4 @@
-"""`infer doctor`: the command; the diagnosis is infer.doctor's."""
+"""`infer doctor`: the command; the diagnosis is infer.tools.doctor's."""
 
 from __future__ import annotations
 
@@ -17,7 +17,7 @@ from infer.cli.options import engine_config, engine_options
 def doctor(**engine_opts: Any) -> None:
     """Whether these flags can run here, slot by slot, and what would instead (exit 0: runs, 2: not)."""
     from infer.core.registry import PluginRegistry
-    from infer.doctor import diagnose, format_diagnosis
+    from infer.tools.doctor import diagnose, format_diagnosis
 
     diagnosis = diagnose(engine_config(engine_opts), PluginRegistry.load(extra_plugins()))
     click.echo(format_diagnosis(diagnosis))

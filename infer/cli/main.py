@@ -62,7 +62,7 @@ class OneLineErrors(click.Group):
 )
 def cli(log_json: bool, log_level: str) -> None:
     """infer: a plugin-architecture LLM inference engine."""
-    from infer.log import configure
+    from infer.common.log import configure
 
     configure(json_logs=log_json, level=log_level.lower())
 

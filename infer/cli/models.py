@@ -100,7 +100,7 @@ def quantize(
     if out.exists() and (not out.is_dir() or any(out.iterdir())):
         raise ConfigError(f"{out} exists and is not an empty folder: name a new one")
     where = _device(device)
-    from infer import quantize as fp8
+    from infer.tools import quantize as fp8
 
     try:  # transformers refuses a folder it cannot read (no config, an unknown architecture) with these
         windows = _calibration(source, calibration, calibration_windows, window_tokens) if method == "gptq" else None
@@ -116,7 +116,7 @@ def _device(name: str) -> torch.device:
 
     from infer.api.config import EngineConfig
     from infer.api.errors import ConfigError
-    from infer.doctor import device_present
+    from infer.tools.doctor import device_present
 
     device = EngineConfig(device=name).resolve_device()
     if not device_present(device):

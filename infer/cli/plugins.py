@@ -41,8 +41,8 @@ def plugins(matrix: bool, device: str) -> None:
 
 
 def _matrix(registry: PluginRegistry, device: str) -> None:
-    from infer.doctor import device_present
-    from infer.plugin_matrix import format_matrix, matrix, unavailable_here
+    from infer.tools.doctor import device_present
+    from infer.tools.plugin_matrix import format_matrix, matrix, unavailable_here
 
     config = engine_config({"device": device})
     config.validate()

@@ -335,8 +335,8 @@ class Engine:
                     refused = self.refused(prompt, exc)
                     order.append(refused.request_id)
                     results[refused.request_id] = refused
-            while self.has_unfinished():
-                for o in self.step():
+            while self.has_unfinished():  # `step()` without its streams: none can be open here
+                for o in self._step():
                     results[o.request_id] = o
         except BaseException:  # nothing else was unfinished when this call began: every group is this call's
             self._abandon(list(self.output.groups))

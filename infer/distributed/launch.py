@@ -30,8 +30,8 @@ from typing import Any, Iterable
 
 import torch
 
-from infer import env
 from infer.api.errors import ConfigError, InferError, WorkerError
+from infer.common import env
 from infer.distributed.ranks import (
     STOP_WAIT_S,
     STOPPED,
@@ -210,7 +210,7 @@ def _spawned_rank(
 
     import torch.distributed as dist
 
-    from infer.log import configure
+    from infer.common.log import configure
 
     _exit_with_parent(parent_pid)
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # see spawn_guard: rank 0 alone answers Ctrl-C

@@ -21,10 +21,10 @@ import torch
 from infer.api import BlockOps
 from infer.api.errors import InferError, WorkerError
 from infer.api.runner import StepInputs
+from infer.common.log import get_logger
 from infer.distributed.state import ParallelState
 from infer.distributed.step_channel import StepChannel
 from infer.distributed.teardown import meet_for_teardown, release_graphs, take_down_groups
-from infer.log import get_logger
 
 STOPPED = "infer/stopped"  # ranks 1..N-1 that have taken down their process groups after rank 0's stop
 STOP_WAIT_S = 30.0
@@ -153,18 +153,19 @@ def stop_processes(processes: list[Any], wait_s: float) -> None:
 @dataclass(slots=True)
 class MirroredExecutor:
     """Rank 0's executor for the runners of one model (a self-draft shares the target's): each
-    forward goes to every rank, then runs here. A pipelined step's ids, still on this rank's device,
+    forward goes to every rank, then the runner runs it here. A pipelined step's ids, still on this rank's device,
     follow the step over the model's group (`serve` takes them on the other ranks)."""
 
     ranks: RankGroup
     model_id: int
 
-    def forward(self, runner: Any, step: StepInputs) -> torch.Tensor:
+    @contextlib.contextmanager
+    def forwarding(self, step: StepInputs) -> Iterator[None]:
         with self.ranks.guard():
             self.ranks.channel.send_forward(self.model_id, step)
             if step.input_ids_t is not None:
                 self.ranks.parallel.broadcast_tensor(step.input_ids_t)
-            return runner.run(step)
+            yield  # the runner runs the step here
 
 
 class MirroredBlockMover:

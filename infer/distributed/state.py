@@ -16,9 +16,9 @@ from typing import Any
 
 import torch
 
-from infer import env
 from infer.api import Executor, HeadLayout, LocalExecutor
 from infer.api.errors import ConfigError
+from infer.common import env
 
 
 def check_tensor_parallel(

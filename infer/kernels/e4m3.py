@@ -15,7 +15,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from infer import env
+from infer.common import env
 
 # read once: the kernels are interpreted or compiled as TRITON_INTERPRET was at this import
 _INTERPRETED = tl.constexpr(env.triton_interpret())

@@ -41,8 +41,8 @@ import torch
 import triton
 import triton.language as tl
 
-from infer import env, warmup
-from infer.kernels import gemv_e4m3
+from infer.common import env
+from infer.kernels import gemv_e4m3, warmup
 from infer.kernels.gemv_tiles import INTERPRETER_TILE, Tile, candidates, tune
 from infer.kernels.layers import lamport_push
 from infer.kernels.triton_pdl import kernel_args, wait_and_release
@@ -222,7 +222,7 @@ def _gemv_kernel(
 def takes_rows(x: torch.Tensor, weight: torch.Tensor, push: Any = None) -> bool:
     """Whether `gemv(x, weight, push=push)` serves x's rows well: one row always; 2 to GEMV_MAX_ROWS rows
     (never pushed: a pushed partial sum is one row's) when their tile is tuned, or may be now (the engine
-    is warming up: `infer.warmup`). Else a GEMM should."""
+    is warming up: `infer.kernels.warmup`). Else a GEMM should."""
     m = x.shape[0] if x.dim() == 2 else 0
     if m == 1:
         return True

@@ -30,7 +30,7 @@ import torch
 import triton
 import triton.language as tl
 
-from infer import env
+from infer.common import env
 from infer.kernels.triton_pdl import wait_and_release
 
 # 8 e4m3 values of x (one b64) -> four f16x2 words, times 2^-8 (exact: an exponent shift)

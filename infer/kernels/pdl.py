@@ -11,7 +11,7 @@ import functools
 
 import torch
 
-from infer import env
+from infer.common import env
 
 
 @functools.cache  # enabled() runs at every kernel launch: the variables are read once per GPU

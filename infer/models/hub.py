@@ -18,8 +18,8 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
-from infer import env
 from infer.api.errors import ModelLoadError
+from infer.common import env
 from infer.models.gguf import convert_gguf
 
 
@@ -44,7 +44,7 @@ KNOWN_SOURCES: dict[str, Source] = {
 
 
 def cache_dir() -> Path:
-    """$INFER_CACHE_DIR, else $XDG_CACHE_HOME/infer, else ~/.cache/infer (`infer.env.cache_dir`)."""
+    """$INFER_CACHE_DIR, else $XDG_CACHE_HOME/infer, else ~/.cache/infer (`infer.common.env.cache_dir`)."""
     return env.cache_dir()
 
 

@@ -8,22 +8,24 @@ runners (`runners`), the KV caches (`kv_cache`), the decode paths (`decode_paths
 
 from __future__ import annotations
 
+import inspect
 import time
-from dataclasses import dataclass
+import warnings
+from dataclasses import dataclass, field
 from typing import Any, Iterable
 
 import torch
 
-from infer.api import Communicator, Launch, Layers, ProcessorContext, SelfDescribing, SingleProcess
+from infer.api import Communicator, DeviceWaits, Launch, Layers, ProcessorContext, SelfDescribing, SingleProcess
 from infer.api.config import EngineConfig, ModelConfig
 from infer.api.errors import ConfigError
+from infer.common.log import get_logger
 from infer.core.block_mover import BlockMover
 from infer.core.compose import Composition, check_model_attention, compose
 from infer.core.engine import Engine, EngineParts
 from infer.core.output import OutputProcessor
 from infer.core.registry import PluginRegistry
 from infer.inputs.chat_template import load_chat_template
-from infer.log import get_logger
 from infer.models.loader import ModelSource, check_weight_shapes, meta_model, resolve_source, with_tokenizer
 from infer.models.quantization import quantization_for
 from infer.runtime.decode_paths import attach_decode_paths
@@ -47,6 +49,7 @@ class BuildPlan:
     chat_template: str | None = None  # --chat-template's text
     draft_source: ModelSource | None = None  # --draft's, checked against the target; None: no draft model
     max_rows: int = 0  # decode rows a step may have: max_num_seqs x (1 + lookahead), a verify step's rows
+    waits: DeviceWaits = field(default_factory=DeviceWaits)  # the engine's thread's waits on the device
 
 
 def build_engine(
@@ -71,7 +74,7 @@ def build_engine(
         config, models, parallel, plan.max_model_len, lookahead, plan.dtype, plan.device
     )
     scheduler = _wire(plan, models, decoder, num_blocks, block_mover)
-    detokenizer = plan.composition.detokenizer.factory(tokenizer) if tokenizer is not None else None
+    detokenizer = _detokenizer(plan, tokenizer) if tokenizer is not None else None
     eos = set(plan.model_config.eos_token_ids)
     if tokenizer is not None and tokenizer.eos_token_id is not None:
         eos.add(int(tokenizer.eos_token_id))
@@ -108,6 +111,26 @@ def build_engine(
         runners=tuple(r for r, _ in models),
         processors=processors,
     )
+
+
+def _detokenizer(plan: BuildPlan, tokenizer: Any) -> Any:
+    """The detokenizer, from `factory(tokenizer, waits)` (plugin API 2.1). A factory of API 2.0 takes the
+    tokenizer alone: it still works, with a DeprecationWarning, until plugin API 3."""
+    strategy = plan.composition.detokenizer
+    try:  # the one place a factory's signature is read: API 2.0's form is still served, through 2.x
+        inspect.signature(strategy.factory).bind(tokenizer, plan.waits)
+    except TypeError:
+        warnings.warn(
+            f"detokenizer {strategy.name!r} ({strategy.distribution}): its factory takes (tokenizer), the plugin "
+            "API 2.0 form; since 2.1 it is factory(tokenizer, waits: infer.api.DeviceWaits), and plugin API 3 "
+            "calls no other: take `waits` (defer work to it, or ignore it)",
+            DeprecationWarning,
+            stacklevel=2,
+        )
+        return strategy.factory(tokenizer)
+    except ValueError:  # no signature to read (a builtin): call it the 2.1 way
+        pass
+    return strategy.factory(tokenizer, plan.waits)
 
 
 def _check(

@@ -9,7 +9,7 @@ per sequence, a speculative verify step one per position it checks (the rows of 
 its block table and each sees the K/V the rows before it wrote in the same forward, which the
 backend promises by `writes_kv_first`). So one set of graphs serves both, sized by the most rows
 a step may have (`max_rows`: requests times one plus the decoder's lookahead). When there is a
-lookahead, each bucket is warmed up under `infer.warmup.warming_up()`, so kernels tuned per row count
+lookahead, each bucket is warmed up under `infer.kernels.warmup.warming_up()`, so kernels tuned per row count
 (the several-row GEMV) tune for the verify steps' row counts there, before capture.
 
 A step with prompt tokens becomes rows the same way (`max_tokens`): token j of a sequence computed from
@@ -41,7 +41,7 @@ import torch
 
 from infer.api import AttentionBackend, AttentionBatch, KVCache
 from infer.api.decode_paths import bucket_sizes
-from infer.warmup import warming_up
+from infer.kernels.warmup import warming_up
 
 
 def _int32_at(n64: int) -> int:
@@ -77,7 +77,7 @@ class CudaGraphRunner:
         null_block: int,  # a KV block no request owns: padded rows write there
         device: torch.device,
         num_layers: int | None = None,
-        tune_rows: bool = False,  # the warm-up may tune kernels for each bucket's row count (`infer.warmup`)
+        tune_rows: bool = False,  # the warm-up may tune kernels for each bucket's row count (`infer.kernels.warmup`)
         max_tokens: int = 0,  # tokens a step with prompt tokens may have to replay (0: decode steps only)
     ) -> None:
         self.model, self.attention, self.kv_caches = model, attention, kv_caches

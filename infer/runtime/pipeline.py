@@ -22,7 +22,6 @@ from dataclasses import dataclass, field
 
 import torch
 
-from infer import overlap
 from infer.api import BatchOutlook, PipeliningScheduler, Scheduler, TokenSampler
 from infer.api.request import Request
 from infer.api.runner import ForwardSeq
@@ -88,7 +87,7 @@ class Pipeline:
             ready.record()
         if self._should_queue_ahead():
             self._launch_ahead(seqs, tokens)
-        overlap.waiting()
+        self.runner.waits.waiting()
         if ready is not None:
             ready.synchronize()  # this step's ids only: the forward queued ahead runs meanwhile
         token_ids = host.tolist()

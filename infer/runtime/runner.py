@@ -8,13 +8,13 @@ from __future__ import annotations
 
 import torch
 
-from infer import overlap
 from infer.api import (
     AttentionBackend,
     AttentionBatch,
     CausalLM,
     DecodeGraphs,
     DecodePipeline,
+    DeviceWaits,
     Executor,
     KVCache,
     LocalExecutor,
@@ -38,6 +38,8 @@ class ModelRunner:
         device: torch.device,
         num_layers: int | None = None,  # run only the first layers (early exit)
         executor: Executor | None = None,  # how each forward reaches every rank (None: it runs here alone)
+        waits: DeviceWaits | None = None,  # the engine's: announced before the sampler waits for the device
+        kv_scales: list[tuple[float, float]] | None = None,
     ) -> None:
         self.model = model
         self.attention = attention
@@ -47,8 +49,9 @@ class ModelRunner:
         self.device = device
         self.num_layers = num_layers
         self.executor = executor if executor is not None else LocalExecutor()
+        self.waits = waits if waits is not None else DeviceWaits()
         # (k_scale, v_scale) per layer for an FP8 KV cache: its checkpoint's calibrated scales (None: 1.0)
-        self.kv_scales: list[tuple[float, float]] | None = None
+        self.kv_scales = kv_scales
         self.graphs: DecodeGraphs | None = None  # replays decode-only steps (`set_decode_paths`)
         self.pipeline: DecodePipeline | None = None  # queues the next decode forward ahead
 
@@ -74,8 +77,15 @@ class ModelRunner:
 
     @torch.inference_mode()
     def forward(self, seqs: list[ForwardSeq], input_ids_t: torch.Tensor | None = None) -> torch.Tensor:
-        """Run the model over `seqs` (decodes first); returns logits [sum(prompt_rows + logits_rows), V] float32.
-        `input_ids_t`: the step's ids as a device tensor (decode pipelining; seqs' token_ids unused)."""
+        """Run the model over `seqs` (decodes first) on every rank; returns logits
+        [sum(prompt_rows + logits_rows), V] float32. `input_ids_t`: the step's ids as a device tensor
+        (decode pipelining; seqs' token_ids unused)."""
+        step = self.step_inputs(seqs, input_ids_t)
+        with self.executor.forwarding(step):  # under tensor parallelism: the other ranks get the step first
+            return self.run(step)
+
+    def step_inputs(self, seqs: list[ForwardSeq], input_ids_t: torch.Tensor | None = None) -> StepInputs:
+        """The flat inputs of one forward over `seqs`, and whether its captured CUDA graphs can run it."""
         graphs = self.graphs
         if graphs is None:
             use_graphs = False
@@ -93,16 +103,12 @@ class ModelRunner:
             step.block_tables.append(seq.request.block_ids)
             end = len(step.input_ids)
             step.logits_rows.extend(range(end - seq.logits_rows - seq.prompt_rows, end))
-        return self.forward_step(step)
-
-    def forward_step(self, step: StepInputs) -> torch.Tensor:
-        """Run `step` on every rank, through the executor (under tensor parallelism rank 0's sends the
-        step to the other ranks, then runs it here)."""
-        return self.executor.forward(self, step)
+        return step
 
     @torch.inference_mode()
     def run(self, step: StepInputs) -> torch.Tensor:
-        """The forward itself (every tensor-parallel rank runs this): logits [len(logits_rows), vocab] float32."""
+        """The forward itself, on this rank alone (every tensor-parallel rank runs this; `forward` gets the
+        step to the others first): logits [len(logits_rows), vocab] float32."""
         if step.use_graphs:
             assert self.graphs is not None
             args = (step.input_ids, step.seq_lens, step.block_tables, step.input_ids_t)
@@ -128,8 +134,10 @@ class ModelRunner:
         logits = self.pipeline.take(seqs) if self.pipeline is not None else None
         if not seqs:
             return StepResult(sampled={})
-        if logits is None:
-            logits = self.forward(seqs)
+        if logits is None:  # `forward`, inline: the data path stays short
+            step = self.step_inputs(seqs)
+            with self.executor.forwarding(step):
+                logits = self.run(step)
         logits = take_prompt_logprobs(logits, seqs)  # the rows left: one per request that samples
         sampled_requests = [s.request for s in seqs if s.logits_rows]
         if not sampled_requests:
@@ -139,7 +147,7 @@ class ModelRunner:
         token_ids = self.pipeline.sample(logits, seqs) if self.pipeline is not None else None
         if token_ids is not None:
             return StepResult(sampled={r.request_id: [t] for r, t in zip(sampled_requests, token_ids)})
-        overlap.waiting()  # the sampler's copy to the host waits for the forward (the pipeline announces its own)
+        self.waits.waiting()  # the sampler's copy to the host waits for the forward (the pipeline announces its own)
         result = self.sampler.sample(logits, sampled_requests)
         sampled = {r.request_id: [t] for r, t in zip(sampled_requests, result.token_ids)}
         logprobs = {}

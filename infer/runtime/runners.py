@@ -10,7 +10,7 @@ from typing import TYPE_CHECKING, Any
 
 from infer.api import AttentionSpec, Communicator, DecoderContext
 from infer.api.kv_cache import FP8
-from infer.log import get_logger
+from infer.common.log import get_logger
 from infer.models.build import check_draft, load_model
 from infer.models.kv_scales import read_kv_scales
 from infer.models.loader import ModelSource, load_tokenizer, resolve_source
@@ -94,8 +94,10 @@ def load_models(plan: BuildPlan, parallel: Communicator) -> tuple[Models, Any, A
     if tokenizer is not None and plan.chat_template is not None:
         tokenizer.chat_template = plan.chat_template
     sampler = composition.sampler.factory(plan.model_config.vocab_size, device)
-    runner = ModelRunner(model, attention, [], sampler, config.block_size, device, executor=parallel.executor(0))
-    runner.kv_scales = scales
+    runner = ModelRunner(
+        model, attention, [], sampler, config.block_size, device,
+        executor=parallel.executor(0), waits=plan.waits, kv_scales=scales,
+    )  # fmt: skip
     models: Models = [(runner, plan.model_config)]
     draft_source = plan.draft_source
 
@@ -111,19 +113,21 @@ def load_models(plan: BuildPlan, parallel: Communicator) -> tuple[Models, Any, A
         draft_sampler = composition.sampler.factory(draft_config.vocab_size, device)
         executor = parallel.executor(len(models))
         draft = ModelRunner(
-            draft_model, draft_attention, [], draft_sampler, config.block_size, device, executor=executor
-        )
-        draft.kv_scales = draft_scales
+            draft_model, draft_attention, [], draft_sampler, config.block_size, device,
+            executor=executor, waits=plan.waits, kv_scales=draft_scales,
+        )  # fmt: skip
         models.append((draft, draft_config))
         return draft
 
     def share_model(num_layers: int) -> ModelRunner:  # its own model id: every rank replays its own graphs
-        shared = ModelRunner(model, attention, runner.kv_caches, sampler, config.block_size, device, num_layers)
-        shared.executor = parallel.executor(len(models))
-        shared.kv_scales = runner.kv_scales  # its cache is the target's (allocated with these)
+        shared = ModelRunner(
+            model, attention, runner.kv_caches, sampler, config.block_size, device, num_layers,
+            executor=parallel.executor(len(models)), waits=plan.waits,
+            kv_scales=runner.kv_scales,  # its cache is the target's (allocated with these)
+        )  # fmt: skip
         models.append((shared, plan.model_config))
         return shared
 
-    context = DecoderContext(runner, config, build_draft, plan.model_config, share_model)
+    context = DecoderContext(runner, config, build_draft, plan.model_config, share_model, plan.waits)
     decoder = composition.decoder.factory(context)
     return models, decoder, tokenizer

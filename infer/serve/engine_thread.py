@@ -23,9 +23,9 @@ from typing import Any, Callable, Protocol
 
 from infer.api.errors import InferError, RequestError, one_line
 from infer.api.request import SamplingParams
+from infer.common.log import get_logger
 from infer.core.engine import Engine
 from infer.core.stream import News, StreamOutput
-from infer.log import get_logger
 from infer.serve.snapshot import SNAPSHOT_INTERVAL_S, EngineSnapshot, snapshot
 
 # what a request's stream receives: a step's news (`as_output` makes it a StreamOutput), its last output, or

@@ -86,7 +86,7 @@ def test_the_gptq_scheme_rounds_as_the_quantize_command_writes(tiny_llama_dir, t
     from safetensors.torch import load_file
     from transformers import AutoModelForCausalLM
 
-    from infer import quantize
+    from infer.tools import quantize
 
     windows = [[(5 * i + j) % 250 for j in range(48)] for i in range(3)]
     out = quantize.quantize_folder(tiny_llama_dir, tmp_path / "gptq", "gptq", windows, progress=lambda msg: None)

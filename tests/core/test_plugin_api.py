@@ -12,6 +12,8 @@ from infer.core import plugin_api
 from infer.core.registry import PluginRegistry
 
 V = infer.PLUGIN_API_VERSION
+M = infer.PLUGIN_API[1]
+CORE = f"{V}.{M}"
 
 
 def sampler_plugin(name: str, **declaration: object) -> types.ModuleType:
@@ -41,13 +43,29 @@ def sampler_plugin(name: str, **declaration: object) -> types.ModuleType:
         ((1, V), True),
         ((V + 1, V + 3), False),
         (f" >= 1 , <= {V} ", True),
+        (f">={V}.{M},<{V + 1}", True),  # a minor: the features of V.M, which this core has
+        (f">={V}.{M + 1},<{V + 1}", False),  # a later minor's features: not here yet
+        (f"<{V}.{M}", False),
+        (f"<={V}.{M}", True),
+        (f"=={V}.{M}", True),
+        (f"=={V}.{M + 1}", False),
+        (f">={V}.0", True),
     ],
 )
 def test_declaration_forms(declaration, fits):
-    assert plugin_api.parse(declaration)(V) is fits
+    assert plugin_api.parse(declaration)((V, M)) is fits
 
 
-@pytest.mark.parametrize("declaration", ["", ">=one", "~=1", (2, 1), (1, 2, 3), 1.5, True, None])
+def test_a_bare_major_compares_majors_only():
+    for minor in (0, 1, 7):
+        assert plugin_api.parse(f">={V},<{V + 1}")((V, minor))
+        assert plugin_api.parse(f"=={V}")((V, minor))
+        assert not plugin_api.parse(f">{V}")((V, minor))
+        assert plugin_api.parse(V)((V, minor))
+    assert plugin_api.parse(f"<={V}")((V, 9)) and not plugin_api.parse(f"<={V}")((V + 1, 0))
+
+
+@pytest.mark.parametrize("declaration", ["", ">=one", "~=1", "2.1.3", ">=2.", (2, 1), (1, 2, 3), 1.5, True, None])
 def test_malformed_declarations_are_refused(declaration):
     with pytest.raises(ValueError):
         plugin_api.parse(declaration)
@@ -63,9 +81,9 @@ def test_registry_refuses_an_incompatible_plugin_and_says_which_versions_fit():
     assert {"from-the-future", "old-range"}.isdisjoint(registry.names("sampler"))
     broken = {b.plugin: b.error for b in registry.broken}
     assert broken["plugin_from_the_future"] == (
-        f"plugin API mismatch: it declares INFER_PLUGIN_API = '>={V + 1},<{V + 2}' but this infer provides plugin API {V} "
-        f"(the versions that fit: {V}); install a release of the plugin written for plugin API {V}, or an infer whose "
-        f"plugin API the plugin declares"
+        f"plugin API mismatch: it declares INFER_PLUGIN_API = '>={V + 1},<{V + 2}' but this infer provides plugin API "
+        f"{CORE} (the plugins that fit declare it, e.g. '>={V},<{V + 1}'); install a release of the plugin written for "
+        f"plugin API {CORE}, or an infer whose plugin API the plugin declares"
     )
     assert f"infer_plugin_api = (0, {V - 1})" in broken["plugin_old_range"]
     with pytest.raises(PluginNotFoundError, match=r"unknown --sampler 'from-the-future'.*plugin API mismatch"):
@@ -96,5 +114,5 @@ def test_entry_point_plugin_with_an_incompatible_api_is_broken(tmp_path, monkeyp
     assert "future" not in registry.names("sampler")
     broken = next(b for b in registry.broken if b.plugin == "future")
     assert broken.distribution == "future-infer-plugin"
-    assert f"declares INFER_PLUGIN_API = {V + 1} but this infer provides plugin API {V}" in broken.error
+    assert f"declares INFER_PLUGIN_API = {V + 1} but this infer provides plugin API {CORE}" in broken.error
     assert "vectorized" in registry.names("sampler")  # the others load as usual

@@ -80,7 +80,7 @@ def test_gptq_on_the_gpu_rounds_as_on_the_cpu(tiny_llama_dir, tmp_path):
     weights whose float64 statistics, summed in another order, tip a rounding (one e4m3 step at most)."""
     from safetensors.torch import load_file
 
-    from infer import quantize as fp8
+    from infer.tools import quantize as fp8
 
     windows = [list(range(3 + i, 3 + i + 48)) for i in range(4)]
     folders = {

@@ -13,16 +13,16 @@ from __future__ import annotations
 from typing import Any
 
 import infer
-from infer.api import DetokenizedDelta
+from infer.api import DetokenizedDelta, DeviceWaits
 from infer.api.request import Request
 
-INFER_PLUGIN_API = ">=2,<3"
+INFER_PLUGIN_API = ">=2.1,<3"  # 2.1: the factory gets the engine's DeviceWaits
 CONTEXT = 5  # prompt tokens decoded before the output
 INCOMPLETE = "\ufffd"  # what decoding renders a character whose bytes have not all arrived as
 
 
 class RedecodeDetokenizer:
-    def __init__(self, tokenizer: Any) -> None:
+    def __init__(self, tokenizer: Any, waits: DeviceWaits) -> None:  # decodes in `submit`: nothing to defer
         self.tokenizer = tokenizer
         self.ready: dict[str, DetokenizedDelta] = {}  # the last submit's texts
         self.stopped: dict[str, DetokenizedDelta] = {}  # requests whose stop string was found: final

@@ -21,10 +21,10 @@ from typing import Any
 
 import torch
 
-from infer import env
+from infer.common import env
+from infer.common.log import get_logger
 from infer.distributed.all_reduce import peer_gpus_reason
 from infer.kernels import pdl
-from infer.log import get_logger
 
 DTYPES = (torch.float16, torch.bfloat16)
 log = get_logger(component="all-reduce")

@@ -38,7 +38,7 @@ from infer.api.hookspecs import hookimpl
 from infer.api.request import Request
 from infer.api.structured import StructuredOutputs
 from infer.api.transfer import row_index
-from infer.log import get_logger
+from infer.common.log import get_logger
 
 log = get_logger()
 COMPILED_KEPT = 64  # compiled grammars kept for requests that repeat a constraint

@@ -19,8 +19,7 @@ from __future__ import annotations
 
 import torch
 
-from infer import overlap
-from infer.api import VerifyingSampler
+from infer.api import DeviceWaits, VerifyingSampler
 from infer.api.request import Request
 from infer.api.transfer import row_index, to_device
 from infer.kernels import rng
@@ -119,6 +118,7 @@ def accept_on_device(
     drafts: list[list[int]] | None,  # on the host, or None: copied back with the counts
     rows: tuple[list[int], list, list[int]],  # offsets, each row's request as the sampler sees it, output index
     choices: torch.Tensor | None,  # [T] the target's greedy token per row, where already chosen
+    waits: DeviceWaits,  # announced before the copy to the host
 ) -> tuple[list[int], list[int], list[list[int]]]:
     """Greedy prefix matching and rejection sampling as kernels, then one copy to the host of the
     accepted counts, the next tokens and (when still on the device) the drafts."""
@@ -154,7 +154,7 @@ def accept_on_device(
         owners.append(sampled)
     if drafts is None:
         parts.append(x.flatten())  # the drafts come back with the counts
-    overlap.waiting()
+    waits.waiting()
     flat = torch.cat(parts).tolist()  # the step's one device-to-host copy
     num_accepted, next_token = [0] * len(requests), [0] * len(requests)
     at = 0

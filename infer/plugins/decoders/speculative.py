@@ -44,7 +44,6 @@ import time
 
 import torch
 
-from infer import overlap
 from infer.api import (
     Capabilities,
     DecoderContext,
@@ -105,6 +104,7 @@ class SpeculativeDecoder:
 
     def __init__(self, ctx: DecoderContext) -> None:
         self.target = ctx.runner
+        self.waits = ctx.waits
         self.k = ctx.config.num_speculative_tokens
         self.num_lookahead_tokens = self.k
         self.as_rows = self.target.attention.capabilities.writes_kv_first  # verify as decode rows
@@ -239,7 +239,7 @@ class SpeculativeDecoder:
         constrained = is_constrained(requests)
         if drafts is None and (constrained or any(k and has_penalties(r) for r, k in zip(requests, num_draft))):
             assert x is not None
-            overlap.waiting()
+            self.waits.waiting()
             drafts = [row[:k] for row, k in zip(x.tolist(), num_draft)]  # penalties, masks read the draft: wait for it
         offsets, views, positions = _rows(requests, num_draft, drafts)
         if constrained:  # each row masked after the draft before it (a row past a refused token is never kept)
@@ -248,7 +248,7 @@ class SpeculativeDecoder:
             constrain(logits, row_requests, [d[:j] for d, k in zip(drafts, num_draft) for j in range(k + 1)])
         choices = self._greedy_choices(logits, requests, views, positions)  # [T] the target's token per row
         if choices is not None and drafts is not None:  # one copy of the choices; the prefixes matched here
-            overlap.waiting()
+            self.waits.waiting()
             num_accepted, next_token = _match(choices.tolist(), offsets, drafts)
         else:
             q_rows = [proposal.probs[i] for i in verify]
@@ -262,6 +262,7 @@ class SpeculativeDecoder:
                 drafts,
                 (offsets, views, positions),
                 choices,
+                self.waits,
             )
         sampled_tokens: dict[str, list[int]] = {}
         num_computed: dict[str, int] = {}

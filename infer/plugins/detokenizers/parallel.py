@@ -1,6 +1,6 @@
 """The `parallel` detokenizer: one batched decode per step in a worker thread, overlapping the next forward.
 
-A step's job is started when the engine's thread next waits on the device (`infer.overlap`), not when
+A step's job is started when the engine's thread next waits on the device (`infer.api.DeviceWaits`), not when
 it is submitted: run beside the host's work of launching the next forward, the worker's Python would
 take the GIL from it.
 """
@@ -11,15 +11,16 @@ import threading
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
-from infer import overlap
-from infer.api import DetokenizedDelta, RegisterFn
+from infer.api import DetokenizedDelta, DeviceWaits, RegisterFn
 from infer.api.hookspecs import hookimpl
 from infer.api.request import Request
 from infer.plugins.detokenizers.streams import DecodeBatch, Stream, StreamTable, run_streams
 
 
 class ParallelDetokenizer:
-    def __init__(self, tokenizer: Any) -> None:
+    def __init__(self, tokenizer: Any, waits: DeviceWaits | None = None) -> None:
+        # a job starts at the engine's next wait on the device (alone, without `waits`: when collected)
+        self._waits = waits if waits is not None else DeviceWaits()
         backend = tokenizer.backend_tokenizer
         # one Rust call for the whole batch: parallel over windows, GIL released
         self._decode: DecodeBatch = lambda ws: backend.decode_batch(ws, skip_special_tokens=True)
@@ -33,7 +34,7 @@ class ParallelDetokenizer:
     def submit(self, updates: list[tuple[Request, list[int]]]) -> None:
         self._wait()  # the worker owns the streams until its job is done
         self._queued = self._table.feed(updates)
-        overlap.defer(self._start)
+        self._waits.defer(self._start)
 
     def _start(self) -> None:
         with self._starting:

@@ -4,14 +4,14 @@ from __future__ import annotations
 
 from typing import Any
 
-from infer.api import DetokenizedDelta, RegisterFn
+from infer.api import DetokenizedDelta, DeviceWaits, RegisterFn
 from infer.api.hookspecs import hookimpl
 from infer.api.request import Request
 from infer.plugins.detokenizers.streams import DecodeBatch, StreamTable, run_streams
 
 
 class SequentialDetokenizer:
-    def __init__(self, tokenizer: Any) -> None:
+    def __init__(self, tokenizer: Any, waits: DeviceWaits | None = None) -> None:  # decodes in `submit`: defers nothing
         backend = tokenizer.backend_tokenizer
         self._decode: DecodeBatch = lambda ws: [backend.decode(w, skip_special_tokens=True) for w in ws]
         self._table = StreamTable()

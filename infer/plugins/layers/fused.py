@@ -16,9 +16,9 @@ from typing import Any
 import torch
 from torch import nn
 
-from infer import env
 from infer.api import Capabilities
 from infer.api.hookspecs import hookimpl
+from infer.common import env
 from infer.plugins.layers import torch_layers as plain
 
 

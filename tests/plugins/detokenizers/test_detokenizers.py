@@ -8,8 +8,7 @@ from hypothesis import strategies as st
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 from transformers import PreTrainedTokenizerFast
 
-from infer import overlap
-from infer.api import DetokenizedDelta
+from infer.api import DetokenizedDelta, DeviceWaits
 from infer.api.request import Request, SamplingParams
 from infer.plugins.detokenizers import parallel, sequential
 from infer.plugins.detokenizers.parallel import ParallelDetokenizer
@@ -320,10 +319,11 @@ def detokenizer_threads() -> list[threading.Thread]:
 @pytest.mark.parametrize("state", ["collected", "started", "queued"])
 def test_close_leaves_no_thread(tokenizer, state):
     assert not detokenizer_threads()
-    detok = ParallelDetokenizer(tokenizer)
+    waits = DeviceWaits()
+    detok = ParallelDetokenizer(tokenizer, waits)
     detok.submit([(new_request(), encode(tokenizer, "hello world"))])
     if state != "queued":
-        overlap.waiting()  # the job starts in the worker
+        waits.waiting()  # the job starts in the worker
         assert detokenizer_threads()
     if state == "collected":
         assert detok.collect()["r"].text == "hello world"
@@ -333,7 +333,8 @@ def test_close_leaves_no_thread(tokenizer, state):
 
 
 def test_parallel_job_starts_when_the_engine_waits_on_the_device(tokenizer):
-    detok = ParallelDetokenizer(tokenizer)
+    waits = DeviceWaits()
+    detok = ParallelDetokenizer(tokenizer, waits)
     ran_in = []
     decode = detok._decode
     detok._decode = lambda windows: (ran_in.append(threading.current_thread().name), decode(windows))[1]
@@ -341,7 +342,7 @@ def test_parallel_job_starts_when_the_engine_waits_on_the_device(tokenizer):
         detok.submit([(new_request(), encode(tokenizer, "the cat sat"))])
         time.sleep(0.05)
         assert ran_in == []  # not beside the host's launch of the next forward
-        overlap.waiting()
+        waits.waiting()
         assert detok.collect()["r"].text == "the cat sat"
         assert len(ran_in) == 1 and ran_in[0].startswith("infer-detokenizer")
         detok.submit([(new_request(), encode(tokenizer, "the cat sat on"))])

@@ -207,8 +207,8 @@ def test_fused_rotary_serves_head_dims_whose_half_is_not_a_power_of_two():
 def test_several_rows_take_the_gemv_only_while_warming_up(monkeypatch):
     # a verify step's rows (2 to 8) go through the GEMV where its tile for that row count was tuned in
     # the graph warm-up; an eager step of a new row count stays on the GEMM rather than tuning mid-run
-    from infer import warmup
     from infer.kernels import gemv as gemv_module
+    from infer.kernels import warmup
     from infer.plugins.layers import fused
 
     torch.manual_seed(0)

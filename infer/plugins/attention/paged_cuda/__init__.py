@@ -25,11 +25,11 @@ from dataclasses import dataclass
 
 import torch
 
-from infer import env
 from infer.api import AttentionBatch, AttentionSpec, Capabilities, KVCache
 from infer.api.errors import IncompatiblePluginsError
 from infer.api.hookspecs import hookimpl
 from infer.api.kv_cache import FP8, kv_scales
+from infer.common import env
 
 
 def _available() -> str | None:

@@ -17,7 +17,7 @@ from typing import Any
 
 import torch
 
-from infer import env
+from infer.common import env
 
 __all__ = ["dot_config", "interpreted"]
 

@@ -13,7 +13,7 @@ import torch
 from infer.api.config import EngineConfig
 from infer.api.slots import SLOT
 from infer.core.registry import PluginRegistry
-from infer.doctor import device_present, diagnose
+from infer.tools.doctor import device_present, diagnose
 
 MATRIX_SLOTS = tuple(SLOT[name] for name in ("attention", "sampler", "scheduler", "decoder"))
 

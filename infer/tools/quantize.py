@@ -18,7 +18,7 @@ projections' rounding run there.
 The LM head and embeddings stay in the checkpoint's dtype; activations are quantized per token at run time
 (the config says so), as under --quantization fp8.
 
-gptq's calibration also gives each layer's FP8 KV-cache scales (`infer.kv_calibration`), written beside
+gptq's calibration also gives each layer's FP8 KV-cache scales (`infer.tools.kv_calibration`), written beside
 its weights as llm-compressor writes them; rtn reads no text and writes none.
 """
 
@@ -31,9 +31,9 @@ from typing import Callable, Iterable, Iterator
 
 import torch
 
-from infer import kv_calibration
 from infer.kernels.fp8_reference import to_e4m3
 from infer.plugins.layers.fp8 import quantize_weight, weight_scales
+from infer.tools import kv_calibration
 
 METHODS = ("gptq", "rtn")
 QUANTIZATION_CONFIG = {
@@ -151,7 +151,7 @@ def layer_hessians(
     its dtype, or with `keep` False to the meta device, its memory freed (the model is then spent). The rest
     of the model is expected in float32 (`quantize_folder` makes it so). With `kv_amax`, each layer's
     largest key and value on their way to its KV cache are recorded there too, [key, value] by layer index
-    (`infer.kv_calibration.observe`), before its matrices are yielded."""
+    (`infer.tools.kv_calibration.observe`), before its matrices are yielded."""
     found = projections(model)
     prefix, layers = decoder_layers(model, found)
     text_config, scaling = model.config.get_text_config(), kv_calibration.rotary_scaling(model)
@@ -257,7 +257,7 @@ def _gptq_all(
 ) -> tuple[dict[str, tuple[torch.Tensor, torch.Tensor]], dict[int, tuple[float, float]]]:
     """Every projection's (e4m3 weight, scale) by GPTQ, keyed by its weight's name, layer by layer on
     `device`, the results in CPU memory; and each layer's KV-cache scales (k_scale, v_scale) by its index
-    (`infer.kv_calibration`). Each layer's memory is freed once its projections are rounded: the model
+    (`infer.tools.kv_calibration`). Each layer's memory is freed once its projections are rounded: the model
     is spent."""
     layers = projections(model)
     progress(

@@ -1,6 +1,6 @@
 """FP8 KV-cache scales from calibration text: each decoder layer's largest value and key on their way to
 its cache, as `infer models quantize` (gptq) records them while it runs the text through the model layer
-by layer (`infer.quantize.layer_hessians`), and the k_scale / v_scale it writes beside the layer's weights
+by layer (`infer.tools.quantize.layer_hessians`), and the k_scale / v_scale it writes beside the layer's weights
 as llm-compressor writes them (`model.layers.N.self_attn.k_scale` / `v_scale`, and a `kv_cache_scheme` in
 the config), which `--kv-cache-dtype fp8` reads the cache with (`infer.models.kv_scales`): the largest
 |value| and |key| over e4m3's 448.
