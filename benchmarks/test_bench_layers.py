@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from infer.plugins.layers import torch_layers as plain
+from infer.plugins.layer import torch_layers as plain
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 

@@ -4,8 +4,8 @@ import pytest
 import torch
 
 from infer.api.request import Request, SamplingParams
-from infer.plugins.samplers.naive import NaiveSampler
-from infer.plugins.samplers.vectorized import VectorizedSampler
+from infer.plugins.sampler.naive import NaiveSampler
+from infer.plugins.sampler.vectorized import VectorizedSampler
 
 VOCAB = 49152
 SAMPLERS = {"naive": NaiveSampler, "vectorized": VectorizedSampler}

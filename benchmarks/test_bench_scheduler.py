@@ -15,9 +15,9 @@ import pytest
 from infer.api import StepResult
 from infer.api.config import EngineConfig
 from infer.api.request import Request, SamplingParams
-from infer.plugins.kv_allocators.paged import PagedAllocator
-from infer.plugins.schedulers.fcfs import FcfsScheduler
-from infer.plugins.schedulers.static import StaticScheduler
+from infer.plugins.kv_allocator.paged import PagedAllocator
+from infer.plugins.scheduler.fcfs import FcfsScheduler
+from infer.plugins.scheduler.static import StaticScheduler
 
 PROMPT, MAX_TOKENS, BLOCK = 256, 4096, 16
 SCHEDULERS = {"fcfs": FcfsScheduler, "static": StaticScheduler}

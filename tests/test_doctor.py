@@ -80,7 +80,7 @@ IMPOSSIBLE = {
     ),
     "needs-draft decoder without --draft": (
         ["--decoding", "speculative"],
-        "decoder",
+        "decoding",
         "--decoding speculative needs a draft model: add --draft NAME",
         "autoregressive",
     ),
@@ -146,7 +146,7 @@ def test_doctor_passes_a_runnable_combination_and_checks_every_slot(invoke):
         "kv_allocator",
         "scheduler",
         "sampler",
-        "decoder",
+        "decoding",
         "detokenizer",
         "logits_processor",
     ]
@@ -245,12 +245,12 @@ def test_doctor_names_the_linear_layer_of_a_quantization_and_refuses_an_unknown_
     result = invoke("doctor", *SHAPE, "--quantization", "fp8")
     assert result.exit_code == 0, result.output
     (row,) = [line for line in result.output.splitlines() if line.split()[0] == "quantization"]
-    assert row.split()[1] == "fp8" and row.endswith("OK  (fp8: infer.plugins.layers.fp8.Fp8Linear)"), row
+    assert row.split()[1] == "fp8" and row.endswith("OK  (fp8: infer.plugins.layer.fp8.Fp8Linear)"), row
     result = invoke("doctor", *SHAPE, "--quantization", "int3")
     assert result.exit_code == 2, result.output
     assert "REFUSED: unknown --quantization 'int3': use one of fp8" in result.output
     result = invoke("doctor", *SHAPE, "--quantization", "fp8", "--tp", "2")  # the shards hold FP8 weights too
-    assert "OK  (fp8: infer.plugins.layers.fp8.Fp8Linear)" in result.output, result.output
+    assert "OK  (fp8: infer.plugins.layer.fp8.Fp8Linear)" in result.output, result.output
 
 
 def test_doctor_says_which_scales_an_fp8_kv_cache_reads_with(invoke, tiny_llama_dir, tmp_path):

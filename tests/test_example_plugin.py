@@ -74,11 +74,11 @@ def test_example_imports_only_the_plugin_api():
 
 def test_the_import_check_catches_internals(tmp_path):
     source = tmp_path / "bad.py"
-    source.write_text("import infer.core.engine\nfrom infer.plugins.models import llama\nfrom infer import runtime\n")
+    source.write_text("import infer.core.engine\nfrom infer.plugins.model import llama\nfrom infer import runtime\n")
     assert [m for _, m in infer_imports(source)] == [
         "infer.core.engine",
-        "infer.plugins.models",
-        "infer.plugins.models.llama",
+        "infer.plugins.model",
+        "infer.plugins.model.llama",
         "infer",
         "infer.runtime",
     ]
@@ -264,7 +264,7 @@ def test_all_example_strategies_together(example, model_dir, reference):
 
 
 def test_installed_example_passes_the_kits(example_plugin_env, tmp_path):
-    kits = ["attention=example-sdpa", "kv_allocator=example-refcount", "decoder=example-split"]
+    kits = ["attention=example-sdpa", "kv_allocator=example-refcount", "decoding=example-split"]
     kits.append("logits_processor=example-choice")
     command = [sys.executable, "-m", "pytest", *(f"--infer-kit={k}" for k in kits), "-q", "-p", "no:cacheprovider"]
     ran = subprocess.run(command, capture_output=True, text=True, cwd=tmp_path, env=example_plugin_env, timeout=300)

@@ -12,7 +12,7 @@ from safetensors.torch import load_file
 
 from infer import LLM
 from infer.cli.main import cli
-from infer.plugins.layers.fp8 import quantize_weight
+from infer.plugins.layer.fp8 import quantize_weight
 from infer.tools import kv_calibration
 from infer.tools import quantize as fp8
 

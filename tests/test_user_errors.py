@@ -206,8 +206,8 @@ def files(tmp_path: Path) -> Path:
 @pytest.fixture()
 def weight_loads(monkeypatch) -> list[str]:
     """Every weight load or dummy initialisation the builder starts, by kind."""
-    import infer.models.build as build
-    import infer.models.loader as loader
+    import infer.loading.build as build
+    import infer.loading.loader as loader
 
     calls: list[str] = []
     for module in (build, loader):

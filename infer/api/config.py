@@ -133,7 +133,7 @@ class EngineConfig:
 @dataclass(frozen=True, slots=True)
 class ModelConfig:
     """The engine's typed view of a transformers config (a folder's config.json, or a named preset);
-    read by `infer.models.config.model_config_from_hf`."""
+    read by `infer.loading.config.model_config_from_hf`."""
 
     architecture: str
     vocab_size: int

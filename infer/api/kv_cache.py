@@ -25,7 +25,7 @@ class FP8KVCache(tuple):
     It is a tuple, so whatever moves a layer's (k, v) (the block mover, swaps, CUDA graphs) moves it
     as it moves any cache; only attention backends with `capabilities.fp8_kv` read the scales. The
     scales are static, one pair a layer: a checkpoint's calibrated `k_scale` / `v_scale` where it holds
-    them (`infer.models.kv_scales`), else 1.0.
+    them (`infer.loading.kv_scales`), else 1.0.
     e4m3 keeps 3 mantissa bits from 2^-6 to 448, so with scale 1 any K/V within +-448 keeps a relative
     error of at most 2^-4, and smaller values (below 2^-6) an absolute error of at most 2^-10. A scale
     moves that range, not the relative error: on SmolLM2 an amax / 448 scale leaves K and V as far off

@@ -7,7 +7,9 @@ from dataclasses import dataclass, replace
 
 @dataclass(frozen=True, slots=True)
 class Slot:
-    name: str  # registry key, `infer plugins` column, doctor's row
+    # registry key, `infer plugins` column, doctor's row; the same word names the EngineConfig field (when
+    # chosen by name) and the folder of its built-in plugins (infer/plugins/<name>)
+    name: str
     hook: str  # the register-callback hook spec that fills it
     field: str | None  # the EngineConfig field naming the strategy; None: not chosen by name
     flag: str  # how error messages name the choice
@@ -19,7 +21,7 @@ SLOTS: tuple[Slot, ...] = (  # in `infer plugins` and doctor order
     Slot("kv_allocator", "infer_register_kv_allocators", "kv_allocator", "--kv-allocator", ("allocator",)),
     Slot("scheduler", "infer_register_schedulers", "scheduler", "--scheduler"),
     Slot("sampler", "infer_register_samplers", "sampler", "--sampler"),
-    Slot("decoder", "infer_register_decoders", "decoding", "--decoding"),
+    Slot("decoding", "infer_register_decoders", "decoding", "--decoding", ("decoder",)),
     Slot("detokenizer", "infer_register_detokenizers", "detokenizer", "--detokenizer"),
     Slot("model", "infer_register_models", None, "--model-impl"),  # chosen by the checkpoint's architecture
     Slot("layer", "infer_register_layers", None, "the layers hook"),  # every kind, by priority

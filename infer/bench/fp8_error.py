@@ -37,7 +37,7 @@ from typing import Callable, Iterator
 import torch
 
 from infer.kernels.fp8_reference import FP8_MAX_INV, SCALE_MIN, quantize_rows_reference, to_e4m3
-from infer.plugins.layers.fp8 import quantize_weight
+from infer.plugins.layer.fp8 import quantize_weight
 from infer.tools.quantize import projections
 
 Rounding = Callable[[torch.Tensor], torch.Tensor]  # [N, K] float32 -> the same, rounded
@@ -192,8 +192,8 @@ def main(argv: list[str] | None = None) -> int:
     from transformers import AutoModelForCausalLM
 
     from infer.bench.texts import calibration_windows, load_text_set
-    from infer.models.hub import resolve_model_path
-    from infer.models.loader import load_tokenizer
+    from infer.loading.hub import resolve_model_path
+    from infer.loading.loader import load_tokenizer
 
     folder = resolve_model_path(args.model)
     if folder is None:

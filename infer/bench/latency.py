@@ -32,7 +32,7 @@ from infer.bench.workloads import Workload
 from infer.core.engine import Engine
 from infer.kernels import gemv as triton_gemv
 from infer.kernels.gemv import gemv
-from infer.plugins.layers import fused as fused_layers
+from infer.plugins.layer import fused as fused_layers
 from infer.runtime.builder import make_engine
 
 SHAPES = {

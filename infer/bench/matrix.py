@@ -70,7 +70,7 @@ def combinations(base: EngineConfig, axes: dict[str, list[Any]], registry: Plugi
         config = replace(base, **changes)
         config.validate()  # a value out of range is the user's error, whatever the combination
         if "decoding" in axes:  # --draft / --exit-layer belong to the decoders that read them
-            caps = registry.get("decoder", config.decoding).capabilities
+            caps = registry.get("decoding", config.decoding).capabilities
             if not caps.needs_draft:
                 config = replace(config, draft=None, exit_layer=None if not caps.uses_exit_layer else config.exit_layer)
         refusals = diagnose(config, registry, check_model=False).refusals
@@ -86,7 +86,7 @@ def _peer_runs(
 
     from infer.api.config import DTYPES
     from infer.bench.peers import build_hf_model, hf_continuous, hf_static
-    from infer.models.loader import resolve_source
+    from infer.loading.loader import resolve_source
 
     source = resolve_source(
         config.model, PluginRegistry.load(), config.load_format, pull=False, revision=config.revision

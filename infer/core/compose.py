@@ -22,7 +22,7 @@ class Composition:
     kv_allocator: Strategy
     scheduler: Strategy
     sampler: Strategy
-    decoder: Strategy
+    decoding: Strategy
     detokenizer: Strategy
 
     def attention_backends(self) -> list[tuple[Strategy, str]]:
@@ -123,7 +123,7 @@ def compose(config: EngineConfig, registry: PluginRegistry, device: torch.device
     for s in others:
         _check_runs_here(chosen[s.name], s.flag, device, dtype, config)
     composition = Composition(attention=attention, prefill_attention=prefill, **chosen)
-    _check_decoder_options(composition.decoder, config)
+    _check_decoder_options(composition.decoding, config)
     able = ", ".join(s.name for s in registry.all("attention") if s.capabilities.fp8_kv) or "none installed"
     for s, flag in composition.attention_backends():
         if config.kv_cache_dtype == "fp8" and not s.capabilities.fp8_kv:

@@ -30,7 +30,7 @@ from infer.api.config import ModelConfig
 from infer.api.errors import ConfigError
 from infer.api.weights import check_unscaled
 from infer.distributed.state import ParallelState
-from infer.models.shards import RowParallelQuantized, Shard, load_quantized, shard_of
+from infer.loading.shards import RowParallelQuantized, Shard, load_quantized, shard_of
 
 Matmul = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]  # (x [T, in], weight [out, in]) -> [T, out]
 

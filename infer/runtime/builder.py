@@ -26,8 +26,8 @@ from infer.core.engine import Engine, EngineParts
 from infer.core.output import OutputProcessor
 from infer.core.registry import PluginRegistry
 from infer.inputs.chat_template import load_chat_template
-from infer.models.loader import ModelSource, check_weight_shapes, meta_model, resolve_source, with_tokenizer
-from infer.models.quantization import quantization_for
+from infer.loading.loader import ModelSource, check_weight_shapes, meta_model, resolve_source, with_tokenizer
+from infer.loading.quantization import quantization_for
 from infer.runtime.decode_paths import attach_decode_paths
 from infer.runtime.kv_cache import build_kv_caches, check_fits
 from infer.runtime.runners import Models, check_draft_source, load_models
@@ -177,7 +177,7 @@ def _check(
         config, registry, device, dtype, composition, source, model_config, layers, max_model_len, chat_template
     )
     # every check that needs no weights comes before the first weights load: the draft's, the cache's
-    needs_draft = composition.decoder.capabilities.needs_draft
+    needs_draft = composition.decoding.capabilities.needs_draft
     if needs_draft and config.draft not in ("ngram", "self"):
         plan.draft_source = check_draft_source(plan)
     lookahead = config.num_speculative_tokens if needs_draft else 0  # the decoder's, once built
@@ -200,7 +200,7 @@ def _wire(plan: BuildPlan, models: Models, decoder: Any, num_blocks: int, block_
     scheduler = composition.scheduler.factory(config, allocator)
     scheduler.num_lookahead_tokens = decoder.num_lookahead_tokens
     runners = [r for r, _ in models]
-    decoder_caps = composition.decoder.capabilities
+    decoder_caps = composition.decoding.capabilities
     attach_decode_paths(
         config, decoder_caps, runners, scheduler, plan.max_rows, plan.max_model_len, num_blocks, plan.device
     )

@@ -11,9 +11,9 @@ from typing import TYPE_CHECKING, Any
 from infer.api import AttentionSpec, Communicator, DecoderContext
 from infer.api.kv_cache import FP8
 from infer.common.log import get_logger
-from infer.models.build import check_draft, load_model
-from infer.models.kv_scales import read_kv_scales
-from infer.models.loader import ModelSource, load_tokenizer, resolve_source
+from infer.loading.build import check_draft, load_model
+from infer.loading.kv_scales import read_kv_scales
+from infer.loading.loader import ModelSource, load_tokenizer, resolve_source
 from infer.runtime.hybrid_attention import HybridAttention
 from infer.runtime.kv_cache import kv_cache_dtype
 from infer.runtime.runner import ModelRunner
@@ -64,7 +64,7 @@ def build_model(plan: BuildPlan, source: Any, model_config: Any, parallel: Commu
 
 def kv_scales(plan: BuildPlan, source: ModelSource, model_config: Any) -> list[tuple[float, float]] | None:
     """The (k_scale, v_scale) of each layer an FP8 KV cache reads with: the checkpoint's calibrated ones
-    (`infer.models.kv_scales`), or None (1.0) for a cache in the model's dtype or a checkpoint without."""
+    (`infer.loading.kv_scales`), or None (1.0) for a cache in the model's dtype or a checkpoint without."""
     if source.path is None or kv_cache_dtype(plan.config.kv_cache_dtype, plan.dtype) != FP8:
         return None
     scales = read_kv_scales(source.path, model_config.num_layers)
@@ -129,5 +129,5 @@ def load_models(plan: BuildPlan, parallel: Communicator) -> tuple[Models, Any, A
         return shared
 
     context = DecoderContext(runner, config, build_draft, plan.model_config, share_model, plan.waits)
-    decoder = composition.decoder.factory(context)
+    decoder = composition.decoding.factory(context)
     return models, decoder, tokenizer

@@ -14,7 +14,7 @@ from infer.api.slots import find
 from infer.core.registry import PluginRegistry, Strategy
 
 # the slots with a suite, suites/kit_<slot>.py
-SLOTS = ("attention", "sampler", "kv_allocator", "decoder", "model", "logits_processor")
+SLOTS = ("attention", "sampler", "kv_allocator", "decoding", "model", "logits_processor")
 SUITES = Path(__file__).resolve().parent / "suites"
 
 
@@ -65,7 +65,10 @@ def select(specs: list[str]) -> Selection:
 
 
 def suite_paths(selection: Selection) -> list[str]:
-    return [str(SUITES / f"kit_{slot}.py") for slot in SLOTS if slot in selection.strategies]
+    paths = [SUITES / f"kit_{slot}.py" for slot in SLOTS if slot in selection.strategies]
+    missing = [p.name for p in paths if not p.is_file()]
+    assert not missing, f"no suite for {missing}: each slot in SLOTS has its infer/testing/suites/kit_<slot>.py"
+    return [str(p) for p in paths]
 
 
 def strategies(config: pytest.Config, slot: str) -> list[Strategy]:

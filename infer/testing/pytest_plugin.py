@@ -2,7 +2,7 @@
 installed strategy.
 
     pytest --infer-kit attention=my-attn                  # the attention suite against my-attn
-    pytest --infer-kit sampler=a --infer-kit decoder=b    # several slots (or names: sampler=a,b)
+    pytest --infer-kit sampler=a --infer-kit decoding=b    # several slots (or names: sampler=a,b)
     pytest --infer-kit model=my-model                     # a model plugin beside HF transformers' own
     pytest --infer-kit logits_processor=my-constraint     # a logits processor (declares `kit_params`)
 
@@ -26,7 +26,7 @@ def pytest_addoption(parser: pytest.Parser) -> None:
         action="append",
         default=[],
         metavar="SLOT=NAME",
-        help="run infer's conformance suite for SLOT (attention, sampler, kv_allocator, decoder, model, "
+        help="run infer's conformance suite for SLOT (attention, sampler, kv_allocator, decoding, model, "
         "logits_processor) against the installed strategy NAME; repeatable",
     )
 

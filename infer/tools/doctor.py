@@ -71,7 +71,7 @@ def _slot_refusal(
         phase = _phase_refusal(s, as_prefill, bool(config.prefill_attention))
         if phase is not None:
             return phase
-    if slot == "decoder" and s.capabilities.needs_draft and not config.draft:
+    if slot == "decoding" and s.capabilities.needs_draft and not config.draft:
         return f"--decoding {s.name} needs a draft model: add --draft NAME"
     return refusal(s, flag, device, dtype, config)
 
@@ -103,8 +103,8 @@ def _verdict(
 
 def _model(config: EngineConfig, registry: PluginRegistry) -> tuple[list[Verdict], Any]:
     """The model's verdict (and an FP8 KV cache's: its scales), and its ModelConfig (None if unreadable)."""
-    from infer.models import hub
-    from infer.models.loader import check_weight_shapes, meta_model, resolve_source
+    from infer.loading import hub
+    from infer.loading.loader import check_weight_shapes, meta_model, resolve_source
 
     try:
         source = resolve_source(
@@ -138,8 +138,8 @@ def _model(config: EngineConfig, registry: PluginRegistry) -> tuple[list[Verdict
 
 
 def _kv_cache(source: Any, mc: Any) -> Verdict:
-    """An FP8 KV cache's scales: the checkpoint's calibrated ones (`infer.models.kv_scales`), or 1.0."""
-    from infer.models.kv_scales import read_kv_scales
+    """An FP8 KV cache's scales: the checkpoint's calibrated ones (`infer.loading.kv_scales`), or 1.0."""
+    from infer.loading.kv_scales import read_kv_scales
 
     if source.path is None:
         return Verdict("kv_cache", "fp8", note="scales 1.0: dummy weights")
@@ -160,7 +160,7 @@ def _kv_cache(source: Any, mc: Any) -> Verdict:
 def _quantization(config: EngineConfig, registry: PluginRegistry, device: torch.device, mc: Any) -> Verdict:
     """The linear layer that holds the quantized weights (--quantization, or the checkpoint's scheme)."""
     from infer.api.config import ModelConfig
-    from infer.models.quantization import quantization_for
+    from infer.loading.quantization import quantization_for
 
     asked = config.quantization or "(the checkpoint's)"
     try:
@@ -227,7 +227,7 @@ def diagnose(
             )
     verdicts.append(_logits_processors(registry))
     if check_model and config.draft and config.draft not in ("ngram", "self"):
-        from infer.models.loader import resolve_source
+        from infer.loading.loader import resolve_source
 
         try:
             resolve_source(config.draft, registry, config.load_format, pull=False)
@@ -319,7 +319,7 @@ def _all_reduce(config: EngineConfig, device: torch.device, dtype: torch.dtype) 
 def _tensor_parallel(config: EngineConfig, registry: PluginRegistry) -> Verdict:
     """Whether the model's heads and MLP split over --tp ranks (no weights are read)."""
     from infer.distributed.state import check_tensor_parallel
-    from infer.models.loader import resolve_source
+    from infer.loading.loader import resolve_source
 
     tp = str(config.tensor_parallel_size)
     try:

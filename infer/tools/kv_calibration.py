@@ -2,7 +2,7 @@
 its cache, as `infer models quantize` (gptq) records them while it runs the text through the model layer
 by layer (`infer.tools.quantize.layer_hessians`), and the k_scale / v_scale it writes beside the layer's weights
 as llm-compressor writes them (`model.layers.N.self_attn.k_scale` / `v_scale`, and a `kv_cache_scheme` in
-the config), which `--kv-cache-dtype fp8` reads the cache with (`infer.models.kv_scales`): the largest
+the config), which `--kv-cache-dtype fp8` reads the cache with (`infer.loading.kv_scales`): the largest
 |value| and |key| over e4m3's 448.
 
 A key is taken after its rotary embedding, which turns each pair of its dimensions by the token's angle

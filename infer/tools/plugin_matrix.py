@@ -15,7 +15,7 @@ from infer.api.slots import SLOT
 from infer.core.registry import PluginRegistry
 from infer.tools.doctor import device_present, diagnose
 
-MATRIX_SLOTS = tuple(SLOT[name] for name in ("attention", "sampler", "scheduler", "decoder"))
+MATRIX_SLOTS = tuple(SLOT[name] for name in ("attention", "sampler", "scheduler", "decoding"))
 
 
 def _on_a_machine_with_the_device(registry: PluginRegistry) -> PluginRegistry:

@@ -32,7 +32,7 @@ from typing import Callable, Iterable, Iterator
 import torch
 
 from infer.kernels.fp8_reference import to_e4m3
-from infer.plugins.layers.fp8 import quantize_weight, weight_scales
+from infer.plugins.layer.fp8 import quantize_weight, weight_scales
 from infer.tools import kv_calibration
 
 METHODS = ("gptq", "rtn")

@@ -11,7 +11,7 @@ from infer import SamplingParams
 from infer.api import DeviceWaits
 from infer.api.hookspecs import hookimpl
 from infer.llm import LLM
-from infer.plugins.detokenizers.sequential import SequentialDetokenizer
+from infer.plugins.detokenizer.sequential import SequentialDetokenizer
 from infer.testing.decoder import write_tiny_llamas
 
 

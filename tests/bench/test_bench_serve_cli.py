@@ -144,7 +144,7 @@ def test_png_without_matplotlib_names_the_extra(fake_server, monkeypatch, tmp_pa
 
 
 def test_the_vocabulary_and_the_chat_text_come_from_the_model_on_this_machine(fake_server, smollm2_dir):
-    from infer.models.loader import load_tokenizer
+    from infer.loading.loader import load_tokenizer
 
     fake_server.models = ["smollm2-135m"]
     args = ["--base-url", fake_server.url, "--workload", "random-16x2", "--num-prompts", "40"]

@@ -9,7 +9,7 @@ import torch
 
 from infer import LLM, SamplingParams
 from infer.bench import fp8_error
-from infer.plugins.layers.fp8 import quantize_weight
+from infer.plugins.layer.fp8 import quantize_weight
 
 WINDOWS = ["--windows", "3", "--window-tokens", "96"]
 

@@ -185,7 +185,7 @@ def test_a_rope_llama_cannot_use_is_refused_by_name(tmp_path, rope_parameters, n
 @pytest.fixture
 def no_weight_reads(monkeypatch):
     """Fail the test if any tensor's bytes are read (headers are fine)."""
-    from infer.models import loader
+    from infer.loading import loader
 
     def refuse(*args, **kwargs):
         raise AssertionError("a weight was read before the shapes were checked")
@@ -231,10 +231,10 @@ def test_fused_pieces_are_checked_by_their_own_rows(tmp_path, no_weight_reads):
 
 def test_tensors_handed_to_the_model_are_checked_too(tiny_llama_dir):
     """Without the header check (tensors from elsewhere), load_weights refuses by name, not in copy_."""
-    from infer.models.config import model_config_from_hf
-    from infer.models.loader import _read_config
-    from infer.plugins.layers.torch_layers import default_layers
-    from infer.plugins.models.llama import Llama
+    from infer.loading.config import model_config_from_hf
+    from infer.loading.loader import _read_config
+    from infer.plugins.layer.torch_layers import default_layers
+    from infer.plugins.model.llama import Llama
 
     model = Llama(model_config_from_hf(_read_config(tiny_llama_dir)), default_layers(), None)
     with pytest.raises(

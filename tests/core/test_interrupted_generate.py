@@ -10,7 +10,7 @@ import pytest
 import infer
 from infer import SamplingParams
 from infer.llm import LLM
-from infer.plugins.samplers.vectorized import VectorizedSampler
+from infer.plugins.sampler.vectorized import VectorizedSampler
 
 PROMPTS = [[5, 6, 7, 8, 9], [10, 11], list(range(20, 60)), [3] * 17, [100, 7, 200, 13, 99, 42]]
 LONG = SamplingParams(max_tokens=40, temperature=0, ignore_eos=True)

@@ -27,8 +27,8 @@ from infer.api import (
 )
 from infer.api.errors import ConfigError
 from infer.llm import LLM
-from infer.plugins.samplers.vectorized import VectorizedSampler
-from infer.plugins.schedulers.fcfs import FcfsScheduler
+from infer.plugins.sampler.vectorized import VectorizedSampler
+from infer.plugins.scheduler.fcfs import FcfsScheduler
 
 PROMPTS = [[5, 6, 7, 8, 9], [10, 11], list(range(20, 40)), [3] * 9]
 GREEDY = SamplingParams(max_tokens=10, temperature=0, ignore_eos=True)
@@ -188,12 +188,12 @@ def test_speculative_decoding_refuses_a_sampler_that_cannot_verify(tiny_llama_di
 def test_built_in_strategies_declare_their_abilities():
     from infer.plugins.attention.paged_cuda import PagedCudaAttention
     from infer.plugins.attention.torch_backend import TorchAttention
-    from infer.plugins.decoders.speculative import SpeculativeDecoder
-    from infer.plugins.layers import fused, torch_layers
-    from infer.plugins.models.llama import Llama
-    from infer.plugins.models.transformer import pushes_partial_sums
-    from infer.plugins.samplers.naive import NaiveSampler
-    from infer.plugins.schedulers.static import StaticScheduler
+    from infer.plugins.decoding.speculative import SpeculativeDecoder
+    from infer.plugins.layer import fused, torch_layers
+    from infer.plugins.model.llama import Llama
+    from infer.plugins.model.transformer import pushes_partial_sums
+    from infer.plugins.sampler.naive import NaiveSampler
+    from infer.plugins.scheduler.static import StaticScheduler
 
     vectorized, naive = VectorizedSampler(16, torch.device("cpu")), NaiveSampler(16, torch.device("cpu"))
     assert isinstance(vectorized, TokenSampler) and isinstance(vectorized, VerifyingSampler)

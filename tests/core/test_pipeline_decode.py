@@ -154,7 +154,7 @@ def test_only_decoders_that_declare_it_are_pipelined(tiny_llama_dir):
     with LLM(model=str(tiny_llama_dir), decoding="early-exit", exit_layer=1, **options) as llm:
         llm.generate(PROMPTS[:2], SamplingParams(max_tokens=8, temperature=0, ignore_eos=True))
         assert llm.engine.decoder.runner.pipeline.hits > 0
-    # speculative decoding's steps that draft nothing are plain steps: tests/plugins/decoders/test_speculative.py
+    # speculative decoding's steps that draft nothing are plain steps: tests/plugins/decoding/test_speculative.py
 
 
 def test_full_batch_with_requests_waiting(tiny_llama_dir):

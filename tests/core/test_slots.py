@@ -22,8 +22,8 @@ def test_every_slot_has_its_hook_spec_and_every_chosen_slot_its_field_and_flag()
 @pytest.mark.parametrize(
     "spelling,slot",
     [
-        ("decoder", "decoder"),
-        ("decoding", "decoder"),
+        ("decoder", "decoding"),
+        ("decoding", "decoding"),
         ("kv-allocator", "kv_allocator"),
         ("allocator", "kv_allocator"),
         (" sampler ", "sampler"),

@@ -20,8 +20,8 @@ from infer import LLM, SamplingParams
 from infer.api.errors import ConfigError
 from infer.distributed import layers as tp
 from infer.distributed.state import ParallelState
-from infer.models.shards import shard_of
-from infer.plugins.layers.fp8 import FP8, Fp8Linear
+from infer.loading.shards import shard_of
+from infer.plugins.layer.fp8 import FP8, Fp8Linear
 
 PROMPTS = [[5, 6, 7, 8, 9], [10, 11], list(range(20, 60)), [100, 7, 200, 13, 99, 42]]
 LOGPROBS = SamplingParams(max_tokens=8, temperature=0, ignore_eos=True, logprobs=5)

@@ -382,7 +382,7 @@ class Doubling:
 def test_reduce_add_norm_fuses_only_a_plain_rms_norm():
     from infer.distributed.layers import reduce_add_norm
     from infer.distributed.state import ParallelState
-    from infer.plugins.layers.torch_layers import RMSNorm
+    from infer.plugins.layer.torch_layers import RMSNorm
 
     x, residual = torch.randn(3, 8), torch.randn(3, 8)
     norm = RMSNorm(8, eps=1e-5)

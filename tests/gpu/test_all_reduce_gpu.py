@@ -87,7 +87,7 @@ def _flashinfer_rank(rank: int, world_size: int, init_file: str) -> None:
 
     from infer.distributed.all_reduce.flashinfer_fused import FlashInferAllReduce, unavailable_reason
     from infer.distributed.state import ParallelState
-    from infer.plugins.layers.torch_layers import RMSNorm
+    from infer.plugins.layer.torch_layers import RMSNorm
 
     torch.cuda.set_device(rank)
     device = torch.device("cuda", rank)

@@ -38,7 +38,7 @@ def test_argmax_rows_is_torch_argmax(dtype, rows):
 
 def test_greedy_sampling_on_the_gpu_is_the_argmax():
     from infer.api.request import SamplingParams
-    from infer.plugins.samplers.vectorized import VectorizedSampler
+    from infer.plugins.sampler.vectorized import VectorizedSampler
     from infer.testing.sampling import make_request
 
     logits = edge_rows(VOCAB, torch.float32)

@@ -7,8 +7,8 @@ import pytest
 import torch
 
 from infer import LLM, SamplingParams
-from infer.plugins.layers import torch_layers as plain
-from infer.plugins.layers.fp8 import Fp8Linear
+from infer.plugins.layer import torch_layers as plain
+from infer.plugins.layer.fp8 import Fp8Linear
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")]
 
@@ -16,7 +16,7 @@ ROWS = [1, 2, 8, 256, 2048]
 
 
 def _pair(n: int, k: int):
-    from infer.plugins.layers.fp8_fused import FusedFp8Linear
+    from infer.plugins.layer.fp8_fused import FusedFp8Linear
 
     torch.manual_seed(0)
     w = torch.randn(n, k, device="cuda") * 0.02
@@ -43,7 +43,7 @@ def test_the_fused_fp8_linear_is_the_reference_layer(rows, n, k):
 
 @pytest.mark.parametrize("rows", ROWS)
 def test_the_down_projection_takes_the_gated_activation_and_the_norm_its_quantized_output(rows):
-    from infer.plugins.layers.fused import FusedRMSNorm
+    from infer.plugins.layer.fused import FusedRMSNorm
 
     ref, fused = _pair(4096, 14336)
     h = torch.randn(rows, 2 * 14336, device="cuda", dtype=torch.bfloat16)

@@ -4,7 +4,7 @@ import pytest
 import torch
 
 from infer.api.rope import Rope
-from infer.plugins.layers import torch_layers as plain
+from infer.plugins.layer import torch_layers as plain
 
 pytestmark = pytest.mark.gpu
 

@@ -116,7 +116,7 @@ def assert_same_until_a_near_tie(got, ref, tol=5e-2):
 
 
 def _skip_without_fp8_kernels() -> None:
-    from infer.plugins.layers.fp8_fused import CAPS
+    from infer.plugins.layer.fp8_fused import CAPS
 
     reason = CAPS.available()
     if reason is not None:

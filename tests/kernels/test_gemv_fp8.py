@@ -13,7 +13,7 @@ import torch
 triton_gemv = pytest.importorskip("infer.kernels.gemv")
 from infer.distributed.all_reduce.lamport import RESET, PushTarget  # noqa: E402
 from infer.kernels import layers as triton_layers  # noqa: E402
-from infer.plugins.layers import torch_layers as plain  # noqa: E402
+from infer.plugins.layer import torch_layers as plain  # noqa: E402
 
 ULP = {torch.float16: 2**-10, torch.bfloat16: 2**-7}
 # (N, K): N not a multiple of the interpreter's BLOCK_N (4), K not one of its BLOCK_K (32); whole tiles

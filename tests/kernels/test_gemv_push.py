@@ -9,7 +9,7 @@ pytest.importorskip("infer.kernels.gemv")
 from infer.distributed.all_reduce.lamport import RESET, PushTarget  # noqa: E402
 from infer.kernels import gemv as triton_gemv  # noqa: E402
 from infer.kernels import layers as triton_layers
-from infer.plugins.layers import torch_layers as plain  # noqa: E402
+from infer.plugins.layer import torch_layers as plain  # noqa: E402
 
 WORLD, N, K = 2, 48, 64  # K: whole interpreter tiles (masked columns would add +0.0)
 
@@ -104,8 +104,8 @@ def test_a_row_parallel_mlp_pushes_one_token_and_the_norm_after_takes_it_from_th
     from infer.distributed.all_reduce.lamport import LamportExchange
     from infer.distributed.layers import reduce_add_norm
     from infer.distributed.state import ParallelState
-    from infer.plugins.layers.fused import FusedLinear, FusedRMSNorm, FusedRotaryEmbedding, FusedSiluAndMul
-    from infer.plugins.models.transformer import MLP
+    from infer.plugins.layer.fused import FusedLinear, FusedRMSNorm, FusedRotaryEmbedding, FusedSiluAndMul
+    from infer.plugins.model.transformer import MLP
 
     dtype, hidden = torch.float16, 32
     slots = torch.full((3, 1, hidden), RESET, dtype=torch.int16).view(dtype)
@@ -146,7 +146,7 @@ def test_a_one_token_vocab_parallel_embedding_is_pushed_and_summed_by_the_first_
     from infer.distributed.all_reduce.lamport import EMBED_SLOT, LamportExchange
     from infer.distributed.layers import VocabParallelEmbedding, reduce_norm
     from infer.distributed.state import ParallelState
-    from infer.plugins.layers.fused import FusedRMSNorm
+    from infer.plugins.layer.fused import FusedRMSNorm
 
     dtype, hidden, vocab = torch.float16, 32, 10
     torch.manual_seed(0)

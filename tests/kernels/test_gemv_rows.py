@@ -13,7 +13,7 @@ from test_gemv_fp8 import assert_close, quantize_rows, reference  # noqa: E402
 
 from infer.distributed.all_reduce.lamport import PushTarget  # noqa: E402
 from infer.kernels import layers as triton_layers  # noqa: E402
-from infer.plugins.layers import torch_layers as plain  # noqa: E402
+from infer.plugins.layer import torch_layers as plain  # noqa: E402
 
 ROWS = list(range(1, triton_gemv.GEMV_MAX_ROWS + 1))
 MMA_TILE = triton_gemv.Tile(16, 32, 1, mma=True)  # the smallest tl.dot takes

@@ -16,7 +16,7 @@ import infer
 from infer.api import Capabilities, SamplerOutput
 from infer.core.registry import PluginRegistry
 from infer.plugins.attention.torch_backend import TorchAttention
-from infer.plugins.kv_allocators.paged import PagedAllocator
+from infer.plugins.kv_allocator.paged import PagedAllocator
 from infer.testing import kit
 from infer.testing.allocator import check_allocator
 from infer.testing.attention import BATCH_SPECS, make_case
@@ -29,7 +29,7 @@ import torch
 import infer
 from infer.api import SamplerOutput
 from infer.api.kv_cache import write_kv
-from infer.plugins.models.llama import Llama
+from infer.plugins.model.llama import Llama
 
 
 class MisreadTable:
@@ -147,7 +147,7 @@ def test_builtin_strategies_pass_the_kit(tmp_path):
         "--infer-kit",
         "kv_allocator=paged,contiguous",
         "--infer-kit",
-        "decoder=speculative,early-exit",
+        "decoding=speculative,early-exit",
         "--infer-kit",
         "sampler=vectorized,naive",
         "-rs",
@@ -256,7 +256,7 @@ def test_sampler_kit_tests_only_declared_params_and_catches_batch_dependent_seed
 
 
 def test_sampler_kit_catches_sample_tokens_that_differ_from_sample():
-    from infer.plugins.samplers.vectorized import VectorizedSampler
+    from infer.plugins.sampler.vectorized import VectorizedSampler
     from infer.testing.sampling import check_sample_tokens
 
     class Drifting(VectorizedSampler):  # pipelined steps would take the argmax where sample() draws
@@ -334,8 +334,8 @@ def test_decoder_kit_catches_an_undeclared_lossy_decoder(tiny_llama_dir):
 def test_kit_option_parsing():
     assert kit.parse(["attention=a", "decoding=b,c", "kv-allocator=d"]) == {
         "attention": ["a"],
-        "decoder": ["b", "c"],
+        "decoding": ["b", "c"],
         "kv_allocator": ["d"],
     }
-    with pytest.raises(pytest.UsageError, match="SLOT one of attention, sampler, kv_allocator, decoder, model"):
+    with pytest.raises(pytest.UsageError, match="SLOT one of attention, sampler, kv_allocator, decoding, model"):
         kit.parse(["scheduler=fcfs"])

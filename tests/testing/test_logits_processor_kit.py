@@ -9,9 +9,9 @@ import sys
 import pytest
 import torch
 
-from infer.plugins.constraints.bad_words import BadWords
-from infer.plugins.constraints.logit_bias import LogitBias
-from infer.plugins.constraints.min_tokens import MinTokens
+from infer.plugins.logits_processor.bad_words import BadWords
+from infer.plugins.logits_processor.logit_bias import LogitBias
+from infer.plugins.logits_processor.min_tokens import MinTokens
 from infer.testing.constraints import (
     EOS,
     MERGED_WORDS,

@@ -11,7 +11,7 @@ import dataclasses
 import pytest
 
 import infer
-from infer.plugins.models.llama import Llama
+from infer.plugins.model.llama import Llama
 from infer.testing.model import SETTINGS, check_model, hf_class, tiny_config, write_checkpoint
 
 

@@ -5,7 +5,7 @@ through the target's runner: the decodes, then the prompts. Lossless: every toke
 model computes for it, only the grouping into forwards changes. It reports how many forwards it ran
 (`StepResult.stats`, summed by the engine) and, over a run, how many steps it split
 (`StatsSummary`), and names itself in the run's description (`SelfDescribing`).
-`pytest --infer-kit decoder=example-split` checks it against `autoregressive`.
+`pytest --infer-kit decoding=example-split` checks it against `autoregressive`.
 """
 
 from __future__ import annotations

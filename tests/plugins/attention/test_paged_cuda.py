@@ -120,7 +120,7 @@ def test_cache_write(dtype):
 def test_rotary_cache_write_is_the_rotary_layer_then_cache_write(dtype, heads):
     from infer.kernels.layers import rotary
     from infer.plugins.attention.paged_cuda.kernels.cache_write import cache_write, rotary_cache_write
-    from infer.plugins.layers.torch_layers import RotaryEmbedding
+    from infer.plugins.layer.torch_layers import RotaryEmbedding
 
     gen = torch.Generator().manual_seed(0)
     (num_q, num_kv), head_dim, num_blocks, block_size, tokens = heads, 32, 5, 16, 9
@@ -148,7 +148,7 @@ def test_rotary_cache_write_is_the_rotary_layer_then_cache_write(dtype, heads):
 @pytest.mark.parametrize("batch_spec", [BATCH_SPECS[1], BATCH_SPECS[5]], ids=lambda s: s.name)
 def test_forward_with_rotary_is_forward_of_the_rotated_heads(batch_spec):
     from infer.kernels.layers import rotary
-    from infer.plugins.layers.torch_layers import RotaryEmbedding
+    from infer.plugins.layer.torch_layers import RotaryEmbedding
 
     case = make_case(batch_spec, device=DEVICE)
     tables = RotaryEmbedding(Rope.default(case.spec.head_dim, 10000.0), case.spec.max_model_len)
@@ -235,7 +235,7 @@ def test_blocks_outside_the_window_are_never_read(split):
 
 def test_forward_with_rotary_takes_the_window():
     from infer.kernels.layers import rotary
-    from infer.plugins.layers.torch_layers import RotaryEmbedding
+    from infer.plugins.layer.torch_layers import RotaryEmbedding
 
     case = make_case(BATCH_SPECS[5], device=DEVICE, window=6, soft_cap=2.0)
     tables = RotaryEmbedding(Rope.default(case.spec.head_dim, 10000.0), case.spec.max_model_len)

@@ -130,7 +130,7 @@ def test_bf16_model():
 @pytest.mark.parametrize("batch_spec", [BATCH_SPECS[1], BATCH_SPECS[5]], ids=lambda s: s.name)
 def test_forward_with_rotary_is_forward_of_the_rotated_heads(batch_spec):
     from infer.kernels.layers import rotary
-    from infer.plugins.layers.torch_layers import RotaryEmbedding
+    from infer.plugins.layer.torch_layers import RotaryEmbedding
 
     case = fp8_case(batch_spec)
     tables = RotaryEmbedding(Rope.default(case.spec.head_dim, 10000.0), case.spec.max_model_len)

@@ -1,0 +1,207 @@
+"""A decoder-only causal LM: embedding, the decoder layers, final norm, LM head; loading from HF names.
+
+Each built-in family is a subclass that names its HF architectures, its presets, its `Family` (and,
+where its layer differs, its `layer_class`). `load_weights` maps HF checkpoint names onto the fused
+parameters (q, k, v -> qkv_proj; gate, up -> gate_up_proj), biases alike; a family whose checkpoint
+names differ turns them into these first (`checkpoint_tensors`). Under tensor parallelism each rank
+loads only its slices.
+"""
+
+from __future__ import annotations
+
+import itertools
+from typing import Any, Iterable, Iterator
+
+import torch
+from torch import nn
+
+from infer.api import AttentionBackend, KVCache, Layers, ModelParallel, QuantizedLinear
+from infer.api.config import ModelConfig
+from infer.api.weights import check_shape, check_unscaled
+from infer.plugins.model.transformer import LLAMA, DecoderLayer, Family, add_norm_for, pushes_partial_sums, tp_matmul
+
+FUSED = {  # HF name piece -> (our name piece, shard index)
+    "q_proj": ("qkv_proj", 0),
+    "k_proj": ("qkv_proj", 1),
+    "v_proj": ("qkv_proj", 2),
+    "gate_proj": ("gate_up_proj", 0),
+    "up_proj": ("gate_up_proj", 1),
+}
+
+
+class DecoderModel(nn.Module):
+    hf_architectures: tuple[str, ...] = ()
+    presets: dict[str, dict[str, Any]] = {}
+    layer_class: type[nn.Module] = DecoderLayer
+
+    @classmethod
+    def family(cls, config: ModelConfig) -> Family:
+        """What this family changes in the shared layers, read from `config` (refusing what it cannot run)."""
+        return LLAMA
+
+    def __init__(
+        self, config: ModelConfig, layers: Layers, attention: AttentionBackend, parallel: ModelParallel | None = None
+    ) -> None:
+        super().__init__()
+        self.config = config
+        self.parallel = parallel  # None: one rank (--tp 1)
+        family = self.family(config)
+        self.logit_soft_cap = family.logit_soft_cap
+        self.norm_offset = family.norm_offset
+        if parallel is None:
+            self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        else:
+            self.embed_tokens = parallel.layers.VocabParallelEmbedding(
+                config.vocab_size, config.hidden_size, parallel, tp_matmul(layers)
+            )
+        scale = None
+        if family.embedding_scale:  # sqrt(hidden) rounded to float32, then to the model's dtype, as HF does
+            scale = torch.tensor(config.hidden_size**0.5, dtype=torch.float32).to(torch.get_default_dtype())
+        self.register_buffer("embed_scale", scale, persistent=False)
+        rope = config.rope()
+        windows = config.layer_windows or (None,) * config.num_layers
+        self.layers = nn.ModuleList(
+            self.layer_class(config, layers, attention, parallel, rope, family, windows[i])
+            for i in range(config.num_layers)
+        )
+        self.norm = layers.rms_norm(config.hidden_size, config.rms_norm_eps)
+        self.final_add_norm = add_norm_for(parallel if family.partial_sums else None)
+        self.pushes = False  # whether one-token steps' partial sums go to the ranks' exchange, where it exists
+        if parallel is not None:
+            self._choose_pushes(family)
+        self.lm_head = None
+        if not config.tie_word_embeddings:
+            self.lm_head = (
+                layers.linear(config.hidden_size, config.vocab_size)
+                if parallel is None
+                else parallel.layers.ParallelLMHead(config.vocab_size, config.hidden_size, parallel, tp_matmul(layers))
+            )
+
+    def _choose_pushes(self, family: Family) -> None:
+        # a one-token step's partial sums may be pushed into the ranks' exchange by the GEMVs that
+        # make them (infer.distributed.all_reduce.lamport), which takes them in pairs: every row-parallel
+        # layer pushes, or none does; none where a layer norms or biases its output before the sum
+        assert self.parallel is not None
+        tp = self.parallel.layers
+        pushes = family.partial_sums and all(
+            isinstance(layer.self_attn.o_proj, tp.RowParallelLinear)  # not a quantized shard
+            and isinstance(layer.mlp.down_proj, tp.RowParallelLinear)
+            and layer.self_attn.o_proj.bias is None
+            and pushes_partial_sums(layer.self_attn.o_proj.matmul)
+            and pushes_partial_sums(layer.mlp.down_matmul)
+            for layer in self.layers
+        )
+        for layer in self.layers:
+            layer.self_attn.o_proj.push = layer.mlp.down_proj.push = pushes
+        self.embed_tokens.push = self.pushes = pushes
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,  # [T]
+        positions: torch.Tensor,  # [T]
+        kv_caches: list[KVCache],
+        num_layers: int | None = None,  # run only the first layers (early exit, self-draft)
+    ) -> torch.Tensor:  # [T, hidden], after the final norm
+        x, residual = self.embed_tokens(input_ids), None
+        if self.embed_scale is not None:
+            x = x * self.embed_scale
+        for layer, kv_cache in zip(itertools.islice(self.layers, num_layers or len(self.layers)), kv_caches):
+            x, residual = layer(positions, x, residual, kv_cache)
+        x, _ = self.final_add_norm(x, residual, self.norm)
+        return x
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        # hidden: [B, hidden] -> [B, vocab] float32
+        if self.parallel is not None:  # each rank's vocabulary slice, gathered on rank 0
+            logits = (self.embed_tokens if self.lm_head is None else self.lm_head).logits(hidden)
+        elif self.lm_head is not None:
+            logits = self.lm_head(hidden).float()  # the layers hook's linear (one token: a weight-streaming GEMV)
+        else:
+            logits = (hidden @ self.embed_tokens.weight.t()).float()
+        if self.logit_soft_cap is not None:
+            logits = torch.tanh(logits / self.logit_soft_cap) * self.logit_soft_cap
+        return logits
+
+    def load_weights(self, weights: Iterable[tuple[str, Any]]) -> set[str]:
+        """Copy HF-named tensors into the (fused) parameters; returns the parameter names loaded.
+        Tensor parallel: the values may be safetensors slices, and each rank reads only its part."""
+        weights = self._checked(self.checkpoint_tensors(weights))
+        if self.parallel is not None:
+            loaded = self.parallel.layers.load_sharded(self, weights, self._target)
+        else:
+            loaded = self._load_whole(weights)
+        if self.norm_offset:  # the checkpoint holds w of norms that scale by 1 + w
+            with torch.no_grad():
+                for name in loaded:
+                    if name.endswith("norm.weight"):
+                        self.get_parameter(name).add_(1.0)
+        return loaded
+
+    def _load_whole(self, weights: Iterable[tuple[str, Any]]) -> set[str]:
+        params = dict(self.named_parameters())
+        loaded: set[str] = set()
+        for hf_name, tensor in weights:
+            found = self._target(hf_name)
+            if found is None or found[0] not in params:
+                continue  # layers beyond an early-exit cut, or tensors this model does not use
+            name, shard = found
+            owner, _, attr = name.rpartition(".")
+            offset, size = (0, params[name].shape[0]) if shard is None else self._shard_range(owner, shard)
+            module = self.get_submodule(owner)
+            if isinstance(module, QuantizedLinear):  # it stores the rows in its own form (and their scales)
+                loaded.update(f"{owner}.{p}" for p in module.load_rows(attr, offset, size, tensor))
+                continue
+            params[name].data[offset : offset + size].copy_(check_unscaled(hf_name, tensor, params[name]))
+            loaded.add(name)
+        return loaded
+
+    def checkpoint_tensors(self, weights: Iterable[tuple[str, Any]]) -> Iterator[tuple[str, Any]]:
+        """The checkpoint's (name, tensor) pairs under the Llama-style HF names `load_weights` maps."""
+        return iter(weights)
+
+    def checkpoint_shape(self, name: str) -> tuple[int, ...] | None:
+        """The full shape checkpoint tensor `name` must have (a fused parameter's piece: its rows; a
+        tensor-parallel shard: the whole tensor), or None for one this model does not use."""
+        found = self._target(name)
+        if found is None:
+            return None
+        target, piece = found
+        try:
+            shape = list(self.get_parameter(target).shape)
+        except AttributeError:  # layers beyond an early-exit cut, or tensors this model does not use
+            return None
+        owner, _, attr = target.rpartition(".")
+        if attr != "weight" and isinstance(self.get_submodule(owner), QuantizedLinear):
+            return None  # a scale: the layer reads its shapes (per row or per tensor)
+        shard = self.parallel.layers.shard_of(self, target) if self.parallel is not None else None
+        if shard is not None:
+            shape[shard.dim] = shard.full_sizes[piece or 0]
+        elif piece is not None:
+            shape[0] = self._shard_range(owner, piece)[1]
+        return tuple(shape)
+
+    def _checked(self, weights: Iterable[tuple[str, Any]]) -> Iterator[tuple[str, Any]]:
+        for name, tensor in weights:  # a tensor, or a safetensors slice (tensor parallel)
+            shape = tensor.shape if isinstance(tensor, torch.Tensor) else tensor.get_shape()
+            check_shape(name, shape, self.checkpoint_shape(name))
+            yield name, tensor
+
+    def _target(self, hf_name: str) -> tuple[str, int | None] | None:
+        """The parameter an HF tensor fills and its shard of a fused one (q, k, v; gate, up), or None."""
+        name = hf_name.removeprefix("model.")
+        if "rotary_emb" in name or (name == "lm_head.weight" and self.lm_head is None):
+            return None
+        piece = next((p for p in FUSED if f".{p}." in name), None)
+        if piece is None:
+            return name, None
+        target, shard = FUSED[piece]
+        return name.replace(piece, target), shard
+
+    def _shard_range(self, module: str, shard: int) -> tuple[int, int]:
+        """Rows of piece `shard` in the fused projection `module` (its name, or its last part)."""
+        c = self.config
+        if module.endswith("qkv_proj"):
+            sizes = [c.num_heads * c.head_dim, c.num_kv_heads * c.head_dim, c.num_kv_heads * c.head_dim]
+        else:
+            sizes = [c.intermediate_size, c.intermediate_size]
+        return sum(sizes[:shard]), sizes[shard]
