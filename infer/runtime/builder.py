@@ -11,45 +11,24 @@ from __future__ import annotations
 import inspect
 import time
 import warnings
-from dataclasses import dataclass, field
 from typing import Any, Iterable
 
-import torch
-
-from infer.api import Communicator, DeviceWaits, Launch, Layers, ProcessorContext, SelfDescribing, SingleProcess
-from infer.api.config import EngineConfig, ModelConfig
+from infer.api import Communicator, Launch, ProcessorContext, SelfDescribing, SingleProcess
+from infer.api.config import EngineConfig
 from infer.api.errors import ConfigError
 from infer.common.log import get_logger
 from infer.core.block_mover import BlockMover
-from infer.core.compose import Composition, check_model_attention, compose
+from infer.core.compose import check_model_attention, compose
 from infer.core.engine import Engine, EngineParts
 from infer.core.output import OutputProcessor
 from infer.core.registry import PluginRegistry
 from infer.inputs.chat_template import load_chat_template
-from infer.loading.loader import ModelSource, check_weight_shapes, meta_model, resolve_source, with_tokenizer
+from infer.loading.loader import check_weight_shapes, meta_model, resolve_source, with_tokenizer
 from infer.loading.quantization import quantization_for
 from infer.runtime.decode_paths import attach_decode_paths
 from infer.runtime.kv_cache import build_kv_caches, check_fits
+from infer.runtime.plan import BuildPlan
 from infer.runtime.runners import Models, check_draft_source, load_models
-
-
-@dataclass(slots=True)
-class BuildPlan:
-    """What the checks settled, before any weight loads."""
-
-    config: EngineConfig  # validated
-    registry: PluginRegistry  # every plugin loaded for this engine
-    device: torch.device  # this rank's
-    dtype: torch.dtype  # the models' (activations and weights)
-    composition: Composition  # the strategies, checked against the device, dtype and model
-    source: ModelSource  # the target's
-    model_config: ModelConfig  # the target's
-    layers: Layers  # the layer kinds the models are built from (quantized linears included)
-    max_model_len: int  # the longest context a request may reach
-    chat_template: str | None = None  # --chat-template's text
-    draft_source: ModelSource | None = None  # --draft's, checked against the target; None: no draft model
-    max_rows: int = 0  # decode rows a step may have: max_num_seqs x (1 + lookahead), a verify step's rows
-    waits: DeviceWaits = field(default_factory=DeviceWaits)  # the engine's thread's waits on the device
 
 
 def build_engine(

@@ -6,7 +6,7 @@ caches are filled after it (`kv_cache.build_kv_caches`).
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from infer.api import AttentionSpec, Communicator, DecoderContext
 from infer.api.kv_cache import FP8
@@ -16,10 +16,8 @@ from infer.loading.kv_scales import read_kv_scales
 from infer.loading.loader import ModelSource, load_tokenizer, resolve_source
 from infer.runtime.hybrid_attention import HybridAttention
 from infer.runtime.kv_cache import kv_cache_dtype
+from infer.runtime.plan import BuildPlan
 from infer.runtime.runner import ModelRunner
-
-if TYPE_CHECKING:
-    from infer.runtime.builder import BuildPlan
 
 Models = list[tuple[ModelRunner, Any]]  # (runner, its ModelConfig) per model, in build order (target first)
 
