@@ -31,7 +31,7 @@ class DecoderContext:
 
     runner: ModelRunnerLike  # the target model's runner (forward + sample)
     config: Any  # EngineConfig
-    # (name_or_path, num_layers=None) -> a ModelRunner over its own weights and KV cache, indexed by
+    # (name_or_path, num_layers=None) -> a `ForwardRunner` over its own weights and KV cache, indexed by
     # the target's block tables (same block ids); the builder sizes every cache after the decoder is built
     build_model: Callable[..., Any] | None = None
     model_config: Any = None  # the target's ModelConfig

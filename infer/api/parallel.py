@@ -60,7 +60,7 @@ class ModelParallel(Protocol):
 
 class Executor(Protocol):
     """How a runner's forward reaches every rank: the runner enters `forwarding(step)` around each
-    forward it runs here (`ModelRunner.forward`). Under tensor parallelism rank 0's sends the step to
+    forward it runs here. Under tensor parallelism rank 0's sends the step to
     the other ranks on entry (they run it themselves), and turns a failure inside into the error that
     names a rank that died; on one rank it does nothing. It never calls the runner back."""
 
@@ -99,7 +99,7 @@ class Communicator(Protocol):
         a ConfigError names the fix when the model does not split or has no tensor-parallel form."""
 
     def executor(self, model_id: int) -> Executor:
-        """For the runners of model `model_id` (its index in `EngineParts.runners`)."""
+        """For the runners of model `model_id` (the order the builder loads them: the target 0, then drafts)."""
 
     def describe(self, model: Any) -> dict[str, Any]:
         """The run's description entries (the all-reduce chosen), once the target `model` is built."""
