@@ -61,6 +61,10 @@ class EngineConfig:
     swap_space_gib: float = 4.0  # CPU KV pool for --preemption-mode swap
     gpu_memory_utilization: float = 0.9
     max_num_seqs: int = 256  # running requests at most
+    # a request of priority p ranks as if it had arrived p x this many seconds later (lower ranks run
+    # first): a priority level is worth this much waiting, so a request waits at most
+    # (its priority - a later arrival's) x this behind any later arrival
+    priority_aging_s: float = 10.0
     max_num_batched_tokens: int = 4096  # tokens computed per step at most (long prompts are chunked)
     # a step's target time: the per-step token budget shrinks (never below 16 tokens, never above
     # max_num_batched_tokens) to what the device computes in this time, so one long prompt cannot
@@ -85,6 +89,8 @@ class EngineConfig:
     def validate(self) -> None:
         """Every field's type and range, then the names a string field must be one of."""
         check_fields(self)
+        if not self.priority_aging_s > 0:  # also refuses NaN
+            raise ConfigError(f"--priority-aging-s {self.priority_aging_s}: use a number of seconds > 0")
         if self.dtype != "auto" and self.dtype not in DTYPES:
             raise ConfigError(f"unknown --dtype {self.dtype!r}: use one of auto, {', '.join(sorted(set(DTYPES)))}")
         if self.all_reduce not in ALL_REDUCE:

@@ -49,6 +49,9 @@ class SamplingParams:
     bad_words: list[str] | None = None  # words never generated (as spelt alone and after a space)
     min_tokens: int = 0  # EOS and stop tokens are banned until this many tokens are out
     allowed_token_ids: list[int] | None = None  # only these tokens are generated
+    # lower runs first (vLLM's sense): schedulers that honour it (fcfs) admit and preempt by priority,
+    # then arrival, a level worth --priority-aging-s of waiting so that nothing starves
+    priority: int = 0
 
     def __post_init__(self) -> None:
         # vLLM's forms: one string or a sequence of them, None for none; anything else is left for validate
@@ -77,6 +80,9 @@ class SamplingParams:
         _real("repetition_penalty", self.repetition_penalty, lambda v: v > 0, "use a number > 0; 1 disables it")
         for name in ("presence_penalty", "frequency_penalty"):
             _real(name, getattr(self, name), lambda v: -2 <= v <= 2, "use a number in [-2, 2]; 0 disables it")
+        _integer(
+            "priority", self.priority, -(2**31), 2**31 - 1, fix="use an integer (lower runs first; 0 is the default)"
+        )
         if self.seed is not None:
             _integer("seed", self.seed, -(2**63), 2**63 - 1, fix="use None or an integer in [-2**63, 2**63)")
         if not isinstance(self.stop, list) or not all(isinstance(s, str) and s for s in self.stop):

@@ -127,6 +127,8 @@ class SamplingFields(BaseModel):
     ignore_eos: bool | None = None
     stop_token_ids: list[Annotated[int, Field(ge=0), WHOLE]] | None = None
     return_tokens_as_token_ids: bool | None = None  # logprobs name tokens "token_id:N", not by their text
+    # lower runs first (vLLM's): the fcfs scheduler admits and preempts by priority, aged by --priority-aging-s
+    priority: Annotated[int, Field(ge=-(2**31), le=2**31 - 1), WHOLE] | None = None
 
     def sampling(self, max_tokens: int, logprobs: int | None, structured: StructuredOutputs | None) -> SamplingParams:
         """SamplingParams (which checks what pydantic did not, e.g. top_p > 0) for one prompt; `structured`:
@@ -151,6 +153,7 @@ class SamplingFields(BaseModel):
             min_tokens=_or(self.min_tokens, 0),
             bad_words=self.bad_words,
             allowed_token_ids=self.allowed_token_ids,
+            priority=_or(self.priority, 0),
         )
 
     @property

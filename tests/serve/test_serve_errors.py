@@ -48,6 +48,9 @@ BAD_BODIES = [
     ({"model": MODEL, "prompt": "x", "best_of": 3}, "best_of"),
     ({"model": MODEL, "prompt": "x", "frequency_penalty": "high"}, "frequency_penalty"),
     ({"model": MODEL, "prompt": "x", "no_such_field": 1}, "no_such_field"),
+    ({"model": MODEL, "prompt": "x", "priority": "high"}, "priority"),
+    ({"model": MODEL, "prompt": "x", "priority": 1.5}, "priority"),
+    ({"model": MODEL, "prompt": "x", "priority": 2**31}, "priority"),
     ({"prompt": "x"}, "model"),
 ]
 
@@ -142,3 +145,16 @@ def httpx_text(line: str) -> str:
     import json
 
     return json.loads(line[len("data: ") :])["choices"][0]["text"]
+
+
+def test_priority_is_taken_by_both_routes(http):
+    for route, body in [
+        ("/v1/completions", {"model": MODEL, "prompt": "x", "max_tokens": 2, "priority": -3}),
+        (
+            "/v1/chat/completions",
+            {"model": MODEL, "messages": [{"role": "user", "content": "x"}], "max_tokens": 2, "priority": 7},
+        ),
+    ]:
+        answer = http.post(route, json=body)
+        assert answer.status_code == 200, answer.text
+        assert answer.json()["usage"]["completion_tokens"] == 2

@@ -47,19 +47,26 @@ class SchedulerBase:
         self.max_num_seqs: int = config.max_num_seqs
         self.max_num_batched_tokens: int = config.max_num_batched_tokens
         self.num_lookahead_tokens = 0  # set by the builder from the decoder
-        self.waiting: list[Request] = []  # sorted by arrival
-        self.running: list[Request] = []  # sorted by arrival
+        self.waiting: list[Request] = []  # sorted by rank (`rank`: priority, then arrival)
+        self.running: list[Request] = []  # sorted by rank
+        self.priority_aging_s: float = config.priority_aging_s
         self.num_preemptions = 0
         self.num_swap_preemptions = 0  # of num_preemptions, those that swapped (the rest recompute)
         self.num_steps = 0
         self.preemption_mode: str = getattr(config, "preemption_mode", "recompute")
         self.beams = BeamSearch()  # beam groups: their slots, candidates and finished hypotheses
 
+    def rank(self, request: Request) -> tuple[float, int]:
+        """Lower runs first: the arrival time, pushed back `priority_aging_s` per priority level, then
+        the arrival order. So a request waits at most (its priority - a later one's) x the aging behind
+        a later arrival; with every priority equal it is first come, first served."""
+        return (request.arrival_time + request.params.priority * self.priority_aging_s, request.arrival)
+
     def add(self, request: Request) -> None:
         request.status = RequestStatus.WAITING
         if not self.beams.add(request):
             return  # a dormant beam slot: it joins when its group takes its first step
-        self.waiting.append(request)
+        bisect.insort(self.waiting, request, key=self.rank)
 
     def has_unfinished(self) -> bool:
         return bool(self.waiting or self.running)
@@ -95,10 +102,10 @@ class SchedulerBase:
                 queue.remove(request)
         if request.block_ids:
             request.status = RequestStatus.RUNNING
-            bisect.insort(self.running, request, key=lambda r: r.arrival)
+            bisect.insort(self.running, request, key=self.rank)
         else:
             request.status = RequestStatus.PREEMPTED
-            bisect.insort(self.waiting, request, key=lambda r: r.arrival)
+            bisect.insort(self.waiting, request, key=self.rank)
 
     def update(self, out: SchedulerOutput, result: StepResult) -> list[Request]:
         self.num_steps += 1

@@ -1,13 +1,22 @@
-"""`fcfs`: continuous batching, first come first served, with preemption by recompute or swap.
+"""`fcfs`: continuous batching, first come first served by priority, with preemption by recompute or swap.
 
-The policy of the PagedAttention paper. Every step, running requests (earliest arrival first)
-get their next tokens, decodes before any prefill chunk; when the allocator has no block left,
-the latest-arrived running request is preempted: with `--preemption-mode swap` its blocks go to
-the CPU pool (recompute when that is full), else they are freed and its prompt + output so far
-are computed again later (the prefix cache usually still holds most of them). Preempted requests
-go back to the waiting queue by arrival, so they are resumed before anything newer is admitted,
-and nothing is admitted in a step that preempted. Long prompts are split into chunks so one step
-never computes more than `max_num_batched_tokens`.
+The policy of the PagedAttention paper, ranked by priority. Requests are ranked by arrival, a
+request of priority p as if it had arrived p x `--priority-aging-s` later (`SchedulerBase.rank`;
+lower priority values run first); with every priority equal that is plain arrival order. Every
+step, running requests (best rank first) get their next tokens, decodes before any prefill chunk;
+when the allocator has no block left, the worst-ranked running request is preempted: with
+`--preemption-mode swap` its blocks go to the CPU pool (recompute when that is full), else they are
+freed and its prompt + output so far are computed again later (the prefix cache usually still holds
+most of them). Preempted requests go back to the waiting queue by rank, so they are resumed before
+anything ranked after them is admitted, and in a step that preempted only a request of a strictly
+higher priority than every one preempted is admitted. A waiting request that finds no room (no
+block, or `max_num_seqs` running) preempts running requests of a strictly lower priority that rank
+after it, worst first, until it fits. Long prompts are split into chunks so one step never computes
+more than `max_num_batched_tokens`.
+
+Nothing starves: a request of priority p waits behind a later arrival of priority q < p for at most
+(p - q) x `--priority-aging-s` (then it outranks it), plus the time the requests ranked before it
+take to finish.
 
 Admission shares what it can: a parallel sample waits for its parent's prompt and forks its
 blocks; any other request adopts its longest cached prefix.
@@ -43,7 +52,7 @@ class FcfsScheduler(SchedulerBase):
                 budget -= num_new
 
         for request in list(self.waiting):
-            if preempted or budget <= 0 or len(self.running) >= self.max_num_seqs:
+            if budget <= 0 or (preempted and not _outranks_all(request, preempted)):
                 break
             if self.beams.is_idle(request):  # preempted after its candidates were recorded: nothing to run
                 continue
@@ -53,12 +62,14 @@ class FcfsScheduler(SchedulerBase):
             if not self.ensure_fits(request):
                 finished.append(request)
                 continue
-            num_new = self._admit(request, parent, budget)
+            num_new = self._admit_by_priority(request, parent, budget, scheduled, preempted)
             if num_new is None:
                 break  # head of line: nothing behind it overtakes it
+            budget += sum(s.num_new_tokens for s in scheduled if s.request.status is RequestStatus.PREEMPTED)
+            scheduled = [s for s in scheduled if s.request.status is not RequestStatus.PREEMPTED]
             self.waiting.remove(request)
             request.status = RequestStatus.RUNNING
-            bisect.insort(self.running, request, key=lambda r: r.arrival)
+            bisect.insort(self.running, request, key=self.rank)
             scheduled.append(ScheduledSeq(request, num_new, self.num_lookahead_tokens))
             budget -= num_new
 
@@ -78,6 +89,34 @@ class FcfsScheduler(SchedulerBase):
             return False, None
         return parent.num_computed_tokens < shared, parent
 
+    def _admit_by_priority(
+        self,
+        request: Request,
+        parent: Request | None,
+        budget: int,
+        scheduled: list[ScheduledSeq],
+        preempted: list[Request],
+    ) -> int | None:
+        """`_admit`, preempting running requests of a strictly lower priority ranked after `request`
+        (worst first) while it finds no room; a victim scheduled in this step leaves the step (the
+        caller drops it and takes back its tokens)."""
+        while True:
+            if len(self.running) < self.max_num_seqs:
+                num_new = self._admit(request, parent, budget)
+                if num_new is not None:
+                    return num_new
+            victim = self.running[-1] if self.running else None
+            if (
+                victim is None
+                or victim is parent
+                or victim.params.priority <= request.params.priority
+                or self.rank(victim) < self.rank(request)
+            ):
+                return None
+            budget += sum(s.num_new_tokens for s in scheduled if s.request is victim)
+            self._preempt(victim)
+            preempted.append(victim)
+
     def _admit(self, request: Request, parent: Request | None, budget: int) -> int | None:
         """Give a waiting request its blocks (forked, cached, swapped back in or new); returns its
         tokens to compute this step, or None (nothing changed) when there is no room."""
@@ -94,10 +133,10 @@ class FcfsScheduler(SchedulerBase):
         return num_new
 
     def _grant(self, request: Request, num_new: int, preempted: list[Request], finished: list[Request]) -> bool:
-        """Allocate slots for `request`, preempting later arrivals until it fits."""
+        """Allocate slots for `request`, preempting the worst-ranked until it fits."""
         want = request.num_computed_tokens + num_new + self.num_lookahead_tokens
         while self.allocator.allocate_slots(request, want) is None:
-            victim = self.running[-1]  # latest arrival
+            victim = self.running[-1]  # the worst rank: the latest arrival of the lowest priority
             if victim is request and len(self.running) == 1:
                 self.finish(request, FinishReason.CAPACITY)  # alone and still no room
                 finished.append(request)
@@ -127,7 +166,13 @@ class FcfsScheduler(SchedulerBase):
         request.status = RequestStatus.PREEMPTED
         request.num_preemptions += 1
         self.num_preemptions += 1
-        bisect.insort(self.waiting, request, key=lambda r: r.arrival)
+        bisect.insort(self.waiting, request, key=self.rank)
+
+
+def _outranks_all(request: Request, preempted: list[Request]) -> bool:
+    """Whether `request` may be admitted in a step that preempted: its priority strictly higher (a
+    lower value) than every preempted request's. With equal priorities, nothing is admitted."""
+    return all(request.params.priority < p.params.priority for p in preempted)
 
 
 @hookimpl
