@@ -18,7 +18,6 @@ ALLOWED = {
     # GPU lab measurements of the forward itself, below the stepping API (to move out of the package):
     "infer/bench/ceilings.py": "times the runner's forward without the scheduler or sampler (the step's floor)",
     "infer/bench/engines.py": "replays the decode step's captured CUDA graph to time it",
-    "infer/bench/speculative.py": "counts each runner's CUDA-graph replays per bucket",
 }
 
 

@@ -2,7 +2,7 @@
 ceiling measured in the same process? On one GPU: latency-1 (with its memory-bandwidth utilisation),
 random-256x256 and sharegpt-like, then the HF peers. Prints a table last and writes JSON.
 
-    python -m infer.bench.throughput --out results.json [--quick] [--only latency,random,sharegpt,peers]
+    python -m benchmarks.lab.throughput --out results.json [--quick] [--only latency,random,sharegpt,peers]
 """
 
 from __future__ import annotations
@@ -176,7 +176,7 @@ def print_ratios(runs: list[dict[str, Any]], peers: list[dict[str, Any]]) -> Non
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(
-        prog="python -m infer.bench.throughput",
+        prog="python -m benchmarks.lab.throughput",
         description=__doc__,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )

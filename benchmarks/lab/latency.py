@@ -3,7 +3,7 @@ GPU: the linear layers' matrix-vector products (cuBLAS vs the Triton GEMV) again
 the kernels inside the captured step, and the step time of `latency-1` on llama2-7b (dummy, bf16)
 with each linear implementation.
 
-    python -m infer.bench.latency --out latency.json [--model llama2-7b] [--tokens 128]
+    python -m benchmarks.lab.latency --out latency.json [--model llama2-7b] [--tokens 128]
 """
 
 from __future__ import annotations
@@ -179,7 +179,9 @@ def _latency(model: str, tokens: int, linear: str, bw: float, profile_kernels: b
 
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(
-        prog="python -m infer.bench.latency", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+        prog="python -m benchmarks.lab.latency",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     parser.add_argument("--out", default="latency.json")
     parser.add_argument("--model", default="llama2-7b")
