@@ -17,6 +17,7 @@ from typing import Any, Iterator
 import torch
 import torch.nn.functional as F
 
+from benchmarks.lab.graphs import decode_graph
 from infer.api.config import EngineConfig
 from infer.api.request import SamplingParams
 from infer.bench.ceilings import (
@@ -26,7 +27,7 @@ from infer.bench.ceilings import (
     kernel_times,
     kv_bytes_per_token,
 )
-from infer.bench.engines import decode_graph, release_memory
+from infer.bench.engines import release_memory
 from infer.bench.report import run_workload, warm_up
 from infer.bench.workloads import Workload
 from infer.core.engine import Engine

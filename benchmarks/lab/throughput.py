@@ -15,10 +15,11 @@ from typing import Any
 
 import torch
 
+from benchmarks.lab.graphs import decode_graph
 from infer.api.config import EngineConfig
 from infer.api.request import SamplingParams
 from infer.bench.ceilings import copy_bandwidth, graph_replay_seconds, kv_bytes_per_token
-from infer.bench.engines import decode_graph, release_memory
+from infer.bench.engines import release_memory
 from infer.bench.peers import build_hf_model, hf_continuous, hf_static
 from infer.bench.report import run_workload, warm_up
 from infer.bench.workloads import load_workload

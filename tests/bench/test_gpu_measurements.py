@@ -11,7 +11,7 @@ from types import SimpleNamespace
 
 import pytest
 
-from infer.bench.engines import decode_graph
+from benchmarks.lab.graphs import decode_graph
 
 MODULES = [
     "allreduce",
