@@ -15,10 +15,8 @@ PART_INTERNALS = {"runners", "scheduler", "decoder", "output", "block_mover", "p
 # name -> why it may read an internal: a measuring tool that instruments the loop from outside, by design
 ALLOWED = {
     "infer/bench/profiler.py": "times the scheduler's and decoder's calls by wrapping them (infer bench profile)",
-    # GPU lab measurements of the forward itself, below the stepping API (to move out of the package):
+    # a measurement of the forward itself, below the stepping API (the lab drivers in benchmarks/lab use it):
     "infer/bench/ceilings.py": "times the runner's forward without the scheduler or sampler (the step's floor)",
-    "infer/bench/engines.py": "replays the decode step's captured CUDA graph to time it",
-    "infer/bench/speculative.py": "counts each runner's CUDA-graph replays per bucket",
 }
 
 

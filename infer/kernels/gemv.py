@@ -305,7 +305,7 @@ def run_tile(
     """y = x @ weight.T with a given tile (a `Tile`, or its first fields: (BLOCK_N, BLOCK_K,
     num_warps)), its software-pipeline depth replaced by `num_stages` if given, launched as a
     programmatic dependent when `pdl` (whatever `INFER_PDL` says): one launch for tile sweeps
-    (`infer.bench.gemv_sweep`). x [M, K] contiguous, weight [N, K] with contiguous rows (e4m3 with
+    (`benchmarks.lab.gemv_sweep`). x [M, K] contiguous, weight [N, K] with contiguous rows (e4m3 with
     its `scale`, and an e4m3 x with its `x_scale`, as in `gemv`), y [M, N] contiguous."""
     _check_scale(weight, scale)
     tile = Tile(*tile) if num_stages is None else Tile(*tile)._replace(num_stages=num_stages)

@@ -5,6 +5,7 @@ are refused in one line naming the fix."""
 from __future__ import annotations
 
 import json
+import math
 import sys
 
 import pytest
@@ -22,11 +23,17 @@ def invoke(*args: str):
 
 
 def hf_perplexity(folder, windows: list[list[int]], dtype: torch.dtype = torch.float32) -> float:
+    """HF transformers' own perplexity over the windows: each window's next-token log-likelihoods."""
     from transformers import AutoModelForCausalLM
 
-    from infer.bench.fp8_error import perplexity
-
-    return perplexity(AutoModelForCausalLM.from_pretrained(folder, dtype=dtype).eval(), windows)
+    model = AutoModelForCausalLM.from_pretrained(folder, dtype=dtype).eval()
+    nll, count = 0.0, 0
+    with torch.no_grad():
+        for window in windows:
+            logprobs = model(torch.tensor([window])).logits[0].float().log_softmax(-1)
+            nll -= logprobs[torch.arange(len(window) - 1), window[1:]].sum().item()
+            count += len(window) - 1
+    return math.exp(nll / count)
 
 
 def test_the_default_lossy_configs_against_the_baseline(tiny_llama_dir, tmp_path):

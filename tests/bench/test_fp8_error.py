@@ -1,4 +1,4 @@
-"""`python -m infer.bench.fp8_error`: its roundings are the FP8 layer's and e4m3's, and its w8a8 scheme on
+"""`python -m benchmarks.lab.fp8_error`: its roundings are the FP8 layer's and e4m3's, and its w8a8 scheme on
 HF transformers' model scores what the engine's `--quantization fp8` scores on the same windows."""
 
 from __future__ import annotations
@@ -7,8 +7,8 @@ import json
 
 import torch
 
+from benchmarks.lab import fp8_error
 from infer import LLM, SamplingParams
-from infer.bench import fp8_error
 from infer.plugins.layer.fp8 import quantize_weight
 
 WINDOWS = ["--windows", "3", "--window-tokens", "96"]

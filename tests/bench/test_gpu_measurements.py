@@ -1,4 +1,4 @@
-"""The GPU measurements of infer/bench as far as a CPU reaches: each is a module with a `--help`
+"""The GPU lab drivers of benchmarks/lab as far as a CPU reaches: each is a module with a `--help`
 that states its question, and what they read from the engine."""
 
 from __future__ import annotations
@@ -11,7 +11,7 @@ from types import SimpleNamespace
 
 import pytest
 
-from infer.bench.engines import decode_graph
+from benchmarks.lab.graphs import decode_graph
 
 MODULES = [
     "allreduce",
@@ -29,25 +29,25 @@ REPO = Path(__file__).resolve().parents[2]
 
 @pytest.mark.parametrize("name", MODULES)
 def test_help_states_the_question(name, capsys):
-    module = importlib.import_module(f"infer.bench.{name}")
+    module = importlib.import_module(f"benchmarks.lab.{name}")
     with pytest.raises(SystemExit) as exit_:
         module.main(["--help"])
     assert exit_.value.code == 0
     out = capsys.readouterr().out
-    assert out.startswith(f"usage: python -m infer.bench.{name}")
-    assert "?" in module.__doc__.split("\n\n")[0] and f"python -m infer.bench.{name}" in module.__doc__
+    assert out.startswith(f"usage: python -m benchmarks.lab.{name}")
+    assert "?" in module.__doc__.split("\n\n")[0] and f"python -m benchmarks.lab.{name}" in module.__doc__
 
 
 @pytest.mark.slow  # a fresh interpreter imports torch
 def test_runs_as_a_module():
     done = subprocess.run(
-        [sys.executable, "-m", "infer.bench.tensor_parallel", "--help"], capture_output=True, text=True, cwd=REPO
+        [sys.executable, "-m", "benchmarks.lab.tensor_parallel", "--help"], capture_output=True, text=True, cwd=REPO
     )
     assert done.returncode == 0 and "two GPUs" in done.stdout
 
 
 def test_tensor_parallel_refuses_an_unknown_part(capsys):
-    from infer.bench import tensor_parallel
+    from benchmarks.lab import tensor_parallel
 
     with pytest.raises(SystemExit) as exit_:
         tensor_parallel.parse_args(["7b", "13b"])

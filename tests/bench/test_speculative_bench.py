@@ -7,7 +7,7 @@ import json
 
 import pytest
 
-from infer.bench import speculative
+from benchmarks.lab import speculative
 from infer.bench.workloads import EDIT_PROMPTS, load_workload
 
 

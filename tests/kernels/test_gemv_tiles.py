@@ -1,4 +1,4 @@
-"""The GEMV's public pieces for tile sweeps (`infer.bench.gemv_sweep`): one launch with a given tile,
+"""The GEMV's public pieces for tile sweeps (`benchmarks.lab.gemv_sweep`): one launch with a given tile,
 and the table of tiles tuned so far."""
 
 import pytest

@@ -6,7 +6,7 @@ For each token count: each fused quantizer of `infer.kernels.fp8` against its 16
 qkv, gate_up and down projections. Times are Triton's do_bench medians (one call at a time, L2
 flushed), in microseconds.
 
-    python -m infer.bench.fp8 [--tokens 16 512 4096] [--out fp8.json]
+    python -m benchmarks.lab.fp8 [--tokens 16 512 4096] [--out fp8.json]
 """
 
 from __future__ import annotations
@@ -61,7 +61,7 @@ def products(tokens: int) -> dict[str, float]:
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(
-        prog="python -m infer.bench.fp8", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+        prog="python -m benchmarks.lab.fp8", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
     p.add_argument("--tokens", type=int, nargs="+", default=[16, 512, 4096])
     p.add_argument("--out", help="write the figures as JSON here")

@@ -1,7 +1,7 @@
 """How long does the weight-streaming GEMV take over 1 to 8 rows of x, with bf16 and with FP8 weights?
 Llama-3-8B's weight shapes, on the GPU:
 
-    python -m infer.bench.gemv_rows [--rows 1,2,4,8] [--out gemv_rows.json]
+    python -m benchmarks.lab.gemv_rows [--rows 1,2,4,8] [--out gemv_rows.json]
 
 Per shape, weight dtype and row count: the tuned GEMV (`infer.kernels.gemv`) over enough distinct
 weights that none is served from L2, calls captured back to back in a CUDA graph (as programmatic
@@ -65,7 +65,7 @@ def shape_rows(name: str, n: int, k: int, rows: list[int], bw: float, dev: torch
 
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(
-        prog="python -m infer.bench.gemv_rows",
+        prog="python -m benchmarks.lab.gemv_rows",
         description=__doc__,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )

@@ -1,7 +1,7 @@
 """Does an LLM give its GPU memory back at close? Builds, uses and closes engines in turn and prints
 the device memory after each; with --why, names what still holds CUDA tensors after close.
 
-    python -m infer.bench.memory --model llama2-7b --load-format dummy [--why] [--vary cuda_graphs=False ...]
+    python -m benchmarks.lab.memory --model llama2-7b --load-format dummy [--why] [--vary cuda_graphs=False ...]
 """
 
 from __future__ import annotations
@@ -55,7 +55,9 @@ def holders(limit: int = 6) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(
-        prog="python -m infer.bench.memory", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+        prog="python -m benchmarks.lab.memory",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     p.add_argument("--model", default="llama2-7b")
     p.add_argument("--load-format", default="dummy")

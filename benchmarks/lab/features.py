@@ -1,11 +1,11 @@
 """What do speculative decoding, early exit and prefix caching buy on a GPU? Measured in one process.
 
-    python -m infer.bench.features --out features.json [--only spec,early,prefix]
+    python -m benchmarks.lab.features --out features.json [--only spec,early,prefix]
 
 Dummy weights throughout (timing does not depend on the values). Speculative decoding: the
 draft/target step-time ratio and the verify overhead are measured, and the speedup they predict for
 acceptance rates 0.6 and 0.8 is printed beside the measured speedup of `ngram`. Speculative decoding
-on real weights (agreement with a CPU fp32 reference, acceptance, speed-up): `infer.bench.speculative`.
+on real weights (agreement with a CPU fp32 reference, acceptance, speed-up): `benchmarks.lab.speculative`.
 """
 
 from __future__ import annotations
@@ -142,7 +142,9 @@ def measure_prefix_caching() -> dict[str, Any]:
 
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(
-        prog="python -m infer.bench.features", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+        prog="python -m benchmarks.lab.features",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     ap.add_argument("--out", default="features.json")
     ap.add_argument("--only", default="spec,early,prefix")

@@ -2,8 +2,8 @@
 prompts that ask to repeat or edit a text) and self-drafts at three exit layers buy against
 autoregressive decoding measured in the same process, at batch 1 (one request at a time) and 8.
 
-    python -m infer.bench.speculative --device cpu --dtype float32 --save ref.json    # the reference, on a CPU
-    python -m infer.bench.speculative --reference ref.json --out speculative.json      # on the GPU (bf16)
+    python -m benchmarks.lab.speculative --device cpu --dtype float32 --save ref.json    # the reference, on a CPU
+    python -m benchmarks.lab.speculative --reference ref.json --out speculative.json      # on the GPU (bf16)
 
 `--repeats N` runs each engine over its workload N times after the warm-up, prefix caching off (each
 pass prefills every prompt), and reports the median pass; every row gives the end-to-end speed-up
@@ -124,7 +124,7 @@ def _reference_ids(reference: dict[str, Any], name: str, base: dict[str, Any]) -
     if saved is None or saved["prompt_token_ids"] != base["prompt_token_ids"]:
         raise SystemExit(
             f"the reference has no {name} run on these prompts: make it with the same --model, --prompts and "
-            "--tokens (python -m infer.bench.speculative --device cpu --dtype float32 --save FILE)"
+            "--tokens (python -m benchmarks.lab.speculative --device cpu --dtype float32 --save FILE)"
         )
     return saved["token_ids"]
 
@@ -142,7 +142,7 @@ def save_reference(args: argparse.Namespace, workloads: list[Workload]) -> None:
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(
-        prog="python -m infer.bench.speculative",
+        prog="python -m benchmarks.lab.speculative",
         description=__doc__,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )

@@ -2,7 +2,7 @@
 symmetric-memory one-shot kernel and, where FlashInfer imports, its TensorRT-LLM all-reduce, each
 timed as a CUDA graph of back-to-back sums (how a decode step runs them).
 
-    python -m infer.bench.allreduce [--world-size 2] [--hidden 4096] [--calls 64]
+    python -m benchmarks.lab.allreduce [--world-size 2] [--hidden 4096] [--calls 64]
 
 Prints one row per size: microseconds per all-reduce for each, and the ratio. The sizes are
 rows x hidden bf16, the activations a tensor-parallel Llama sums twice per layer. Where FlashInfer
@@ -99,7 +99,7 @@ def _flashinfer(rank: int, world_size: int, device: torch.device, hidden: int):
 
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(
-        prog="python -m infer.bench.allreduce",
+        prog="python -m benchmarks.lab.allreduce",
         description=__doc__,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )

@@ -1,7 +1,7 @@
 """Which tile serves the batch-1 GEMV best? Each candidate tile shape one by one, at Llama-2-7B's tp1
 and tp2 shards, on the GPU:
 
-    python -m infer.bench.gemv_sweep [--out sweep.json]
+    python -m benchmarks.lab.gemv_sweep [--out sweep.json]
 
 Per shape and configuration: 8 distinct weights (nothing served from L2) captured back to back in a
 CUDA graph, plain and as programmatic dependents; prints the best few per shape beside what the
@@ -131,7 +131,7 @@ def sweep_shape(name: str, n: int, k: int, configs: list[tuple[int, ...]], dev: 
 
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(
-        prog="python -m infer.bench.gemv_sweep",
+        prog="python -m benchmarks.lab.gemv_sweep",
         description=__doc__,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )

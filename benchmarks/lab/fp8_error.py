@@ -3,7 +3,7 @@
 `infer bench accuracy` scores (`infer.bench.texts`). The LM head and embeddings stay as they are, as
 under `--quantization fp8`.
 
-    python -m infer.bench.fp8_error [--model smollm2-135m] [--windows 32] [--out fp8_error.json]
+    python -m benchmarks.lab.fp8_error [--model smollm2-135m] [--windows 32] [--out fp8_error.json]
 
 Each scheme rounds the projections' weights (and, for w8a8, each product's input per token):
 
@@ -177,7 +177,7 @@ def measure(
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(
-        prog="python -m infer.bench.fp8_error",
+        prog="python -m benchmarks.lab.fp8_error",
         description=__doc__,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )

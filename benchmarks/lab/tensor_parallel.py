@@ -1,7 +1,7 @@
 """What does tensor parallelism buy on two GPUs of one host? Engine-spawned ranks over NCCL, dummy
 weights, each engine warmed up (Triton compiles, allocator) and then timed.
 
-    python -m infer.bench.tensor_parallel [70b] [7b] [spec] [--out tp.json] [--requests 200]
+    python -m benchmarks.lab.tensor_parallel [70b] [7b] [spec] [--out tp.json] [--requests 200]
 
 70b:  llama2-70b (138 GB of bf16 weights: 69 GB per H200 at tp 2, the rest is KV cache) on the
       sharegpt-like workload, --requests requests.
@@ -171,7 +171,7 @@ def print_summary(results: dict[str, dict], with_7b: bool) -> None:
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(
-        prog="python -m infer.bench.tensor_parallel",
+        prog="python -m benchmarks.lab.tensor_parallel",
         description=__doc__,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )

@@ -3,7 +3,7 @@ dummy weights, at each setting: by default programmatic dependent launch off and
 `--vary NAME=V1,V2` for another. Each configuration in its own process (the switches are read once
 per process, and symmetric memory serves one tensor-parallel engine per process), in alternating rounds.
 
-    python -m infer.bench.pdl [--tp 1 2] [--all-reduce symm-mem flashinfer] [--vary NAME=V1,V2] [--rounds 2] [--out pdl.json]
+    python -m benchmarks.lab.pdl [--tp 1 2] [--all-reduce symm-mem flashinfer] [--vary NAME=V1,V2] [--rounds 2] [--out pdl.json]
 
 Per run: TPOT p50 of latency-1 and the decode forward's device time alone (back to back through
 CUDA graphs). Prints a line per run, then the medians and each tp2/tp1 per-token ratio.
@@ -69,7 +69,7 @@ def run_one(tp: int, all_reduce: str, name: str, setting: str) -> tuple[dict | N
     why it failed."""
     env.export(name, setting)  # for the child, which reads it once
     done = subprocess.run(
-        [sys.executable, "-m", "infer.bench.pdl", "--one", str(tp), all_reduce],
+        [sys.executable, "-m", "benchmarks.lab.pdl", "--one", str(tp), all_reduce],
         capture_output=True,
         text=True,
     )
@@ -124,7 +124,7 @@ def print_medians(runs: list[dict], configs: list[tuple[int, str]], name: str, s
 
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(
-        prog="python -m infer.bench.pdl", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+        prog="python -m benchmarks.lab.pdl", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
     ap.add_argument("--tp", type=int, nargs="+", default=[1, 2])
     ap.add_argument("--all-reduce", nargs="+", default=["symm-mem", "flashinfer"], help="for tp > 1")

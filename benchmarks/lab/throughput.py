@@ -2,7 +2,7 @@
 ceiling measured in the same process? On one GPU: latency-1 (with its memory-bandwidth utilisation),
 random-256x256 and sharegpt-like, then the HF peers. Prints a table last and writes JSON.
 
-    python -m infer.bench.throughput --out results.json [--quick] [--only latency,random,sharegpt,peers]
+    python -m benchmarks.lab.throughput --out results.json [--quick] [--only latency,random,sharegpt,peers]
 """
 
 from __future__ import annotations
@@ -15,10 +15,11 @@ from typing import Any
 
 import torch
 
+from benchmarks.lab.graphs import decode_graph
 from infer.api.config import EngineConfig
 from infer.api.request import SamplingParams
 from infer.bench.ceilings import copy_bandwidth, graph_replay_seconds, kv_bytes_per_token
-from infer.bench.engines import decode_graph, release_memory
+from infer.bench.engines import release_memory
 from infer.bench.peers import build_hf_model, hf_continuous, hf_static
 from infer.bench.report import run_workload, warm_up
 from infer.bench.workloads import load_workload
@@ -176,7 +177,7 @@ def print_ratios(runs: list[dict[str, Any]], peers: list[dict[str, Any]]) -> Non
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(
-        prog="python -m infer.bench.throughput",
+        prog="python -m benchmarks.lab.throughput",
         description=__doc__,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )

@@ -1,7 +1,7 @@
 """What structured output costs: time per output token with a JSON-schema constraint on every request
 against the same workload unconstrained, in one engine, runs alternated.
 
-    python -m infer.bench.structured --model llama3-8b --load-format dummy --tokenizer smollm2-135m \
+    python -m benchmarks.lab.structured --model llama3-8b --load-format dummy --tokenizer smollm2-135m \
         --batch 64 --out structured.json
 
 The schema asks for an array of at least 64 records (an integer, a bounded string, a list of tags, a

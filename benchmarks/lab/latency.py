@@ -3,7 +3,7 @@ GPU: the linear layers' matrix-vector products (cuBLAS vs the Triton GEMV) again
 the kernels inside the captured step, and the step time of `latency-1` on llama2-7b (dummy, bf16)
 with each linear implementation.
 
-    python -m infer.bench.latency --out latency.json [--model llama2-7b] [--tokens 128]
+    python -m benchmarks.lab.latency --out latency.json [--model llama2-7b] [--tokens 128]
 """
 
 from __future__ import annotations
@@ -17,6 +17,7 @@ from typing import Any, Iterator
 import torch
 import torch.nn.functional as F
 
+from benchmarks.lab.graphs import decode_graph
 from infer.api.config import EngineConfig
 from infer.api.request import SamplingParams
 from infer.bench.ceilings import (
@@ -26,7 +27,7 @@ from infer.bench.ceilings import (
     kernel_times,
     kv_bytes_per_token,
 )
-from infer.bench.engines import decode_graph, release_memory
+from infer.bench.engines import release_memory
 from infer.bench.report import run_workload, warm_up
 from infer.bench.workloads import Workload
 from infer.core.engine import Engine
@@ -179,7 +180,9 @@ def _latency(model: str, tokens: int, linear: str, bw: float, profile_kernels: b
 
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(
-        prog="python -m infer.bench.latency", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+        prog="python -m benchmarks.lab.latency",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     parser.add_argument("--out", default="latency.json")
     parser.add_argument("--model", default="llama2-7b")
