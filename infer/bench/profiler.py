@@ -2,7 +2,7 @@
 
 Installed only when asked for (nothing is wrapped otherwise): forward hooks on the embedding,
 every decoder layer and the final norm, a timed proxy around each layer's attention backend, the
-LM head, the sampler, the scheduler and the output processor (detokenizer), and `Engine.step`.
+LM head, the sampler, the scheduler and the output processor (detokenizer), and `Engine.step_outputs` (every step).
 On CUDA the model and sampler are timed with device events (CUDA graphs and decode pipelining are
 turned off: hooks cannot see inside a graph, and a pipelined forward runs in the step before its
 own); on the CPU with perf_counter. Only decode steps (every scheduled request computes one token)
@@ -139,7 +139,7 @@ class StepProfiler:
         engine.scheduler = _Proxy(engine.scheduler, {"update": "scheduler"}, profiler)
         engine.scheduler.schedule = profiler._schedule(engine.scheduler._inner.schedule)
         engine.output = _Proxy(engine.output, {"submit": "detokenizer", "collect": "detokenizer"}, profiler)
-        engine.step = profiler._step(engine.step)
+        engine.step_outputs = profiler._step(engine.step_outputs)  # every step passes through it
         return profiler
 
     def _schedule(self, schedule: Callable[[], Any]) -> Callable[[], Any]:

@@ -192,7 +192,9 @@ class Engine:
         it with `step_outputs`)."""
         return [output for output, _ in self.step_outputs().finished]
 
-    def _step(self) -> list[RequestOutput]:
+    def step_outputs(self) -> EngineStep:
+        """One step, as per-request outputs: the news of the streamed requests (`stream`), and each request
+        that ended with its output (and, if streamed, its last StreamOutput)."""
         if self.closed:
             raise RequestError(CLOSED)
         self.abort_pending()  # asked for from other threads since the last step
@@ -211,7 +213,7 @@ class Engine:
         if self._budget is not None:
             budget = self._budget.observe(out.num_tokens, time.perf_counter() - start)
             self.parts.scheduler.max_num_batched_tokens = budget  # type: ignore[attr-defined]
-        return self._finished_outputs()
+        return self._streams.after_step(self._finished_outputs(), self.output.in_flight)
 
     # ------------------------------------------------------------------ streaming: the public stepping API
 
@@ -225,12 +227,6 @@ class Engine:
             raise RequestError(f"no unfinished request {request_id!r} to stream: add_request() it first")
         if request_id not in self._streams.tracked:  # a second call changes nothing
             self._streams.add(group, prompt)
-
-    def step_outputs(self) -> EngineStep:
-        """One step (`step()`), as per-request outputs: the news of the streamed requests, and each request
-        that ended with its output (and, if streamed, its last StreamOutput)."""
-        finished = self._step()
-        return self._streams.after_step(finished, self.output.in_flight)
 
     def is_generating(self, request_id: str) -> bool:
         """Whether some sample of this unfinished request still generates tokens (aborting it would change
@@ -335,8 +331,8 @@ class Engine:
                     refused = self.refused(prompt, exc)
                     order.append(refused.request_id)
                     results[refused.request_id] = refused
-            while self.has_unfinished():  # `step()` without its streams: none can be open here
-                for o in self._step():
+            while self.has_unfinished():
+                for o, _ in self.step_outputs().finished:
                     results[o.request_id] = o
         except BaseException:  # nothing else was unfinished when this call began: every group is this call's
             self._abandon(list(self.output.groups))

@@ -24,7 +24,11 @@ def test_nothing_is_wrapped_unless_profiling_and_the_rows_add_up(tiny_llama_dir)
     engine = make_engine(EngineConfig(model=str(tiny_llama_dir), device="cpu"))
     runner = engine.decoder.runner
     try:
-        assert hooks(runner.model) == 0 and "step" not in vars(engine) and "compute_logits" not in vars(runner.model)
+        assert (
+            hooks(runner.model) == 0
+            and "step_outputs" not in vars(engine)
+            and "compute_logits" not in vars(runner.model)
+        )
         scheduler, sampler = engine.scheduler, runner.sampler
         profiler = StepProfiler.install(engine)
         assert hooks(runner.model) == 2 * (1 + 3 + 1)  # embedding, 3 layers, final norm: pre and post

@@ -3,7 +3,7 @@
 Counted on the stack at the model's forward (eager, the CPU): the calls of infer's own functions from
 `LLM.generate` down, the forward included. A decorator's wrapper from outside infer (torch's
 `inference_mode`) is not one of ours and is not counted; the frames are listed on failure. Today:
-Engine.generate -> Engine._step -> decoder.execute -> ModelRunner.execute -> ModelRunner.run ->
+Engine.generate -> Engine.step_outputs -> decoder.execute -> ModelRunner.execute -> ModelRunner.run ->
 model.forward. No executor frame lies between the runner and the forward: the executor is entered
 as a context around it, and never calls the runner back.
 """
@@ -47,4 +47,4 @@ def test_llm_generate_reaches_the_model_forward_in_at_most_six_calls(tiny, monke
     calls = len(ours) + 1  # the frames under LLM.generate, and the forward itself
     assert calls <= 6, list(reversed(ours))
     # no executor frame: it is entered around the forward, not called to run it
-    assert [name for name, _ in reversed(ours)] == ["generate", "_step", "execute", "execute", "run"]
+    assert [name for name, _ in reversed(ours)] == ["generate", "step_outputs", "execute", "execute", "run"]
