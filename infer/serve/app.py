@@ -200,7 +200,8 @@ def _generation_routes(
             default = COMPLETIONS_DEFAULT_MAX_TOKENS
             limit = max_tokens_rule(req.max_tokens, default, served.max_model_len, "max_tokens", "prompt")
             gen = Generation.start("cmpl", served, metrics, req, prompts, limit, req.logprobs, rules)
-        return await answer(gen, CompletionFormat(), bool(req.stream), request)
+            echo = [_prompt_text(served, p, ids) for p, ids in zip(req.prompts(), prompts)] if req.echo else None
+        return await answer(gen, CompletionFormat(echo), bool(req.stream), request)
 
     @app.post("/v1/chat/completions", dependencies=guarded, response_model=None, responses=_streamed(ChatCompletion))
     async def chat_completions(req: ChatRequest, request: Request) -> Response:
@@ -219,6 +220,14 @@ def _generation_routes(
             limit = max_tokens_rule(req.max_new_tokens, None, served.max_model_len, param, "messages")
             gen = Generation.start("chatcmpl", served, metrics, req, [ids], limit, req.num_logprobs, rules)
         return await answer(gen, ChatFormat(rules.parser), bool(req.stream), request)
+
+
+def _prompt_text(served: ServedModel, prompt: str | list[int], ids: list[int]) -> str:
+    """What echo writes before a prompt's output: the text as sent, or token ids' text (none without a tokenizer)."""
+    if isinstance(prompt, str):
+        return prompt
+    tokenizer = served.tokenizer
+    return tokenizer.decode(ids) if tokenizer is not None else ""
 
 
 def _token_routes(app: FastAPI, models: Models, guarded: list[Any]) -> None:

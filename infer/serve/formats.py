@@ -20,20 +20,31 @@ from infer.serve.protocol import (
     Completion,
     CompletionChoice,
     CompletionLogprobs,
+    PromptLogprob,
     TokenLogprob,
 )
 from infer.serve.tool_parsers import CallDelta, ToolCallStream, ToolParser
 
 
 class CompletionFormat:
+    """echo: each prompt's text (the answer's choices of prompt i start with echo[i]); None: no echo."""
+
+    def __init__(self, echo: list[str] | None = None) -> None:
+        self.echo = echo
+        self.echoed: set[int] = set()  # the choices whose stream has had its prompt's text
+
     def opening(self, gen: Generation) -> list[dict[str, Any]]:
         return []
 
     def chunks(self, gen: Generation, index: int, delta: CompletionDelta) -> list[dict[str, Any]]:
+        text = delta.text
+        if self.echo is not None and index not in self.echoed:  # a choice's first chunk starts with its prompt
+            self.echoed.add(index)
+            text = self.echo[index // gen.n] + text
         logprobs = self._logprobs(gen, index, delta.token_ids, delta.logprobs) if delta.logprobs else None
-        if not delta.text and not delta.token_ids and logprobs is None and delta.finish_reason is None:
+        if not text and not delta.token_ids and logprobs is None and delta.finish_reason is None:
             return []  # a chunk per step that made tokens, text or not (a model without a tokenizer has none)
-        choice = {"index": index, "text": delta.text, "logprobs": logprobs, "finish_reason": None}
+        choice = {"index": index, "text": text, "logprobs": logprobs, "finish_reason": None}
         choice["finish_reason"] = finish_reason(delta.finish_reason)
         return [_chunk(gen, "text_completion", choice)]
 
@@ -45,16 +56,43 @@ class CompletionFormat:
         for i, final in enumerate(finals):
             for c in final.outputs:
                 index = i * gen.n + c.index
-                logprobs = self._logprobs(gen, index, c.token_ids, c.logprobs) if c.logprobs is not None else None
+                text, logprobs = c.text, None
+                if c.logprobs is not None:
+                    if self.echo is not None:  # the prompt's tokens first; the output's offsets follow its text
+                        logprobs = self._prompt_part(gen, index, final)
+                        gen.text_offsets[index] = len(self.echo[i])
+                    out = self._logprobs(gen, index, c.token_ids, c.logprobs)
+                    logprobs = out if logprobs is None else {k: logprobs[k] + out[k] for k in out}
+                if self.echo is not None:
+                    text = self.echo[i] + text
                 choices.append(
                     CompletionChoice(
                         index=index,
-                        text=c.text,
+                        text=text,
                         logprobs=CompletionLogprobs(**logprobs) if logprobs is not None else None,
                         finish_reason=finish_reason(c.finish_reason),
+                        prompt_logprobs=prompt_logprobs(gen, final),
                     )
                 )
         return Completion(id=gen.id, created=gen.created, model=gen.served.name, choices=choices, usage=gen.usage())
+
+    def _prompt_part(self, gen: Generation, index: int, final: RequestOutput) -> dict[str, Any]:
+        """An echoed prompt's tokens in the logprobs' arrays: the first has no logprob (nothing before it)."""
+        ids, scored = final.prompt_token_ids, final.prompt_logprobs
+        assert scored is not None, "echo with logprobs asks the engine for the prompt's logprobs"
+        texts = [gen.token_text(t) for t in ids]
+        offsets, offset = [], 0
+        for text in texts:
+            offsets.append(offset)
+            offset += len(text)
+        return {
+            "tokens": texts,
+            "token_logprobs": [None if lp is None else _finite(lp[t]) for t, lp in zip(ids, scored)],
+            "top_logprobs": [
+                None if lp is None else {gen.token_text(t): _finite(v) for t, v in gen.top(lp)} for lp in scored
+            ],
+            "text_offset": offsets,
+        }
 
     def _logprobs(
         self, gen: Generation, index: int, token_ids: list[int], logprobs: list[dict[int, float]]
@@ -72,6 +110,21 @@ class CompletionFormat:
             "top_logprobs": [{gen.token_text(t): _finite(v) for t, v in gen.top(lp)} for lp in logprobs],
             "text_offset": offsets,
         }
+
+
+def prompt_logprobs(gen: Generation, final: RequestOutput) -> list[dict[str, PromptLogprob] | None] | None:
+    """vLLM's prompt_logprobs: per prompt token, None for the first, else every scored token (the prompt's
+    own and the top ones) by id, with its logprob and text; None when the request did not ask."""
+    if not gen.prompt_logprobs or final.prompt_logprobs is None:
+        return None
+    return [
+        None
+        if scored is None
+        else {
+            str(t): PromptLogprob(logprob=_finite(v), decoded_token=gen.served.token_text(t)) for t, v in scored.items()
+        }
+        for scored in final.prompt_logprobs
+    ]
 
 
 class ChatFormat:
@@ -137,7 +190,14 @@ class ChatFormat:
                         finish_reason=reason,
                     )
                 )
-        return ChatCompletion(id=gen.id, created=gen.created, model=gen.served.name, choices=choices, usage=gen.usage())
+        return ChatCompletion(
+            id=gen.id,
+            created=gen.created,
+            model=gen.served.name,
+            choices=choices,
+            usage=gen.usage(),
+            prompt_logprobs=prompt_logprobs(gen, finals[0]) if finals else None,
+        )
 
     def _logprobs(
         self, gen: Generation, token_ids: list[int], logprobs: list[dict[int, float]]

@@ -50,6 +50,7 @@ class Generation:
     include_usage: bool  # a usage chunk ends the stream
     tokens_as_ids: bool  # logprobs name tokens "token_id:N" (vLLM's return_tokens_as_token_ids)
     asked_by: str | None = None  # the request field that constrains the output (the engine's errors about it name it)
+    prompt_logprobs: bool = False  # the answer has each prompt token's logprobs (asked for with prompt_logprobs)
     created: int = field(default_factory=lambda: int(time.time()))
     streams: list[RequestStream] = field(default_factory=list)  # one per prompt
     prompt_tokens: int = 0
@@ -73,6 +74,7 @@ class Generation:
             req.include_usage,
             bool(req.return_tokens_as_token_ids),
             rules.asked_by,
+            req.prompt_logprobs is not None,
         )
         try:
             for i, ids in enumerate(prompts):

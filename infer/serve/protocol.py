@@ -10,7 +10,7 @@ one ("Extra inputs are not permitted"). Each field is checked for its JSON type 
 checks it: "5" or true for an integer, true for a number, "yes" for a boolean are 400s; an integer
 passes for a number, and a whole number written 5.0 for an integer (JSON Schema's integers).
 
-The OpenAPI schema states what the handlers enforce, refusals included (`echo` only false,
+The OpenAPI schema states what the handlers enforce, refusals included (`suffix` only empty,
 `modalities` only ["text"], /tokenize's prompt or messages, ...), so a client generated from it
 sends nothing it forbids; what it cannot state is the model's (its context, vocabulary and chat
 template), the constraint compilers' and rules across fields (`best_of` = `n`, one constraint).
@@ -127,12 +127,15 @@ class SamplingFields(BaseModel):
     ignore_eos: bool | None = None
     stop_token_ids: list[Annotated[int, Field(ge=0), WHOLE]] | None = None
     return_tokens_as_token_ids: bool | None = None  # logprobs name tokens "token_id:N", not by their text
+    # vLLM's: each prompt token's logprob and its top N (the first token has none), in the answer (not streamed)
+    prompt_logprobs: Annotated[int, Field(ge=0, le=MAX_LOGPROBS), WHOLE] | None = None
     # lower runs first (vLLM's): the fcfs scheduler admits and preempts by priority, aged by --priority-aging-s
     priority: Annotated[int, Field(ge=-(2**31), le=2**31 - 1), WHOLE] | None = None
 
     def sampling(self, max_tokens: int, logprobs: int | None, structured: StructuredOutputs | None) -> SamplingParams:
         """SamplingParams (which checks what pydantic did not, e.g. top_p > 0) for one prompt; `structured`:
         what the output must match (`constrained.output_rules` reads it from the request)."""
+        prompt_logprobs = self.prompt_logprobs_for(logprobs)
         return SamplingParams(
             n=_or(self.n, 1),
             max_tokens=max_tokens,
@@ -154,11 +157,20 @@ class SamplingFields(BaseModel):
             bad_words=self.bad_words,
             allowed_token_ids=self.allowed_token_ids,
             priority=_or(self.priority, 0),
+            prompt_logprobs=prompt_logprobs,
         )
 
     @property
     def include_usage(self) -> bool:
         return bool(self.stream_options and self.stream_options.include_usage)
+
+    def prompt_logprobs_for(self, logprobs: int | None) -> int | None:
+        """The top prompt logprobs each prompt token needs (None: none are computed)."""
+        return self.prompt_logprobs
+
+    def refuse_streamed_prompt_logprobs(self) -> None:
+        if self.stream and self.prompt_logprobs is not None:
+            raise Refused("prompt_logprobs", "prompt_logprobs come in the answer, not in a stream: drop stream or them")
 
 
 class CompletionRequest(SamplingFields):
@@ -169,20 +181,24 @@ class CompletionRequest(SamplingFields):
     ]
     max_tokens: Annotated[int, Field(ge=1), WHOLE] | None = None  # None: 16, as OpenAI
     logprobs: Annotated[int, Field(ge=0, le=MAX_LOGPROBS), WHOLE] | None = None  # top logprobs per token
-    echo: bool | None = Field(default=None, json_schema_extra={"enum": [False, None]})  # refused when true
+    echo: bool | None = None  # the prompt's text before each choice's (and, with logprobs, its tokens' logprobs)
     suffix: StrictStr | None = Field(default=None, json_schema_extra={"maxLength": 0})  # refused unless empty
     best_of: Annotated[int, Field(ge=1, le=MAX_N), WHOLE] | None = None  # refused unless equal to n
 
     def refuse(self) -> None:
         """Raise Refused for a field set to something this server cannot do."""
-        if self.echo:
-            raise Refused(
-                "echo", "echo is not supported (no prompt logprobs are computed): prepend the prompt yourself"
-            )
+        self.refuse_streamed_prompt_logprobs()
+        if self.echo and self.stream and self.logprobs is not None:
+            raise Refused("echo", "echo with logprobs is answered whole, not streamed: drop stream, logprobs or echo")
         if self.suffix:
             raise Refused("suffix", "suffix (fill-in-the-middle) is not supported: drop it")
         if self.best_of is not None and self.best_of != _or(self.n, 1):
             raise Refused("best_of", "best_of other than n is not supported: drop it and use n")
+
+    def prompt_logprobs_for(self, logprobs: int | None) -> int | None:
+        if self.echo and logprobs is not None:  # the echoed prompt's tokens come with logprobs too
+            return max(self.prompt_logprobs or 0, logprobs)
+        return self.prompt_logprobs
 
     def prompts(self) -> list[str | list[int]]:
         p = self.prompt
@@ -249,6 +265,7 @@ class ChatRequest(SamplingFields):
 
     def refuse(self) -> None:
         """Raise Refused for a field set to something this server cannot do."""
+        self.refuse_streamed_prompt_logprobs()
         if self.functions:
             raise Refused("functions", "functions (OpenAI's older tools) are not supported: pass them as tools")
         if self.function_call not in (None, "none"):
@@ -308,9 +325,14 @@ class CompletionLogprobs(BaseModel):
     """The completions API's logprobs: one entry per generated token."""
 
     tokens: list[str] = []  # each token's text
-    token_logprobs: list[float] = []  # the sampled token's logprob
-    top_logprobs: list[dict[str, float]] = []  # the most likely `logprobs` tokens: text -> logprob
+    token_logprobs: list[float | None] = []  # the sampled token's logprob (None: an echoed prompt's first token)
+    top_logprobs: list[dict[str, float] | None] = []  # the most likely `logprobs` tokens: text -> logprob
     text_offset: list[int] = []  # where each token's text starts in the choice's text
+
+
+class PromptLogprob(BaseModel):
+    logprob: float
+    decoded_token: str
 
 
 class CompletionChoice(BaseModel):
@@ -318,6 +340,8 @@ class CompletionChoice(BaseModel):
     text: str
     logprobs: CompletionLogprobs | None = None
     finish_reason: str | None = None  # "stop", "length" (the context or max_tokens), "abort"
+    # with prompt_logprobs: per prompt token (None for the first), token id -> its logprob and text (vLLM's)
+    prompt_logprobs: list[dict[str, PromptLogprob] | None] | None = None
 
 
 class Completion(BaseModel):
@@ -365,6 +389,8 @@ class ChatCompletion(BaseModel):
     model: str
     choices: list[ChatChoice]
     usage: Usage
+    # with prompt_logprobs: per prompt token (None for the first), token id -> its logprob and text (vLLM's)
+    prompt_logprobs: list[dict[str, PromptLogprob] | None] | None = None
 
 
 class ChatDelta(BaseModel):

@@ -44,7 +44,6 @@ BAD_BODIES = [
     ({"model": MODEL, "prompt": "x", "min_tokens": 20, "max_tokens": 10}, "min_tokens"),
     ({"model": MODEL, "prompt": "x", "guided_regex": "a", "guided_choice": ["a"]}, "guided_choice"),
     ({"model": MODEL, "prompt": "x", "structured_outputs": {"jsn": {}}}, "structured_outputs"),
-    ({"model": MODEL, "prompt": "x", "echo": True}, "echo"),
     ({"model": MODEL, "prompt": "x", "best_of": 3}, "best_of"),
     ({"model": MODEL, "prompt": "x", "frequency_penalty": "high"}, "frequency_penalty"),
     ({"model": MODEL, "prompt": "x", "no_such_field": 1}, "no_such_field"),
