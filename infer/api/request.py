@@ -45,6 +45,9 @@ class Request:
     finish_reason: FinishReason | None = None
     block_ids: list[int] = field(default_factory=list)  # block table: logical block i -> physical id
     num_computed_tokens: int = 0  # tokens whose K/V are in the cache
+    # prompt tokens whose K/V it found computed when first scheduled (a cached prefix, a parent's fork);
+    # None until then
+    num_cached_tokens: int | None = None
     num_preemptions: int = 0
     # parallel samples and beams: the prompt's first request, whose blocks this one shares (forks)
     fork_parent: "Request | None" = field(default=None, repr=False)
@@ -96,4 +99,5 @@ class RequestOutput:
     finished: bool
     error: str | None = None  # set when this request was rejected; the others are unaffected
     prompt_logprobs: list[dict[int, float] | None] | None = None  # None, then prompt token i's (i >= 1); if asked
+    num_cached_tokens: int | None = None  # prompt tokens not computed: found in the prefix cache (or shared)
     metrics: dict[str, float] = field(default_factory=dict)  # ttft_s, latency_s, ...

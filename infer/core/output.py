@@ -128,6 +128,7 @@ class OutputProcessor:
             finished=True,
             metrics=metrics,
             prompt_logprobs=None if first.params.prompt_logprobs is None else [None, *first.prompt_logprobs],
+            num_cached_tokens=first.num_cached_tokens,
         )
 
     def close(self) -> None:

@@ -26,7 +26,7 @@ from infer.serve.async_engine import RequestStream
 from infer.serve.constrained import OutputRules
 from infer.serve.errors import APIError, api_error
 from infer.serve.metrics import ServeMetrics
-from infer.serve.protocol import SamplingFields, Usage
+from infer.serve.protocol import PromptTokensDetails, SamplingFields, Usage
 from infer.serve.served import ServedModel
 
 DONE = "data: [DONE]\n\n"
@@ -55,6 +55,7 @@ class Generation:
     streams: list[RequestStream] = field(default_factory=list)  # one per prompt
     prompt_tokens: int = 0
     completion_tokens: int = 0
+    cached_tokens: int = 0  # of prompt_tokens, those found in the prefix cache (counted as each prompt finishes)
     text_offsets: dict[int, int] = field(default_factory=dict)  # choice -> its tokens' text so far (completions)
     num_finished: int = 0  # streams that ended with their output
     closed: bool = False
@@ -112,11 +113,17 @@ class Generation:
     def finished(self, output: RequestOutput) -> None:
         self.num_finished += 1
         self.completion_tokens += sum(len(c.token_ids) for c in output.outputs)
+        self.cached_tokens += output.num_cached_tokens or 0
         self.metrics.finished(self.served.name, output)
 
     def usage(self) -> Usage:
         total = self.prompt_tokens + self.completion_tokens
-        return Usage(prompt_tokens=self.prompt_tokens, completion_tokens=self.completion_tokens, total_tokens=total)
+        return Usage(
+            prompt_tokens=self.prompt_tokens,
+            completion_tokens=self.completion_tokens,
+            total_tokens=total,
+            prompt_tokens_details=PromptTokensDetails(cached_tokens=self.cached_tokens),
+        )
 
     def token_text(self, token_id: int) -> str:
         return f"token_id:{token_id}" if self.tokens_as_ids else self.served.token_text(token_id)

@@ -315,10 +315,15 @@ def _or(value: Any, default: Any) -> Any:
 # ---------------------------------------------------------------------- responses
 
 
+class PromptTokensDetails(BaseModel):
+    cached_tokens: int  # prompt tokens found in the prefix cache: not computed again
+
+
 class Usage(BaseModel):
     prompt_tokens: int
     completion_tokens: int  # every sample's tokens
     total_tokens: int
+    prompt_tokens_details: PromptTokensDetails | None = None
 
 
 class CompletionLogprobs(BaseModel):
