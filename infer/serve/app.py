@@ -214,7 +214,7 @@ def _generation_routes(
                 num_chars = _num_chars(req.messages) + (len(str(rules.tools)) if rules.tools else 0)
                 models.refuse_long(served, num_chars, "messages")
                 ids = await models.offload.run(
-                    num_chars, _chat_ids, served, req.messages, True, req.chat_template_kwargs, rules.tools
+                    num_chars, _chat_ids, served, req.messages, True, req.template_kwargs(), rules.tools
                 )
             param = "max_completion_tokens" if req.max_completion_tokens is not None else "max_tokens"
             limit = max_tokens_rule(req.max_new_tokens, None, served.max_model_len, param, "messages")

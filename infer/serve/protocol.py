@@ -259,9 +259,16 @@ class ChatRequest(SamplingFields):
     audio: dict[str, Any] | None = Field(default=None, json_schema_extra=NULL_ONLY)  # refused
     prediction: dict[str, Any] | None = Field(default=None, json_schema_extra=NULL_ONLY)  # refused
     web_search_options: dict[str, Any] | None = Field(default=None, json_schema_extra=NULL_ONLY)  # refused
-    reasoning_effort: str | None = None  # accepted and ignored
+    # reaches the chat template as its `reasoning_effort` variable (a template that reads it: gpt-oss', ...)
+    reasoning_effort: Literal["none", "minimal", "low", "medium", "high"] | None = None
     verbosity: str | None = None  # accepted and ignored
     chat_template_kwargs: dict[str, Any] | None = None  # vLLM's: variables for the chat template
+
+    def template_kwargs(self) -> dict[str, Any] | None:
+        """The chat template's variables: chat_template_kwargs, and reasoning_effort unless they set it."""
+        if self.reasoning_effort is None:
+            return self.chat_template_kwargs
+        return {"reasoning_effort": self.reasoning_effort, **(self.chat_template_kwargs or {})}
 
     def refuse(self) -> None:
         """Raise Refused for a field set to something this server cannot do."""
