@@ -28,7 +28,9 @@ from infer.testing.decoder import prompts
 EXAMPLE = Path(__file__).resolve().parents[1] / "examples" / "infer-example-plugin"
 PACKAGE = EXAMPLE / "infer_example_plugin"
 API = ("infer.api", "infer.kernels")  # with their submodules, and the top-level `infer` itself
-MODULES = ("attention", "kv_allocator", "scheduler", "decoder", "detokenizer", "layers", "logits_processor")
+MODULES = (
+    "attention", "kv_allocator", "scheduler", "decoder", "detokenizer", "layers", "logits_processor", "reasoning_parser",
+)  # fmt: skip
 
 
 # ---------------------------------------------------------------------------------------------- imports
@@ -265,7 +267,7 @@ def test_all_example_strategies_together(example, model_dir, reference):
 
 def test_installed_example_passes_the_kits(example_plugin_env, tmp_path):
     kits = ["attention=example-sdpa", "kv_allocator=example-refcount", "decoding=example-split"]
-    kits.append("logits_processor=example-choice")
+    kits += ["logits_processor=example-choice", "reasoning_parser=example-labels"]
     command = [sys.executable, "-m", "pytest", *(f"--infer-kit={k}" for k in kits), "-q", "-p", "no:cacheprovider"]
     ran = subprocess.run(command, capture_output=True, text=True, cwd=tmp_path, env=example_plugin_env, timeout=300)
     assert ran.returncode == 0, ran.stdout + ran.stderr

@@ -50,6 +50,7 @@ from infer.api.parallel import (
     SingleProcess,
     TensorParallelLayers,
 )
+from infer.api.reasoning import ReasoningParser, ReasoningSplit, ReasoningStream
 from infer.api.sampling import Sampler, SamplerOutput, TokenSampler, VerifyingSampler
 from infer.api.scheduling import (
     BatchOutlook,
@@ -72,6 +73,7 @@ __all__ = [
     "SamplerOutput", "Sampler", "TokenSampler", "VerifyingSampler",
     "ModelRunnerLike", "ForwardRunner", "DecoderContext", "Decoder", "SelfDescribing", "StatsSummary",
     "DetokenizedDelta", "Detokenizer", "DeviceWaits",
+    "ReasoningParser", "ReasoningSplit", "ReasoningStream",
     "LogitsProcessor", "LogitsRow", "ProcessorContext", "PreparingProcessor",
     "LAYER_KINDS", "Layers", "RotaryTables", "FusingActivation", "LinearMatmul", "QuantizedLinear", "PushingMatmul",
     "CausalLM", "CheckpointShapes", "ModelArchitecture", "HFArchitectures", "ModelPresets", "RegisterFn",

@@ -32,6 +32,8 @@ layer                     factory(*args) -> torch.nn.Module, registered under a 
                           the highest `capabilities.priority` runnable on the device wins
 logits_processor          factory(ctx: ProcessorContext) -> LogitsProcessor; every one
                           installed is built, and serves the requests it admits
+reasoning_parser          factory(tokenizer) -> ReasoningParser (infer.api.reasoning); the server
+                          builds the one --reasoning-parser names, once per served model
 ========================  ===============================================================
 """
 
@@ -115,6 +117,15 @@ def infer_register_logits_processors(register: RegisterFn) -> None:
     """Register logits processors: `register("xgrammar", XGrammarProcessor)`.
 
     Each one decides per request whether it applies (structured output, logit bias, ...).
+    """
+
+
+@hookspec
+def infer_register_reasoning_parsers(register: RegisterFn) -> None:
+    """Register reasoning parsers: `register("qwen3", Qwen3Reasoning)` (`infer serve --reasoning-parser`).
+
+    Plugin API 2.1. A parser splits a chat's output into its reasoning and its answer, whole or as it
+    streams (`infer.api.reasoning`); the kit checks that both splits agree for every chunking.
     """
 
 

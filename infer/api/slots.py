@@ -26,6 +26,7 @@ SLOTS: tuple[Slot, ...] = (  # in `infer plugins` and doctor order
     Slot("model", "infer_register_models", None, "--model-impl"),  # chosen by the checkpoint's architecture
     Slot("layer", "infer_register_layers", None, "the layers hook"),  # every kind, by priority
     Slot("logits_processor", "infer_register_logits_processors", None, "the logits processors hook"),  # all
+    Slot("reasoning_parser", "infer_register_reasoning_parsers", None, "--reasoning-parser"),  # the server's choice
 )
 SLOT = {s.name: s for s in SLOTS}
 CHOSEN = tuple(s for s in SLOTS if s.field)  # the slots an EngineConfig names a strategy for

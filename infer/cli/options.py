@@ -53,6 +53,7 @@ HELP: dict[str, str] = {  # EngineConfig field -> help, in the order `--help` li
     "preemption_mode": "What a preempted request's KV blocks do: freed and recomputed, or swapped to CPU memory.",
     "swap_space_gib": "CPU KV pool in GiB for --preemption-mode swap (recompute when it is full).",
     "max_num_seqs": "Requests running at once, at most.",
+    "priority_aging_s": "Seconds of waiting a priority level is worth: a request of priority p ranks as if it arrived p x this later (lower values run first), so none waits more than the difference x this behind a later one.",
     "max_num_batched_tokens": "Tokens computed per step at most (longer prompts are chunked).",
     "max_step_ms": "A step's target time in ms: the per-step token budget shrinks to what the device computes in it "
     "(measured as it runs), so a long prompt cannot freeze other streams; default: none (infer serve: 500).",

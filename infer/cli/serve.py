@@ -173,6 +173,13 @@ def limit_options(command: Callable[..., Any]) -> Callable[..., Any]:
     "read for chats with tool_choice 'auto'. Without it such chats are refused.",
 )
 @click.option(
+    "--reasoning-parser",
+    default=None,
+    metavar="NAME",
+    help="Split each chat's reasoning (reasoning_content) from its answer: a reasoning_parser plugin "
+    "(qwen3, deepseek-r1, or one `infer plugins` lists). Without it the reasoning stays in the content.",
+)
+@click.option(
     "--shutdown-timeout",
     type=click.FloatRange(min=0),
     default=30.0,
@@ -196,6 +203,7 @@ def serve(
     metrics_public: bool,
     max_waiting: int | None,
     tool_call_parser: str | None,
+    reasoning_parser: str | None,
     shutdown_timeout: float,
     restart_engine: bool,
     limits: ServeLimits,
@@ -218,6 +226,10 @@ def serve(
         raise ConfigError(f"infer serve needs the serve extra ({exc.name} is missing): {EXTRA}") from None
     from infer.serve.async_engine import AsyncEngine
 
+    if reasoning_parser is not None:  # an unknown name fails now, before any model loads
+        from infer.core.registry import PluginRegistry
+
+        PluginRegistry.load().get("reasoning_parser", reasoning_parser)
     configs = model_configs(models, engine_opts)
     engines: dict[str, AsyncEngine] = {}
     exit_code = 0
@@ -231,6 +243,7 @@ def serve(
             engines,
             api_key=api_key,
             tool_call_parser=tool_call_parser,
+            reasoning_parser=reasoning_parser,
             limits=limits,
             metrics_public=metrics_public,
             lifecycle=lifecycle,

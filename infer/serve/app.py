@@ -35,6 +35,7 @@ from prometheus_client import CONTENT_TYPE_LATEST
 
 from infer import __version__
 from infer.api.errors import ConfigError, RequestError, one_line
+from infer.core.registry import PluginRegistry
 from infer.inputs.chat_template import check_template_kwargs, render_chat, template_for
 from infer.inputs.prompts import check_encodable
 from infer.serve import errors
@@ -93,19 +94,25 @@ def create_app(
     api_key: str | None = None,
     tool_call_parser: str | None = None,
     *,
+    reasoning_parser: str | None = None,
     limits: ServeLimits | None = None,
     metrics_public: bool = False,
     lifecycle: Lifecycle | None = None,
 ) -> FastAPI:
     """tool_call_parser: the format of the calls models write in their text (a name in `PARSERS`), read
-    for chats with tool_choice "auto"; None: such chats are refused. limits: None: ServeLimits()'s
+    for chats with tool_choice "auto"; None: such chats are refused. reasoning_parser: the reasoning parser
+    plugin that splits each chat's reasoning (`reasoning_content`) from its answer; None: all is content. limits: None: ServeLimits()'s
     defaults. metrics_public: /metrics needs no key even with `api_key`. lifecycle: what a shutdown
     stops (None: one of the app's own, never stopped)."""
     if not engines:
         raise ConfigError("serve at least one model: give --model NAME")
     if tool_call_parser is not None and tool_call_parser not in PARSERS:
         raise ConfigError(f"unknown tool-call parser {tool_call_parser!r}: use one of {', '.join(PARSERS)}")
-    models = Models({name: ServedModel(name, engine) for name, engine in engines.items()})
+    reasoning = None if reasoning_parser is None else PluginRegistry.load().get("reasoning_parser", reasoning_parser)
+    models = Models({
+        name: ServedModel(name, engine, reasoning=None if reasoning is None else reasoning.factory(engine.tokenizer))
+        for name, engine in engines.items()
+    })  # fmt: skip
     models.offload = Offload()  # tokenizing and chat templates run here, off the event loop
     metrics = ServeMetrics(models.values())
     limits = limits or ServeLimits()
@@ -219,7 +226,7 @@ def _generation_routes(
             param = "max_completion_tokens" if req.max_completion_tokens is not None else "max_tokens"
             limit = max_tokens_rule(req.max_new_tokens, None, served.max_model_len, param, "messages")
             gen = Generation.start("chatcmpl", served, metrics, req, [ids], limit, req.num_logprobs, rules)
-        return await answer(gen, ChatFormat(rules.parser), bool(req.stream), request)
+        return await answer(gen, ChatFormat(rules.parser, served.reasoning), bool(req.stream), request)
 
 
 def _prompt_text(served: ServedModel, prompt: str | list[int], ids: list[int]) -> str:

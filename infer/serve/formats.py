@@ -8,6 +8,8 @@ from __future__ import annotations
 import math
 from typing import Any
 
+from infer.api.reasoning import ReasoningParser, ReasoningStream
+from infer.api.reasoning import split as split_reasoning
 from infer.api.request import RequestOutput
 from infer.core.stream import CompletionDelta
 from infer.serve.generation import Generation, finish_reason
@@ -128,9 +130,11 @@ def prompt_logprobs(gen: Generation, final: RequestOutput) -> list[dict[str, Pro
 
 
 class ChatFormat:
-    def __init__(self, parser: ToolParser | None = None) -> None:
+    def __init__(self, parser: ToolParser | None = None, reasoning: ReasoningParser | None = None) -> None:
         self.parser = parser  # reads each choice's tool calls; None: its text is its content
+        self.reasoning = reasoning  # splits each choice's reasoning from its answer; None: all is answer
         self.calls: dict[int, ToolCallStream] = {}  # choice -> its calls so far, when streamed
+        self.thoughts: dict[int, ReasoningStream] = {}  # choice -> its reasoning so far, when streamed
 
     def opening(self, gen: Generation) -> list[dict[str, Any]]:
         """Each choice's first chunk names the role, as OpenAI's do."""
@@ -143,12 +147,19 @@ class ChatFormat:
         finish reason in the last."""
         logprobs = {"content": self._logprobs(gen, delta.token_ids, delta.logprobs)} if delta.logprobs else None
         reason = finish_reason(delta.finish_reason)
+        final = delta.finish_reason is not None
+        text, deltas = delta.text, []
+        if self.reasoning is not None:  # the reasoning first; the answer's part goes on to the tool calls
+            split = self.thoughts.setdefault(index, ReasoningStream(self.reasoning)).feed(text, final)
+            text = split.content
+            if split.reasoning:
+                deltas.append({"reasoning_content": split.reasoning})
         if self.parser is None:
-            deltas = [{"content": delta.text}] if delta.text else []
+            deltas += [{"content": text}] if text else []
         else:
             calls = self.calls.setdefault(index, self.parser.stream())
-            piece = calls.feed(delta.text, final=delta.finish_reason is not None)
-            deltas = ([{"content": piece.content}] if piece.content else []) + [_call_delta(d) for d in piece.calls]
+            piece = calls.feed(text, final=final)
+            deltas += ([{"content": piece.content}] if piece.content else []) + [_call_delta(d) for d in piece.calls]
             reason = _reason(reason, calls.has_calls)
         if not deltas and logprobs is None and reason is None:
             return []
@@ -172,14 +183,18 @@ class ChatFormat:
         for i, final in enumerate(finals):
             for c in final.outputs:
                 content = self._logprobs(gen, c.token_ids, c.logprobs) if c.logprobs is not None else None
-                message, reason = ChatMessageOut(content=c.text), finish_reason(c.finish_reason)
-                parsed = self.parser.parse(c.text) if self.parser is not None else None
+                thought, text = (None, c.text) if self.reasoning is None else split_reasoning(self.reasoning, c.text)
+                text = text or ""
+                message = ChatMessageOut(content=text if text or thought is None else None, reasoning_content=thought)
+                reason = finish_reason(c.finish_reason)
+                parsed = self.parser.parse(text) if self.parser is not None else None
                 if parsed is not None and parsed.calls:
                     calls = [
                         ToolCallOut(id=t.id, function=FunctionCall(name=t.name, arguments=t.arguments))
                         for t in parsed.calls
                     ]
-                    message, reason = ChatMessageOut(content=parsed.content, tool_calls=calls), _reason(reason, True)
+                    message = ChatMessageOut(content=parsed.content, tool_calls=calls, reasoning_content=thought)
+                    reason = _reason(reason, True)
                 choices.append(
                     ChatChoice(
                         index=i * gen.n + c.index,

@@ -384,6 +384,7 @@ class ChatLogprobs(BaseModel):
 class ChatMessageOut(BaseModel):
     role: Literal["assistant"] = "assistant"
     content: str | None = None  # None when the answer is tool calls only
+    reasoning_content: str | None = None  # with --reasoning-parser: the model's reasoning, before its answer
     tool_calls: list[ToolCallOut] | None = None
 
 
@@ -408,6 +409,7 @@ class ChatCompletion(BaseModel):
 class ChatDelta(BaseModel):
     role: Literal["assistant"] | None = None  # in each choice's first chunk
     content: str | None = None
+    reasoning_content: str | None = None  # with --reasoning-parser
     tool_calls: list[ToolCallDelta] | None = None  # a call's first chunk names it, the next ones add arguments
 
 

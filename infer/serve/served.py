@@ -6,6 +6,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
+from infer.api.reasoning import ReasoningParser
 from infer.serve.async_engine import AsyncEngine
 from infer.serve.snapshot import EngineSnapshot, snapshot
 
@@ -18,6 +19,7 @@ class ServedModel:
     engine: AsyncEngine
     created: int = field(default_factory=lambda: int(time.time()))  # when the server took it (unix seconds)
     token_texts: dict[int, str] = field(default_factory=dict)  # token id -> its text, filled as logprobs ask
+    reasoning: ReasoningParser | None = None  # splits a chat's reasoning from its answer (--reasoning-parser)
 
     @property
     def tokenizer(self) -> Any | None:

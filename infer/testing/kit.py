@@ -14,7 +14,7 @@ from infer.api.slots import find
 from infer.core.registry import PluginRegistry, Strategy
 
 # the slots with a suite, suites/kit_<slot>.py
-SLOTS = ("attention", "sampler", "kv_allocator", "decoding", "model", "logits_processor")
+SLOTS = ("attention", "sampler", "kv_allocator", "decoding", "model", "logits_processor", "reasoning_parser")
 SUITES = Path(__file__).resolve().parent / "suites"
 
 

@@ -26,7 +26,7 @@ def pytest_addoption(parser: pytest.Parser) -> None:
         action="append",
         default=[],
         metavar="SLOT=NAME",
-        help="run infer's conformance suite for SLOT (attention, sampler, kv_allocator, decoding, model, "
+        help="run infer's conformance suite for SLOT (attention, sampler, kv_allocator, decoding, model, reasoning_parser, "
         "logits_processor) against the installed strategy NAME; repeatable",
     )
 

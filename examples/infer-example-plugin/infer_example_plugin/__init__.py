@@ -6,7 +6,8 @@ capabilities (and, for the conformance kit, the `SamplingParams` it honours), an
 itself; nothing in infer changes. `pytest --infer-kit sampler=temperature-only` checks it. The
 package's other strategies, one for every other slot, are in modules of their own, each under an
 entry point of its own (pyproject.toml): `attention.py`, `kv_allocator.py`, `scheduler.py`,
-`decoder.py`, `detokenizer.py`, `arcee.py` (the model), `layers.py` and `logits_processor.py`.
+`decoder.py`, `detokenizer.py`, `arcee.py` (the model), `layers.py`, `logits_processor.py` and
+`reasoning_parser.py`.
 """
 
 from __future__ import annotations

@@ -1,0 +1,1 @@
+"""Reasoning parsers (`infer serve --reasoning-parser NAME`): a chat's reasoning split from its answer."""
