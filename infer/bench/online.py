@@ -50,6 +50,7 @@ class OnlineRequest:
     prompt: str | list[int]  # text, or token ids (completions only: chat messages are text)
     max_tokens: int  # output tokens asked for, with ignore_eos: the output length
     prompt_tokens: int = 0  # known before sending for token ids (or with a tokenizer); else 0, read from usage
+    priority: int | None = None  # sent as `priority` (lower first); None: not sent
 
 
 @dataclass(slots=True)
@@ -62,6 +63,7 @@ class RequestRecord:
     e2e_s: float = 0.0  # sent -> end of the stream
     itl_s: list[float] = field(default_factory=list)  # gaps between successive chunks with output
     error: str | None = None  # why the request failed; None when it succeeded
+    priority: int | None = None  # the priority it was sent with, if any
 
     @property
     def tpot_s(self) -> float:
@@ -109,6 +111,8 @@ def request_body(request: OnlineRequest, settings: LoadSettings) -> dict[str, An
         body.update(messages=[{"role": "user", "content": request.prompt}], max_completion_tokens=request.max_tokens)
     else:
         body.update(prompt=request.prompt, max_tokens=request.max_tokens)
+    if request.priority is not None:
+        body["priority"] = request.priority
     return body
 
 
@@ -142,7 +146,7 @@ async def send(
 ) -> RequestRecord:
     """One streamed request, timed per chunk that carries output. Never raises for the request's own failure."""
     start = time.perf_counter()
-    record = RequestRecord(index, start - t0, prompt_tokens=request.prompt_tokens)
+    record = RequestRecord(index, start - t0, prompt_tokens=request.prompt_tokens, priority=request.priority)
     chunks, last, done = 0, start, False
     try:
         async with client.stream("POST", settings.url(), json=request_body(request, settings)) as response:

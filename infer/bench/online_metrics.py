@@ -80,7 +80,34 @@ def summarize(result: LoadResult, slo: dict[str, float]) -> dict[str, Any]:
         "e2e_ms": stats([r.e2e_s * 1e3 for r in ok]),
         # the paper's normalized latency: a request's end-to-end latency / its output tokens
         "normalized_latency_ms": stats([r.e2e_s * 1e3 / r.output_tokens for r in ok if r.output_tokens]),
+        "by_priority": by_priority(ok),
     }
+
+
+def by_priority(ok: Sequence[RequestRecord]) -> dict[str, Any] | None:
+    """Per priority sent (--priority-mix): how many, TTFT percentiles and the longest TTFT (the longest a
+    request of it waited for its first token); None when no request carried one."""
+    levels = sorted({r.priority for r in ok if r.priority is not None})
+    if not levels:
+        return None
+    figures = {}
+    for level in levels:
+        ttft = [r.ttft_s * 1e3 for r in ok if r.priority == level]
+        figures[str(level)] = {"completed": len(ttft), "ttft_ms": stats(ttft), "max_ttft_ms": max(ttft)}
+    return figures
+
+
+def priority_table(summary: dict[str, Any]) -> str | None:
+    """TTFT by priority, lower first; None without priorities."""
+    levels = summary.get("by_priority")
+    if not levels:
+        return None
+    keys = ["mean", *(f"p{q}" for q in PERCENTILES)]
+    rows = [
+        [level, str(f["completed"]), *(_ms(f["ttft_ms"][k]) for k in keys), _ms(f["max_ttft_ms"])]
+        for level, f in levels.items()
+    ]
+    return _columns(["priority", "requests", *(f"TTFT {k} ms" for k in keys), "TTFT max ms"], rows)
 
 
 def request_figures(record: RequestRecord) -> dict[str, Any]:

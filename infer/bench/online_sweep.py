@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import json
 import math
+import random
 import time
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
@@ -22,7 +23,14 @@ from infer.bench.online import (
     check_server,
     run_load,
 )
-from infer.bench.online_metrics import detail_table, rate_text, request_figures, summarize, sweep_table
+from infer.bench.online_metrics import (
+    detail_table,
+    priority_table,
+    rate_text,
+    request_figures,
+    summarize,
+    sweep_table,
+)
 from infer.bench.workloads import Workload, load_workload, needs_vocab
 
 
@@ -36,6 +44,8 @@ class SweepSettings:
     slo_ms: dict[str, float] = field(default_factory=dict)  # --goodput bounds: ttft/tpot/e2e -> ms
     tokenizer: str | None = None  # a folder or model name whose tokenizer decodes ids for chat, sizes the vocabulary
     vocab_size: int | None = None  # bound for random token ids; None: from the tokenizer or the model's config
+    # --priority-mix: (priority, weight) pairs; each request draws its priority with these weights (seeded)
+    priority_mix: tuple[tuple[int, float], ...] = ()
 
 
 @dataclass(slots=True)
@@ -121,6 +131,36 @@ def online_requests(workload: Workload, endpoint: Endpoint, tokenizer: Any | Non
     return requests
 
 
+def with_priorities(
+    requests: list[OnlineRequest], mix: tuple[tuple[int, float], ...], seed: int
+) -> list[OnlineRequest]:
+    """Each request's priority drawn from `mix` ((priority, weight) pairs), the same for the same seed."""
+    if not mix:
+        return requests
+    draw = random.Random(seed ^ 0x5EED)
+    levels, weights = [p for p, _ in mix], [w for _, w in mix]
+    return [replace(r, priority=draw.choices(levels, weights)[0]) for r in requests]
+
+
+def parse_priority_mix(text: str | None) -> tuple[tuple[int, float], ...]:
+    """'0:1,1:4' -> ((0, 1.0), (1, 4.0)): priorities and their weights; a ConfigError names the fix."""
+    if not text:
+        return ()
+    mix = []
+    for part in text.split(","):
+        level, sep, weight = part.partition(":")
+        try:
+            pair = (int(level), float(weight) if sep else 1.0)
+        except ValueError:
+            pair = None
+        if pair is None or not (pair[1] > 0 and math.isfinite(pair[1])):
+            raise ConfigError(
+                f"--priority-mix {text!r}: write PRIORITY:WEIGHT pairs, e.g. 0:1,1:4 (a fifth at priority 0)"
+            )
+        mix.append(pair)
+    return tuple(mix)
+
+
 def choose_model(settings: LoadSettings, served: list[str]) -> str:
     """--model, checked against the server's list; else the server's first model."""
     if not served:
@@ -148,6 +188,7 @@ def _record(settings: SweepSettings, workload: Workload, runs: list[tuple[dict[s
             "slo_ms": settings.slo_ms,
             "tokenizer": settings.tokenizer,
             "vocab_size": settings.vocab_size,
+            "priority_mix": [list(pair) for pair in settings.priority_mix],
         },
         "runs": [{**summary, "requests": [request_figures(r) for r in result.records]} for summary, result in runs],
     }
@@ -167,7 +208,7 @@ def run_sweep(
     tokenizer = local_tokenizer(settings.tokenizer) if settings.tokenizer else None
     vocab = vocabulary_size(settings, tokenizer) if needs_vocab(settings.workload) else 0
     workload = load_workload(settings.workload, vocab, settings.num_prompts, settings.max_tokens, load.seed)
-    requests = online_requests(workload, load.endpoint, tokenizer)
+    requests = with_priorities(online_requests(workload, load.endpoint, tokenizer), settings.priority_mix, load.seed)
     runs: list[tuple[dict[str, Any], LoadResult]] = []
     for rate in settings.request_rates:
         label = f"rate {rate_text(rate)}" + (f", concurrency {load.max_concurrency}" if load.max_concurrency else "")
@@ -179,6 +220,10 @@ def run_sweep(
     echo(sweep_table(summaries))
     if len(summaries) == 1:
         echo(detail_table(summaries[0]))
+    for summary in summaries:
+        table = priority_table(summary)
+        if table is not None:
+            echo(f"rate {summary['request_rate']}, TTFT by priority (lower runs first):\n{table}")
     for summary in summaries:
         for message, count in summary["errors"].items():
             echo(f"rate {summary['request_rate']}: {count} failed: {message}", err=True)

@@ -85,6 +85,13 @@ from infer.cli.options import writable
     help="Random token ids are drawn below it (default: the tokenizer's, else the model's config).",
 )
 @click.option(
+    "--priority-mix",
+    default=None,
+    metavar="P:W,...",
+    help="Send each request a priority drawn with these weights (e.g. 0:1,1:4: a fifth at priority 0, lower "
+    "first); the report adds TTFT by priority.",
+)
+@click.option(
     "--timeout",
     "timeout_s",
     type=click.FloatRange(min=0, min_open=True),
@@ -110,6 +117,7 @@ def serve(
     png_path: Path | None,
     tokenizer: str | None,
     vocab_size: int | None,
+    priority_mix: str | None,
     timeout_s: float,
 ) -> None:
     """Send a workload to an OpenAI-compatible server at each request rate; report TTFT, TPOT, ITL,
@@ -120,7 +128,7 @@ def serve(
         raise ConfigError("`infer bench serve` needs httpx: pip install 'infer[bench]'") from None
     from infer.bench.online import LoadSettings, normalize_base_url
     from infer.bench.online_metrics import parse_goodput
-    from infer.bench.online_sweep import SweepSettings, parse_rates, run_sweep
+    from infer.bench.online_sweep import SweepSettings, parse_priority_mix, parse_rates, run_sweep
 
     settings = SweepSettings(
         load=LoadSettings(
@@ -139,5 +147,6 @@ def serve(
         slo_ms=parse_goodput([*slos, *more_slos]),
         tokenizer=tokenizer,
         vocab_size=vocab_size,
+        priority_mix=parse_priority_mix(priority_mix),
     )
     run_sweep(settings, json_path, png_path, click.echo)

@@ -130,6 +130,9 @@ def test_token_ids_need_a_known_vocabulary(fake_server):
         (["--request-rate", "1,fast"], "'fast' is not a rate"),
         (["--max-concurrency", "0"], "'--max-concurrency'"),
         (["--json", "/no/such/folder/x.json"], "does not exist"),
+        (["--priority-mix", "high:1"], "write PRIORITY:WEIGHT pairs"),
+        (["--priority-mix", "0:0"], "write PRIORITY:WEIGHT pairs"),
+        (["--priority-mix", "0:nan"], "write PRIORITY:WEIGHT pairs"),
     ],
 )
 def test_bad_options_are_one_line(args, expected):
@@ -163,3 +166,31 @@ def load_ids(workload: str, vocab_size: int, n: int) -> list[list[int]]:
     from infer.bench.workloads import load_workload
 
     return load_workload(workload, vocab_size, n, None, seed=0).prompts
+
+
+def test_a_priority_mix_sends_priorities_and_reports_ttft_by_priority(fake_server, tmp_path):
+    out = tmp_path / "serve.json"
+    args = ["--base-url", fake_server.url, "--workload", "random-8x4", "--vocab-size", "100", "--num-prompts", "40"]
+    result = invoke(*args, "--priority-mix", "0:1,3:3", "--seed", "5", "--json", str(out))
+    assert result.exit_code == 0, result.output
+    sent = [b["priority"] for b in fake_server.bodies]
+    assert set(sent) == {0, 3} and 4 <= sent.count(0) <= 18  # about a quarter at priority 0
+    run = json.loads(out.read_text())["runs"][0]
+    assert run["by_priority"]["0"]["completed"] == sent.count(0) and run["by_priority"]["3"]["completed"] == sent.count(
+        3
+    )
+    assert [r["index"] for r in run["requests"]] == list(range(40))
+    assert "TTFT by priority" in result.output and json.loads(out.read_text())["settings"]["priority_mix"] == [
+        [0, 1.0],
+        [3, 3.0],
+    ]
+    assert invoke(*args, "--priority-mix", "0:1,3:3", "--seed", "5").exit_code == 0
+    assert [b["priority"] for b in fake_server.bodies[40:]] == sent  # seeded
+
+
+def test_without_a_mix_no_priority_is_sent(fake_server):
+    result = invoke(
+        "--base-url", fake_server.url, "--workload", "random-8x4", "--vocab-size", "100", "--num-prompts", "3"
+    )
+    assert result.exit_code == 0, result.output
+    assert all("priority" not in b for b in fake_server.bodies) and "TTFT by priority" not in result.output
