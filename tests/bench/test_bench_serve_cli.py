@@ -171,9 +171,10 @@ def load_ids(workload: str, vocab_size: int, n: int) -> list[list[int]]:
 def test_a_priority_mix_sends_priorities_and_reports_ttft_by_priority(fake_server, tmp_path):
     out = tmp_path / "serve.json"
     args = ["--base-url", fake_server.url, "--workload", "random-8x4", "--vocab-size", "100", "--num-prompts", "40"]
+    before = len(fake_server.bodies)  # the server may have served other tests
     result = invoke(*args, "--priority-mix", "0:1,3:3", "--seed", "5", "--json", str(out))
     assert result.exit_code == 0, result.output
-    sent = [b["priority"] for b in fake_server.bodies]
+    sent = [b["priority"] for b in fake_server.bodies[before:]]
     assert set(sent) == {0, 3} and 4 <= sent.count(0) <= 18  # about a quarter at priority 0
     run = json.loads(out.read_text())["runs"][0]
     assert run["by_priority"]["0"]["completed"] == sent.count(0) and run["by_priority"]["3"]["completed"] == sent.count(
@@ -185,12 +186,13 @@ def test_a_priority_mix_sends_priorities_and_reports_ttft_by_priority(fake_serve
         [3, 3.0],
     ]
     assert invoke(*args, "--priority-mix", "0:1,3:3", "--seed", "5").exit_code == 0
-    assert [b["priority"] for b in fake_server.bodies[40:]] == sent  # seeded
+    assert [b["priority"] for b in fake_server.bodies[before + 40 :]] == sent  # seeded
 
 
 def test_without_a_mix_no_priority_is_sent(fake_server):
+    before = len(fake_server.bodies)
     result = invoke(
         "--base-url", fake_server.url, "--workload", "random-8x4", "--vocab-size", "100", "--num-prompts", "3"
     )
     assert result.exit_code == 0, result.output
-    assert all("priority" not in b for b in fake_server.bodies) and "TTFT by priority" not in result.output
+    assert all("priority" not in b for b in fake_server.bodies[before:]) and "TTFT by priority" not in result.output
