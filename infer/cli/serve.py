@@ -180,6 +180,13 @@ def limit_options(command: Callable[..., Any]) -> Callable[..., Any]:
     "(qwen3, deepseek-r1, or one `infer plugins` lists). Without it the reasoning stays in the content.",
 )
 @click.option(
+    "--otlp-traces-endpoint",
+    default=None,
+    metavar="URL",
+    help="Send an OpenTelemetry span per request to this OTLP/HTTP collector (e.g. http://127.0.0.1:4318/v1/traces; "
+    "pip install 'infer[otel]').",
+)
+@click.option(
     "--shutdown-timeout",
     type=click.FloatRange(min=0),
     default=30.0,
@@ -204,6 +211,7 @@ def serve(
     max_waiting: int | None,
     tool_call_parser: str | None,
     reasoning_parser: str | None,
+    otlp_traces_endpoint: str | None,
     shutdown_timeout: float,
     restart_engine: bool,
     limits: ServeLimits,
@@ -230,6 +238,11 @@ def serve(
         from infer.core.registry import PluginRegistry
 
         PluginRegistry.load().get("reasoning_parser", reasoning_parser)
+    tracer = None
+    if otlp_traces_endpoint is not None:  # checked (the extra installed) before any model loads
+        from infer.serve.tracing import otlp_tracer
+
+        tracer = otlp_tracer(otlp_traces_endpoint)
     configs = model_configs(models, engine_opts)
     engines: dict[str, AsyncEngine] = {}
     exit_code = 0
@@ -244,6 +257,7 @@ def serve(
             api_key=api_key,
             tool_call_parser=tool_call_parser,
             reasoning_parser=reasoning_parser,
+            tracer=tracer,
             limits=limits,
             metrics_public=metrics_public,
             lifecycle=lifecycle,

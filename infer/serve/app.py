@@ -65,6 +65,7 @@ from infer.serve.protocol import (
 from infer.serve.request_limits import check_request, openapi_limits
 from infer.serve.served import ServedModel
 from infer.serve.tool_parsers import PARSERS
+from infer.serve.tracing import end_span, start_span
 
 __all__ = ["create_app"]
 
@@ -95,13 +96,15 @@ def create_app(
     tool_call_parser: str | None = None,
     *,
     reasoning_parser: str | None = None,
+    tracer: Any = None,
     limits: ServeLimits | None = None,
     metrics_public: bool = False,
     lifecycle: Lifecycle | None = None,
 ) -> FastAPI:
     """tool_call_parser: the format of the calls models write in their text (a name in `PARSERS`), read
     for chats with tool_choice "auto"; None: such chats are refused. reasoning_parser: the reasoning parser
-    plugin that splits each chat's reasoning (`reasoning_content`) from its answer; None: all is content. limits: None: ServeLimits()'s
+    plugin that splits each chat's reasoning (`reasoning_content`) from its answer; None: all is content. tracer: an
+    OpenTelemetry tracer for a span per request (`tracing.otlp_tracer`); None: none. limits: None: ServeLimits()'s
     defaults. metrics_public: /metrics needs no key even with `api_key`. lifecycle: what a shutdown
     stops (None: one of the app's own, never stopped)."""
     if not engines:
@@ -150,7 +153,7 @@ def create_app(
         cards = [ModelCard(id=m.name, created=m.created, max_model_len=m.max_model_len) for m in models.values()]
         return ModelList(data=cards)
 
-    _generation_routes(app, models, metrics, guarded, tool_call_parser, limits)
+    _generation_routes(app, models, metrics, guarded, tool_call_parser, limits, tracer)
     _token_routes(app, models, guarded)
     _openapi_route(app, guarded, limits)
     return app
@@ -191,11 +194,13 @@ def _generation_routes(
     guarded: list[Any],
     tool_call_parser: str | None,
     limits: ServeLimits,
+    tracer: Any,
 ) -> None:
     @app.post("/v1/completions", dependencies=guarded, response_model=None, responses=_streamed(Completion))
     async def completions(req: CompletionRequest, request: Request) -> Response:
         served = models.named(req.model)
-        with _counted(metrics, served):
+        span = start_span(tracer, "text_completion", served.name, request.headers, _span_settings(req, req.max_tokens))
+        with _counted(metrics, served), _spanning(span):
             req.refuse()
             check_request(req, limits)
             rules = output_rules(req)
@@ -207,13 +212,15 @@ def _generation_routes(
             default = COMPLETIONS_DEFAULT_MAX_TOKENS
             limit = max_tokens_rule(req.max_tokens, default, served.max_model_len, "max_tokens", "prompt")
             gen = Generation.start("cmpl", served, metrics, req, prompts, limit, req.logprobs, rules)
+            gen.span = span
             echo = [_prompt_text(served, p, ids) for p, ids in zip(req.prompts(), prompts)] if req.echo else None
         return await answer(gen, CompletionFormat(echo), bool(req.stream), request)
 
     @app.post("/v1/chat/completions", dependencies=guarded, response_model=None, responses=_streamed(ChatCompletion))
     async def chat_completions(req: ChatRequest, request: Request) -> Response:
         served = models.named(req.model)
-        with _counted(metrics, served):
+        span = start_span(tracer, "chat", served.name, request.headers, _span_settings(req, req.max_new_tokens))
+        with _counted(metrics, served), _spanning(span):
             req.refuse()
             check_request(req, limits)
             rules = output_rules(req, tool_call_parser)
@@ -226,7 +233,22 @@ def _generation_routes(
             param = "max_completion_tokens" if req.max_completion_tokens is not None else "max_tokens"
             limit = max_tokens_rule(req.max_new_tokens, None, served.max_model_len, param, "messages")
             gen = Generation.start("chatcmpl", served, metrics, req, [ids], limit, req.num_logprobs, rules)
+            gen.span = span
         return await answer(gen, ChatFormat(rules.parser, served.reasoning), bool(req.stream), request)
+
+
+def _span_settings(req: Any, max_tokens: int | None) -> dict[str, Any]:
+    return {"max_tokens": max_tokens, "temperature": req.temperature, "top_p": req.top_p, "seed": req.seed}
+
+
+@contextlib.contextmanager
+def _spanning(span: Any) -> Iterator[None]:
+    """A request refused before it reached the engine ends its span with the error."""
+    try:
+        yield
+    except BaseException as exc:
+        end_span(span, {}, str(exc) or type(exc).__name__)
+        raise
 
 
 def _prompt_text(served: ServedModel, prompt: str | list[int], ids: list[int]) -> str:

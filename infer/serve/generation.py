@@ -28,6 +28,7 @@ from infer.serve.errors import APIError, api_error
 from infer.serve.metrics import ServeMetrics
 from infer.serve.protocol import PromptTokensDetails, SamplingFields, Usage
 from infer.serve.served import ServedModel
+from infer.serve.tracing import end_span
 
 DONE = "data: [DONE]\n\n"
 T = TypeVar("T")
@@ -59,6 +60,9 @@ class Generation:
     text_offsets: dict[int, int] = field(default_factory=dict)  # choice -> its tokens' text so far (completions)
     num_finished: int = 0  # streams that ended with their output
     closed: bool = False
+    span: Any = None  # the request's OpenTelemetry span (`tracing`), ended at close; None: not traced
+    finish_reasons: list[str] = field(default_factory=list)  # of the finished outputs' samples
+    first_token_s: float | None = None  # the earliest time to a first token among the prompts
 
     @classmethod
     def start(
@@ -96,6 +100,15 @@ class Generation:
         self.closed = True
         num_failed = sum(s.finished for s in self.streams) - self.num_finished  # ended by an error
         left = [s for s in self.streams if not s.finished]
+        error = unfinished if left else failed if num_failed else None
+        end_span(self.span, {
+            "gen_ai.response.id": self.id,
+            "gen_ai.usage.input_tokens": self.prompt_tokens,
+            "gen_ai.usage.output_tokens": self.completion_tokens,
+            "gen_ai.usage.cached_tokens": self.cached_tokens,
+            "gen_ai.response.finish_reasons": self.finish_reasons or None,
+            "infer.time_to_first_token_s": self.first_token_s,
+        }, error)  # fmt: skip
         for stream in left:
             stream.close()
         for outcome, count in ((unfinished, len(left)), (failed, num_failed)):
@@ -114,6 +127,10 @@ class Generation:
         self.num_finished += 1
         self.completion_tokens += sum(len(c.token_ids) for c in output.outputs)
         self.cached_tokens += output.num_cached_tokens or 0
+        self.finish_reasons += [finish_reason(c.finish_reason) or "" for c in output.outputs]
+        ttft = output.metrics.get("ttft_s")
+        if ttft is not None and (self.first_token_s is None or ttft < self.first_token_s):
+            self.first_token_s = ttft
         self.metrics.finished(self.served.name, output)
 
     def usage(self) -> Usage:
