@@ -39,6 +39,7 @@ from infer.core.registry import PluginRegistry
 from infer.inputs.chat_template import check_template_kwargs, render_chat, template_for
 from infer.inputs.prompts import check_encodable
 from infer.serve import errors
+from infer.serve.anthropic import AnthropicErrorResponse, AnthropicFormat, AnthropicMessage, MessagesRequest
 from infer.serve.async_engine import AsyncEngine
 from infer.serve.constrained import output_rules
 from infer.serve.errors import APIError
@@ -80,6 +81,15 @@ ERRORS: dict[int | str, dict[str, Any]] = {
         (500, "The engine failed"),
         (503, "The engine stopped (it died, or is being restarted) or the server is shutting down: retry"),
     ]
+}
+
+
+ANTHROPIC_ERRORS: dict[int | str, dict[str, Any]] = {
+    200: {
+        "model": AnthropicMessage,
+        "content": {"text/event-stream": {"schema": {"type": "object", "description": "with stream: named events"}}},
+    },
+    **{code: {"model": AnthropicErrorResponse, "description": e["description"]} for code, e in ERRORS.items()},
 }
 
 
@@ -218,6 +228,18 @@ def _generation_routes(
 
     @app.post("/v1/chat/completions", dependencies=guarded, response_model=None, responses=_streamed(ChatCompletion))
     async def chat_completions(req: ChatRequest, request: Request) -> Response:
+        gen, rules = await chat_generation(req, request)
+        served = gen.served
+        return await answer(gen, ChatFormat(rules.parser, served.reasoning), bool(req.stream), request)
+
+    @app.post("/v1/messages", dependencies=guarded, response_model=None, responses=ANTHROPIC_ERRORS)
+    async def messages(req: MessagesRequest, request: Request) -> Response:
+        """Anthropic's Messages API, over the chat completions machinery (`anthropic`)."""
+        gen, rules = await chat_generation(req.to_chat(), request)
+        chat = ChatFormat(rules.parser, gen.served.reasoning)
+        return await answer(gen, AnthropicFormat(chat), bool(req.stream), request)
+
+    async def chat_generation(req: ChatRequest, request: Request) -> tuple[Generation, Any]:
         served = models.named(req.model)
         span = start_span(tracer, "chat", served.name, request.headers, _span_settings(req, req.max_new_tokens))
         with _counted(metrics, served), _spanning(span):
@@ -234,7 +256,7 @@ def _generation_routes(
             limit = max_tokens_rule(req.max_new_tokens, None, served.max_model_len, param, "messages")
             gen = Generation.start("chatcmpl", served, metrics, req, [ids], limit, req.num_logprobs, rules)
             gen.span = span
-        return await answer(gen, ChatFormat(rules.parser, served.reasoning), bool(req.stream), request)
+        return gen, rules
 
 
 def _span_settings(req: Any, max_tokens: int | None) -> dict[str, Any]:
@@ -362,13 +384,18 @@ def _bearer(api_key: str) -> Any:
     async def check(request: Request) -> None:
         scheme, _, given = request.headers.get("authorization", "").partition(" ")
         # the scheme is case-insensitive (RFC 9110); the key is compared in constant time
-        if scheme.lower() != "bearer" or not secrets.compare_digest(given.strip().encode(), expected):
-            raise APIError(
-                401,
-                "no valid API key: send the server's --api-key as the header 'Authorization: Bearer KEY'",
-                "authentication_error",
-                code="invalid_api_key",
-                headers={"WWW-Authenticate": "Bearer"},
-            )
+        if scheme.lower() == "bearer" and secrets.compare_digest(given.strip().encode(), expected):
+            return
+        # Anthropic's clients send the key as x-api-key
+        if secrets.compare_digest(request.headers.get("x-api-key", "").strip().encode(), expected):
+            return
+        raise APIError(
+            401,
+            "no valid API key: send the server's --api-key as the header 'Authorization: Bearer KEY' "
+            "(or 'x-api-key: KEY')",
+            "authentication_error",
+            code="invalid_api_key",
+            headers={"WWW-Authenticate": "Bearer"},
+        )
 
     return check

@@ -56,8 +56,21 @@ class APIError(Exception):
     def body(self) -> dict[str, Any]:
         return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
 
-    def response(self) -> JSONResponse:
-        return JSONResponse(self.body(), status_code=self.status, headers=self.headers)
+    def response(self, path: str = "") -> JSONResponse:
+        """The answer; on Anthropic's route (/v1/messages) in Anthropic's error shape."""
+        body = self.anthropic_body() if path.startswith(ANTHROPIC_PATH) else self.body()
+        return JSONResponse(body, status_code=self.status, headers=self.headers)
+
+    def anthropic_body(self) -> dict[str, Any]:
+        kind = ANTHROPIC_ERROR_TYPES.get(self.status, "api_error")
+        return {"type": "error", "error": {"type": kind, "message": self.message}}
+
+
+ANTHROPIC_PATH = "/v1/messages"
+ANTHROPIC_ERROR_TYPES = {
+    400: "invalid_request_error", 401: "authentication_error", 403: "permission_error", 404: "not_found_error",
+    405: "invalid_request_error", 413: "request_too_large", 429: "rate_limit_error", 503: "overloaded_error",
+}  # fmt: skip
 
 
 def api_error(exc: BaseException) -> APIError:
@@ -112,7 +125,7 @@ def install(app: FastAPI) -> None:
     """Route every error through `api_error`."""
 
     async def on_validation(request: Request, exc: RequestValidationError) -> JSONResponse:
-        return validation_error(exc).response()
+        return validation_error(exc).response(request.url.path)
 
     async def on_http(request: Request, exc: StarletteHTTPException) -> JSONResponse:
         kind = {401: "authentication_error", 404: "not_found_error"}.get(exc.status_code, "invalid_request_error")
@@ -120,10 +133,10 @@ def install(app: FastAPI) -> None:
             f"{exc.detail}: see GET /openapi.json for the routes" if exc.status_code in (404, 405) else str(exc.detail)
         )
         headers = dict(exc.headers) if exc.headers else None
-        return APIError(exc.status_code, message, kind, headers=headers).response()
+        return APIError(exc.status_code, message, kind, headers=headers).response(request.url.path)
 
     async def on_error(request: Request, exc: Exception) -> JSONResponse:
-        return api_error(exc).response()
+        return api_error(exc).response(request.url.path)
 
     app.add_exception_handler(RequestValidationError, on_validation)  # type: ignore[arg-type]
     app.add_exception_handler(StarletteHTTPException, on_http)  # type: ignore[arg-type]

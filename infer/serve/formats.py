@@ -12,7 +12,7 @@ from infer.api.reasoning import ReasoningParser, ReasoningStream
 from infer.api.reasoning import split as split_reasoning
 from infer.api.request import RequestOutput
 from infer.core.stream import CompletionDelta
-from infer.serve.generation import Generation, finish_reason
+from infer.serve.generation import Generation, OpenAIEvents, finish_reason
 from infer.serve.output_protocol import FunctionCall, ToolCallOut
 from infer.serve.protocol import (
     ChatChoice,
@@ -28,7 +28,7 @@ from infer.serve.protocol import (
 from infer.serve.tool_parsers import CallDelta, ToolCallStream, ToolParser
 
 
-class CompletionFormat:
+class CompletionFormat(OpenAIEvents):
     """echo: each prompt's text (the answer's choices of prompt i start with echo[i]); None: no echo."""
 
     def __init__(self, echo: list[str] | None = None) -> None:
@@ -50,8 +50,10 @@ class CompletionFormat:
         choice["finish_reason"] = finish_reason(delta.finish_reason)
         return [_chunk(gen, "text_completion", choice)]
 
-    def usage_chunk(self, gen: Generation) -> dict[str, Any]:
-        return {**_chunk(gen, "text_completion", None), "usage": gen.usage().model_dump()}
+    def closing(self, gen: Generation) -> list[dict[str, Any]]:
+        return (
+            [{**_chunk(gen, "text_completion", None), "usage": gen.usage().model_dump()}] if gen.include_usage else []
+        )
 
     def response(self, gen: Generation, finals: list[RequestOutput]) -> Completion:
         choices = []
@@ -129,7 +131,7 @@ def prompt_logprobs(gen: Generation, final: RequestOutput) -> list[dict[str, Pro
     ]
 
 
-class ChatFormat:
+class ChatFormat(OpenAIEvents):
     def __init__(self, parser: ToolParser | None = None, reasoning: ReasoningParser | None = None) -> None:
         self.parser = parser  # reads each choice's tool calls; None: its text is its content
         self.reasoning = reasoning  # splits each choice's reasoning from its answer; None: all is answer
@@ -175,8 +177,12 @@ class ChatFormat:
             for n, d in enumerate(deltas)
         ]  # fmt: skip
 
-    def usage_chunk(self, gen: Generation) -> dict[str, Any]:
-        return {**_chunk(gen, "chat.completion.chunk", None), "usage": gen.usage().model_dump()}
+    def closing(self, gen: Generation) -> list[dict[str, Any]]:
+        return (
+            [{**_chunk(gen, "chat.completion.chunk", None), "usage": gen.usage().model_dump()}]
+            if gen.include_usage
+            else []
+        )
 
     def response(self, gen: Generation, finals: list[RequestOutput]) -> ChatCompletion:
         choices = []

@@ -157,9 +157,27 @@ class Format(Protocol):
 
     def chunks(self, gen: Generation, index: int, delta: CompletionDelta) -> list[dict[str, Any]]: ...
 
-    def usage_chunk(self, gen: Generation) -> dict[str, Any]: ...
+    def closing(self, gen: Generation) -> list[dict[str, Any]]: ...  # after the last output (the usage)
 
     def response(self, gen: Generation, finals: list[RequestOutput]) -> Any: ...
+
+    def error_body(self, error: APIError) -> dict[str, Any]: ...  # an error in the stream, or as the answer
+
+    def event(self, chunk: dict[str, Any]) -> str: ...  # one server-sent event
+
+    end: str | None  # the event that ends the stream ("data: [DONE]"), if the API has one
+
+
+class OpenAIEvents:
+    """OpenAI's framing: `data:` events, `data: [DONE]` last, errors in OpenAI's body."""
+
+    end: str | None = DONE
+
+    def event(self, chunk: dict[str, Any]) -> str:
+        return sse_event(chunk)
+
+    def error_body(self, error: APIError) -> dict[str, Any]:
+        return error.body()
 
 
 async def answer(gen: Generation, fmt: Format, stream: bool, request: Request) -> Response:
@@ -215,21 +233,22 @@ async def _events(
 ) -> AsyncIterator[str]:
     try:
         for chunk in fmt.opening(gen):
-            yield _event(chunk)
+            yield fmt.event(chunk)
         async for i, out in _after(first, rest):
             for delta in out.deltas:
                 for chunk in fmt.chunks(gen, i * gen.n + delta.index, delta):
-                    yield _event(chunk)
+                    yield fmt.event(chunk)
             if out.finished:
                 assert out.final is not None
                 gen.finished(out.final)
-        if gen.include_usage:
-            yield _event(fmt.usage_chunk(gen))
+        for chunk in fmt.closing(gen):
+            yield fmt.event(chunk)
     except Exception as exc:  # the engine failed mid-stream: the status is sent, so say it in the stream
-        yield _event(gen.error(exc).body())
+        yield fmt.event(fmt.error_body(gen.error(exc)))
     finally:
         gen.close()
-    yield DONE
+    if fmt.end is not None:
+        yield fmt.end
 
 
 async def _after(first: T | None, rest: AsyncIterator[T]) -> AsyncIterator[T]:
@@ -239,7 +258,7 @@ async def _after(first: T | None, rest: AsyncIterator[T]) -> AsyncIterator[T]:
         yield item
 
 
-def _event(data: dict[str, Any]) -> str:
+def sse_event(data: dict[str, Any]) -> str:
     return f"data: {json.dumps(data, ensure_ascii=False, separators=(',', ':'))}\n\n"
 
 

@@ -19,6 +19,15 @@ def openai_error(body: Any) -> dict[str, Any]:
     return error
 
 
+def anthropic_error(body: Any) -> dict[str, Any]:
+    """The `error` object of an Anthropic error body (`/v1/messages`); AssertionError if the body is not one."""
+    assert isinstance(body, dict) and body.get("type") == "error" and set(body) == {"type", "error"}, body
+    error = body["error"]
+    assert isinstance(error, dict) and set(error) == {"type", "message"}, error
+    assert isinstance(error["message"], str) and error["message"] and isinstance(error["type"], str), error
+    return error
+
+
 def error_of(response: Any, status: int) -> dict[str, Any]:
     assert response.status_code == status, (response.status_code, response.text)
     assert response.headers["content-type"].startswith("application/json")
