@@ -18,7 +18,7 @@ from infer.api.attention import (
     RotaryFusingAttention,
 )
 from infer.api.capabilities import DEFAULT_CAPABILITIES, Capabilities, capabilities_of
-from infer.api.constraints import LogitsProcessor, LogitsRow, PreparingProcessor, ProcessorContext
+from infer.api.constraints import LogitsProcessor, LogitsRow, PreparingProcessor, ProcessorContext, ServingProcessor
 from infer.api.decode_paths import DecodeGraphs, DecodePipeline
 from infer.api.decoding import Decoder, DecoderContext, ForwardRunner, ModelRunnerLike, SelfDescribing, StatsSummary
 from infer.api.kv import BlockOps, KVAllocator, KVUsage
@@ -72,7 +72,7 @@ __all__ = [
     "SamplerOutput", "Sampler", "TokenSampler", "VerifyingSampler",
     "ModelRunnerLike", "ForwardRunner", "DecoderContext", "Decoder", "SelfDescribing", "StatsSummary",
     "DetokenizedDelta", "Detokenizer", "DeviceWaits",
-    "LogitsProcessor", "LogitsRow", "ProcessorContext", "PreparingProcessor",
+    "LogitsProcessor", "LogitsRow", "ProcessorContext", "PreparingProcessor", "ServingProcessor",
     "LAYER_KINDS", "Layers", "RotaryTables", "FusingActivation", "LinearMatmul", "QuantizedLinear", "PushingMatmul",
     "CausalLM", "CheckpointShapes", "ModelArchitecture", "HFArchitectures", "ModelPresets", "RegisterFn",
     "DecoderStack", "KitConfig",
