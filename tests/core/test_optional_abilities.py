@@ -27,6 +27,7 @@ from infer.api import (
     TokenBudgeted,
     TokenSampler,
     VerifyingSampler,
+    pushes_partial_sums,
 )
 from infer.api.errors import ConfigError
 from infer.core.step_budget import FIRST_TOKENS
@@ -223,7 +224,6 @@ def test_built_in_strategies_declare_their_abilities():
     from infer.plugins.decoding.speculative import SpeculativeDecoder
     from infer.plugins.layer import fused, torch_layers
     from infer.plugins.model.llama import Llama
-    from infer.plugins.model.transformer import pushes_partial_sums
     from infer.plugins.sampler.naive import NaiveSampler
     from infer.plugins.scheduler.static import StaticScheduler
 
