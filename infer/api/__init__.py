@@ -18,7 +18,14 @@ from infer.api.attention import (
     RotaryFusingAttention,
 )
 from infer.api.capabilities import DEFAULT_CAPABILITIES, Capabilities, capabilities_of
-from infer.api.constraints import LogitsProcessor, LogitsRow, PreparingProcessor, ProcessorContext, ServingProcessor
+from infer.api.constraints import (
+    KitParams,
+    LogitsProcessor,
+    LogitsRow,
+    PreparingProcessor,
+    ProcessorContext,
+    ServingProcessor,
+)
 from infer.api.decode_paths import DecodeGraphs, DecodePipeline
 from infer.api.decoding import Decoder, DecoderContext, ForwardRunner, ModelRunnerLike, SelfDescribing, StatsSummary
 from infer.api.kv import BlockOps, KVAllocator, KVUsage
@@ -56,7 +63,7 @@ from infer.api.parallel import (
     SingleProcess,
     TensorParallelLayers,
 )
-from infer.api.sampling import Sampler, SamplerOutput, TokenSampler, VerifyingSampler
+from infer.api.sampling import Sampler, SamplerOutput, SupportedParams, TokenSampler, VerifyingSampler
 from infer.api.scheduling import (
     BatchOutlook,
     PipeliningScheduler,
@@ -75,10 +82,10 @@ __all__ = [
     "KVAllocator", "KVUsage", "BlockOps",
     "ScheduledSeq", "SchedulerOutput", "StepResult", "Scheduler", "BatchOutlook", "PipeliningScheduler",
     "ResettableStats", "TokenBudgeted",
-    "SamplerOutput", "Sampler", "TokenSampler", "VerifyingSampler",
+    "SamplerOutput", "Sampler", "TokenSampler", "VerifyingSampler", "SupportedParams",
     "ModelRunnerLike", "ForwardRunner", "DecoderContext", "Decoder", "SelfDescribing", "StatsSummary",
     "DetokenizedDelta", "Detokenizer", "DeviceWaits",
-    "LogitsProcessor", "LogitsRow", "ProcessorContext", "PreparingProcessor", "ServingProcessor",
+    "LogitsProcessor", "LogitsRow", "ProcessorContext", "PreparingProcessor", "ServingProcessor", "KitParams",
     "LAYER_KINDS", "Layers", "RotaryTables", "FusingActivation", "LinearMatmul", "QuantizedLinear", "PushingMatmul",
     "pushing", "pushes_partial_sums", "PlainRMSNorm", "QuantizingNorm", "TakesQuantizedInput", "GatedLinear",
     "CausalLM", "CheckpointShapes", "ModelArchitecture", "HFArchitectures", "ModelPresets", "RegisterFn",

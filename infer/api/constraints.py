@@ -66,6 +66,15 @@ class ServingProcessor(Protocol):
 
 
 @runtime_checkable
+class KitParams(Protocol):
+    """A logits processor class that names a request it admits, for the conformance kit (`pytest
+    --infer-kit logits_processor=NAME`): `kit_params` are that request's `SamplingParams` fields
+    (`{"logit_bias": {70: 5.0}}`). The kit refuses a processor without them."""
+
+    kit_params: dict[str, Any]
+
+
+@runtime_checkable
 class PreparingProcessor(Protocol):
     """A logits processor whose `admit` needs slow work first (a grammar to compile) that must not
     stall the step loop. `prepare` runs when a request is added, on the engine's thread, before
