@@ -98,7 +98,8 @@ class PlainRMSNorm(Protocol):
     """An rms_norm layer that is weight * x / rms(x) with its `weight` ([hidden]) and `eps` read as they
     are, when `plain_rms_norm` is true: the tensor-parallel reduce may then compute it in its own kernel,
     fused with the all-reduce and the residual add. A norm that changes the formula sets it False (or
-    leaves it out: it is then always applied by its own forward)."""
+    leaves it out: it is then always applied by its own forward). `weight` and `eps` are not members:
+    `isinstance` does not see a module's parameters on Python 3.12 on (it reads attributes statically)."""
 
     plain_rms_norm: bool
 

@@ -140,7 +140,7 @@ def reduce_add_norm(
     output `x`: one all-reduce, fused with the residual add and RMSNorm when the fast all-reduce
     has such a kernel and `norm` is a plain RMSNorm (the layers hook's `rms_norm` contract)."""
     fast = parallel.fast_all_reduce
-    plain = isinstance(norm, PlainRMSNorm) and norm.plain_rms_norm
+    plain = _plain(norm)
     if (exchange := parallel.exchange) is not None and exchange.takes(x):  # pushed by its GEMV
         return exchange.reduce(x, residual, norm.weight, norm.eps) if plain else norm(exchange.reduce(x), residual)
     if fast is not None and fast.add_rms_norm is not None and plain and fast.fits(x):
@@ -153,10 +153,15 @@ def reduce_norm(parallel: ParallelState, x: torch.Tensor, norm: Any) -> tuple[to
     pushed it into the exchange, else whole on every rank already."""
     if (exchange := parallel.exchange) is None or not exchange.takes(x):
         return norm(x), x
-    if isinstance(norm, PlainRMSNorm) and norm.plain_rms_norm:
+    if _plain(norm):
         return exchange.reduce(x, None, norm.weight, norm.eps)
     total = exchange.reduce(x)
     return norm(total), total
+
+
+def _plain(norm: Any) -> bool:
+    """Whether the reduce may compute `norm` itself, from its `weight` and `eps` (`PlainRMSNorm`)."""
+    return isinstance(norm, PlainRMSNorm) and bool(norm.plain_rms_norm)
 
 
 def push_target(parallel: ParallelState, x: torch.Tensor, out_features: int) -> Any:
