@@ -48,7 +48,7 @@ class SymmetricAllReduce:
         self.group_name = group.group_name
         # torch's symmetric memory changes by version: the function, and its deprecation mark, may be absent
         enable = getattr(symm_mem, "enable_symm_mem_for_group", None)
-        if enable is not None and not getattr(enable, "__deprecated__", None):
+        if enable is not None and not getattr(enable, "__deprecated__", None):  # set by newer torch's @deprecated
             # older torch needs it before rendezvous. Newer torch marks it deprecated and must not get it:
             # it caches the group's store under the group's name ("0" for the default group) and returns
             # early when the name is known, so a second engine in this process, whose new group has the

@@ -90,7 +90,7 @@ class FusedSiluAndMul(nn.Module):
             and projection.matmul is FusedLinear.matmul
             # a down projection is any module: a bias, and a tensor-parallel shard's `reduce`, are optional
             and getattr(projection, "bias", None) is None
-            and not getattr(projection, "reduce", False)
+            and not getattr(projection, "reduce", False)  # only a row-parallel shard has `reduce`
         )
 
     @pushing
