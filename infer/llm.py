@@ -118,7 +118,7 @@ class LLM:
                     template,
                     add_generation_prompt,
                     kwargs,
-                    tools,  # type: ignore[arg-type]
+                    tools,
                 )
             except RequestError as exc:
                 errors[i] = str(exc)

@@ -18,7 +18,14 @@ from infer.api.attention import (
     RotaryFusingAttention,
 )
 from infer.api.capabilities import DEFAULT_CAPABILITIES, Capabilities, capabilities_of
-from infer.api.constraints import LogitsProcessor, LogitsRow, PreparingProcessor, ProcessorContext
+from infer.api.constraints import (
+    KitParams,
+    LogitsProcessor,
+    LogitsRow,
+    PreparingProcessor,
+    ProcessorContext,
+    ServingProcessor,
+)
 from infer.api.decode_paths import DecodeGraphs, DecodePipeline
 from infer.api.decoding import Decoder, DecoderContext, ForwardRunner, ModelRunnerLike, SelfDescribing, StatsSummary
 from infer.api.kv import BlockOps, KVAllocator, KVUsage
@@ -28,16 +35,22 @@ from infer.api.models import (
     CheckpointShapes,
     DecoderStack,
     FusingActivation,
+    GatedLinear,
     HFArchitectures,
     KitConfig,
     Layers,
     LinearMatmul,
     ModelArchitecture,
     ModelPresets,
+    PlainRMSNorm,
     PushingMatmul,
     QuantizedLinear,
+    QuantizingNorm,
     RegisterFn,
     RotaryTables,
+    TakesQuantizedInput,
+    pushes_partial_sums,
+    pushing,
 )
 from infer.api.overlap import DeviceWaits
 from infer.api.parallel import (
@@ -51,7 +64,7 @@ from infer.api.parallel import (
     TensorParallelLayers,
 )
 from infer.api.reasoning import ReasoningParser, ReasoningSplit, ReasoningStream
-from infer.api.sampling import Sampler, SamplerOutput, TokenSampler, VerifyingSampler
+from infer.api.sampling import Sampler, SamplerOutput, SupportedParams, TokenSampler, VerifyingSampler
 from infer.api.scheduling import (
     BatchOutlook,
     PipeliningScheduler,
@@ -70,12 +83,13 @@ __all__ = [
     "KVAllocator", "KVUsage", "BlockOps",
     "ScheduledSeq", "SchedulerOutput", "StepResult", "Scheduler", "BatchOutlook", "PipeliningScheduler",
     "ResettableStats", "TokenBudgeted",
-    "SamplerOutput", "Sampler", "TokenSampler", "VerifyingSampler",
+    "SamplerOutput", "Sampler", "TokenSampler", "VerifyingSampler", "SupportedParams",
     "ModelRunnerLike", "ForwardRunner", "DecoderContext", "Decoder", "SelfDescribing", "StatsSummary",
     "DetokenizedDelta", "Detokenizer", "DeviceWaits",
     "ReasoningParser", "ReasoningSplit", "ReasoningStream",
-    "LogitsProcessor", "LogitsRow", "ProcessorContext", "PreparingProcessor",
+    "LogitsProcessor", "LogitsRow", "ProcessorContext", "PreparingProcessor", "ServingProcessor", "KitParams",
     "LAYER_KINDS", "Layers", "RotaryTables", "FusingActivation", "LinearMatmul", "QuantizedLinear", "PushingMatmul",
+    "pushing", "pushes_partial_sums", "PlainRMSNorm", "QuantizingNorm", "TakesQuantizedInput", "GatedLinear",
     "CausalLM", "CheckpointShapes", "ModelArchitecture", "HFArchitectures", "ModelPresets", "RegisterFn",
     "DecoderStack", "KitConfig",
     "DecodeGraphs", "DecodePipeline",

@@ -65,4 +65,5 @@ DEFAULT_CAPABILITIES = Capabilities()
 
 
 def capabilities_of(factory: Any) -> Capabilities:
+    # a factory is any class or function; the hooks' contract makes its `capabilities` optional
     return getattr(factory, "capabilities", DEFAULT_CAPABILITIES)

@@ -6,7 +6,7 @@ from typing import Any, Sequence
 
 import torch
 
-from infer.api import LogitsProcessor, LogitsRow
+from infer.api import LogitsProcessor, LogitsRow, ServingProcessor
 from infer.api.errors import RequestError
 from infer.api.request import Request
 
@@ -15,7 +15,7 @@ def admit(processors: Sequence[LogitsProcessor], request: Request) -> tuple[tupl
     """The processors that serve `request`, each with its state (a RequestError if one cannot)."""
     found = tuple((p, state) for p in processors if (state := p.admit(request)) is not None)
     spec = request.params.structured
-    if spec is not None and not any("structured" in getattr(p, "serves", ()) for p, _ in found):
+    if spec is not None and not any(isinstance(p, ServingProcessor) and "structured" in p.serves for p, _ in found):
         backend = spec.backend or "xgrammar"
         raise RequestError(
             f"structured output backend {backend!r} is not available: leave backend unset for xgrammar "

@@ -9,6 +9,7 @@ from typing import TYPE_CHECKING, Any, Protocol, Sequence, runtime_checkable
 from torch import Tensor
 
 if TYPE_CHECKING:
+    from infer.api.config import EngineConfig
     from infer.api.request import Request
 
 
@@ -20,7 +21,7 @@ class ProcessorContext:
     vocab_size: int  # the logits' width (may exceed the tokenizer's: the ids past it are never valid text)
     eos_token_ids: frozenset[int]
     device: Any  # torch.device of the logits
-    config: Any = None  # the EngineConfig
+    config: "EngineConfig | None" = None  # the engine's; None outside an engine (a kit, a test)
 
 
 @dataclass(slots=True)
@@ -46,13 +47,31 @@ class LogitsProcessor(Protocol):
     request's output tokens itself (a state catches up with tokens it has not seen), so a step
     that emits several tokens at once (speculation) needs nothing more. A row's distribution must
     keep at least one finite logit. A processor serving `SamplingParams.structured` says so with a
-    class attribute `serves = ("structured",)`: a structured request no such processor admits is
-    refused (its `backend` names one that is not installed).
+    class attribute `serves = ("structured",)` (`ServingProcessor`): a structured request no such
+    processor admits is refused (its `backend` names one that is not installed).
     """
 
     def admit(self, request: "Request") -> Any | None: ...
 
     def apply(self, logits: Tensor, rows: Sequence[LogitsRow]) -> None: ...
+
+
+@runtime_checkable
+class ServingProcessor(Protocol):
+    """A logits processor that answers for `SamplingParams` fields: `serves` names them ("structured":
+    `SamplingParams.structured`). A request asking for one that no such processor admits is refused; a
+    processor without `serves` answers for none (it may still admit requests, on fields of its own)."""
+
+    serves: tuple[str, ...]
+
+
+@runtime_checkable
+class KitParams(Protocol):
+    """A logits processor class that names a request it admits, for the conformance kit (`pytest
+    --infer-kit logits_processor=NAME`): `kit_params` are that request's `SamplingParams` fields
+    (`{"logit_bias": {70: 5.0}}`). The kit refuses a processor without them."""
+
+    kit_params: dict[str, Any]
 
 
 @runtime_checkable

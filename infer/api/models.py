@@ -2,8 +2,9 @@
 
 from __future__ import annotations
 
+import inspect
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Callable, Iterable, Protocol, Sequence, runtime_checkable
+from typing import TYPE_CHECKING, Any, Callable, Iterable, Protocol, Sequence, TypeVar, runtime_checkable
 
 import torch
 
@@ -24,7 +25,10 @@ class Layers:
     by its cos, sin, which a `RotaryFusingAttention` backend may apply instead. `FusingActivation.down(h,
     weight)` is matmul(self(h), weight) in one kernel, for a projection `fuses_with` accepts. A linear
     class's `LinearMatmul.matmul(x, weight)` is what tensor-parallel shards call (else F.linear); a
-    matmul (or `down`) whose `PushingMatmul.pushes` is true takes `push=`, a tensor-parallel exchange.
+    matmul (or `down`) whose `PushingMatmul.pushes` is true takes `push=`, a tensor-parallel exchange
+    (`pushing` declares it, `pushes_partial_sums` reads it). A norm that is `PlainRMSNorm` may be computed by the tensor-parallel
+    all-reduce itself; a `QuantizingNorm` stores its output quantized for a linear that
+    `TakesQuantizedInput`; a `GatedLinear` down projection applies the MLP's activation to its input itself.
     """
 
     rms_norm: Any  # (hidden_size, eps) -> module; forward(x, residual=None)
@@ -70,6 +74,61 @@ class QuantizedLinear(Protocol):
 @runtime_checkable
 class PushingMatmul(Protocol):
     pushes: bool
+
+
+M = TypeVar("M", bound=Callable[..., Any])
+
+
+def pushing(matmul: M) -> M:
+    """Declare `matmul` (a function, or a method such as `FusingActivation.down`) a `PushingMatmul`: it takes
+    `push=`, where it stores a one-token partial sum into the ranks' exchange."""
+    matmul.pushes = True  # type: ignore[attr-defined]  # a function's own attribute, which no type can declare
+    return matmul
+
+
+def pushes_partial_sums(matmul: Any) -> bool:
+    """Whether `matmul` (a function, or a bound method such as `FusingActivation.down`) is a `PushingMatmul`
+    whose `pushes` is true."""
+    fn = matmul.__func__ if inspect.ismethod(matmul) else matmul  # a bound method's attributes are its function's
+    return isinstance(fn, PushingMatmul) and bool(fn.pushes)
+
+
+@runtime_checkable
+class PlainRMSNorm(Protocol):
+    """An rms_norm layer that is weight * x / rms(x) with its `weight` ([hidden]) and `eps` read as they
+    are, when `plain_rms_norm` is true: the tensor-parallel reduce may then compute it in its own kernel,
+    fused with the all-reduce and the residual add. A norm that changes the formula sets it False (or
+    leaves it out: it is then always applied by its own forward). `weight` and `eps` are not members:
+    `isinstance` does not see a module's parameters on Python 3.12 on (it reads attributes statically)."""
+
+    plain_rms_norm: bool
+
+
+@runtime_checkable
+class QuantizingNorm(Protocol):
+    """An rms_norm layer that can store its output quantized per row, for a linear after it that
+    `TakesQuantizedInput`: the model sets `quantize_output` (False until then) where that is so."""
+
+    quantize_output: bool
+
+
+@runtime_checkable
+class TakesQuantizedInput(Protocol):
+    """A (quantized) linear layer that may take its input quantized by the norm before it, when
+    `takes_quantized_input` is true (a `QuantizingNorm` then hands it so)."""
+
+    takes_quantized_input: bool
+
+
+@runtime_checkable
+class GatedLinear(Protocol):
+    """A linear layer that, as an MLP's down projection, applies the activation itself: `gated(h)` is
+    self(act(h)) for h = [gate | up], where `fuses_activation` names the activation's layer kind
+    ("silu_and_mul")."""
+
+    fuses_activation: str
+
+    def gated(self, h: torch.Tensor) -> torch.Tensor: ...
 
 
 class CausalLM(Protocol):

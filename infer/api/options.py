@@ -156,7 +156,7 @@ def check_known(cls: type, names: list[str]) -> None:
 def check_fields(config: Any) -> None:
     """Every field's type, then its range: the first bad one is a ConfigError naming field, flag and fix."""
     for name, kind in field_types(type(config)).items():
-        value = getattr(config, name)
+        value = getattr(config, name)  # a dataclass field, by its name from field_types
         if not kind.holds(value):
             raise ConfigError(f"invalid {name}={value!r} ({flag(name)}): use {kind.describe()}")
         if value is not None and name in RANGES:

@@ -78,8 +78,8 @@ class SamplingParams:
         _real("top_p", self.top_p, lambda v: 0 < v <= 1, "use a number in (0, 1]; 1 disables it (--top-p)")
         _real("min_p", self.min_p, lambda v: 0 <= v <= 1, "use a number in [0, 1]; 0 disables it")
         _real("repetition_penalty", self.repetition_penalty, lambda v: v > 0, "use a number > 0; 1 disables it")
-        for name in ("presence_penalty", "frequency_penalty"):
-            _real(name, getattr(self, name), lambda v: -2 <= v <= 2, "use a number in [-2, 2]; 0 disables it")
+        for name, value in (("presence_penalty", self.presence_penalty), ("frequency_penalty", self.frequency_penalty)):
+            _real(name, value, lambda v: -2 <= v <= 2, "use a number in [-2, 2]; 0 disables it")
         _integer(
             "priority", self.priority, -(2**31), 2**31 - 1, fix="use an integer (lower runs first; 0 is the default)"
         )
@@ -114,11 +114,21 @@ class SamplingParams:
         penalised = self.repetition_penalty != 1.0 or self.presence_penalty or self.frequency_penalty
         if penalised or self.stop:
             raise _bad("use_beam_search", True, "beam search takes no penalties or stop strings: drop them")
-        constrained = [name for name in CONSTRAINTS if getattr(self, name)]
+        constrained = [name for name, value in self._constraints() if value]
         if constrained:
             raise _bad(
                 "use_beam_search", True, f"beam search takes no constraints ({', '.join(constrained)}): drop them"
             )
+
+    def _constraints(self) -> tuple[tuple[str, Any], ...]:
+        """(name, value) of each field that asks a logits processor for something (`CONSTRAINTS`)."""
+        return (
+            ("structured", self.structured),
+            ("logit_bias", self.logit_bias),
+            ("bad_words", self.bad_words),
+            ("min_tokens", self.min_tokens),
+            ("allowed_token_ids", self.allowed_token_ids),
+        )
 
     def _validate_processors(self) -> None:
         # the forms a caller may also set after construction: a dict of StructuredOutputs' fields,

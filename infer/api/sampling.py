@@ -46,6 +46,15 @@ class TokenSampler(Protocol):
 
 
 @runtime_checkable
+class SupportedParams(Protocol):
+    """A sampler class that names the `SamplingParams` fields it honours (`supported_params = frozenset({
+    "temperature", "seed"})`, names from `infer.testing.sampling.KNOWN_PARAMS`): the conformance kit
+    (`pytest --infer-kit sampler=NAME`) tests those only. Without it, all of them are tested."""
+
+    supported_params: frozenset[str]
+
+
+@runtime_checkable
 class VerifyingSampler(Protocol):
     def probs(self, logits: Tensor, requests: list[Request], positions: list[int] | None = None) -> Tensor: ...
 

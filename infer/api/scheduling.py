@@ -59,7 +59,8 @@ class Scheduler(Protocol):
     `update` appends the step's tokens to the requests, applies stop conditions and frees the
     blocks of finished requests; it returns the requests that finished in this step.
     `num_lookahead_tokens` (the decoder's KV slots to reserve past the new tokens) is set by the builder.
-    Optional abilities: `ResettableStats.reset_stats` starts the counters of `stats` again. With a
+    Optional abilities: `ResettableStats.reset_stats` starts the counters of `stats` again;
+    `TokenBudgeted.set_token_budget` lets the engine size each step's tokens (`max_step_ms`). With a
     `PipeliningScheduler` the runner queues decode forwards ahead: between `schedule` and `update`,
     `next_batch_outlook` says how likely the next batch is this one, and `reserve_ahead` grows a table
     to `num_tokens` tokens, as the next `schedule` would, or returns False and changes nothing.
@@ -103,7 +104,12 @@ class ResettableStats(Protocol):
 @runtime_checkable
 class TokenBudgeted(Protocol):
     """A scheduler whose per-step token budget the engine may change between steps (`max_step_ms`:
-    the engine sizes it to the device's measured speed). `schedule` reads it each step and never
-    computes more tokens than it allows (a budget below a decode batch still runs the decodes it can)."""
+    the engine sizes it to the device's measured speed). `max_num_batched_tokens` is the budget it
+    schedules with: the configured one until the engine calls `set_token_budget(tokens)` (never above
+    the configured one), which sets it for the steps after. `schedule` never computes more tokens than
+    it allows (a budget below a decode batch still runs the decodes it can)."""
 
-    max_num_batched_tokens: int
+    @property
+    def max_num_batched_tokens(self) -> int: ...  # a plain attribute serves
+
+    def set_token_budget(self, tokens: int) -> None: ...

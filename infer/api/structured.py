@@ -52,9 +52,19 @@ class StructuredOutputs:
             f"invalid structured={value!r}: use StructuredOutputs(...) or a dict such as {{'json': schema}}"
         )
 
+    def _kinds(self) -> tuple[tuple[str, Any], ...]:
+        """(kind, value) of each constraint, in `KINDS` order."""
+        return (
+            ("json", self.json),
+            ("json_object", self.json_object),
+            ("regex", self.regex),
+            ("choice", self.choice),
+            ("grammar", self.grammar),
+        )
+
     @property
     def kind(self) -> str:
-        return next(k for k in KINDS if getattr(self, k) not in (None, False))
+        return next(k for k, value in self._kinds() if value not in (None, False))
 
     def schema(self) -> str | None:
         """The JSON schema's text (json), else None."""
@@ -63,7 +73,7 @@ class StructuredOutputs:
         return self.json if isinstance(self.json, str) else json.dumps(self.json)
 
     def validate(self) -> None:
-        given = [k for k in KINDS if getattr(self, k) not in (None, False)]
+        given = [k for k, value in self._kinds() if value not in (None, False)]
         if len(given) != 1:
             what = f"{len(given)} ({', '.join(given)})" if given else "none"
             raise RequestError(f"invalid structured: give exactly one of {', '.join(KINDS)}, not {what}")
@@ -71,8 +81,7 @@ class StructuredOutputs:
             _check_schema(self.json)
         if not isinstance(self.json_object, bool):
             raise RequestError(f"invalid structured.json_object={self.json_object!r}: use True or False")
-        for name in ("regex", "grammar", "backend"):
-            value = getattr(self, name)
+        for name, value in (("regex", self.regex), ("grammar", self.grammar), ("backend", self.backend)):
             if value is not None and (not isinstance(value, str) or not value.strip()):
                 raise RequestError(f"invalid structured.{name}={value!r}: use a non-empty string")
         if self.choice is not None and (

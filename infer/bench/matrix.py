@@ -176,7 +176,7 @@ def _run_combinations(
             if run is None:
                 workload = early or load_workload(dataset, engine.parts.vocab_size, num_prompts, max_tokens, seed)
                 prompts = prepare_prompts(engine, workload)
-                run = MatrixRun([], workload, prompts, dict(engine.parts.describe))  # type: ignore[arg-type]
+                run = MatrixRun([], workload, prompts, dict(engine.parts.describe))
             run_workload(engine, Workload("warm-up", [run.prompts[0]], [2]), params, "warm-up")
             records = [run_workload(engine, run.workload, params, combo.label)[0] for _ in range(repeat)]
             run.rows.append(_infer_row(max(records, key=lambda r: r.total_tokens_per_s)))

@@ -10,6 +10,7 @@ from typing import Any
 import torch
 
 from infer.bench.ceilings import kv_bytes_per_token
+from infer.loading.config import kv_layout
 
 
 @dataclass(slots=True)
@@ -91,8 +92,7 @@ def static_kv_bytes(
     config: Any, dtype: torch.dtype, prompts: list[list[int]], max_tokens: list[int], batch_size: int
 ) -> int:
     """The largest KV cache one padded static batch reaches: rows x (longest prompt + longest output)."""
-    head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
-    kv_heads = getattr(config, "num_key_value_heads", None) or config.num_attention_heads
+    kv_heads, head_dim = kv_layout(config)
     per_token = kv_bytes_per_token(config.num_hidden_layers, kv_heads, head_dim, dtype)
     worst = 0
     for i in range(0, len(prompts), batch_size):

@@ -17,6 +17,7 @@ from typing import Any, Callable
 
 import torch
 
+from infer.api import RotaryFusingAttention
 from infer.api.errors import ConfigError
 from infer.runtime.runner import ModelRunner
 
@@ -29,10 +30,10 @@ class _Proxy:
     def __init__(self, inner: Any, timed: dict[str, str], profiler: "StepProfiler") -> None:
         self._inner = inner
         for method, key in timed.items():
-            setattr(self, method, profiler.timed(getattr(inner, method), key))
+            setattr(self, method, profiler.timed(getattr(inner, method), key))  # the methods named in `timed`
 
     def __getattr__(self, name: str) -> Any:
-        return getattr(self._inner, name)
+        return getattr(self._inner, name)  # a proxy: every other attribute is the wrapped object's
 
 
 @dataclass(slots=True)
@@ -95,21 +96,15 @@ class StepProfiler:
 
     @classmethod
     def install(cls, engine: Any) -> "StepProfiler":
-        runner = next(
-            (
-                getattr(engine.decoder, a, None)
-                for a in ("runner", "target")
-                if isinstance(getattr(engine.decoder, a, None), ModelRunner)
-            ),
-            None,
-        )
-        if runner is None:
+        # the target's runner: the one every decoder is given (DecoderContext.runner)
+        runner = engine.parts.runners[0] if engine.parts.runners else None
+        if not isinstance(runner, ModelRunner):
             raise ConfigError(
-                f"--profile needs a decoder that runs the model through a ModelRunner; "
-                f"{type(engine.decoder).__name__} does not: profile with --decoding autoregressive"
+                f"--profile needs the target model's ModelRunner; this engine's decoder "
+                f"{type(engine.decoder).__name__} has none: profile with --decoding autoregressive"
             )
-        model = runner.model
-        layers = list(getattr(model, "layers", []))[: runner.num_layers or None]
+        model: Any = runner.model  # a CausalLM that is a torch module: hooked, and its compute_logits wrapped
+        layers = list(getattr(model, "layers", []))[: runner.num_layers or None]  # a model's optional layer list
         profiler = cls(runner.device, len(layers))
         graphs, pipeline = runner.graphs, runner.pipeline
         runner.set_decode_paths(None, None)
@@ -119,7 +114,7 @@ class StepProfiler:
             profiler.notes.append(
                 "decode pipelining off while profiling (each step's forward is timed in its own step)"
             )
-        embedding = getattr(model, "embed_tokens", None) or next(
+        embedding = getattr(model, "embed_tokens", None) or next(  # a model's optional submodule, else its first
             m for m in model.modules() if isinstance(m, torch.nn.Embedding)
         )
         profiler._hook(embedding, "embedding")
@@ -127,12 +122,13 @@ class StepProfiler:
             profiler._hook(layer, f"rest|{i}")
             for module in layer.modules():
                 backend = module.__dict__.get("attention")
+                # any object a module keeps as `attention`: an attention backend is the one with a forward
                 if backend is not None and callable(getattr(backend, "forward", None)):
-                    timed = {
-                        name: f"attention|{i}" for name in ("forward", "forward_with_rotary") if hasattr(backend, name)
-                    }
+                    timed = {"forward": f"attention|{i}"}
+                    if isinstance(backend, RotaryFusingAttention):
+                        timed["forward_with_rotary"] = f"attention|{i}"
                     module.attention = _Proxy(backend, timed, profiler)
-        if isinstance(getattr(model, "norm", None), torch.nn.Module):
+        if isinstance(getattr(model, "norm", None), torch.nn.Module):  # a model's optional final norm
             profiler._hook(model.norm, "final norm + LM head")
         model.compute_logits = profiler.timed(model.compute_logits, "final norm + LM head")
         runner.sampler = _Proxy(runner.sampler, {"sample": "sampler"}, profiler)

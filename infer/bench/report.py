@@ -71,18 +71,18 @@ def _percentile(values: list[float], q: float) -> float:
     return statistics.quantiles(values, n=100, method="inclusive")[int(q) - 1]
 
 
-def prepare_prompts(engine: Engine, workload: Workload) -> list[str | list[int]]:
-    """Apply the chat template where asked and check every prompt before anything runs."""
+def prepare_prompts(engine: Engine, workload: Workload) -> list[list[int]]:
+    """Apply the chat template where asked and check every prompt before anything runs: their token ids."""
     from infer.inputs.chat_template import chat_token_ids
 
-    prompts: list[str | list[int]] = []
+    prompts: list[list[int]] = []
     for i, prompt in enumerate(workload.prompts):
         try:
             if (
                 workload.chat
                 and isinstance(prompt, str)
                 and engine.tokenizer is not None
-                and getattr(engine.tokenizer, "chat_template", None)
+                and getattr(engine.tokenizer, "chat_template", None)  # a duck-typed HF tokenizer's optional template
             ):
                 prompt = chat_token_ids(engine.tokenizer, [{"role": "user", "content": prompt}])  # ids: one BOS at most
             _, ids = engine.tokenize(prompt)

@@ -101,7 +101,7 @@ def sharegpt_like(vocab_size: int, num_prompts: int, seed: int) -> Workload:
 
 def chitchat(num_prompts: int, max_tokens: int, seed: int) -> Workload:
     try:
-        import chitchat_dataset  # type: ignore[import-not-found]
+        import chitchat_dataset  # type: ignore[import-not-found]  # optional, installed by hand: no type information
     except ImportError as exc:
         raise DatasetError(
             "the `chat` workload needs the chitchat-dataset package: pip install chitchat-dataset==0.9.0"

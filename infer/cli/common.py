@@ -35,7 +35,7 @@ def extra_plugins() -> list[Any]:
         module_name, _, attr = item.partition(":")
         try:
             module = importlib.import_module(module_name)
-            found.append(getattr(module, attr) if attr else module)
+            found.append(getattr(module, attr) if attr else module)  # the attribute the user named
         except (ImportError, AttributeError) as exc:
             raise ConfigError(
                 f"INFER_EXTRA_PLUGINS names {item!r}, which cannot be loaded ({type(exc).__name__}: {exc}): "

@@ -35,7 +35,7 @@ class OneLineErrors(click.Group):
             exc.show()
             sys.exit(exc.exit_code)
         except click.ClickException as exc:
-            ctx = getattr(exc, "ctx", None)
+            ctx = exc.ctx if isinstance(exc, click.UsageError) else None  # a usage error knows its command
             hint = f" (see `{ctx.command_path} --help`)" if ctx is not None else ""
             message = exc.format_message()
             click.echo(f"error: {one_line(message[:1].lower() + message[1:]).rstrip('.')}{hint}", err=True)

@@ -114,8 +114,8 @@ LIMITS_HELP = {  # ServeLimits field -> its option's help
 
 def limit_options(command: Callable[..., Any]) -> Callable[..., Any]:
     """One option per ServeLimits field (LIMITS_HELP), handed to `command` together as `limits`."""
-    defaults = ServeLimits()
     names = {option_name(f.name): f.name for f in dataclasses.fields(ServeLimits)}
+    defaults = {f.name: f.default for f in dataclasses.fields(ServeLimits)}
 
     @functools.wraps(command)
     def with_limits(**kwargs: Any) -> Any:
@@ -123,7 +123,7 @@ def limit_options(command: Callable[..., Any]) -> Callable[..., Any]:
         return command(limits=limits, **kwargs)
 
     for option, name in reversed(names.items()):
-        default = getattr(defaults, name)
+        default = defaults[name]
         kind = click.FloatRange(min=0, min_open=True) if isinstance(default, float) else click.IntRange(min=1)
         help_text = LIMITS_HELP[name]
         with_limits = click.option(option, name, type=kind, default=default, show_default=True, help=help_text)(

@@ -31,7 +31,8 @@ class BlockMover:
                 pin = k.device.type == "cuda"
                 shape = (self.num_cpu_blocks, *k.shape[1:])
                 # empty: a CPU block is always written by a swap-out before a swap-in reads it
-                self.cpu_caches.append(tuple(torch.empty(shape, dtype=t.dtype, pin_memory=pin) for t in (k, v)))  # type: ignore[arg-type]
+                k_cpu, v_cpu = (torch.empty(shape, dtype=t.dtype, pin_memory=pin) for t in (k, v))
+                self.cpu_caches.append((k_cpu, v_cpu))
 
     def apply(self, ops: BlockOps) -> None:
         if not ops:

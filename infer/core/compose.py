@@ -31,6 +31,7 @@ class Composition:
 
     def names(self) -> dict[str, str]:
         """EngineConfig field -> strategy name, for the run's description."""
+        # each chosen slot's name is also this dataclass's field for it (infer.api.slots): read by that name
         names = {s.field: getattr(self, s.name).name for s in CHOSEN}
         if self.prefill_attention is not None:
             names[PREFILL_ATTENTION.field] = self.prefill_attention.name
@@ -119,6 +120,7 @@ def compose(config: EngineConfig, registry: PluginRegistry, device: torch.device
             f"--attention {attention.name} does not serve prefill: add --prefill-attention with a prefill backend"
         )
     others = [s for s in CHOSEN if s.name != "attention"]
+    # the EngineConfig field that names each slot's strategy, read by its name in the slot table
     chosen = {s.name: registry.get(s.name, getattr(config, s.field)) for s in others}
     for s in others:
         _check_runs_here(chosen[s.name], s.flag, device, dtype, config)

@@ -7,19 +7,22 @@ import itertools
 import queue
 import random
 import time
+import warnings
 from dataclasses import dataclass
-from typing import Any, Sequence
+from typing import Any, Protocol, Sequence, runtime_checkable
 
 import torch
 
 from infer.api import (
     Decoder,
+    KVAllocator,
     KVUsage,
     ResettableStats,
     Scheduler,
     StatsSummary,
     TokenBudgeted,
 )
+from infer.api.config import EngineConfig, ModelConfig
 from infer.api.constrain import admit
 from infer.api.errors import RequestError, one_line
 from infer.api.request import FinishReason, Request, RequestOutput, RequestStatus, SamplingParams
@@ -39,9 +42,10 @@ Prompt = Any  # str, token ids, {"prompt": str} or {"prompt_token_ids": [...]}: 
 class EngineParts:
     """Everything `Engine` runs on, built and checked by `infer.runtime.builder.build_engine`."""
 
-    config: Any  # EngineConfig
-    model_config: Any  # ModelConfig
+    config: EngineConfig
+    model_config: ModelConfig
     scheduler: Scheduler
+    allocator: KVAllocator  # the scheduler's: what kv_usage() reports and reset_stats() resets
     decoder: Decoder
     output: OutputProcessor
     tokenizer: Any | None
@@ -75,13 +79,13 @@ class Engine:
         self.closed = False
         self._preparing = Preparations()  # requests waiting for their constraint, outside the scheduler
         self._refusals: list[RequestOutput] = []  # requests refused after they were added: output next step
-        budgeted = parts.scheduler if isinstance(parts.scheduler, TokenBudgeted) else None
-        target_ms = getattr(parts.config, "max_step_ms", None)
+        target_ms = parts.config.max_step_ms
         self._streams = Streams()  # the requests `stream` asked news of
         self._budget = None  # the step budget that sizes the scheduler's token budget, with max_step_ms
-        if budgeted is not None and target_ms is not None:
-            self._budget = StepBudget(target_ms / 1000, budgeted.max_num_batched_tokens)
-            budgeted.max_num_batched_tokens = self._budget.tokens
+        self._budgeted = token_budgeted(parts.scheduler) if target_ms is not None else None
+        if self._budgeted is not None and target_ms is not None:
+            self._budget = StepBudget(target_ms / 1000, self._budgeted.max_num_batched_tokens)
+            self._budgeted.set_token_budget(self._budget.tokens)
 
     # ------------------------------------------------------------------ requests
 
@@ -137,7 +141,7 @@ class Engine:
             self.output.add(group)
             for child in children:
                 self.requests[child.request_id] = child
-            timeout = getattr(self.parts.config, "structured_compile_timeout_s", 10.0)
+            timeout = self.parts.config.structured_compile_timeout_s
             self._preparing[parent_id] = Preparing(group, futures, now + timeout)
             return parent_id
         for future in futures:
@@ -213,9 +217,8 @@ class Engine:
         self.num_steps += 1
         for key, value in result.stats.items():
             self.decoder_totals[key] = self.decoder_totals.get(key, 0.0) + value
-        if self._budget is not None:
-            budget = self._budget.observe(out.num_tokens, time.perf_counter() - start)
-            self.parts.scheduler.max_num_batched_tokens = budget  # type: ignore[attr-defined]
+        if self._budget is not None and self._budgeted is not None:
+            self._budgeted.set_token_budget(self._budget.observe(out.num_tokens, time.perf_counter() - start))
         return self._streams.after_step(self._finished_outputs(), self.output.in_flight)
 
     # ------------------------------------------------------------------ streaming: the public stepping API
@@ -251,7 +254,7 @@ class Engine:
         ready, expired = self._preparing.settle(wait)
         for preparing in ready:
             self._admit_group(preparing)
-        limit = getattr(self.parts.config, "structured_compile_timeout_s", None)
+        limit = self.parts.config.structured_compile_timeout_s
         for preparing in expired:
             error = RequestError(
                 f"invalid structured: the output constraint did not compile within {limit:g} s (the engine's "
@@ -377,7 +380,7 @@ class Engine:
         return self.parts.runners[0].model
 
     def kv_usage(self) -> KVUsage:
-        return self.scheduler.allocator.usage()  # type: ignore[attr-defined]
+        return self.parts.allocator.usage()
 
     def reset_stats(self) -> None:
         """Count from here on: steps, preemptions, the decoder's totals, pipelined steps and the prefix cache's
@@ -386,9 +389,8 @@ class Engine:
         self.decoder_totals.clear()
         if isinstance(self.parts.scheduler, ResettableStats):  # the scheduler as built, however wrapped since
             self.parts.scheduler.reset_stats()
-        allocator = getattr(self.scheduler, "allocator", None)  # what kv_usage() reads
-        if isinstance(allocator, ResettableStats):
-            allocator.reset_stats()
+        if isinstance(self.parts.allocator, ResettableStats):
+            self.parts.allocator.reset_stats()
         for runner in self.parts.runners:
             if runner.pipeline is not None:
                 runner.pipeline.hits = runner.pipeline.misses = 0
@@ -421,6 +423,41 @@ class Engine:
                 runner.release()
             if any(r.device.type == "cuda" for r in self.parts.runners):
                 torch.cuda.empty_cache()  # the next engine's KV budget is read from the device's free memory
+
+
+@runtime_checkable
+class _BudgetAttribute(Protocol):
+    """Plugin API 2.1's `TokenBudgeted`: a scheduler whose budget the engine wrote as an attribute."""
+
+    max_num_batched_tokens: int
+
+
+class _AttributeBudget:
+    """Sets a `_BudgetAttribute` scheduler's budget the way plugin API 2.1 did: by writing the attribute."""
+
+    def __init__(self, scheduler: _BudgetAttribute) -> None:
+        self.scheduler = scheduler
+        self.max_num_batched_tokens = scheduler.max_num_batched_tokens  # read once, at the engine's start
+
+    def set_token_budget(self, tokens: int) -> None:
+        self.scheduler.max_num_batched_tokens = self.max_num_batched_tokens = tokens
+
+
+def token_budgeted(scheduler: Scheduler) -> TokenBudgeted | None:
+    """The scheduler as a `TokenBudgeted`, whose budget the engine sizes with max_step_ms; None if it has no
+    budget. One with the budget attribute alone (plugin API 2.1) still gets it, with a DeprecationWarning."""
+    if isinstance(scheduler, TokenBudgeted):
+        return scheduler
+    if not isinstance(scheduler, _BudgetAttribute):
+        return None
+    warnings.warn(
+        f"scheduler {type(scheduler).__name__} has max_num_batched_tokens but no set_token_budget(tokens): the "
+        "engine writes the attribute for now; define set_token_budget (infer.api.TokenBudgeted), which plugin "
+        "API 3 alone calls",
+        DeprecationWarning,
+        stacklevel=3,
+    )
+    return _AttributeBudget(scheduler)
 
 
 def rejected_output(

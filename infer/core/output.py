@@ -118,8 +118,9 @@ class OutputProcessor:
         metrics = {}
         if first.first_token_time is not None:
             metrics["ttft_s"] = first.first_token_time - first.arrival_time
-        if all(c.finish_time is not None for c in group.children):
-            metrics["latency_s"] = max(c.finish_time for c in group.children) - first.arrival_time  # type: ignore[type-var]
+        finish_times = [c.finish_time for c in group.children if c.finish_time is not None]
+        if len(finish_times) == len(group.children):  # every sample finished
+            metrics["latency_s"] = max(finish_times) - first.arrival_time
         return RequestOutput(
             request_id=group.request_id,
             prompt=group.prompt,

@@ -14,7 +14,16 @@ from typing import Any, Iterable
 
 import pluggy
 
-from infer.api import LAYER_KINDS, Capabilities, HFArchitectures, Layers, ModelPresets, capabilities_of, hookspecs
+from infer.api import (
+    LAYER_KINDS,
+    Capabilities,
+    HFArchitectures,
+    Layers,
+    ModelPresets,
+    QuantizedLinear,
+    capabilities_of,
+    hookspecs,
+)
 from infer.api.errors import PluginLoadError, PluginNotFoundError
 from infer.api.slots import SLOT, SLOTS
 from infer.core import plugin_api
@@ -79,6 +88,7 @@ class PluginRegistry:
         for i, plugin in enumerate(extra_plugins):
             if manager.is_registered(plugin):  # installed too (a built-in module passed explicitly)
                 continue
+            # a plugin is any module or object: a module, class or function has a __name__, an instance none
             name = getattr(plugin, "__name__", None) or f"{type(plugin).__name__}-{i}"
             api_problem = plugin_api.mismatch(plugin)
             if api_problem is not None:
@@ -89,6 +99,7 @@ class PluginRegistry:
         manager.check_pending()  # a misspelled hook name fails loudly
         for slot in SLOTS:
             registry.strategies[slot.name] = {}
+            # pluggy's hook relay has one attribute per hook spec: the slot table names it
             for impl in getattr(manager.hook, slot.hook).get_hookimpls():
                 dist, version = sources.get(impl.plugin_name, ("unknown", ""))
                 register = registry._register_fn(slot.name, impl.plugin_name, dist, version)
@@ -138,8 +149,8 @@ class PluginRegistry:
         one registered for `quantization` (its class's `quantization`; None: an unquantized one)."""
         found = [s for s in self.strategies["layer"].values() if s.name == kind]
         if kind == "linear":
-            schemes = sorted({q for s in found if (q := getattr(s.factory, "quantization", None))})
-            found = [s for s in found if getattr(s.factory, "quantization", None) == quantization]
+            schemes = sorted({q for s in found if (q := _scheme(s.factory))})
+            found = [s for s in found if _scheme(s.factory) == quantization]
             if quantization is not None and not found:
                 raise PluginNotFoundError(
                     f"unknown --quantization {quantization!r}: use one of {', '.join(schemes) or 'none installed'}"
@@ -188,3 +199,8 @@ class PluginRegistry:
     def preset_names(self) -> list[str]:
         models = self.strategies["model"].values()
         return sorted(n for s in models if isinstance(s.factory, ModelPresets) for n in s.factory.presets)
+
+
+def _scheme(linear: Any) -> str | None:
+    """The quantization a linear layer class registered for (`QuantizedLinear`); None: unquantized."""
+    return linear.quantization if isinstance(linear, QuantizedLinear) else None

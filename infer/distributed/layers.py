@@ -25,7 +25,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from infer.api import QuantizedLinear
+from infer.api import PlainRMSNorm, QuantizedLinear, pushes_partial_sums
 from infer.api.config import ModelConfig
 from infer.api.errors import ConfigError
 from infer.api.weights import check_unscaled
@@ -86,7 +86,7 @@ class RowParallelLinear(nn.Module):
         """`matmul`: another with the same contract (e.g. the activation's fused down projection)."""
         matmul = matmul or self.matmul
         target = None
-        if self.push and getattr(matmul, "pushes", False):
+        if self.push and pushes_partial_sums(matmul):
             target = push_target(self.parallel, x, self.weight.shape[0])
         y = matmul(x, self.weight) if target is None else matmul(x, self.weight, push=target)
         if self.bias is None:
@@ -140,12 +140,11 @@ def reduce_add_norm(
     output `x`: one all-reduce, fused with the residual add and RMSNorm when the fast all-reduce
     has such a kernel and `norm` is a plain RMSNorm (the layers hook's `rms_norm` contract)."""
     fast = parallel.fast_all_reduce
-    plain = getattr(norm, "plain_rms_norm", False)
+    plain = _plain(norm)
     if (exchange := parallel.exchange) is not None and exchange.takes(x):  # pushed by its GEMV
         return exchange.reduce(x, residual, norm.weight, norm.eps) if plain else norm(exchange.reduce(x), residual)
-    fused = getattr(fast, "add_rms_norm", None)
-    if fused is not None and plain and fast.fits(x):
-        return fused(x, residual, norm.weight, norm.eps)
+    if fast is not None and fast.add_rms_norm is not None and plain and fast.fits(x):
+        return fast.add_rms_norm(x, residual, norm.weight, norm.eps)
     return norm(parallel.all_reduce(x), residual)
 
 
@@ -154,10 +153,15 @@ def reduce_norm(parallel: ParallelState, x: torch.Tensor, norm: Any) -> tuple[to
     pushed it into the exchange, else whole on every rank already."""
     if (exchange := parallel.exchange) is None or not exchange.takes(x):
         return norm(x), x
-    if getattr(norm, "plain_rms_norm", False):
+    if _plain(norm):
         return exchange.reduce(x, None, norm.weight, norm.eps)
     total = exchange.reduce(x)
     return norm(total), total
+
+
+def _plain(norm: Any) -> bool:
+    """Whether the reduce may compute `norm` itself, from its `weight` and `eps` (`PlainRMSNorm`)."""
+    return isinstance(norm, PlainRMSNorm) and bool(norm.plain_rms_norm)
 
 
 def push_target(parallel: ParallelState, x: torch.Tensor, out_features: int) -> Any:

@@ -22,13 +22,14 @@ MAIN_GUARD_EXIT = 86  # a rank's exit code: it found itself running the user's s
 
 def exit_if_rerunning_main() -> None:
     """In a spawned rank importing the parent's script (multiprocessing's own bootstrap test)."""
+    # multiprocessing's private flag, set only on a spawned child's process object while it bootstraps
     if getattr(multiprocessing.current_process(), "_inheriting", False):
         raise SystemExit(MAIN_GUARD_EXIT)
 
 
 def main_guard_message() -> str:
     """Not an InferError but the script's end: without the guard every rank would run it again."""
-    script = getattr(sys.modules.get("__main__"), "__file__", None) or "your script"
+    script = getattr(sys.modules.get("__main__"), "__file__", None) or "your script"  # no file: a REPL, -c
     return (
         f"error: tensor-parallel ranks are spawned processes that import {script} again, and its top level "
         f'builds an engine with tensor_parallel_size > 1: put that code under `if __name__ == "__main__":`'

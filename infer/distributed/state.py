@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Callable, Protocol
 
 import torch
 
@@ -47,6 +47,23 @@ def _splits(num_heads: int, num_kv_heads: int, intermediate_size: int, n: int) -
     return num_heads % n == 0 and kv_ok and intermediate_size % n == 0
 
 
+class FastAllReduce(Protocol):
+    """A fast all-reduce for small tensors (`--all-reduce`: `SymmetricAllReduce`, `FlashInferAllReduce`).
+    `fits(x)` says whether it sums `x` (the same answer on every rank), and calling it sums `x`.
+    `exchange`: the `LamportExchange` one-token steps' partial sums are pushed into, or None.
+    `add_rms_norm(x, residual, weight, eps)`, where not None, sums fused with the residual add and
+    RMSNorm. `close()` frees its shared buffers: collective, at the teardown."""
+
+    exchange: Any
+    add_rms_norm: Callable[[torch.Tensor, torch.Tensor, torch.Tensor, float], tuple[torch.Tensor, torch.Tensor]] | None
+
+    def fits(self, x: torch.Tensor) -> bool: ...
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor: ...
+
+    def close(self) -> None: ...
+
+
 @dataclass(frozen=True, slots=True)
 class ParallelState:
     """This process's rank in the tensor-parallel group (world_size 1: no group, no collectives)."""
@@ -57,9 +74,7 @@ class ParallelState:
     group: Any = None  # ProcessGroup for the model's collectives (all-reduce, all-gather)
     control_group: Any = None  # gloo ProcessGroup for rank 0's step messages (CPU tensors)
     store: Any = None  # the rendezvous store: a failing rank posts its error under error_key(rank)
-    fast_all_reduce: Any = (
-        None  # SymmetricAllReduce or FlashInferAllReduce for small tensors (--all-reduce); None: NCCL only
-    )
+    fast_all_reduce: FastAllReduce | None = None  # for small tensors (--all-reduce); None: NCCL only
     # collective clean-ups (freeing buffers the ranks share): run by every rank, in this order, when
     # the ranks take their groups down together; a copy of this state (dataclasses.replace) shares the list
     teardown: list[Any] = field(default_factory=list, repr=False, compare=False)
@@ -107,13 +122,14 @@ class ParallelState:
     def exchange(self) -> Any:
         """The fast all-reduce's `LamportExchange` (one-token steps' partial sums pushed by the
         row-parallel GEMVs), or None."""
-        return getattr(self.fast_all_reduce, "exchange", None)
+        return self.fast_all_reduce.exchange if self.fast_all_reduce is not None else None
 
     def gather_columns(self, x: torch.Tensor) -> torch.Tensor:
         # x: [R, C] on every rank -> [R, world_size * C], rank i's columns i*C:(i+1)*C.
         # One all-gather (a single collective, safe inside a CUDA graph); only rank 0 uses the result.
         import torch.distributed as dist
 
+        # a torch module's attribute that only some versions have
         gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
         rows, cols = x.shape
         out = x.new_empty(self.world_size * rows, cols)
@@ -152,7 +168,7 @@ class ParallelState:
         from infer.distributed.all_reduce import make_all_reduce
 
         fast, line = make_all_reduce(all_reduce, self, dtype, hidden_size)
-        if hasattr(fast, "close"):  # its buffers are freed by every rank together, at the teardown
+        if fast is not None:  # its buffers are freed by every rank together, at the teardown
             self.teardown.append(fast.close)
         return dataclasses.replace(self, fast_all_reduce=fast, all_reduce_line=line)
 
@@ -181,6 +197,7 @@ class ParallelState:
         if not self.all_reduce_line:
             return {}
         line = self.all_reduce_line
+        # a model plugin's optional attribute (the built-in DecoderModel's): its one-token sums are pushed
         if self.exchange is not None and getattr(model, "pushes", False):
             line += "; one-token steps' sums pushed by the row-parallel GEMVs and the embedding"
         return {"all_reduce": line}

@@ -27,9 +27,9 @@ def release_graphs(runners: Iterable[Any], device: torch.device, wait: bool = Tr
     when it completes, which the abort makes happen."""
     if wait and device.type == "cuda":
         torch.cuda.synchronize(device)
-    for runner in runners:
-        if (graphs := getattr(runner, "graphs", None)) is not None:
-            graphs.release()
+    for runner in runners:  # ModelRunners: `graphs` is None where none were captured
+        if runner.graphs is not None:
+            runner.graphs.release()
 
 
 def meet_for_teardown(parallel: ParallelState, wait_s: float) -> bool:
@@ -60,7 +60,7 @@ def take_down_groups(parallel: ParallelState, together: bool, runners: Iterable[
 
     with contextlib.suppress(Exception):
         release_graphs(runners, parallel.device, wait=False)
-    group_name = getattr(parallel.group, "group_name", None)
+    group_name = parallel.group.group_name if parallel.group is not None else None
     hooks, parallel.teardown[:] = list(parallel.teardown), []
     for hook in hooks if together else []:
         with contextlib.suppress(Exception):

@@ -40,7 +40,7 @@ def template_for(tokenizer: Any, chat_template: str | None = None) -> str:
     """The template a chat is rendered with: `chat_template` (already loaded), else the tokenizer's."""
     if tokenizer is None:
         raise RequestError("this model has no tokenizer, so it cannot chat: pass token ids to generate()")
-    template = chat_template or getattr(tokenizer, "chat_template", None)
+    template = chat_template or getattr(tokenizer, "chat_template", None)  # a duck-typed HF tokenizer's, if any
     if not template:
         raise RequestError(
             "this model has no chat template: pass one with --chat-template PATH (LLM(chat_template=...)), "

@@ -24,9 +24,10 @@ import triton.language as tl
 
 from infer.kernels import pdl
 
-# this Triton has the device-side calls (checked once: use_pdl runs at every kernel launch)
+# this Triton has the device-side calls (checked once: use_pdl runs at every kernel launch);
+# Triton's modules vary by version: older releases have no tl.extra.cuda
 _CUDA = getattr(getattr(tl, "extra", None), "cuda", None)
-HAS_GDC = hasattr(_CUDA, "gdc_wait") and hasattr(_CUDA, "gdc_launch_dependents")
+HAS_GDC = hasattr(_CUDA, "gdc_wait") and hasattr(_CUDA, "gdc_launch_dependents")  # newer Triton's calls only
 
 
 def use_pdl(device: torch.device) -> bool:

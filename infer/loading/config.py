@@ -22,18 +22,28 @@ FAMILY_KEYS = (
 
 
 def _set(hf: Any, key: str) -> bool:
-    return getattr(hf, key, None) is not None
+    return getattr(hf, key, None) is not None  # an HF config: a family's own field is absent from the others'
+
+
+def kv_layout(hf: Any) -> tuple[int, int]:
+    """(KV heads, head dim) of a transformers config: `num_key_value_heads` and `head_dim` where it sets
+    them (some families' configs have neither, or None), else the query heads and hidden_size / heads."""
+    heads = int(hf.num_attention_heads)
+    # an HF config: both fields are optional across families and transformers versions
+    kv_heads = getattr(hf, "num_key_value_heads", None)
+    head_dim = getattr(hf, "head_dim", None)  # likewise optional
+    return int(kv_heads or heads), int(head_dim or int(hf.hidden_size) // heads)
 
 
 def layer_windows(hf: Any) -> tuple[int | None, ...]:
     """Each layer's sliding window, as transformers' models apply `sliding_window`: the layers whose
     `layer_types` entry is sliding_attention (Qwen2, Qwen3, Gemma 2), or every layer where the config
     has no layer_types (Mistral, Phi-3). Empty when no layer is windowed."""
-    window = getattr(hf, "sliding_window", None)
+    window = getattr(hf, "sliding_window", None)  # an HF config: only windowed families have the field
     if not window:
         return ()
     num_layers = int(hf.num_hidden_layers)
-    kinds = getattr(hf, "layer_types", None) or ["sliding_attention"] * num_layers
+    kinds = getattr(hf, "layer_types", None) or ["sliding_attention"] * num_layers  # newer transformers only
     windows = tuple(int(window) if kind == "sliding_attention" else None for kind in kinds[:num_layers])
     return windows if any(w is not None for w in windows) else ()
 
@@ -50,6 +60,7 @@ def model_config_from_hf(hf: Any, name: str = "") -> ModelConfig:
     try:
         num_heads = int(hf.num_attention_heads)
         hidden = int(hf.hidden_size)
+        num_kv_heads, head_dim = kv_layout(hf)
         eos = hf.eos_token_id
         eos_ids = tuple(int(e) for e in eos) if isinstance(eos, (list, tuple)) else (() if eos is None else (int(eos),))
         dtype = hf.dtype if isinstance(hf.dtype, torch.dtype) else DTYPES.get(str(hf.dtype or ""))
@@ -60,8 +71,8 @@ def model_config_from_hf(hf: Any, name: str = "") -> ModelConfig:
             intermediate_size=int(hf.intermediate_size),
             num_layers=int(hf.num_hidden_layers),
             num_heads=num_heads,
-            num_kv_heads=int(getattr(hf, "num_key_value_heads", None) or num_heads),
-            head_dim=int(getattr(hf, "head_dim", None) or hidden // num_heads),
+            num_kv_heads=num_kv_heads,
+            head_dim=head_dim,
             max_position_embeddings=int(hf.max_position_embeddings),
             rms_norm_eps=float(hf.rms_norm_eps),
             rope_parameters=dict(hf.rope_parameters or {"rope_type": "default", "rope_theta": 10000.0}),
@@ -73,7 +84,7 @@ def model_config_from_hf(hf: Any, name: str = "") -> ModelConfig:
             layer_windows=layer_windows(hf),
             attention_scale=float(hf.query_pre_attn_scalar) ** -0.5 if _set(hf, "query_pre_attn_scalar") else None,
             attention_soft_cap=float(hf.attn_logit_softcapping) if _set(hf, "attn_logit_softcapping") else None,
-            extra={key: getattr(hf, key) for key in FAMILY_KEYS if _set(hf, key)},
+            extra={key: getattr(hf, key) for key in FAMILY_KEYS if _set(hf, key)},  # those this family's config has
         )
     except (AttributeError, TypeError, ValueError) as exc:
         raise ModelLoadError(

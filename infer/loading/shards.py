@@ -54,10 +54,10 @@ class Shard:
 def shard_of(model: nn.Module, param_name: str) -> Shard | None:
     """The `Shard` of a parameter's module, or None when the parameter is whole on every rank (a
     norm; a row-parallel layer's bias, which has no input dimension to split)."""
-    owner_name, _, attr = param_name.rpartition(".")
+    owner_name = param_name.rpartition(".")[0]
     owner = model.get_submodule(owner_name)
     shard = owner.__dict__.get("shard")
-    if shard is None or shard.dim >= getattr(owner, attr).dim():
+    if shard is None or shard.dim >= model.get_parameter(param_name).dim():
         return None
     return shard
 

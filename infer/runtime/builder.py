@@ -13,7 +13,15 @@ import time
 import warnings
 from typing import Any, Iterable
 
-from infer.api import Communicator, Launch, ProcessorContext, SelfDescribing, SingleProcess
+from infer.api import (
+    Communicator,
+    KVAllocator,
+    Launch,
+    ProcessorContext,
+    Scheduler,
+    SelfDescribing,
+    SingleProcess,
+)
 from infer.api.config import EngineConfig
 from infer.api.errors import ConfigError
 from infer.common.log import get_logger
@@ -52,7 +60,7 @@ def build_engine(
     num_blocks, block_mover = build_kv_caches(
         config, models, parallel, plan.max_model_len, lookahead, plan.dtype, plan.device
     )
-    scheduler = _wire(plan, models, decoder, num_blocks, block_mover)
+    allocator, scheduler = _wire(plan, models, decoder, num_blocks, block_mover)
     detokenizer = _detokenizer(plan, tokenizer) if tokenizer is not None else None
     eos = set(plan.model_config.eos_token_ids)
     if tokenizer is not None and tokenizer.eos_token_id is not None:
@@ -79,6 +87,7 @@ def build_engine(
         config=config,
         model_config=plan.model_config,
         scheduler=scheduler,
+        allocator=allocator,
         decoder=decoder,
         output=OutputProcessor(detokenizer),
         tokenizer=tokenizer,
@@ -166,9 +175,11 @@ def _check(
     return plan
 
 
-def _wire(plan: BuildPlan, models: Models, decoder: Any, num_blocks: int, block_mover: BlockMover) -> Any:
+def _wire(
+    plan: BuildPlan, models: Models, decoder: Any, num_blocks: int, block_mover: BlockMover
+) -> tuple[KVAllocator, Scheduler]:
     """The allocator over the cache's blocks, the scheduler over it, and the runners' decode paths:
-    CUDA graphs, and pipelining through the scheduler. Returns the scheduler."""
+    CUDA graphs, and pipelining through the scheduler. Returns the allocator and the scheduler."""
     config, composition = plan.config, plan.composition
     allocator = composition.kv_allocator.factory(
         num_blocks,
@@ -183,7 +194,7 @@ def _wire(plan: BuildPlan, models: Models, decoder: Any, num_blocks: int, block_
     attach_decode_paths(
         config, decoder_caps, runners, scheduler, plan.max_rows, plan.max_model_len, num_blocks, plan.device
     )
-    return scheduler
+    return allocator, scheduler
 
 
 def make_engine(config: EngineConfig, extra_plugins: Iterable[Any] = (), launch: Launch | None = None) -> Engine:

@@ -321,6 +321,7 @@ def _openapi_route(app: FastAPI, guarded: list[Any], limits: ServeLimits) -> Non
             app.openapi_schema = openapi_limits(plain(), limits)
         return app.openapi_schema
 
+    # FastAPI's documented way to extend its schema is to replace `app.openapi`, which typing sees as a method
     app.openapi = with_limits  # type: ignore[method-assign]
 
     @app.get("/openapi.json", dependencies=guarded, include_in_schema=False)

@@ -20,7 +20,7 @@ from __future__ import annotations
 import asyncio
 import itertools
 from concurrent.futures import Future
-from typing import Any, AsyncIterator, Callable, Iterable, TypeVar
+from typing import TYPE_CHECKING, Any, AsyncIterator, Callable, Iterable, TypeVar
 
 from infer.api.errors import ConfigError, InferError, RequestError
 from infer.api.request import SamplingParams
@@ -29,6 +29,9 @@ from infer.core.stream import StreamOutput, as_output, merge
 from infer.runtime.builder import make_engine
 from infer.serve.engine_thread import Abort, Add, Call, EngineDeadError, EngineThread, Item
 from infer.serve.snapshot import EngineSnapshot
+
+if TYPE_CHECKING:
+    from infer.serve.engine_process import EngineFront, EngineProcess
 
 T = TypeVar("T")
 
@@ -111,9 +114,9 @@ class AsyncEngine:
 
     def __init__(
         self,
-        engine: Engine,
+        engine: Engine | EngineFront,
         max_waiting: int | None = None,
-        thread: Any = None,
+        thread: EngineThread | EngineProcess | None = None,
         build: Callable[[], Engine] | None = None,
     ) -> None:
         """thread: what steps the engine (default: an `EngineThread` here; `spawn` passes an `EngineProcess`).
@@ -128,7 +131,11 @@ class AsyncEngine:
         self.closed = False
         self._live: dict[str, RequestStream] = {}  # unfinished streams by request id
         self._ids = itertools.count()
-        self._thread = thread if thread is not None else EngineThread(engine)
+        if thread is None:
+            if not isinstance(engine, Engine):  # an EngineFront: its engine steps in another process
+                raise ConfigError("an engine built in another process is stepped there: pass its EngineProcess")
+            thread = EngineThread(engine)
+        self._thread: EngineThread | EngineProcess = thread
         self._build = build  # what `spawn` was given: `restart` builds it again
         self._ended: BaseException | None = None  # set by end_all: every new request is refused with it
         self.num_restarts = 0  # times `restart` built it again
@@ -151,7 +158,7 @@ class AsyncEngine:
         from infer.serve.engine_process import EngineProcess
 
         process = EngineProcess(build)
-        return cls(process.front, max_waiting, thread=process, build=build)  # type: ignore[arg-type]
+        return cls(process.front, max_waiting, thread=process, build=build)
 
     @property
     def tokenizer(self) -> Any:
@@ -165,7 +172,7 @@ class AsyncEngine:
     @property
     def exitcode(self) -> int | None:
         """A spawned engine's process exit code once it ended (-9: SIGKILL); None while it runs, or in-thread."""
-        return getattr(self._thread, "exitcode", None)
+        return self._thread.exitcode
 
     @property
     def snapshot(self) -> EngineSnapshot:
@@ -267,7 +274,7 @@ class AsyncEngine:
         if self.closed:  # closed while it was built
             process.stop()
             return
-        self.engine, self._thread = process.front, process  # type: ignore[assignment]
+        self.engine, self._thread = process.front, process
         self.num_restarts += 1
 
     def close(self) -> None:

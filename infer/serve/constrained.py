@@ -21,7 +21,6 @@ from infer.serve.protocol import ChatRequest, SamplingFields
 from infer.serve.tool_parsers import PARSERS, ToolParser
 from infer.serve.tool_parsers.forced import NamedCall, RequiredCalls
 
-GUIDED = {"guided_json": "json", "guided_regex": "regex", "guided_choice": "choice", "guided_grammar": "grammar"}
 NO_PARAMETERS = {"type": "object", "properties": {}}  # a function without `parameters` takes none
 
 
@@ -74,9 +73,7 @@ def _asked(req: SamplingFields) -> list[tuple[str, dict[str, Any]]]:
         asked.append(("response_format", {"json_object": True}))
     if req.structured_outputs is not None:
         asked.append(("structured_outputs", req.structured_outputs))
-    for name, kind in GUIDED.items():
-        if getattr(req, name) is not None:
-            asked.append((name, {kind: getattr(req, name)}))
+    asked += [(name, {kind: value}) for name, kind, value in req.guided()]
     return asked
 
 

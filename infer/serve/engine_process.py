@@ -34,6 +34,7 @@ from multiprocessing.connection import Connection
 from typing import Any, Callable
 
 from infer.api.errors import ConfigError, InferError, RequestError, one_line
+from infer.api.request import SamplingParams
 from infer.core.engine import Engine
 from infer.core.stream import StreamOutput
 from infer.inputs.prompts import tokenize
@@ -79,8 +80,13 @@ class EngineFront:
 
 @dataclass(slots=True)
 class _RemoteAdd:
+    """An `Add` without its sink: the child makes its own, which sends the outputs back under `key`."""
+
     key: int  # the parent's name for the request's sink: outputs come back under it (ids may be reused)
-    add: Add  # its sink left out: the child makes its own
+    request_id: str
+    prompt_token_ids: list[int]
+    prompt: str | None
+    params: SamplingParams
 
 
 @dataclass(slots=True)
@@ -138,8 +144,7 @@ class EngineProcess:
         message: Any = command
         if isinstance(command, Add):
             self._sinks[key] = command.sink
-            add = Add(command.request_id, command.prompt_token_ids, command.prompt, command.params, None)  # type: ignore[arg-type]
-            message = _RemoteAdd(key, add)
+            message = _RemoteAdd(key, command.request_id, command.prompt_token_ids, command.prompt, command.params)
         elif isinstance(command, Call):
             self._calls[key] = command.future
             message = _RemoteCall(key, command.fn)
@@ -274,8 +279,8 @@ def _child_main(conn: Connection, build: Callable[[], Engine]) -> None:
             if isinstance(command, _RemoteCall):
                 thread.send(Call(command.fn, _answer(conn, command.call_id)))
             elif isinstance(command, _RemoteAdd):
-                command.add.sink = _RemoteSink(command.key, loop)
-                thread.send(command.add)
+                sink = _RemoteSink(command.key, loop)
+                thread.send(Add(command.request_id, command.prompt_token_ids, command.prompt, command.params, sink))
             else:
                 thread.send(command)
     finally:

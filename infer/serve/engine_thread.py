@@ -117,6 +117,11 @@ class EngineThread:
     def is_alive(self) -> bool:
         return self._thread.is_alive()
 
+    @property
+    def exitcode(self) -> int | None:
+        """None: a thread has no exit code (`EngineProcess.exitcode` is its process's)."""
+        return None
+
     # ------------------------------------------------------------------ on the engine's thread
 
     def _run(self) -> None:

@@ -124,10 +124,13 @@ def validation_error(exc: RequestValidationError) -> APIError:
 def install(app: FastAPI) -> None:
     """Route every error through `api_error`."""
 
-    async def on_validation(request: Request, exc: RequestValidationError) -> JSONResponse:
+    # Starlette types a handler as taking any Exception; it calls each with the kind it was added for
+    async def on_validation(request: Request, exc: Exception) -> JSONResponse:
+        assert isinstance(exc, RequestValidationError)
         return validation_error(exc).response(request.url.path)
 
-    async def on_http(request: Request, exc: StarletteHTTPException) -> JSONResponse:
+    async def on_http(request: Request, exc: Exception) -> JSONResponse:
+        assert isinstance(exc, StarletteHTTPException)
         kind = {401: "authentication_error", 404: "not_found_error"}.get(exc.status_code, "invalid_request_error")
         message = (
             f"{exc.detail}: see GET /openapi.json for the routes" if exc.status_code in (404, 405) else str(exc.detail)
@@ -138,8 +141,8 @@ def install(app: FastAPI) -> None:
     async def on_error(request: Request, exc: Exception) -> JSONResponse:
         return api_error(exc).response(request.url.path)
 
-    app.add_exception_handler(RequestValidationError, on_validation)  # type: ignore[arg-type]
-    app.add_exception_handler(StarletteHTTPException, on_http)  # type: ignore[arg-type]
+    app.add_exception_handler(RequestValidationError, on_validation)
+    app.add_exception_handler(StarletteHTTPException, on_http)
     for kind in (APIError, InferError, Refused):
         app.add_exception_handler(kind, on_error)
     app.add_exception_handler(Exception, on_error)

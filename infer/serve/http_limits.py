@@ -147,6 +147,7 @@ class HeaderTimeout(H11Protocol):
         self.header_timeout_s = header_timeout_s
         self.header_timer: asyncio.TimerHandle | None = None  # armed while a request's headers are awaited
 
+    # uvicorn's H11Protocol narrows asyncio's BaseTransport to Transport itself: its override, kept as it is
     def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
         super().connection_made(transport)
         self._await_headers()

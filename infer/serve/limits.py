@@ -49,8 +49,9 @@ class ServeLimits:
 
     def __post_init__(self) -> None:
         for field in fields(self):
-            if not getattr(self, field.name) > 0:
-                raise ConfigError(f"{option_name(field.name)} must be positive, not {getattr(self, field.name)!r}")
+            value = getattr(self, field.name)  # a dataclass field, by its name from fields()
+            if not value > 0:
+                raise ConfigError(f"{option_name(field.name)} must be positive, not {value!r}")
 
 
 def option_name(field_name: str) -> str:

@@ -20,13 +20,16 @@ from __future__ import annotations
 
 import contextlib
 import json
-from typing import Annotated, Any, Literal, Union
+from typing import TYPE_CHECKING, Annotated, Any, Literal, Union
 
 from pydantic import AfterValidator, BaseModel, BeforeValidator, ConfigDict, Field, StrictStr, WithJsonSchema
 
 from infer.api.request import SamplingParams
 from infer.api.structured import StructuredOutputs
 from infer.serve.output_protocol import NamedToolChoice, ResponseFormat, Tool, ToolCallDelta, ToolCallOut
+
+if TYPE_CHECKING:
+    from typing_extensions import TypeIs  # typing's own from Python 3.13
 
 MAX_LOGPROBS = 20  # top logprobs per token, at most (OpenAI's chat limit; vLLM's default)
 MAX_N = 128  # samples per prompt, at most (OpenAI's limit)
@@ -132,6 +135,16 @@ class SamplingFields(BaseModel):
     # lower runs first (vLLM's): the fcfs scheduler admits and preempts by priority, aged by --priority-aging-s
     priority: Annotated[int, Field(ge=-(2**31), le=2**31 - 1), WHOLE] | None = None
 
+    def guided(self) -> list[tuple[str, str, Any]]:
+        """(field, StructuredOutputs kind, value) of each `guided_*` field set, in this order."""
+        fields = (
+            ("guided_json", "json", self.guided_json),
+            ("guided_regex", "regex", self.guided_regex),
+            ("guided_choice", "choice", self.guided_choice),
+            ("guided_grammar", "grammar", self.guided_grammar),
+        )
+        return [(name, kind, value) for name, kind, value in fields if value is not None]
+
     def sampling(self, max_tokens: int, logprobs: int | None, structured: StructuredOutputs | None) -> SamplingParams:
         """SamplingParams (which checks what pydantic did not, e.g. top_p > 0) for one prompt; `structured`:
         what the output must match (`constrained.output_rules` reads it from the request)."""
@@ -202,7 +215,12 @@ class CompletionRequest(SamplingFields):
 
     def prompts(self) -> list[str | list[int]]:
         p = self.prompt
-        return [p] if isinstance(p, str) or (p and isinstance(p[0], int)) else list(p)  # type: ignore[list-item]
+        return [p] if isinstance(p, str) or _is_token_ids(p) else list(p)
+
+
+def _is_token_ids(prompt: list[Text] | TokenIds | list[TokenIds]) -> TypeIs[TokenIds]:
+    """Whether a prompt that is a list is one prompt of token ids (validated: its items are all of one kind)."""
+    return bool(prompt) and isinstance(prompt[0], int)
 
 
 class TextPart(BaseModel):
@@ -279,8 +297,12 @@ class ChatRequest(SamplingFields):
             raise Refused("function_call", "function_call is not supported: use tool_choice, or drop it")
         if self.modalities not in (None, ["text"]):
             raise Refused("modalities", "this server writes text only: use ['text'] or drop it")
-        for name in ("audio", "prediction", "web_search_options"):
-            if getattr(self, name) is not None:
+        for name, value in (
+            ("audio", self.audio),
+            ("prediction", self.prediction),
+            ("web_search_options", self.web_search_options),
+        ):
+            if value is not None:
                 raise Refused(name, f"{name} is not supported by this server: drop it")
         if self.top_logprobs and not self.logprobs:
             raise Refused("top_logprobs", "top_logprobs needs logprobs: true")

@@ -53,11 +53,7 @@ def _constraints(req: SamplingFields) -> list[tuple[str, str, Any]]:
         found.append(("response_format", "json", req.response_format.json_schema.schema_))
     if isinstance(req.structured_outputs, dict):
         found += [("structured_outputs", kind, value) for kind, value in req.structured_outputs.items()]
-    for param, kind in (("guided_json", "json"), ("guided_regex", "regex"), ("guided_choice", "choice")):
-        if getattr(req, param) is not None:
-            found.append((param, kind, getattr(req, param)))
-    if req.guided_grammar is not None:
-        found.append(("guided_grammar", "grammar", req.guided_grammar))
+    found += req.guided()  # guided_json, guided_regex, guided_choice, guided_grammar
     if isinstance(req, ChatRequest):
         found += [("tools", "json", t.function.parameters) for t in req.tools or () if t.function.parameters]
     return found

@@ -19,7 +19,7 @@ from typing import Any, Sequence
 
 import torch
 
-from infer.api import LogitsRow, ProcessorContext
+from infer.api import KitParams, LogitsRow, ProcessorContext
 from infer.api.request import Request, SamplingParams
 
 EOS = 0
@@ -60,7 +60,7 @@ def kit_context(device: torch.device | str = "cpu", tokenizer: Any = None) -> Pr
 
 
 def kit_params(name: str, factory: Any) -> SamplingParams:
-    fields = getattr(factory, "kit_params", None)
+    fields = factory.kit_params if isinstance(factory, KitParams) else None
     assert isinstance(fields, dict) and fields, (
         f"logits processor {name}: declare `kit_params` on it, the SamplingParams fields of a request it admits "
         f"(e.g. kit_params = {{'logit_bias': {{70: 5.0}}}}), so the kit can build one"

@@ -15,6 +15,7 @@ class StandInGraphs(CudaGraphRunner):
     """Captures nothing: a replay runs the forward eagerly over the static buffers."""
 
     def capture(self) -> None:
+        # every bucket marked captured, with no graph: only `_replay` (overridden here) reads one
         self.graphs = {n: (None, None) for n in self.buckets}  # type: ignore[misc]
 
     def _replay(self, n: int) -> torch.Tensor:

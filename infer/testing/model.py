@@ -24,6 +24,7 @@ import torch
 
 from infer.api import KitConfig
 from infer.api.request import RequestOutput, SamplingParams
+from infer.loading.config import kv_layout
 
 SIZES: dict[str, Any] = dict(  # set where the architecture's config class has the field
     vocab_size=512,
@@ -48,8 +49,8 @@ PARAMS = SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0, ignore_eos=True,
 def hf_class(architecture: str) -> Any:
     import transformers
 
-    cls = getattr(transformers, architecture, None)
-    if cls is None or not hasattr(cls, "config_class"):
+    cls = getattr(transformers, architecture, None)  # the class a plugin names: this transformers may lack it
+    if cls is None or not hasattr(cls, "config_class"):  # a transformers name that is no model class
         raise AssertionError(
             f"transformers {transformers.__version__} has no model class {architecture}: the model kit runs HF "
             f"transformers' implementation beside the plugin, so it needs one (upgrade transformers, or drop "
@@ -69,11 +70,13 @@ def tiny_config(architecture: str, overrides: dict[str, Any] | None = None) -> A
         defaults = config_class()
     finally:
         logging.set_verbosity(verbosity)
+    # an HF config: which of these fields a family has (and which it leaves None) varies by architecture
     fields = {k: v for k, v in SIZES.items() if hasattr(defaults, k)}
+    # an HF config: the special tokens a family defines
     fields.update({k: v for k, v in SPECIAL_TOKENS.items() if getattr(defaults, k, None) is not None})
-    if isinstance(getattr(defaults, "sliding_window", None), int):
+    if isinstance(getattr(defaults, "sliding_window", None), int):  # an HF config: windowed families only
         fields["sliding_window"] = SLIDING_WINDOW
-    unknown = sorted(k for k in overrides or {} if not hasattr(defaults, k))
+    unknown = sorted(k for k in overrides or {} if not hasattr(defaults, k))  # kit_config names HF config fields
     if unknown:
         raise AssertionError(
             f"kit_config for {architecture} sets {', '.join(unknown)}, which {config_class.__name__} does not "
@@ -96,8 +99,10 @@ class Checkpoint:
 
     def describe(self) -> str:
         c = self.hf_model.config
-        heads = f"{c.num_attention_heads} heads over {getattr(c, 'num_key_value_heads', None) or c.num_attention_heads}"
+        heads = f"{c.num_attention_heads} heads over {kv_layout(c)[0]}"
+        # an HF config: windowed families only
         window = f", window {c.sliding_window}" if isinstance(getattr(c, "sliding_window", None), int) else ""
+        # an HF config: newer transformers versions only
         rope = (getattr(c, "rope_parameters", None) or {}).get("rope_type")
         rope = f", {rope} RoPE" if rope not in (None, "default") else ""
         return f"{c.num_hidden_layers} layers, hidden {c.hidden_size}, {heads} KV heads, vocab {c.vocab_size}{window}{rope}"

@@ -42,7 +42,7 @@ def _watch(embedding: Any, layers: Sequence[Any], store: dict[str, torch.Tensor]
 def _hf_states(checkpoint: Checkpoint, ids: list[int]) -> tuple[dict[str, torch.Tensor], int | None, torch.Tensor]:
     """HF's embeddings and layer outputs over `ids` (no layers: none), its layer count, the last logprobs."""
     hf = checkpoint.hf_model
-    layers = getattr(hf.get_decoder(), "layers", None)
+    layers = getattr(hf.get_decoder(), "layers", None)  # an HF decoder's optional attribute: most families have it
     states: dict[str, torch.Tensor] = {}
     handles = _watch(hf.get_input_embeddings(), layers, states, hf=True) if layers is not None else []
     try:

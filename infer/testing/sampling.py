@@ -14,6 +14,7 @@ from typing import Any
 
 import torch
 
+from infer.api import SupportedParams
 from infer.api.request import Request, SamplingParams
 
 KNOWN_PARAMS = frozenset({"temperature", "top_k", "top_p", "min_p", "seed"})
@@ -47,7 +48,7 @@ HINTS = {
 
 
 def supported_params(factory: Any) -> frozenset[str]:
-    declared = getattr(factory, "supported_params", None)
+    declared = factory.supported_params if isinstance(factory, SupportedParams) else None
     return KNOWN_PARAMS if declared is None else frozenset(declared)
 
 
@@ -139,9 +140,9 @@ def check_greedy(name: str, factory: Any, device: torch.device | str = "cpu") ->
 def _show(params: SamplingParams) -> str:
     fields = [f"temperature={params.temperature}"]
     fields += [
-        f"{k}={getattr(params, k)}"
-        for k, off in (("top_k", 0), ("top_p", 1.0), ("min_p", 0.0))
-        if getattr(params, k) != off
+        f"{k}={value}"
+        for k, value, off in (("top_k", params.top_k, 0), ("top_p", params.top_p, 1.0), ("min_p", params.min_p, 0.0))
+        if value != off
     ]
     return f"SamplingParams({', '.join(fields)})"
 

@@ -220,6 +220,7 @@ def diagnose(
             verdicts.append(Verdict("attention", "auto", str(exc)))
     for slot in CHOSEN:
         if not (slot.name == "attention" and config.attention == "auto"):
+            # the EngineConfig field that names the slot's strategy, by its name in the slot table
             verdicts.append(_verdict(registry, slot.name, getattr(config, slot.field), config, device, dtype))
         if slot.name == "attention" and config.prefill_attention:
             verdicts.append(

@@ -20,6 +20,7 @@ from typing import Any, Callable
 import torch
 
 from infer.kernels.fp8_reference import FP8_MAX
+from infer.loading.config import kv_layout
 
 # what a folder with calibrated KV-cache scales adds to its quantization_config: one static scale a tensor
 KV_CACHE_SCHEME = {"type": "float", "num_bits": 8, "strategy": "tensor", "symmetric": True, "dynamic": False}
@@ -30,6 +31,7 @@ MODEL_TYPES = frozenset({"llama", "mistral", "qwen2", "qwen3", "gemma2", "phi3"}
 def rotary_scaling(model: torch.nn.Module) -> float:
     """The factor the model's rotary embedding multiplies cos and sin by (yarn's and longrope's
     attention scaling; 1 for the others)."""
+    # duck-typed HF modules: a rotary embedding of transformers carries attention_scaling, no other module does
     found = [m.attention_scaling for m in model.modules() if isinstance(getattr(m, "attention_scaling", None), float)]
     return max(found, default=1.0)
 
@@ -40,15 +42,15 @@ def observe(layer: torch.nn.Module, config: Any, amax: list[float], scaling: flo
     its cache: from k_norm's output where the attention normalizes its keys, else k_proj's, and v_proj's
     (or the k and v parts of a fused qkv_proj's output). None for an attention laid out otherwise (that
     layer gets no scales)."""
-    attention = getattr(layer, "self_attn", None)
+    attention = getattr(layer, "self_attn", None)  # an HF decoder layer: its attention's name varies by family
     if attention is None:
         return []
     heads = config.num_attention_heads
-    kv_heads = getattr(config, "num_key_value_heads", None) or heads
-    head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
+    kv_heads, head_dim = kv_layout(config)
+    # an HF config: transformers moved partial_rotary_factor into rope_parameters; older ones keep it on top
     factor = (getattr(config, "rope_parameters", None) or {}).get("partial_rotary_factor")
     if factor is None:
-        factor = getattr(config, "partial_rotary_factor", None) or 1.0
+        factor = getattr(config, "partial_rotary_factor", None) or 1.0  # absent from most families' configs
     rotary = int(head_dim * factor) // 2 * 2
 
     def keys(k: torch.Tensor) -> None:
@@ -70,7 +72,7 @@ def observe(layer: torch.nn.Module, config: Any, amax: list[float], scaling: flo
         return lambda module, args, out: fn(out)
 
     def module(name: str) -> torch.nn.Module | None:
-        found = getattr(attention, name, None)
+        found = getattr(attention, name, None)  # an HF attention's projections and norms vary by family
         return found if isinstance(found, torch.nn.Module) else None
 
     k_norm, v_source = module("k_norm"), module("v_proj")

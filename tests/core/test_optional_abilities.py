@@ -4,6 +4,8 @@ then queues no forward ahead)."""
 
 from __future__ import annotations
 
+import warnings
+
 import pytest
 import torch
 
@@ -22,10 +24,13 @@ from infer.api import (
     RotaryTables,
     SelfDescribing,
     StatsSummary,
+    TokenBudgeted,
     TokenSampler,
     VerifyingSampler,
+    pushes_partial_sums,
 )
 from infer.api.errors import ConfigError
+from infer.core.step_budget import FIRST_TOKENS
 from infer.llm import LLM
 from infer.plugins.sampler.vectorized import VectorizedSampler
 from infer.plugins.scheduler.fcfs import FcfsScheduler
@@ -63,6 +68,18 @@ class BareScheduler:
 
     def stats(self):
         return self._fcfs.stats()
+
+
+class AttributeBudgetScheduler(BareScheduler):
+    """A scheduler of plugin API 2.1's `TokenBudgeted`: its budget an attribute the engine wrote."""
+
+    @property
+    def max_num_batched_tokens(self) -> int:
+        return self._fcfs.max_num_batched_tokens
+
+    @max_num_batched_tokens.setter
+    def max_num_batched_tokens(self, tokens: int) -> None:
+        self._fcfs.max_num_batched_tokens = tokens
 
 
 class BareSampler:
@@ -117,6 +134,7 @@ class Plugin:
     def infer_register_schedulers(register):
         register("bare", BareScheduler)
         register("counting", CountingScheduler)
+        register("attribute-budget", AttributeBudgetScheduler)
 
     @staticmethod
     @infer.hookimpl
@@ -174,6 +192,21 @@ def test_scheduler_with_slot_reservation_guides_pipelining(tiny_llama_dir, expec
     assert CountingScheduler.calls["reserve"] > 0  # block_size 4: forwards queued ahead start new blocks
 
 
+def test_max_step_ms_sets_a_token_budgeted_schedulers_budget(tiny_llama_dir, expected):
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", DeprecationWarning)
+        tokens, _, _, engine = generate(tiny_llama_dir, max_step_ms=60_000.0)
+    assert isinstance(engine.parts.scheduler, TokenBudgeted)
+    assert tokens == expected and engine.parts.scheduler.max_num_batched_tokens == FIRST_TOKENS  # not 4096
+
+
+def test_a_budget_attribute_alone_is_still_set_with_a_warning(tiny_llama_dir, expected):
+    with pytest.warns(DeprecationWarning, match="set_token_budget"):
+        tokens, _, _, engine = generate(tiny_llama_dir, scheduler="attribute-budget", max_step_ms=60_000.0)
+    assert not isinstance(engine.parts.scheduler, TokenBudgeted)
+    assert tokens == expected and engine.parts.scheduler.max_num_batched_tokens == FIRST_TOKENS
+
+
 def test_decoder_description_and_summary_are_used(tiny_llama_dir):
     _, _, stats, engine = generate(tiny_llama_dir, decoding="described")
     assert engine.parts.describe["flavour"] == "plain"
@@ -191,7 +224,6 @@ def test_built_in_strategies_declare_their_abilities():
     from infer.plugins.decoding.speculative import SpeculativeDecoder
     from infer.plugins.layer import fused, torch_layers
     from infer.plugins.model.llama import Llama
-    from infer.plugins.model.transformer import pushes_partial_sums
     from infer.plugins.sampler.naive import NaiveSampler
     from infer.plugins.scheduler.static import StaticScheduler
 

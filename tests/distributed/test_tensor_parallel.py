@@ -362,6 +362,9 @@ def test_head_layout_replicates_kv_heads():
 class Doubling:
     """A fast all-reduce stand-in for two ranks holding the same partial sum."""
 
+    exchange = None
+    add_rms_norm = None
+
     def __init__(self, fused: bool) -> None:
         self.fused_calls = 0
         if fused:

@@ -32,6 +32,8 @@ def push(rank, slot, slots, peers, x, w, gated=False):
 class OneRankAllReduce:
     """A fast all-reduce over one rank holding `exchange`: the steps that do not push sum through it, x itself."""
 
+    add_rms_norm = None
+
     def __init__(self, exchange):
         self.exchange = exchange
 

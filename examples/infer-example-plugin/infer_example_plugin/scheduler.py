@@ -39,9 +39,9 @@ class FifoScheduler:
     capabilities = infer.Capabilities()
 
     def __init__(self, config, allocator: KVAllocator) -> None:
-        self.allocator = allocator  # the engine reads it for kv_usage()
+        self.allocator = allocator
         self.max_num_seqs = config.max_num_seqs
-        self.max_num_batched_tokens = config.max_num_batched_tokens  # read every step: the engine may tune it
+        self.max_num_batched_tokens = config.max_num_batched_tokens  # read every step: set_token_budget tunes it
         self.num_lookahead_tokens = 0  # set by the builder from the decoder
         self.waiting: list[Request] = []  # by arrival
         self.running: list[Request] = []  # by arrival
@@ -72,6 +72,10 @@ class FifoScheduler:
 
     def has_unfinished(self) -> bool:
         return bool(self.waiting or self.running)
+
+    def set_token_budget(self, tokens: int) -> None:
+        """`infer.api.TokenBudgeted`: the engine sizes a step's tokens to the device (`max_step_ms`)."""
+        self.max_num_batched_tokens = tokens
 
     def schedule(self) -> SchedulerOutput:
         scheduled: list[ScheduledSeq] = []

@@ -39,12 +39,16 @@ ALIGNMENT = 16  # the kernel's vector width in bytes
 class SymmetricAllReduce:
     """One symmetric buffer of `max_bytes`, mapped on every rank of `group`; `__call__` sums in place."""
 
+    exchange = None  # one-token steps' sums are not pushed (`FastAllReduce`)
+    add_rms_norm = None  # no fused residual add and norm: the norm runs after the sum
+
     def __init__(self, group: Any, device: torch.device, max_bytes: int = DEFAULT_MAX_BYTES) -> None:
         import torch.distributed._symmetric_memory as symm_mem
 
         self.group_name = group.group_name
+        # torch's symmetric memory changes by version: the function, and its deprecation mark, may be absent
         enable = getattr(symm_mem, "enable_symm_mem_for_group", None)
-        if enable is not None and not getattr(enable, "__deprecated__", None):
+        if enable is not None and not getattr(enable, "__deprecated__", None):  # set by newer torch's @deprecated
             # older torch needs it before rendezvous. Newer torch marks it deprecated and must not get it:
             # it caches the group's store under the group's name ("0" for the default group) and returns
             # early when the name is known, so a second engine in this process, whose new group has the
@@ -57,13 +61,16 @@ class SymmetricAllReduce:
         global _rendezvous_done
         _rendezvous_done += 1
         ops = torch.ops.symm_mem
-        self._copy_out = getattr(ops, "one_shot_all_reduce_copy_out", None)  # copy-in fused (torch >= 2.8)
+        self._copy_out = getattr(ops, "one_shot_all_reduce_copy_out", None)  # copy-in fused: a torch >= 2.8 op
         self._out = ops.one_shot_all_reduce_out
 
     def fits(self, x: torch.Tensor) -> bool:
         """Same answer on every rank: shape and dtype only."""
         nbytes = x.numel() * x.element_size()
         return x.dtype in SUPPORTED_DTYPES and 0 < nbytes <= self.max_bytes and nbytes % ALIGNMENT == 0
+
+    def close(self) -> None:
+        """Nothing to free together: torch keeps the symmetric buffer until the group is destroyed."""
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         flat = x.reshape(-1)  # a view when x is contiguous, else a copy
@@ -85,7 +92,7 @@ def forget_group(group_name: str) -> None:
     with contextlib.suppress(Exception):
         import torch.distributed._symmetric_memory as symm_mem
 
-        getattr(symm_mem, "_group_name_to_store", {}).pop(group_name, None)
+        getattr(symm_mem, "_group_name_to_store", {}).pop(group_name, None)  # older torch's private cache only
 
 
 def unavailable_reason(device: torch.device, world_size: int, dtype: torch.dtype) -> str | None:
@@ -101,7 +108,7 @@ def unavailable_reason(device: torch.device, world_size: int, dtype: torch.dtype
         import torch.distributed._symmetric_memory  # noqa: F401
     except ImportError as exc:
         return f"this torch build has no torch.distributed._symmetric_memory ({exc})"
-    if not hasattr(torch.ops.symm_mem, "one_shot_all_reduce_out"):
+    if not hasattr(torch.ops.symm_mem, "one_shot_all_reduce_out"):  # a torch op only some builds have
         return "this torch build has no one-shot all-reduce (torch.ops.symm_mem.one_shot_all_reduce_out)"
     return None
 

@@ -54,6 +54,11 @@ class Proposal:
 
 
 class Proposer(Protocol):
+    """Drafts tokens for the target to verify. `shares_target_kv`: the draft writes the target's own
+    KV cache (a self-draft over the target's first layers)."""
+
+    shares_target_kv: bool
+
     def propose(self, rows: list[DraftRow]) -> Proposal:
         """Called once per step, before the target's forward; may run a draft model."""
         ...
@@ -94,6 +99,8 @@ class NgramProposer:
     35-48%, three tokens' 67-87%), while a verify step of 2-8 rows costs 1.2-1.7 plain steps on an
     H100 at batch 1, and a step that drafts nothing is a plain one, which decode pipelining overlaps
     with the step before."""
+
+    shares_target_kv = False  # it runs no model
 
     def __init__(self, max_n: int = 3, min_n: int = 2) -> None:
         self.max_n, self.min_n = max_n, min_n

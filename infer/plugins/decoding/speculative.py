@@ -163,7 +163,7 @@ class SpeculativeDecoder:
         pipeline = self.target.pipeline
         rows = [i for i, s in enumerate(scheduled) if s.num_new_tokens == 1 and s.samples]
         # a self-draft wrote its layers' K/V at the new token's position since: the verify rewrites it
-        if pipeline is None or not rows or getattr(self.proposer, "shares_target_kv", False):
+        if pipeline is None or not rows or self.proposer.shares_target_kv:
             self.target.discard_ahead()
             return None
         firsts = []

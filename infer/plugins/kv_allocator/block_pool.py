@@ -36,7 +36,8 @@ class BlockPool:
                 block = self.free_ids.popleft()
             else:
                 block, _ = self.evictable.popitem(last=False)
-                self.cache.forget(block)  # type: ignore[union-attr]
+                assert self.cache is not None, "only blocks the prefix cache maps are evictable"
+                self.cache.forget(block)
             assert self.ref_counts[block] == 0, f"block {block} handed out while owned"
             self.ref_counts[block] = 1
             ids.append(block)

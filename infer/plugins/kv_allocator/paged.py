@@ -66,7 +66,7 @@ class PagedAllocator:
         if self.is_swapped(request):
             return max(want, len(self.swap.tables[request.request_id]))
         if not request.block_ids and request.num_computed_tokens == 0 and self.cache is not None:
-            hits, _ = self._lookup(request, num_tokens)
+            hits, _ = self._lookup(self.cache, request, num_tokens)
             return max(0, want - len(hits)) + sum(1 for b in hits if self.pool.ref_counts[b] == 0)
         return max(0, want - len(request.block_ids)) + len(self._blocks_to_copy(request, num_tokens))
 
@@ -81,8 +81,8 @@ class PagedAllocator:
         if self.is_swapped(request):
             return self._swap_in(request, num_tokens)
         table = request.block_ids
-        if not table and request.num_computed_tokens == 0 and self._looks_up(request):
-            return self._allocate_with_prefix(request, num_tokens)
+        if not table and request.num_computed_tokens == 0 and (cache := self._cache_for(request)) is not None:
+            return self._allocate_with_prefix(cache, request, num_tokens)
         self._register_full_blocks(request)
         to_copy = self._blocks_to_copy(request, num_tokens)
         grow = max(0, cdiv(num_tokens, self.block_size) - len(table))
@@ -104,21 +104,23 @@ class PagedAllocator:
 
     def num_cached_tokens(self, request: Request) -> int:
         """Tokens `allocate_slots` would find cached for this request (0 unless its table is empty)."""
-        if request.block_ids or request.num_computed_tokens or not self._looks_up(request) or self.is_swapped(request):
+        cache = self._cache_for(request)
+        if request.block_ids or request.num_computed_tokens or cache is None or self.is_swapped(request):
             return 0
-        return len(self._lookup(request, request.num_tokens)[0]) * self.block_size
+        return len(self._lookup(cache, request, request.num_tokens)[0]) * self.block_size
 
-    def _looks_up(self, request: Request) -> bool:
+    def _cache_for(self, request: Request) -> PrefixCache | None:
+        """The prefix cache, where it may serve `request`'s prompt; else None."""
         # a cached prefix has no logits to score: a request asking for prompt logprobs computes its
         # whole prompt (as vLLM does); its blocks are still cached for the requests after it
-        return self.cache is not None and request.params.prompt_logprobs is None
+        return self.cache if request.params.prompt_logprobs is None else None
 
-    def _lookup(self, request: Request, num_tokens: int) -> tuple[list[int], list[BlockKey]]:
+    def _lookup(self, cache: PrefixCache, request: Request, num_tokens: int) -> tuple[list[int], list[BlockKey]]:
         max_blocks = min(request.num_tokens - 1, num_tokens) // self.block_size  # keep a token to compute
-        return self.cache.lookup(request.all_token_ids, self.block_size, max_blocks)  # type: ignore[union-attr]
+        return cache.lookup(request.all_token_ids, self.block_size, max_blocks)
 
-    def _allocate_with_prefix(self, request: Request, num_tokens: int) -> list[int] | None:
-        hits, keys = self._lookup(request, num_tokens)
+    def _allocate_with_prefix(self, cache: PrefixCache, request: Request, num_tokens: int) -> list[int] | None:
+        hits, keys = self._lookup(cache, request, num_tokens)
         revive = sum(1 for b in hits if self.pool.ref_counts[b] == 0)
         grow = max(0, cdiv(num_tokens, self.block_size) - len(hits))
         if grow + revive > self.pool.num_free():
@@ -130,7 +132,7 @@ class PagedAllocator:
         request.num_computed_tokens = len(hits) * self.block_size
         self.keys[request.request_id] = keys
         self.owners[request.request_id] = request
-        self.cache.record(request.num_tokens, len(hits) * self.block_size)  # type: ignore[union-attr]
+        cache.record(request.num_tokens, len(hits) * self.block_size)
         return hits + new
 
     def _blocks_to_copy(self, request: Request, num_tokens: int) -> list[int]:

@@ -79,9 +79,12 @@ class Fp8Linear(nn.Module):
         if name == "weight_scale":
             self.weight_scale[rows].copy_(tensor.float().reshape(-1).expand(size))
             return ["weight_scale"]
-        if name in ("weight", "bias"):
-            getattr(self, name)[rows].copy_(tensor)
-            return [name]
+        if name == "weight":  # an FP8 checkpoint's, as it is
+            self.weight[rows].copy_(tensor)
+            return ["weight"]
+        if name == "bias" and self.bias is not None:
+            self.bias[rows].copy_(tensor)
+            return ["bias"]
         return []
 
     @torch.no_grad()

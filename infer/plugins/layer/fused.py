@@ -16,7 +16,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from infer.api import Capabilities
+from infer.api import Capabilities, LinearMatmul, pushing
 from infer.api.hookspecs import hookimpl
 from infer.common import env
 from infer.plugins.layer import torch_layers as plain
@@ -86,11 +86,14 @@ class FusedSiluAndMul(nn.Module):
         """Whether `projection` (the MLP's down projection: a linear layer, or a tensor-parallel shard
         whose output is summed elsewhere) is `FusedLinear`'s plain matmul, which `down` may replace."""
         return (
-            getattr(projection, "matmul", None) is FusedLinear.matmul
+            isinstance(projection, LinearMatmul)
+            and projection.matmul is FusedLinear.matmul
+            # a down projection is any module: a bias, and a tensor-parallel shard's `reduce`, are optional
             and getattr(projection, "bias", None) is None
-            and not getattr(projection, "reduce", False)
+            and not getattr(projection, "reduce", False)  # only a row-parallel shard has `reduce`
         )
 
+    @pushing
     def down(self, h: torch.Tensor, weight: torch.Tensor, push: Any = None) -> torch.Tensor:
         """matmul(self(h), weight); for a few rows one GEMV that applies SiLU-and-mul as it reads h."""
         from infer.kernels.gemv import gemv_silu_mul, takes_rows
@@ -98,8 +101,6 @@ class FusedSiluAndMul(nn.Module):
         if takes_rows(h, weight, push):
             return gemv_silu_mul(h, weight, push=push)
         return FusedLinear.matmul(self(h), weight, push=push)
-
-    down.pushes = True  # type: ignore[attr-defined]
 
 
 class FusedGeluAndMul(nn.Module):
@@ -111,6 +112,7 @@ class FusedGeluAndMul(nn.Module):
         return gelu_and_mul(x)
 
 
+@pushing
 def _matmul(x: torch.Tensor, weight: torch.Tensor, push: Any = None) -> torch.Tensor:
     """x @ weight.T; one token through the Triton GEMV, which can push a tensor-parallel partial sum
     into the ranks' exchange (`push`, a `infer.distributed.all_reduce.lamport.PushTarget`: one-token steps
@@ -123,9 +125,6 @@ def _matmul(x: torch.Tensor, weight: torch.Tensor, push: Any = None) -> torch.Te
     if push is not None:
         raise ValueError(f"a pushed partial sum is one token's, got {tuple(x.shape)}")
     return torch.nn.functional.linear(x, weight)
-
-
-_matmul.pushes = True  # type: ignore[attr-defined]
 
 
 class FusedLinear(plain.Linear):

@@ -16,7 +16,7 @@ from infer.api.transfer import row_index
 
 class TokenizerVocab:
     def __init__(self, ctx: ProcessorContext) -> None:
-        chosen = ctx.config is not None and getattr(ctx.config, "tokenizer", None) is not None
+        chosen = ctx.config is not None and ctx.config.tokenizer is not None
         size = len(ctx.tokenizer) if chosen and ctx.tokenizer is not None else ctx.vocab_size
         self.size = size if size < ctx.vocab_size else None  # None: nothing to mask
 

@@ -15,10 +15,10 @@ from typing import Any, Iterable, Iterator
 import torch
 from torch import nn
 
-from infer.api import AttentionBackend, KVCache, Layers, ModelParallel, QuantizedLinear
+from infer.api import AttentionBackend, KVCache, Layers, ModelParallel, QuantizedLinear, pushes_partial_sums
 from infer.api.config import ModelConfig
 from infer.api.weights import check_shape, check_unscaled
-from infer.plugins.model.transformer import LLAMA, DecoderLayer, Family, add_norm_for, pushes_partial_sums, tp_matmul
+from infer.plugins.model.transformer import LLAMA, DecoderLayer, Family, add_norm_for, tp_matmul
 
 FUSED = {  # HF name piece -> (our name piece, shard index)
     "q_proj": ("qkv_proj", 0),

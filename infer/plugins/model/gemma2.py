@@ -15,7 +15,7 @@ from typing import Any
 
 import torch
 
-from infer.api import KVCache
+from infer.api import KVCache, QuantizingNorm
 from infer.api.config import ModelConfig
 from infer.api.hookspecs import hookimpl
 from infer.plugins.model.decoder import DecoderModel
@@ -57,7 +57,7 @@ class Gemma2DecoderLayer(DecoderLayer):
         self.pre_feedforward_layernorm = layers.rms_norm(config.hidden_size, config.rms_norm_eps)
         self.post_feedforward_layernorm = layers.rms_norm(config.hidden_size, config.rms_norm_eps)
         # the MLP's input comes from the pre-feedforward norm; the post-attention one norms a layer output
-        if hasattr(self.post_attention_layernorm, "quantize_output"):
+        if isinstance(self.post_attention_layernorm, QuantizingNorm):
             self.post_attention_layernorm.quantize_output = False
         quantize_inputs(self.pre_feedforward_layernorm, self.mlp.gate_up_proj)
 

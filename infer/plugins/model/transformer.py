@@ -11,7 +11,6 @@ the family norms it first (`Family.partial_sums` false: the layer all-reduces it
 from __future__ import annotations
 
 import functools
-import inspect
 from dataclasses import dataclass
 from typing import Any
 
@@ -21,13 +20,15 @@ from torch import nn
 from infer.api import (
     AttentionBackend,
     FusingActivation,
+    GatedLinear,
     KVCache,
     Layers,
     LinearMatmul,
     ModelParallel,
-    PushingMatmul,
+    QuantizingNorm,
     RotaryFusingAttention,
     RotaryTables,
+    TakesQuantizedInput,
 )
 from infer.api.config import ModelConfig
 from infer.api.errors import ModelLoadError
@@ -70,11 +71,6 @@ def tp_matmul(layers: Layers) -> Any:
 def projection(layers: Layers) -> Any:
     """The linear the attention and MLP projections are built from: the quantized one if the run has it."""
     return layers.quantized_linear or layers.linear
-
-
-def pushes_partial_sums(matmul: Any) -> bool:
-    fn = matmul.__func__ if inspect.ismethod(matmul) else matmul  # a bound method's attributes are its function's
-    return isinstance(fn, PushingMatmul) and bool(fn.pushes)
 
 
 LLAMA = Family()
@@ -180,13 +176,14 @@ class MLP(nn.Module):
                 config, parallel, tp_matmul(layers), reduce, layers.quantized_linear
             )
         kind = ACTIVATIONS[activation]
-        if getattr(layers, kind) is None:
+        act = {"silu_and_mul": layers.silu_and_mul, "gelu_and_mul": layers.gelu_and_mul}[kind]
+        if act is None:
             raise ModelLoadError(f"the model's MLP needs a {kind} layer and the layers given have none: add one")
-        self.act = getattr(layers, kind)()
+        self.act = act()
         # an activation that can apply itself inside the down projection's matmul (one kernel), or a
         # projection that applies it to its input itself (a quantized one, as it quantizes it: `gated`)
         self.fused_down = isinstance(self.act, FusingActivation) and bool(self.act.fuses_with(self.down_proj))
-        self.gated_down = getattr(self.down_proj, "fuses_activation", None) == kind
+        self.gated_down = isinstance(self.down_proj, GatedLinear) and self.down_proj.fuses_activation == kind
         self.row_parallel = parallel is not None
 
     @property
@@ -244,9 +241,10 @@ class DecoderLayer(nn.Module):
 
 
 def quantize_inputs(norm: nn.Module, projection: nn.Module) -> None:
-    """Let a norm that can store its output quantized (`quantize_output`) do so for a projection that
-    takes quantized input (`takes_quantized_input`: an FP8 linear)."""
-    if getattr(projection, "takes_quantized_input", False) and hasattr(norm, "quantize_output"):
+    """Let a norm that can store its output quantized (`QuantizingNorm`) do so for a projection that
+    takes quantized input (`TakesQuantizedInput`: an FP8 linear)."""
+    quantized = isinstance(projection, TakesQuantizedInput) and projection.takes_quantized_input
+    if quantized and isinstance(norm, QuantizingNorm):
         norm.quantize_output = True
 
 

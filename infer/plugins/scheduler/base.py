@@ -6,6 +6,7 @@ import bisect
 import time
 
 from infer.api import BatchOutlook, KVAllocator, SchedulerOutput, StepResult
+from infer.api.config import EngineConfig
 from infer.api.request import FinishReason, Request, RequestStatus
 from infer.plugins.scheduler.beam_search import BeamSearch
 
@@ -41,7 +42,7 @@ def append_tokens(
 class SchedulerBase:
     """Queues, bookkeeping and `update`; subclasses decide `schedule`."""
 
-    def __init__(self, config, allocator: KVAllocator) -> None:
+    def __init__(self, config: EngineConfig, allocator: KVAllocator) -> None:
         self.config = config
         self.allocator = allocator
         self.max_num_seqs: int = config.max_num_seqs
@@ -53,7 +54,7 @@ class SchedulerBase:
         self.num_preemptions = 0
         self.num_swap_preemptions = 0  # of num_preemptions, those that swapped (the rest recompute)
         self.num_steps = 0
-        self.preemption_mode: str = getattr(config, "preemption_mode", "recompute")
+        self.preemption_mode: str = config.preemption_mode
         self.beams = BeamSearch()  # beam groups: their slots, candidates and finished hypotheses
 
     def rank(self, request: Request) -> tuple[float, int]:
@@ -61,6 +62,10 @@ class SchedulerBase:
         the arrival order. So a request waits at most (its priority - a later one's) x the aging behind
         a later arrival; with every priority equal it is first come, first served."""
         return (request.arrival_time + request.params.priority * self.priority_aging_s, request.arrival)
+
+    def set_token_budget(self, tokens: int) -> None:
+        """`TokenBudgeted`: the tokens each step computes at most, from the next step on."""
+        self.max_num_batched_tokens = tokens
 
     def add(self, request: Request) -> None:
         request.status = RequestStatus.WAITING
