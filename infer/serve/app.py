@@ -64,6 +64,14 @@ from infer.serve.protocol import (
     TokenizeResponse,
 )
 from infer.serve.request_limits import check_request, openapi_limits
+from infer.serve.responses import (
+    RESPONSES_NAMES,
+    ResponseObject,
+    ResponsesFormat,
+    ResponsesRequest,
+    ResponseStore,
+    renamed,
+)
 from infer.serve.served import ServedModel
 from infer.serve.tool_parsers import PARSERS
 from infer.serve.tracing import end_span, start_span
@@ -238,6 +246,23 @@ def _generation_routes(
         gen, rules = await chat_generation(req.to_chat(), request)
         chat = ChatFormat(rules.parser, gen.served.reasoning)
         return await answer(gen, AnthropicFormat(chat), bool(req.stream), request)
+
+    store = ResponseStore()  # the newest responses, for previous_response_id
+
+    @app.post("/v1/responses", dependencies=guarded, response_model=None, responses=_streamed(ResponseObject))
+    async def responses(req: ResponsesRequest, request: Request) -> Response:
+        """OpenAI's Responses API, over the chat completions machinery (`responses`)."""
+        history = store.history(req.previous_response_id)
+        try:
+            gen, rules = await chat_generation(req.to_chat(history), request)
+        except APIError as exc:  # the chat's field names, as this API spells them
+            raise renamed(exc, RESPONSES_NAMES) from exc
+        chat = ChatFormat(rules.parser, gen.served.reasoning)
+        return await answer(gen, ResponsesFormat(chat, req, history + req.messages(), store), bool(req.stream), request)
+
+    @app.get("/v1/responses/{response_id}", dependencies=guarded, responses=ERRORS)
+    async def stored_response(response_id: str) -> JSONResponse:
+        return JSONResponse(store.get(response_id))
 
     async def chat_generation(req: ChatRequest, request: Request) -> tuple[Generation, Any]:
         served = models.named(req.model)

@@ -57,6 +57,10 @@ BEYOND_THE_SCHEMA = {
         "tools", "tool_choice",  # names unique, a forced call's tool among them, "auto" needs a parser
         *CONSTRAINTS,
     },
+    "POST /v1/responses": {
+        "input", "max_output_tokens", "tools", "tool_choice", "text.format",  # as the chat's
+        "previous_response_id",  # a stored response's id
+    },
     "POST /tokenize": {"messages"},
     "POST /detokenize": {"tokens"},  # the vocabulary
 }  # fmt: skip
