@@ -312,24 +312,30 @@ def test_sequential_and_parallel_agree_on_interleaved_batches(tokenizer):
             d.close()
 
 
-def detokenizer_threads() -> list[threading.Thread]:
-    return [t for t in threading.enumerate() if t.name.startswith("infer-detokenizer")]
+def detokenizer_threads(before: frozenset[int] = frozenset()) -> list[threading.Thread]:
+    """The detokenizer workers alive now, but those in `before` (an engine another test left to the
+    garbage collector may still hold its own)."""
+    return [t for t in threading.enumerate() if t.name.startswith("infer-detokenizer") and t.ident not in before]
+
+
+def thread_ids() -> frozenset[int]:
+    return frozenset(t.ident for t in detokenizer_threads() if t.ident is not None)
 
 
 @pytest.mark.parametrize("state", ["collected", "started", "queued"])
 def test_close_leaves_no_thread(tokenizer, state):
-    assert not detokenizer_threads()
+    before = thread_ids()
     waits = DeviceWaits()
     detok = ParallelDetokenizer(tokenizer, waits)
     detok.submit([(new_request(), encode(tokenizer, "hello world"))])
     if state != "queued":
         waits.waiting()  # the job starts in the worker
-        assert detokenizer_threads()
+        assert detokenizer_threads(before)
     if state == "collected":
         assert detok.collect()["r"].text == "hello world"
     detok.release("r")
     detok.close()
-    assert not detokenizer_threads()
+    assert not detokenizer_threads(before)
 
 
 def test_parallel_job_starts_when_the_engine_waits_on_the_device(tokenizer):
@@ -353,6 +359,7 @@ def test_parallel_job_starts_when_the_engine_waits_on_the_device(tokenizer):
 
 
 def test_release_drops_state(make, tokenizer):
+    before = thread_ids()
     detok = make()
     detok.submit([(new_request(), encode(tokenizer, "the cat sat"))])
     detok.collect()
@@ -362,4 +369,4 @@ def test_release_drops_state(make, tokenizer):
     detok.release("r")
     detok.release("never-seen")
     detok.close()
-    assert not detokenizer_threads()
+    assert not detokenizer_threads(before)
