@@ -186,7 +186,24 @@ def test_a_priority_mix_sends_priorities_and_reports_ttft_by_priority(fake_serve
         [3, 3.0],
     ]
     assert invoke(*args, "--priority-mix", "0:1,3:3", "--seed", "5").exit_code == 0
-    assert [b["priority"] for b in fake_server.bodies[before + 40 :]] == sent  # seeded
+    # seeded: the same priorities again (the server sees concurrent requests in any order)
+    assert sorted(b["priority"] for b in fake_server.bodies[before + 40 :]) == sorted(sent)
+
+
+def test_priorities_are_drawn_per_request_and_seeded():
+    from infer.bench.online import OnlineRequest
+    from infer.bench.online_sweep import with_priorities
+
+    requests = [OnlineRequest([i], 4) for i in range(200)]
+    first, again = (
+        with_priorities(requests, ((0, 1.0), (3, 3.0)), 5),
+        with_priorities(requests, ((0, 1.0), (3, 3.0)), 5),
+    )
+    assert [r.priority for r in first] == [r.priority for r in again] and [r.prompt for r in first] == [
+        r.prompt for r in requests
+    ]
+    assert 30 <= [r.priority for r in first].count(0) <= 70  # a quarter of 200, loosely
+    assert [r.priority for r in with_priorities(requests, (), 5)] == [None] * 200
 
 
 def test_without_a_mix_no_priority_is_sent(fake_server):
