@@ -76,8 +76,9 @@ def test_an_fp8_model_on_the_gpu_runs_as_the_cpu_reference(tiny_llama_dir):
 
 
 def test_gptq_on_the_gpu_rounds_as_on_the_cpu(tiny_llama_dir, tmp_path):
-    """`infer models quantize --device cuda`: the same scales as on the CPU, and the same e4m3 bits but for
-    weights whose float64 statistics, summed in another order, tip a rounding (one e4m3 step at most)."""
+    """`infer models quantize --device cuda`: the same weight scales as on the CPU (KV-cache scales to float32
+    rounding), and the same e4m3 bits but for weights whose float64 statistics, summed in another order, tip a
+    rounding (one e4m3 step at most)."""
     from safetensors.torch import load_file
 
     from infer.tools import quantize as fp8
@@ -93,8 +94,13 @@ def test_gptq_on_the_gpu_rounds_as_on_the_cpu(tiny_llama_dir, tmp_path):
     assert weights, "the folder holds e4m3 projections"
     same = total = 0
     for name in cpu:
+        if name.endswith(("k_scale", "v_scale")):
+            # KV-cache scales come from the activations' amax, float32 matmuls summed in another order on each
+            # device: equal to float32 rounding, not bit for bit (seen on an H100: both 0.0053, not equal)
+            torch.testing.assert_close(gpu[name], cpu[name], rtol=1e-4, atol=0, msg=name)
+            continue
         if cpu[name].dtype != torch.float8_e4m3fn:
-            assert torch.equal(cpu[name], gpu[name]), name  # scales, norms, embeddings
+            assert torch.equal(cpu[name], gpu[name]), name  # weight scales, norms, embeddings
             continue
         a, b = cpu[name].view(torch.uint8).int(), gpu[name].view(torch.uint8).int()
         apart = a != b
