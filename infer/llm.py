@@ -8,7 +8,8 @@ from typing import Any, Iterable, Sequence
 
 from infer.api.config import EngineConfig
 from infer.api.errors import RequestError
-from infer.api.request import RequestOutput, SamplingParams
+from infer.api.pooling import PoolingParams
+from infer.api.request import EmbeddingRequestOutput, RequestOutput, SamplingParams
 from infer.core.engine import Prompt
 from infer.distributed.launch import launch
 from infer.inputs.prompts import as_batch
@@ -54,6 +55,27 @@ class LLM:
         interrupt inside a forward leaves the ranks out of step, and the next call asks for a new LLM)."""
         with self._lock:
             return self.engine.generate(as_batch(prompts), sampling_params)
+
+    def embed(
+        self,
+        prompts: Prompt | Sequence[Prompt],
+        pooling_params: PoolingParams | Sequence[PoolingParams] | None = None,
+    ) -> list[EmbeddingRequestOutput]:
+        """Each prompt's embedding: its hidden states pooled (the model's default pooler unless `pooling_params`
+        names one), L2-normalized unless it says otherwise; `out.outputs.embedding` is a list of floats. The
+        engine runs them beside any generation, in the same steps. A bad prompt gets an output with `error`."""
+        batch = as_batch(prompts)
+        if isinstance(pooling_params, (list, tuple)):
+            if len(pooling_params) != len(batch):
+                raise RequestError(
+                    f"got {len(batch)} prompts but {len(pooling_params)} PoolingParams: pass one, or one per prompt"
+                )
+            pooling = list(pooling_params)
+        else:
+            pooling = [pooling_params if pooling_params is not None else PoolingParams()] * len(batch)
+        params = [SamplingParams(max_tokens=1, temperature=0, pooling=p) for p in pooling]
+        with self._lock:
+            return [EmbeddingRequestOutput.of(o) for o in self.engine.generate(batch, params)]
 
     # vLLM LLMEngine-style calls: add requests, step until done, abort from any thread
 

@@ -54,6 +54,8 @@ BAD_PARAMS = [
     ("top-p-zero", dict(top_p=0.0), "invalid top_p=0.0"),
     ("top-p-nan", dict(top_p=float("nan")), "invalid top_p=nan"),
     ("top-k-negative", dict(top_k=-2), "invalid top_k=-2"),
+    ("top-k-past-int64", dict(top_k=2**63), "invalid top_k=9223372036854775808"),  # crashed a step (schemathesis)
+    ("pooling-not-params", dict(max_tokens=1, pooling={"pooler": "mean"}), "invalid pooling="),
     ("min-p-above-one", dict(min_p=1.5), "invalid min_p=1.5"),
     ("n-zero", dict(n=0), "invalid n=0"),
     ("n-bool", dict(n=True), "invalid n=True"),

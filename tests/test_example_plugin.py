@@ -30,6 +30,7 @@ PACKAGE = EXAMPLE / "infer_example_plugin"
 API = ("infer.api", "infer.kernels")  # with their submodules, and the top-level `infer` itself
 MODULES = (
     "attention", "kv_allocator", "scheduler", "decoder", "detokenizer", "layers", "logits_processor", "reasoning_parser",
+    "pooler",
 )  # fmt: skip
 
 
@@ -272,3 +273,19 @@ def test_installed_example_passes_the_kits(example_plugin_env, tmp_path):
     ran = subprocess.run(command, capture_output=True, text=True, cwd=tmp_path, env=example_plugin_env, timeout=300)
     assert ran.returncode == 0, ran.stdout + ran.stderr
     assert "failed" not in ran.stdout and " passed" in ran.stdout, ran.stdout
+
+
+def test_pooler_is_the_max_of_hf_hidden_states(example, tiny_llama_dir):
+    """`example-max`, inline: each dimension's largest hidden value over the prompt, as HF computes the states."""
+    import torch
+    from transformers import LlamaModel
+
+    from infer.api.pooling import PoolingParams
+
+    ids = [5, 17, 99, 3, 42, 8, 61]
+    with LLM(str(tiny_llama_dir), plugins=[example["pooler"]], device="cpu", dtype="float32") as llm:
+        (out,) = llm.embed([ids], PoolingParams("example-max", normalize=False))
+    with torch.no_grad():
+        hf = LlamaModel.from_pretrained(tiny_llama_dir, dtype=torch.float32)
+        hidden = hf(torch.tensor([ids])).last_hidden_state[0]
+    torch.testing.assert_close(torch.tensor(out.outputs.embedding), hidden.max(0).values, rtol=1e-5, atol=1e-5)

@@ -34,6 +34,8 @@ logits_processor          factory(ctx: ProcessorContext) -> LogitsProcessor; eve
                           installed is built, and serves the requests it admits
 reasoning_parser          factory(tokenizer) -> ReasoningParser (infer.api.reasoning); the server
                           builds the one --reasoning-parser names, once per served model
+pooler                    factory() -> Pooler (infer.api.pooling); every one installed is built,
+                          and an embedding request names one (else the model's default)
 ========================  ===============================================================
 """
 
@@ -49,7 +51,7 @@ PROJECT_NAME = "infer"
 # The plugin API's (major, minor) version: a minor bump only adds (what it supersedes keeps working, with a
 # DeprecationWarning naming the replacement, until the next major); a major bump may remove and change.
 # docs/plugins.md lists what each version changed.
-PLUGIN_API = (2, 1)
+PLUGIN_API = (2, 2)
 PLUGIN_API_VERSION = PLUGIN_API[0]  # the major
 
 hookspec = pluggy.HookspecMarker(PROJECT_NAME)
@@ -126,6 +128,15 @@ def infer_register_reasoning_parsers(register: RegisterFn) -> None:
 
     Plugin API 2.1. A parser splits a chat's output into its reasoning and its answer, whole or as it
     streams (`infer.api.reasoning`); the kit checks that both splits agree for every chunking.
+    """
+
+
+@hookspec
+def infer_register_poolers(register: RegisterFn) -> None:
+    """Register poolers: `register("mean", MeanPooler)` (`PoolingParams(pooler="mean")`).
+
+    Plugin API 2.2. A pooler turns an embedding request's prompt hidden states into its vector
+    (`infer.api.pooling`); every one installed is built once per engine.
     """
 
 

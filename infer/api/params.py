@@ -8,6 +8,7 @@ from dataclasses import dataclass
 from typing import Any, Callable, Literal
 
 from infer.api.errors import RequestError
+from infer.api.pooling import PoolingParams
 from infer.api.structured import StructuredOutputs
 
 # the fields the logits processors serve (beam search takes none of them)
@@ -52,6 +53,9 @@ class SamplingParams:
     # lower runs first (vLLM's sense): schedulers that honour it (fcfs) admit and preempt by priority,
     # then arrival, a level worth --priority-aging-s of waiting so that nothing starves
     priority: int = 0
+    # an embedding request (plugin API 2.2, `infer.api.pooling`): its prompt's hidden states pooled into
+    # `RequestOutput.embedding`; it ends once its prompt is computed (max_tokens 1, its one token unused)
+    pooling: PoolingParams | None = None
 
     def __post_init__(self) -> None:
         # vLLM's forms: one string or a sequence of them, None for none; anything else is left for validate
@@ -74,7 +78,7 @@ class SamplingParams:
         _integer("n", self.n, 1, fix="use an integer >= 1")
         _integer("max_tokens", self.max_tokens, 1, fix="use an integer >= 1 (--max-tokens)")
         _real("temperature", self.temperature, lambda v: v >= 0, "use a number >= 0 (0 is greedy)")
-        _integer("top_k", self.top_k, 0, fix="use 0 (or -1) to disable, or a positive integer")
+        _integer("top_k", self.top_k, 0, 2**31 - 1, fix="use 0 (or -1) to disable, or a positive integer below 2**31")
         _real("top_p", self.top_p, lambda v: 0 < v <= 1, "use a number in (0, 1]; 1 disables it (--top-p)")
         _real("min_p", self.min_p, lambda v: 0 <= v <= 1, "use a number in [0, 1]; 0 disables it")
         _real("repetition_penalty", self.repetition_penalty, lambda v: v > 0, "use a number > 0; 1 disables it")
@@ -98,6 +102,8 @@ class SamplingParams:
             _integer("prompt_logprobs", self.prompt_logprobs, 0, fix="use None or an integer >= 0")
         self._validate_processors()
         _boolean("use_beam_search", self.use_beam_search)
+        if self.pooling is not None:
+            self._validate_pooling()
         if self.best_of is not None:
             _integer("best_of", self.best_of, self.n, fix=f"use an integer >= n ({self.n}), or None")
         if not self.use_beam_search:
@@ -119,6 +125,13 @@ class SamplingParams:
             raise _bad(
                 "use_beam_search", True, f"beam search takes no constraints ({', '.join(constrained)}): drop them"
             )
+
+    def _validate_pooling(self) -> None:
+        if not isinstance(self.pooling, PoolingParams):
+            raise _bad("pooling", self.pooling, "use an infer.api.pooling.PoolingParams, or None")
+        self.pooling.validate()
+        if self.n != 1 or self.use_beam_search or self.max_tokens != 1:
+            raise _bad("pooling", self.pooling, "an embedding request takes n=1, max_tokens=1 and no beam search")
 
     def _constraints(self) -> tuple[tuple[str, Any], ...]:
         """(name, value) of each field that asks a logits processor for something (`CONSTRAINTS`)."""

@@ -53,6 +53,9 @@ class Request:
     fork_parent: "Request | None" = field(default=None, repr=False)
     constraints: tuple[tuple[Any, Any], ...] = field(default=(), repr=False)  # (logits processor, its state)
     first_token_time: float | None = None
+    # an embedding request's (params.pooling): the hidden states of its first prompt positions, as computed
+    pooled_hidden: list[Any] = field(default_factory=list, repr=False)
+    num_pooled_rows: int = 0
     arrival_time: float = 0.0
     finish_time: float | None = None
 
@@ -75,6 +78,12 @@ class Request:
     @property
     def is_prefilling(self) -> bool:
         return self.num_computed_tokens < self.num_tokens - 1
+
+    @property
+    def computes_whole_prompt(self) -> bool:
+        """A prefix cache must not serve this request: it reads every prompt position's output (prompt
+        logprobs, an embedding's hidden states), which a cached prefix does not keep (plugin API 2.2)."""
+        return self.params.prompt_logprobs is not None or self.params.pooling is not None
 
     def token_at(self, index: int) -> int:
         p = len(self.prompt_token_ids)
@@ -100,4 +109,33 @@ class RequestOutput:
     error: str | None = None  # set when this request was rejected; the others are unaffected
     prompt_logprobs: list[dict[int, float] | None] | None = None  # None, then prompt token i's (i >= 1); if asked
     num_cached_tokens: int | None = None  # prompt tokens not computed: found in the prefix cache (or shared)
+    embedding: list[float] | None = None  # an embedding request's vector (`SamplingParams.pooling`)
     metrics: dict[str, float] = field(default_factory=dict)  # ttft_s, latency_s, ...
+
+
+@dataclass(slots=True)
+class EmbeddingOutput:
+    embedding: list[float]  # [] for a refused request
+
+
+@dataclass(slots=True)
+class EmbeddingRequestOutput:
+    """`LLM.embed`'s output for one prompt (vLLM's shape: `out.outputs.embedding`)."""
+
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    outputs: EmbeddingOutput
+    finished: bool = True
+    error: str | None = None  # set when this prompt was refused; the others are unaffected
+
+    @classmethod
+    def of(cls, output: RequestOutput) -> "EmbeddingRequestOutput":
+        return cls(
+            output.request_id,
+            output.prompt,
+            output.prompt_token_ids,
+            EmbeddingOutput(output.embedding or []),
+            output.finished,
+            output.error,
+        )

@@ -3,7 +3,7 @@ forward's flat inputs (`StepInputs`, what rank 0 broadcasts to the others under 
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -35,3 +35,7 @@ class StepInputs:
     num_layers: int | None  # run only the first layers (early exit, self-draft); None: all
     use_graphs: bool  # replayed from a CUDA graph (a decode step, or a small one with prompt tokens)
     input_ids_t: torch.Tensor | None = None  # [T] int64 on the device: the ids, not yet on the host
+    # which of the T tokens' hidden states an embedding request keeps (`infer.api.pooling`), in order; `run`
+    # leaves them in `hidden` [len(hidden_rows), hidden_size] (plugin API 2.2)
+    hidden_rows: list[int] = field(default_factory=list)
+    hidden: torch.Tensor | None = None

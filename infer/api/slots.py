@@ -27,6 +27,7 @@ SLOTS: tuple[Slot, ...] = (  # in `infer plugins` and doctor order
     Slot("layer", "infer_register_layers", None, "the layers hook"),  # every kind, by priority
     Slot("logits_processor", "infer_register_logits_processors", None, "the logits processors hook"),  # all
     Slot("reasoning_parser", "infer_register_reasoning_parsers", None, "--reasoning-parser"),  # the server's choice
+    Slot("pooler", "infer_register_poolers", None, "PoolingParams.pooler"),  # all; each embedding request names one
 )
 SLOT = {s.name: s for s in SLOTS}
 CHOSEN = tuple(s for s in SLOTS if s.field)  # the slots an EngineConfig names a strategy for

@@ -107,6 +107,8 @@ class Engine:
         for name, k in (("logprobs", params.logprobs), ("prompt_logprobs", params.prompt_logprobs)):
             if k is not None and k > self.parts.vocab_size:
                 raise RequestError(f"invalid {name}={k}: the vocabulary has {self.parts.vocab_size} tokens")
+        if params.pooling is not None:
+            self.output.pooling.check(params.pooling)
         if request_id is not None and not isinstance(request_id, str):
             raise RequestError(f"request_id must be a string, not {type(request_id).__name__}")
         text, ids = self.tokenize(prompt)

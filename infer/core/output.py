@@ -8,8 +8,11 @@ its last tokens have been through the detokenizer.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any
 
 from infer.api import Detokenizer
+from infer.api.errors import RequestError
+from infer.api.pooling import DEFAULT_POOLER, PoolingParams, check_dimensions, embed
 from infer.api.request import CompletionOutput, FinishReason, Request, RequestOutput
 
 
@@ -23,9 +26,35 @@ class Group:
     texts: dict[str, str] = field(default_factory=dict)  # child id -> text so far
 
 
+@dataclass(slots=True)
+class Pooling:
+    """What embedding requests are pooled by (`infer.api.pooling`)."""
+
+    poolers: dict[str, Any] = field(default_factory=dict)  # name -> Pooler, every one installed
+    default: str = DEFAULT_POOLER  # the model's (its sentence-transformers Pooling module's, else "last")
+    max_dimensions: int | None = None  # how far its embeddings may be cut (Matryoshka); None: not at all
+
+    def check(self, params: PoolingParams) -> None:
+        """Refuse what this engine cannot pool, before the request is queued."""
+        name = params.pooler or self.default
+        if name not in self.poolers:
+            known = ", ".join(sorted(self.poolers)) or "none installed"
+            raise RequestError(f"unknown pooler {name!r}: use one of {known}")
+        if params.dimensions is not None:
+            check_dimensions(params.dimensions, self.max_dimensions)
+
+    def embedding(self, request: Request) -> list[float] | None:
+        """A finished embedding request's vector; None if it ended before its prompt was computed (abort)."""
+        params = request.params.pooling
+        if params is None or request.num_pooled_rows < request.num_prompt_tokens:
+            return None
+        return embed(self.poolers[params.pooler or self.default], request, self.max_dimensions)
+
+
 class OutputProcessor:
-    def __init__(self, detokenizer: Detokenizer | None) -> None:
+    def __init__(self, detokenizer: Detokenizer | None, pooling: Pooling | None = None) -> None:
         self.detokenizer = detokenizer
+        self.pooling = pooling if pooling is not None else Pooling()
         self.groups: dict[str, Group] = {}  # parent id -> group
         self.parent_of: dict[str, str] = {}  # child id -> parent id
         self.in_flight: list[Request] = []  # submitted, not yet collected
@@ -130,6 +159,7 @@ class OutputProcessor:
             metrics=metrics,
             prompt_logprobs=None if first.params.prompt_logprobs is None else [None, *first.prompt_logprobs],
             num_cached_tokens=first.num_cached_tokens,
+            embedding=self.pooling.embedding(first),
         )
 
     def close(self) -> None:

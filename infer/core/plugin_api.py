@@ -1,6 +1,6 @@
 """Which plugin API a plugin declares, and whether this core provides it.
 
-The plugin API has a major and a minor version (`infer.PLUGIN_API`, now (2, 1); `PLUGIN_API_VERSION`
+The plugin API has a major and a minor version (`infer.PLUGIN_API`, now (2, 2); `PLUGIN_API_VERSION`
 is its major). A minor bump only adds: a plugin written for 2.0 runs on every 2.x, and what a minor
 version supersedes keeps working with a DeprecationWarning naming its replacement. A major bump may
 remove what was deprecated and change a factory's call or an interface. docs/plugins.md says which

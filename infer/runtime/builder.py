@@ -24,11 +24,12 @@ from infer.api import (
 )
 from infer.api.config import EngineConfig
 from infer.api.errors import ConfigError
+from infer.api.pooling import default_pooler, matryoshka_dimensions
 from infer.common.log import get_logger
 from infer.core.block_mover import BlockMover
 from infer.core.compose import check_model_attention, compose
 from infer.core.engine import Engine, EngineParts
-from infer.core.output import OutputProcessor
+from infer.core.output import OutputProcessor, Pooling
 from infer.core.registry import PluginRegistry
 from infer.inputs.chat_template import load_chat_template
 from infer.loading.loader import check_weight_shapes, meta_model, resolve_source, with_tokenizer
@@ -89,7 +90,7 @@ def build_engine(
         scheduler=scheduler,
         allocator=allocator,
         decoder=decoder,
-        output=OutputProcessor(detokenizer),
+        output=OutputProcessor(detokenizer, _pooling(plan)),
         tokenizer=tokenizer,
         max_model_len=plan.max_model_len,
         vocab_size=plan.model_config.vocab_size,
@@ -99,6 +100,13 @@ def build_engine(
         runners=tuple(r for r, _ in models),
         processors=processors,
     )
+
+
+def _pooling(plan: BuildPlan) -> Pooling:
+    """Every pooler installed, the model's default and how far its embeddings may be cut."""
+    poolers = {s.name: s.factory() for s in plan.registry.all("pooler") if not s.unavailable_reason()}
+    folder = plan.source.path
+    return Pooling(poolers, default_pooler(folder), matryoshka_dimensions(plan.source.hf_config))
 
 
 def _detokenizer(plan: BuildPlan, tokenizer: Any) -> Any:

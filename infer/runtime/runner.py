@@ -23,6 +23,7 @@ from infer.api import (
     StepResult,
 )
 from infer.api.constrain import constrain, is_constrained
+from infer.api.pooling import hidden_rows, keep_hidden
 from infer.api.prompt_logprobs import prompt_rows, take_prompt_logprobs
 from infer.api.runner import ForwardSeq, StepInputs
 
@@ -40,6 +41,7 @@ class ModelRunner:
         executor: Executor | None = None,  # how each forward reaches every rank (None: it runs here alone)
         waits: DeviceWaits | None = None,  # the engine's: announced before the sampler waits for the device
         kv_scales: list[tuple[float, float]] | None = None,
+        pools: bool = False,  # keeps embedding requests' hidden states (the target's runner; not a draft's)
     ) -> None:
         self.model = model
         self.attention = attention
@@ -52,6 +54,7 @@ class ModelRunner:
         self.waits = waits if waits is not None else DeviceWaits()
         # (k_scale, v_scale) per layer for an FP8 KV cache: its checkpoint's calibrated scales (None: 1.0)
         self.kv_scales = kv_scales
+        self.pools = pools
         self.graphs: DecodeGraphs | None = None  # replays decode-only steps (`set_decode_paths`)
         self.pipeline: DecodePipeline | None = None  # queues the next decode forward ahead
 
@@ -82,7 +85,9 @@ class ModelRunner:
         (decode pipelining; seqs' token_ids unused)."""
         step = self.step_inputs(seqs, input_ids_t)
         with self.executor.forwarding(step):  # under tensor parallelism: the other ranks get the step first
-            return self.run(step)
+            logits = self.run(step)
+        self._keep_hidden(seqs, step)
+        return logits
 
     def step_inputs(self, seqs: list[ForwardSeq], input_ids_t: torch.Tensor | None = None) -> StepInputs:
         """The flat inputs of one forward over `seqs`, and whether its captured CUDA graphs can run it."""
@@ -97,13 +102,32 @@ class ModelRunner:
             )
         step = StepInputs([], [], [], [], [], self.num_layers, use_graphs, input_ids_t)
         for seq in seqs:
+            begin = len(step.input_ids)
             step.input_ids.extend(seq.token_ids)
             step.query_lens.append(len(seq.token_ids))
             step.seq_lens.append(seq.start + len(seq.token_ids))
             step.block_tables.append(seq.request.block_ids)
             end = len(step.input_ids)
             step.logits_rows.extend(range(end - seq.logits_rows - seq.prompt_rows, end))
+            kept = hidden_rows(seq.request, seq.start, len(seq.token_ids)) if self.pools else 0
+            if kept:  # the chunk's last `kept` prompt positions (its first ones may be kept from before)
+                first = max(seq.start, seq.request.num_pooled_rows) - seq.start
+                step.hidden_rows.extend(range(begin + first, begin + first + kept))
+        if step.hidden_rows:
+            step.use_graphs = False  # a graph returns logits alone
         return step
+
+    def _keep_hidden(self, seqs: list[ForwardSeq], step: StepInputs) -> None:
+        """Hand the hidden states `run` kept to the embedding requests they belong to, in `step_inputs`' order."""
+        if not step.hidden_rows:
+            return
+        assert step.hidden is not None
+        at = 0
+        for seq in seqs:
+            kept = hidden_rows(seq.request, seq.start, len(seq.token_ids))
+            if kept:
+                keep_hidden(seq.request, step.hidden[at : at + kept])
+                at += kept
 
     @torch.inference_mode()
     def run(self, step: StepInputs) -> torch.Tensor:
@@ -121,6 +145,8 @@ class ModelRunner:
         if ids is None:
             ids = torch.tensor(step.input_ids, dtype=torch.int64, device=self.device)
         hidden = self.model.forward(ids, batch.positions, self.kv_caches, step.num_layers)  # [T, hidden]
+        if step.hidden_rows:
+            step.hidden = hidden[torch.tensor(step.hidden_rows, device=self.device)]
         if not step.logits_rows:
             return hidden.new_empty(0, 0, dtype=torch.float32)
         return self.model.compute_logits(hidden[torch.tensor(step.logits_rows, device=self.device)])
@@ -138,6 +164,7 @@ class ModelRunner:
             step = self.step_inputs(seqs)
             with self.executor.forwarding(step):
                 logits = self.run(step)
+            self._keep_hidden(seqs, step)
         logits = take_prompt_logprobs(logits, seqs)  # the rows left: one per request that samples
         sampled_requests = [s.request for s in seqs if s.logits_rows]
         if not sampled_requests:

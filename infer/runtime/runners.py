@@ -94,7 +94,7 @@ def load_models(plan: BuildPlan, parallel: Communicator) -> tuple[Models, Any, A
     sampler = composition.sampler.factory(plan.model_config.vocab_size, device)
     runner = ModelRunner(
         model, attention, [], sampler, config.block_size, device,
-        executor=parallel.executor(0), waits=plan.waits, kv_scales=scales,
+        executor=parallel.executor(0), waits=plan.waits, kv_scales=scales, pools=True,
     )  # fmt: skip
     models: Models = [(runner, plan.model_config)]
     draft_source = plan.draft_source

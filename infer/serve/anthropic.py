@@ -100,7 +100,7 @@ class MessagesRequest(Strict):
     stop_sequences: list[Annotated[StrictStr, Field(min_length=1)]] | None = None
     temperature: float | None = Field(default=None, ge=0, le=1)
     top_p: float | None = Field(default=None, gt=0, le=1)
-    top_k: Annotated[int, Field(ge=0), WHOLE] | None = None
+    top_k: Annotated[int, Field(ge=0, le=2**31 - 1), WHOLE] | None = None
     stream: bool | None = None
     tools: list[AnthropicTool] | None = None
     tool_choice: ToolChoice | None = None

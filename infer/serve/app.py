@@ -5,6 +5,8 @@ chats may pass tools; with `tool_call_parser` (hermes, llama3_json) tool_choice 
 calls a model writes in its text (`constrained`, `tool_parsers`).
 
     POST /v1/completions, /v1/chat/completions   JSON, or server-sent events with "stream": true
+    POST /v1/responses, /v1/messages             OpenAI's Responses API; Anthropic's Messages API
+    POST /v1/embeddings                          each input's embedding (`embeddings`)
     GET  /v1/models                              the served models (requests route by `model`)
     POST /tokenize, /detokenize                  vLLM's shapes
     GET  /health, /metrics                       liveness; Prometheus text
@@ -38,7 +40,7 @@ from infer.api.errors import ConfigError, RequestError, one_line
 from infer.core.registry import PluginRegistry
 from infer.inputs.chat_template import check_template_kwargs, render_chat, template_for
 from infer.inputs.prompts import check_encodable
-from infer.serve import errors
+from infer.serve import embeddings, errors
 from infer.serve.anthropic import AnthropicErrorResponse, AnthropicFormat, AnthropicMessage, MessagesRequest
 from infer.serve.async_engine import AsyncEngine
 from infer.serve.constrained import output_rules
@@ -173,6 +175,7 @@ def create_app(
 
     _generation_routes(app, models, metrics, guarded, tool_call_parser, limits, tracer)
     _token_routes(app, models, guarded)
+    _embedding_route(app, models, metrics, guarded)
     _openapi_route(app, guarded, limits)
     return app
 
@@ -335,6 +338,20 @@ def _token_routes(app: FastAPI, models: Models, guarded: list[Any]) -> None:
         if any(t >= vocab_size for t in req.tokens):
             raise APIError(400, f"token ids must be in [0, {vocab_size}): fix the list", param="tokens")
         return DetokenizeResponse(prompt=tokenizer.decode(req.tokens))
+
+
+def _embedding_route(app: FastAPI, models: Models, metrics: ServeMetrics, guarded: list[Any]) -> None:
+    @app.post("/v1/embeddings", dependencies=guarded, response_model=embeddings.EmbeddingResponse, responses=ERRORS)
+    async def create_embeddings(req: embeddings.EmbeddingRequest, request: Request) -> Response:
+        served = models.named(req.model)
+        with _counted(metrics, served):
+            with _about("input"):
+                num_chars = [len(p) for p in req.inputs() if isinstance(p, str)]
+                for n in num_chars:
+                    models.refuse_long(served, n, "input")
+                prompts = await models.offload.run(sum(num_chars), _tokenize_all, served, req.inputs())
+            gen = embeddings.start(served, metrics, req, prompts)
+        return await answer(gen, embeddings.EmbeddingFormat(req.encoding_format), False, request)
 
 
 def _openapi_route(app: FastAPI, guarded: list[Any], limits: ServeLimits) -> None:

@@ -114,7 +114,9 @@ def validation_error(exc: RequestValidationError) -> APIError:
         return APIError(
             400, f"unrecognized request argument {param!r}: drop it (GET /openapi.json lists the fields)", param=param
         )
-    param = ".".join(map(str, itertools.takewhile(lambda part: isinstance(part, int) or part in FIELDS, loc))) or None
+    # the body's own field, then the nested fields and indices down to the first union tag ("list[str]")
+    inner = itertools.takewhile(lambda part: isinstance(part, int) or part in FIELDS, loc[1:])
+    param = ".".join(map(str, [*loc[:1], *inner])) or None
     where = f"{param}: " if param else ""
     more = len(problems) - 1
     also = f" (and {more} more problem{'s' if more > 1 else ''})" if more > 0 else ""

@@ -124,7 +124,7 @@ class SamplingFields(BaseModel):
     bad_words: list[Annotated[StrictStr, Field(pattern=NOT_BLANK)]] | None = None  # words never generated
     # only these tokens are generated
     allowed_token_ids: Annotated[list[Annotated[int, Field(ge=0), WHOLE]], Field(min_length=1)] | None = None
-    top_k: Annotated[int, Field(ge=-1), WHOLE] | None = None  # None, 0 or -1: off
+    top_k: Annotated[int, Field(ge=-1, le=2**31 - 1), WHOLE] | None = None  # None, 0 or -1: off
     min_p: float | None = Field(default=None, ge=0, le=1)
     repetition_penalty: float | None = Field(default=None, gt=0)
     ignore_eos: bool | None = None

@@ -281,3 +281,47 @@ def _check_model(checkpoint: Checkpoint, name: str, setting: Setting, plugins: S
         f"{where} differs from HF transformers: {mismatch.message}. On a tp 1 prefill of those "
         f"{len(mismatch.ids)} tokens: {found}"
     )
+
+
+EMBEDDING_TOLERANCE = 1e-5  # fp32 on the CPU: each value of a normalized embedding, against HF's hidden states pooled
+POOLERS = ("last", "mean", "cls")
+
+
+@torch.no_grad()
+def hf_embedding(checkpoint: Checkpoint, ids: Sequence[int], pooler: str) -> torch.Tensor:
+    """HF transformers' last hidden state (after the final norm) over `ids`, pooled by `pooler` and normalized."""
+    hidden = checkpoint.hf_model.base_model(torch.tensor([list(ids)])).last_hidden_state[0].float()  # [P, hidden]
+    pooled = {"last": hidden[-1], "mean": hidden.mean(0), "cls": hidden[0]}[pooler]
+    return torch.nn.functional.normalize(pooled, dim=-1)
+
+
+def check_embeddings(checkpoint: Checkpoint, name: str, plugins: Sequence[Any] = ()) -> None:
+    """Embeddings through model plugin `name`, every built-in pooler, equal to HF's hidden states pooled the
+    same way within `EMBEDDING_TOLERANCE`: in one batch with generating requests, prefills chunked by 8
+    tokens (so a prompt's hidden states come from several steps), and again once the prefix cache holds
+    every prompt (an embedding computes its whole prompt all the same)."""
+    from infer.api.pooling import PoolingParams
+    from infer.llm import LLM
+
+    prompts = PROMPTS["plain"]
+    where = f"model {name} ({checkpoint.architecture}: {checkpoint.describe()})"
+    options = dict(device="cpu", dtype="float32", max_num_batched_tokens=8, block_size=4)
+    with one_thread(), LLM(model=str(checkpoint.folder), model_impl=name, plugins=plugins, **options) as llm:
+        for round_ in ("beside generation, chunked", "after the prefix cache holds the prompts"):
+            params = [SamplingParams(max_tokens=1, temperature=0, pooling=PoolingParams(p)) for p in POOLERS]
+            batch = [(prompt, p) for prompt in prompts for p in params]
+            generating = [(prompt, SamplingParams(max_tokens=6, temperature=0)) for prompt in prompts]
+            outputs = llm.generate([b[0] for b in generating + batch], [b[1] for b in generating + batch])
+            for (prompt, p), out in zip(batch, outputs[len(generating) :]):
+                label = f"{where}, pooler {p.pooling.pooler}, prompt of {len(prompt)} tokens, {round_}"
+                if out.error or out.embedding is None:
+                    raise AssertionError(f"{label}: no embedding ({out.error})")
+                want = hf_embedding(checkpoint, prompt, p.pooling.pooler)
+                diff = float((torch.tensor(out.embedding) - want).abs().max())
+                if diff > EMBEDDING_TOLERANCE:
+                    raise AssertionError(
+                        f"{label}: differs from HF transformers' hidden states pooled the same way by {diff:.2e}, "
+                        f"more than {EMBEDDING_TOLERANCE:g}"
+                    )
+            if not all(o.outputs[0].token_ids for o in outputs[: len(generating)]):
+                raise AssertionError(f"{where}: a generating request beside the embeddings produced no token")

@@ -61,6 +61,7 @@ BEYOND_THE_SCHEMA = {
         "input", "max_output_tokens", "tools", "tool_choice", "text.format",  # as the chat's
         "previous_response_id",  # a stored response's id
     },
+    "POST /v1/embeddings": {"input", "dimensions"},  # the context and vocabulary; a Matryoshka model's width
     "POST /tokenize": {"messages"},
     "POST /detokenize": {"tokens"},  # the vocabulary
 }  # fmt: skip

@@ -111,9 +111,10 @@ class PagedAllocator:
 
     def _cache_for(self, request: Request) -> PrefixCache | None:
         """The prefix cache, where it may serve `request`'s prompt; else None."""
-        # a cached prefix has no logits to score: a request asking for prompt logprobs computes its
-        # whole prompt (as vLLM does); its blocks are still cached for the requests after it
-        return self.cache if request.params.prompt_logprobs is None else None
+        # a cached prefix has no logits to score nor hidden states to pool: a request asking for prompt
+        # logprobs or an embedding computes its whole prompt (as vLLM does); its blocks are still cached for
+        # the requests after it
+        return None if request.computes_whole_prompt else self.cache
 
     def _lookup(self, cache: PrefixCache, request: Request, num_tokens: int) -> tuple[list[int], list[BlockKey]]:
         max_blocks = min(request.num_tokens - 1, num_tokens) // self.block_size  # keep a token to compute

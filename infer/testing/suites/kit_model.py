@@ -13,7 +13,15 @@ import pytest
 from infer.api import HFArchitectures
 from infer.core.registry import Strategy
 from infer.testing import kit
-from infer.testing.model import SETTINGS, Checkpoint, Setting, check_model, kit_overrides, write_checkpoint
+from infer.testing.model import (
+    SETTINGS,
+    Checkpoint,
+    Setting,
+    check_embeddings,
+    check_model,
+    kit_overrides,
+    write_checkpoint,
+)
 
 
 def _skip(strategy: Strategy, setting: Setting) -> str | None:
@@ -30,23 +38,31 @@ def _skip(strategy: Strategy, setting: Setting) -> str | None:
 
 
 def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
-    if "setting" not in metafunc.fixturenames or "architecture" not in metafunc.fixturenames:
+    if "strategy" not in metafunc.fixturenames or "architecture" not in metafunc.fixturenames:
         return
+    settings = SETTINGS if "setting" in metafunc.fixturenames else SETTINGS[:1]  # embeddings: tp 1 alone
     params = []
     for strategy in kit.strategies(metafunc.config, "model"):
         claimed = strategy.factory.hf_architectures if isinstance(strategy.factory, HFArchitectures) else ()
         if not claimed:
             reason = f"model {strategy.name} claims no HF architecture (hf_architectures): there is nothing to compare"
-            params.append(
-                pytest.param(strategy, "", SETTINGS[0], id=strategy.name, marks=pytest.mark.skip(reason=reason))
-            )
+            values = (strategy, "", SETTINGS[0])[: 2 + ("setting" in metafunc.fixturenames)]
+            params.append(pytest.param(*values, id=strategy.name, marks=pytest.mark.skip(reason=reason)))
         for architecture in claimed:
-            for setting in SETTINGS:
+            for setting in settings:
                 reason = _skip(strategy, setting)
                 marks = [pytest.mark.skip(reason=reason)] if reason else []
-                ident = f"{strategy.name}-{architecture}-{setting.name}"
-                params.append(pytest.param(strategy, architecture, setting, id=ident, marks=marks))
-    metafunc.parametrize(("strategy", "architecture", "setting"), params)
+                if "setting" in metafunc.fixturenames:
+                    ident = f"{strategy.name}-{architecture}-{setting.name}"
+                    params.append(pytest.param(strategy, architecture, setting, id=ident, marks=marks))
+                else:
+                    params.append(
+                        pytest.param(strategy, architecture, id=f"{strategy.name}-{architecture}", marks=marks)
+                    )
+    names = (
+        ("strategy", "architecture", "setting") if "setting" in metafunc.fixturenames else ("strategy", "architecture")
+    )
+    metafunc.parametrize(names, params)
 
 
 @pytest.fixture(scope="session")
@@ -60,3 +76,12 @@ def test_matches_hf_transformers(strategy, architecture, setting, checkpoints, t
         folder: Path = tmp_path_factory.mktemp(f"infer-kit-{strategy.name}-{architecture}")
         checkpoints[key] = write_checkpoint(architecture, folder, kit_overrides(strategy.factory, architecture))
     check_model(checkpoints[key], strategy.name, setting)
+
+
+def test_embeddings_match_hf_transformers(strategy, architecture, checkpoints, tmp_path_factory) -> None:
+    """Pooled hidden states (`LLM.embed`, `/v1/embeddings`) equal HF's, per pooler, at tp 1."""
+    key = (strategy.name, architecture)
+    if key not in checkpoints:
+        folder: Path = tmp_path_factory.mktemp(f"infer-kit-{strategy.name}-{architecture}")
+        checkpoints[key] = write_checkpoint(architecture, folder, kit_overrides(strategy.factory, architecture))
+    check_embeddings(checkpoints[key], strategy.name)
