@@ -41,6 +41,15 @@ from infer.core.registry import PluginRegistry
 from infer.inputs.chat_template import check_template_kwargs, render_chat, template_for
 from infer.inputs.prompts import check_encodable
 from infer.serve import embeddings, errors
+from infer.serve.answers import (
+    ChatCompletion,
+    Completion,
+    DetokenizeResponse,
+    ErrorResponse,
+    ModelCard,
+    ModelList,
+    TokenizeResponse,
+)
 from infer.serve.anthropic import AnthropicErrorResponse, AnthropicFormat, AnthropicMessage, MessagesRequest
 from infer.serve.async_engine import AsyncEngine
 from infer.serve.constrained import output_rules
@@ -52,19 +61,7 @@ from infer.serve.lifecycle import Admission, Lifecycle
 from infer.serve.limits import ServeLimits
 from infer.serve.metrics import ServeMetrics
 from infer.serve.offload import Offload, longest_token_chars, refuse_long_text
-from infer.serve.protocol import (
-    ChatCompletion,
-    ChatRequest,
-    Completion,
-    CompletionRequest,
-    DetokenizeRequest,
-    DetokenizeResponse,
-    ErrorResponse,
-    ModelCard,
-    ModelList,
-    TokenizeRequest,
-    TokenizeResponse,
-)
+from infer.serve.protocol import ChatRequest, CompletionRequest, DetokenizeRequest, TokenizeRequest
 from infer.serve.request_limits import check_request, openapi_limits
 from infer.serve.responses import (
     RESPONSES_NAMES,

@@ -12,9 +12,7 @@ from infer.api.reasoning import ReasoningParser, ReasoningStream
 from infer.api.reasoning import split as split_reasoning
 from infer.api.request import RequestOutput
 from infer.core.stream import CompletionDelta
-from infer.serve.generation import Generation, OpenAIEvents, finish_reason
-from infer.serve.output_protocol import FunctionCall, ToolCallOut
-from infer.serve.protocol import (
+from infer.serve.answers import (
     ChatChoice,
     ChatCompletion,
     ChatLogprobs,
@@ -25,6 +23,8 @@ from infer.serve.protocol import (
     PromptLogprob,
     TokenLogprob,
 )
+from infer.serve.generation import Generation, OpenAIEvents, finish_reason
+from infer.serve.output_protocol import FunctionCall, ToolCallOut
 from infer.serve.tool_parsers import CallDelta, ToolCallStream, ToolParser
 
 

@@ -22,11 +22,12 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from infer.api.request import RequestOutput
 from infer.core.stream import CompletionDelta, StreamOutput
+from infer.serve.answers import PromptTokensDetails, Usage
 from infer.serve.async_engine import RequestStream
 from infer.serve.constrained import OutputRules
 from infer.serve.errors import APIError, api_error
 from infer.serve.metrics import ServeMetrics
-from infer.serve.protocol import PromptTokensDetails, SamplingFields, Usage
+from infer.serve.protocol import SamplingFields
 from infer.serve.served import ServedModel
 from infer.serve.tracing import end_span
 
