@@ -63,8 +63,9 @@ class EngineConfig:
     max_num_seqs: int = 256  # running requests at most
     # a request of priority p ranks as if it had arrived p x this many seconds later (lower ranks run
     # first): a priority level is worth this much waiting, so a request waits at most
-    # (its priority - a later arrival's) x this behind any later arrival
-    priority_aging_s: float = 10.0
+    # (its priority - a later arrival's) x this behind any later arrival. A queue longer than this erases
+    # a level's lead (at 10 s, a 60 s queue left high priority 24 s ahead of low, not 60): a minute by default
+    priority_aging_s: float = 60.0
     max_num_batched_tokens: int = 4096  # tokens computed per step at most (long prompts are chunked)
     # a step's target time: the per-step token budget shrinks (never below 16 tokens, never above
     # max_num_batched_tokens) to what the device computes in this time, so one long prompt cannot

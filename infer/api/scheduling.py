@@ -7,9 +7,10 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Protocol, runtime_checkable
 
 from infer.api.kv import BlockOps
+from infer.api.request import FinishReason
 
 if TYPE_CHECKING:
-    from infer.api.request import FinishReason, Request
+    from infer.api.request import Request
 
 
 @dataclass(slots=True)
@@ -113,3 +114,19 @@ class TokenBudgeted(Protocol):
     def max_num_batched_tokens(self) -> int: ...  # a plain attribute serves
 
     def set_token_budget(self, tokens: int) -> None: ...
+
+
+def stop_reason(request: "Request") -> FinishReason | None:
+    """Why `request` must stop after its latest token, if it must (plugin API 2.2): EOS (unless `ignore_eos`)
+    or a stop token, `max_tokens`, the context length. What a scheduler's `update` checks after each token it
+    appends; stop strings are the engine's (they need the text)."""
+    params, last = request.params, request.output_token_ids[-1]
+    if not params.ignore_eos and last in request.eos_token_ids:
+        return FinishReason.STOP
+    if last in params.stop_token_ids:
+        return FinishReason.STOP
+    if len(request.output_token_ids) >= params.max_tokens:
+        return FinishReason.LENGTH
+    if request.max_model_len and request.num_tokens >= request.max_model_len:
+        return FinishReason.LENGTH
+    return None

@@ -20,19 +20,9 @@ import infer
 from infer.api import KVAllocator, ScheduledSeq, SchedulerOutput, StepResult
 from infer.api.errors import RequestError
 from infer.api.request import FinishReason, Request, RequestStatus
+from infer.api.scheduling import stop_reason
 
-INFER_PLUGIN_API = ">=2,<3"
-
-
-def stop_reason(request: Request) -> FinishReason | None:
-    params, last = request.params, request.output_token_ids[-1]
-    if (last in request.eos_token_ids and not params.ignore_eos) or last in params.stop_token_ids:
-        return FinishReason.STOP
-    if len(request.output_token_ids) >= params.max_tokens:
-        return FinishReason.LENGTH
-    if request.max_model_len and request.num_tokens >= request.max_model_len:
-        return FinishReason.LENGTH
-    return None
+INFER_PLUGIN_API = ">=2.2,<3"  # 2.2 published stop_reason
 
 
 class FifoScheduler:

@@ -8,21 +8,8 @@ import time
 from infer.api import BatchOutlook, KVAllocator, SchedulerOutput, StepResult
 from infer.api.config import EngineConfig
 from infer.api.request import FinishReason, Request, RequestStatus
+from infer.api.scheduling import stop_reason
 from infer.plugins.scheduler.beam_search import BeamSearch
-
-
-def stop_reason(request: Request) -> FinishReason | None:
-    """Why `request` must stop after its latest token, if it must."""
-    params, last = request.params, request.output_token_ids[-1]
-    if not params.ignore_eos and last in request.eos_token_ids:
-        return FinishReason.STOP
-    if last in params.stop_token_ids:
-        return FinishReason.STOP
-    if len(request.output_token_ids) >= params.max_tokens:
-        return FinishReason.LENGTH
-    if request.max_model_len and request.num_tokens >= request.max_model_len:
-        return FinishReason.LENGTH
-    return None
 
 
 def append_tokens(
