@@ -22,7 +22,7 @@ from pydantic import BaseModel, ConfigDict, Field, StrictStr
 from infer.api.request import RequestOutput
 from infer.core.stream import CompletionDelta
 from infer.serve.errors import APIError
-from infer.serve.formats import ChatFormat
+from infer.serve.formats import ChatFormat, chat_pieces
 from infer.serve.generation import Generation, sse_event
 from infer.serve.protocol import WHOLE, ChatRequest
 
@@ -212,28 +212,22 @@ class AnthropicFormat:
 
     def chunks(self, gen: Generation, index: int, delta: CompletionDelta) -> list[dict[str, Any]]:
         events: list[dict[str, Any]] = []
-        for chunk in self.chat.chunks(gen, index, delta):
-            choice = chunk["choices"][0]
-            d = choice["delta"]
-            if d.get("reasoning_content"):
+        for piece in chat_pieces(self.chat.chunks(gen, index, delta)):
+            if piece.kind == "reasoning":
                 if self.block is None or self.block[0] != "thinking":
                     events += self._open("thinking", {"type": "thinking", "thinking": "", "signature": ""})
-                events.append(_delta(self.block, {"type": "thinking_delta", "thinking": d["reasoning_content"]}))
-            if d.get("content"):
+                events.append(_delta(self.block, {"type": "thinking_delta", "thinking": piece.text}))
+            elif piece.kind == "text":
                 if self.block is None or self.block[0] != "text":
                     events += self._open("text", {"type": "text", "text": ""})
-                events.append(_delta(self.block, {"type": "text_delta", "text": d["content"]}))
-            for call in d.get("tool_calls") or ():
-                function = call.get("function", {})
-                if call.get("id"):
-                    block = {"type": "tool_use", "id": call["id"], "name": function.get("name"), "input": {}}
-                    events += self._open("tool_use", block)
-                if function.get("arguments"):
-                    events.append(
-                        _delta(self.block, {"type": "input_json_delta", "partial_json": function["arguments"]})
-                    )
-            if choice.get("finish_reason"):
-                self.stop_reason = STOP_REASONS.get(choice["finish_reason"], "end_turn")
+                events.append(_delta(self.block, {"type": "text_delta", "text": piece.text}))
+            elif piece.kind == "call":
+                block = {"type": "tool_use", "id": piece.call_id, "name": piece.name, "input": {}}
+                events += self._open("tool_use", block)
+            elif piece.kind == "arguments":
+                events.append(_delta(self.block, {"type": "input_json_delta", "partial_json": piece.text}))
+            elif piece.kind == "finish":
+                self.stop_reason = STOP_REASONS.get(piece.text, "end_turn")
         return events
 
     def closing(self, gen: Generation) -> list[dict[str, Any]]:

@@ -6,6 +6,7 @@ a call's first chunk names it (id, type, function name, arguments ""), the next 
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 from typing import Any
 
 from infer.api.reasoning import ReasoningParser, ReasoningStream
@@ -263,3 +264,39 @@ def _chunk(gen: Generation, kind: str, choice: dict[str, Any] | None) -> dict[st
     if gen.include_usage:  # OpenAI: with include_usage, every chunk has a usage field, null but the last
         chunk["usage"] = None
     return chunk
+
+
+@dataclass(frozen=True, slots=True)
+class ChatPiece:
+    """One thing a chat stream's chunk says, for the formats that re-frame it (Responses, Anthropic):
+    `kind` is "reasoning" or "text" (`text` the piece), "call" (a tool call starts: `index`, `call_id`,
+    `name`), "arguments" (`index`, `text` the arguments' next characters) or "finish" (`text` the reason)."""
+
+    kind: str
+    text: str = ""
+    index: int = 0
+    call_id: str = ""
+    name: str = ""
+
+
+def chat_pieces(chunks: list[dict[str, Any]]) -> list[ChatPiece]:
+    """What `ChatFormat.chunks` said, piece by piece, in order (one choice: these APIs have no `n`)."""
+    pieces: list[ChatPiece] = []
+    for chunk in chunks:
+        choice = chunk["choices"][0]
+        d = choice["delta"]
+        if d.get("reasoning_content"):
+            pieces.append(ChatPiece("reasoning", d["reasoning_content"]))
+        if d.get("content"):
+            pieces.append(ChatPiece("text", d["content"]))
+        for call in d.get("tool_calls") or ():
+            function = call.get("function", {})
+            if call.get("id"):
+                pieces.append(
+                    ChatPiece("call", index=call["index"], call_id=call["id"], name=function.get("name") or "")
+                )
+            if function.get("arguments"):
+                pieces.append(ChatPiece("arguments", function["arguments"], index=call["index"]))
+        if choice.get("finish_reason"):
+            pieces.append(ChatPiece("finish", choice["finish_reason"]))
+    return pieces

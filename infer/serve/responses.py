@@ -29,7 +29,7 @@ from pydantic import BaseModel, ConfigDict
 from infer.api.request import RequestOutput
 from infer.core.stream import CompletionDelta
 from infer.serve.errors import APIError
-from infer.serve.formats import ChatFormat
+from infer.serve.formats import ChatFormat, chat_pieces
 from infer.serve.generation import Generation, OpenAIEvents, sse_event
 from infer.serve.responses_request import RESPONSES_NAMES, ResponsesRequest
 
@@ -217,36 +217,30 @@ class ResponsesFormat(OpenAIEvents):
 
     def chunks(self, gen: Generation, index: int, delta: CompletionDelta) -> list[dict[str, Any]]:
         events: list[dict[str, Any]] = []
-        for chunk in self.chat.chunks(gen, index, delta):
-            choice = chunk["choices"][0]
-            d = choice["delta"]
-            if d.get("reasoning_content"):
-                if self.open is None or self.open["type"] != "reasoning":
-                    events += self._start(_reasoning_item(""))
+        for piece in chat_pieces(self.chat.chunks(gen, index, delta)):
+            if piece.kind in ("reasoning", "text"):
+                kind, make, event = (
+                    ("reasoning", _reasoning_item, "response.reasoning_text.delta")
+                    if piece.kind == "reasoning"
+                    else ("message", _message_item, "response.output_text.delta")
+                )
+                if self.open is None or self.open["type"] != kind:
+                    events += self._start(make(""))
                 assert self.open is not None
-                self.open["content"][0]["text"] += d["reasoning_content"]
-                events.append(self._ev("response.reasoning_text.delta", item_id=self.open["id"], output_index=len(self.items) - 1,
-                                       content_index=0, delta=d["reasoning_content"]))  # fmt: skip
-            if d.get("content"):
-                if self.open is None or self.open["type"] != "message":
-                    events += self._start(_message_item(""))
-                assert self.open is not None
-                self.open["content"][0]["text"] += d["content"]
-                events.append(self._ev("response.output_text.delta", item_id=self.open["id"], output_index=len(self.items) - 1,
-                                       content_index=0, delta=d["content"], logprobs=[]))  # fmt: skip
-            for call in d.get("tool_calls") or ():
-                function = call.get("function", {})
-                if call.get("id"):
-                    opened = _call_item(call["id"], function.get("name") or "", "")
-                    events += self._start(opened)
-                    self.calls[call["index"]] = opened
-                item = self.calls.get(call["index"])
-                if item is not None and function.get("arguments"):
-                    item["arguments"] += function["arguments"]
-                    events.append(self._ev("response.function_call_arguments.delta", item_id=item["id"],
-                                           output_index=self.items.index(item), delta=function["arguments"]))  # fmt: skip
-            if choice.get("finish_reason"):
-                self.finish = choice["finish_reason"]
+                self.open["content"][0]["text"] += piece.text
+                extra = {"logprobs": []} if kind == "message" else {}
+                events.append(self._ev(event, item_id=self.open["id"], output_index=len(self.items) - 1,
+                                       content_index=0, delta=piece.text, **extra))  # fmt: skip
+            elif piece.kind == "call":
+                opened = _call_item(piece.call_id, piece.name, "")
+                events += self._start(opened)
+                self.calls[piece.index] = opened
+            elif piece.kind == "arguments" and (item := self.calls.get(piece.index)) is not None:
+                item["arguments"] += piece.text
+                events.append(self._ev("response.function_call_arguments.delta", item_id=item["id"],
+                                       output_index=self.items.index(item), delta=piece.text))  # fmt: skip
+            elif piece.kind == "finish":
+                self.finish = piece.text
         return events
 
     def closing(self, gen: Generation) -> list[dict[str, Any]]:
