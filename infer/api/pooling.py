@@ -106,23 +106,31 @@ def matryoshka_dimensions(hf_config: dict) -> int | None:
     return None
 
 
-def default_pooler(folder: Path | None) -> str:
+def default_pooler(folder: Path | None) -> tuple[str | None, str]:
     """The pooler a sentence-transformers folder declares (`modules.json` -> its Pooling module's
-    config.json: mean, cls or lasttoken), else `DEFAULT_POOLER`."""
+    config.json: mean, cls or lasttoken), else `DEFAULT_POOLER`; (None, why) for a folder whose modules ask
+    for what no built-in pooler computes (another pooling mode, several at once, a Dense layer after it)."""
     if folder is None:
-        return DEFAULT_POOLER
+        return DEFAULT_POOLER, ""
     try:
         modules = json.loads((folder / "modules.json").read_text())
+        types = [str(m.get("type", "")) for m in modules]
         path = next(m["path"] for m in modules if str(m.get("type", "")).endswith("Pooling"))
         config = json.loads((folder / path / "config.json").read_text())
-    except (OSError, ValueError, StopIteration, KeyError, TypeError):
-        return DEFAULT_POOLER
+    except (OSError, ValueError, StopIteration, KeyError, TypeError, AttributeError):
+        return DEFAULT_POOLER, ""
+    where = f"{folder.name}'s sentence-transformers modules"
+    if any(t.endswith("Dense") for t in types):
+        return None, f"{where} apply a Dense layer after the pooling, which infer does not"
     modes = (
         ("pooling_mode_lasttoken", "last"),
         ("pooling_mode_mean_tokens", "mean"),
         ("pooling_mode_cls_token", "cls"),
     )
-    for key, name in modes:
-        if config.get(key):
-            return name
-    return DEFAULT_POOLER
+    asked = sorted(k for k, v in config.items() if k.startswith("pooling_mode_") and v)
+    known = [name for key, name in modes if key in asked]
+    if len(asked) == 1 and known:
+        return known[0], ""
+    if not asked:
+        return DEFAULT_POOLER, ""
+    return None, f"{where} ask for {' + '.join(asked)}, which no built-in pooler computes"

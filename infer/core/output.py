@@ -11,7 +11,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from infer.api import Detokenizer
-from infer.api.errors import RequestError
+from infer.api.errors import RequestError, one_line
 from infer.api.pooling import DEFAULT_POOLER, PoolingParams, check_dimensions, embed
 from infer.api.request import CompletionOutput, FinishReason, Request, RequestOutput
 
@@ -31,24 +31,47 @@ class Pooling:
     """What embedding requests are pooled by (`infer.api.pooling`)."""
 
     poolers: dict[str, Any] = field(default_factory=dict)  # name -> Pooler, every one installed
-    default: str = DEFAULT_POOLER  # the model's (its sentence-transformers Pooling module's, else "last")
+    # the model's (its sentence-transformers Pooling module's, else "last"); None: its folder asks for a
+    # pooling no installed pooler serves (`default_problem` says which), so a request must name one
+    default: str | None = DEFAULT_POOLER
     max_dimensions: int | None = None  # how far its embeddings may be cut (Matryoshka); None: not at all
+    default_problem: str = ""
 
     def check(self, params: PoolingParams) -> None:
         """Refuse what this engine cannot pool, before the request is queued."""
         name = params.pooler or self.default
+        if name is None:
+            raise RequestError(f"{self.default_problem}: name a pooler for it (pooler=...), or serve another model")
         if name not in self.poolers:
             known = ", ".join(sorted(self.poolers)) or "none installed"
             raise RequestError(f"unknown pooler {name!r}: use one of {known}")
         if params.dimensions is not None:
             check_dimensions(params.dimensions, self.max_dimensions)
 
-    def embedding(self, request: Request) -> list[float] | None:
-        """A finished embedding request's vector; None if it ended before its prompt was computed (abort)."""
+    def embedding(self, request: Request) -> tuple[list[float] | None, str | None]:
+        """A finished embedding request's (vector, None), or (None, why there is none): it ended before its
+        every prompt position was computed through the whole model (aborted, no room in the KV cache, a
+        decoder that runs the first layers alone), or its pooler failed. Never raises: the step goes on."""
         params = request.params.pooling
-        if params is None or request.num_pooled_rows < request.num_prompt_tokens:
-            return None
-        return embed(self.poolers[params.pooler or self.default], request, self.max_dimensions)
+        if params is None:
+            return None, None
+        if request.num_pooled_rows < request.num_prompt_tokens:
+            request.pooled_hidden.clear()
+            reason = request.finish_reason.value if request.finish_reason is not None else "unfinished"
+            if reason == "abort":
+                return None, None  # asked for by its caller
+            return None, (
+                f"the embedding request ended ({reason}) with the hidden states of {request.num_pooled_rows} of its "
+                f"{request.num_prompt_tokens} prompt tokens: a prompt must fit the KV cache whole, and the decoder must "
+                "run the whole model (not --decoding early-exit)"
+            )
+        name = params.pooler or self.default
+        assert name is not None, "checked when it was added"
+        try:
+            return embed(self.poolers[name], request, self.max_dimensions), None
+        except Exception as exc:  # a plugin's pooler: this request fails, not the step
+            request.pooled_hidden.clear()
+            return None, f"pooler {name!r} failed: {one_line(exc)}"
 
 
 class OutputProcessor:
@@ -150,6 +173,7 @@ class OutputProcessor:
         finish_times = [c.finish_time for c in group.children if c.finish_time is not None]
         if len(finish_times) == len(group.children):  # every sample finished
             metrics["latency_s"] = max(finish_times) - first.arrival_time
+        embedding, error = self.pooling.embedding(first)
         return RequestOutput(
             request_id=group.request_id,
             prompt=group.prompt,
@@ -159,7 +183,8 @@ class OutputProcessor:
             metrics=metrics,
             prompt_logprobs=None if first.params.prompt_logprobs is None else [None, *first.prompt_logprobs],
             num_cached_tokens=first.num_cached_tokens,
-            embedding=self.pooling.embedding(first),
+            embedding=embedding,
+            error=error,
         )
 
     def close(self) -> None:

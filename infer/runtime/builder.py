@@ -105,8 +105,8 @@ def build_engine(
 def _pooling(plan: BuildPlan) -> Pooling:
     """Every pooler installed, the model's default and how far its embeddings may be cut."""
     poolers = {s.name: s.factory() for s in plan.registry.all("pooler") if not s.unavailable_reason()}
-    folder = plan.source.path
-    return Pooling(poolers, default_pooler(folder), matryoshka_dimensions(plan.source.hf_config))
+    default, problem = default_pooler(plan.source.path)
+    return Pooling(poolers, default, matryoshka_dimensions(plan.source.hf_config), problem)
 
 
 def _detokenizer(plan: BuildPlan, tokenizer: Any) -> Any:

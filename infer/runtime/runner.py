@@ -109,7 +109,7 @@ class ModelRunner:
             step.block_tables.append(seq.request.block_ids)
             end = len(step.input_ids)
             step.logits_rows.extend(range(end - seq.logits_rows - seq.prompt_rows, end))
-            kept = hidden_rows(seq.request, seq.start, len(seq.token_ids)) if self.pools else 0
+            kept = hidden_rows(seq.request, seq.start, len(seq.token_ids)) if self.pools and not self.num_layers else 0
             if kept:  # the chunk's last `kept` prompt positions (its first ones may be kept from before)
                 first = max(seq.start, seq.request.num_pooled_rows) - seq.start
                 step.hidden_rows.extend(range(begin + first, begin + first + kept))
@@ -122,11 +122,15 @@ class ModelRunner:
         if not step.hidden_rows:
             return
         assert step.hidden is not None
+        # in host memory, which the KV cache's sizing leaves alone; a copy per request, so that no request
+        # keeps the step's others alive (the copy waits for the forward, as the sampler is about to)
+        hidden = step.hidden.to("cpu")
+        step.hidden = None
         at = 0
         for seq in seqs:
             kept = hidden_rows(seq.request, seq.start, len(seq.token_ids))
             if kept:
-                keep_hidden(seq.request, step.hidden[at : at + kept])
+                keep_hidden(seq.request, hidden[at : at + kept].clone())
                 at += kept
 
     @torch.inference_mode()

@@ -18,6 +18,7 @@ from pydantic import BaseModel, ConfigDict, Field, StrictStr
 from infer.api.pooling import PoolingParams
 from infer.api.request import RequestOutput, SamplingParams
 from infer.core.stream import CompletionDelta
+from infer.serve.errors import APIError
 from infer.serve.generation import Generation, OpenAIEvents
 from infer.serve.metrics import ServeMetrics
 from infer.serve.protocol import WHOLE, Text, TokenIds
@@ -87,6 +88,11 @@ class EmbeddingFormat(OpenAIEvents):
         return []
 
     def response(self, gen: Generation, finals: list[RequestOutput]) -> EmbeddingResponse:
+        failed = next((out for out in finals if out.error or out.embedding is None), None)
+        if failed is not None:  # it ended without its vector: no room for its prompt, or its pooler failed
+            message = failed.error or "the embedding request ended without its vector"
+            server = message.startswith("pooler")
+            raise APIError(500 if server else 400, message, "server_error" if server else "invalid_request_error")
         order = {stream.request_id: i for i, stream in enumerate(gen.streams)}
         data = [
             EmbeddingData(index=order[out.request_id], embedding=encode(out.embedding or [], self.encoding_format))

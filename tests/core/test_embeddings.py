@@ -15,8 +15,11 @@ import torch
 
 from infer import SamplingParams
 from infer.api.errors import RequestError
-from infer.api.pooling import PoolingParams, default_pooler, hidden_rows
+from infer.api.pooling import PoolingParams, default_pooler, hidden_rows, keep_hidden
+from infer.api.request import FinishReason, Request
+from infer.core.output import Pooling
 from infer.llm import LLM
+from infer.plugins.pooler.basic import MeanPooler
 from infer.testing.prompts import SMOLLM2_PROMPTS
 
 
@@ -118,7 +121,7 @@ def test_sentence_transformers_folder_sets_pooler_and_matryoshka(tiny_llama_dir,
     (folder / "1_Pooling" / "config.json").write_text(json.dumps({"pooling_mode_mean_tokens": True}))
     config = json.loads((folder / "config.json").read_text())
     (folder / "config.json").write_text(json.dumps({**config, "matryoshka_dimensions": [16, 32]}))
-    assert default_pooler(folder) == "mean" and default_pooler(tiny_llama_dir) == "last"
+    assert default_pooler(folder) == ("mean", "") and default_pooler(tiny_llama_dir) == ("last", "")
     options = dict(device="cpu", dtype="float32", attention="torch")
     with LLM(str(folder), **options) as llm:
         default, mean, raw = (
@@ -138,3 +141,48 @@ def test_base64_of_an_embedding_is_little_endian_float32():
     vector = [0.5, -1.25, 3.0]
     assert np.frombuffer(base64.b64decode(encode(vector, "base64")), dtype="<f4").tolist() == vector
     assert encode(vector, "float") == vector
+
+
+def test_a_folder_asking_for_what_no_pooler_computes_makes_requests_name_one(tmp_path):
+    """sentence-transformers' max pooling, two modes at once, or a Dense layer after the pooling: no silent
+    fallback to the last token; a request must name a pooler, and is told why."""
+    (tmp_path / "1_Pooling").mkdir()
+    pooling = {"idx": 1, "name": "1", "path": "1_Pooling", "type": "sentence_transformers.models.Pooling"}
+    dense = {"idx": 2, "name": "2", "path": "2_Dense", "type": "sentence_transformers.models.Dense"}
+    for modes, modules, says in [
+        ({"pooling_mode_max_tokens": True}, [pooling], "pooling_mode_max_tokens"),
+        ({"pooling_mode_mean_tokens": True, "pooling_mode_cls_token": True}, [pooling], "pooling_mode_cls_token + "),
+        ({"pooling_mode_mean_tokens": True}, [pooling, dense], "Dense"),
+    ]:
+        (tmp_path / "modules.json").write_text(json.dumps(modules))
+        (tmp_path / "1_Pooling" / "config.json").write_text(json.dumps(modes))
+        default, problem = default_pooler(tmp_path)
+        assert default is None and says in problem
+        pooling_ = Pooling({"mean": object()}, default, None, problem)
+        with pytest.raises(RequestError, match="name a pooler"):
+            pooling_.check(PoolingParams())
+        pooling_.check(PoolingParams("mean"))  # named: served
+
+
+def _request(num_rows: int, reason: FinishReason, pooler: str = "mean") -> Request:
+    params = SamplingParams(max_tokens=1, temperature=0, pooling=PoolingParams(pooler))
+    request = Request("r", [3, 4, 5, 6], params, arrival=0, finish_reason=reason)
+    for _ in range(num_rows):
+        keep_hidden(request, torch.ones(1, 8))
+    return request
+
+
+def test_an_embedding_that_ends_early_or_whose_pooler_fails_is_an_error_not_a_crash():
+    class Broken:
+        def pool(self, hidden, token_ids):
+            raise ValueError("no good")
+
+    pooling = Pooling({"mean": MeanPooler(), "broken": Broken()})
+    vector, error = pooling.embedding(_request(4, FinishReason.LENGTH))
+    assert error is None and len(vector) == 8
+    vector, error = pooling.embedding(cut := _request(2, FinishReason.CAPACITY))
+    assert vector is None and "ended (capacity) with the hidden states of 2 of its 4 prompt tokens" in error
+    assert cut.pooled_hidden == []  # its rows are let go
+    assert pooling.embedding(_request(2, FinishReason.ABORT)) == (None, None)  # the caller asked for it
+    vector, error = pooling.embedding(_request(4, FinishReason.LENGTH, "broken"))
+    assert vector is None and error == "pooler 'broken' failed: no good"
