@@ -186,3 +186,24 @@ def test_an_embedding_that_ends_early_or_whose_pooler_fails_is_an_error_not_a_cr
     assert pooling.embedding(_request(2, FinishReason.ABORT)) == (None, None)  # the caller asked for it
     vector, error = pooling.embedding(_request(4, FinishReason.LENGTH, "broken"))
     assert vector is None and error == "pooler 'broken' failed: no good"
+
+
+def test_embeddings_under_speculative_decoding_are_the_target_s(tmp_path):
+    """With a draft model beside the target, an embedding is the target's alone (the draft never computes an
+    embedding prompt), while the generating requests in the same batch draft as usual."""
+    from infer.testing.decoder import write_tiny_llamas
+
+    target, draft = write_tiny_llamas(tmp_path)
+    prompts = [[5 + i + j for j in range(12 + 3 * i)] for i in range(4)]
+    pooled = SamplingParams(max_tokens=1, temperature=0, pooling=PoolingParams("mean"))
+    greedy = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)
+    options = dict(device="cpu", dtype="float32", attention="torch", max_num_batched_tokens=16)
+    with LLM(str(target), **options) as llm:
+        plain = llm.generate(prompts * 2, [greedy] * 4 + [pooled] * 4)
+    spec = dict(decoding="speculative", draft=str(draft), num_speculative_tokens=3)
+    with LLM(str(target), **options, **spec) as llm:
+        drafted = llm.generate(prompts * 2, [greedy] * 4 + [pooled] * 4)
+    assert [o.outputs[0].token_ids for o in drafted[:4]] == [o.outputs[0].token_ids for o in plain[:4]]
+    for a, b in zip(drafted[4:], plain[4:]):
+        assert a.error is None
+        np.testing.assert_allclose(a.embedding, b.embedding, atol=1e-6)

@@ -193,8 +193,8 @@ class ModelProposer:
             r = row.request
             start = self._num_cached(r)
             end = r.num_computed_tokens + row.num_new_tokens
-            if start >= end or (self.shares_target_kv and not row.max_draft):
-                continue
+            if start >= end or (self.shares_target_kv and not row.max_draft) or r.params.pooling is not None:
+                continue  # an embedding request never drafts: its prompt is the target's alone
             tokens = r.all_token_ids[start:end]
             if len(tokens) == 1 or len(tokens) <= self.rows_upto:  # decode rows, one per token
                 groups.append((i, [ForwardSeq(r, [t], start + j, 1) for j, t in enumerate(tokens)]))

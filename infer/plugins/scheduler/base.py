@@ -130,7 +130,8 @@ class SchedulerBase:
 
     def ensure_fits(self, request: Request) -> bool:
         """Finish a request that cannot fit in the whole KV cache even alone."""
-        if self.allocator.can_ever_run(request, request.num_tokens + 1 + self.num_lookahead_tokens):
+        lookahead = 0 if request.params.pooling is not None else self.num_lookahead_tokens  # embeddings never draft
+        if self.allocator.can_ever_run(request, request.num_tokens + 1 + lookahead):
             return True
         self.finish(request, FinishReason.CAPACITY)
         return False
