@@ -24,7 +24,9 @@ if TYPE_CHECKING:
 
 def prompt_rows(request: Request, start: int, num_tokens: int) -> int:
     """Rows of the chunk [start, start + num_tokens) of `request` that score prompt tokens not scored yet."""
-    if request.params.prompt_logprobs is None:
+    if request.params.prompt_logprobs is None or request.fork_parent is not None:
+        # a parallel sample shares its first request's prompt, whose scores the output reports: it scores none
+        # (computed again after a preemption, its chunk may run past the prompt, where no rows follow them)
         return 0
     first = max(start, len(request.prompt_logprobs))  # positions before it are scored
     end = min(start + num_tokens, request.num_prompt_tokens - 1)  # position P - 1 scores the first output

@@ -119,3 +119,16 @@ def test_more_than_the_vocabulary_is_refused_alone(tiny_llama_dir):
     good, bad = llm.generate([PROMPTS[0], PROMPTS[1]], [SamplingParams(max_tokens=2), too_many])
     assert good.error is None and len(good.outputs[0].token_ids) == 2
     assert bad.error == "invalid prompt_logprobs=257: the vocabulary has 256 tokens"
+
+
+def test_parallel_samples_preempted_and_computed_again(tiny_llama_dir, hf_logprobs):
+    """n samples share their first request's prompt; preempted and computed again, a sample's chunk runs past
+    the prompt. They scored no prompt rows of their own, so such a chunk once indexed past the prompt and
+    failed the step (IndexError; found by the server's fuzz with n=20): the output's scores are the first's."""
+    llm = LLM(model=str(tiny_llama_dir), block_size=4, num_kv_blocks=24, max_model_len=64, max_num_batched_tokens=16)
+    params = SamplingParams(n=6, max_tokens=24, temperature=1.0, seed=1, ignore_eos=True, prompt_logprobs=TOP)
+    outputs = llm.generate(PROMPTS, params)
+    assert llm.engine.stats()["preemptions"] > 0, "nothing was preempted: the cache was roomy enough"
+    check_against(hf_logprobs, outputs, atol=1e-4)
+    for prompt, out in zip(PROMPTS, outputs):  # every sample ran to max_tokens or the context's end
+        assert len(out.outputs) == 6 and all(len(c.token_ids) == min(24, 64 - len(prompt)) for c in out.outputs)

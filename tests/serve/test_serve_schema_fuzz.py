@@ -72,7 +72,7 @@ def _check(case) -> None:
         case.body["model"] = MODEL  # past model routing, into generation (unknown names have their own test)
     response = case.call(timeout=120)  # a slow draw (n=20, the whole context each) on a busy machine is no fault
     where = (case.method, case.path, case.body)
-    assert response.status_code < 500, (*where, response.status_code, response.text)
+    assert response.status_code < 500, (response.status_code, response.text, *where)  # the cause first: not cut
     if response.status_code >= 400:
         (anthropic_error if case.path == "/v1/messages" else openai_error)(response.json())
     try:
