@@ -107,11 +107,5 @@ def start(served: ServedModel, metrics: ServeMetrics, req: EmbeddingRequest, pro
     """Queue one embedding request per prompt (token ids); a refused one aborts those queued before it."""
     gen = Generation(f"embd-{uuid.uuid4().hex}", served, metrics, 1, None, False, False)
     params = SamplingParams(max_tokens=1, temperature=0, pooling=PoolingParams(dimensions=req.dimensions))
-    try:
-        for i, ids in enumerate(prompts):
-            gen.streams.append(served.engine.submit({"prompt_token_ids": ids}, params, f"{gen.id}-{i}"))
-            gen.prompt_tokens += len(ids)
-    except BaseException:
-        gen.close(unfinished="rejected")
-        raise
+    gen.submit(prompts, lambda ids: params)
     return gen

@@ -20,7 +20,7 @@ from typing import Any, AsyncIterator, Callable, Protocol, TypeVar
 from fastapi import Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
-from infer.api.request import RequestOutput
+from infer.api.request import RequestOutput, SamplingParams
 from infer.core.stream import CompletionDelta, StreamOutput
 from infer.serve.answers import PromptTokensDetails, Usage
 from infer.serve.async_engine import RequestStream
@@ -82,15 +82,21 @@ class Generation:
             rules.asked_by,
             req.prompt_logprobs is not None,
         )
+        gen.submit(prompts, lambda ids: req.sampling(max_tokens(len(ids)), num_logprobs, rules.structured))
+        return gen
+
+    def submit(self, prompts: list[list[int]], params_for: Callable[[list[int]], SamplingParams]) -> None:
+        """Queue one engine request per prompt (token ids), with `params_for(ids)`; a refused one aborts those
+        queued before it."""
         try:
             for i, ids in enumerate(prompts):
-                params = req.sampling(max_tokens(len(ids)), num_logprobs, rules.structured)
-                gen.streams.append(served.engine.submit({"prompt_token_ids": ids}, params, f"{gen.id}-{i}"))
-                gen.prompt_tokens += len(ids)
+                self.streams.append(
+                    self.served.engine.submit({"prompt_token_ids": ids}, params_for(ids), f"{self.id}-{i}")
+                )
+                self.prompt_tokens += len(ids)
         except BaseException:
-            gen.close(unfinished="rejected")
+            self.close(unfinished="rejected")
             raise
-        return gen
 
     def close(self, unfinished: str = "aborted", failed: str = "failed") -> None:
         """At the end, however it came: abort what is unfinished (the client left, or a later prompt was
