@@ -82,12 +82,13 @@ def test_steps_short_of_work_do_not_grow_or_shrink_it():
 
 def test_a_long_prompt_is_chunked_to_the_target_beside_a_stream(smollm2_dir):
     """SmolLM2 on the CPU with max_step_ms=100: a 1,500-token prompt arrives beside a stream; it runs in
-    chunks, and the stream gets a token every step, each step near the target (bounded loosely: two shared
-    cores). Without the budget its first chunk is the whole prompt, one step of seconds."""
+    chunks, and the stream gets a token every step. Without the budget its first chunk is the whole
+    prompt, one step of seconds; with it, the median step is a fraction of that step, timed in the same
+    run on the same machine (absolute times on two shared cores vary with what else runs)."""
     llm = LLM(model=str(smollm2_dir), attention="torch", max_model_len=2048, max_step_ms=100.0)
     try:
         engine = llm.engine
-        stream = engine.add_request([1] * 8, SamplingParams(max_tokens=200, temperature=0, ignore_eos=True))
+        stream = engine.add_request([1] * 8, SamplingParams(max_tokens=400, temperature=0, ignore_eos=True))
         for _ in range(8):  # the budget settles on the stream's steps and a warm-up prompt's chunks
             engine.step()
         engine.add_request([2] * 300, SamplingParams(max_tokens=1, temperature=0))
@@ -101,8 +102,17 @@ def test_a_long_prompt_is_chunked_to_the_target_beside_a_stream(smollm2_dir):
             times.append(time.perf_counter() - start)
             budgets.append(engine.parts.scheduler.max_num_batched_tokens)
         assert len(times) >= 4 and max(budgets) < 1500  # chunked
-        assert sorted(times)[len(times) // 2] < 0.3, times  # the median step near the 100 ms target
-        assert max(times) < 1.0, times
         assert stream in engine.output.groups  # still streaming
+        # The same prompt beside the same stream, unchunked: the budget back at the configured one.
+        engine.parts.scheduler.set_token_budget(engine.parts.config.max_num_batched_tokens)
+        engine._budget = None
+        whole = engine.add_request([4] * 1500, SamplingParams(max_tokens=1, temperature=0))
+        start = time.perf_counter()
+        engine.step()
+        whole_s = time.perf_counter() - start
+        assert engine.requests[whole].finish_time is not None  # the whole prompt ran in that one step
+        median = sorted(times)[len(times) // 2]
+        assert median < whole_s / 3, (median, whole_s, times)
+        assert max(times) < whole_s * 0.75, (whole_s, times)
     finally:
         llm.close()
