@@ -1,6 +1,7 @@
 """infer: a plugin-architecture LLM inference engine."""
 
 from infer.api import Capabilities
+from infer.api.adapters import LoRARequest
 from infer.api.config import EngineConfig
 from infer.api.hookspecs import PLUGIN_API, PLUGIN_API_VERSION, hookimpl
 from infer.api.request import CompletionOutput, RequestOutput, SamplingParams
@@ -17,6 +18,7 @@ __all__ = [
     "SamplingParams",
     "RequestOutput",
     "CompletionOutput",
+    "LoRARequest",
     "Capabilities",
     "hookimpl",
     "PLUGIN_API",

@@ -6,6 +6,7 @@ import threading
 from collections.abc import Mapping
 from typing import Any, Iterable, Sequence
 
+from infer.api.adapters import LoRARequest
 from infer.api.config import EngineConfig
 from infer.api.errors import RequestError
 from infer.api.pooling import PoolingParams
@@ -46,15 +47,18 @@ class LLM:
         self,
         prompts: Prompt | Sequence[Prompt],
         sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+        lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None,
     ) -> list[RequestOutput]:
         """One prompt or a list: strings, token-id lists, {"prompt": str} or {"prompt_token_ids": [...]}.
+        `lora_request`: the adapter they run with (an engine built with enable_lora=True), or one per
+        prompt (None: the base model); the adapter's folder is read the first time it is named.
 
         A bad prompt or params gets an output with `error` set; the others run as they would alone.
         If stepping raises (KeyboardInterrupt included), this call's requests are dropped and their
         KV blocks freed before the exception propagates; the LLM stays usable (under tensor parallelism an
         interrupt inside a forward leaves the ranks out of step, and the next call asks for a new LLM)."""
         with self._lock:
-            return self.engine.generate(as_batch(prompts), sampling_params)
+            return self.engine.generate(as_batch(prompts), sampling_params, lora_request)
 
     def embed(
         self,
@@ -80,11 +84,29 @@ class LLM:
     # vLLM LLMEngine-style calls: add requests, step until done, abort from any thread
 
     def add_request(
-        self, prompt: Prompt, sampling_params: SamplingParams | None = None, request_id: str | None = None
+        self,
+        prompt: Prompt,
+        sampling_params: SamplingParams | None = None,
+        request_id: str | None = None,
+        lora_request: LoRARequest | None = None,
     ) -> str:
         """Queue one prompt (RequestError if it is bad); returns its request id."""
         with self._lock:
-            return self.engine.add_request(prompt, sampling_params, request_id)
+            return self.engine.add_request(prompt, sampling_params, request_id, lora_request)
+
+    def add_lora(self, lora_request: LoRARequest) -> bool:
+        """Serve an adapter ahead of its first request (its folder read now); vLLM's `add_lora`."""
+        with self._lock:
+            self.engine.add_adapter(lora_request)
+        return True
+
+    def remove_lora(self, name: str) -> bool:
+        """Stop serving adapter `name`; its running requests finish. False: it was not served."""
+        with self._lock:
+            return self.engine.remove_adapter(name)
+
+    def list_loras(self) -> list[LoRARequest]:
+        return self.engine.list_adapters()
 
     def step(self) -> list[RequestOutput]:
         """Run one engine step; returns the requests that finished in it."""

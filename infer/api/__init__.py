@@ -10,6 +10,15 @@ An optional ability is a small `runtime_checkable` protocol beside the interface
 docstring documents it; a strategy without it works, without what it would add.
 """
 
+from infer.api.adapters import (
+    AdaptableModel,
+    AdapterBatch,
+    AdapterKind,
+    AdapterLayer,
+    AdapterSpec,
+    AdapterTarget,
+    LoRARequest,
+)
 from infer.api.attention import (
     AttentionBackend,
     AttentionBatch,
@@ -93,5 +102,6 @@ __all__ = [
     "CausalLM", "CheckpointShapes", "ModelArchitecture", "HFArchitectures", "ModelPresets", "RegisterFn",
     "DecoderStack", "KitConfig",
     "DecodeGraphs", "DecodePipeline",
+    "LoRARequest", "AdapterTarget", "AdapterSpec", "AdapterBatch", "AdapterKind", "AdapterLayer", "AdaptableModel",
     "HeadLayout", "Communicator", "Executor", "LocalExecutor", "SingleProcess", "ModelParallel", "TensorParallelLayers", "Launch",
 ]  # fmt: skip

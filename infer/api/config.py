@@ -86,6 +86,13 @@ class EngineConfig:
     draft: str | None = None  # draft model for speculative decoding
     num_speculative_tokens: int = 4
     exit_layer: int | None = None  # early exit: layers kept
+    # adapters (`infer.api.adapters`): requests may name one (LoRARequest); `max_loras` of them run in
+    # a step, in device slots, the least recently used evicted to host memory (at most max_cpu_loras)
+    enable_lora: bool = False
+    adapter: str = "lora"  # the adapter kind (its plugin reads the folders and applies them)
+    max_loras: int = 4
+    max_lora_rank: int = 16
+    max_cpu_loras: int | None = None  # None: as many as max_loras
 
     def validate(self) -> None:
         """Every field's type and range, then the names a string field must be one of."""

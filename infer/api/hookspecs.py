@@ -36,6 +36,8 @@ reasoning_parser          factory(tokenizer) -> ReasoningParser (infer.api.reaso
                           builds the one --reasoning-parser names, once per served model
 pooler                    factory() -> Pooler (infer.api.pooling); every one installed is built,
                           and an embedding request names one (else the model's default)
+adapter                   factory(spec: AdapterSpec) -> AdapterKind (infer.api.adapters); the one
+                          --adapter names, built when the run serves adapters (--enable-lora)
 ========================  ===============================================================
 """
 
@@ -51,7 +53,7 @@ PROJECT_NAME = "infer"
 # The plugin API's (major, minor) version: a minor bump only adds (what it supersedes keeps working, with a
 # DeprecationWarning naming the replacement, until the next major); a major bump may remove and change.
 # docs/plugins.md lists what each version changed.
-PLUGIN_API = (2, 2)
+PLUGIN_API = (2, 3)
 PLUGIN_API_VERSION = PLUGIN_API[0]  # the major
 
 hookspec = pluggy.HookspecMarker(PROJECT_NAME)
@@ -137,6 +139,16 @@ def infer_register_poolers(register: RegisterFn) -> None:
 
     Plugin API 2.2. A pooler turns an embedding request's prompt hidden states into its vector
     (`infer.api.pooling`); every one installed is built once per engine.
+    """
+
+
+@hookspec
+def infer_register_adapters(register: RegisterFn) -> None:
+    """Register adapter kinds: `register("lora", LoRAKind)` (`--adapter`, with --enable-lora).
+
+    Plugin API 2.3. A kind reads an adapter's folder, keeps adapters in device slots and adds each
+    token's adapter's delta to the projections a model lets it change (`infer.api.adapters`); its
+    factory is `factory(spec: AdapterSpec)`, built once per target model of a run that serves adapters.
     """
 
 

@@ -28,6 +28,14 @@ class HeadLayout:
     kv_start: int  # first KV head (of the model's)
 
 
+class ShardRule(Protocol):
+    """Where a tensor-parallel parameter sits in the whole (tp = 1) one (`TensorParallelLayers.shard_of`)."""
+
+    dim: int  # 0: output rows (column- and vocab-parallel); 1: input columns (row-parallel)
+    full_sizes: tuple[int, ...]  # the pieces the whole concatenates along `dim` (q, k, v; gate, up; one)
+    ranges: tuple[tuple[int, int], ...]  # piece i -> (start within the piece, length) on this rank
+
+
 class TensorParallelLayers(Protocol):
     """The tensor-parallel building blocks a model plugin builds its layers from (`ModelParallel.layers`;
     the engine's are `infer.distributed.layers`): column- and row-parallel projections of attention and
@@ -42,7 +50,7 @@ class TensorParallelLayers(Protocol):
     reduce_norm: Callable[..., tuple[torch.Tensor, torch.Tensor]]  # (parallel, x, norm) -> (normed, residual)
     reduce_add_norm: Callable[..., tuple[torch.Tensor, torch.Tensor]]  # (parallel, x, residual, norm)
     load_sharded: Callable[..., set[str]]  # (model, weights, target) -> the parameters loaded
-    shard_of: Callable[..., Any]  # (model, parameter name) -> its shard rule, or None
+    shard_of: Callable[..., ShardRule | None]  # (model, parameter name) -> its shard rule, or None (whole)
 
 
 class ModelParallel(Protocol):
@@ -90,6 +98,9 @@ class Communicator(Protocol):
 
     def min(self, value: int) -> int: ...  # the smallest value over the ranks
 
+    def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
+        """`x` summed over the ranks, in place or a new tensor: use the result (2.3: adapters' deltas)."""
+
     def set_up(self, all_reduce: str, dtype: torch.dtype, hidden_size: int) -> Communicator:
         """Once per engine, before its first model: the collectives for activations of `dtype` x
         `hidden_size` (`--all-reduce`). The models are built with the communicator returned."""
@@ -130,6 +141,9 @@ class SingleProcess:
 
     def min(self, value: int) -> int:
         return value
+
+    def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
+        return x
 
     def set_up(self, all_reduce: str, dtype: torch.dtype, hidden_size: int) -> SingleProcess:
         return self

@@ -58,6 +58,10 @@ class Request:
     num_pooled_rows: int = 0
     arrival_time: float = 0.0
     finish_time: float | None = None
+    # the adapter it runs with (plugin API 2.3, `infer.api.adapters`), and the engine's key for that
+    # load of it (unique per adapter loaded: a name unloaded and loaded again gets a new one)
+    lora_request: Any = None
+    adapter_key: int | None = None
 
     @property
     def num_prompt_tokens(self) -> int:
@@ -84,6 +88,12 @@ class Request:
         """A prefix cache must not serve this request: it reads every prompt position's output (prompt
         logprobs, an embedding's hidden states), which a cached prefix does not keep (plugin API 2.2)."""
         return self.params.prompt_logprobs is not None or self.params.pooling is not None
+
+    @property
+    def prefix_key(self) -> tuple[Any, ...] | None:
+        """What a prefix cache keys this request's blocks under besides their tokens (plugin API 2.3):
+        blocks of requests whose keys differ are never shared (an adapter changes every K/V)."""
+        return None if self.adapter_key is None else ("adapter", self.adapter_key)
 
     def token_at(self, index: int) -> int:
         p = len(self.prompt_token_ids)

@@ -39,3 +39,7 @@ class StepInputs:
     # leaves them in `hidden` [len(hidden_rows), hidden_size] (plugin API 2.2)
     hidden_rows: list[int] = field(default_factory=list)
     hidden: torch.Tensor | None = None
+    # adapters (plugin API 2.3): seq i -> its adapter's device slot (-1: the base model; empty: a run
+    # without adapters), and the (slot, key, name, path) loads every rank applies before the forward
+    adapter_slots: list[int] = field(default_factory=list)
+    adapter_loads: list[tuple[int, int, str, str]] = field(default_factory=list)

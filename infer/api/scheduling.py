@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import enum
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Protocol, runtime_checkable
+from typing import TYPE_CHECKING, Protocol, Sequence, runtime_checkable
 
 from infer.api.kv import BlockOps
 from infer.api.request import FinishReason
@@ -130,3 +130,14 @@ def stop_reason(request: "Request") -> FinishReason | None:
     if request.max_model_len and request.num_tokens >= request.max_model_len:
         return FinishReason.LENGTH
     return None
+
+
+def adapter_room(request: "Request", running: Sequence["Request"], max_adapters: int) -> bool:
+    """Whether `request` may join `running` within `max_adapters` distinct adapters a step
+    (`EngineConfig.max_loras`; plugin API 2.3): a scheduler admitting a request for which this is false
+    would make a step the engine refuses. True for the base model, an adapter already running, or room."""
+    key = request.adapter_key
+    if key is None:
+        return True
+    keys = {r.adapter_key for r in running if r.adapter_key is not None}
+    return key in keys or len(keys) < max_adapters

@@ -28,6 +28,7 @@ SLOTS: tuple[Slot, ...] = (  # in `infer plugins` and doctor order
     Slot("logits_processor", "infer_register_logits_processors", None, "the logits processors hook"),  # all
     Slot("reasoning_parser", "infer_register_reasoning_parsers", None, "--reasoning-parser"),  # the server's choice
     Slot("pooler", "infer_register_poolers", None, "PoolingParams.pooler"),  # all; each embedding request names one
+    Slot("adapter", "infer_register_adapters", "adapter", "--adapter"),  # built with --enable-lora
 )
 SLOT = {s.name: s for s in SLOTS}
 CHOSEN = tuple(s for s in SLOTS if s.field)  # the slots an EngineConfig names a strategy for

@@ -72,6 +72,11 @@ HELP: dict[str, str] = {  # EngineConfig field -> help, in the order `--help` li
     "pipeline_decode": "Queue each decode step's forward before the step before's tokens reach the host "
     "(default: on CUDA).",
     "seed": "Seeds dummy weights and unseeded sampling.",
+    "enable_lora": "Serve adapters (LoRA): requests name one, and a step mixes them with the base model.",
+    "adapter": _slot_help("Adapter kind, with --enable-lora", "lora (PEFT LoRA folders)"),
+    "max_loras": "Adapters a step may run, each in a device slot (the least recently used evicted to host memory).",
+    "max_lora_rank": "The largest rank an adapter may have (device slots are this wide).",
+    "max_cpu_loras": "Adapters kept in host memory, loaded or not (default: --max-loras).",
 }
 
 

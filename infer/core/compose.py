@@ -24,6 +24,7 @@ class Composition:
     sampler: Strategy
     decoding: Strategy
     detokenizer: Strategy
+    adapter: Strategy | None = None  # the adapter kind, when the run serves adapters (--enable-lora)
 
     def attention_backends(self) -> list[tuple[Strategy, str]]:
         """(strategy, its flag) for each attention backend that runs."""
@@ -32,7 +33,7 @@ class Composition:
     def names(self) -> dict[str, str]:
         """EngineConfig field -> strategy name, for the run's description."""
         # each chosen slot's name is also this dataclass's field for it (infer.api.slots): read by that name
-        names = {s.field: getattr(self, s.name).name for s in CHOSEN}
+        names = {s.field: chosen.name for s in CHOSEN if (chosen := getattr(self, s.name)) is not None}
         if self.prefill_attention is not None:
             names[PREFILL_ATTENTION.field] = self.prefill_attention.name
         return names
@@ -119,7 +120,8 @@ def compose(config: EngineConfig, registry: PluginRegistry, device: torch.device
         raise IncompatiblePluginsError(
             f"--attention {attention.name} does not serve prefill: add --prefill-attention with a prefill backend"
         )
-    others = [s for s in CHOSEN if s.name != "attention"]
+    # the adapter kind is built, and checked, only for a run that serves adapters
+    others = [s for s in CHOSEN if s.name != "attention" and (s.name != "adapter" or config.enable_lora)]
     # the EngineConfig field that names each slot's strategy, read by its name in the slot table
     chosen = {s.name: registry.get(s.name, getattr(config, s.field)) for s in others}
     for s in others:

@@ -22,10 +22,12 @@ from infer.api import (
     StatsSummary,
     TokenBudgeted,
 )
+from infer.api.adapters import LoRARequest
 from infer.api.config import EngineConfig, ModelConfig
 from infer.api.constrain import admit
 from infer.api.errors import RequestError, one_line
 from infer.api.request import FinishReason, Request, RequestOutput, RequestStatus, SamplingParams
+from infer.core.adapters import Adapters
 from infer.core.block_mover import BlockMover
 from infer.core.output import Group, OutputProcessor
 from infer.core.preparing import Preparations, Preparing, prepare
@@ -58,6 +60,7 @@ class EngineParts:
     # every model's ModelRunner in build order (target, then drafts)
     runners: tuple[Any, ...] = ()
     processors: tuple[Any, ...] = ()  # every logits processor built (`LogitsProcessor`)
+    adapters: Adapters | None = None  # the run's adapters (--enable-lora), the target runner's
 
 
 class Engine:
@@ -93,9 +96,16 @@ class Engine:
         parts = self.parts
         return tokenize(prompt, self.tokenizer, parts.vocab_size, parts.max_model_len, parts.model_config.name)
 
-    def add_request(self, prompt: Prompt, params: SamplingParams | None = None, request_id: str | None = None) -> str:
+    def add_request(
+        self,
+        prompt: Prompt,
+        params: SamplingParams | None = None,
+        request_id: str | None = None,
+        lora_request: LoRARequest | None = None,
+    ) -> str:
         if self.closed:
             raise RequestError(CLOSED)
+        adapter_key = self.add_adapter(lora_request) if lora_request is not None else None
         if params is None:
             params = SamplingParams()
         if not isinstance(params, SamplingParams):
@@ -135,6 +145,8 @@ class Engine:
                 max_model_len=limit,
                 arrival_time=now,
                 fork_parent=children[0] if children else None,  # shares the first one's prompt blocks
+                lora_request=lora_request,
+                adapter_key=adapter_key,
             )
             children.append(child)
         group = Group(parent_id, text, children)
@@ -308,8 +320,35 @@ class Engine:
                 i += 1
         return outputs
 
+    # ------------------------------------------------------------------ adapters
+
+    def add_adapter(self, lora_request: LoRARequest) -> int:
+        """Serve an adapter (`LoRARequest`), reading its folder now: a RequestError names what is wrong
+        with it. Requests may then name it; adding it again changes nothing. Returns its key."""
+        if self.parts.adapters is None:
+            raise RequestError(
+                "this engine serves no adapters, and a LoRA adapter was asked for: build it with "
+                "enable_lora=True (--enable-lora)"
+            )
+        return self.parts.adapters.add(lora_request)
+
+    def remove_adapter(self, name: str) -> bool:
+        """Stop serving adapter `name` (False: it was not served); its running requests finish."""
+        return self.parts.adapters is not None and self.parts.adapters.remove(name)
+
+    def adapter(self, name: str) -> LoRARequest | None:
+        """The served adapter of that name, or None."""
+        found = self.parts.adapters.served.get(name) if self.parts.adapters is not None else None
+        return None if found is None else found[1]
+
+    def list_adapters(self) -> list[LoRARequest]:
+        return self.parts.adapters.names() if self.parts.adapters is not None else []
+
     def generate(
-        self, prompts: Sequence[Prompt], params: SamplingParams | Sequence[SamplingParams] | None = None
+        self,
+        prompts: Sequence[Prompt],
+        params: SamplingParams | Sequence[SamplingParams] | None = None,
+        lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None,
     ) -> list[RequestOutput]:
         """Run prompts to completion; a bad prompt (or params) gets an output with `error` set, the rest run.
 
@@ -329,12 +368,17 @@ class Engine:
             raise RequestError(
                 f"got {len(prompts)} prompts but {len(params_list)} SamplingParams: pass one, or one per prompt"
             )
+        loras = list(lora_request) if isinstance(lora_request, (list, tuple)) else [lora_request] * len(prompts)
+        if len(loras) != len(prompts):
+            raise RequestError(
+                f"got {len(prompts)} prompts but {len(loras)} LoRA requests: pass one, or one per prompt (None: the base)"
+            )
         order: list[str] = []
         results: dict[str, RequestOutput] = {}
         try:
-            for prompt, p in zip(prompts, params_list):
+            for prompt, p, lora in zip(prompts, params_list, loras):
                 try:
-                    order.append(self.add_request(prompt, p))
+                    order.append(self.add_request(prompt, p, lora_request=lora))
                 except Exception as exc:  # this prompt alone is refused; its neighbours' ids and seeds are untouched
                     refused = self.refused(prompt, exc)
                     order.append(refused.request_id)

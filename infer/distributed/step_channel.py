@@ -20,11 +20,22 @@ from infer.api import BlockOps
 from infer.api.runner import StepInputs
 from infer.distributed.state import ParallelState
 
-FORWARD, BLOCK_OPS, STOP = 1, 2, 3
-# int64: kind, model id, num_layers (0: all), flags (bit 0: use_graphs; bit 1: ids from rank 0's device),
+FORWARD, BLOCK_OPS, STOP, ADAPTER = 1, 2, 3, 4
+# int64: kind, model id, num_layers (0: all), flags (bit 0: use_graphs; bit 1: ids from rank 0's device;
+# bit 2: the sequences' adapter slots follow the block tables),
 # three counts, payload length
 HEADER_LEN = 8
 MESSAGE_LEN = 256  # the first broadcast: the header, then the payload when it fits (small decode steps)
+
+
+@dataclass(slots=True)
+class AdapterLoad:
+    """An adapter into a device slot of the target's runner, before the forward that runs it."""
+
+    slot: int
+    key: int
+    name: str
+    path: str
 
 
 @dataclass(slots=True)
@@ -42,6 +53,9 @@ class StepChannel:
         self.parallel = parallel
 
     def send_forward(self, model_id: int, step: StepInputs) -> None:
+        for slot, key, name, path in step.adapter_loads:  # each rank reads its part of the adapter first
+            names = [*name.encode(), *path.encode()]
+            self._send([ADAPTER, slot, key, 0, len(name.encode()), len(path.encode()), 0], names)
         tables = step.block_tables
         payload = [
             *step.input_ids,
@@ -50,9 +64,11 @@ class StepChannel:
             *step.logits_rows,
             *map(len, tables),
             *chain.from_iterable(tables),
+            *step.adapter_slots,
         ]
         counts = [len(step.query_lens), len(step.input_ids), len(step.logits_rows)]
         flags = int(step.use_graphs) | int(step.input_ids_t is not None) << 1  # bit 1: ids follow on the device
+        flags |= int(bool(step.adapter_slots)) << 2
         self._send([FORWARD, model_id, step.num_layers or 0, flags, *counts], payload)
 
     def send_block_ops(self, ops: BlockOps) -> None:
@@ -72,7 +88,7 @@ class StepChannel:
         if not inline:
             self.parallel.broadcast(torch.tensor(payload, dtype=torch.int64))
 
-    def receive(self) -> Forward | BlockOps | None:
+    def receive(self) -> Forward | BlockOps | AdapterLoad | None:
         """The next message on ranks 1..N-1 (blocks until rank 0 sends one); None: stop."""
         message = self.parallel.broadcast(torch.empty(MESSAGE_LEN, dtype=torch.int64)).tolist()
         kind, model_id, num_layers, flags, a, b, c, n = message[:HEADER_LEN]
@@ -85,6 +101,9 @@ class StepChannel:
         if kind == BLOCK_OPS:
             pairs = list(zip(values[0::2], values[1::2]))
             return BlockOps(swap_out=pairs[:a], swap_in=pairs[a : a + b], copies=pairs[a + b :])
+        if kind == ADAPTER:
+            name = bytes(values[:a]).decode()
+            return AdapterLoad(model_id, num_layers, name, bytes(values[a : a + b]).decode())
         cursor = iter(values)
 
         def take(count: int) -> list[int]:
@@ -94,6 +113,8 @@ class StepChannel:
         input_ids, query_lens, seq_lens, rows = take(num_tokens), take(num_seqs), take(num_seqs), take(num_rows)
         tables = [take(length) for length in take(num_seqs)]
         step = StepInputs(input_ids, query_lens, seq_lens, tables, rows, num_layers or None, bool(flags & 1))
+        if flags & 4:
+            step.adapter_slots = take(num_seqs)
         return Forward(model_id, step, ids_from_rank0=bool(flags & 2))
 
 
@@ -103,6 +124,9 @@ def serve(channel: StepChannel, runners: tuple[Any, ...], block_mover: Any) -> N
     while (message := channel.receive()) is not None:
         if isinstance(message, BlockOps):
             block_mover.apply(message)
+            continue
+        if isinstance(message, AdapterLoad):  # into the target's slots (rank 0 sends it before the forward)
+            runners[0].adapters.load(message.slot, message.key, message.name, message.path)
             continue
         runner, step = runners[message.model_id], message.step
         if message.ids_from_rank0:  # rank 0 sends the ids it sampled, from its device (`MirroredExecutor`)

@@ -99,6 +99,7 @@ def build_engine(
         block_mover=block_mover,
         runners=tuple(r for r, _ in models),
         processors=processors,
+        adapters=models[0][0].adapters,
     )
 
 

@@ -79,8 +79,10 @@ class CudaGraphRunner:
         num_layers: int | None = None,
         tune_rows: bool = False,  # the warm-up may tune kernels for each bucket's row count (`infer.kernels.warmup`)
         max_tokens: int = 0,  # tokens a step with prompt tokens may have to replay (0: decode steps only)
+        adapters: Any = None,  # the run's adapters (`infer.core.adapters`), whose kind's kernels run in the graphs
     ) -> None:
         self.model, self.attention, self.kv_caches = model, attention, kv_caches
+        self.adapters = adapters
         self.tune_rows = tune_rows
         self.block_size, self.null_block, self.device = block_size, null_block, device
         self.num_layers = num_layers
@@ -241,6 +243,8 @@ class CudaGraphRunner:
             self._fill(n, [], [], [])
             batch = self._batch(n, [1] * n, [[self.null_block]] * n)
             self.attention.plan(batch)
+            if self.adapters is not None:  # the base model's rows: the kind's kernels read their slots
+                self.adapters.plan_rows(n)
             with torch.cuda.stream(stream), warming_up() if self.tune_rows else nullcontext():
                 self._forward(n)  # warm-up outside the graph (Triton compiles, tiles are tuned here)
             torch.cuda.current_stream(self.device).wait_stream(stream)

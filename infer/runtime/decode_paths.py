@@ -9,7 +9,7 @@ from typing import Sequence
 
 import torch
 
-from infer.api import Capabilities, Scheduler
+from infer.api import Capabilities, Scheduler, capabilities_of
 from infer.api.config import EngineConfig
 from infer.runtime.cuda_graphs import CudaGraphRunner
 from infer.runtime.hybrid_attention import HybridAttention
@@ -31,6 +31,8 @@ def attach_decode_paths(
     runner = runners[0]
     attention = runner.attention
     use_graphs = config.cuda_graphs and device.type == "cuda" and attention.capabilities.cuda_graph_safe
+    if runner.adapters is not None:  # the adapter kind's layers run inside the target's graphs
+        use_graphs = use_graphs and capabilities_of(runner.adapters.kind).cuda_graph_safe
     pipeline = config.pipeline_decode if config.pipeline_decode is not None else device.type == "cuda"
     pipeline = pipeline and attention.capabilities.pipeline_safe and decoder.pipeline_safe
     # steps with prompt tokens replay as rows: the backend writes a step's K/V before attending (each row
@@ -51,6 +53,7 @@ def attach_decode_paths(
                 null_block=null_block,
                 device=device,
                 num_layers=r.num_layers,
+                adapters=r.adapters,
                 # verify steps' rows (1 + lookahead a request): kernels tuned for those row counts
                 tune_rows=r is runner and max_rows > config.max_num_seqs,
                 # a self-draft's runner shares the target's cache: the target computes its prompts

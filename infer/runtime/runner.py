@@ -26,6 +26,7 @@ from infer.api.constrain import constrain, is_constrained
 from infer.api.pooling import hidden_rows, keep_hidden
 from infer.api.prompt_logprobs import prompt_rows, take_prompt_logprobs
 from infer.api.runner import ForwardSeq, StepInputs
+from infer.core.adapters import Adapters
 
 
 class ModelRunner:
@@ -42,6 +43,7 @@ class ModelRunner:
         waits: DeviceWaits | None = None,  # the engine's: announced before the sampler waits for the device
         kv_scales: list[tuple[float, float]] | None = None,
         pools: bool = False,  # keeps embedding requests' hidden states (the target's runner; not a draft's)
+        adapters: Adapters | None = None,  # the run's adapters, whose layers its model calls (the target's)
     ) -> None:
         self.model = model
         self.attention = attention
@@ -55,6 +57,7 @@ class ModelRunner:
         # (k_scale, v_scale) per layer for an FP8 KV cache: its checkpoint's calibrated scales (None: 1.0)
         self.kv_scales = kv_scales
         self.pools = pools
+        self.adapters = adapters
         self.graphs: DecodeGraphs | None = None  # replays decode-only steps (`set_decode_paths`)
         self.pipeline: DecodePipeline | None = None  # queues the next decode forward ahead
 
@@ -115,6 +118,8 @@ class ModelRunner:
                 step.hidden_rows.extend(range(begin + first, begin + first + kept))
         if step.hidden_rows:
             step.use_graphs = False  # a graph returns logits alone
+        if self.adapters is not None:
+            step.adapter_slots, step.adapter_loads = self.adapters.assign([s.request.adapter_key for s in seqs])
         return step
 
     def _keep_hidden(self, seqs: list[ForwardSeq], step: StepInputs) -> None:
@@ -137,6 +142,8 @@ class ModelRunner:
     def run(self, step: StepInputs) -> torch.Tensor:
         """The forward itself, on this rank alone (every tensor-parallel rank runs this; `forward` gets the
         step to the others first): logits [len(logits_rows), vocab] float32."""
+        if self.adapters is not None:  # every rank: the step's loads into device slots, then the kind's plan
+            self.adapters.prepare(step.adapter_loads, step.adapter_slots, step.query_lens, step.use_graphs)
         if step.use_graphs:
             assert self.graphs is not None
             args = (step.input_ids, step.seq_lens, step.block_tables, step.input_ids_t)

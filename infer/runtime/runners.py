@@ -9,8 +9,11 @@ from __future__ import annotations
 from typing import Any
 
 from infer.api import AttentionSpec, Communicator, DecoderContext
+from infer.api.adapters import AdaptableModel, AdapterSpec
+from infer.api.errors import ConfigError
 from infer.api.kv_cache import FP8
 from infer.common.log import get_logger
+from infer.core.adapters import Adapters
 from infer.loading.build import check_draft, load_model
 from infer.loading.kv_scales import read_kv_scales
 from infer.loading.loader import ModelSource, load_tokenizer, resolve_source
@@ -79,6 +82,33 @@ def check_draft_source(plan: BuildPlan, name_or_path: str | None = None) -> Mode
     return draft_source
 
 
+def attach_adapters(plan: BuildPlan, model: Any, parallel: Communicator) -> Adapters:
+    """The adapter kind (`--adapter`) built over the target model's projections, its layers attached to
+    them, and the run's adapters over its device slots (`--enable-lora`)."""
+    config = plan.config
+    if not isinstance(model, AdaptableModel):
+        raise ConfigError(
+            f"--enable-lora: model plugin {plan.source.architecture.name} lets no adapter change it (it is no "
+            f"infer.api.AdaptableModel): drop --enable-lora, or use a model plugin that serves adapters"
+        )
+    assert plan.composition.adapter is not None, "composed with --enable-lora"
+    most = max(config.max_num_batched_tokens, config.cuda_graph_max_tokens, plan.max_rows)
+    spec = AdapterSpec(
+        targets=tuple(model.adapter_targets()),
+        max_adapters=config.max_loras,
+        max_rank=config.max_lora_rank,
+        dtype=plan.dtype,
+        device=plan.device,
+        max_tokens=most + plan.max_rows,  # a step's budget, and the decodes and proposals beside it
+        rank=parallel.rank,
+        world_size=parallel.world_size,
+        all_reduce=parallel.all_reduce if parallel.is_parallel else None,
+    )
+    kind = plan.composition.adapter.factory(spec)
+    model.attach_adapters(kind.layers())
+    return Adapters(kind, config.max_loras, config.max_cpu_loras)
+
+
 def load_models(plan: BuildPlan, parallel: Communicator) -> tuple[Models, Any, Any]:
     """The target's runner, the decoder (with the runners of the models it builds: drafts), each
     with its model config, and the tokenizer. The runners' KV caches are still empty: the decoder may
@@ -92,9 +122,10 @@ def load_models(plan: BuildPlan, parallel: Communicator) -> tuple[Models, Any, A
     if tokenizer is not None and plan.chat_template is not None:
         tokenizer.chat_template = plan.chat_template
     sampler = composition.sampler.factory(plan.model_config.vocab_size, device)
+    adapters = attach_adapters(plan, model, parallel) if config.enable_lora else None
     runner = ModelRunner(
         model, attention, [], sampler, config.block_size, device,
-        executor=parallel.executor(0), waits=plan.waits, kv_scales=scales, pools=True,
+        executor=parallel.executor(0), waits=plan.waits, kv_scales=scales, pools=True, adapters=adapters,
     )  # fmt: skip
     models: Models = [(runner, plan.model_config)]
     draft_source = plan.draft_source
@@ -122,6 +153,7 @@ def load_models(plan: BuildPlan, parallel: Communicator) -> tuple[Models, Any, A
             model, attention, runner.kv_caches, sampler, config.block_size, device, num_layers,
             executor=parallel.executor(len(models)), waits=plan.waits,
             kv_scales=runner.kv_scales,  # its cache is the target's (allocated with these)
+            adapters=adapters,  # its model is the target's, whose layers call the adapters
         )  # fmt: skip
         models.append((shared, plan.model_config))
         return shared

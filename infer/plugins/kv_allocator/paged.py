@@ -24,7 +24,7 @@ from infer.api import BlockOps, Capabilities, KVUsage
 from infer.api.hookspecs import hookimpl
 from infer.api.request import Request
 from infer.plugins.kv_allocator.block_pool import BlockPool
-from infer.plugins.kv_allocator.prefix_cache import BlockKey, PrefixCache
+from infer.plugins.kv_allocator.prefix_cache import BlockKey, PrefixCache, root_key
 from infer.plugins.kv_allocator.swap import SwapSpace
 
 __all__ = ["BlockPool", "PagedAllocator"]
@@ -118,7 +118,7 @@ class PagedAllocator:
 
     def _lookup(self, cache: PrefixCache, request: Request, num_tokens: int) -> tuple[list[int], list[BlockKey]]:
         max_blocks = min(request.num_tokens - 1, num_tokens) // self.block_size  # keep a token to compute
-        return cache.lookup(request.all_token_ids, self.block_size, max_blocks)
+        return cache.lookup(request.all_token_ids, self.block_size, max_blocks, root_key(request.prefix_key))
 
     def _allocate_with_prefix(self, cache: PrefixCache, request: Request, num_tokens: int) -> list[int] | None:
         hits, keys = self._lookup(cache, request, num_tokens)
@@ -161,7 +161,7 @@ class PagedAllocator:
             return
         tokens, bs = request.all_token_ids, self.block_size
         for i in range(len(keys), num_full):
-            key = BlockKey(keys[-1] if keys else None, tuple(tokens[i * bs : (i + 1) * bs]))
+            key = BlockKey(keys[-1] if keys else root_key(request.prefix_key), tuple(tokens[i * bs : (i + 1) * bs]))
             keys.append(self.cache.register(request.block_ids[i], key))
 
     # ------------------------------------------------------------------ sharing

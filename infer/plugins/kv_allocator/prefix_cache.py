@@ -48,6 +48,12 @@ class BlockKey:
         return f"BlockKey(len={len(self.prefix())}, tail={self.token_ids})"
 
 
+def root_key(prefix_key: tuple | None) -> BlockKey | None:
+    """The parent of a request's first block: None, or one made of its `Request.prefix_key`, so that
+    requests of different keys (adapters) never find each other's blocks."""
+    return None if prefix_key is None else BlockKey(None, prefix_key)
+
+
 class PrefixCache:
     """Which physical blocks hold which full-block prefixes. Owned by the BlockPool, which calls
     `forget` when it evicts a block; registered blocks are immutable (never written again)."""
@@ -64,11 +70,14 @@ class PrefixCache:
     def is_cached(self, block: int) -> bool:
         return block in self.keys
 
-    def lookup(self, token_ids: Sequence[int], block_size: int, max_blocks: int) -> tuple[list[int], list[BlockKey]]:
-        """The longest cached chain of full blocks over `token_ids`, at most `max_blocks` long."""
+    def lookup(
+        self, token_ids: Sequence[int], block_size: int, max_blocks: int, root: BlockKey | None = None
+    ) -> tuple[list[int], list[BlockKey]]:
+        """The longest cached chain of full blocks over `token_ids`, at most `max_blocks` long; `root`:
+        the chain's start for requests of a `prefix_key` (`root_key`), None for the others."""
         blocks: list[int] = []
         keys: list[BlockKey] = []
-        parent: BlockKey | None = None
+        parent: BlockKey | None = root
         for i in range(max_blocks):
             block = self.blocks.get(BlockKey(parent, tuple(token_ids[i * block_size : (i + 1) * block_size])))
             if block is None:

@@ -10,12 +10,14 @@ loads only its slices.
 from __future__ import annotations
 
 import itertools
-from typing import Any, Iterable, Iterator
+from dataclasses import replace
+from typing import Any, Iterable, Iterator, Mapping
 
 import torch
 from torch import nn
 
 from infer.api import AttentionBackend, KVCache, Layers, ModelParallel, QuantizedLinear, pushes_partial_sums
+from infer.api.adapters import AdapterTarget
 from infer.api.config import ModelConfig
 from infer.api.weights import check_shape, check_unscaled
 from infer.plugins.model.transformer import LLAMA, DecoderLayer, Family, add_norm_for, tp_matmul
@@ -109,6 +111,46 @@ class DecoderModel(nn.Module):
             x, residual = layer(positions, x, residual, kv_cache)
         x, _ = self.final_add_norm(x, residual, self.norm)
         return x
+
+    def adapter_targets(self) -> list[AdapterTarget]:
+        """`AdaptableModel`: every layer's four projections, with the HF pieces they fuse and this
+        rank's part of each under tensor parallelism."""
+        c = self.config
+        q, kv = c.num_heads * c.head_dim, c.num_kv_heads * c.head_dim
+        projections = (  # our name, HF pieces, input features, each piece's output rows
+            ("self_attn.qkv_proj", ("q_proj", "k_proj", "v_proj"), c.hidden_size, (q, kv, kv)),
+            ("self_attn.o_proj", ("o_proj",), q, (c.hidden_size,)),
+            ("mlp.gate_up_proj", ("gate_proj", "up_proj"), c.hidden_size, (c.intermediate_size,) * 2),
+            ("mlp.down_proj", ("down_proj",), c.intermediate_size, (c.hidden_size,)),
+        )
+        # checkpoints that fuse the pieces themselves (Phi-3) name the fused module in their adapters
+        aliases = {
+            "self_attn.qkv_proj": (("qkv_proj", ("q_proj", "k_proj", "v_proj")),),
+            "mlp.gate_up_proj": (("gate_up_proj", ("gate_proj", "up_proj")),),
+        }
+        targets = []
+        for i in range(len(self.layers)):
+            for name, pieces, in_features, out_features in projections:
+                module = f"layers.{i}.{name}"
+                target = AdapterTarget(module, i, pieces, in_features, out_features, aliases=aliases.get(name, ()))
+                shard = self.parallel.layers.shard_of(self, f"{module}.weight") if self.parallel is not None else None
+                if shard is not None and shard.dim == 0:
+                    target = replace(target, split="column", out_slices=tuple(shard.ranges))
+                elif shard is not None:
+                    summed = bool(getattr(self.get_submodule(module), "reduce", False))
+                    target = replace(target, split="row", in_slice=shard.ranges[0], summed=summed)
+                targets.append(target)
+        return targets
+
+    def attach_adapters(self, layers: Mapping[str, Any]) -> None:
+        """`AdaptableModel`: each layer calls its projections' adapters' layers. Partial sums are no
+        longer pushed by the GEMVs that make them: an adapter's delta joins them after the matmul."""
+        for i, layer in enumerate(self.layers):
+            layer.attach_adapters(layers, f"layers.{i}.")
+        if self.pushes:
+            for layer in self.layers:
+                layer.self_attn.o_proj.push = layer.mlp.down_proj.push = False
+            self.embed_tokens.push = self.pushes = False
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         # hidden: [B, hidden] -> [B, vocab] float32

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import functools
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Mapping
 
 import torch
 from torch import nn
@@ -122,6 +122,7 @@ class Attention(nn.Module):
             self.q_norm = layers.rms_norm(self.head_dim, config.rms_norm_eps)
             self.k_norm = layers.rms_norm(self.head_dim, config.rms_norm_eps)
         self.attention = attention
+        self.qkv_adapter = self.o_adapter = None  # adapters' layers (`attach_adapters`): y = layer(x, y)
         self.window = {} if window is None else {"window": window}  # only a windowed layer passes window=
         # a rotary layer that lends its tables to a backend whose cache write can rotate q and k
         self.rotary_in_attention = (
@@ -134,7 +135,10 @@ class Attention(nn.Module):
 
     def forward(self, positions: torch.Tensor, x: torch.Tensor, kv_cache: KVCache) -> torch.Tensor:
         # x: [T, hidden]
-        q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        qkv = self.qkv_proj(x)
+        if self.qkv_adapter is not None:
+            qkv = self.qkv_adapter(x, qkv)
+        q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         q = q.view(-1, self.num_heads, self.head_dim)
         k = k.view(-1, self.num_kv_heads, self.head_dim)
         v = v.view(-1, self.num_kv_heads, self.head_dim)
@@ -148,7 +152,10 @@ class Attention(nn.Module):
         else:
             q, k = self.rotate(positions, q, k)
             out = self.attention.forward(q, k, v, kv_cache, **self.window)  # [T, H, D]
-        return self.o_proj(out.reshape(-1, self.q_size))
+        out = out.reshape(-1, self.q_size)
+        if self.o_adapter is not None:
+            return self.o_adapter(out, self.o_proj(out))
+        return self.o_proj(out)
 
     def rotate(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         if self.rotary_dim == self.head_dim:
@@ -185,6 +192,13 @@ class MLP(nn.Module):
         self.fused_down = isinstance(self.act, FusingActivation) and bool(self.act.fuses_with(self.down_proj))
         self.gated_down = isinstance(self.down_proj, GatedLinear) and self.down_proj.fuses_activation == kind
         self.row_parallel = parallel is not None
+        self.gate_up_adapter = self.down_adapter = None  # adapters' layers (`attach_adapters`)
+
+    def attach_adapters(self, gate_up: Any, down: Any) -> None:
+        """Adapters' layers after gate_up_proj and down_proj: down's needs the activation's output, so
+        the activation no longer runs inside down_proj's matmul."""
+        self.gate_up_adapter, self.down_adapter = gate_up, down
+        self.fused_down = self.gated_down = False
 
     @property
     def down_matmul(self) -> Any:
@@ -192,6 +206,11 @@ class MLP(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         h = self.gate_up_proj(x)
+        if self.gate_up_adapter is not None:
+            h = self.gate_up_adapter(x, h)
+        if self.down_adapter is not None:
+            a = self.act(h)
+            return self.down_adapter(a, self.down_proj(a))
         if self.gated_down:
             return self.down_proj.gated(h)
         if self.fused_down:
@@ -227,6 +246,17 @@ class DecoderLayer(nn.Module):
         summing = parallel if family.partial_sums else None
         self.add_norm = add_norm_for(summing)
         self.first_norm = first_norm if summing is None else functools.partial(summing.layers.reduce_norm, summing)
+
+    def attach_adapters(self, layers: Mapping[str, Any], prefix: str) -> None:
+        """This layer's adapters' layers, by module name under `prefix` ("layers.3."): each projection's
+        input must reach them unquantized, so no norm stores its output in FP8 any more."""
+        attn, mlp = self.self_attn, self.mlp
+        attn.qkv_adapter = layers.get(prefix + "self_attn.qkv_proj")
+        attn.o_adapter = layers.get(prefix + "self_attn.o_proj")
+        mlp.attach_adapters(layers.get(prefix + "mlp.gate_up_proj"), layers.get(prefix + "mlp.down_proj"))
+        for norm in self.modules():
+            if isinstance(norm, QuantizingNorm):
+                norm.quantize_output = False
 
     def forward(
         self, positions: torch.Tensor, x: torch.Tensor, residual: torch.Tensor | None, kv_cache: KVCache

@@ -29,6 +29,7 @@ import bisect
 from infer.api import Capabilities, ScheduledSeq, SchedulerOutput
 from infer.api.hookspecs import hookimpl
 from infer.api.request import FinishReason, Request, RequestStatus
+from infer.api.scheduling import adapter_room
 from infer.plugins.scheduler.base import SchedulerBase
 
 
@@ -55,6 +56,8 @@ class FcfsScheduler(SchedulerBase):
             if budget <= 0 or (preempted and not _outranks_all(request, preempted)):
                 break
             if self.beams.is_idle(request):  # preempted after its candidates were recorded: nothing to run
+                continue
+            if not adapter_room(request, self.running, self.config.max_loras):  # waits for an adapter to end
                 continue
             wait, parent = self._fork_parent(request)
             if wait:  # a parallel sample whose parent is still computing the prompt

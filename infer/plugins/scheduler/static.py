@@ -11,6 +11,7 @@ from __future__ import annotations
 from infer.api import Capabilities, ScheduledSeq, SchedulerOutput
 from infer.api.hookspecs import hookimpl
 from infer.api.request import FinishReason, Request, RequestStatus
+from infer.api.scheduling import adapter_room
 from infer.plugins.scheduler.base import SchedulerBase
 
 
@@ -33,6 +34,8 @@ class StaticScheduler(SchedulerBase):
         finished: list[Request] = []
         while self.waiting and len(self.running) < self.max_num_seqs:
             request = self.waiting[0]
+            if not adapter_room(request, self.running, self.config.max_loras):  # the next batch takes it
+                break
             if not self.ensure_fits(request):
                 finished.append(request)
                 continue

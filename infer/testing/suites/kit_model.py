@@ -10,9 +10,10 @@ from pathlib import Path
 
 import pytest
 
-from infer.api import HFArchitectures
+from infer.api import AdaptableModel, HFArchitectures
 from infer.core.registry import Strategy
 from infer.testing import kit
+from infer.testing.lora import check_lora
 from infer.testing.model import (
     SETTINGS,
     Checkpoint,
@@ -85,3 +86,19 @@ def test_embeddings_match_hf_transformers(strategy, architecture, checkpoints, t
         folder: Path = tmp_path_factory.mktemp(f"infer-kit-{strategy.name}-{architecture}")
         checkpoints[key] = write_checkpoint(architecture, folder, kit_overrides(strategy.factory, architecture))
     check_embeddings(checkpoints[key], strategy.name)
+
+
+@pytest.mark.parametrize("tp", [1, 2])
+def test_lora_adapters_match_hf_peft(strategy, architecture, tp, checkpoints, tmp_path_factory) -> None:
+    """Three PEFT LoRA adapters served at once (`--enable-lora`), each equal to HF + PEFT merged, and a
+    batch mixing them with the base giving each request its tokens alone; at tp 1 and 2 (gloo)."""
+    pytest.importorskip("peft", reason="the adapter check compares against PEFT: pip install peft")
+    if not isinstance(strategy.factory, type) or not issubclass(strategy.factory, AdaptableModel):
+        pytest.skip(f"model {strategy.name} is no infer.api.AdaptableModel: it serves no adapters")
+    if tp > 1 and (reason := _skip(strategy, SETTINGS[-1])) is not None:
+        pytest.skip(reason)
+    key = (strategy.name, architecture)
+    if key not in checkpoints:
+        folder: Path = tmp_path_factory.mktemp(f"infer-kit-{strategy.name}-{architecture}")
+        checkpoints[key] = write_checkpoint(architecture, folder, kit_overrides(strategy.factory, architecture))
+    check_lora(checkpoints[key], strategy.name, tmp_path_factory.mktemp(f"lora-{strategy.name}-tp{tp}"), tp)

@@ -1,0 +1,307 @@
+"""`lora`: PEFT LoRA adapters (`adapter_config.json` + `adapter_model.safetensors`), many at once.
+
+An adapter's module `m` adds s * B_m A_m x to m's output, s = lora_alpha / r (rsLoRA: / sqrt(r)), with
+`rank_pattern` and `alpha_pattern` overriding r and alpha per module as PEFT matches them. A target
+that fuses several HF projections (Llama's qkv_proj: q, k, v) holds one LoRA of rank pieces x
+max_rank: the pieces' A stacked, their B block-diagonal (a piece the adapter leaves out is zeros), so
+one shrink and one expand serve the fused projection. A checkpoint that fuses them itself (Phi-3's
+qkv_proj) shares one A between the pieces (`AdapterTarget.aliases`).
+
+Under tensor parallelism each rank reads its part: a column-split target the B rows of its slice of
+each piece, a row-split one the A columns of its input slice (its delta then a partial sum, summed
+with the projection's). Device slots are stacked tensors per target, A [S, P*R, in] and B [S, out,
+P*R], the scaling folded into B; on CUDA the Triton kernels of `infer.kernels.lora` apply them (BGMV
+for steps of few tokens a sequence, graph-safe; SGMV for prompts), elsewhere their torch reference.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import re
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Mapping
+
+import torch
+
+from infer.api.adapters import AdapterBatch, AdapterSpec, AdapterTarget
+from infer.api.capabilities import Capabilities
+from infer.api.errors import RequestError
+from infer.api.hookspecs import hookimpl
+
+CONFIG, WEIGHTS = "adapter_config.json", "adapter_model.safetensors"
+BGMV_MAX_QUERY = 8  # sequences of at most this many tokens a step (decode, verify) take the per-token kernels
+# PEFT's names for a module's LoRA weights, after its module path
+_WEIGHT = re.compile(r"^(?:base_model\.model\.)?(?:model\.)?(?P<module>.+)\.lora_(?P<ab>[AB])(?:\.default)?\.weight$")
+_LAYER = re.compile(r"(?:^|\.)layers\.(?P<layer>\d+)\.(?:.+\.)?(?P<name>[^.]+)$")
+
+
+def _triton_ready(device: torch.device) -> bool:
+    if device.type != "cuda":
+        return False
+    try:
+        import triton  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+@dataclass(slots=True)
+class HostLoRA:
+    """An adapter read for this rank: per target module, per piece, (A [r, in_local], s * B [out_local, r])."""
+
+    name: str
+    path: str
+    weights: dict[str, list[tuple[torch.Tensor, torch.Tensor] | None]]
+
+    @property
+    def nbytes(self) -> int:
+        return sum(a.nbytes + b.nbytes for pieces in self.weights.values() for p in pieces if p for a, b in [p])
+
+
+def _pattern_value(patterns: Mapping[str, Any], module: str, default: Any) -> Any:
+    """PEFT's rank_pattern / alpha_pattern: the first key that matches the module path's end."""
+    for key, value in patterns.items():
+        if re.match(rf"(.*\.)?({key})$", module):
+            return value
+    return default
+
+
+class LoRAKind:
+    """The `lora` adapter kind (`infer.api.AdapterKind`)."""
+
+    capabilities = Capabilities(cuda_graph_safe=True, pipeline_safe=True)
+
+    def __init__(self, spec: AdapterSpec) -> None:
+        self.spec = spec
+        self.targets = {t.module: t for t in spec.targets}
+        self.by_piece: dict[tuple[int, str], tuple[AdapterTarget, tuple[int, ...]]] = {}
+        for t in spec.targets:
+            for i, piece in enumerate(t.pieces):
+                self.by_piece[(t.layer, piece)] = (t, (i,))
+            for alias, covered in t.aliases:
+                self.by_piece[(t.layer, alias)] = (t, tuple(t.pieces.index(p) for p in covered))
+        S, R = spec.max_adapters, spec.max_rank
+        dev, dt = spec.device, spec.dtype
+        self.a = {t.module: torch.zeros(S, len(t.pieces) * R, t.local_in, dtype=dt, device=dev) for t in spec.targets}
+        self.b = {
+            t.module: torch.zeros(S, sum(t.local_out), len(t.pieces) * R, dtype=dt, device=dev) for t in spec.targets
+        }
+        self.kernels = _triton_ready(spec.device)
+        most = max((len(t.pieces) for t in spec.targets), default=1) * R
+        self.scratch = torch.zeros(spec.max_tokens, max(most, 1), dtype=torch.float32, device=dev)
+        self.token_slots = torch.full((spec.max_tokens,), -1, dtype=torch.int32, device=dev)
+        self.segments: list[tuple[int, int, int]] = []  # (slot, start, end): consecutive tokens of one slot
+        self.segments_t: torch.Tensor | None = None  # the same on the device, for SGMV
+        self.max_segment = 0
+        self.per_token = True  # this step's kernels: BGMV (per token) or SGMV (per segment)
+
+    # ------------------------------------------------------------------ reading
+
+    def read(self, path: str, name: str) -> HostLoRA:
+        folder = Path(path).expanduser()
+        config_path = folder / CONFIG
+        if not config_path.is_file():
+            raise RequestError(
+                f"LoRA adapter {name!r}: {folder} has no {CONFIG}: give the folder PEFT's save_pretrained wrote"
+            )
+        try:
+            config = json.loads(config_path.read_text())
+        except (OSError, ValueError) as exc:
+            raise RequestError(f"LoRA adapter {name!r}: {config_path} is not JSON ({exc}): rewrite it") from None
+        self._check_config(name, config)
+        weights = self._tensors(name, folder)
+        r_default, alpha_default = int(config["r"]), float(config.get("lora_alpha", config["r"]))
+        rank_pattern, alpha_pattern = config.get("rank_pattern") or {}, config.get("alpha_pattern") or {}
+        pairs: dict[str, dict[str, torch.Tensor]] = {}
+        for key, tensor in weights.items():
+            m = _WEIGHT.match(key)
+            if m is None:
+                raise RequestError(
+                    f"LoRA adapter {name!r}: tensor {key} is no LoRA A or B weight of a projection: serve an adapter "
+                    f"of LoRA layers only (no embedding, head or modules_to_save)"
+                )
+            pairs.setdefault(m["module"], {})[m["ab"]] = tensor
+        host = HostLoRA(name, str(folder), {})
+        for module, ab in sorted(pairs.items()):
+            if set(ab) != {"A", "B"}:
+                raise RequestError(f"LoRA adapter {name!r}: {module} has lora_{set(ab).pop()} alone: re-save it")
+            found = _LAYER.search(module)
+            target = self.by_piece.get((int(found["layer"]), found["name"])) if found else None
+            if target is None:
+                targets = sorted({p for _, p in self.by_piece})
+                raise RequestError(
+                    f"LoRA adapter {name!r} changes {module}, which this model lets no adapter change: target "
+                    f"only {', '.join(targets)} of its decoder layers"
+                )
+            r = int(_pattern_value(rank_pattern, module, r_default))
+            alpha = float(_pattern_value(alpha_pattern, module, alpha_default))
+            a, b = ab["A"], ab["B"]
+            t, pieces = target
+            full_out = sum(t.out_features[p] for p in pieces)
+            if a.shape != (r, t.in_features) or b.shape != (full_out, r):
+                raise RequestError(
+                    f"LoRA adapter {name!r}: {module} has A {tuple(a.shape)} and B {tuple(b.shape)}, where this model "
+                    f"takes A ({r}, {t.in_features}) and B ({full_out}, {r}): an adapter of another base model?"
+                )
+            if r > self.spec.max_rank:
+                raise RequestError(
+                    f"LoRA adapter {name!r} has rank {r} at {module}, over --max-lora-rank {self.spec.max_rank}: "
+                    f"restart with --max-lora-rank {r} or more"
+                )
+            scale = alpha / math.sqrt(r) if config.get("use_rslora") else alpha / r
+            self._place(host, t, pieces, a.float(), b.float() * scale)
+        if not host.weights:
+            raise RequestError(f"LoRA adapter {name!r}: {folder / WEIGHTS} holds no LoRA weights: re-save it")
+        return host
+
+    def _check_config(self, name: str, config: dict[str, Any]) -> None:
+        kind = config.get("peft_type")
+        if kind != "LORA":
+            raise RequestError(
+                f"LoRA adapter {name!r} is a PEFT {kind} adapter, not LORA: serve it with an adapter plugin of its "
+                f"kind (--adapter)"
+            )
+        problems = []
+        if config.get("use_dora"):
+            problems.append("use_dora (DoRA: an adapter plugin of its kind, --adapter)")
+        if config.get("bias", "none") != "none":
+            problems.append(f"bias {config['bias']!r} (LoRA biases: re-train with bias='none')")
+        if config.get("fan_in_fan_out"):
+            problems.append("fan_in_fan_out (Conv1D layers: a GPT-2-style base)")
+        if config.get("modules_to_save"):
+            problems.append(f"modules_to_save {config['modules_to_save']} (whole modules beside the LoRA)")
+        if not isinstance(config.get("r"), int) or config["r"] < 1:
+            problems.append(f"r {config.get('r')!r} (a positive integer)")
+        if problems:
+            raise RequestError(f"LoRA adapter {name!r}: this server does not serve {'; '.join(problems)}")
+
+    def _tensors(self, name: str, folder: Path) -> dict[str, torch.Tensor]:
+        from safetensors.torch import load_file
+
+        path = folder / WEIGHTS
+        if not path.is_file():
+            bins = " (it has adapter_model.bin: re-save it with safe_serialization=True)"
+            raise RequestError(
+                f"LoRA adapter {name!r}: {folder} has no {WEIGHTS}{bins if (folder / 'adapter_model.bin').exists() else ''}"
+            )
+        try:
+            return load_file(str(path))
+        except Exception as exc:  # safetensors' own errors (a bad header, a truncated file), and OSError
+            raise RequestError(f"LoRA adapter {name!r}: {path} cannot be read ({exc}): re-save it") from None
+
+    def _place(
+        self, host: HostLoRA, t: AdapterTarget, pieces: tuple[int, ...], a: torch.Tensor, b: torch.Tensor
+    ) -> None:
+        """This rank's part of one adapter module, as (A, B) per piece of target `t`."""
+        entry = host.weights.setdefault(t.module, [None] * len(t.pieces))
+        rows = 0
+        for p in pieces:  # an alias's B stacks its pieces' rows; a piece alone is all of B
+            n = t.out_features[p]
+            b_piece = b[rows : rows + n]
+            rows += n
+            a_piece = a
+            if t.split == "column":
+                start, length = t.out_slices[p]
+                b_piece = b_piece[start : start + length]
+            elif t.split == "row":
+                assert t.in_slice is not None
+                start, length = t.in_slice
+                a_piece = a[:, start : start + length]
+            entry[p] = (a_piece.to(self.spec.dtype).contiguous(), b_piece.to(self.spec.dtype).contiguous())
+
+    def nbytes(self, adapter: HostLoRA) -> int:
+        return adapter.nbytes
+
+    # ------------------------------------------------------------------ device slots
+
+    def load(self, slot: int, adapter: HostLoRA) -> None:
+        self.clear(slot)
+        R = self.spec.max_rank
+        for module, pieces in adapter.weights.items():
+            t = self.targets[module]
+            a, b = self.a[module][slot], self.b[module][slot]
+            offsets = [sum(t.local_out[:i]) for i in range(len(t.pieces))]
+            for i, piece in enumerate(pieces):
+                if piece is None:
+                    continue
+                a_p, b_p = piece
+                r = a_p.shape[0]
+                a[i * R : i * R + r].copy_(a_p, non_blocking=True)
+                b[offsets[i] : offsets[i] + b_p.shape[0], i * R : i * R + r].copy_(b_p, non_blocking=True)
+
+    def clear(self, slot: int) -> None:
+        for module in self.targets:
+            self.a[module][slot].zero_()
+            self.b[module][slot].zero_()
+
+    # ------------------------------------------------------------------ a step
+
+    def plan(self, batch: AdapterBatch) -> None:
+        slots = batch.token_slots()
+        segments: list[tuple[int, int, int]] = []
+        for i, s in enumerate(slots):
+            if s < 0:
+                continue
+            if segments and segments[-1][0] == s and segments[-1][2] == i:
+                segments[-1] = (s, segments[-1][1], i + 1)
+            else:
+                segments.append((s, i, i + 1))
+        self.segments = segments
+        self.per_token = max(batch.query_lens, default=0) <= BGMV_MAX_QUERY
+        if not self.kernels:
+            return
+        if self.per_token:  # graph-safe: the slots reach the kernels through the static buffer
+            n = len(slots)
+            self.token_slots[:n].copy_(torch.tensor(slots, dtype=torch.int32), non_blocking=True)
+        else:
+            self.max_segment = max((e - s for _, s, e in segments), default=0)
+            self.segments_t = torch.tensor(segments, dtype=torch.int32).reshape(-1, 3).to(self.spec.device)
+
+    def layers(self) -> dict[str, LoRALayer]:
+        return {t.module: LoRALayer(self, t) for t in self.spec.targets}
+
+    def apply(self, t: AdapterTarget, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        """y + each token's delta for target `t` (y in place, unless the delta must be summed first)."""
+        per_token = self.kernels and self.per_token  # always launched: a CUDA graph may capture it
+        if not self.segments and not per_token:
+            return y
+        a, b = self.a[t.module], self.b[t.module]
+        reduce = t.split == "row" and t.summed and self.spec.all_reduce is not None
+        out = torch.zeros_like(y) if reduce else y
+        x = x.contiguous()
+        if not self.kernels:
+            from infer.kernels.lora_reference import lora_reference
+
+            lora_reference(x, out, a, b, self.segments)
+        elif per_token:
+            from infer.kernels.lora import bgmv
+
+            bgmv(x, out, a, b, self.token_slots, self.scratch)
+        else:
+            from infer.kernels.lora import sgmv
+
+            assert self.segments_t is not None
+            sgmv(x, out, a, b, self.segments_t, self.max_segment, self.scratch)
+        if reduce:
+            assert self.spec.all_reduce is not None
+            return y + self.spec.all_reduce(out)
+        return out
+
+
+class LoRALayer:
+    """`AdapterLayer` of one target: y = layer(x, y)."""
+
+    __slots__ = ("kind", "target")
+
+    def __init__(self, kind: LoRAKind, target: AdapterTarget) -> None:
+        self.kind, self.target = kind, target
+
+    def __call__(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        return self.kind.apply(self.target, x, y)
+
+
+@hookimpl
+def infer_register_adapters(register) -> None:
+    register("lora", LoRAKind)
