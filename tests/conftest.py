@@ -80,3 +80,17 @@ def example_plugin_env(tmp_path_factory) -> dict[str, str]:
     ]
     subprocess.run(pip, check=True, capture_output=True, timeout=300)
     return {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(target), os.environ.get("PYTHONPATH")]))}
+
+
+@pytest.fixture(scope="session")
+def tiny_chat_dir(tmp_path_factory, smollm2_dir) -> Path:
+    """A tiny random Llama with SmolLM2's vocabulary, tokenizer and chat template: text in, text out, fast."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    folder = tmp_path_factory.mktemp("tiny-chat")
+    torch.manual_seed(0)
+    config = {**TINY_CONFIG, "vocab_size": 49152, "max_position_embeddings": 256}
+    LlamaForCausalLM(LlamaConfig(**config, torch_dtype="float32")).save_pretrained(folder)
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        shutil.copy(smollm2_dir / name, folder / name)
+    return folder

@@ -145,22 +145,18 @@ class AdapterKind(Protocol):
     `read(path, name)` on the engine's thread when an adapter is added (and on each rank when it is
     first loaded there): its host tensors, this rank's part, in whatever form `load` takes; a
     `RequestError` naming the problem and the fix for a folder it cannot serve (another kind, a
-    rank over `max_rank`, a module the model has no target for). `nbytes(adapter)`: its host bytes.
+    rank over `max_rank`, a module the model has no target for).
     `layers()` once, before the model first runs: target module -> `AdapterLayer`.
     `load(slot, adapter)` puts an adapter read before into device slot `slot` (0 <= slot <
-    max_adapters), replacing what was there; `clear(slot)` empties one. `plan(batch)` once a
-    forward, on every rank, before it (a CUDA graph's replay included). It keeps: its device
-    slots' tensors and what `plan` derived, until the next `plan`."""
+    max_adapters), replacing what was there, between forwards. `plan(batch)` once a forward, on
+    every rank, before it (a CUDA graph's replay included). It keeps: its device slots' tensors
+    and what `plan` derived, until the next `plan`."""
 
     def read(self, path: str, name: str) -> Any: ...
-
-    def nbytes(self, adapter: Any) -> int: ...
 
     def layers(self) -> Mapping[str, AdapterLayer]: ...
 
     def load(self, slot: int, adapter: Any) -> None: ...
-
-    def clear(self, slot: int) -> None: ...
 
     def plan(self, batch: AdapterBatch) -> None: ...
 

@@ -31,14 +31,16 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import json
 import sys
 from dataclasses import dataclass
 from typing import Any, Callable
 
 import click
 
+from infer.api.adapters import LoRARequest
 from infer.api.config import EngineConfig
-from infer.api.errors import ConfigError
+from infer.api.errors import ConfigError, RequestError
 from infer.api.hookspecs import hookimpl
 from infer.cli.common import extra_plugins, user_errors
 from infer.cli.options import engine_config, engine_options_except
@@ -94,6 +96,46 @@ def model_configs(specs: tuple[str, ...], shared: dict[str, Any]) -> dict[str, E
         config.validate()
         configs[model.name] = config
     return configs
+
+
+def lora_modules(specs: tuple[str, ...], served: list[str]) -> dict[str, list[LoRARequest]]:
+    """--lora-modules NAME=PATH (or vLLM's JSON form, {"name", "path", "base_model_name"}) -> the adapters of
+    each served model, ids 1, 2, ... in order."""
+    found: dict[str, list[LoRARequest]] = {}
+    names: set[str] = set()
+    for i, spec in enumerate(specs, start=1):
+        base = None
+        if spec.lstrip().startswith("{"):
+            try:
+                item = json.loads(spec)
+                name, path, base = item["name"], item["path"], item.get("base_model_name")
+            except (ValueError, KeyError, TypeError):
+                raise ConfigError(
+                    f"--lora-modules {spec!r}: write NAME=PATH, or JSON with name, path and base_model_name"
+                ) from None
+        else:
+            name, eq, path = spec.partition("=")
+            if not eq:
+                raise ConfigError(f"--lora-modules {spec!r}: write NAME=PATH (the adapter's name and its folder)")
+        name, path = str(name).strip(), str(path).strip()
+        if not name or not path:
+            raise ConfigError(f"--lora-modules {spec!r}: both the name and the folder are needed: NAME=PATH")
+        if base is None:
+            if len(served) > 1:
+                raise ConfigError(
+                    f"--lora-modules {spec!r}: {len(served)} models are served; say which one it adapts with the JSON "
+                    f'form, {{"name": "{name}", "path": "{path}", "base_model_name": "{served[0]}"}}'
+                )
+            base = served[0]
+        if base not in served:
+            raise ConfigError(
+                f"--lora-modules {spec!r}: base model {base!r} is not served: use one of {', '.join(served)}"
+            )
+        if name in names or name in served:
+            raise ConfigError(f"--lora-modules {spec!r}: the name {name!r} is taken already: give it another")
+        names.add(name)
+        found.setdefault(base, []).append(LoRARequest(name, i, path))
+    return found
 
 
 LIMITS_HELP = {  # ServeLimits field -> its option's help
@@ -200,6 +242,19 @@ def limit_options(command: Callable[..., Any]) -> Callable[..., Any]:
     help="When an engine's process dies, build it again (its requests get 503s meanwhile); without it the "
     "server shuts down and exits with code 5, for an orchestrator to restart.",
 )
+@click.option(
+    "--lora-modules",
+    "lora_specs",
+    multiple=True,
+    metavar="NAME=PATH",
+    help="A LoRA adapter (PEFT folder) served as model NAME (repeatable; with several --model, the JSON form "
+    '{"name": ..., "path": ..., "base_model_name": ...}). Turns on --enable-lora for its base model.',
+)
+@click.option(
+    "--allow-runtime-lora-updating",
+    is_flag=True,
+    help="Answer POST /v1/load_lora_adapter and /v1/unload_lora_adapter (behind --api-key); off: a 404.",
+)
 @limit_options
 @user_errors
 def serve(
@@ -214,6 +269,8 @@ def serve(
     otlp_traces_endpoint: str | None,
     shutdown_timeout: float,
     restart_engine: bool,
+    lora_specs: tuple[str, ...],
+    allow_runtime_lora_updating: bool,
     limits: ServeLimits,
     **engine_opts: Any,
 ) -> None:
@@ -244,13 +301,17 @@ def serve(
 
         tracer = otlp_tracer(otlp_traces_endpoint)
     configs = model_configs(models, engine_opts)
+    loras = lora_modules(lora_specs, list(configs))
+    for name in loras:  # a model with adapters serves them
+        configs[name] = configs[name].replace(enable_lora=True)
     engines: dict[str, AsyncEngine] = {}
     exit_code = 0
     try:
         for name, config in configs.items():
             click.echo(f"loading {name} ({config.model})", err=True)
             # each engine steps in a process of its own: the event loop here never holds the GIL its steps need
-            engines[name] = AsyncEngine.spawn(functools.partial(_build_engine, config), max_waiting=max_waiting)
+            build = functools.partial(_build_engine, config, tuple(loras.get(name, ())))
+            engines[name] = AsyncEngine.spawn(build, max_waiting=max_waiting)
         lifecycle = Lifecycle()
         app = create_app(
             engines,
@@ -261,6 +322,8 @@ def serve(
             limits=limits,
             metrics_public=metrics_public,
             lifecycle=lifecycle,
+            adapters=loras,
+            allow_adapter_updates=allow_runtime_lora_updating,
         )
         click.echo(f"serving {', '.join(engines)} at http://{host}:{port}/v1", err=True)
         # the Server drains before uvicorn's own shutdown: what is left for it after the cut is cancelled
@@ -277,13 +340,19 @@ def serve(
         sys.exit(exit_code)
 
 
-def _build_engine(config: EngineConfig) -> Any:
-    """Runs in the engine's process: the plugins INFER_EXTRA_PLUGINS names are found there too."""
+def _build_engine(config: EngineConfig, loras: tuple[LoRARequest, ...] = ()) -> Any:
+    """Runs in the engine's process: the plugins INFER_EXTRA_PLUGINS names are found there too; the
+    adapters of --lora-modules are read there (a bad one stops the server before it serves)."""
     from infer.distributed.launch import launch
     from infer.serve.warm_up import warm_up
 
     engine = make_engine(config, extra_plugins(), launch=launch)
     try:
+        for lora in loras:
+            try:
+                engine.add_adapter(lora)
+            except RequestError as exc:
+                raise ConfigError(f"--lora-modules {lora.lora_name}={lora.lora_path}: {exc}") from None
         click.echo(f"warmed up in {warm_up(engine):.1f}s (the first prefill shapes' kernels compiled)", err=True)
     except BaseException:
         engine.close()

@@ -102,10 +102,15 @@ class Engine:
         params: SamplingParams | None = None,
         request_id: str | None = None,
         lora_request: LoRARequest | None = None,
+        load_adapter: bool = True,
     ) -> str:
+        """Queue one request; returns its id. `lora_request`: the adapter it runs with, served from now on
+        if it was not (`add_adapter`), unless `load_adapter` is False: then one not served is refused."""
         if self.closed:
             raise RequestError(CLOSED)
-        adapter_key = self.add_adapter(lora_request) if lora_request is not None else None
+        adapter_key = None
+        if lora_request is not None:
+            adapter_key = self._adapter_key(lora_request, load_adapter)
         if params is None:
             params = SamplingParams()
         if not isinstance(params, SamplingParams):
@@ -331,6 +336,18 @@ class Engine:
                 "enable_lora=True (--enable-lora)"
             )
         return self.parts.adapters.add(lora_request)
+
+    def _adapter_key(self, lora_request: LoRARequest, load: bool) -> int:
+        adapters = self.parts.adapters
+        if load or adapters is None:
+            return self.add_adapter(lora_request)
+        key = adapters.key_of(getattr(lora_request, "lora_name", None))
+        if key is None or adapters.known[key] != lora_request:
+            raise RequestError(
+                f"the adapter {lora_request.lora_name!r} is not served (it was unloaded): load it again, or name "
+                f"a served model (GET /v1/models)"
+            )
+        return key
 
     def remove_adapter(self, name: str) -> bool:
         """Stop serving adapter `name` (False: it was not served); its running requests finish."""

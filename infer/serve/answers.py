@@ -123,6 +123,8 @@ class ModelCard(BaseModel):
     created: int
     owned_by: str = "infer"
     max_model_len: int  # vLLM's: the context length
+    root: str | None = None  # vLLM's: an adapter's folder
+    parent: str | None = None  # vLLM's: the model an adapter runs on
 
 
 class ModelList(BaseModel):

@@ -29,18 +29,21 @@ from __future__ import annotations
 import contextlib
 import functools
 import secrets
-from typing import Any, Iterator, Mapping
+from typing import Any, Iterator, Mapping, Sequence
 
 from fastapi import Depends, FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST
 
 from infer import __version__
+from infer.api.adapters import LoRARequest
 from infer.api.errors import ConfigError, RequestError, one_line
 from infer.core.registry import PluginRegistry
 from infer.inputs.chat_template import check_template_kwargs, render_chat, template_for
 from infer.inputs.prompts import check_encodable
 from infer.serve import embeddings, errors
+from infer.serve.adapters import AdapterNames
+from infer.serve.adapters import install as install_adapter_routes
 from infer.serve.answers import (
     ChatCompletion,
     Completion,
@@ -117,13 +120,17 @@ def create_app(
     limits: ServeLimits | None = None,
     metrics_public: bool = False,
     lifecycle: Lifecycle | None = None,
+    adapters: Mapping[str, Sequence[LoRARequest]] | None = None,
+    allow_adapter_updates: bool = False,
 ) -> FastAPI:
     """tool_call_parser: the format of the calls models write in their text (a name in `PARSERS`), read
     for chats with tool_choice "auto"; None: such chats are refused. reasoning_parser: the reasoning parser
     plugin that splits each chat's reasoning (`reasoning_content`) from its answer; None: all is content. tracer: an
     OpenTelemetry tracer for a span per request (`tracing.otlp_tracer`); None: none. limits: None: ServeLimits()'s
     defaults. metrics_public: /metrics needs no key even with `api_key`. lifecycle: what a shutdown
-    stops (None: one of the app's own, never stopped)."""
+    stops (None: one of the app's own, never stopped). adapters: per served model, the adapters its engine
+    serves already (`--lora-modules`), each served as a model of its own name; allow_adapter_updates: the
+    load and unload routes answer (`adapters`)."""
     if not engines:
         raise ConfigError("serve at least one model: give --model NAME")
     if tool_call_parser is not None and tool_call_parser not in PARSERS:
@@ -134,6 +141,12 @@ def create_app(
         for name, engine in engines.items()
     })  # fmt: skip
     models.offload = Offload()  # tokenizing and chat templates run here, off the event loop
+    models.adapters = AdapterNames()
+    for base, loras in (adapters or {}).items():
+        for lora in loras:
+            if lora.lora_name in models or lora.lora_name in models.adapters.served:
+                raise ConfigError(f"adapter {lora.lora_name!r} has the name of another served model: rename it")
+            models.adapters.served[lora.lora_name] = models[base].adapter(lora)
     metrics = ServeMetrics(models.values())
     limits = limits or ServeLimits()
     app = FastAPI(
@@ -167,12 +180,20 @@ def create_app(
 
     @app.get("/v1/models", dependencies=guarded, responses=ERRORS)
     async def list_models() -> ModelList:
-        cards = [ModelCard(id=m.name, created=m.created, max_model_len=m.max_model_len) for m in models.values()]
+        every = [*models.values(), *models.adapters.served.values()]
+        cards = [
+            ModelCard(
+                id=m.name, created=m.created, max_model_len=m.max_model_len, root=m.lora.lora_path if m.lora else None,
+                parent=m.parent,
+            )
+            for m in every
+        ]  # fmt: skip
         return ModelList(data=cards)
 
     _generation_routes(app, models, metrics, guarded, tool_call_parser, limits, tracer)
     _token_routes(app, models, guarded)
     _embedding_route(app, models, metrics, guarded)
+    install_adapter_routes(app, models, guarded, allow_adapter_updates, ERRORS)
     _openapi_route(app, guarded, limits)
     return app
 
@@ -181,6 +202,7 @@ class Models(dict[str, ServedModel]):
     """The served models by name, and the pool their prompts are tokenized in."""
 
     offload: Offload  # set by create_app
+    adapters: AdapterNames  # set by create_app: adapters served under names of their own
 
     def refuse_long(self, served: ServedModel, num_chars: int, param: str) -> None:
         """A 400 for text longer than the model's context holds in any tokenization, before encoding it."""
@@ -193,11 +215,12 @@ class Models(dict[str, ServedModel]):
         """The model a request names (None: the only one, if there is one); a 404 names the others."""
         if name is None and len(self) == 1:
             return next(iter(self.values()))
-        served = self.get(name) if name is not None else None
+        served = (self.get(name) or self.adapters.served.get(name)) if name is not None else None
         if served is None:
             raise APIError(
                 404 if name is not None else 400,
-                f"the model {name!r} is not served here: use one of {', '.join(self)} (GET /v1/models)",
+                f"the model {name!r} is not served here: use one of {', '.join([*self, *self.adapters.served])} "
+                f"(GET /v1/models)",
                 "not_found_error" if name is not None else "invalid_request_error",
                 param="model",
                 code="model_not_found",

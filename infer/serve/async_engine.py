@@ -22,6 +22,7 @@ import itertools
 from concurrent.futures import Future
 from typing import TYPE_CHECKING, Any, AsyncIterator, Callable, Iterable, TypeVar
 
+from infer.api.adapters import LoRARequest
 from infer.api.errors import ConfigError, InferError, RequestError
 from infer.api.request import SamplingParams
 from infer.core.engine import Engine, Prompt
@@ -180,10 +181,15 @@ class AsyncEngine:
         return self._thread.snapshot
 
     def submit(
-        self, prompt: Prompt, params: SamplingParams | None = None, request_id: str | None = None
+        self,
+        prompt: Prompt,
+        params: SamplingParams | None = None,
+        request_id: str | None = None,
+        lora_request: LoRARequest | None = None,
     ) -> RequestStream:
         """Check and queue one request, on the event loop that will read its stream. A bad prompt or
-        params raise RequestError here, a full queue QueueFullError, before anything runs."""
+        params raise RequestError here, a full queue QueueFullError, before anything runs. `lora_request`:
+        an adapter the engine serves already (`add_adapter`); one it no longer serves fails the request."""
         loop = asyncio.get_running_loop()
         if self._ended is not None:
             raise self._ended
@@ -208,7 +214,7 @@ class AsyncEngine:
         self._live[request_id] = stream
         self.num_waiting += 1
         try:
-            self._thread.send(Add(request_id, ids, text, params, stream))
+            self._thread.send(Add(request_id, ids, text, params, stream, lora_request))
         except BaseException:  # it never reached the engine
             self._live.pop(request_id, None)
             self.num_waiting -= 1

@@ -33,6 +33,7 @@ from dataclasses import dataclass
 from multiprocessing.connection import Connection
 from typing import Any, Callable
 
+from infer.api.adapters import LoRARequest
 from infer.api.errors import ConfigError, InferError, RequestError, one_line
 from infer.api.request import SamplingParams
 from infer.core.engine import Engine
@@ -87,6 +88,7 @@ class _RemoteAdd:
     prompt_token_ids: list[int]
     prompt: str | None
     params: SamplingParams
+    lora_request: LoRARequest | None = None
 
 
 @dataclass(slots=True)
@@ -144,7 +146,9 @@ class EngineProcess:
         message: Any = command
         if isinstance(command, Add):
             self._sinks[key] = command.sink
-            message = _RemoteAdd(key, command.request_id, command.prompt_token_ids, command.prompt, command.params)
+            message = _RemoteAdd(
+                key, command.request_id, command.prompt_token_ids, command.prompt, command.params, command.lora_request
+            )
         elif isinstance(command, Call):
             self._calls[key] = command.future
             message = _RemoteCall(key, command.fn)
@@ -280,7 +284,12 @@ def _child_main(conn: Connection, build: Callable[[], Engine]) -> None:
                 thread.send(Call(command.fn, _answer(conn, command.call_id)))
             elif isinstance(command, _RemoteAdd):
                 sink = _RemoteSink(command.key, loop)
-                thread.send(Add(command.request_id, command.prompt_token_ids, command.prompt, command.params, sink))
+                thread.send(
+                    Add(
+                        command.request_id, command.prompt_token_ids, command.prompt, command.params, sink,
+                        command.lora_request,
+                    )
+                )  # fmt: skip
             else:
                 thread.send(command)
     finally:

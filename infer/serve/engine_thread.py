@@ -21,6 +21,7 @@ from concurrent.futures import Future
 from dataclasses import dataclass
 from typing import Any, Callable, Protocol
 
+from infer.api.adapters import LoRARequest
 from infer.api.errors import InferError, RequestError, one_line
 from infer.api.request import SamplingParams
 from infer.common.log import get_logger
@@ -67,6 +68,7 @@ class Add:
     prompt: str | None  # the text, for the final output
     params: SamplingParams  # already validated
     sink: Sink  # where its outputs go
+    lora_request: LoRARequest | None = None  # its adapter, which the engine must serve already
 
 
 @dataclass(slots=True)
@@ -176,7 +178,9 @@ class EngineThread:
     def _add(self, command: Add) -> None:
         prompt = {"prompt_token_ids": command.prompt_token_ids}
         try:
-            request_id = self.engine.add_request(prompt, command.params, command.request_id)
+            request_id = self.engine.add_request(
+                prompt, command.params, command.request_id, command.lora_request, load_adapter=False
+            )
         except Exception as exc:  # this request alone is refused
             error = exc if isinstance(exc, InferError) else RequestError(f"this request could not be added ({exc})")
             self._outbox.append((command.sink, error))

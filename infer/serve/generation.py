@@ -91,7 +91,9 @@ class Generation:
         try:
             for i, ids in enumerate(prompts):
                 self.streams.append(
-                    self.served.engine.submit({"prompt_token_ids": ids}, params_for(ids), f"{self.id}-{i}")
+                    self.served.engine.submit(
+                        {"prompt_token_ids": ids}, params_for(ids), f"{self.id}-{i}", self.served.lora
+                    )
                 )
                 self.prompt_tokens += len(ids)
         except BaseException:

@@ -6,6 +6,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
+from infer.api.adapters import LoRARequest
 from infer.api.reasoning import ReasoningParser
 from infer.serve.async_engine import AsyncEngine
 from infer.serve.snapshot import EngineSnapshot, snapshot
@@ -20,6 +21,15 @@ class ServedModel:
     created: int = field(default_factory=lambda: int(time.time()))  # when the server took it (unix seconds)
     token_texts: dict[int, str] = field(default_factory=dict)  # token id -> its text, filled as logprobs ask
     reasoning: ReasoningParser | None = None  # splits a chat's reasoning from its answer (--reasoning-parser)
+    lora: LoRARequest | None = None  # an adapter served under its own name: the base model's engine runs it
+    parent: str | None = None  # an adapter's base model (its name here)
+
+    def adapter(self, lora: LoRARequest) -> "ServedModel":
+        """The same engine serving `lora` under the adapter's name."""
+        return ServedModel(
+            lora.lora_name, self.engine, token_texts=self.token_texts, reasoning=self.reasoning, lora=lora,
+            parent=self.name,
+        )  # fmt: skip
 
     @property
     def tokenizer(self) -> Any | None:

@@ -13,6 +13,7 @@ adapters, or a request would read another adapter's K/V). With `tp` 2 the same r
 from __future__ import annotations
 
 import copy
+import json
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Sequence
@@ -77,20 +78,32 @@ def write_adapter(checkpoint: Checkpoint, recipe: AdapterRecipe, folder: Path, s
     return Checkpoint(checkpoint.architecture, checkpoint.folder, merged)
 
 
-def check_lora(checkpoint: Checkpoint, name: str, tmp: Path, tp: int = 1, plugins: Sequence[Any] = ()) -> None:
+def check_lora(
+    checkpoint: Checkpoint,
+    name: str,
+    tmp: Path,
+    tp: int = 1,
+    plugins: Sequence[Any] = (),
+    options: dict[str, Any] | None = None,
+) -> None:
+    """`options`: engine options over the kit's (the GPU tests run it on CUDA, graphs and kernels on)."""
     from infer.llm import LLM
 
-    where = f"model {name} ({checkpoint.architecture}: {checkpoint.describe()}; tp {tp})"
+    where = f"model {name} ({checkpoint.architecture}: {checkpoint.describe()}; tp {tp}{', ' if options else ''}"
+    where += f"{', '.join(f'{k}={v}' for k, v in (options or {}).items())})"
     adapters = []
     for i, recipe in enumerate(RECIPES):
         reference = write_adapter(checkpoint, recipe, tmp / recipe.name, seed=100 + i)
         adapters.append((LoRARequest(recipe.name, i + 1, str(tmp / recipe.name)), reference))
     prompts = PROMPTS["plain"]
-    options = dict(
-        device="cpu", dtype="float32", tensor_parallel_size=tp, enable_lora=True, max_loras=3, max_lora_rank=16,
-        block_size=4, max_num_batched_tokens=16,
-    )  # fmt: skip
-    with one_thread(), LLM(model=str(checkpoint.folder), model_impl=name, plugins=plugins, **options) as llm:
+    settings = {
+        **dict(
+            device="cpu", dtype="float32", tensor_parallel_size=tp, enable_lora=True, max_loras=3, max_lora_rank=16,
+            block_size=4, max_num_batched_tokens=16,
+        ),
+        **(options or {}),
+    }  # fmt: skip
+    with one_thread(), LLM(model=str(checkpoint.folder), model_impl=name, plugins=plugins, **settings) as llm:
         alone: dict[str | None, list[list[int]]] = {}
         for lora, reference in [(None, checkpoint), *adapters]:
             label = "the base model" if lora is None else f"adapter {lora.lora_name}"
@@ -117,3 +130,45 @@ def check_lora(checkpoint: Checkpoint, name: str, tmp: Path, tp: int = 1, plugin
                     f"{where}: in a batch mixing 3 adapters and the base, {key or 'the base model'}'s request of "
                     f"{len(prompt)} tokens gave {out.error or out.outputs[0].token_ids}, alone {want}"
                 )
+
+
+PEFT_NAMES = {  # our target's pieces -> PEFT module paths under a decoder layer
+    "q_proj": "self_attn.q_proj",
+    "k_proj": "self_attn.k_proj",
+    "v_proj": "self_attn.v_proj",
+    "o_proj": "self_attn.o_proj",
+    "gate_proj": "mlp.gate_proj",
+    "up_proj": "mlp.up_proj",
+    "down_proj": "mlp.down_proj",
+}
+
+
+def write_random_adapter(model_config: Any, folder: Path, rank: int = 16, seed: int = 0, scale: float = 0.01) -> Path:
+    """A PEFT LoRA folder of random weights on every projection of every layer of a model of `model_config`
+    (an `infer.api.config.ModelConfig`: a named shape's, dummy weights too), as PEFT's save_pretrained lays it
+    out: for benchmarks at real shapes, where no trained adapter is at hand."""
+    from safetensors.torch import save_file
+
+    c = model_config
+    q, kv = c.num_heads * c.head_dim, c.num_kv_heads * c.head_dim
+    shapes = {  # piece -> (in, out)
+        "q_proj": (c.hidden_size, q),
+        "k_proj": (c.hidden_size, kv),
+        "v_proj": (c.hidden_size, kv),
+        "o_proj": (q, c.hidden_size),
+        "gate_proj": (c.hidden_size, c.intermediate_size),
+        "up_proj": (c.hidden_size, c.intermediate_size),
+        "down_proj": (c.intermediate_size, c.hidden_size),
+    }
+    g = torch.Generator().manual_seed(seed)
+    tensors = {}
+    for layer in range(c.num_layers):
+        for piece, (n_in, n_out) in shapes.items():
+            prefix = f"base_model.model.model.layers.{layer}.{PEFT_NAMES[piece]}"
+            tensors[f"{prefix}.lora_A.weight"] = (torch.randn(rank, n_in, generator=g) * scale).to(torch.bfloat16)
+            tensors[f"{prefix}.lora_B.weight"] = (torch.randn(n_out, rank, generator=g) * scale).to(torch.bfloat16)
+    folder.mkdir(parents=True, exist_ok=True)
+    save_file(tensors, str(folder / "adapter_model.safetensors"))
+    config = {"peft_type": "LORA", "r": rank, "lora_alpha": 2 * rank, "target_modules": sorted(shapes), "bias": "none"}
+    (folder / "adapter_config.json").write_text(json.dumps(config))
+    return folder

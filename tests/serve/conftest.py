@@ -7,18 +7,15 @@ intra-op torch thread keeps them from spinning against each other on a small mac
 from __future__ import annotations
 
 import asyncio
-import shutil
 import socket
 import threading
 import time
-from pathlib import Path
 
 import pytest
 import torch
 
 from infer import LLM
 from infer.serve.async_engine import AsyncEngine
-from infer.testing.decoder import TINY_LLAMA
 
 
 @pytest.fixture(autouse=True, scope="package")
@@ -56,20 +53,6 @@ def smol(smollm2_dir):
     served = Served(LLM(model=str(smollm2_dir), attention="torch", num_kv_blocks=320, max_model_len=1024))
     yield served
     served.close()
-
-
-@pytest.fixture(scope="session")
-def tiny_chat_dir(tmp_path_factory, smollm2_dir) -> Path:
-    """A tiny random Llama with SmolLM2's vocabulary, tokenizer and chat template: text in, text out, fast."""
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    folder = tmp_path_factory.mktemp("tiny-chat")
-    torch.manual_seed(0)
-    config = {**TINY_LLAMA, "vocab_size": 49152, "max_position_embeddings": 256}
-    LlamaForCausalLM(LlamaConfig(**config, torch_dtype="float32")).save_pretrained(folder)
-    for name in ("tokenizer.json", "tokenizer_config.json"):
-        shutil.copy(smollm2_dir / name, folder / name)
-    return folder
 
 
 @pytest.fixture(scope="session")

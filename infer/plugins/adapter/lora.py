@@ -211,9 +211,6 @@ class LoRAKind:
                 a_piece = a[:, start : start + length]
             entry[p] = (a_piece.to(self.spec.dtype).contiguous(), b_piece.to(self.spec.dtype).contiguous())
 
-    def nbytes(self, adapter: HostLoRA) -> int:
-        return adapter.nbytes
-
     # ------------------------------------------------------------------ device slots
 
     def load(self, slot: int, adapter: HostLoRA) -> None:

@@ -1,0 +1,51 @@
+"""`infer.kernels.lora` (on the CPU under Triton's interpreter, small shapes): BGMV and SGMV add each
+token's adapter's delta as their torch reference does, slot -1 leaving its rows untouched, for ranks and
+widths that are not powers of two and segments longer than a tile. On a GPU: tests/gpu/test_lora_gpu.py."""
+
+import pytest
+import torch
+
+pytest.importorskip("triton")
+from infer.kernels.lora import bgmv, sgmv  # noqa: E402
+from infer.kernels.lora_reference import lora_reference  # noqa: E402
+
+
+def segments_of(slots: list[int]) -> list[tuple[int, int, int]]:
+    found: list[tuple[int, int, int]] = []
+    for i, s in enumerate(slots):
+        if s < 0:
+            continue
+        if found and found[-1][0] == s and found[-1][2] == i:
+            found[-1] = (s, found[-1][1], i + 1)
+        else:
+            found.append((s, i, i + 1))
+    return found
+
+
+CASES = {  # name -> (K, N, R, slots per token)
+    "decode, mixed": (40, 70, 24, [0, 2, -1, 1, 1, 0, -1, 2]),
+    "prompts, a segment past a tile": (33, 65, 16, [1] * 37 + [-1] * 3 + [0] * 5),
+    "rank 48 (three fused pieces of 16)": (64, 96, 48, [2, 2, 0, -1, 1]),
+}
+
+
+@pytest.mark.parametrize("case", list(CASES))
+@pytest.mark.parametrize("kernel", ["bgmv", "sgmv"])
+def test_kernels_add_each_tokens_adapter_delta_as_the_reference(case, kernel):
+    K, N, R, slots = CASES[case]
+    g = torch.Generator().manual_seed(len(slots))
+    T, S = len(slots), 3
+    x, y = torch.randn(T, K, generator=g), torch.randn(T, N, generator=g)
+    a, b = torch.randn(S, R, K, generator=g), torch.randn(S, N, R, generator=g)
+    want = lora_reference(x, y.clone(), a, b, segments_of(slots))
+    got, scratch = y.clone(), torch.zeros(T, R)
+    if kernel == "bgmv":
+        bgmv(x, got, a, b, torch.tensor(slots, dtype=torch.int32), scratch)
+    else:
+        segments = segments_of(slots)
+        longest = max(e - s for _, s, e in segments)
+        sgmv(x, got, a, b, torch.tensor(segments, dtype=torch.int32), longest, scratch)
+    torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
+    base = torch.tensor([s < 0 for s in slots])
+    assert torch.equal(got[base], y[base])  # the base model's rows: untouched, bit for bit
+    assert not torch.allclose(got[~base], y[~base])  # and the adapters' rows changed
