@@ -1,16 +1,17 @@
-"""What serving adapters costs: time per output token of batches mixing LoRA adapters against the same
-batches on the base model, in one engine (`--enable-lora`, every adapter in a device slot), runs
-alternated.
+"""What serving adapters costs: time per output token of batches mixing LoRA adapters (an engine with
+`--enable-lora`, every adapter in a device slot) against the same batches on the base model in an engine
+without adapters, both engines built side by side (--kv-cache-memory each) and their runs alternated.
 
     python -m benchmarks.lab.lora --model llama3-8b --load-format dummy --adapters 8 --rank 16 \
         --batches 64,1 --out lora.json
 
 The adapters are random, rank --rank on all seven projections of every layer (PEFT's layout,
 `infer.testing.lora.write_random_adapter`). A batch of B requests runs request i on adapter i mod
---adapters (batch 1: adapter 0), or all on the base model; each decodes --max-tokens tokens (EOS
-ignored) after a prompt of --prompt-tokens random ids. Figures: TPOT p50 over the requests, each
-(latency - time to first token) / (tokens - 1), and output tokens per second; the ratio is
-adapters / base, the median of --repeat alternated pairs.
+--adapters (batch 1: adapter 0) in the adapters' engine, on the base model in the plain one, and (for
+what enabling adapters costs requests that use none) on the base model in the adapters' engine; each
+decodes --max-tokens tokens (EOS ignored) after a prompt of --prompt-tokens random ids. Figures: TPOT
+p50 over the requests, each (latency - time to first token) / (tokens - 1), and output tokens per
+second; the ratios are over the plain engine's, each the median of --repeat alternated rounds.
 """
 
 from __future__ import annotations
@@ -53,12 +54,12 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         load_format=args.load_format,
         device=args.device,
         dtype=args.dtype,
-        enable_lora=True,
-        max_loras=args.adapters,
-        max_lora_rank=args.rank,
         max_num_seqs=max(args.batches),
+        kv_cache_memory_gib=args.kv_cache_memory,
+        max_model_len=args.max_model_len,
     )
-    engine = make_engine(config)
+    plain = make_engine(config)
+    engine = make_engine(config.replace(enable_lora=True, max_loras=args.adapters, max_lora_rank=args.rank))
     results: dict[str, Any] = {"config": {k: v for k, v in vars(args).items() if k != "out"}, "batches": {}}
     try:
         results["device"] = engine.parts.describe.get("device")
@@ -75,26 +76,32 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             for batch in args.batches:
                 prompts = [[rng.randrange(vocab) for _ in range(args.prompt_tokens)] for _ in range(batch)]
                 mixed = [loras[i % len(loras)] for i in range(batch)]
-                run_batch(engine, prompts, [None] * batch, 8)  # warm-up: graphs, kernels, the slots loaded
-                run_batch(engine, prompts, mixed, 8)
-                runs: dict[str, list[dict]] = {"base": [], "adapters": []}
+                cases = {  # name -> (engine, each request's adapter)
+                    "plain": (plain, [None] * batch),
+                    "adapters": (engine, mixed),
+                    "lora-base": (engine, [None] * batch),
+                }
+                for e, loras_of in cases.values():  # warm-up: graphs, kernels, the slots loaded
+                    run_batch(e, prompts, loras_of, 8)
+                runs: dict[str, list[dict]] = {name: [] for name in cases}
                 for _ in range(args.repeat):
-                    runs["base"].append(run_batch(engine, prompts, [None] * batch, args.max_tokens))
-                    runs["adapters"].append(run_batch(engine, prompts, mixed, args.max_tokens))
-                    for name in runs:
-                        r = runs[name][-1]
+                    for name, (e, loras_of) in cases.items():
+                        r = run_batch(e, prompts, loras_of, args.max_tokens)
+                        runs[name].append(r)
                         print(
                             f"batch {batch:3d} {name:9s} TPOT p50 {r['tpot_p50_s'] * 1e3:7.2f} ms  "
                             f"out tok/s {r['output_tokens_per_s']:9.1f}",
                             flush=True,
                         )
-                base = statistics.median(r["tpot_p50_s"] for r in runs["base"])
-                mixed_tpot = statistics.median(r["tpot_p50_s"] for r in runs["adapters"])
-                results["batches"][str(batch)] = {"runs": runs, "tpot_ratio": mixed_tpot / base}
-                print(f"batch {batch}: TPOT adapters / base = {mixed_tpot * 1e3:.2f} / {base * 1e3:.2f} ms "
-                      f"= {mixed_tpot / base:.3f}x", flush=True)  # fmt: skip
+                tpot = {name: statistics.median(r["tpot_p50_s"] for r in rs) for name, rs in runs.items()}
+                ratios = {name: tpot[name] / tpot["plain"] for name in ("adapters", "lora-base")}
+                results["batches"][str(batch)] = {"runs": runs, "tpot_p50_s": tpot, "tpot_ratio": ratios}
+                print(f"batch {batch}: TPOT adapters {tpot['adapters'] * 1e3:.2f} ms, base in the adapters' engine "
+                      f"{tpot['lora-base'] * 1e3:.2f} ms, plain {tpot['plain'] * 1e3:.2f} ms: "
+                      f"{ratios['adapters']:.3f}x, {ratios['lora-base']:.3f}x", flush=True)  # fmt: skip
     finally:
         engine.close()
+        plain.close()
     return results
 
 
@@ -105,6 +112,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--device", default="auto")
     ap.add_argument("--dtype", default="auto")
     ap.add_argument("--adapters", type=int, default=8)
+    ap.add_argument("--kv-cache-memory", type=float, default=8.0, help="GiB of KV cache for each engine")
+    ap.add_argument("--max-model-len", type=int, default=2048)
     ap.add_argument("--rank", type=int, default=16)
     ap.add_argument("--batches", type=lambda s: [int(x) for x in s.split(",")], default=[64, 1])
     ap.add_argument("--prompt-tokens", type=int, default=128)

@@ -119,6 +119,8 @@ class Adapters:
         every token is a row of its own."""
         for load in loads:
             self.load(*load)
+        if not seq_slots:  # a forward built without the adapters' slots (a benchmark's): the base model
+            seq_slots = [-1] * len(query_lens)
         if as_rows:
             seq_slots = [s for s, n in zip(seq_slots, query_lens) for _ in range(n)]
             query_lens = [1] * len(seq_slots)

@@ -5,9 +5,11 @@ a token names its slot (-1: none, y unchanged). Two shapes of work, after Punica
 
 - BGMV, a program per token: the token's slot is read on the device, so a decode step (or any step a
   CUDA graph replays) needs no host knowledge of the batch; grids depend on the token count alone.
-- SGMV, a program per tile of a segment (consecutive tokens of one slot: a prompt's chunk): the
-  adapter's A and B tiles are read once per tile of tokens and multiplied with `tl.dot`, which a long
-  prompt needs; the segments come from the host, so it runs eagerly.
+- SGMV, a program per tile of a slot's tokens (the tokens grouped by slot on the host, a prompt's chunk
+  one run of them): the adapter's A and B tiles are read once per tile of tokens and multiplied with
+  `tl.dot`, which a long prompt and a large decode batch need (per token, 64 decode rows would read
+  their adapters' B 64 times); the grouping reaches the kernels through static buffers, so its grids
+  depend on the token count alone, CUDA-graph safe too.
 
 Each is two kernels: shrink (v = x A^T, [T, R] in float32) and expand (y += v B^T, in y's dtype).
 `infer.kernels.lora_reference` is the same sum in torch, the CPU's path and the kernels' reference.
@@ -59,42 +61,44 @@ def _bgmv_expand(v_ptr, b_ptr, slots_ptr, y_ptr, N, R, sv, sb0, sb1, sy, BLOCK_R
 
 @triton.jit
 def _sgmv_shrink(
-    x_ptr, a_ptr, seg_ptr, v_ptr, K, R, sx, sa0, sa1, sv,
+    x_ptr, a_ptr, order_ptr, starts_ptr, v_ptr, K, R, sx, sa0, sa1, sv,
     BLOCK_M: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr,
 ):  # fmt: skip
-    seg = tl.program_id(0)
-    slot = tl.load(seg_ptr + seg * 3)
-    start = tl.load(seg_ptr + seg * 3 + 1)
-    end = tl.load(seg_ptr + seg * 3 + 2)
-    m = start + tl.program_id(1) * BLOCK_M + tl.arange(0, BLOCK_M)
-    if start + tl.program_id(1) * BLOCK_M >= end:
+    slot = tl.program_id(0)
+    start = tl.load(starts_ptr + slot)
+    end = tl.load(starts_ptr + slot + 1)
+    first = start + tl.program_id(1) * BLOCK_M
+    if first >= end:
         return
+    rows = first + tl.arange(0, BLOCK_M)
+    tokens = tl.load(order_ptr + rows, mask=rows < end, other=0).to(tl.int64)
     r = tl.arange(0, BLOCK_R)
     acc = tl.zeros((BLOCK_M, BLOCK_R), dtype=tl.float32)
     for k0 in range(0, K, BLOCK_K):
         k = k0 + tl.arange(0, BLOCK_K)
-        xt = tl.load(x_ptr + m[:, None].to(tl.int64) * sx + k[None, :], mask=(m[:, None] < end) & (k[None, :] < K))
+        xt = tl.load(x_ptr + tokens[:, None] * sx + k[None, :], mask=(rows[:, None] < end) & (k[None, :] < K), other=0.0)
         at = tl.load(
             a_ptr + slot.to(tl.int64) * sa0 + r[None, :] * sa1 + k[:, None],
             mask=(r[None, :] < R) & (k[:, None] < K),
             other=0.0,
         )
         acc += tl.dot(xt.to(at.dtype), at)
-    tl.store(v_ptr + m[:, None].to(tl.int64) * sv + r[None, :], acc, mask=(m[:, None] < end) & (r[None, :] < R))
+    tl.store(v_ptr + tokens[:, None] * sv + r[None, :], acc, mask=(rows[:, None] < end) & (r[None, :] < R))
 
 
 @triton.jit
 def _sgmv_expand(
-    v_ptr, b_ptr, seg_ptr, y_ptr, N, R, sv, sb0, sb1, sy,
+    v_ptr, b_ptr, order_ptr, starts_ptr, y_ptr, N, R, sv, sb0, sb1, sy,
     BLOCK_M: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_N: tl.constexpr,
 ):  # fmt: skip
-    seg = tl.program_id(0)
-    slot = tl.load(seg_ptr + seg * 3)
-    start = tl.load(seg_ptr + seg * 3 + 1)
-    end = tl.load(seg_ptr + seg * 3 + 2)
-    m = start + tl.program_id(1) * BLOCK_M + tl.arange(0, BLOCK_M)
-    if start + tl.program_id(1) * BLOCK_M >= end:
+    slot = tl.program_id(0)
+    start = tl.load(starts_ptr + slot)
+    end = tl.load(starts_ptr + slot + 1)
+    first = start + tl.program_id(1) * BLOCK_M
+    if first >= end:
         return
+    rows = first + tl.arange(0, BLOCK_M)
+    tokens = tl.load(order_ptr + rows, mask=rows < end, other=0).to(tl.int64)
     n = tl.program_id(2) * BLOCK_N + tl.arange(0, BLOCK_N)
     r = tl.arange(0, BLOCK_R)
     bt = tl.load(
@@ -102,10 +106,10 @@ def _sgmv_expand(
         mask=(n[None, :] < N) & (r[:, None] < R),
         other=0.0,
     )
-    v = tl.load(v_ptr + m[:, None].to(tl.int64) * sv + r[None, :], mask=(m[:, None] < end) & (r[None, :] < R))
+    v = tl.load(v_ptr + tokens[:, None] * sv + r[None, :], mask=(rows[:, None] < end) & (r[None, :] < R), other=0.0)
     delta = tl.dot(v.to(bt.dtype), bt)
-    mask = (m[:, None] < end) & (n[None, :] < N)
-    y_at = y_ptr + m[:, None].to(tl.int64) * sy + n[None, :]
+    mask = (rows[:, None] < end) & (n[None, :] < N)
+    y_at = y_ptr + tokens[:, None] * sy + n[None, :]
     y = tl.load(y_at, mask=mask, other=0.0).to(tl.float32)
     tl.store(y_at, (y + delta.to(tl.float32)).to(y_ptr.dtype.element_ty), mask=mask)
 
@@ -133,29 +137,44 @@ def bgmv(
     )
 
 
+def group_by_slot(slots: list[int], num_slots: int) -> tuple[list[int], list[int]]:
+    """SGMV's metadata from each token's slot: the tokens of slot 0, then of slot 1, ... (slot -1's left
+    out), and where each slot's start in that order ([num_slots + 1] offsets)."""
+    groups: list[list[int]] = [[] for _ in range(num_slots)]
+    for t, s in enumerate(slots):
+        if s >= 0:
+            groups[s].append(t)
+    starts = [0]
+    for g in groups:
+        starts.append(starts[-1] + len(g))
+    return [t for g in groups for t in g], starts
+
+
 def sgmv(
     x: torch.Tensor,
     y: torch.Tensor,
     a: torch.Tensor,
     b: torch.Tensor,
-    segments: torch.Tensor,
-    max_len: int,
+    order: torch.Tensor,
+    starts: torch.Tensor,
     v: torch.Tensor,
 ) -> None:
-    """The same sum over segments [G, 3] int32 (slot, start, end) of consecutive tokens of one slot,
-    the longest `max_len` tokens: a program per BLOCK_M tokens of a segment (and per BLOCK_N outputs)."""
-    G = segments.shape[0]
-    if G == 0:
-        return
+    """The same sum with the tokens grouped by slot (`group_by_slot`: `order`, tokens of slot s at
+    order[starts[s]:starts[s + 1]]): a program per BLOCK_M tokens of a slot (and per BLOCK_N outputs)
+    reads that adapter's tiles once for them all and multiplies with `tl.dot`. The grid depends on T and
+    the slots' count alone (programs past a slot's tokens return at once): CUDA-graph safe when `order`
+    and `starts` are static buffers that each forward refills."""
     T, K = x.shape
-    _, R, _ = a.shape
+    S, R, _ = a.shape
     N = y.shape[1]
-    block_m, block_r = 32, _block(R)
-    tiles = triton.cdiv(max_len, block_m)
-    _sgmv_shrink[(G, tiles)](
-        x, a, segments, v, K, R, x.stride(0), a.stride(0), a.stride(1), v.stride(0), block_m, block_r, 64
+    if T == 0:
+        return
+    block_m, block_r = 16, _block(R)
+    tiles = triton.cdiv(T, block_m)
+    _sgmv_shrink[(S, tiles)](
+        x, a, order, starts, v, K, R, x.stride(0), a.stride(0), a.stride(1), v.stride(0), block_m, block_r, 64
     )
     block_n = 64
-    _sgmv_expand[(G, tiles, triton.cdiv(N, block_n))](
-        v, b, segments, y, N, R, v.stride(0), b.stride(0), b.stride(1), y.stride(0), block_m, block_r, block_n
+    _sgmv_expand[(S, tiles, triton.cdiv(N, block_n))](
+        v, b, order, starts, y, N, R, v.stride(0), b.stride(0), b.stride(1), y.stride(0), block_m, block_r, block_n
     )

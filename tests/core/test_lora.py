@@ -189,3 +189,45 @@ def test_a_random_adapter_at_a_models_shapes_loads_and_runs(tiny_llama_dir, tmp_
         folder = write_random_adapter(llm.engine.parts.model_config, tmp_path / "random", rank=16, scale=0.2)
         got = tokens(llm.generate(PROMPTS, GREEDY, lora_request=LoRARequest("random", 1, str(folder))))
     assert got != alone[None]
+
+
+def test_fp8_base_weights_with_adapters(tiny_llama_dir, tmp_path, adapter_dirs):
+    """--quantization fp8 (its torch reference on the CPU) with bf16 adapters: a zero adapter (PEFT's own
+    init, B = 0) leaves the FP8 model's tokens exactly; each target projection's output is the FP8
+    product plus the adapter's delta of the unquantized input."""
+    from transformers import AutoModelForCausalLM
+
+    zero = tmp_path / "zero"
+    model = AutoModelForCausalLM.from_pretrained(tiny_llama_dir, dtype=torch.float32)
+    peft.get_peft_model(model, peft.LoraConfig(r=8, target_modules=["q_proj", "o_proj", "down_proj"])).save_pretrained(
+        zero
+    )
+    with engine(tiny_llama_dir, max_loras=2, quantization="fp8", dtype="bfloat16") as llm:
+        base = tokens(llm.generate(PROMPTS, GREEDY))
+        assert tokens(llm.generate(PROMPTS, GREEDY, lora_request=LoRARequest("zero", 9, str(zero)))) == base
+        adapted = tokens(llm.generate(PROMPTS, GREEDY, lora_request=lora(0, adapter_dirs)))
+        assert adapted != base
+        attn = llm.engine.model.layers[0].self_attn
+        x = torch.randn(3, llm.engine.parts.model_config.hidden_size).bfloat16()
+        kind = llm.engine.parts.adapters.kind
+        slot = llm.engine.parts.adapters.slots[llm.engine.parts.adapters.key_of("a0")]
+        kind.plan(AdapterBatch([slot], [3], 3))
+        with torch.no_grad():
+            y = attn.qkv_adapter(x, attn.qkv_proj(x))
+            a, b = kind.a["layers.0.self_attn.qkv_proj"][slot], kind.b["layers.0.self_attn.qkv_proj"][slot]
+            want = attn.qkv_proj(x) + (x @ a.t()) @ b.t()
+    torch.testing.assert_close(y, want)
+
+
+def test_the_kernels_path_gives_the_references_tokens(tiny_llama_dir, adapter_dirs, alone):
+    """The plugin's CUDA path (BGMV for a few rows, SGMV grouped by slot, through its static buffers) run on
+    the CPU under Triton's interpreter, in a batch mixing adapters: the torch reference's tokens."""
+    pytest.importorskip("triton")
+    with engine(tiny_llama_dir, max_loras=3, max_num_batched_tokens=8) as llm:
+        llm.engine.parts.adapters.kind.kernels = True  # what a CUDA device chooses
+        batch = [(0, 0), (1, None), (2, 1), (1, 2)]
+        loras = [None if i is None else lora(i, adapter_dirs) for _, i in batch]
+        got = tokens(llm.generate([PROMPTS[p] for p, _ in batch], GREEDY, lora_request=loras))
+        single = tokens(llm.generate(PROMPTS[:1], GREEDY, lora_request=lora(0, adapter_dirs)))  # batch 1: BGMV
+    assert got == [alone[i][p] for p, i in batch]
+    assert single == alone[0][:1]

@@ -37,7 +37,7 @@ def segments_of(slots):
 @pytest.mark.parametrize("shape", [(4096, 6144, 48), (4096, 28672, 32), (14336, 4096, 16)])
 @pytest.mark.parametrize("tokens", [1, 64, 700])
 def test_kernels_match_the_reference_in_bf16(shape, tokens):
-    from infer.kernels.lora import bgmv, sgmv
+    from infer.kernels.lora import bgmv, group_by_slot, sgmv
     from infer.kernels.lora_reference import lora_reference
 
     K, N, R = shape
@@ -52,10 +52,9 @@ def test_kernels_match_the_reference_in_bf16(shape, tokens):
     scratch = torch.zeros(tokens, R, device=dev)
     per_token = y.clone()
     bgmv(x, per_token, a, b, torch.tensor(slots, dtype=torch.int32, device=dev), scratch)
-    segments = segments_of(slots)
+    order, starts = (torch.tensor(t, dtype=torch.int32, device=dev) for t in group_by_slot(slots, 8))
     per_segment = y.clone()
-    longest = max((e - s for _, s, e in segments), default=0)
-    sgmv(x, per_segment, a, b, torch.tensor(segments, dtype=torch.int32, device=dev).reshape(-1, 3), longest, scratch)
+    sgmv(x, per_segment, a, b, order, starts, scratch)
     for got in (per_token, per_segment):
         torch.testing.assert_close(got.float(), want, rtol=2e-2, atol=2e-2)
 

@@ -1,12 +1,13 @@
 """`infer.kernels.lora` (on the CPU under Triton's interpreter, small shapes): BGMV and SGMV add each
 token's adapter's delta as their torch reference does, slot -1 leaving its rows untouched, for ranks and
-widths that are not powers of two and segments longer than a tile. On a GPU: tests/gpu/test_lora_gpu.py."""
+widths that are not powers of two, a slot's tokens past one tile, and a slot's rows scattered among
+others' (SGMV gathers them). On a GPU: tests/gpu/test_lora_gpu.py."""
 
 import pytest
 import torch
 
 pytest.importorskip("triton")
-from infer.kernels.lora import bgmv, sgmv  # noqa: E402
+from infer.kernels.lora import bgmv, group_by_slot, sgmv  # noqa: E402
 from infer.kernels.lora_reference import lora_reference  # noqa: E402
 
 
@@ -25,6 +26,7 @@ def segments_of(slots: list[int]) -> list[tuple[int, int, int]]:
 CASES = {  # name -> (K, N, R, slots per token)
     "decode, mixed": (40, 70, 24, [0, 2, -1, 1, 1, 0, -1, 2]),
     "prompts, a segment past a tile": (33, 65, 16, [1] * 37 + [-1] * 3 + [0] * 5),
+    "decode rows of one slot apart": (40, 70, 8, [1, -1, 1, 2, 1, 0, 1, 2, 1, -1, 1, 1, 2, 0, 1, 1, 1, 1, 1]),
     "rank 48 (three fused pieces of 16)": (64, 96, 48, [2, 2, 0, -1, 1]),
 }
 
@@ -42,10 +44,13 @@ def test_kernels_add_each_tokens_adapter_delta_as_the_reference(case, kernel):
     if kernel == "bgmv":
         bgmv(x, got, a, b, torch.tensor(slots, dtype=torch.int32), scratch)
     else:
-        segments = segments_of(slots)
-        longest = max(e - s for _, s, e in segments)
-        sgmv(x, got, a, b, torch.tensor(segments, dtype=torch.int32), longest, scratch)
+        order, starts = group_by_slot(slots, S)
+        sgmv(x, got, a, b, torch.tensor(order, dtype=torch.int32), torch.tensor(starts, dtype=torch.int32), scratch)
     torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
     base = torch.tensor([s < 0 for s in slots])
     assert torch.equal(got[base], y[base])  # the base model's rows: untouched, bit for bit
     assert not torch.allclose(got[~base], y[~base])  # and the adapters' rows changed
+
+
+def test_group_by_slot():
+    assert group_by_slot([1, -1, 0, 1, 2, 0], 4) == ([2, 5, 0, 3, 4], [0, 2, 4, 5, 5])

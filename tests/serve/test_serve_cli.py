@@ -114,3 +114,32 @@ def test_two_models_served_by_one_process(tiny_chat_dir):
         server.send_signal(signal.SIGINT)
         out, err = server.communicate(timeout=60)
     assert server.returncode == 0, err
+
+
+def test_lora_modules_syntax_and_a_bad_adapter_stops_the_start(tiny_chat_dir, tmp_path):
+    from infer import EngineConfig, LoRARequest
+    from infer.cli.serve import _build_engine, lora_modules
+
+    assert lora_modules(("sql=/a", "chef = /b"), ["tiny"]) == {
+        "tiny": [LoRARequest("sql", 1, "/a"), LoRARequest("chef", 2, "/b")]
+    }
+    two = ["llama", "qwen"]
+    assert lora_modules(('{"name": "sql", "path": "/a", "base_model_name": "qwen"}',), two) == {
+        "qwen": [LoRARequest("sql", 1, "/a")]
+    }
+    for specs, served, words in [
+        (("sql",), ["tiny"], "NAME=PATH"),
+        (("sql=",), ["tiny"], "both the name and the folder"),
+        (("sql=/a",), two, "base_model_name"),
+        (('{"name": "sql", "path": "/a", "base_model_name": "gpt"}',), two, "'gpt' is not served"),
+        (("sql=/a", "sql=/b"), ["tiny"], "taken already"),
+        (("tiny=/a",), ["tiny"], "taken already"),
+        (('{"name": "sql"}',), ["tiny"], "JSON with name, path"),
+    ]:
+        with pytest.raises(ConfigError, match=words):
+            lora_modules(specs, served)
+    config = EngineConfig(
+        model=str(tiny_chat_dir), attention="torch", enable_lora=True, max_model_len=64, num_kv_blocks=16
+    )
+    with pytest.raises(ConfigError, match=r"--lora-modules ghost=.*adapter_config\.json"):
+        _build_engine(config, (LoRARequest("ghost", 1, str(tmp_path)),))

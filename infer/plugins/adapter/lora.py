@@ -11,7 +11,8 @@ Under tensor parallelism each rank reads its part: a column-split target the B r
 each piece, a row-split one the A columns of its input slice (its delta then a partial sum, summed
 with the projection's). Device slots are stacked tensors per target, A [S, P*R, in] and B [S, out,
 P*R], the scaling folded into B; on CUDA the Triton kernels of `infer.kernels.lora` apply them (BGMV
-for steps of few tokens a sequence, graph-safe; SGMV for prompts), elsewhere their torch reference.
+for forwards of a few rows, SGMV with the rows grouped by slot for the others: both CUDA-graph safe),
+elsewhere their torch reference.
 """
 
 from __future__ import annotations
@@ -31,7 +32,9 @@ from infer.api.errors import RequestError
 from infer.api.hookspecs import hookimpl
 
 CONFIG, WEIGHTS = "adapter_config.json", "adapter_model.safetensors"
-BGMV_MAX_QUERY = 8  # sequences of at most this many tokens a step (decode, verify) take the per-token kernels
+# a forward of at most this many rows takes the per-token kernels (BGMV: batch 1's decode reads each
+# adapter once either way); more rows, grouped by slot (SGMV: an adapter's tiles read once per 16 rows)
+BGMV_MAX_TOKENS = 4
 # PEFT's names for a module's LoRA weights, after its module path
 _WEIGHT = re.compile(r"^(?:base_model\.model\.)?(?:model\.)?(?P<module>.+)\.lora_(?P<ab>[AB])(?:\.default)?\.weight$")
 _LAYER = re.compile(r"(?:^|\.)layers\.(?P<layer>\d+)\.(?:.+\.)?(?P<name>[^.]+)$")
@@ -91,11 +94,13 @@ class LoRAKind:
         self.kernels = _triton_ready(spec.device)
         most = max((len(t.pieces) for t in spec.targets), default=1) * R
         self.scratch = torch.zeros(spec.max_tokens, max(most, 1), dtype=torch.float32, device=dev)
+        # static buffers the kernels read (CUDA graphs replay them): each row's slot (BGMV), and the rows
+        # grouped by slot with each slot's start in that order (SGMV)
         self.token_slots = torch.full((spec.max_tokens,), -1, dtype=torch.int32, device=dev)
+        self.order = torch.zeros(spec.max_tokens, dtype=torch.int32, device=dev)
+        self.starts = torch.zeros(S + 1, dtype=torch.int32, device=dev)
         self.segments: list[tuple[int, int, int]] = []  # (slot, start, end): consecutive tokens of one slot
-        self.segments_t: torch.Tensor | None = None  # the same on the device, for SGMV
-        self.max_segment = 0
-        self.per_token = True  # this step's kernels: BGMV (per token) or SGMV (per segment)
+        self.per_token = True  # this forward's kernels: BGMV (per token) or SGMV (grouped by slot)
 
     # ------------------------------------------------------------------ reading
 
@@ -246,24 +251,28 @@ class LoRAKind:
             else:
                 segments.append((s, i, i + 1))
         self.segments = segments
-        self.per_token = max(batch.query_lens, default=0) <= BGMV_MAX_QUERY
+        if len(slots) > self.spec.max_tokens:
+            raise RuntimeError(f"a forward of {len(slots)} rows, over the {self.spec.max_tokens} AdapterSpec sized")
+        self.per_token = len(slots) <= BGMV_MAX_TOKENS  # the row count alone decides: a graph replays its choice
         if not self.kernels:
             return
-        if self.per_token:  # graph-safe: the slots reach the kernels through the static buffer
-            n = len(slots)
-            self.token_slots[:n].copy_(torch.tensor(slots, dtype=torch.int32), non_blocking=True)
+        if self.per_token:
+            self.token_slots[: len(slots)].copy_(torch.tensor(slots, dtype=torch.int32), non_blocking=True)
         else:
-            self.max_segment = max((e - s for _, s, e in segments), default=0)
-            self.segments_t = torch.tensor(segments, dtype=torch.int32).reshape(-1, 3).to(self.spec.device)
+            from infer.kernels.lora import group_by_slot
+
+            order, starts = group_by_slot(slots, self.spec.max_adapters)
+            host = torch.tensor(order + starts, dtype=torch.int32)
+            self.order[: len(order)].copy_(host[: len(order)], non_blocking=True)
+            self.starts.copy_(host[len(order) :], non_blocking=True)
 
     def layers(self) -> dict[str, LoRALayer]:
         return {t.module: LoRALayer(self, t) for t in self.spec.targets}
 
     def apply(self, t: AdapterTarget, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
         """y + each token's delta for target `t` (y in place, unless the delta must be summed first)."""
-        per_token = self.kernels and self.per_token  # always launched: a CUDA graph may capture it
-        if not self.segments and not per_token:
-            return y
+        if not self.segments and not self.kernels:
+            return y  # the kernels launch whatever the rows: a CUDA graph may be capturing them
         a, b = self.a[t.module], self.b[t.module]
         reduce = t.split == "row" and t.summed and self.spec.all_reduce is not None
         out = torch.zeros_like(y) if reduce else y
@@ -272,15 +281,14 @@ class LoRAKind:
             from infer.kernels.lora_reference import lora_reference
 
             lora_reference(x, out, a, b, self.segments)
-        elif per_token:
+        elif self.per_token:
             from infer.kernels.lora import bgmv
 
             bgmv(x, out, a, b, self.token_slots, self.scratch)
         else:
             from infer.kernels.lora import sgmv
 
-            assert self.segments_t is not None
-            sgmv(x, out, a, b, self.segments_t, self.max_segment, self.scratch)
+            sgmv(x, out, a, b, self.order, self.starts, self.scratch)
         if reduce:
             assert self.spec.all_reduce is not None
             return y + self.spec.all_reduce(out)
