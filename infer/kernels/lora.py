@@ -76,7 +76,9 @@ def _sgmv_shrink(
     acc = tl.zeros((BLOCK_M, BLOCK_R), dtype=tl.float32)
     for k0 in range(0, K, BLOCK_K):
         k = k0 + tl.arange(0, BLOCK_K)
-        xt = tl.load(x_ptr + tokens[:, None] * sx + k[None, :], mask=(rows[:, None] < end) & (k[None, :] < K), other=0.0)
+        xt = tl.load(
+            x_ptr + tokens[:, None] * sx + k[None, :], mask=(rows[:, None] < end) & (k[None, :] < K), other=0.0
+        )
         at = tl.load(
             a_ptr + slot.to(tl.int64) * sa0 + r[None, :] * sa1 + k[:, None],
             mask=(r[None, :] < R) & (k[:, None] < K),
