@@ -123,7 +123,10 @@ class AdapterBatch:
 
     seq_slots: list[int]  # sequence i -> its adapter's slot, -1 for the base model
     query_lens: list[int]  # sequence i -> its tokens in this forward
-    num_tokens: int  # the forward's rows, padding included
+    num_tokens: int  # the forward's rows, padding included (a CUDA graph's bucket)
+    # a CUDA graph's capture, or the warm-up forward before it: every kernel the layers would launch for
+    # `num_tokens` rows must launch (the graph replays it for other batches), though no row runs an adapter
+    capture: bool = False
 
     def token_slots(self) -> list[int]:
         """Each row's slot (-1 for the base model and for padding)."""

@@ -97,6 +97,11 @@ class EngineConfig:
     def validate(self) -> None:
         """Every field's type and range, then the names a string field must be one of."""
         check_fields(self)
+        if self.max_cpu_loras is not None and self.max_cpu_loras < self.max_loras:
+            raise ConfigError(
+                f"--max-cpu-loras {self.max_cpu_loras} is under --max-loras {self.max_loras}: host memory keeps at "
+                f"least the adapters in device slots; use --max-cpu-loras {self.max_loras} or more"
+            )
         if not self.priority_aging_s > 0:  # also refuses NaN
             raise ConfigError(f"--priority-aging-s {self.priority_aging_s}: use a number of seconds > 0")
         if self.dtype != "auto" and self.dtype not in DTYPES:

@@ -18,6 +18,8 @@ class DecodeGraphs(Protocol):
 
     def takes(self, num_tokens: int, num_logits: int) -> bool: ...  # a step with prompt tokens
 
+    def rows(self, num_rows: int) -> int: ...  # the rows a step of num_rows replays (its bucket, padding included)
+
     def run(
         self,
         token_ids: list[int],

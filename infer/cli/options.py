@@ -75,7 +75,7 @@ HELP: dict[str, str] = {  # EngineConfig field -> help, in the order `--help` li
     "enable_lora": "Serve adapters (LoRA): requests name one, and a step mixes them with the base model.",
     "adapter": _slot_help("Adapter kind, with --enable-lora", "lora (PEFT LoRA folders)"),
     "max_loras": "Adapters a step may run, each in a device slot (the least recently used evicted to host memory).",
-    "max_lora_rank": "The largest rank an adapter may have (device slots are this wide).",
+    "max_lora_rank": "The largest rank an adapter may have, up to 128 (device slots are this wide).",
     "max_cpu_loras": "Adapters kept in host memory, loaded or not (default: --max-loras).",
 }
 

@@ -7,13 +7,16 @@ while requests already running with it finish. Each forward's sequences get thei
 (`assign`): an adapter already in a slot keeps it, another takes a free slot or the least recently
 used one that this forward does not use, and the loads it needs travel with the forward
 (`StepInputs.adapter_loads`), so that every rank applies them before it (`prepare`). Host copies
-are kept, least recently used first out, up to `max_cpu` of them; an evicted one is read again.
+are kept, least recently used first out, up to `max_cpu` of them, but never one that an unfinished
+request runs with (`live`, the engine's): such an adapter loads into a slot without its folder being read
+again, even once it is unloaded. Another rank keeps the copies of the adapters in its slots; one evicted
+there is read again from its folder, which must stay while the adapter is served.
 """
 
 from __future__ import annotations
 
 from collections import OrderedDict
-from typing import Any, Sequence
+from typing import Any, Callable, Sequence
 
 from infer.api.adapters import AdapterBatch, AdapterKind, LoRARequest
 from infer.api.errors import RequestError
@@ -29,9 +32,12 @@ class Adapters:
         self.served: dict[str, tuple[int, LoRARequest]] = {}  # name -> (key, request): what requests may name
         self.known: dict[int, LoRARequest] = {}  # key -> its adapter, served or still finishing requests
         self.next_key = 0
-        self.slots: OrderedDict[int, int] = OrderedDict()  # key -> device slot, least recently used first
+        self.slots: OrderedDict[int, int] = OrderedDict()  # key -> device slot, least recently used first (rank 0)
+        self.in_slot: dict[int, int] = {}  # device slot -> the key loaded there (every rank)
         self.host: OrderedDict[int, Any] = OrderedDict()  # key -> the kind's host copy
         self.num_loads = 0  # adapters copied into a device slot (a run's figure)
+        # the keys unfinished requests run with (the engine sets it, on rank 0): their host copies stay
+        self.live: Callable[[], set[int]] = set
 
     # ------------------------------------------------------------------ names (rank 0)
 
@@ -105,6 +111,7 @@ class Adapters:
 
     def load(self, slot: int, key: int, name: str, path: str) -> None:
         """Put adapter `key` into device slot `slot` (read from `path` unless a host copy is kept)."""
+        self.in_slot[slot] = key  # what the slot held before is no longer kept for it
         host = self.host.get(key)
         if host is None:
             host = self.kind.read(path, name)
@@ -114,27 +121,38 @@ class Adapters:
         self.kind.load(slot, host)
         self.num_loads += 1
 
-    def prepare(self, loads: Sequence[Load], seq_slots: list[int], query_lens: list[int], as_rows: bool) -> None:
-        """Before a forward: its loads, then the kind's plan. `as_rows`: a CUDA graph's replay, whose
-        every token is a row of its own."""
+    def prepare(
+        self, loads: Sequence[Load], seq_slots: list[int], query_lens: list[int], num_rows: int | None = None
+    ) -> None:
+        """Before a forward: its loads, then the kind's plan. `num_rows`: a CUDA graph's replay, of that
+        many rows (its bucket), every token a row of its own."""
         for load in loads:
             self.load(*load)
         if not seq_slots:  # a forward built without the adapters' slots (a benchmark's): the base model
             seq_slots = [-1] * len(query_lens)
-        if as_rows:
+        if num_rows is not None:
             seq_slots = [s for s, n in zip(seq_slots, query_lens) for _ in range(n)]
             query_lens = [1] * len(seq_slots)
-        self.kind.plan(AdapterBatch(seq_slots, query_lens, sum(query_lens)))
+        self.kind.plan(AdapterBatch(seq_slots, query_lens, sum(query_lens) if num_rows is None else num_rows))
 
     def plan_rows(self, num_rows: int) -> None:
-        """A CUDA graph's capture: `num_rows` rows of the base model."""
-        self.kind.plan(AdapterBatch([-1] * num_rows, [1] * num_rows, num_rows))
+        """A CUDA graph's capture (and its warm-up): `num_rows` rows of the base model."""
+        self.kind.plan(AdapterBatch([-1] * num_rows, [1] * num_rows, num_rows, capture=True))
 
     def _keep(self, key: int, host: Any) -> None:
         self.host[key] = host
         self.host.move_to_end(key)
-        while len(self.host) > self.max_cpu:
-            self.host.popitem(last=False)
+        if len(self.host) <= self.max_cpu:
+            return
+        pinned = self.live() | set(self.in_slot.values()) | {key}
+        served = {k for k, _ in self.served.values()}
+        for old in list(self.host):  # least recently used first; an unloaded adapter's as soon as it is idle
+            if len(self.host) <= self.max_cpu and old in served:
+                break
+            if old not in pinned:
+                del self.host[old]
+                if old not in served:
+                    self.known.pop(old, None)
 
 
 def _checked(lora: Any) -> LoRARequest:

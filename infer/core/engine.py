@@ -72,6 +72,8 @@ class Engine:
         self.tokenizer = parts.tokenizer
         self.block_mover = parts.block_mover if parts.block_mover is not None else BlockMover()
         self.requests: dict[str, Request] = {}  # child id -> request, while unfinished
+        if parts.adapters is not None:  # the adapters unfinished requests run with keep their host copies
+            parts.adapters.live = lambda: {r.adapter_key for r in self.requests.values() if r.adapter_key is not None}
         self._arrivals = itertools.count()
         self._ids = itertools.count()
         self._rejected = itertools.count()  # ids of refused prompts: a separate count, so refusals shift no other id

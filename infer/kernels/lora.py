@@ -132,8 +132,9 @@ def bgmv(
     if T == 0:
         return
     block_r = _block(R)
-    _bgmv_shrink[(T,)](x, a, slots, v, K, R, x.stride(0), a.stride(0), a.stride(1), v.stride(0), block_r, 128)
-    block_n = 64
+    block_k = max(16, min(128, 8192 // block_r))  # a [BLOCK_R, BLOCK_K] float32 tile of A: 32 KB at most
+    _bgmv_shrink[(T,)](x, a, slots, v, K, R, x.stride(0), a.stride(0), a.stride(1), v.stride(0), block_r, block_k)
+    block_n = max(16, min(64, 8192 // block_r))
     _bgmv_expand[(T, triton.cdiv(N, block_n))](
         v, b, slots, y, N, R, v.stride(0), b.stride(0), b.stride(1), y.stride(0), block_r, block_n
     )
@@ -173,10 +174,11 @@ def sgmv(
         return
     block_m, block_r = 16, _block(R)
     tiles = triton.cdiv(T, block_m)
+    block_k = max(16, min(64, 16384 // block_r))  # A's [BLOCK_K, BLOCK_R] tile: 32 KB of bf16 at most a stage
     _sgmv_shrink[(S, tiles)](
-        x, a, order, starts, v, K, R, x.stride(0), a.stride(0), a.stride(1), v.stride(0), block_m, block_r, 64
+        x, a, order, starts, v, K, R, x.stride(0), a.stride(0), a.stride(1), v.stride(0), block_m, block_r, block_k
     )
-    block_n = 64
+    block_n = max(16, min(64, 16384 // block_r))
     _sgmv_expand[(S, tiles, triton.cdiv(N, block_n))](
         v, b, order, starts, y, N, R, v.stride(0), b.stride(0), b.stride(1), y.stride(0), block_m, block_r, block_n
     )

@@ -263,6 +263,10 @@ class CudaGraphRunner:
         """Whether a step with prompt tokens replays: num_tokens rows, logits for num_logits of them."""
         return bool(self.graphs) and 0 < num_tokens <= self.max_tokens and num_logits <= self.max_rows
 
+    def rows(self, num_rows: int) -> int:
+        """The bucket a step of `num_rows` rows replays (its graph's rows, padding included)."""
+        return self.buckets[bisect.bisect_left(self.buckets, num_rows)]
+
     def release(self) -> None:
         """Destroy the captured graphs and their memory pool (steps run eagerly after this). Under
         tensor parallelism this comes before the process group is taken down: a graph that captured
@@ -286,7 +290,7 @@ class CudaGraphRunner:
         a step of query_lens[i] tokens for sequence i (logits [len(logits_rows), vocab], the rows of
         the step's tokens listed there). `ids`: the token ids as a device tensor instead of `token_ids`."""
         num_real = len(seq_lens) if query_lens is None else sum(query_lens)
-        n = self.buckets[bisect.bisect_left(self.buckets, num_real)]
+        n = self.rows(num_real)
         if query_lens is None:
             self._fill(n, token_ids, seq_lens, tables, ids)
             row_lens, row_tables = seq_lens, tables

@@ -143,7 +143,8 @@ class ModelRunner:
         """The forward itself, on this rank alone (every tensor-parallel rank runs this; `forward` gets the
         step to the others first): logits [len(logits_rows), vocab] float32."""
         if self.adapters is not None:  # every rank: the step's loads into device slots, then the kind's plan
-            self.adapters.prepare(step.adapter_loads, step.adapter_slots, step.query_lens, step.use_graphs)
+            rows = self.graphs.rows(sum(step.query_lens)) if step.use_graphs and self.graphs is not None else None
+            self.adapters.prepare(step.adapter_loads, step.adapter_slots, step.query_lens, rows)
         if step.use_graphs:
             assert self.graphs is not None
             args = (step.input_ids, step.seq_lens, step.block_tables, step.input_ids_t)

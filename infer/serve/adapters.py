@@ -70,6 +70,22 @@ def remove_adapter(name: str, engine: Any) -> bool:
     return engine.remove_adapter(name)
 
 
+async def replay(models: Any, engine: Any) -> list[str]:
+    """After `engine` was built again (--restart-engine): serve there the adapters the server lists for it
+    (those of --lora-modules are served already, those loaded at runtime not). One that cannot be read
+    now stops being listed; returns their names."""
+    dropped = []
+    for name, served in list(models.adapters.served.items()):
+        if served.engine is not engine or served.lora is None:
+            continue
+        try:
+            await engine.call(functools.partial(add_adapter, served.lora))
+        except Exception:  # its folder went: requests naming it get the 404 of a model not served
+            del models.adapters.served[name]
+            dropped.append(name)
+    return dropped
+
+
 def install(app: FastAPI, models: Any, guarded: list[Any], allowed: bool, errors: dict[int | str, Any]) -> None:
     """The two routes over `models` (the app's `Models`, whose `adapters` they change)."""
 

@@ -38,6 +38,7 @@ from typing import Mapping
 import uvicorn
 
 from infer.api.errors import one_line
+from infer.serve.adapters import replay as replay_adapters
 from infer.serve.async_engine import AsyncEngine
 from infer.serve.engine_thread import ShuttingDownError
 from infer.serve.lifecycle import Lifecycle
@@ -114,6 +115,11 @@ class Server(uvicorn.Server):
         except Exception as exc:
             logger.error("the engine of %s could not be restarted: %s", name, one_line(exc))
             return False
+        models = getattr(getattr(self.config.app, "state", None), "models", None)
+        if models is not None:  # the adapters loaded at runtime, served again
+            dropped = await replay_adapters(models, engine)
+            if dropped:
+                logger.error("after the restart of %s, adapters %s could not be read: no longer served", name, dropped)
         logger.info("the engine of %s is serving again (restart %d)", name, engine.num_restarts)
         return True
 

@@ -35,12 +35,20 @@ class AdapterRecipe:
     targets: tuple[str, ...]  # HF module names, those the model has
     rslora: bool = False
     rank_pattern: tuple[tuple[str, int], ...] = ()
+    alpha_pattern: tuple[tuple[str, float], ...] = ()
 
 
 RECIPES = (
     AdapterRecipe("all-r8", 8, ATTENTION + MLP),
     AdapterRecipe("attn-r16-rslora", 16, ATTENTION, rslora=True),
-    AdapterRecipe("mlp-r8-pattern", 8, MLP, rank_pattern=(("down_proj", 4),)),
+    # PEFT's patterns: a module name's end, and a full path from the base model's root (anchored)
+    AdapterRecipe(
+        "mlp-r8-pattern",
+        8,
+        MLP,
+        rank_pattern=(("down_proj", 4),),
+        alpha_pattern=(("^model.layers.1.mlp.down_proj", 2),),
+    ),
 )
 
 
@@ -65,6 +73,7 @@ def write_adapter(checkpoint: Checkpoint, recipe: AdapterRecipe, folder: Path, s
         lora_dropout=0.0,
         use_rslora=recipe.rslora,
         rank_pattern=dict(recipe.rank_pattern),
+        alpha_pattern=dict(recipe.alpha_pattern),
         init_lora_weights=False,  # B random too: an adapter that changes the outputs
     )
     torch.manual_seed(seed)

@@ -167,3 +167,21 @@ def test_bad_loads_and_unloads_are_clear_errors(served, server, tmp_path, adapte
     unknown = openai.OpenAI(base_url=server.url, api_key=KEY, max_retries=0)
     with pytest.raises(openai.NotFoundError, match="ghost"):
         unknown.completions.create(model="ghost", prompt="hi", max_tokens=2)
+
+
+def test_a_restarted_engine_serves_the_adapters_loaded_at_runtime_again(tiny_chat_dir, adapters, tmp_path):
+    """What --restart-engine replays into the engine built again (`adapters.replay`): every adapter the server
+    lists for it; one whose folder went stops being listed."""
+    from infer.serve.adapters import replay
+
+    llm = LLM(model=str(tiny_chat_dir), attention="torch", num_kv_blocks=64, max_model_len=128, enable_lora=True)
+    s = Served(llm)  # a fresh engine: what a restart builds, without the adapters loaded at runtime
+    try:
+        models = create_app({"tiny": s.engine}).state.models
+        for lora in (LoRARequest("late", 7, adapters["sql"]), LoRARequest("gone", 8, str(tmp_path / "gone"))):
+            models.adapters.served[lora.lora_name] = models["tiny"].adapter(lora)
+        assert asyncio.run(replay(models, s.engine)) == ["gone"]
+        assert list(models.adapters.served) == ["late"]
+        assert [x.lora_name for x in s.offline(lambda llm: llm.list_loras())] == ["late"]
+    finally:
+        s.close()

@@ -35,8 +35,9 @@ CONFIG, WEIGHTS = "adapter_config.json", "adapter_model.safetensors"
 # a forward of at most this many rows takes the per-token kernels (BGMV: batch 1's decode reads each
 # adapter once either way); more rows, grouped by slot (SGMV: an adapter's tiles read once per 16 rows)
 BGMV_MAX_TOKENS = 4
-# PEFT's names for a module's LoRA weights, after its module path
-_WEIGHT = re.compile(r"^(?:base_model\.model\.)?(?:model\.)?(?P<module>.+)\.lora_(?P<ab>[AB])(?:\.default)?\.weight$")
+# PEFT's names for a module's LoRA weights: the base model's module path (as rank_pattern and alpha_pattern
+# match it), then lora_A or lora_B
+_WEIGHT = re.compile(r"^(?:base_model\.model\.)?(?P<module>.+)\.lora_(?P<ab>[AB])(?:\.default)?\.weight$")
 _LAYER = re.compile(r"(?:^|\.)layers\.(?P<layer>\d+)\.(?:.+\.)?(?P<name>[^.]+)$")
 
 
@@ -64,7 +65,8 @@ class HostLoRA:
 
 
 def _pattern_value(patterns: Mapping[str, Any], module: str, default: Any) -> Any:
-    """PEFT's rank_pattern / alpha_pattern: the first key that matches the module path's end."""
+    """PEFT's rank_pattern / alpha_pattern: the first key that matches the end of the base model's module
+    path ("model.layers.0.self_attn.q_proj"), as PEFT matches them."""
     for key, value in patterns.items():
         if re.match(rf"(.*\.)?({key})$", module):
             return value
@@ -101,6 +103,7 @@ class LoRAKind:
         self.starts = torch.zeros(S + 1, dtype=torch.int32, device=dev)
         self.segments: list[tuple[int, int, int]] = []  # (slot, start, end): consecutive tokens of one slot
         self.per_token = True  # this forward's kernels: BGMV (per token) or SGMV (grouped by slot)
+        self.capture = False  # a CUDA graph's capture or warm-up: the kernels launch whatever the rows
 
     # ------------------------------------------------------------------ reading
 
@@ -118,6 +121,7 @@ class LoRAKind:
         self._check_config(name, config)
         weights = self._tensors(name, folder)
         r_default, alpha_default = int(config["r"]), float(config.get("lora_alpha", config["r"]))
+        # a module's rank is its A's rows (what rank_pattern made it); alpha_pattern picks its alpha
         rank_pattern, alpha_pattern = config.get("rank_pattern") or {}, config.get("alpha_pattern") or {}
         pairs: dict[str, dict[str, torch.Tensor]] = {}
         for key, tensor in weights.items():
@@ -140,9 +144,9 @@ class LoRAKind:
                     f"LoRA adapter {name!r} changes {module}, which this model lets no adapter change: target "
                     f"only {', '.join(targets)} of its decoder layers"
                 )
-            r = int(_pattern_value(rank_pattern, module, r_default))
-            alpha = float(_pattern_value(alpha_pattern, module, alpha_default))
             a, b = ab["A"], ab["B"]
+            r = int(a.shape[0]) if a.dim() == 2 else int(_pattern_value(rank_pattern, module, r_default))
+            alpha = float(_pattern_value(alpha_pattern, module, alpha_default))
             t, pieces = target
             full_out = sum(t.out_features[p] for p in pieces)
             if a.shape != (r, t.in_features) or b.shape != (full_out, r):
@@ -251,6 +255,7 @@ class LoRAKind:
             else:
                 segments.append((s, i, i + 1))
         self.segments = segments
+        self.capture = batch.capture
         if len(slots) > self.spec.max_tokens:
             raise RuntimeError(f"a forward of {len(slots)} rows, over the {self.spec.max_tokens} AdapterSpec sized")
         self.per_token = len(slots) <= BGMV_MAX_TOKENS  # the row count alone decides: a graph replays its choice
@@ -271,8 +276,8 @@ class LoRAKind:
 
     def apply(self, t: AdapterTarget, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
         """y + each token's delta for target `t` (y in place, unless the delta must be summed first)."""
-        if not self.segments and not self.kernels:
-            return y  # the kernels launch whatever the rows: a CUDA graph may be capturing them
+        if not self.segments and not (self.kernels and self.capture):
+            return y  # no row runs an adapter (a graph being captured launches the kernels all the same)
         a, b = self.a[t.module], self.b[t.module]
         reduce = t.split == "row" and t.summed and self.spec.all_reduce is not None
         out = torch.zeros_like(y) if reduce else y
