@@ -2,15 +2,19 @@
 
 from __future__ import annotations
 
+import contextlib
+import dataclasses
 import threading
 from collections.abc import Mapping
-from typing import Any, Iterable, Sequence
+from typing import Any, Callable, Iterable, Iterator, Sequence
 
 from infer.api.adapters import LoRARequest
 from infer.api.config import EngineConfig
 from infer.api.errors import RequestError
 from infer.api.pooling import PoolingParams
 from infer.api.request import EmbeddingRequestOutput, RequestOutput, SamplingParams
+from infer.api.vllm import engine_options as vllm_names
+from infer.api.vllm import method_refusal
 from infer.core.engine import Prompt
 from infer.distributed.launch import launch
 from infer.inputs.prompts import as_batch
@@ -34,6 +38,8 @@ class LLM:
             from infer.common.log import configure
 
             configure(level="warning")
+        fields = {f.name for f in dataclasses.fields(EngineConfig)}
+        options = vllm_names(options, fields)  # vLLM's keywords (kv_cache_memory, enforce_eager, ...) too
         config = EngineConfig().replace(model=model, tensor_parallel_size=tensor_parallel_size, **options)
         self.config = config
         self.engine = make_engine(config, extra_plugins=plugins, launch=launch)  # launch: --tp N's ranks
@@ -43,27 +49,41 @@ class LLM:
     def tokenizer(self) -> Any:
         return self.engine.tokenizer
 
+    def __getattr__(self, name: str) -> Any:
+        """vLLM's LLM methods that infer lacks: an AttributeError that says what to use instead."""
+        refused = method_refusal(name)
+        raise AttributeError(refused or f"'LLM' object has no attribute {name!r}")
+
+    def get_tokenizer(self) -> Any:
+        """The model's tokenizer (transformers'), as vLLM's `LLM.get_tokenizer`; None for a model without one."""
+        return self.engine.tokenizer
+
     def generate(
         self,
         prompts: Prompt | Sequence[Prompt],
         sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
         lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None,
+        use_tqdm: bool = False,
     ) -> list[RequestOutput]:
         """One prompt or a list: strings, token-id lists, {"prompt": str} or {"prompt_token_ids": [...]}.
         `lora_request`: the adapter they run with (an engine built with enable_lora=True), or one per
-        prompt (None: the base model); the adapter's folder is read the first time it is named.
+        prompt (None: the base model); the adapter's folder is read the first time it is named. `use_tqdm`:
+        a progress bar of the prompts done, on stderr (vLLM's keyword; infer's default is none).
 
         A bad prompt or params gets an output with `error` set; the others run as they would alone.
         If stepping raises (KeyboardInterrupt included), this call's requests are dropped and their
         KV blocks freed before the exception propagates; the LLM stays usable (under tensor parallelism an
         interrupt inside a forward leaves the ranks out of step, and the next call asks for a new LLM)."""
         with self._lock:
-            return self.engine.generate(as_batch(prompts), sampling_params, lora_request)
+            batch = as_batch(prompts)
+            with _progress(use_tqdm, len(batch)) as done:
+                return self.engine.generate(batch, sampling_params, lora_request, progress=done)
 
     def embed(
         self,
         prompts: Prompt | Sequence[Prompt],
         pooling_params: PoolingParams | Sequence[PoolingParams] | None = None,
+        use_tqdm: bool = False,
     ) -> list[EmbeddingRequestOutput]:
         """Each prompt's embedding: its hidden states pooled (the model's default pooler unless `pooling_params`
         names one), L2-normalized unless it says otherwise; `out.outputs.embedding` is a list of floats. The
@@ -79,7 +99,8 @@ class LLM:
             pooling = [pooling_params if pooling_params is not None else PoolingParams()] * len(batch)
         params = [SamplingParams(max_tokens=1, temperature=0, pooling=p) for p in pooling]
         with self._lock:
-            return [EmbeddingRequestOutput.of(o) for o in self.engine.generate(batch, params)]
+            with _progress(use_tqdm, len(batch)) as done:
+                return [EmbeddingRequestOutput.of(o) for o in self.engine.generate(batch, params, progress=done)]
 
     # vLLM LLMEngine-style calls: add requests, step until done, abort from any thread
 
@@ -136,6 +157,8 @@ class LLM:
         add_generation_prompt: bool = True,
         chat_template_kwargs: Mapping[str, Any] | None = None,
         tools: Sequence[Mapping[str, Any]] | None = None,
+        use_tqdm: bool = False,
+        lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None,
     ) -> list[RequestOutput]:
         """messages: one conversation (a list of {"role", "content"} dicts) or a list of them, rendered
         by `chat_template` (a jinja file's path or text; default: the model's or --chat-template's).
@@ -169,7 +192,10 @@ class LLM:
         params = (
             [sampling_params[i] for i in prompts] if isinstance(sampling_params, (list, tuple)) else sampling_params
         )
-        outputs = iter(self.generate(list(prompts.values()), params) if prompts else [])
+        loras = (
+            [lora_request[i] for i in prompts] if isinstance(lora_request, (list, tuple)) else lora_request
+        )  # fmt: skip
+        outputs = iter(self.generate(list(prompts.values()), params, loras, use_tqdm) if prompts else [])
         results = []
         for i in range(len(conversations)):
             if i in errors:
@@ -190,3 +216,15 @@ class LLM:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+@contextlib.contextmanager
+def _progress(use_tqdm: bool, total: int) -> Iterator[Callable[[], None] | None]:
+    """A callback that advances a tqdm bar of `total` prompts (None without `use_tqdm`)."""
+    if not use_tqdm:
+        yield None
+        return
+    from tqdm.auto import tqdm
+
+    with tqdm(total=total, desc="prompts", unit="prompt") as bar:
+        yield lambda: bar.update(1)

@@ -75,6 +75,9 @@ class EngineConfig:
     structured_compile_timeout_s: float = 10.0
     max_model_len: int | None = None  # default: the model's context length
     seed: int = 0  # seeds dummy weights and unseeded sampling
+    # torch's threads on the CPU; None: INFER_CPU_THREADS, else the cores this process may use (affinity, a
+    # cgroup's quota), one when other processes keep them busy (infer.common.cpus)
+    cpu_threads: int | None = None
     cuda_graphs: bool = True
     # steps with prompt tokens replay a graph too, up to this many tokens (0: decode steps only)
     cuda_graph_max_tokens: int = 512

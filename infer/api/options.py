@@ -56,6 +56,7 @@ RANGES: dict[str, tuple[Callable[[Any], bool], str]] = {
     "num_speculative_tokens": (lambda v: v >= 1, "an integer >= 1"),
     "exit_layer": (lambda v: v >= 1, "an integer >= 1 (decoder layers kept), or None"),
     "max_loras": (lambda v: v >= 1, "an integer >= 1"),
+    "cpu_threads": (lambda v: v >= 1, "an integer >= 1, or None for the cores this process may use"),
     "max_lora_rank": (lambda v: 1 <= v <= 128, "an integer in [1, 128]"),
     "max_cpu_loras": (lambda v: v >= 1, "an integer >= 1, or None for --max-loras"),
     "draft": (lambda v: v.strip() != "", "ngram, self, or a model name or folder"),

@@ -56,6 +56,17 @@ class SamplingParams:
     # an embedding request (plugin API 2.2, `infer.api.pooling`): its prompt's hidden states pooled into
     # `RequestOutput.embedding`; it ends once its prompt is computed (max_tokens 1, its one token unused)
     pooling: PoolingParams | None = None
+    # vLLM's output options (plugin API 2.3)
+    include_stop_str_in_output: bool = False  # the stop string that ended the text stays in it
+    skip_special_tokens: bool = True  # the text leaves special tokens out (their ids stay in token_ids)
+    detokenize: bool = True  # False: token ids alone, the text "" (no stop strings then)
+    # keep the prompt's last k tokens (-1: as many as the context holds beside one output token); None: all
+    truncate_prompt_tokens: int | None = None
+    structured_outputs: StructuredOutputs | dict[str, Any] | None = None  # vLLM's name for `structured`
+    # vLLM's, refused unless left as they are (`infer.api.vllm.SAMPLING` says why)
+    spaces_between_special_tokens: bool = True
+    logits_processors: Any = None
+    output_kind: Any = None
 
     def __post_init__(self) -> None:
         # vLLM's forms: one string or a sequence of them, None for none; anything else is left for validate
@@ -67,6 +78,10 @@ class SamplingParams:
             self.stop_token_ids = list(self.stop_token_ids or [])
         if self.top_k == -1:
             self.top_k = 0
+        if self.structured_outputs is not None:  # vLLM's name: the same field
+            if self.structured is not None:
+                raise _bad("structured_outputs", self.structured_outputs, "give it or structured, not both")
+            self.structured, self.structured_outputs = self.structured_outputs, None
         self.validate()
 
     @property
@@ -96,6 +111,28 @@ class SamplingParams:
         for token in self.stop_token_ids:
             _integer("stop_token_ids", token, 0, fix="use a list of token ids (integers >= 0)")
         _boolean("ignore_eos", self.ignore_eos)
+        for name in ("include_stop_str_in_output", "skip_special_tokens", "detokenize"):
+            _boolean(name, getattr(self, name))
+        if not self.skip_special_tokens:
+            raise _bad(
+                "skip_special_tokens",
+                False,
+                "infer's detokenizers leave special tokens out of the text (their ids are in token_ids): drop it",
+            )
+        for name, left in (
+            ("spaces_between_special_tokens", self.spaces_between_special_tokens is True),
+            ("logits_processors", self.logits_processors is None),
+            ("output_kind", self.output_kind is None),
+        ):
+            if not left:
+                from infer.api.vllm import SAMPLING, Refused
+
+                why = next(r.why for r in SAMPLING if isinstance(r, Refused) and r.vllm == name)
+                raise _bad(name, getattr(self, name), f"vLLM's {name} has no equivalent here: {why}")
+        if not self.detokenize and self.stop:
+            raise _bad("detokenize", False, "stop strings are found in the text: use stop_token_ids, or detokenize")
+        if self.truncate_prompt_tokens is not None and self.truncate_prompt_tokens != -1:
+            _integer("truncate_prompt_tokens", self.truncate_prompt_tokens, 1, fix="use an integer >= 1, -1, or None")
         if self.logprobs is not None:
             _integer("logprobs", self.logprobs, 0, fix="use None or an integer >= 0")
         if self.prompt_logprobs is not None:

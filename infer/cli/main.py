@@ -8,6 +8,7 @@ from typing import Any
 import click
 
 from infer.api.errors import InferError, one_line
+from infer.api.vllm import refusal
 from infer.cli.bench import bench
 from infer.cli.common import extra_plugins
 from infer.cli.doctor import doctor
@@ -35,6 +36,11 @@ class OneLineErrors(click.Group):
             exc.show()
             sys.exit(exc.exit_code)
         except click.ClickException as exc:
+            # a vLLM flag that infer lacks: why, and what to do instead
+            refused = refusal(exc.option_name) if isinstance(exc, click.NoSuchOption) else None
+            if refused is not None:
+                click.echo(f"error: {refused}", err=True)
+                sys.exit(exc.exit_code)
             ctx = exc.ctx if isinstance(exc, click.UsageError) else None  # a usage error knows its command
             hint = f" (see `{ctx.command_path} --help`)" if ctx is not None else ""
             message = exc.format_message()

@@ -12,6 +12,8 @@ import click
 
 from infer.api.config import CHOICES, EngineConfig
 from infer.api.options import FieldType, field_types, flag
+from infer.api.vllm import ENGINE, Alias
+from infer.api.vllm import engine_options as vllm_names
 
 
 def _slot_help(what: str, builtin: str) -> str:
@@ -72,6 +74,8 @@ HELP: dict[str, str] = {  # EngineConfig field -> help, in the order `--help` li
     "pipeline_decode": "Queue each decode step's forward before the step before's tokens reach the host "
     "(default: on CUDA).",
     "seed": "Seeds dummy weights and unseeded sampling.",
+    "cpu_threads": "Torch's threads on the CPU (also INFER_CPU_THREADS); default: the cores this process may use "
+    "(affinity, a container's quota), one when the machine is already busy (spinning threads wait on held cores).",
     "enable_lora": "Serve adapters (LoRA): requests name one, and a step mixes them with the base model.",
     "adapter": _slot_help("Adapter kind, with --enable-lora", "lora (PEFT LoRA folders)"),
     "max_loras": "Adapters a step may run, each in a device slot (the least recently used evicted to host memory).",
@@ -97,7 +101,26 @@ def _engine_options() -> dict[str, Callable[[Callable[..., Any]], Callable[..., 
     return {n: engine_option(n, kinds[n], fields[n].default) for n in order}
 
 
-ENGINE_OPTIONS = _engine_options()  # field -> its option, in `--help` order
+def _vllm_options() -> dict[str, Callable[[Callable[..., Any]], Callable[..., Any]]]:
+    """vLLM's spellings of engine options that infer names otherwise (`infer.api.vllm.ENGINE`), hidden from
+    --help: each fills the parameter `vllm_<name>`, which `engine_config` turns into infer's field."""
+    kinds = field_types(EngineConfig)
+    flags = {flag(n) for n in kinds} | {f"--no-{flag(n)[2:]}" for n in kinds if kinds[n].base is bool}
+    found = {}
+    for row in ENGINE:
+        name = f"--{row.vllm.replace('_', '-')}"
+        if not isinstance(row, Alias) or name in flags or len(row.vllm) < 3:
+            continue
+        kind = kinds[row.infer]
+        if kind.base is bool or row.switch:
+            option = click.option(f"{name}/--no-{name[2:]}", f"vllm_{row.vllm}", default=None, hidden=True)
+        else:
+            option = click.option(name, f"vllm_{row.vllm}", type=float if row.convert else kind.base, hidden=True)
+        found[f"vllm_{row.vllm}"] = option
+    return found
+
+
+ENGINE_OPTIONS = _engine_options() | _vllm_options()  # field (or vllm_<name>) -> its option, in `--help` order
 
 
 def engine_options(f: Callable[..., Any]) -> Callable[..., Any]:
@@ -119,8 +142,14 @@ def engine_options_except(*names: str) -> Callable[[Callable[..., Any]], Callabl
 
 
 def engine_config(options: dict[str, Any]) -> EngineConfig:
-    """The engine options as parsed (one keyword per field) -> an EngineConfig, not yet validated."""
-    return EngineConfig().replace(**options)
+    """The engine options as parsed (one keyword per field, and vLLM's spellings given) -> an EngineConfig, not
+    yet validated."""
+    fields = {f.name for f in dataclasses.fields(EngineConfig)}
+    given = {k: v for k, v in options.items() if not k.startswith("vllm_")}
+    vllm = {k.removeprefix("vllm_"): v for k, v in options.items() if k.startswith("vllm_") and v is not None}
+    for key, value in vllm_names(vllm, fields).items():
+        given[key] = value  # vLLM's spelling, given, over infer's default
+    return EngineConfig().replace(**given)
 
 
 def writable(ctx: click.Context, param: click.Parameter, path: Path | None) -> Path | None:

@@ -175,6 +175,14 @@ def limit_options(command: Callable[..., Any]) -> Callable[..., Any]:
 
 
 @click.command()
+@click.argument("model_arg", metavar="[MODEL]", required=False)
+@click.option(
+    "--served-model-name",
+    default=None,
+    metavar="NAME",
+    help="The name requests use for the one model served (vLLM's flag; several models: --model MODEL:name=NAME).",
+)
+@click.option("--disable-log-requests", is_flag=True, help="No access-log line per request (vLLM's flag).")
 @click.option(
     "--model",
     "models",
@@ -258,6 +266,9 @@ def limit_options(command: Callable[..., Any]) -> Callable[..., Any]:
 @limit_options
 @user_errors
 def serve(
+    model_arg: str | None,
+    served_model_name: str | None,
+    disable_log_requests: bool,
     models: tuple[str, ...],
     host: str,
     port: int,
@@ -300,7 +311,18 @@ def serve(
         from infer.serve.tracing import otlp_tracer
 
         tracer = otlp_tracer(otlp_traces_endpoint)
+    if model_arg is not None:  # `infer serve MODEL`, as `vllm serve MODEL`
+        models = (model_arg, *models)
     configs = model_configs(models, engine_opts)
+    if served_model_name is not None:
+        if len(configs) != 1:
+            raise ConfigError(
+                f"--served-model-name names one model and {len(configs)} are served: give each its name with "
+                f"--model MODEL:name=NAME"
+            )
+        if not served_model_name.strip():
+            raise ConfigError("--served-model-name is empty: give the name requests should use")
+        configs = {served_model_name.strip(): next(iter(configs.values()))}
     loras = lora_modules(lora_specs, list(configs))
     for name in loras:  # a model with adapters serves them
         configs[name] = configs[name].replace(enable_lora=True)
@@ -328,7 +350,13 @@ def serve(
         click.echo(f"serving {', '.join(engines)} at http://{host}:{port}/v1", err=True)
         # the Server drains before uvicorn's own shutdown: what is left for it after the cut is cancelled
         config = uvicorn.Config(
-            app, host=host, port=port, log_level="info", timeout_graceful_shutdown=5, **uvicorn_options(limits)
+            app,
+            host=host,
+            port=port,
+            log_level="info",
+            timeout_graceful_shutdown=5,
+            access_log=not disable_log_requests,
+            **uvicorn_options(limits),
         )
         server = Server(config, engines, lifecycle, shutdown_timeout, restart_engines=restart_engine)
         server.run()

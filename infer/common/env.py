@@ -21,6 +21,7 @@ from pathlib import Path
 __all__ = [
     "Torchrun",
     "cache_dir",
+    "cpu_threads",
     "export",
     "extra_plugins",
     "gemv_push",
@@ -49,6 +50,14 @@ def triton_interpret() -> bool:
     """TRITON_INTERPRET (bool, default off; Triton's): `1` runs Triton kernels in Triton's interpreter
     on the CPU (how CI tests them); any other value compiles them for the GPU."""
     return os.environ.get("TRITON_INTERPRET") == "1"
+
+
+def cpu_threads() -> int | None:
+    """INFER_CPU_THREADS (int >= 1, default unset): torch's threads for a CPU engine, as --cpu-threads sets
+    them (the option wins); unset: the cores this process may use, one when the machine is busy. A value
+    that is no positive integer is ignored."""
+    value = os.environ.get("INFER_CPU_THREADS", "").strip()
+    return int(value) if value.isdigit() and int(value) >= 1 else None
 
 
 def cache_dir() -> Path:

@@ -9,7 +9,7 @@ import random
 import time
 import warnings
 from dataclasses import dataclass
-from typing import Any, Protocol, Sequence, runtime_checkable
+from typing import Any, Callable, Protocol, Sequence, runtime_checkable
 
 import torch
 
@@ -129,6 +129,8 @@ class Engine:
         if request_id is not None and not isinstance(request_id, str):
             raise RequestError(f"request_id must be a string, not {type(request_id).__name__}")
         text, ids = self.tokenize(prompt)
+        if (keep := params.truncate_prompt_tokens) is not None:  # vLLM's: the prompt's last tokens only
+            ids = ids[-(self.parts.max_model_len - 1 if keep == -1 else keep) :]
         limit = self.parts.max_model_len
         parent_id = request_id
         while parent_id is None or (request_id is None and parent_id in self.output.groups):  # skip ids a caller took
@@ -368,6 +370,7 @@ class Engine:
         prompts: Sequence[Prompt],
         params: SamplingParams | Sequence[SamplingParams] | None = None,
         lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None,
+        progress: Callable[[], None] | None = None,
     ) -> list[RequestOutput]:
         """Run prompts to completion; a bad prompt (or params) gets an output with `error` set, the rest run.
 
@@ -405,6 +408,8 @@ class Engine:
             while self.has_unfinished():
                 for o, _ in self.step_outputs().finished:
                     results[o.request_id] = o
+                    if progress is not None:  # a prompt done (LLM.generate's use_tqdm)
+                        progress()
         except BaseException:  # nothing else was unfinished when this call began: every group is this call's
             self._abandon(list(self.output.groups))
             raise

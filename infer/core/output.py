@@ -113,8 +113,11 @@ class OutputProcessor:
         """Hand this step's updated requests (running or just finished) to the detokenizer."""
         fresh = [r for r in requests if r.request_id in self.parent_of and r.request_id not in self.ready]
         fresh = [r for r in fresh if r.is_finished or r.params.tokens_are_final]  # else decoded once, at the end
+        fresh = [r for r in fresh if r.params.detokenize or r.is_finished]  # no text: nothing to decode
         for r in fresh:
             if r.is_finished and not r.output_token_ids:  # ended before producing a token
+                self.ready.add(r.request_id)
+            elif not r.params.detokenize and r.is_finished:  # token ids alone: no text to wait for
                 self.ready.add(r.request_id)
         fresh = [r for r in fresh if r.request_id not in self.ready]
         self.in_flight = fresh

@@ -25,6 +25,7 @@ from infer.api import (
 from infer.api.config import EngineConfig
 from infer.api.errors import ConfigError
 from infer.api.pooling import default_pooler, matryoshka_dimensions
+from infer.common import cpus, env
 from infer.common.log import get_logger
 from infer.core.block_mover import BlockMover
 from infer.core.compose import check_model_attention, compose
@@ -53,6 +54,13 @@ def build_engine(
     if config.tensor_parallel_size > 1 and parallel is None:  # start (or join) the ranks, then build each
         assert launch is not None, "checked by _check"
         return launch(config, extra_plugins, plan.source.name, plan.model_config, plan.device)
+    if plan.device.type == "cpu":
+        _cpu_threads(config)
+        if config.gpu_memory_utilization != EngineConfig().gpu_memory_utilization:  # a GPU option, given here
+            get_logger().warning(
+                f"--gpu-memory-utilization {config.gpu_memory_utilization} does nothing on the CPU: the KV cache "
+                f"there takes --kv-cache-memory GiB (default 1)"
+            )
     parallel = SingleProcess(plan.device) if parallel is None else parallel
     # every rank, in the same order: the fast all-reduce's set-up is collective
     parallel = parallel.set_up(config.all_reduce, plan.dtype, plan.model_config.hidden_size)
@@ -101,6 +109,17 @@ def build_engine(
         processors=processors,
         adapters=models[0][0].adapters,
     )
+
+
+def _cpu_threads(config: EngineConfig) -> None:
+    """Torch's threads for a CPU engine: --cpu-threads, INFER_CPU_THREADS, or what the machine allows now."""
+    import torch
+
+    threads, warning = cpus.choose(config.cpu_threads or env.cpu_threads(), torch.get_num_threads())
+    if warning is not None:
+        get_logger().warning(warning)
+    if threads != torch.get_num_threads():
+        torch.set_num_threads(threads)
 
 
 def _pooling(plan: BuildPlan) -> Pooling:

@@ -45,6 +45,7 @@ class Stream:
     """
 
     stops: tuple[str, ...]
+    keep_stop: bool  # the stop string stays in the text (`include_stop_str_in_output`)
     tail: int  # max stop length - 1: how far back into old text a new match can start
     window: list[int]
     read: int
@@ -60,6 +61,7 @@ class Stream:
         seed = list(request.prompt_token_ids[-SEED_TOKENS:])
         return cls(
             stops=stops,
+            keep_stop=bool(request.params.include_stop_str_in_output),
             tail=max(map(len, stops), default=1) - 1,
             window=seed,
             read=len(seed),
@@ -137,8 +139,8 @@ class Stream:
     def _stop(self, text: str, j: int) -> None:
         """Token `window[j]` completed a stop string in `text`: cut before the earliest-starting one."""
         lo = max(0, len(self.text) - self.tail)
-        cut = min(s for s in (text.find(stop, lo) for stop in self.stops) if s >= 0)
-        self.text = text[:cut]
+        start, _, stop = min((i, len(s), s) for s in self.stops if (i := text.find(s, lo)) >= 0)
+        self.text = text[: start + len(stop)] if self.keep_stop else text[:start]
         self.stop_index = self.num_output - len(self.window) + j
         self.window, self.read, self.search = [], 0, None
 

@@ -1,0 +1,6 @@
+"""`python -m infer ...`: the `infer` command."""
+
+from infer.cli.main import main
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,59 @@
+"""Torch's threads on the CPU (`infer.common.cpus`, --cpu-threads, INFER_CPU_THREADS): the cores this process
+may use, one when the machine is busy (with a warning), the user's choice over both."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from infer.api.config import EngineConfig
+from infer.api.errors import ConfigError
+from infer.common import cpus
+
+
+@pytest.fixture
+def machine(monkeypatch):
+    def set_(cores: int, load: float | None) -> None:
+        monkeypatch.setattr(cpus, "available", lambda: cores)
+        monkeypatch.setattr(cpus, "load", lambda: load)
+
+    return set_
+
+
+def test_threads_follow_the_machine(machine):
+    machine(cores=2, load=0.3)
+    assert cpus.choose(None, current=8) == (2, None)  # capped by the cores this process may use
+    assert cpus.choose(None, current=1) == (1, None)  # never more than torch was given (a caller's one thread)
+    machine(cores=2, load=12.0)
+    threads, warning = cpus.choose(None, current=2)
+    assert threads == 1 and "busy (load 12.0 on the 2 cores" in warning and "--cpu-threads" in warning
+    assert cpus.choose(3, current=2) == (3, None)  # asked for: as asked, busy or not
+
+
+def test_the_cgroup_quota_caps_the_cores(monkeypatch, tmp_path):
+    quota = tmp_path / "cpu.max"
+    quota.write_text("150000 100000\n")  # 1.5 cores' worth
+    monkeypatch.setattr(cpus, "CGROUP_CPU_MAX", quota)
+    assert cpus.available() == 1
+    quota.write_text("max 100000\n")
+    assert cpus.available() >= 1
+
+
+def test_an_engine_on_a_busy_machine_runs_one_thread(machine, monkeypatch, tiny_llama_dir, caplog):
+    from infer import LLM
+
+    machine(cores=2, load=9.0)
+    before = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        with LLM(model=str(tiny_llama_dir), attention="torch", num_kv_blocks=16, max_model_len=64):
+            assert torch.get_num_threads() == 1
+        monkeypatch.setenv("INFER_CPU_THREADS", "2")
+        with LLM(model=str(tiny_llama_dir), attention="torch", num_kv_blocks=16, max_model_len=64):
+            assert torch.get_num_threads() == 2  # the variable chose
+        with LLM(model=str(tiny_llama_dir), attention="torch", num_kv_blocks=16, max_model_len=64, cpu_threads=1):
+            assert torch.get_num_threads() == 1  # the option wins
+    finally:
+        torch.set_num_threads(before)
+    with pytest.raises(ConfigError, match="cpu_threads"):
+        EngineConfig(cpu_threads=0).validate()
