@@ -6,7 +6,6 @@ from __future__ import annotations
 import asyncio
 import gc
 import math
-import statistics
 
 import numpy as np
 import pytest
@@ -23,7 +22,8 @@ from infer.bench.online import (
 )
 from infer.bench.online_metrics import meets, parse_goodput, summarize
 
-SLACK_S = 0.05  # a late wake-up on two busy cores; sleeps never end early
+# No upper bound on a wall-clock time here: a busy machine wakes a sleeper late by any amount. What the
+# server's sleeps guarantee are lower bounds; the rest are identities between the figures of one clock.
 
 
 def load(fake, requests, **settings):
@@ -46,11 +46,11 @@ def test_timings_match_the_servers_delays(fake_server, endpoint):
         gc.enable()
     for r in result.records:
         assert r.error is None and r.output_tokens == 6 and len(r.itl_s) == 5
-        assert 0.06 <= r.ttft_s < 0.06 + SLACK_S
-        assert 0.06 + 5 * 0.02 <= r.e2e_s < 0.16 + 2 * SLACK_S
-        assert statistics.median(r.itl_s) == pytest.approx(0.02, abs=0.01)
-        assert r.tpot_s == pytest.approx((r.e2e_s - r.ttft_s) / 5) and r.tpot_s == pytest.approx(0.02, abs=0.01)
-    assert result.duration_s >= 0.16  # all at once: the run lasts about one request
+        assert r.ttft_s >= 0.06 and r.e2e_s >= 0.06 + 5 * 0.02  # the server's sleeps: never shorter
+        assert r.e2e_s >= r.ttft_s + sum(r.itl_s) - 1e-9  # the gaps run from the first token to the last
+        assert r.tpot_s == pytest.approx((r.e2e_s - r.ttft_s) / 5) and min(r.itl_s) >= 0
+        assert r.start_s + r.e2e_s <= result.duration_s + 1e-6  # every request within the run
+    assert result.duration_s >= 0.16
     body = fake_server.bodies[0]
     assert body["stream"] and body["stream_options"] == {"include_usage": True}
     assert body["temperature"] == 0 and body["ignore_eos"] is True and body["model"] == "fake-model"
@@ -76,7 +76,7 @@ def test_completions_chunks_without_text_still_count(fake_server):
     result = load(fake_server, token_requests(2, 6))
     for r in result.records:
         assert r.error is None and r.output_tokens == 6 and len(r.itl_s) == 5
-        assert 0.05 <= r.ttft_s < 0.05 + SLACK_S
+        assert r.ttft_s >= 0.05 and r.e2e_s >= r.ttft_s + sum(r.itl_s) - 1e-9
 
 
 def test_failed_requests_are_kept_and_counted(fake_server):
@@ -107,9 +107,10 @@ def test_poisson_arrivals_are_seeded_with_the_rates_mean_gap():
 
 def test_requests_are_sent_on_their_arrival_schedule(fake_server):
     result = load(fake_server, token_requests(10, 2), request_rate=25.0, seed=5)
-    for record, offset in zip(result.records, arrival_offsets(10, 25.0, seed=5)):
-        assert offset <= record.start_s < offset + SLACK_S
-    assert result.duration_s >= arrival_offsets(10, 25.0, seed=5)[-1]
+    offsets = arrival_offsets(10, 25.0, seed=5)
+    starts = [record.start_s for record in result.records]
+    assert all(start >= offset for start, offset in zip(starts, offsets))  # none before its arrival
+    assert starts == sorted(starts) and result.duration_s >= offsets[-1]  # in the schedule's order
 
 
 @pytest.mark.parametrize("bound, peak", [(3, 3), (None, 12)])
