@@ -21,7 +21,7 @@ def _slot_help(what: str, builtin: str) -> str:
 
 
 HELP: dict[str, str] = {  # EngineConfig field -> help, in the order `--help` lists the options
-    "model": "Named model or shape, or an HF model folder.",
+    "model": "Named model or shape, an HF model folder, or an HF repo id (org/name) in the HF cache.",
     "revision": "For an HF repo id (org/name): the branch, tag or commit to load.  [default: main]",
     "model_impl": "The model plugin that runs --model (one that claims its architecture); auto: the first that "
     "claims it. `infer plugins` lists them.",

@@ -27,11 +27,16 @@ def plugins(matrix: bool, device: str) -> None:
         return
     rows = [("slot", "name", "distribution", "version", "capabilities")]
     for slot in SLOTS:
-        for s in sorted(registry.all(slot.name), key=lambda s: s.name):
+        strategies = sorted(registry.all(slot.name), key=lambda s: s.name)
+        names = [s.name for s in strategies]
+        for s in strategies:
             caps = s.capabilities.describe()
             reason = s.unavailable_reason()
+            name = s.name
+            if names.count(s.name) > 1:  # several implementations of one kind (layers): which is which
+                name = f"{s.name} ({getattr(s.factory, '__name__', type(s.factory).__name__)})"
             rows.append(
-                (slot.name, s.name, s.distribution, s.version, caps + (f"  [unavailable: {reason}]" if reason else ""))
+                (slot.name, name, s.distribution, s.version, caps + (f"  [unavailable: {reason}]" if reason else ""))
             )
     widths = [max(len(r[i]) for r in rows) for i in range(4)]
     for r in rows:

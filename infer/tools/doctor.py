@@ -118,9 +118,7 @@ def _model(config: EngineConfig, registry: PluginRegistry) -> tuple[list[Verdict
     except InferError as exc:
         if config.load_format != "dummy" and config.model in hub.KNOWN_SOURCES and registry.preset(config.model):
             return [Verdict("model", config.model, note="not cached yet: `infer run` downloads it once")], None
-        return [
-            Verdict("model", config.model, str(exc), tuple(n for n in registry.preset_names() if n != config.model)[:6])
-        ], None
+        return [Verdict("model", config.model, str(exc), _runnable_models(registry, config.model))], None
     try:
         mc = source.model_config()
         if source.path is not None:  # the safetensors headers against the config's shapes; no weight is read
@@ -219,6 +217,8 @@ def diagnose(
         except InferError as exc:
             verdicts.append(Verdict("attention", "auto", str(exc)))
     for slot in CHOSEN:
+        if slot.name == "adapter" and not config.enable_lora:  # built only for a run that serves adapters
+            continue
         if not (slot.name == "attention" and config.attention == "auto"):
             # the EngineConfig field that names the slot's strategy, by its name in the slot table
             verdicts.append(_verdict(registry, slot.name, getattr(config, slot.field), config, device, dtype))
@@ -244,6 +244,15 @@ def diagnose(
         except InferError as exc:
             verdicts.append(Verdict("combination", "", str(exc)))
     return Diagnosis(str(device), str(dtype).removeprefix("torch."), verdicts, list(registry.broken))
+
+
+def _runnable_models(registry: PluginRegistry, asked: str) -> tuple[str, ...]:
+    """Models that run here instead: those cached on this machine, then named shapes with random weights."""
+    from infer.loading import hub
+
+    cached = [n for n in sorted(hub.KNOWN_SOURCES) if n != asked and hub.find_cached(n) is not None]
+    shapes = [f"{n} --load-format dummy" for n in registry.preset_names() if n != asked and n not in cached]
+    return (*cached, *shapes[: max(0, 4 - len(cached))])
 
 
 def format_diagnosis(d: Diagnosis) -> str:
