@@ -1,0 +1,125 @@
+"""Priority under overload on a live server: high priority's time to first token alone, then in a mix that
+overloads the server, then the same arrivals without priorities (FIFO). A fresh `infer serve` per run, so
+that no run inherits another's cache or queue (docs/performance.md, "Priority under overload").
+
+    python -m benchmarks.lab.priority --model llama3-8b --load-format dummy --max-num-seqs 16 --out prio.json
+
+First the server's capacity: --probe requests all at once, completed requests per second. Then: priority 0
+alone at --alone-fraction of it (the unloaded TTFT), --requests at --overload x capacity drawn with
+--mix (e.g. 0:1,1:9), and the same arrivals with every request at priority 0. Each run is `infer bench
+serve --workload W --seed S --json`; the figures come from its JSON.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import httpx
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class Server:
+    def __init__(self, args: argparse.Namespace) -> None:
+        self.port = free_port()
+        command = [
+            sys.executable, "-m", "infer.cli.main", "serve", "--model", args.model, "--load-format", args.load_format,
+            "--max-num-seqs", str(args.max_num_seqs), "--priority-aging-s", str(args.aging), "--port", str(self.port),
+            *(["--tokenizer", args.tokenizer] if args.tokenizer else []), "--disable-log-requests",
+        ]  # fmt: skip
+        self.process = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+        self.root = f"http://127.0.0.1:{self.port}"
+        deadline = time.monotonic() + 600
+        while True:
+            if self.process.poll() is not None:
+                raise RuntimeError(f"the server ended: {self.process.stderr.read()[-2000:]}")
+            try:
+                if httpx.get(f"{self.root}/health", timeout=5).status_code == 200:
+                    return
+            except httpx.TransportError:
+                pass
+            if time.monotonic() > deadline:
+                raise RuntimeError("the server did not come up in 600 s")
+            time.sleep(0.5)
+
+    def stop(self) -> None:
+        self.process.send_signal(signal.SIGINT)
+        try:
+            self.process.wait(timeout=120)
+        except subprocess.TimeoutExpired:
+            self.process.kill()
+
+
+def bench(args: argparse.Namespace, label: str, rate: float, num: int, mix: str | None) -> dict[str, Any]:
+    server = Server(args)
+    try:
+        with tempfile.TemporaryDirectory() as tmp:
+            out = Path(tmp) / "run.json"
+            command = [
+                sys.executable, "-m", "infer.cli.main", "bench", "serve", "--base-url", server.root,
+                "--workload", args.workload, "--seed", str(args.seed), "--num-prompts", str(num),
+                "--request-rate", str(rate), "--json", str(out),
+                *(["--priority-mix", mix] if mix else []),
+                *(["--tokenizer", args.tokenizer] if args.tokenizer else []),
+            ]  # fmt: skip
+            done = subprocess.run(command, capture_output=True, text=True, env=os.environ.copy())
+            if done.returncode != 0:
+                raise RuntimeError(f"{label}: infer bench serve failed: {done.stderr[-2000:]}")
+            result = json.loads(out.read_text())
+    finally:
+        server.stop()
+    print(f"{label}: rate {rate:.2f}/s x {num}\n{done.stdout[-1500:]}", flush=True)
+    return {"label": label, "rate": rate, "requests": num, "mix": mix, "result": result}
+
+
+def capacity(result: dict[str, Any]) -> float:
+    """Completed requests per second of a run (`infer bench serve --json`)."""
+    return float(result["runs"][0]["request_throughput"])
+
+
+def main(argv: list[str] | None = None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--model", default="llama3-8b")
+    ap.add_argument("--load-format", default="dummy")
+    ap.add_argument("--tokenizer", default=None)
+    ap.add_argument("--max-num-seqs", type=int, default=16)
+    ap.add_argument("--aging", type=float, default=60.0, help="--priority-aging-s")
+    ap.add_argument("--workload", default="random-32x8")
+    ap.add_argument("--seed", type=int, default=1)
+    ap.add_argument("--probe", type=int, default=400, help="requests all at once for the capacity")
+    ap.add_argument("--requests", type=int, default=2000, help="requests of the overloaded runs")
+    ap.add_argument("--overload", type=float, default=1.6, help="the mix's rate over the capacity")
+    ap.add_argument("--alone-fraction", type=float, default=0.05, help="priority 0 alone: this x the capacity")
+    ap.add_argument("--mix", default="0:1,1:9")
+    ap.add_argument("--out", type=Path, default=None)
+    args = ap.parse_args(argv)
+    probe = bench(args, "capacity", float("inf"), args.probe, None)
+    cap = capacity(probe["result"])
+    runs = [
+        probe,
+        bench(args, "priority 0 alone", cap * args.alone_fraction, max(20, args.requests // 50), "0:1"),
+        bench(args, "mix", cap * args.overload, args.requests, args.mix),
+        bench(args, "fifo", cap * args.overload, args.requests, None),
+    ]
+    if args.out is not None:
+        args.out.write_text(
+            json.dumps({"capacity_rps": cap, "args": vars(args) | {"out": str(args.out)}, "runs": runs})
+        )
+
+
+if __name__ == "__main__":
+    main()
