@@ -23,31 +23,40 @@ import triton.language as tl
 
 
 @triton.jit
-def _bgmv_shrink(x_ptr, a_ptr, slots_ptr, v_ptr, K, R, sx, sa0, sa1, sv, BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr):
+def _bgmv_shrink(
+    x_ptr, a_ptr, slots_ptr, v_ptr, K, R, sx, sa0, sa1, sv0, sv1,
+    BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr,
+):  # fmt: skip
     t = tl.program_id(0)
+    part = tl.program_id(1)  # this program's SPLIT_K columns of x and A: its partial sum, v[part, t]
     slot = tl.load(slots_ptr + t)
     if slot < 0:
         return
     r = tl.arange(0, BLOCK_R)
     acc = tl.zeros((BLOCK_R,), dtype=tl.float32)
     a_rows = a_ptr + slot.to(tl.int64) * sa0 + r[:, None] * sa1
-    for k0 in range(0, K, BLOCK_K):
+    for k0 in range(part * SPLIT_K, part * SPLIT_K + SPLIT_K, BLOCK_K):
         k = k0 + tl.arange(0, BLOCK_K)
         xk = tl.load(x_ptr + t.to(tl.int64) * sx + k, mask=k < K, other=0.0).to(tl.float32)
         ak = tl.load(a_rows + k[None, :], mask=(r[:, None] < R) & (k[None, :] < K), other=0.0).to(tl.float32)
         acc += tl.sum(ak * xk[None, :], axis=1)
-    tl.store(v_ptr + t.to(tl.int64) * sv + r, acc, mask=r < R)
+    tl.store(v_ptr + part.to(tl.int64) * sv0 + t.to(tl.int64) * sv1 + r, acc, mask=r < R)
 
 
 @triton.jit
-def _bgmv_expand(v_ptr, b_ptr, slots_ptr, y_ptr, N, R, sv, sb0, sb1, sy, BLOCK_R: tl.constexpr, BLOCK_N: tl.constexpr):
+def _bgmv_expand(
+    v_ptr, b_ptr, slots_ptr, y_ptr, N, R, PARTS, sv0, sv1, sb0, sb1, sy,
+    BLOCK_R: tl.constexpr, BLOCK_N: tl.constexpr,
+):  # fmt: skip
     t = tl.program_id(0)
     slot = tl.load(slots_ptr + t)
     if slot < 0:
         return
     n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     r = tl.arange(0, BLOCK_R)
-    v = tl.load(v_ptr + t.to(tl.int64) * sv + r, mask=r < R, other=0.0)
+    v = tl.zeros((BLOCK_R,), dtype=tl.float32)
+    for part in range(0, PARTS):  # the shrink's partial sums, in order: the same sum whatever the batch
+        v += tl.load(v_ptr + part * sv0 + t.to(tl.int64) * sv1 + r, mask=r < R, other=0.0)
     bt = tl.load(
         b_ptr + slot.to(tl.int64) * sb0 + n[:, None] * sb1 + r[None, :],
         mask=(n[:, None] < N) & (r[None, :] < R),
@@ -61,10 +70,11 @@ def _bgmv_expand(v_ptr, b_ptr, slots_ptr, y_ptr, N, R, sv, sb0, sb1, sy, BLOCK_R
 
 @triton.jit
 def _sgmv_shrink(
-    x_ptr, a_ptr, order_ptr, starts_ptr, v_ptr, K, R, sx, sa0, sa1, sv,
-    BLOCK_M: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr,
+    x_ptr, a_ptr, order_ptr, starts_ptr, v_ptr, K, R, sx, sa0, sa1, sv0, sv1,
+    BLOCK_M: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr,
 ):  # fmt: skip
     slot = tl.program_id(0)
+    part = tl.program_id(2)
     start = tl.load(starts_ptr + slot)
     end = tl.load(starts_ptr + slot + 1)
     first = start + tl.program_id(1) * BLOCK_M
@@ -74,7 +84,7 @@ def _sgmv_shrink(
     tokens = tl.load(order_ptr + rows, mask=rows < end, other=0).to(tl.int64)
     r = tl.arange(0, BLOCK_R)
     acc = tl.zeros((BLOCK_M, BLOCK_R), dtype=tl.float32)
-    for k0 in range(0, K, BLOCK_K):
+    for k0 in range(part * SPLIT_K, part * SPLIT_K + SPLIT_K, BLOCK_K):
         k = k0 + tl.arange(0, BLOCK_K)
         xt = tl.load(
             x_ptr + tokens[:, None] * sx + k[None, :], mask=(rows[:, None] < end) & (k[None, :] < K), other=0.0
@@ -85,12 +95,16 @@ def _sgmv_shrink(
             other=0.0,
         )
         acc += tl.dot(xt.to(at.dtype), at)
-    tl.store(v_ptr + tokens[:, None] * sv + r[None, :], acc, mask=(rows[:, None] < end) & (r[None, :] < R))
+    tl.store(
+        v_ptr + part.to(tl.int64) * sv0 + tokens[:, None] * sv1 + r[None, :],
+        acc,
+        mask=(rows[:, None] < end) & (r[None, :] < R),
+    )
 
 
 @triton.jit
 def _sgmv_expand(
-    v_ptr, b_ptr, order_ptr, starts_ptr, y_ptr, N, R, sv, sb0, sb1, sy,
+    v_ptr, b_ptr, order_ptr, starts_ptr, y_ptr, N, R, PARTS, sv0, sv1, sb0, sb1, sy,
     BLOCK_M: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_N: tl.constexpr,
 ):  # fmt: skip
     slot = tl.program_id(0)
@@ -108,7 +122,13 @@ def _sgmv_expand(
         mask=(n[None, :] < N) & (r[:, None] < R),
         other=0.0,
     )
-    v = tl.load(v_ptr + tokens[:, None] * sv + r[None, :], mask=(rows[:, None] < end) & (r[None, :] < R), other=0.0)
+    v = tl.zeros((BLOCK_M, BLOCK_R), dtype=tl.float32)
+    for part in range(0, PARTS):  # the shrink's partial sums, in order
+        v += tl.load(
+            v_ptr + part * sv0 + tokens[:, None] * sv1 + r[None, :],
+            mask=(rows[:, None] < end) & (r[None, :] < R),
+            other=0.0,
+        )
     delta = tl.dot(v.to(bt.dtype), bt)
     mask = (rows[:, None] < end) & (n[None, :] < N)
     y_at = y_ptr + tokens[:, None] * sy + n[None, :]
@@ -116,8 +136,16 @@ def _sgmv_expand(
     tl.store(y_at, (y + delta.to(tl.float32)).to(y_ptr.dtype.element_ty), mask=mask)
 
 
+SPLIT_K = 512  # input columns a shrink program sums: a 4,096-wide input is 8 programs a token (or tile)
+
+
 def _block(n: int, least: int = 16) -> int:
     return max(least, triton.next_power_of_2(n))
+
+
+def parts(k: int) -> int:
+    """The shrink's partial sums for an input of `k` columns (a scratch holds [parts, tokens, rank])."""
+    return triton.cdiv(k, SPLIT_K)
 
 
 def bgmv(
@@ -125,19 +153,26 @@ def bgmv(
 ) -> None:
     """y[t] += (x[t] A_{slots[t]}^T) B_{slots[t]}^T for every token t with slots[t] >= 0, in place.
     x [T, K], y [T, N] (rows contiguous), a [S, R, K], b [S, N, R], slots [>= T] int32 on the device,
-    v: a float32 scratch of at least [T, R]. Grids depend on T alone: CUDA-graph safe."""
+    v: a float32 scratch of at least [parts(K), T, R]: the shrink splits K over `parts(K)` programs a token
+    (one token alone would leave all but one SM idle), whose partial sums the expand adds in order, the same
+    sum in any batch. Grids depend on T alone: CUDA-graph safe."""
     T, K = x.shape
     S, R, _ = a.shape
     N = y.shape[1]
     if T == 0:
         return
     block_r = _block(R)
-    block_k = max(16, min(128, 8192 // block_r))  # a [BLOCK_R, BLOCK_K] float32 tile of A: 32 KB at most
-    _bgmv_shrink[(T,)](x, a, slots, v, K, R, x.stride(0), a.stride(0), a.stride(1), v.stride(0), block_r, block_k)
+    block_k = min(SPLIT_K, max(16, min(128, 8192 // block_r)))  # A's [BLOCK_R, BLOCK_K] fp32 tile: <= 32 KB
+    n_parts = parts(K)
+    _bgmv_shrink[(T, n_parts)](
+        x, a, slots, v, K, R, x.stride(0), a.stride(0), a.stride(1), v.stride(0), v.stride(1),
+        block_r, block_k, SPLIT_K,
+    )  # fmt: skip
     block_n = max(16, min(64, 8192 // block_r))
     _bgmv_expand[(T, triton.cdiv(N, block_n))](
-        v, b, slots, y, N, R, v.stride(0), b.stride(0), b.stride(1), y.stride(0), block_r, block_n
-    )
+        v, b, slots, y, N, R, n_parts, v.stride(0), v.stride(1), b.stride(0), b.stride(1), y.stride(0),
+        block_r, block_n,
+    )  # fmt: skip
 
 
 def group_by_slot(slots: list[int], num_slots: int) -> tuple[list[int], list[int]]:
@@ -166,7 +201,7 @@ def sgmv(
     order[starts[s]:starts[s + 1]]): a program per BLOCK_M tokens of a slot (and per BLOCK_N outputs)
     reads that adapter's tiles once for them all and multiplies with `tl.dot`. The grid depends on T and
     the slots' count alone (programs past a slot's tokens return at once): CUDA-graph safe when `order`
-    and `starts` are static buffers that each forward refills."""
+    and `starts` are static buffers that each forward refills. `v`: as for `bgmv`."""
     T, K = x.shape
     S, R, _ = a.shape
     N = y.shape[1]
@@ -174,11 +209,14 @@ def sgmv(
         return
     block_m, block_r = 16, _block(R)
     tiles = triton.cdiv(T, block_m)
-    block_k = max(16, min(64, 16384 // block_r))  # A's [BLOCK_K, BLOCK_R] tile: 32 KB of bf16 at most a stage
-    _sgmv_shrink[(S, tiles)](
-        x, a, order, starts, v, K, R, x.stride(0), a.stride(0), a.stride(1), v.stride(0), block_m, block_r, block_k
-    )
+    block_k = min(SPLIT_K, max(16, min(64, 16384 // block_r)))  # A's [BLOCK_K, BLOCK_R] bf16 tile: <= 32 KB
+    n_parts = parts(K)
+    _sgmv_shrink[(S, tiles, n_parts)](
+        x, a, order, starts, v, K, R, x.stride(0), a.stride(0), a.stride(1), v.stride(0), v.stride(1),
+        block_m, block_r, block_k, SPLIT_K,
+    )  # fmt: skip
     block_n = max(16, min(64, 16384 // block_r))
     _sgmv_expand[(S, tiles, triton.cdiv(N, block_n))](
-        v, b, order, starts, y, N, R, v.stride(0), b.stride(0), b.stride(1), y.stride(0), block_m, block_r, block_n
-    )
+        v, b, order, starts, y, N, R, n_parts, v.stride(0), v.stride(1), b.stride(0), b.stride(1), y.stride(0),
+        block_m, block_r, block_n,
+    )  # fmt: skip

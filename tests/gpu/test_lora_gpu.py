@@ -49,7 +49,9 @@ def test_kernels_match_the_reference_in_bf16(shape, tokens):
     a = (torch.randn(8, R, K, device=dev, generator=g) * 0.02).bfloat16()
     b = (torch.randn(8, N, R, device=dev, generator=g) * 0.02).bfloat16()
     want = lora_reference(x.float(), y.float(), a.float(), b.float(), segments_of(slots))
-    scratch = torch.zeros(tokens, R, device=dev)
+    from infer.kernels.lora import parts
+
+    scratch = torch.zeros(parts(K), tokens, R, device=dev)
     per_token = y.clone()
     bgmv(x, per_token, a, b, torch.tensor(slots, dtype=torch.int32, device=dev), scratch)
     order, starts = (torch.tensor(t, dtype=torch.int32, device=dev) for t in group_by_slot(slots, 8))

@@ -31,16 +31,20 @@ CASES = {  # name -> (K, N, R, slots per token)
 }
 
 
+@pytest.mark.parametrize("split", [512, 16])  # one partial sum, and several (K split across programs)
 @pytest.mark.parametrize("case", list(CASES))
 @pytest.mark.parametrize("kernel", ["bgmv", "sgmv"])
-def test_kernels_add_each_tokens_adapter_delta_as_the_reference(case, kernel):
+def test_kernels_add_each_tokens_adapter_delta_as_the_reference(case, kernel, split, monkeypatch):
+    from infer.kernels import lora
+
+    monkeypatch.setattr(lora, "SPLIT_K", split)
     K, N, R, slots = CASES[case]
     g = torch.Generator().manual_seed(len(slots))
     T, S = len(slots), 3
     x, y = torch.randn(T, K, generator=g), torch.randn(T, N, generator=g)
     a, b = torch.randn(S, R, K, generator=g), torch.randn(S, N, R, generator=g)
     want = lora_reference(x, y.clone(), a, b, segments_of(slots))
-    got, scratch = y.clone(), torch.zeros(T, R)
+    got, scratch = y.clone(), torch.full((lora.parts(K), T, R), float("nan"))  # every value read was written
     if kernel == "bgmv":
         bgmv(x, got, a, b, torch.tensor(slots, dtype=torch.int32), scratch)
     else:

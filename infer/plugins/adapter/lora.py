@@ -51,6 +51,15 @@ def _triton_ready(device: torch.device) -> bool:
     return True
 
 
+def _shrink_parts(width: int) -> int:
+    """The partial sums the kernels' shrink makes of an input `width` wide (0 where Triton is missing)."""
+    try:
+        from infer.kernels.lora import parts
+    except ImportError:
+        return 0
+    return parts(width)
+
+
 @dataclass(slots=True)
 class HostLoRA:
     """An adapter read for this rank: per target module, per piece, (A [r, in_local], s * B [out_local, r])."""
@@ -95,7 +104,10 @@ class LoRAKind:
         }
         self.kernels = _triton_ready(spec.device)
         most = max((len(t.pieces) for t in spec.targets), default=1) * R
-        self.scratch = torch.zeros(spec.max_tokens, max(most, 1), dtype=torch.float32, device=dev)
+        widest = max((t.local_in for t in spec.targets), default=1)
+        # the kernels' shrink's partial sums, [parts, rows, rank] (none without Triton: the torch path needs none)
+        num_parts = _shrink_parts(widest)
+        self.scratch = torch.zeros(num_parts, spec.max_tokens if num_parts else 0, max(most, 1), device=dev)
         # static buffers the kernels read (CUDA graphs replay them): each row's slot (BGMV), and the rows
         # grouped by slot with each slot's start in that order (SGMV)
         self.token_slots = torch.full((spec.max_tokens,), -1, dtype=torch.int32, device=dev)
