@@ -30,7 +30,7 @@ PACKAGE = EXAMPLE / "infer_example_plugin"
 API = ("infer.api", "infer.kernels")  # with their submodules, and the top-level `infer` itself
 MODULES = (
     "attention", "kv_allocator", "scheduler", "decoder", "detokenizer", "layers", "logits_processor", "reasoning_parser",
-    "pooler",
+    "pooler", "adapter",
 )  # fmt: skip
 
 
@@ -289,3 +289,31 @@ def test_pooler_is_the_max_of_hf_hidden_states(example, tiny_llama_dir):
         hf = LlamaModel.from_pretrained(tiny_llama_dir, dtype=torch.float32)
         hidden = hf(torch.tensor([ids])).last_hidden_state[0]
     torch.testing.assert_close(torch.tensor(out.outputs.embedding), hidden.max(0).values, rtol=1e-5, atol=1e-5)
+
+
+def test_the_example_adapter_kind_gives_the_builtin_lora_tokens(example, tiny_llama_dir, tmp_path):
+    """`example-lora` (plain torch, the plugin API alone) against the built-in `lora` on a PEFT adapter."""
+    peft = pytest.importorskip("peft")
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from infer import LoRARequest
+
+    torch.manual_seed(5)
+    model = AutoModelForCausalLM.from_pretrained(tiny_llama_dir, dtype=torch.float32)
+    config = peft.LoraConfig(
+        r=8, lora_alpha=16, target_modules=["q_proj", "v_proj", "down_proj"], init_lora_weights=False
+    )
+    peft.get_peft_model(model, config).save_pretrained(tmp_path / "adapter")
+    lora = LoRARequest("a", 1, str(tmp_path / "adapter"))
+    batch = prompts(seed=2)[:3]
+    outs = {}
+    for kind in ("lora", "example-lora"):
+        options = dict(attention="torch", enable_lora=True, adapter=kind, num_kv_blocks=64, max_model_len=128)
+        with LLM(model=str(tiny_llama_dir), plugins=[example["adapter"]], **options) as llm:
+            got = llm.generate(batch, GREEDY, lora_request=[lora, None, lora])
+            outs[kind] = [o.outputs[0].token_ids for o in got]
+    assert outs["example-lora"] == outs["lora"]
+    with LLM(model=str(tiny_llama_dir), attention="torch", num_kv_blocks=64, max_model_len=128) as llm:
+        base = [o.outputs[0].token_ids for o in llm.generate(batch, GREEDY)]
+    assert outs["lora"][0] != base[0] and outs["lora"][1] == base[1]  # the adapter ran, the base row kept

@@ -112,10 +112,12 @@ def _vllm_options() -> dict[str, Callable[[Callable[..., Any]], Callable[..., An
         if not isinstance(row, Alias) or name in flags or len(row.vllm) < 3:
             continue
         kind = kinds[row.infer]
+        text = f"vLLM's spelling of {flag(row.infer)}{': ' + row.note if row.note else ''} (docs/vllm.md)."
         if kind.base is bool or row.switch:
-            option = click.option(f"{name}/--no-{name[2:]}", f"vllm_{row.vllm}", default=None, hidden=True)
+            option = click.option(f"{name}/--no-{name[2:]}", f"vllm_{row.vllm}", default=None, hidden=True, help=text)
         else:
-            option = click.option(name, f"vllm_{row.vllm}", type=float if row.convert else kind.base, hidden=True)
+            kind_of = float if row.convert else kind.base
+            option = click.option(name, f"vllm_{row.vllm}", type=kind_of, hidden=True, help=text)
         found[f"vllm_{row.vllm}"] = option
     return found
 

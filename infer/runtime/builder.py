@@ -14,6 +14,7 @@ import warnings
 from typing import Any, Iterable
 
 from infer.api import (
+    AdaptableModel,
     Communicator,
     KVAllocator,
     Launch,
@@ -186,6 +187,12 @@ def _check(
     check_model_attention(composition, registry, model_config, max_model_len)
     if config.exit_layer is not None and not 1 <= config.exit_layer <= model_config.num_layers:
         raise ConfigError(f"--exit-layer must be in [1, {model_config.num_layers}] for {source.name}")
+    factory = source.architecture.factory
+    if config.enable_lora and isinstance(factory, type) and not issubclass(factory, AdaptableModel):
+        raise ConfigError(
+            f"--enable-lora: model plugin {source.architecture.name} lets no adapter change it (it is no "
+            f"infer.api.AdaptableModel): drop --enable-lora, or use a model plugin that serves adapters"
+        )
     layers = registry.layers(device.type, quantization_for(config.quantization, model_config))
     if source.path is not None and parallel is None:  # once per process, before any rank starts; headers only
         check_weight_shapes(meta_model(source, model_config, layers), source.path)

@@ -98,7 +98,9 @@ def install(app: FastAPI, models: Any, guarded: list[Any], allowed: bool, errors
                 code="not_enabled",
             )
 
-    @app.post("/v1/load_lora_adapter", dependencies=guarded, response_class=PlainTextResponse, responses=errors)
+    done = {200: {"description": "vLLM's success line", "content": {"text/plain": {"schema": {"type": "string"}}}}}
+
+    @app.post("/v1/load_lora_adapter", dependencies=guarded, response_model=None, responses={**done, **errors})
     async def load_lora_adapter(req: LoadLoRAAdapter) -> PlainTextResponse:
         check_allowed()
         base = models.named(req.model)
@@ -120,7 +122,7 @@ def install(app: FastAPI, models: Any, guarded: list[Any], allowed: bool, errors
         models.adapters.served[name] = base.adapter(lora)
         return PlainTextResponse(f"Success: LoRA adapter '{name}' added successfully.")
 
-    @app.post("/v1/unload_lora_adapter", dependencies=guarded, response_class=PlainTextResponse, responses=errors)
+    @app.post("/v1/unload_lora_adapter", dependencies=guarded, response_model=None, responses={**done, **errors})
     async def unload_lora_adapter(req: UnloadLoRAAdapter) -> PlainTextResponse:
         check_allowed()
         served = models.adapters.served.get(req.lora_name)

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from typing import Annotated, Any, Literal, Union
 
-from pydantic import BaseModel, ConfigDict, Field, StrictStr
+from pydantic import BaseModel, ConfigDict, Field, StrictStr, ValidationError
 
 from infer.serve.errors import APIError
 from infer.serve.protocol import WHOLE, ChatRequest
@@ -180,7 +180,17 @@ class ResponsesRequest(Strict):
                 "type": "json_schema",
                 "json_schema": {"name": form.name, "schema": form.schema_},
             }
-        return ChatRequest.model_validate({k: v for k, v in fields.items() if v is not None})
+        if not fields["messages"]:  # reasoning items alone: the template takes none of them back
+            raise APIError(
+                400, "input holds no message to answer (reasoning items are dropped): add one", param="input"
+            )
+        try:
+            return ChatRequest.model_validate({k: v for k, v in fields.items() if v is not None})
+        except ValidationError as exc:  # what the chat request refuses, named as this request names it
+            error = exc.errors()[0]
+            where = ".".join(str(p) for p in error.get("loc", ()))
+            name = RESPONSES_NAMES.get(where.split(".")[0], where) if where else "input"
+            raise APIError(400, f"{name}: {error.get('msg', 'invalid')}", param=name) from None
 
 
 RESPONSES_NAMES = {"max_tokens": "max_output_tokens", "messages": "input", "response_format": "text.format"}

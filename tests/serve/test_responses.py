@@ -103,6 +103,9 @@ def test_errors(client):
         client.responses.create(model=MODEL, input="hi", max_output_tokens=0)
     with pytest.raises(openai.NotFoundError):
         client.responses.retrieve("resp_nope")
+    # reasoning items alone leave nothing to answer (the fuzzer's find: it was a 500)
+    with pytest.raises(openai.BadRequestError, match="holds no message to answer"):
+        client.responses.create(model=MODEL, input=[{"type": "reasoning", "id": "rs_1", "summary": []}])
 
 
 def test_the_store_keeps_the_newest_responses():

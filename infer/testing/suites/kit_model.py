@@ -91,14 +91,22 @@ def test_embeddings_match_hf_transformers(strategy, architecture, checkpoints, t
 @pytest.mark.parametrize("tp", [1, 2])
 def test_lora_adapters_match_hf_peft(strategy, architecture, tp, checkpoints, tmp_path_factory) -> None:
     """Three PEFT LoRA adapters served at once (`--enable-lora`), each equal to HF + PEFT merged, and a
-    batch mixing them with the base giving each request its tokens alone; at tp 1 and 2 (gloo)."""
-    pytest.importorskip("peft", reason="the adapter check compares against PEFT: pip install peft")
-    if not isinstance(strategy.factory, type) or not issubclass(strategy.factory, AdaptableModel):
-        pytest.skip(f"model {strategy.name} is no infer.api.AdaptableModel: it serves no adapters")
+    batch mixing them with the base giving each request its tokens alone; at tp 1 and 2 (gloo). A model
+    plugin that is no `AdaptableModel` must refuse --enable-lora with a ConfigError instead."""
     if tp > 1 and (reason := _skip(strategy, SETTINGS[-1])) is not None:
         pytest.skip(reason)
     key = (strategy.name, architecture)
     if key not in checkpoints:
         folder: Path = tmp_path_factory.mktemp(f"infer-kit-{strategy.name}-{architecture}")
         checkpoints[key] = write_checkpoint(architecture, folder, kit_overrides(strategy.factory, architecture))
+    if not isinstance(strategy.factory, type) or not issubclass(strategy.factory, AdaptableModel):
+        # a model that serves no adapters refuses them before any weight loads, naming why
+        from infer.api.errors import ConfigError
+        from infer.llm import LLM
+
+        with pytest.raises(ConfigError, match="AdaptableModel"):
+            LLM(model=str(checkpoints[key].folder), model_impl=strategy.name, device="cpu", enable_lora=True,
+                tensor_parallel_size=tp)  # fmt: skip
+        return
+    pytest.importorskip("peft", reason="the adapter check compares against PEFT: pip install peft")
     check_lora(checkpoints[key], strategy.name, tmp_path_factory.mktemp(f"lora-{strategy.name}-tp{tp}"), tp)
