@@ -57,3 +57,17 @@ def test_an_engine_on_a_busy_machine_runs_one_thread(machine, monkeypatch, tiny_
         torch.set_num_threads(before)
     with pytest.raises(ConfigError, match="cpu_threads"):
         EngineConfig(cpu_threads=0).validate()
+
+
+def test_a_gpu_option_on_the_cpu_says_it_does_nothing(tiny_llama_dir):
+    from structlog.testing import capture_logs
+
+    from infer import LLM
+
+    with capture_logs() as logs:
+        with LLM(
+            model=str(tiny_llama_dir), attention="torch", num_kv_blocks=16, max_model_len=64, gpu_memory_utilization=0.5
+        ):
+            pass
+    said = [e["event"] for e in logs if e.get("log_level") == "warning"]
+    assert any("--gpu-memory-utilization 0.5 does nothing on the CPU" in line for line in said), said
