@@ -22,23 +22,11 @@ FAMILIES = {
 }
 
 
-def segments_of(slots):
-    found = []
-    for i, s in enumerate(slots):
-        if s < 0:
-            continue
-        if found and found[-1][0] == s and found[-1][2] == i:
-            found[-1] = (s, found[-1][1], i + 1)
-        else:
-            found.append((s, i, i + 1))
-    return found
-
-
 @pytest.mark.parametrize("shape", [(4096, 6144, 48), (4096, 28672, 32), (14336, 4096, 16)])
 @pytest.mark.parametrize("tokens", [1, 64, 700])
 def test_kernels_match_the_reference_in_bf16(shape, tokens):
     from infer.kernels.lora import bgmv, group_by_slot, sgmv
-    from infer.kernels.lora_reference import lora_reference
+    from infer.kernels.lora_reference import lora_reference, segments_of
 
     K, N, R = shape
     g = torch.Generator(device="cuda").manual_seed(tokens)

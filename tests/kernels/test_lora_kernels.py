@@ -8,20 +8,7 @@ import torch
 
 pytest.importorskip("triton")
 from infer.kernels.lora import bgmv, group_by_slot, sgmv  # noqa: E402
-from infer.kernels.lora_reference import lora_reference  # noqa: E402
-
-
-def segments_of(slots: list[int]) -> list[tuple[int, int, int]]:
-    found: list[tuple[int, int, int]] = []
-    for i, s in enumerate(slots):
-        if s < 0:
-            continue
-        if found and found[-1][0] == s and found[-1][2] == i:
-            found[-1] = (s, found[-1][1], i + 1)
-        else:
-            found.append((s, i, i + 1))
-    return found
-
+from infer.kernels.lora_reference import lora_reference, segments_of  # noqa: E402
 
 CASES = {  # name -> (K, N, R, slots per token)
     "decode, mixed": (40, 70, 24, [0, 2, -1, 1, 1, 0, -1, 2]),

@@ -257,16 +257,10 @@ class LoRAKind:
     # ------------------------------------------------------------------ a step
 
     def plan(self, batch: AdapterBatch) -> None:
+        from infer.kernels.lora_reference import segments_of
+
         slots = batch.token_slots()
-        segments: list[tuple[int, int, int]] = []
-        for i, s in enumerate(slots):
-            if s < 0:
-                continue
-            if segments and segments[-1][0] == s and segments[-1][2] == i:
-                segments[-1] = (s, segments[-1][1], i + 1)
-            else:
-                segments.append((s, i, i + 1))
-        self.segments = segments
+        self.segments = segments_of(slots)
         self.capture = batch.capture
         if len(slots) > self.spec.max_tokens:
             raise RuntimeError(f"a forward of {len(slots)} rows, over the {self.spec.max_tokens} AdapterSpec sized")
