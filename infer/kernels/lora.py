@@ -72,6 +72,7 @@ def _bgmv_expand(
 def _sgmv_shrink(
     x_ptr, a_ptr, order_ptr, starts_ptr, v_ptr, K, R, sx, sa0, sa1, sv0, sv1,
     BLOCK_M: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr,
+    PRECISION: tl.constexpr,
 ):  # fmt: skip
     slot = tl.program_id(0)
     part = tl.program_id(2)
@@ -94,7 +95,7 @@ def _sgmv_shrink(
             mask=(r[None, :] < R) & (k[:, None] < K),
             other=0.0,
         )
-        acc += tl.dot(xt.to(at.dtype), at)
+        acc += tl.dot(xt.to(at.dtype), at, input_precision=PRECISION)
     tl.store(
         v_ptr + part.to(tl.int64) * sv0 + tokens[:, None] * sv1 + r[None, :],
         acc,
@@ -105,7 +106,7 @@ def _sgmv_shrink(
 @triton.jit
 def _sgmv_expand(
     v_ptr, b_ptr, order_ptr, starts_ptr, y_ptr, N, R, PARTS, sv0, sv1, sb0, sb1, sy,
-    BLOCK_M: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_N: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_N: tl.constexpr, PRECISION: tl.constexpr,
 ):  # fmt: skip
     slot = tl.program_id(0)
     start = tl.load(starts_ptr + slot)
@@ -129,7 +130,7 @@ def _sgmv_expand(
             mask=(rows[:, None] < end) & (r[None, :] < R),
             other=0.0,
         )
-    delta = tl.dot(v.to(bt.dtype), bt)
+    delta = tl.dot(v.to(bt.dtype), bt, input_precision=PRECISION)
     mask = (rows[:, None] < end) & (n[None, :] < N)
     y_at = y_ptr + tokens[:, None] * sy + n[None, :]
     y = tl.load(y_at, mask=mask, other=0.0).to(tl.float32)
@@ -137,6 +138,12 @@ def _sgmv_expand(
 
 
 SPLIT_K = 512  # input columns a shrink program sums: a 4,096-wide input is 8 programs a token (or tile)
+
+
+def _precision(t: torch.Tensor) -> str:
+    """fp32 adapters multiply in full fp32 (tl.dot would round them to TF32 on tensor cores, 2e-3 off
+    torch's fp32 matmul); 16-bit ones are exact in either."""
+    return "ieee" if t.dtype == torch.float32 else "tf32"
 
 
 def _block(n: int, least: int = 16) -> int:
@@ -213,10 +220,10 @@ def sgmv(
     n_parts = parts(K)
     _sgmv_shrink[(S, tiles, n_parts)](
         x, a, order, starts, v, K, R, x.stride(0), a.stride(0), a.stride(1), v.stride(0), v.stride(1),
-        block_m, block_r, block_k, SPLIT_K,
+        block_m, block_r, block_k, SPLIT_K, _precision(a),
     )  # fmt: skip
     block_n = max(16, min(64, 16384 // block_r))
     _sgmv_expand[(S, tiles, triton.cdiv(N, block_n))](
         v, b, order, starts, y, N, R, n_parts, v.stride(0), v.stride(1), b.stride(0), b.stride(1), y.stride(0),
-        block_m, block_r, block_n,
+        block_m, block_r, block_n, _precision(b),
     )  # fmt: skip
