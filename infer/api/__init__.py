@@ -41,6 +41,7 @@ from infer.api.kv import BlockOps, KVAllocator, KVUsage
 from infer.api.models import (
     LAYER_KINDS,
     CausalLM,
+    CheckpointQuantized,
     CheckpointShapes,
     DecoderStack,
     FusingActivation,
@@ -98,6 +99,7 @@ __all__ = [
     "ReasoningParser", "ReasoningSplit", "ReasoningStream",
     "LogitsProcessor", "LogitsRow", "ProcessorContext", "PreparingProcessor", "ServingProcessor", "KitParams",
     "LAYER_KINDS", "Layers", "RotaryTables", "FusingActivation", "LinearMatmul", "QuantizedLinear", "PushingMatmul",
+    "CheckpointQuantized",
     "pushing", "pushes_partial_sums", "PlainRMSNorm", "QuantizingNorm", "TakesQuantizedInput", "GatedLinear",
     "CausalLM", "CheckpointShapes", "ModelArchitecture", "HFArchitectures", "ModelPresets", "RegisterFn",
     "DecoderStack", "KitConfig",

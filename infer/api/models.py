@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import inspect
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Callable, Iterable, Protocol, Sequence, TypeVar, runtime_checkable
+from typing import TYPE_CHECKING, Any, Callable, Iterable, Mapping, Protocol, Sequence, TypeVar, runtime_checkable
 
 import torch
 
@@ -69,6 +69,20 @@ class QuantizedLinear(Protocol):
     quantization: str
 
     def load_rows(self, name: str, offset: int, size: int, tensor: torch.Tensor) -> list[str]: ...
+
+
+@runtime_checkable
+class CheckpointQuantized(Protocol):
+    """A `QuantizedLinear` class whose layout depends on how the checkpoint was quantized (group size,
+    symmetry, format version): `for_checkpoint(quantization_config)` returns the factory (in_features,
+    out_features, bias=False) -> module the model builds its projections with, given config.json's
+    `quantization_config` (a dict), or None when a model-dtype checkpoint is quantized as it loads
+    (`--quantization` on a bf16 checkpoint, or dummy weights). Plugin API 2.4."""
+
+    quantization: str
+
+    @classmethod
+    def for_checkpoint(cls, quantization_config: Mapping[str, Any] | None) -> Callable[..., torch.nn.Module]: ...
 
 
 @runtime_checkable

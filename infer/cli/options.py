@@ -48,7 +48,9 @@ HELP: dict[str, str] = {  # EngineConfig field -> help, in the order `--help` li
     "kv_cache_dtype": "KV cache elements: auto (the model's dtype), or fp8 (e4m3 with a scale per layer: half of "
     "bf16's bytes, twice the blocks). Attention backends with fp8-kv in `infer plugins` read it.",
     "quantization": "Linear layers' weights: fp8 (e4m3 with a scale per output channel: half of bf16's bytes; "
-    "a bf16 checkpoint is quantized as it loads), or a scheme a layers plugin adds. Default: as the checkpoint.",
+    "a bf16 checkpoint is quantized as it loads); gptq, awq, w4a16 (4-bit weights in groups: GPTQ, AWQ and "
+    "compressed-tensors checkpoints, or a bf16 one rounded to nearest as it loads); or a scheme a layers plugin "
+    "adds. Default: as the checkpoint.",
     "gpu_memory_utilization": "Fraction of the GPU's memory the engine may use (weights, activations, KV cache), "
     "in (0, 1].",
     "enable_prefix_caching": "Reuse the KV blocks of cached prompt prefixes.",

@@ -10,13 +10,14 @@ from __future__ import annotations
 import difflib
 import importlib.metadata as md
 from dataclasses import dataclass, field
-from typing import Any, Iterable
+from typing import Any, Iterable, Mapping
 
 import pluggy
 
 from infer.api import (
     LAYER_KINDS,
     Capabilities,
+    CheckpointQuantized,
     HFArchitectures,
     Layers,
     ModelPresets,
@@ -119,7 +120,9 @@ class PluginRegistry:
                     f"{slot} {name!r} is registered twice: by {existing.distribution} ({existing.plugin}) "
                     f"and by {dist} ({plugin}); uninstall one of them"
                 )
-            key = name if slot != "layer" else f"{name}:{plugin}"
+            # layers: a kind has many implementations, each plugin's one a kind (a linear: one a scheme)
+            scheme = _scheme(factory) if slot == "layer" and name == "linear" else None
+            key = name if slot != "layer" else f"{name}:{plugin}" + (f":{scheme}" if scheme else "")
             self.strategies[slot][key] = Strategy(slot, name, factory, plugin, dist, version)
 
         return register
@@ -164,9 +167,14 @@ class PluginRegistry:
             )
         return max(options, key=lambda s: s.capabilities.priority).factory
 
-    def layers(self, device_type: str, quantization: str | None = None) -> Layers:
-        """Every layer kind's implementation for this device (see `layer`), and the quantized linear."""
+    def layers(
+        self, device_type: str, quantization: str | None = None, checkpoint: Mapping[str, Any] | None = None
+    ) -> Layers:
+        """Every layer kind's implementation for this device (see `layer`), and the quantized linear: a
+        `CheckpointQuantized` class configured by the checkpoint's `quantization_config` (`checkpoint`)."""
         quantized = self.layer("linear", device_type, quantization) if quantization else None
+        if isinstance(quantized, CheckpointQuantized):
+            quantized = quantized.for_checkpoint(checkpoint)
         return Layers(**{kind: self.layer(kind, device_type) for kind in LAYER_KINDS}, quantized_linear=quantized)
 
     def architecture_for(self, hf_architecture: str, model_impl: str = "auto") -> Strategy:

@@ -245,12 +245,16 @@ def init_dummy_weights(model: nn.Module, seed: int) -> None:
         owner, _, attr = name.rpartition(".")
         module = model.get_submodule(owner)
         if isinstance(module, QuantizedLinear):  # drawn in float32 as a model-dtype weight, stored quantized
-            if attr == "weight":
+            own = [n for n, _ in module.named_parameters(recurse=False) if n != "bias"]
+            if attr == "weight" or ("weight" not in own and attr == own[0]):  # once, for its weight in any form
                 shard = shard_of(model, name)  # a tensor-parallel shard quantizes the full tensor's rows
-                shape = param.shape if shard is None else shard.full_shape(param.shape)
+                if attr != "weight":  # packed values under another name: the weight's shape is the layer's
+                    shape = torch.Size((module.out_features, module.in_features))
+                else:
+                    shape = param.shape if shard is None else shard.full_shape(param.shape)
                 full = torch.empty(shape, dtype=torch.float32, device=param.device).normal_(0.0, 0.02, generator=gen)
                 if shard is None:
-                    module.load_rows(attr, 0, param.shape[0], full)
+                    module.load_rows("weight", 0, shape[0], full)
                 else:
                     take_quantized(module, shard, attr, full)
             elif attr == "bias":  # ones, as an unquantized layer's; a row-parallel shard's on the first only

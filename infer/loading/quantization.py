@@ -4,7 +4,10 @@ A checkpoint says so in config.json's `quantization_config`. Read here: FP8 weig
 writes them (`quant_method` compressed-tensors, float 8-bit weights, a scale per output channel or per
 tensor) and the per-tensor `fp8` layout (`weight_scale` beside each weight). Both load as `fp8`, their
 values and scales as they are; activations are quantized per token at run time, so a checkpoint's static
-`input_scale` is not read. Other schemes are refused by name, before any weight is read.
+`input_scale` is not read. 4-bit weights with 16-bit activations (`infer.plugins.layer.int4`) load as
+`gptq` (AutoGPTQ / GPTQModel), `awq` (AutoAWQ's GEMM layout) and `w4a16` (compressed-tensors
+`pack-quantized`, 4-bit integers in groups or per channel). Other schemes are refused by name, before any
+weight is read.
 """
 
 from __future__ import annotations
@@ -32,14 +35,65 @@ def checkpoint_scheme(config: ModelConfig) -> str | None:
                 f"plugin here loads: use a checkpoint with a scale per channel or per tensor"
             )
         return "fp8"
+    if method in ("gptq", "awq"):
+        _check_int4(where, method, qc)
+        return method
     if method == "compressed-tensors":
-        for name, group in (qc.get("config_groups") or {}).items():
+        groups = qc.get("config_groups") or {}
+        if groups and all(_is_int4_group(g) for g in groups.values()):
+            for name, group in groups.items():
+                _check_int4_group(where, name, group, qc)
+            return "w4a16"
+        for name, group in groups.items():
             _check_fp8_group(where, name, group)
         return "fp8"
     raise ModelLoadError(
         f"{where} stores weights quantized with {method or 'an unnamed method'!r}, which no layers plugin here "
         f"loads: use the model's bf16 checkpoint (add --quantization fp8 to quantize it as it loads)"
     )
+
+
+def _check_int4(where: str, method: str, qc: Mapping[str, Any]) -> None:
+    bits = qc.get("bits", qc.get("w_bit", 4))
+    if bits != 4:
+        raise ModelLoadError(
+            f"{where} stores {bits}-bit {method.upper()} weights; only 4-bit ones load here: use a 4-bit "
+            f"checkpoint, or the bf16 one"
+        )
+    if method == "awq" and str(qc.get("version", "gemm")).lower() != "gemm":
+        raise ModelLoadError(
+            f"{where} stores AWQ weights in the {qc.get('version')!r} layout; only AutoAWQ's GEMM layout loads "
+            f"here: use a GEMM checkpoint"
+        )
+    if method == "gptq" and str(qc.get("checkpoint_format", "gptq")) not in ("gptq", "gptq_v2"):
+        raise ModelLoadError(
+            f"{where} stores GPTQ weights in the {qc.get('checkpoint_format')!r} format; the gptq (v1) and "
+            f"gptq_v2 formats load here: convert the checkpoint to one of those"
+        )
+
+
+def _is_int4_group(group: Mapping[str, Any]) -> bool:
+    weights = group.get("weights") or {}
+    return weights.get("type") == "int" and weights.get("num_bits") == 4
+
+
+def _check_int4_group(where: str, name: str, group: Mapping[str, Any], qc: Mapping[str, Any]) -> None:
+    weights, fmt = group.get("weights") or {}, qc.get("format")
+    if group.get("input_activations"):
+        raise ModelLoadError(
+            f"{where}: quantization group {name} quantizes activations too; only 4-bit weights with 16-bit "
+            f"activations (W4A16) load here: use a W4A16 checkpoint"
+        )
+    if fmt != "pack-quantized":
+        raise ModelLoadError(
+            f"{where} stores 4-bit weights as {fmt!r}; only compressed-tensors' pack-quantized format loads "
+            f"here: save the checkpoint with it (llm-compressor's default for W4A16)"
+        )
+    if weights.get("strategy") not in ("group", "channel"):
+        raise ModelLoadError(
+            f"{where}: quantization group {name} scales 4-bit weights per {weights.get('strategy')}; a scale "
+            f"per group or per channel loads here: use such a checkpoint"
+        )
 
 
 def _check_fp8_group(where: str, name: str, group: Mapping[str, Any]) -> None:
@@ -66,3 +120,11 @@ def quantization_for(requested: str | None, config: ModelConfig) -> str | None:
             f"drop --quantization, or use the model's bf16 checkpoint"
         )
     return requested or stored
+
+
+def checkpoint_quantization(config: ModelConfig) -> dict[str, Any] | None:
+    """config.json's `quantization_config` as a dict (None: an unquantized checkpoint)."""
+    qc = config.extra.get("quantization_config")
+    if not qc:
+        return None
+    return dict(qc) if isinstance(qc, Mapping) else dict(qc.to_dict())

@@ -35,7 +35,7 @@ from infer.core.output import OutputProcessor, Pooling
 from infer.core.registry import PluginRegistry
 from infer.inputs.chat_template import load_chat_template
 from infer.loading.loader import check_weight_shapes, meta_model, resolve_source, with_tokenizer
-from infer.loading.quantization import quantization_for
+from infer.loading.quantization import checkpoint_quantization, quantization_for
 from infer.runtime.decode_paths import attach_decode_paths
 from infer.runtime.kv_cache import build_kv_caches, check_fits
 from infer.runtime.plan import BuildPlan
@@ -193,7 +193,11 @@ def _check(
             f"--enable-lora: model plugin {source.architecture.name} lets no adapter change it (it is no "
             f"infer.api.AdaptableModel): drop --enable-lora, or use a model plugin that serves adapters"
         )
-    layers = registry.layers(device.type, quantization_for(config.quantization, model_config))
+    layers = registry.layers(
+        device.type,
+        quantization_for(config.quantization, model_config),
+        checkpoint_quantization(model_config),
+    )
     if source.path is not None and parallel is None:  # once per process, before any rank starts; headers only
         check_weight_shapes(meta_model(source, model_config, layers), source.path)
     plan = BuildPlan(

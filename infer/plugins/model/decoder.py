@@ -184,18 +184,29 @@ class DecoderModel(nn.Module):
         loaded: set[str] = set()
         for hf_name, tensor in weights:
             found = self._target(hf_name)
-            if found is None or found[0] not in params:
-                continue  # layers beyond an early-exit cut, or tensors this model does not use
+            if found is None:
+                continue  # tensors this model does not use
             name, shard = found
             owner, _, attr = name.rpartition(".")
-            offset, size = (0, params[name].shape[0]) if shard is None else self._shard_range(owner, shard)
-            module = self.get_submodule(owner)
-            if isinstance(module, QuantizedLinear):  # it stores the rows in its own form (and their scales)
+            module = self._quantized(owner)
+            if module is not None:  # it stores the rows in its own form (and their scales), under its own names
+                offset, size = (0, module.out_features) if shard is None else self._shard_range(owner, shard)
                 loaded.update(f"{owner}.{p}" for p in module.load_rows(attr, offset, size, tensor))
                 continue
+            if name not in params:
+                continue  # layers beyond an early-exit cut, or tensors this model does not use
+            offset, size = (0, params[name].shape[0]) if shard is None else self._shard_range(owner, shard)
             params[name].data[offset : offset + size].copy_(check_unscaled(hf_name, tensor, params[name]))
             loaded.add(name)
         return loaded
+
+    def _quantized(self, owner: str) -> Any:
+        """The `QuantizedLinear` named `owner`, or None (another module, or a layer past an early-exit cut)."""
+        try:
+            module = self.get_submodule(owner)
+        except AttributeError:
+            return None
+        return module if isinstance(module, QuantizedLinear) else None
 
     def checkpoint_tensors(self, weights: Iterable[tuple[str, Any]]) -> Iterator[tuple[str, Any]]:
         """The checkpoint's (name, tensor) pairs under the Llama-style HF names `load_weights` maps."""
@@ -208,13 +219,16 @@ class DecoderModel(nn.Module):
         if found is None:
             return None
         target, piece = found
+        owner, _, attr = target.rpartition(".")
+        quantized = self._quantized(owner)
+        if quantized is not None and attr != "weight":
+            return None  # a scale, or packed values: the layer reads its own layout's shapes
         try:
             shape = list(self.get_parameter(target).shape)
         except AttributeError:  # layers beyond an early-exit cut, or tensors this model does not use
-            return None
-        owner, _, attr = target.rpartition(".")
-        if attr != "weight" and isinstance(self.get_submodule(owner), QuantizedLinear):
-            return None  # a scale: the layer reads its shapes (per row or per tensor)
+            if quantized is None:
+                return None
+            shape = [quantized.out_features, quantized.in_features]  # a model-dtype weight it quantizes
         shard = self.parallel.layers.shard_of(self, target) if self.parallel is not None else None
         if shard is not None:
             shape[shard.dim] = shard.full_sizes[piece or 0]

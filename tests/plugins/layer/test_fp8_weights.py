@@ -187,13 +187,16 @@ def test_dummy_fp8_weights_run(tiny_llama_dir):
 
 
 def test_unknown_conflicting_and_unloadable_quantizations_are_refused(tiny_llama_dir, tmp_path):
-    with pytest.raises(PluginNotFoundError, match="unknown --quantization 'int3': use one of fp8"):
+    with pytest.raises(PluginNotFoundError, match="unknown --quantization 'int3': use one of awq, fp8, gptq, w4a16"):
         _llm(tiny_llama_dir, quantization="int3")
-    awq = _save(
-        tmp_path / "awq", tiny_llama_dir, load_file(str(tiny_llama_dir / "model.safetensors")), {"quant_method": "awq"}
+    bnb = _save(
+        tmp_path / "bnb",
+        tiny_llama_dir,
+        load_file(str(tiny_llama_dir / "model.safetensors")),
+        {"quant_method": "bitsandbytes"},
     )
-    with pytest.raises(ModelLoadError, match="quantized with 'awq'.*use the model's bf16 checkpoint"):
-        _llm(awq)
+    with pytest.raises(ModelLoadError, match="quantized with 'bitsandbytes'.*use the model's bf16 checkpoint"):
+        _llm(bnb)
     blocks = {"quant_method": "fp8", "weight_block_size": [128, 128]}
     blocked = _save(tmp_path / "blocked", tiny_llama_dir, {}, blocks)
     with pytest.raises(ModelLoadError, match=r"scale per \[128, 128\] block"):
