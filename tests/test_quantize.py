@@ -371,3 +371,91 @@ def test_bad_input_is_one_line_and_exit_2(case, message, tiny_llama_dir, tmp_pat
     assert result.exit_code == 2, result.output
     assert message in result.stderr and "Traceback" not in result.output
     assert len(result.stderr.strip().splitlines()) == 1
+
+
+# ---------------------------------------------------------------------------------------------- 4 bits
+
+
+def _int4_output_error(w, q, scale, zero, group, h) -> float:
+    g = w.shape[1] if group == -1 else group
+    d = (q.double() - zero.double().repeat_interleave(g, 1)) * scale.double().repeat_interleave(g, 1) - w.double()
+    return torch.trace(d @ h.double() @ d.T).item()
+
+
+@pytest.mark.parametrize("group,symmetric", [(32, True), (64, False), (-1, True)])
+def test_4bit_gptq_makes_the_layers_output_error_smaller_than_rtn(group, symmetric):
+    from infer.kernels.int4_reference import quantize_rtn
+
+    w = torch.randn(48, 192, generator=torch.Generator().manual_seed(3)) * 0.05
+    h = _correlated_hessian(192, seed=4)
+    q, scale, zero = fp8.gptq_int4(w, h, group, symmetric)
+    rtn = quantize_rtn(w, group, symmetric)
+    assert q.dtype == torch.uint8 and int(q.max()) <= 15 and scale.shape == zero.shape == rtn[1].shape
+    if symmetric:
+        assert (zero == 8).all()
+    assert _int4_output_error(w, q, scale, zero, group, h) < 0.5 * _int4_output_error(w, *rtn, group, h)
+
+
+def test_with_uncorrelated_columns_4bit_gptq_is_round_to_nearest():
+    from infer.kernels.int4_reference import quantize_rtn
+
+    w = torch.randn(32, 128, generator=torch.Generator().manual_seed(5))
+    h = torch.diag(torch.rand(128, generator=torch.Generator().manual_seed(6)) + 0.5).double()
+    for found, expected in zip(fp8.gptq_int4(w, h, 32, False, damp=0.0), quantize_rtn(w, 32, False)):
+        assert torch.equal(found, expected)
+
+
+@pytest.mark.parametrize("method,symmetric", [("gptq", True), ("rtn", False), ("gptq", False)])
+def test_a_4bit_folder_generates_as_transformers_reads_it(tmp_path, method, symmetric):
+    """The folder is compressed-tensors' own layout: transformers reads it through that package (symmetric:
+    this transformers and compressed-tensors pair refuses its own asymmetric zero points) and, for every
+    folder, the values it stands for, (q - z) * s, unpacked here into a float checkpoint; infer's greedy
+    tokens and logprobs agree with both (the model kit's check)."""
+    from safetensors.torch import save_file
+
+    from infer.kernels.int4_reference import unpack_int32
+    from infer.testing.model import Checkpoint, Setting, first_mismatch, generate, hf_class, write_checkpoint
+
+    source = write_checkpoint("LlamaForCausalLM", tmp_path / "model").folder
+    windows = [[(7 * i + j) % 500 for j in range(32)] for i in range(4)]
+    out = fp8.quantize_folder(
+        source, tmp_path / method, method, windows if method == "gptq" else None, lambda m: None,
+        bits=4, symmetric=symmetric,
+    )  # fmt: skip
+    config = json.loads((out / "config.json").read_text())["quantization_config"]
+    weights = config["config_groups"]["group_0"]["weights"]
+    assert config["format"] == "pack-quantized" and weights["num_bits"] == 4 and weights["symmetric"] is symmetric
+    group = weights["group_size"]
+    stored = load_file(str(out / "model.safetensors"))
+    values = {}
+    for name, tensor in stored.items():
+        if name.endswith("weight_packed"):
+            prefix = name.removesuffix("_packed")
+            q = unpack_int32(tensor, 1).float()
+            zero = unpack_int32(stored[f"{prefix}_zero_point"], 0).float() if not symmetric else torch.full_like(q, 8)
+            g = q.shape[1] // stored[f"{prefix}_scale"].shape[1]
+            scale = stored[f"{prefix}_scale"].float().repeat_interleave(g, 1)
+            values[prefix] = (q - (zero if symmetric else zero.repeat_interleave(g, 1))) * scale
+        elif not name.endswith(("weight_scale", "weight_zero_point", "weight_shape", "k_scale", "v_scale")):
+            values[name] = tensor
+    assert group == 64 and len([n for n in values if "proj" in n]) == 7 * 4  # 64 divides every input here
+    reference = tmp_path / "reference"
+    reference.mkdir()
+    (reference / "config.json").write_text((source / "config.json").read_text())
+    save_file(values, str(reference / "model.safetensors"), metadata={"format": "pt"})
+    results, _ = generate(out, "llama", Setting("tp1", "tp 1"))
+    readers = [reference] + ([out] if symmetric and method == "gptq" else [])
+    for folder in readers:
+        hf = hf_class("LlamaForCausalLM").from_pretrained(folder, dtype=torch.float32).eval()
+        mismatch = first_mismatch(Checkpoint("LlamaForCausalLM", folder, hf), results)
+        assert mismatch is None, f"{folder.name}: {mismatch.message}"
+
+
+def test_a_group_size_that_does_not_divide_is_refused(tiny_llama_dir, tmp_path):
+    result = _quantize(
+        str(tiny_llama_dir), str(tmp_path / "out"), "--method", "rtn", "--bits", "4", "--group-size", "48"
+    )
+    assert result.exit_code == 2, result.output
+    assert (
+        "--group-size 48 does not divide the projections' inputs" in result.stderr and "Traceback" not in result.output
+    )

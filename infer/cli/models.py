@@ -79,6 +79,24 @@ def pull(name: str, force: bool) -> None:
     "--window-tokens", type=click.IntRange(min=2), default=512, show_default=True, help="Tokens per calibration window."
 )
 @click.option(
+    "--bits",
+    type=click.Choice(["4", "8"]),
+    default="8",
+    show_default=True,
+    help="8: FP8 (e4m3, a scale per output channel); 4: 4-bit integers in groups with 16-bit activations "
+    "(W4A16, compressed-tensors pack-quantized: about a quarter of bf16's weight bytes).",
+)
+@click.option(
+    "--group-size",
+    type=int,
+    default=None,
+    help="4 bits: input columns sharing a scale (-1: one scale per output channel). Default: the largest of "
+    "128, 64 and 32 that divides every projection's input.",
+)
+@click.option(
+    "--asymmetric", is_flag=True, help="4 bits: a zero point per group too (symmetric: the grid centred on 0)."
+)
+@click.option(
     "--device",
     default="auto",
     show_default=True,
@@ -87,10 +105,20 @@ def pull(name: str, force: bool) -> None:
 )
 @user_errors
 def quantize(
-    model: str, out: Path, method: str, calibration: str, calibration_windows: int, window_tokens: int, device: str
+    model: str,
+    out: Path,
+    method: str,
+    calibration: str,
+    calibration_windows: int,
+    window_tokens: int,
+    bits: str,
+    group_size: int | None,
+    asymmetric: bool,
+    device: str,
 ) -> None:
     """Write MODEL (a cached model or an HF folder) with its decoder projections in FP8 (e4m3, a scale per
-    output channel) into the new folder OUT, in the layout llm-compressor writes: `--model OUT` loads it."""
+    output channel) or, with --bits 4, as 4-bit integers in groups, into the new folder OUT, in the layouts
+    llm-compressor writes: `--model OUT` loads it."""
     from infer.api.errors import ConfigError, ModelLoadError
     from infer.loading.hub import resolve_model_path
 
@@ -104,7 +132,17 @@ def quantize(
 
     try:  # transformers refuses a folder it cannot read (no config, an unknown architecture) with these
         windows = _calibration(source, calibration, calibration_windows, window_tokens) if method == "gptq" else None
-        fp8.quantize_folder(source, out, method, windows, lambda msg: click.echo(msg, err=True), where)
+        fp8.quantize_folder(
+            source,
+            out,
+            method,
+            windows,
+            lambda msg: click.echo(msg, err=True),
+            where,
+            int(bits),
+            group_size,
+            not asymmetric,
+        )
     except (OSError, ValueError) as exc:
         raise ModelLoadError(f"could not quantize {source}: {exc}") from exc
     click.echo(str(out))

@@ -40,19 +40,36 @@ def unpack_nibbles(packed: torch.Tensor) -> torch.Tensor:
     return torch.stack([packed & 0xF, packed >> 4], dim=-1).flatten(-2)
 
 
-def quantize_rtn(w: torch.Tensor, group_size: int, symmetric: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Round to nearest in groups of `group_size` columns (-1: a row): (q [N, K] 0..15, scales [N, G] float32,
-    zeros [N, G] 0..15) with w ~ (q - z) * s. GPTQ's grid: symmetric keeps zero 8 and s = 2 amax / 15."""
-    w = w.float()
-    n, k = w.shape
-    g = k if group_size == -1 else group_size
-    groups = w.reshape(n, k // g, g)
+def group_grid(
+    groups: torch.Tensor, symmetric: bool, scale_dtype: torch.dtype = torch.float32
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(scale, zero) of each group of `groups` [..., g] (float32, zero in 0..15): GPTQ's grid. Symmetric keeps
+    zero 8 and s = 2 amax / 15; asymmetric spans [min, max] (each widened to include 0). The scale is rounded
+    to `scale_dtype` (what a checkpoint stores) before the zero is chosen."""
     lo, hi = groups.amin(dim=-1).clamp(max=0), groups.amax(dim=-1).clamp(min=0)
     if symmetric:
         hi = torch.maximum(hi, -lo)
         lo = -hi
     scale = (hi - lo) / 15
-    scale = torch.where(scale > 0, scale, torch.ones_like(scale))
+    scale = torch.where(scale > 0, scale, torch.ones_like(scale)).to(scale_dtype).float()
     zero = torch.full_like(scale, 8.0) if symmetric else torch.round(-lo / scale).clamp(0, 15)
-    q = torch.clamp(torch.round(groups / scale[..., None]) + zero[..., None], 0, 15)
+    return scale, zero
+
+
+def round_to_grid(w: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor) -> torch.Tensor:
+    """q = clamp(round(w / s) + z, 0, 15), float32 (broadcast shapes)."""
+    return torch.clamp(torch.round(w / scale) + zero, 0, 15)
+
+
+def quantize_rtn(
+    w: torch.Tensor, group_size: int, symmetric: bool, scale_dtype: torch.dtype = torch.float32
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Round to nearest in groups of `group_size` columns (-1: a row): (q [N, K] 0..15, scales [N, G] float32,
+    zeros [N, G] 0..15) with w ~ (q - z) * s, on `group_grid`'s grid."""
+    w = w.float()
+    n, k = w.shape
+    g = k if group_size == -1 else group_size
+    groups = w.reshape(n, k // g, g)
+    scale, zero = group_grid(groups, symmetric, scale_dtype)
+    q = round_to_grid(groups, scale[..., None], zero[..., None])
     return q.reshape(n, k).to(torch.uint8), scale, zero.to(torch.uint8)

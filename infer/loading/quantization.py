@@ -128,3 +128,24 @@ def checkpoint_quantization(config: ModelConfig) -> dict[str, Any] | None:
     if not qc:
         return None
     return dict(qc) if isinstance(qc, Mapping) else dict(qc.to_dict())
+
+
+def compressed_int4_config(group_size: int, symmetric: bool, act_order: bool = False) -> dict[str, Any]:
+    """config.json's `quantization_config` of a compressed-tensors W4A16 checkpoint (pack-quantized), as
+    llm-compressor writes it: 4-bit integer weights in groups of `group_size` (-1: per channel)."""
+    weights = {
+        "num_bits": 4,
+        "type": "int",
+        "symmetric": symmetric,
+        "dynamic": False,
+        "strategy": "group" if group_size != -1 else "channel",
+        "group_size": group_size if group_size != -1 else None,
+        "actorder": "group" if act_order else None,
+    }
+    return {
+        "quant_method": "compressed-tensors",
+        "format": "pack-quantized",
+        "quantization_status": "compressed",
+        "config_groups": {"group_0": {"targets": ["Linear"], "weights": weights, "input_activations": None}},
+        "ignore": ["lm_head"],
+    }

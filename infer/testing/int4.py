@@ -19,6 +19,7 @@ from typing import Any
 import torch
 
 from infer.kernels.int4_reference import AWQ_ORDER, pack_int32, quantize_rtn
+from infer.loading.quantization import compressed_int4_config
 
 LAYOUTS = ("gptq", "awq", "w4a16")
 PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj", "qkv_proj", "gate_up_proj")
@@ -55,16 +56,7 @@ def quantization_config(layout: str, group: int, symmetric: bool, act_order: boo
                 "checkpoint_format": "gptq"}  # fmt: skip
     if layout == "awq":
         return {"quant_method": "awq", "bits": 4, "group_size": group, "zero_point": True, "version": "gemm"}
-    weights = {"num_bits": 4, "type": "int", "symmetric": symmetric, "dynamic": False,
-               "strategy": "group" if group != -1 else "channel", "group_size": group if group != -1 else None,
-               "actorder": "group" if act_order else None}  # fmt: skip
-    return {
-        "quant_method": "compressed-tensors",
-        "format": "pack-quantized",
-        "quantization_status": "compressed",
-        "config_groups": {"group_0": {"targets": ["Linear"], "weights": weights, "input_activations": None}},
-        "ignore": ["lm_head"],
-    }
+    return compressed_int4_config(group, symmetric, act_order)
 
 
 def _layout_tensors(layout: str, prefix: str, q, s, z, g_idx, symmetric: bool, act_order: bool) -> dict:

@@ -1,8 +1,15 @@
 """`infer models quantize`: a checkpoint's decoder projections written as FP8 (e4m3 with a scale per output
-channel), in the compressed-tensors layout llm-compressor writes, which `--model DIR` loads as saved.
+channel) or as 4-bit integers in groups (W4A16), in the compressed-tensors layouts llm-compressor writes,
+which `--model DIR` loads as saved.
 
     infer models quantize smollm2-135m ./smollm2-fp8                  # GPTQ over 16 x 512 calibration tokens
     infer models quantize ./my-model ./my-model-fp8 --method rtn      # round to nearest: --quantization fp8's
+    infer models quantize smollm2-135m ./smollm2-w4 --bits 4          # 4-bit GPTQ, groups of 64 here
+
+4 bits (`--bits 4`): each group of `--group-size` input columns has a scale and a zero point (8 when
+symmetric, the default), w ~ (q - z) * s, GPTQ's grid (`infer.kernels.int4_reference.group_grid`); gptq
+chooses each group's grid when it reaches the group's first column, from the columns as the errors
+compensated so far have moved them, as GPTQ does. The scales are stored in the checkpoint's dtype.
 
 `rtn` rounds each weight to the nearest e4m3 value of its row's scale (max |w| / 448), as `--quantization fp8`
 does at load. `gptq` keeps the same scales and rounds the columns of each weight one after another, each
@@ -32,6 +39,8 @@ from typing import Callable, Iterable, Iterator
 import torch
 
 from infer.kernels.fp8_reference import to_e4m3
+from infer.kernels.int4_reference import group_grid, pack_int32, quantize_rtn, round_to_grid
+from infer.loading.quantization import compressed_int4_config
 from infer.plugins.layer.fp8 import quantize_weight, weight_scales
 from infer.tools import kv_calibration
 
@@ -252,10 +261,59 @@ def gptq(
     return q, scale[:, 0]
 
 
+def gptq_int4(
+    w: torch.Tensor,
+    hessian: torch.Tensor,
+    group: int,
+    symmetric: bool = True,
+    scale_dtype: torch.dtype = torch.float32,
+    damp: float = 0.01,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """w [N, K] as 4-bit values (uint8 [N, K], 0..15), scales [N, G] float32 and zero points [N, G] uint8
+    in groups of `group` columns (-1: one a row), w ~ (q - z) * s: `gptq`'s column order and error
+    compensation, each group's grid (`group_grid`, its scale rounded to `scale_dtype`) chosen when its first
+    column is reached, from the columns as the errors before have moved them (GPTQ's own choice)."""
+    w = w.to(hessian.device, torch.float64, copy=True)
+    n, k = w.shape
+    g = k if group == -1 else group
+    block = g if g >= 128 else (128 // g) * g  # whole groups in a block
+    h = hessian.double().clone()
+    dead = torch.diag(h) == 0
+    h[dead, dead] = 1.0
+    w[:, dead] = 0.0
+    h += damp * torch.diag(h).mean() * torch.eye(k, dtype=h.dtype, device=h.device)
+    inverse = torch.linalg.cholesky(torch.cholesky_inverse(torch.linalg.cholesky(h)), upper=True)
+    q = torch.empty(n, k, dtype=torch.uint8, device=w.device)
+    scales = torch.empty(n, k // g, dtype=torch.float32, device=w.device)
+    zeros = torch.empty(n, k // g, dtype=torch.uint8, device=w.device)
+    scale = zero = w.new_empty(0)
+    for start in range(0, k, block):
+        stop = min(start + block, k)
+        part, errors = w[:, start:stop].clone(), torch.zeros(n, stop - start, dtype=w.dtype, device=w.device)
+        inv = inverse[start:stop, start:stop]
+        for i in range(stop - start):
+            if (start + i) % g == 0:  # a group's first column: its grid from the columns as they are now
+                s32, z32 = group_grid(part[:, i : i + g].float(), symmetric, scale_dtype)
+                scales[:, (start + i) // g], zeros[:, (start + i) // g] = s32, z32.to(torch.uint8)
+                scale, zero = s32.double(), z32.double()
+            column = part[:, i]
+            rounded = round_to_grid(column, scale, zero)
+            q[:, start + i] = rounded.to(torch.uint8)
+            error = (column - (rounded - zero) * scale) / inv[i, i]
+            part[:, i:] -= error[:, None] * inv[i, i:][None, :]
+            errors[:, i] = error
+        w[:, stop:] -= errors @ inverse[start:stop, stop:]
+    return q, scales, zeros
+
+
 def _gptq_all(
-    model: torch.nn.Module, windows: list[list[int]], progress: Callable[[str], object], device: torch.device
-) -> tuple[dict[str, tuple[torch.Tensor, torch.Tensor]], dict[int, tuple[float, float]]]:
-    """Every projection's (e4m3 weight, scale) by GPTQ, keyed by its weight's name, layer by layer on
+    model: torch.nn.Module,
+    windows: list[list[int]],
+    progress: Callable[[str], object],
+    device: torch.device,
+    rounding: Callable[[torch.Tensor, torch.Tensor], tuple[torch.Tensor, ...]] = gptq,
+) -> tuple[dict[str, tuple[torch.Tensor, ...]], dict[int, tuple[float, float]]]:
+    """Every projection's `rounding(weight, hessian)` (`gptq`: e4m3 weight and scale), keyed by its weight's name, layer by layer on
     `device`, the results in CPU memory; and each layer's KV-cache scales (k_scale, v_scale) by its index
     (`infer.tools.kv_calibration`). Each layer's memory is freed once its projections are rounded: the model
     is spent."""
@@ -270,8 +328,9 @@ def _gptq_all(
         progress(f"no KV-cache scales: {model_type}'s attention is not a layout calibration reads them from")
     for found in layer_hessians(model, windows, device, keep=False, kv_amax=kv_amax):
         for name, hessian in found.items():
-            q, scale = gptq(layers[name].weight.detach().float(), hessian)
-            quantized[f"{name}.weight"] = (q.cpu(), scale.cpu())
+            quantized[f"{name}.weight"] = tuple(
+                t.cpu() for t in rounding(layers[name].weight.detach().float(), hessian)
+            )
             if len(quantized) % 50 == 0 or len(quantized) == len(layers):
                 progress(f"{len(quantized)}/{len(layers)} projections quantized (gptq)")
     if len(quantized) != len(layers):  # a projection no calibration token reached: its layer never ran it
@@ -299,6 +358,36 @@ def _float32_but_layers(model: torch.nn.Module) -> torch.nn.Module:
     return model
 
 
+def int4_group(found: dict[str, torch.nn.Linear], group_size: int | None) -> int:
+    """The group size of a 4-bit checkpoint of these projections: `group_size` (it must divide every
+    projection's input; -1: per channel), or by default the largest of 128, 64 and 32 that divides them all
+    (compressed-tensors names one for the whole model), else per channel."""
+    widths = sorted({layer.in_features for layer in found.values()})
+    if group_size is None:
+        return next((g for g in (128, 64, 32) if all(k % g == 0 for k in widths)), -1)
+    if group_size != -1 and (group_size < 8 or any(k % group_size for k in widths)):
+        raise ValueError(
+            f"--group-size {group_size} does not divide the projections' inputs ({', '.join(map(str, widths))}): "
+            f"use a size that divides them all, or -1 (a scale per output channel)"
+        )
+    return group_size
+
+
+def _int4_tensors(
+    name: str, q: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor, dtype: torch.dtype, symmetric: bool
+):
+    """compressed-tensors pack-quantized tensors of projection weight `name` (its values + 8, 8 to an int32)."""
+    prefix = name.removesuffix(".weight")
+    out = {
+        f"{prefix}.weight_packed": pack_int32(q, 1),
+        f"{prefix}.weight_scale": scale.to(dtype),
+        f"{prefix}.weight_shape": torch.tensor(list(q.shape), dtype=torch.int64),
+    }
+    if not symmetric:
+        out[f"{prefix}.weight_zero_point"] = pack_int32(zero, 0)
+    return out
+
+
 def quantize_folder(
     source: Path,
     out: Path,
@@ -306,12 +395,16 @@ def quantize_folder(
     windows: list[list[int]] | None = None,
     progress: Callable[[str], object] = print,
     device: torch.device | str = "cpu",
+    bits: int = 8,
+    group_size: int | None = None,
+    symmetric: bool = True,
 ) -> Path:
-    """Write `source` (an HF model folder) to `out` with its projections in FP8 (`method`: gptq, over the
-    calibration `windows` of token ids, on `device`, with each layer's KV-cache scales, or rtn). The
-    weights are read and written one safetensors shard at a time, the output keeping the source's shard
-    names (and an index when it has several); rtn loads no model, only each projection's tensor as its
-    shard is written. Returns `out`."""
+    """Write `source` (an HF model folder) to `out` with its projections in FP8 (`bits` 8) or as 4-bit
+    integers in groups (`bits` 4: `group_size`, symmetric or not, compressed-tensors pack-quantized)
+    (`method`: gptq, over the calibration `windows` of token ids, on `device`, with each layer's KV-cache
+    scales, or rtn). The weights are read and written one safetensors shard at a time, the output keeping
+    the source's shard names (and an index when it has several); rtn loads no model, only each projection's
+    tensor as its shard is written. Returns `out`."""
     from safetensors import safe_open
     from safetensors.torch import save_file
     from transformers import AutoConfig, AutoModelForCausalLM
@@ -341,8 +434,19 @@ def quantize_folder(
     missing = sorted(targets - stored)
     if missing:
         raise ValueError(f"{source}'s safetensors lack {missing[0]} (and {len(missing) - 1} more): not an HF folder")
+    if bits not in (4, 8):
+        raise ValueError(f"bits must be 4 or 8, not {bits}")
+    group = int4_group(found, group_size) if bits == 4 else 0
+    scale_dtype = next(iter(found.values())).weight.dtype  # gptq: the checkpoint's (rtn reads each tensor's)
     prefix, _ = decoder_layers(model, found)
-    quantized, kv_scales = _gptq_all(model, windows, progress, torch.device(device)) if method == "gptq" else ({}, {})
+
+    def int4_rounding(w: torch.Tensor, hessian: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        return gptq_int4(w, hessian, group, symmetric, scale_dtype)
+
+    rounding = gptq if bits == 8 else int4_rounding
+    quantized, kv_scales = (
+        _gptq_all(model, windows, progress, torch.device(device), rounding) if method == "gptq" else ({}, {})
+    )
     kv_scheme = {"kv_cache_scheme": kv_calibration.KV_CACHE_SCHEME} if kv_scales else {}
     del model  # what is left of it (embeddings, norms) is not needed to write the shards
     out.mkdir(parents=True, exist_ok=True)
@@ -356,8 +460,14 @@ def quantize_folder(
                 if name not in targets:
                     tensors[name] = t
                     continue
-                q, scale = quantized.pop(name) if method == "gptq" else quantize_weight(t.float())
-                tensors[name], tensors[name + "_scale"] = q, scale.float()[:, None]
+                if bits == 4:
+                    q, scale, zero = (
+                        quantized.pop(name) if method == "gptq" else quantize_rtn(t, group, symmetric, t.dtype)
+                    )
+                    tensors.update(_int4_tensors(name, q, scale, zero, t.dtype, symmetric))
+                else:
+                    q, scale = quantized.pop(name) if method == "gptq" else quantize_weight(t.float())
+                    tensors[name], tensors[name + "_scale"] = q, scale.float()[:, None]
                 done += 1
                 if method == "rtn" and (done % 50 == 0 or done == len(targets)):
                     progress(f"{done}/{len(targets)} projections quantized (rtn)")
@@ -378,6 +488,7 @@ def quantize_folder(
         if f.is_file() and f.suffix != ".safetensors" and not f.name.endswith(".safetensors.index.json"):
             shutil.copy(f, out / f.name)
     config = json.loads((out / "config.json").read_text())
-    scheme = {**QUANTIZATION_CONFIG, **kv_scheme}
+    weights = QUANTIZATION_CONFIG if bits == 8 else compressed_int4_config(group, symmetric)
+    scheme = {**weights, **kv_scheme}
     (out / "config.json").write_text(json.dumps({**config, "quantization_config": scheme}, indent=2))
     return out

@@ -48,6 +48,9 @@ class Int4Scheme:
     zeros_minus_one: bool = False  # GPTQ format v1 stores each zero point less one
 
 
+CPU_GROUPS = (32, 64, 128, 256)  # the group sizes torch's CPU int4 matmul takes
+
+
 class Int4Linear(nn.Module):
     """The W4A16 linear of one checkpoint layout (a subclass per layout: its `quantization` and its
     `load_rows` of the layout's tensors)."""
@@ -79,6 +82,7 @@ class Int4Linear(nn.Module):
         self.g_idx = buffer(in_features, dtype=torch.int32)
         self.bias = nn.Parameter(torch.empty(out_features), requires_grad=False) if bias else None
         self._g_idx_source: str | None = None
+        self._packed: tuple[torch.Tensor, torch.Tensor, torch.Tensor | None] | None = None  # the CPU's form
 
     @classmethod
     def for_checkpoint(cls, quantization_config: Mapping[str, Any] | None) -> Any:
@@ -100,7 +104,34 @@ class Int4Linear(nn.Module):
         return w.to(dtype)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.device.type == "cpu" and x.dtype == torch.bfloat16 and self.group in CPU_GROUPS:
+            return self._cpu_int4(x)
         return F.linear(x, self.dequantized(x.dtype), self.bias)
+
+    def _cpu_int4(self, x: torch.Tensor) -> torch.Tensor:
+        """bf16 on the CPU: torch's int4 matmul over the weight repacked for it once (tinygemm's layout, w =
+        (q - 8) * s + m with m = (8 - z) * s, the columns sorted by group when act-order scattered them)."""
+        if self._packed is None:
+            self._packed = self._cpu_pack()
+        packed, scales_and_zeros, order = self._packed
+        rows = x.reshape(-1, self.in_features)
+        if order is not None:
+            rows = rows.index_select(1, order)
+        y = torch.ops.aten._weight_int4pack_mm_for_cpu(rows.contiguous(), packed, self.group, scales_and_zeros)
+        y = y.reshape(*x.shape[:-1], self.out_features)
+        return y if self.bias is None else y + self.bias
+
+    def _cpu_pack(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+        q = unpack_nibbles(self.qweight).to(torch.int32)
+        g_idx = self.g_idx.long()
+        order = None
+        if not torch.equal(g_idx, torch.arange(self.in_features) // self.group):
+            order = torch.argsort(g_idx, stable=True)  # act-order: each group's columns together
+            q = q[:, order]
+        packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(q.contiguous(), 2)
+        scales = self.scales.t()
+        mins = (8.0 - self.zeros.float().t()) * scales
+        return packed, torch.stack([scales, mins], dim=-1).to(torch.bfloat16).contiguous(), order
 
     # ------------------------------------------------------------------ loading
 
@@ -109,6 +140,7 @@ class Int4Linear(nn.Module):
         """Rows [offset, offset + size) from a checkpoint tensor `name`: this layout's (`load_layout`) or a
         model-dtype `weight`, rounded to nearest here."""
         rows = slice(offset, offset + size)
+        self._packed = None  # the CPU's form is built again from what is loaded
         if name == "weight" and tensor.dtype.is_floating_point:
             q, s, z = quantize_rtn(tensor.to(self.qweight.device), self.scheme.group_size, self.scheme.symmetric)
             self.qweight[rows].copy_(pack_nibbles(q))
