@@ -405,7 +405,7 @@ def test_with_uncorrelated_columns_4bit_gptq_is_round_to_nearest():
         assert torch.equal(found, expected)
 
 
-@pytest.mark.parametrize("method,symmetric", [("gptq", True), ("rtn", False), ("gptq", False)])
+@pytest.mark.parametrize("method,symmetric", [("gptq", True), ("rtn", False), ("gptq", False), ("awq", False)])
 def test_a_4bit_folder_generates_as_transformers_reads_it(tmp_path, method, symmetric):
     """The folder is compressed-tensors' own layout: transformers reads it through that package (symmetric:
     this transformers and compressed-tensors pair refuses its own asymmetric zero points) and, for every
@@ -419,7 +419,7 @@ def test_a_4bit_folder_generates_as_transformers_reads_it(tmp_path, method, symm
     source = write_checkpoint("LlamaForCausalLM", tmp_path / "model").folder
     windows = [[(7 * i + j) % 500 for j in range(32)] for i in range(4)]
     out = fp8.quantize_folder(
-        source, tmp_path / method, method, windows if method == "gptq" else None, lambda m: None,
+        source, tmp_path / method, method, windows if method != "rtn" else None, lambda m: None,
         bits=4, symmetric=symmetric,
     )  # fmt: skip
     config = json.loads((out / "config.json").read_text())["quantization_config"]
@@ -439,6 +439,9 @@ def test_a_4bit_folder_generates_as_transformers_reads_it(tmp_path, method, symm
         elif not name.endswith(("weight_scale", "weight_zero_point", "weight_shape", "k_scale", "v_scale")):
             values[name] = tensor
     assert group == 64 and len([n for n in values if "proj" in n]) == 7 * 4  # 64 divides every input here
+    norm = "model.layers.0.input_layernorm.weight"
+    folded = not torch.equal(stored[norm], load_file(str(source / "model.safetensors"))[norm])
+    assert folded == (method == "awq")  # awq's scales divide the norms before the projections they scale
     reference = tmp_path / "reference"
     reference.mkdir()
     (reference / "config.json").write_text((source / "config.json").read_text())
@@ -459,3 +462,32 @@ def test_a_group_size_that_does_not_divide_is_refused(tiny_llama_dir, tmp_path):
     assert (
         "--group-size 48 does not divide the projections' inputs" in result.stderr and "Traceback" not in result.output
     )
+
+
+def test_awqs_scales_never_make_the_output_error_larger_than_round_to_nearest():
+    """With a few salient input channels (large activations), scaling them up before rounding cuts the
+    layer's output error; r = 0 (no scaling) is among the candidates, so it is never worse."""
+    from infer.kernels.int4_reference import quantize_rtn
+
+    gen = torch.Generator().manual_seed(9)
+    x = torch.randn(512, 128, generator=gen)
+    x[:, :4] *= 20.0  # salient channels
+    h = (x.T @ x / x.shape[0]).double()
+    w = torch.randn(64, 128, generator=gen) * 0.05
+    s = fp8.awq_scales([w], h, 32)
+    assert s.shape == (128,) and s[:4].min() > s[4:].max()
+
+    def error(scales):
+        q, scale, zero = quantize_rtn(w.double() * scales, 32, symmetric=False)
+        d = (q.double() - zero.double().repeat_interleave(32, 1)) * scale.double().repeat_interleave(32, 1) / scales - w
+        return torch.trace(d @ h @ d.T).item()
+
+    assert error(s) < 0.8 * error(torch.ones(128, dtype=torch.float64))
+
+
+def test_awq_refuses_a_model_whose_norms_it_cannot_fold_into(tmp_path):
+    from infer.testing.model import write_checkpoint
+
+    source = write_checkpoint("Gemma2ForCausalLM", tmp_path / "gemma2").folder
+    with pytest.raises(ValueError, match="awq folds its scales into the norms.*use --method gptq"):
+        fp8.quantize_folder(source, tmp_path / "out", "awq", [[3, 4, 5, 6]], lambda m: None, bits=4)

@@ -54,12 +54,14 @@ def pull(name: str, force: bool) -> None:
 @click.argument("out", type=click.Path(path_type=Path))
 @click.option(
     "--method",
-    type=click.Choice(["gptq", "rtn"]),
+    type=click.Choice(["gptq", "awq", "rtn"]),
     default="gptq",
     show_default=True,
     help="gptq: round each weight's columns in turn, compensating their errors through the calibration "
-    "text's activations, and write each layer's KV-cache scales (read with --kv-cache-dtype fp8); rtn: round "
-    "to nearest, what --quantization fp8 does at load (no KV-cache scales).",
+    "text's activations, and write each layer's KV-cache scales (read with --kv-cache-dtype fp8); awq (--bits 4): "
+    "scale each input channel by how large the calibration text's activations are there before rounding, the "
+    "scales folded into the norms before q, k, v and gate, up; rtn: round to nearest, what --quantization "
+    "does at load (no KV-cache scales).",
 )
 @click.option(
     "--calibration",
@@ -131,7 +133,7 @@ def quantize(
     from infer.tools import quantize as fp8
 
     try:  # transformers refuses a folder it cannot read (no config, an unknown architecture) with these
-        windows = _calibration(source, calibration, calibration_windows, window_tokens) if method == "gptq" else None
+        windows = _calibration(source, calibration, calibration_windows, window_tokens) if method != "rtn" else None
         fp8.quantize_folder(
             source,
             out,

@@ -44,7 +44,7 @@ from infer.loading.quantization import compressed_int4_config
 from infer.plugins.layer.fp8 import quantize_weight, weight_scales
 from infer.tools import kv_calibration
 
-METHODS = ("gptq", "rtn")
+METHODS = ("gptq", "awq", "rtn")
 QUANTIZATION_CONFIG = {
     "quant_method": "compressed-tensors",
     "format": "float-quantized",
@@ -306,6 +306,85 @@ def gptq_int4(
     return q, scales, zeros
 
 
+# AWQ's scales are folded into the norm before the projections that read its output (model types whose
+# decoder layers are Llama's: an input norm before q, k, v, a post-attention norm before gate and up)
+AWQ_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "phi3")
+AWQ_FOLDS = (
+    ("input_layernorm", (("q_proj", "k_proj", "v_proj"), ("qkv_proj",))),
+    ("post_attention_layernorm", (("gate_proj", "up_proj"), ("gate_up_proj",))),
+)
+
+
+def awq_scales(weights: list[torch.Tensor], hessian: torch.Tensor, group: int, grid: int = 20) -> torch.Tensor:
+    """AWQ's per-input-channel scales s [K] for projections that read one input (Lin et al., 2023): w s is
+    rounded to nearest (asymmetric groups) and the input divided by s, so salient channels (large inputs)
+    keep more precision. s = a^r normalized, a each channel's RMS over the calibration tokens (sqrt of the
+    diagonal of `hessian`, the mean of x x^T), r in [0, 1) on `grid` steps, the r whose rounding makes the
+    least output error tr(D H D^T) over the projections (r = 0 is round to nearest: never worse)."""
+    h = hessian.double()
+    rms = torch.diag(h).clamp(min=0).sqrt()
+    best, best_error = torch.ones_like(rms), float("inf")
+    for step in range(grid):
+        s = rms.pow(step / grid).clamp(min=1e-4)
+        s = s / (s.max() * s.min()).sqrt()
+        error = 0.0
+        for w in weights:
+            w = w.to(h.device, torch.float64)
+            q, scale, zero = quantize_rtn(w * s, group, symmetric=False)
+            g = w.shape[1] if group == -1 else group
+            d = (q.double() - zero.double().repeat_interleave(g, 1)) * scale.double().repeat_interleave(g, 1) / s - w
+            error += torch.trace(d @ h @ d.T).item()
+        if error < best_error:
+            best, best_error = s, error
+    return best
+
+
+def _awq_all(
+    model: torch.nn.Module,
+    windows: list[list[int]],
+    progress: Callable[[str], object],
+    device: torch.device,
+    group: int,
+    scale_dtype: torch.dtype,
+) -> tuple[dict[str, tuple[torch.Tensor, ...]], dict[str, torch.Tensor]]:
+    """Every projection's 4-bit (q, scale, zero) by AWQ, keyed by its weight's name, and the folded norms'
+    new weights (norm weight / s, in the checkpoint's dtype), layer by layer on `device`. o_proj and
+    down_proj (whose inputs no norm scales) are rounded to nearest."""
+    model_type = model.config.get_text_config().model_type
+    if model_type not in AWQ_MODEL_TYPES:
+        raise ValueError(
+            f"awq folds its scales into the norms before q, k, v and gate, up, which {model_type}'s layers do "
+            f"not place as Llama's do (awq runs on {', '.join(AWQ_MODEL_TYPES)}): use --method gptq"
+        )
+    layers = projections(model)
+    prefix, modules = decoder_layers(model, layers)
+    progress(f"calibrating over {sum(len(w) for w in windows)} tokens in {len(windows)} windows (awq), on {device}")
+    quantized: dict[str, tuple[torch.Tensor, ...]] = {}
+    norms: dict[str, torch.Tensor] = {}
+    for i, found in enumerate(layer_hessians(model, windows, device, keep=False)):
+        scaled: dict[str, torch.Tensor] = {}
+        for norm, choices in AWQ_FOLDS:
+            names = next((c for c in choices if all(f"{prefix}.{i}.{_owner(p)}.{p}" in found for p in c)), None)
+            if names is None:
+                raise ValueError(f"layer {i} has no {' or '.join('/'.join(c) for c in choices)} to scale")
+            full = [f"{prefix}.{i}.{_owner(p)}.{p}" for p in names]
+            s = awq_scales([layers[n].weight.detach().float() for n in full], found[full[0]], group)
+            scaled.update(dict.fromkeys(full, s))
+            weight = modules[i].get_submodule(norm).weight  # float32 on `device` for its turn: stored as the checkpoint
+            norms[f"{prefix}.{i}.{norm}.weight"] = (weight.detach().double().to(s.device) / s).to(scale_dtype).cpu()
+        for name in found:
+            w = layers[name].weight.detach().float().to(device)
+            s = scaled.get(name)
+            rounded = quantize_rtn(w if s is None else (w.double() * s).float(), group, False, scale_dtype)
+            quantized[f"{name}.weight"] = tuple(t.cpu() for t in rounded)
+        progress(f"{len(quantized)}/{len(layers)} projections quantized (awq)")
+    return quantized, norms
+
+
+def _owner(projection: str) -> str:
+    return "self_attn" if projection in ("q_proj", "k_proj", "v_proj", "qkv_proj", "o_proj") else "mlp"
+
+
 def _gptq_all(
     model: torch.nn.Module,
     windows: list[list[int]],
@@ -411,14 +490,16 @@ def quantize_folder(
 
     if method not in METHODS:
         raise ValueError(f"method must be one of {', '.join(METHODS)}, not {method!r}")
-    if method == "gptq" and not windows:
-        raise ValueError("gptq needs calibration windows (token ids)")
+    if method != "rtn" and not windows:
+        raise ValueError(f"{method} needs calibration windows (token ids)")
+    if method == "awq" and bits != 4:
+        raise ValueError("awq writes 4-bit weights: add --bits 4")
     shards = sorted(source.glob("*.safetensors"))
     if not shards:
         raise ValueError(
             f"{source} has no .safetensors weights: load it in transformers and save_pretrained() it to a new folder"
         )
-    if method == "gptq":
+    if method != "rtn":
         model = _float32_but_layers(AutoModelForCausalLM.from_pretrained(source, dtype="auto").eval())
     else:  # the projections' names only: a model on the meta device holds no weights
         with torch.device("meta"):
@@ -444,9 +525,15 @@ def quantize_folder(
         return gptq_int4(w, hessian, group, symmetric, scale_dtype)
 
     rounding = gptq if bits == 8 else int4_rounding
-    quantized, kv_scales = (
-        _gptq_all(model, windows, progress, torch.device(device), rounding) if method == "gptq" else ({}, {})
-    )
+    norms: dict[str, torch.Tensor] = {}
+    if method == "awq":
+        symmetric = False  # AWQ's groups have a zero point
+        quantized, norms = _awq_all(model, windows, progress, torch.device(device), group, scale_dtype)
+        kv_scales: dict[int, tuple[float, float]] = {}
+    else:
+        quantized, kv_scales = (
+            _gptq_all(model, windows, progress, torch.device(device), rounding) if method == "gptq" else ({}, {})
+        )
     kv_scheme = {"kv_cache_scheme": kv_calibration.KV_CACHE_SCHEME} if kv_scales else {}
     del model  # what is left of it (embeddings, norms) is not needed to write the shards
     out.mkdir(parents=True, exist_ok=True)
@@ -458,11 +545,11 @@ def quantize_folder(
             for name in f.keys():
                 t = f.get_tensor(name)
                 if name not in targets:
-                    tensors[name] = t
+                    tensors[name] = norms.pop(name, t)  # awq: a norm its scales were folded into
                     continue
                 if bits == 4:
                     q, scale, zero = (
-                        quantized.pop(name) if method == "gptq" else quantize_rtn(t, group, symmetric, t.dtype)
+                        quantized.pop(name) if method != "rtn" else quantize_rtn(t, group, symmetric, t.dtype)
                     )
                     tensors.update(_int4_tensors(name, q, scale, zero, t.dtype, symmetric))
                 else:
