@@ -248,7 +248,7 @@ def test_doctor_names_the_linear_layer_of_a_quantization_and_refuses_an_unknown_
     assert row.split()[1] == "fp8" and row.endswith("OK  (fp8: infer.plugins.layer.fp8.Fp8Linear)"), row
     result = invoke("doctor", *SHAPE, "--quantization", "int3")
     assert result.exit_code == 2, result.output
-    assert "REFUSED: unknown --quantization 'int3': use one of fp8" in result.output
+    assert "REFUSED: unknown --quantization 'int3': use one of awq, fp8, gguf, gptq, w4a16" in result.output
     result = invoke("doctor", *SHAPE, "--quantization", "fp8", "--tp", "2")  # the shards hold FP8 weights too
     assert "OK  (fp8: infer.plugins.layer.fp8.Fp8Linear)" in result.output, result.output
 

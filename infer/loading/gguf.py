@@ -145,7 +145,7 @@ def _config(reader: gguf.GGUFReader, tensors: dict[str, gguf.ReaderTensor], dtyp
     }
 
 
-def _weights(reader: gguf.GGUFReader, config: dict[str, Any], dtype: torch.dtype) -> dict[str, torch.Tensor]:
+def _weights(tensors: list[gguf.ReaderTensor], config: dict[str, Any], dtype: torch.dtype) -> dict[str, torch.Tensor]:
     n_head, n_kv = config["num_attention_heads"], config["num_key_value_heads"]
 
     def convert(t: gguf.ReaderTensor) -> tuple[str, torch.Tensor]:
@@ -166,7 +166,41 @@ def _weights(reader: gguf.GGUFReader, config: dict[str, Any], dtype: torch.dtype
 
     # numpy releases the GIL inside dequantization, so threads use every core.
     with ThreadPoolExecutor(max_workers=max(1, os.cpu_count() or 1)) as pool:
-        return dict(pool.map(convert, reader.tensors))
+        return dict(pool.map(convert, tensors))
+
+
+# the projections kept in their block formats (`infer.plugins.layer.gguf`); everything else is dequantized
+_KEPT = ("attn_q", "attn_k", "attn_v", "attn_output", "ffn_gate", "ffn_up", "ffn_down")
+_KEPT_TYPES = ("Q4_0", "Q4_1", "Q8_0", "Q4_K", "Q5_K", "Q6_K")
+
+
+def _blocks(reader: gguf.GGUFReader, config: dict[str, Any], dtype: torch.dtype) -> dict[str, torch.Tensor]:
+    """`_weights`, but each projection in a kept format as its raw block rows (`<name>.weight_blocks`, uint8
+    [rows, row bytes], q and k rows in HF's order) and its ggml type id (`<name>.weight_type`)."""
+    n_head, n_kv = config["num_attention_heads"], config["num_key_value_heads"]
+    kept = [t for t in reader.tensors if t.name.split(".")[-2] in _KEPT and t.tensor_type.name in _KEPT_TYPES]
+    names = {t.name for t in kept}
+    out = {}
+    for t in kept:
+        name = _hf_name(t.name).removesuffix(".weight")
+        rows = np.asarray(t.data).reshape(int(t.shape[-1]), -1)  # GGUF lists dims innermost first: [rows, bytes]
+        if t.name.endswith("attn_q.weight"):
+            rows = unpermute_qk(rows, n_head)
+        elif t.name.endswith("attn_k.weight"):
+            rows = unpermute_qk(rows, n_kv)
+        out[f"{name}.weight_blocks"] = torch.from_numpy(np.array(rows, dtype=np.uint8))  # a copy: the file is a memmap
+        out[f"{name}.weight_type"] = torch.tensor(int(t.tensor_type), dtype=torch.int32)
+    out.update(_weights([t for t in reader.tensors if t.name not in names], config, dtype))
+    return out
+
+
+def gguf_folder(gguf_path: Path, out_dir: Path, dtype: torch.dtype = torch.float32) -> Path:
+    """`convert_gguf`, keeping the projections quantized: an HF folder whose config.json's
+    `quantization_config` is {"quant_method": "gguf"} and whose projections stay in their GGUF block
+    formats (`_blocks`; Q4_0, Q4_1, Q8_0, Q4_K, Q5_K, Q6_K, others dequantized), loaded by the `gguf` layers
+    plugin. The embeddings, norms and LM head are dequantized to `dtype` (float32: every GGUF value exactly;
+    the engine casts them to the run's dtype)."""
+    return convert_gguf(gguf_path, out_dir, dtype, keep_quantized=True)
 
 
 def _pre_tokenizer(pre: str) -> Any:
@@ -266,7 +300,9 @@ def _replace_dir(tmp: Path, out_dir: Path) -> None:
         shutil.rmtree(old, ignore_errors=True)
 
 
-def convert_gguf(gguf_path: Path, out_dir: Path, dtype: torch.dtype = torch.bfloat16) -> Path:
+def convert_gguf(
+    gguf_path: Path, out_dir: Path, dtype: torch.dtype = torch.bfloat16, keep_quantized: bool = False
+) -> Path:
     """Write an HF Llama folder for gguf_path at out_dir (replacing it) and return out_dir.
 
     Files are built in a hidden sibling folder and renamed into place, so out_dir is either
@@ -285,7 +321,9 @@ def convert_gguf(gguf_path: Path, out_dir: Path, dtype: torch.dtype = torch.bflo
     out_dir.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.tmp-", dir=out_dir.parent))
     try:
-        weights = _weights(reader, config, dtype)
+        weights = _blocks(reader, config, dtype) if keep_quantized else _weights(list(reader.tensors), config, dtype)
+        if keep_quantized:
+            config["quantization_config"] = {"quant_method": "gguf", "file": gguf_path.name}
         save_file(weights, str(tmp / "model.safetensors"), metadata={"format": "pt"})
         del weights
         (tmp / "config.json").write_text(json.dumps(config, indent=2) + "\n")

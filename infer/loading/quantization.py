@@ -35,6 +35,8 @@ def checkpoint_scheme(config: ModelConfig) -> str | None:
                 f"plugin here loads: use a checkpoint with a scale per channel or per tensor"
             )
         return "fp8"
+    if method == "gguf":  # a .gguf file's projections in their block formats (`infer.loading.gguf.gguf_folder`)
+        return "gguf"
     if method in ("gptq", "awq"):
         _check_int4(where, method, qc)
         return method

@@ -187,7 +187,9 @@ def test_dummy_fp8_weights_run(tiny_llama_dir):
 
 
 def test_unknown_conflicting_and_unloadable_quantizations_are_refused(tiny_llama_dir, tmp_path):
-    with pytest.raises(PluginNotFoundError, match="unknown --quantization 'int3': use one of awq, fp8, gptq, w4a16"):
+    with pytest.raises(
+        PluginNotFoundError, match="unknown --quantization 'int3': use one of awq, fp8, gguf, gptq, w4a16"
+    ):
         _llm(tiny_llama_dir, quantization="int3")
     bnb = _save(
         tmp_path / "bnb",

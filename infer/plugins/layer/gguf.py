@@ -1,0 +1,164 @@
+"""GGUF weights kept in their block formats (`quantization` gguf): Q4_0, Q4_1, Q8_0, Q4_K, Q5_K and Q6_K.
+
+A `.gguf` file (`--model FILE.gguf`, `infer.loading.gguf.gguf_folder`) reaches this layer as each
+projection's raw block rows (`weight_blocks`, uint8 [rows, row bytes]) and a `weight_type` naming the format; a fused
+projection (q, k, v; gate, up) gets its pieces one by one, each in its own format (a Q4_K_M file mixes
+Q4_K and Q6_K). Each piece is taken apart once (`infer.kernels.gguf_reference.take_apart`): small
+integers q and per group a scale s and offset o, w = q * s + o, the values the gguf package's own
+dequantization gives, bit for bit. 4-bit formats keep q two to a byte; 5-, 6- and 8-bit ones a byte a value.
+A piece stored in float (F16, F32, BF16) stays float.
+
+The product: on the CPU in bf16 a 4-bit piece goes through torch's int4 matmul (its weight repacked once:
+w = (q' - 8) s + z with q' = q + 8 - bias, z = o + (8 - bias) s); otherwise the piece is dequantized in
+float32 and multiplied in the activation's dtype, as transformers runs a GGUF it has read. No GPU kernel
+yet: on CUDA the same dequantize-then-multiply path runs.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Mapping
+
+import gguf
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from infer.api import Capabilities
+from infer.api.errors import ConfigError, ModelLoadError
+from infer.api.hookspecs import hookimpl
+from infer.kernels.gguf_reference import TYPES, Parts, take_apart
+
+CPU_INT4 = ("Q4_0", "Q4_1", "Q4_K")  # formats torch's CPU int4 matmul runs (groups of 32)
+
+
+@dataclass
+class Piece:
+    offset: int
+    size: int
+    kind: str  # a GGUF type, or "float"
+    parts: Parts | None = None
+    weight: torch.Tensor | None = None  # a float piece's
+    packed: tuple[torch.Tensor, torch.Tensor] | None = None  # the CPU int4 matmul's form, built once
+
+    def dequantized(self, dtype: torch.dtype) -> torch.Tensor:
+        if self.weight is not None:
+            return self.weight.to(dtype)
+        assert self.parts is not None
+        return self.parts.dequantize().to(dtype)
+
+    def cpu_int4(self, x: torch.Tensor) -> torch.Tensor:
+        if self.packed is None:
+            assert self.parts is not None
+            p = self.parts
+            shift = 8 if self.kind == "Q4_0" else 0  # q' = q + 8 - bias: Q4_0's q is signed
+            q = (p.q.to(torch.int32) + shift).contiguous()
+            zero = (p.offset if p.offset is not None else torch.zeros_like(p.scale)) + (8 - shift) * p.scale
+            packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(q, 2)
+            sz = torch.stack([p.scale.t(), zero.t()], dim=-1).to(torch.bfloat16).contiguous()
+            self.packed = (packed, sz)
+        packed, sz = self.packed
+        return torch.ops.aten._weight_int4pack_mm_for_cpu(x, packed, 32, sz)
+
+
+class GGUFLinear(nn.Module):
+    quantization = "gguf"
+    capabilities = Capabilities(priority=0)
+
+    def __init__(self, in_features: int, out_features: int, bias: bool = False) -> None:
+        super().__init__()
+        self.in_features, self.out_features = in_features, out_features
+        self.register_buffer("anchor", torch.empty(0), persistent=False)  # the device pieces load onto
+        self.bias = nn.Parameter(torch.empty(out_features), requires_grad=False) if bias else None
+        self.pieces: list[Piece] = []
+        self._pending: dict[int, dict[str, Any]] = {}  # offset -> the rows or the type, until both are read
+        self._checked = False
+
+    @classmethod
+    def for_checkpoint(cls, quantization_config: Mapping[str, Any] | None) -> Any:
+        if quantization_config is None:
+            raise ConfigError(
+                "--quantization gguf: GGUF weights come from a .gguf file only: pass --model FILE.gguf "
+                "and drop --quantization"
+            )
+        return cls
+
+    @torch.no_grad()
+    def load_rows(self, name: str, offset: int, size: int, tensor: torch.Tensor) -> list[str]:
+        """Rows [offset, offset + size): `weight_blocks` (raw block rows, uint8) with `weight_type` (the
+        piece's ggml type id), or `weight` (a piece stored in float); `bias`."""
+        self._checked = False
+        if name == "bias" and self.bias is not None:
+            self.bias[offset : offset + size].copy_(tensor)
+            return ["bias"]
+        if name == "weight" and tensor.dtype.is_floating_point:
+            weight = tensor.to(self.anchor.device, torch.float32)
+            self._add(Piece(offset, size, "float", weight=weight))
+            return []
+        if name in ("weight_blocks", "weight_type"):
+            pending = self._pending.setdefault(offset, {"size": size})
+            pending["rows" if name == "weight_blocks" else "type"] = tensor
+            if "rows" in pending and "type" in pending:
+                del self._pending[offset]
+                self._add(self._piece(offset, size, pending["rows"], int(pending["type"])))
+        return []
+
+    def _piece(self, offset: int, size: int, rows: torch.Tensor, type_id: int) -> Piece:
+        try:
+            kind = gguf.GGMLQuantizationType(type_id).name
+        except ValueError:
+            kind = f"ggml type {type_id}"
+        if kind not in TYPES:
+            raise ModelLoadError(
+                f"a GGUF projection is stored as {kind}, which this layer does not keep "
+                f"(it keeps {', '.join(TYPES)}): use a GGUF of those formats (Q4_K_M, Q4_0, Q8_0, ...)"
+            )
+        try:
+            parts = take_apart(kind, rows.to(self.anchor.device), self.in_features)
+        except ValueError as exc:
+            raise ModelLoadError(
+                f"a GGUF projection's {kind} rows do not fit its {self.in_features} inputs: {exc}"
+            ) from exc
+        if parts.q.shape[0] != size:
+            raise ModelLoadError(f"a GGUF projection piece has {parts.q.shape[0]} rows where {size} were expected")
+        return Piece(offset, size, kind, parts=parts)
+
+    def _add(self, piece: Piece) -> None:
+        self.pieces = sorted([p for p in self.pieces if p.offset != piece.offset] + [piece], key=lambda p: p.offset)
+
+    def _check(self) -> None:
+        at = 0
+        for piece in self.pieces:
+            if piece.offset != at:
+                break
+            at += piece.size
+        if at != self.out_features or self._pending:
+            raise ModelLoadError(
+                f"a GGUF projection of {self.out_features} rows has only rows [0, {at}) loaded: the file lacks a "
+                f"piece of it (q, k or v; gate or up)"
+            )
+        self._checked = True
+
+    def dequantized(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        """W [N, K]: every piece's values, in `dtype`."""
+        if not self._checked:
+            self._check()
+        return torch.cat([p.dequantized(dtype) for p in self.pieces])
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if not self._checked:
+            self._check()
+        rows = x.reshape(-1, self.in_features)
+        outs = []
+        for piece in self.pieces:
+            if rows.device.type == "cpu" and rows.dtype == torch.bfloat16 and piece.kind in CPU_INT4:
+                outs.append(piece.cpu_int4(rows.contiguous()))
+            else:
+                outs.append(F.linear(rows, piece.dequantized(rows.dtype)))
+        y = (outs[0] if len(outs) == 1 else torch.cat(outs, dim=-1)).reshape(*x.shape[:-1], self.out_features)
+        return y if self.bias is None else y + self.bias
+
+
+@hookimpl
+def infer_register_layers(register) -> None:
+    register("linear", GGUFLinear)
