@@ -86,6 +86,15 @@ class CheckpointQuantized(Protocol):
 
 
 @runtime_checkable
+class CpuDtypePreferring(Protocol):
+    """A quantized linear class whose product on the CPU is fast in one activation dtype (`cpu_dtype`):
+    with `--dtype auto` on the CPU the run takes it instead of float32 (4-bit weights: torch's int4 matmul
+    runs in bf16). Plugin API 2.4."""
+
+    cpu_dtype: torch.dtype
+
+
+@runtime_checkable
 class PushingMatmul(Protocol):
     pushes: bool
 

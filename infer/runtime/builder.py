@@ -16,6 +16,7 @@ from typing import Any, Iterable
 from infer.api import (
     AdaptableModel,
     Communicator,
+    CpuDtypePreferring,
     KVAllocator,
     Launch,
     ProcessorContext,
@@ -175,7 +176,15 @@ def _check(
             f"--chat-template needs a tokenizer, and {source.name} has none on disk: drop --chat-template"
         )
     model_config = source.model_config()
+    quantization = quantization_for(config.quantization, model_config)
     dtype = config.resolve_dtype(device, model_config.torch_dtype)
+    if config.dtype == "auto" and device.type == "cpu" and quantization is not None:
+        linear = registry.layer("linear", device.type, quantization)
+        if isinstance(linear, CpuDtypePreferring) and linear.cpu_dtype != dtype:
+            dtype = linear.cpu_dtype
+            get_logger().info(
+                "dtype chosen", dtype=str(dtype).removeprefix("torch."), why=f"{quantization} weights on the CPU"
+            )
     composition = compose(config, registry, device, dtype)
     context, why = model_config.context_limit()
     max_model_len = config.max_model_len or context
@@ -193,11 +202,7 @@ def _check(
             f"--enable-lora: model plugin {source.architecture.name} lets no adapter change it (it is no "
             f"infer.api.AdaptableModel): drop --enable-lora, or use a model plugin that serves adapters"
         )
-    layers = registry.layers(
-        device.type,
-        quantization_for(config.quantization, model_config),
-        checkpoint_quantization(model_config),
-    )
+    layers = registry.layers(device.type, quantization, checkpoint_quantization(model_config))
     if source.path is not None and parallel is None:  # once per process, before any rank starts; headers only
         check_weight_shapes(meta_model(source, model_config, layers), source.path)
     plan = BuildPlan(

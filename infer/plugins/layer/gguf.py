@@ -8,7 +8,7 @@ integers q and per group a scale s and offset o, w = q * s + o, the values the g
 dequantization gives, bit for bit. 4-bit formats keep q two to a byte; 5-, 6- and 8-bit ones a byte a value.
 A piece stored in float (F16, F32, BF16) stays float.
 
-The product: on the CPU in bf16 a 4-bit piece goes through torch's int4 matmul (its weight repacked once:
+The product: on the CPU (in bf16, or float32 for a row or two: `cpu_int4_pays`) a 4-bit piece goes through torch's int4 matmul (its weight repacked once:
 w = (q' - 8) s + z with q' = q + 8 - bias, z = o + (8 - bias) s); otherwise the piece is dequantized in
 float32 and multiplied in the activation's dtype, as transformers runs a GGUF it has read. No GPU kernel
 yet: on CUDA the same dequantize-then-multiply path runs.
@@ -28,6 +28,7 @@ from infer.api import Capabilities
 from infer.api.errors import ConfigError, ModelLoadError
 from infer.api.hookspecs import hookimpl
 from infer.kernels.gguf_reference import TYPES, Parts, take_apart
+from infer.plugins.layer.int4 import cpu_int4_pays
 
 CPU_INT4 = ("Q4_0", "Q4_1", "Q4_K")  # formats torch's CPU int4 matmul runs (groups of 32)
 
@@ -55,15 +56,16 @@ class Piece:
             q = (p.q.to(torch.int32) + shift).contiguous()
             zero = (p.offset if p.offset is not None else torch.zeros_like(p.scale)) + (8 - shift) * p.scale
             packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(q, 2)
-            sz = torch.stack([p.scale.t(), zero.t()], dim=-1).to(torch.bfloat16).contiguous()
+            sz = torch.stack([p.scale.t(), zero.t()], dim=-1).contiguous()
             self.packed = (packed, sz)
         packed, sz = self.packed
-        return torch.ops.aten._weight_int4pack_mm_for_cpu(x, packed, 32, sz)
+        return torch.ops.aten._weight_int4pack_mm_for_cpu(x, packed, 32, sz.to(x.dtype))
 
 
 class GGUFLinear(nn.Module):
     quantization = "gguf"
     capabilities = Capabilities(priority=0)
+    cpu_dtype = torch.bfloat16  # torch's CPU int4 matmul is fast in bf16 (`cpu_int4_pays`)
 
     def __init__(self, in_features: int, out_features: int, bias: bool = False) -> None:
         super().__init__()
@@ -151,7 +153,7 @@ class GGUFLinear(nn.Module):
         rows = x.reshape(-1, self.in_features)
         outs = []
         for piece in self.pieces:
-            if rows.device.type == "cpu" and rows.dtype == torch.bfloat16 and piece.kind in CPU_INT4:
+            if piece.kind in CPU_INT4 and cpu_int4_pays(rows):
                 outs.append(piece.cpu_int4(rows.contiguous()))
             else:
                 outs.append(F.linear(rows, piece.dequantized(rows.dtype)))

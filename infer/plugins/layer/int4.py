@@ -51,12 +51,23 @@ class Int4Scheme:
 CPU_GROUPS = (32, 64, 128, 256)  # the group sizes torch's CPU int4 matmul takes
 
 
+def cpu_int4_pays(x: torch.Tensor) -> bool:
+    """Whether torch's CPU int4 matmul beats dequantizing the weight for `x`: in bf16 always (one row of a
+    576 x 1536 projection on 2 cores: 27 us against 60 for the dense bf16 product alone); in float32 only
+    for a row or two (754 us a row, against about 2.6 ms to dequantize; 16 rows: 12.5 ms)."""
+    if x.device.type != "cpu":
+        return False
+    rows = x.numel() // x.shape[-1]
+    return x.dtype == torch.bfloat16 or (x.dtype == torch.float32 and rows <= 2)
+
+
 class Int4Linear(nn.Module):
     """The W4A16 linear of one checkpoint layout (a subclass per layout: its `quantization` and its
     `load_rows` of the layout's tensors)."""
 
     quantization = "w4a16"
     capabilities = Capabilities(priority=0)
+    cpu_dtype = torch.bfloat16  # torch's CPU int4 matmul is fast in bf16 (`cpu_int4_pays`)
 
     def __init__(self, in_features: int, out_features: int, bias: bool = False, scheme: Int4Scheme = Int4Scheme()):
         super().__init__()
@@ -104,12 +115,12 @@ class Int4Linear(nn.Module):
         return w.to(dtype)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if x.device.type == "cpu" and x.dtype == torch.bfloat16 and self.group in CPU_GROUPS:
+        if self.group in CPU_GROUPS and cpu_int4_pays(x):
             return self._cpu_int4(x)
         return F.linear(x, self.dequantized(x.dtype), self.bias)
 
     def _cpu_int4(self, x: torch.Tensor) -> torch.Tensor:
-        """bf16 on the CPU: torch's int4 matmul over the weight repacked for it once (tinygemm's layout, w =
+        """On the CPU (`cpu_int4_pays`): torch's int4 matmul over the weight repacked for it once (tinygemm's layout, w =
         (q - 8) * s + m with m = (8 - z) * s, the columns sorted by group when act-order scattered them)."""
         if self._packed is None:
             self._packed = self._cpu_pack()
@@ -117,7 +128,9 @@ class Int4Linear(nn.Module):
         rows = x.reshape(-1, self.in_features)
         if order is not None:
             rows = rows.index_select(1, order)
-        y = torch.ops.aten._weight_int4pack_mm_for_cpu(rows.contiguous(), packed, self.group, scales_and_zeros)
+        y = torch.ops.aten._weight_int4pack_mm_for_cpu(
+            rows.contiguous(), packed, self.group, scales_and_zeros.to(rows.dtype)
+        )
         y = y.reshape(*x.shape[:-1], self.out_features)
         return y if self.bias is None else y + self.bias
 
@@ -131,7 +144,7 @@ class Int4Linear(nn.Module):
         packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(q.contiguous(), 2)
         scales = self.scales.t()
         mins = (8.0 - self.zeros.float().t()) * scales
-        return packed, torch.stack([scales, mins], dim=-1).to(torch.bfloat16).contiguous(), order
+        return packed, torch.stack([scales, mins], dim=-1).contiguous(), order
 
     # ------------------------------------------------------------------ loading
 

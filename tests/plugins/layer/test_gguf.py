@@ -166,3 +166,12 @@ def test_gguf_files_and_layers_that_cannot_run_are_refused(tmp_path, tiny_llama_
     partial.load_rows("weight", 0, 32, torch.randn(32, 256))
     with pytest.raises(ModelLoadError, match=r"has only rows \[0, 32\) loaded"):
         partial(torch.randn(1, 256))
+
+
+def test_on_the_cpu_4bit_weights_run_in_bf16_unless_a_dtype_is_asked_for(tmp_path):
+    """`CpuDtypePreferring`: with --dtype auto the CPU runs a GGUF in bf16, where torch's int4 matmul is fast."""
+    file = write_mixed_gguf(tmp_path / "tiny.gguf")
+    with LLM(model=str(file), device="cpu") as llm:
+        assert llm.engine.model.embed_tokens.weight.dtype == torch.bfloat16
+    with LLM(model=str(file), device="cpu", dtype="float32") as llm:
+        assert llm.engine.model.embed_tokens.weight.dtype == torch.float32
