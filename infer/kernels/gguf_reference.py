@@ -11,7 +11,7 @@ computes it (d * q, d * q + m, (d * sc) * q - dmin * m, ...), so the values equa
 | Q5_K | 5 | 32 | nibble + 16 * bit | d * sc | -(dmin * m) |
 | Q6_K | 6 | 16 | 6 bits - 32 | d * sc | 0 |
 
-A 4-bit type keeps q as `nibbles` (two a byte, q + `bias` stored unsigned); the others keep an int8 a value.
+`Parts.q` holds an int8 a value; `infer.plugins.layer.gguf` stores a 4-bit type's two to a byte.
 """
 
 from __future__ import annotations

@@ -247,6 +247,7 @@ def init_dummy_weights(model: nn.Module, seed: int) -> None:
     from infer.loading.shards import shard_of, take_quantized
 
     gen = torch.Generator(device=next(model.parameters()).device).manual_seed(seed)
+    drawn: set[str] = set()  # quantized layers given their weight
     for name, param in model.named_parameters():
         owner, _, attr = name.rpartition(".")
         module = model.get_submodule(owner)
@@ -262,7 +263,8 @@ def init_dummy_weights(model: nn.Module, seed: int) -> None:
                 if shard is None:
                     module.load_rows("weight", 0, shape[0], full)
                 else:
-                    take_quantized(module, shard, attr, full)
+                    take_quantized(module, shard, "weight", full)
+                drawn.add(owner)
             elif attr == "bias":  # ones, as an unquantized layer's; a row-parallel shard's on the first only
                 shard = module.__dict__.get("shard")
                 param.fill_(0.0 if shard is not None and shard.dim == 1 and shard.ranges[0][0] != 0 else 1.0)
@@ -273,6 +275,11 @@ def init_dummy_weights(model: nn.Module, seed: int) -> None:
             param.normal_(0.0, 0.02, generator=gen)
         else:
             shard.take(param, param.new_empty(shard.full_shape(param.shape)).normal_(0.0, 0.02, generator=gen))
+    for owner, module in model.named_modules():  # quantized layers with no weight parameter yet (GGUF's pieces)
+        if isinstance(module, QuantizedLinear) and owner not in drawn and shard_of(model, f"{owner}.weight") is None:
+            device = next(model.parameters()).device
+            full = torch.empty(module.out_features, module.in_features, dtype=torch.float32, device=device)
+            module.load_rows("weight", 0, module.out_features, full.normal_(0.0, 0.02, generator=gen))
 
 
 def load_tokenizer(folder: Path | None) -> Any | None:

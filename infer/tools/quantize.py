@@ -441,6 +441,9 @@ def int4_group(found: dict[str, torch.nn.Linear], group_size: int | None) -> int
     """The group size of a 4-bit checkpoint of these projections: `group_size` (it must divide every
     projection's input; -1: per channel), or by default the largest of 128, 64 and 32 that divides them all
     (compressed-tensors names one for the whole model), else per channel."""
+    odd = sorted(n for n, layer in found.items() if layer.in_features % 8 or layer.out_features % 8)
+    if odd:
+        raise ValueError(f"{odd[0]} is not a multiple of 8 wide both ways, which 4-bit values packed 8 to a word need")
     widths = sorted({layer.in_features for layer in found.values()})
     if group_size is None:
         return next((g for g in (128, 64, 32) if all(k % g == 0 for k in widths)), -1)

@@ -18,14 +18,15 @@ Each loads into one form: `qweight` uint8 [N, K/2] (column 2j in the low nibble)
 piece, as it does with FP8. A weight in the model's dtype (a bf16 checkpoint with `--quantization`, or
 `--load-format dummy`) is rounded to nearest in its groups here (RTN, GPTQ's grid: symmetric, zero 8).
 
-This module is the reference, in plain torch on any device: the product dequantizes the weight in
-float32 and multiplies in the activation's dtype (what transformers does once at load for these
-checkpoints, so greedy tokens agree). Tensor parallelism is refused (no `load_columns`).
+The product dequantizes the weight in float32 and multiplies in the activation's dtype (what transformers
+does once at load for these checkpoints: in float32 greedy tokens agree); on the CPU, where it pays
+(`cpu_int4_pays`: bf16, or a row or two in float32) and the layout allows (groups of 32 to 256, rows a
+multiple of 16), torch's int4 matmul runs instead over a second, repacked copy of the 4-bit weight, its
+scales and zero points rounded to the activation's dtype. Tensor parallelism is refused (no `load_columns`).
 """
 
 from __future__ import annotations
 
-import functools
 from dataclasses import dataclass
 from typing import Any, Mapping
 
@@ -69,8 +70,11 @@ class Int4Linear(nn.Module):
     capabilities = Capabilities(priority=0)
     cpu_dtype = torch.bfloat16  # torch's CPU int4 matmul is fast in bf16 (`cpu_int4_pays`)
 
-    def __init__(self, in_features: int, out_features: int, bias: bool = False, scheme: Int4Scheme = Int4Scheme()):
+    default_scheme = Int4Scheme()  # `for_checkpoint` sets the checkpoint's
+
+    def __init__(self, in_features: int, out_features: int, bias: bool = False, scheme: Int4Scheme | None = None):
         super().__init__()
+        scheme = scheme if scheme is not None else self.default_scheme
         if scheme.group_size == 0:  # quantized as it loads: groups as large as divide the input
             group = next((g for g in (128, 64, 32) if in_features % g == 0), in_features)
             scheme = Int4Scheme(group, scheme.symmetric, scheme.zeros_minus_one)
@@ -94,6 +98,7 @@ class Int4Linear(nn.Module):
         self.bias = nn.Parameter(torch.empty(out_features), requires_grad=False) if bias else None
         self._g_idx_source: str | None = None
         self._packed: tuple[torch.Tensor, torch.Tensor, torch.Tensor | None] | None = None  # the CPU's form
+        self._balanced: bool | None = None
 
     @classmethod
     def for_checkpoint(cls, quantization_config: Mapping[str, Any] | None) -> Any:
@@ -101,7 +106,8 @@ class Int4Linear(nn.Module):
         (None: a model-dtype checkpoint quantized as it loads: symmetric groups of 128 columns, or 64 or
         32 where 128 does not divide the input)."""
         scheme = cls.scheme_of(quantization_config) if quantization_config else Int4Scheme()
-        return functools.partial(cls, scheme=scheme)
+        # a subclass, not a partial: the class's name and attributes stay readable (a refusal names it)
+        return type(cls.__name__, (cls,), {"__qualname__": cls.__qualname__, "default_scheme": scheme})
 
     @staticmethod
     def scheme_of(qc: Mapping[str, Any]) -> Int4Scheme:
@@ -115,9 +121,17 @@ class Int4Linear(nn.Module):
         return w.to(dtype)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.group in CPU_GROUPS and cpu_int4_pays(x):
+        if self.group in CPU_GROUPS and self.out_features % 16 == 0 and self._even_groups() and cpu_int4_pays(x):
             return self._cpu_int4(x)
         return F.linear(x, self.dequantized(x.dtype), self.bias)
+
+    def _even_groups(self) -> bool:
+        """Whether every group has `group` columns (act-order may scatter them, never unbalance them in
+        GPTQ's checkpoints; a damaged g_idx dequantizes instead)."""
+        if self._balanced is None:
+            counts = torch.bincount(self.g_idx.long(), minlength=self.scales.shape[1])
+            self._balanced = bool((counts == self.group).all())
+        return self._balanced
 
     def _cpu_int4(self, x: torch.Tensor) -> torch.Tensor:
         """On the CPU (`cpu_int4_pays`): torch's int4 matmul over the weight repacked for it once (tinygemm's layout, w =
@@ -153,7 +167,7 @@ class Int4Linear(nn.Module):
         """Rows [offset, offset + size) from a checkpoint tensor `name`: this layout's (`load_layout`) or a
         model-dtype `weight`, rounded to nearest here."""
         rows = slice(offset, offset + size)
-        self._packed = None  # the CPU's form is built again from what is loaded
+        self._packed, self._balanced = None, None  # the CPU's form is built again from what is loaded
         if name == "weight" and tensor.dtype.is_floating_point:
             q, s, z = quantize_rtn(tensor.to(self.qweight.device), self.scheme.group_size, self.scheme.symmetric)
             self.qweight[rows].copy_(pack_nibbles(q))
@@ -174,9 +188,10 @@ class Int4Linear(nn.Module):
         so act-order gives them the same one."""
         g_idx = g_idx.to(device=self.g_idx.device, dtype=torch.int32).reshape(-1)
         if g_idx.numel() != self.in_features or int(g_idx.min()) < 0 or int(g_idx.max()) >= self.scales.shape[1]:
+            span = f" in [{int(g_idx.min())}, {int(g_idx.max())}]" if g_idx.numel() else ""
             raise ModelLoadError(
-                f"{source}: a g_idx of {g_idx.numel()} groups in [{int(g_idx.min())}, {int(g_idx.max())}] for a "
-                f"projection of {self.in_features} inputs in {self.scales.shape[1]} groups: the checkpoint is damaged"
+                f"{source}: a g_idx of {g_idx.numel()} entries{span} for a projection of {self.in_features} "
+                f"inputs in {self.scales.shape[1]} groups: the checkpoint is damaged"
             )
         if self._g_idx_source is not None and not torch.equal(self.g_idx, g_idx):
             raise ModelLoadError(
@@ -184,7 +199,7 @@ class Int4Linear(nn.Module):
                 f"differently (g_idx), which this layer cannot hold: quantize them with one order"
             )
         self.g_idx.copy_(g_idx)
-        self._g_idx_source = source
+        self._g_idx_source, self._balanced = source, None
 
     def _fill(self, rows: slice, q: torch.Tensor | None = None, scales=None, zeros=None, name: str = "") -> list[str]:
         size, groups = rows.stop - rows.start, self.scales.shape[1]
@@ -226,8 +241,8 @@ class GPTQLinear(Int4Linear):
         if name == "scales":  # [G, n]
             return self._fill(rows, scales=tensor.t(), name=name)
         if name == "qzeros":  # [G, n/8]
-            zeros = unpack_int32(tensor, 1).t() + (1 if self.scheme.zeros_minus_one else 0)
-            return self._fill(rows, zeros=zeros.clamp(0, 15), name=name)
+            zeros = unpack_int32(tensor, 1).t() + (1 if self.scheme.zeros_minus_one else 0)  # v1: 1..16
+            return self._fill(rows, zeros=zeros, name=name)
         if name == "g_idx":
             self._set_g_idx(tensor, "g_idx")
             return ["g_idx"]

@@ -190,7 +190,9 @@ class DecoderModel(nn.Module):
             owner, _, attr = name.rpartition(".")
             module = self._quantized(owner)
             if module is not None:  # it stores the rows in its own form (and their scales), under its own names
-                offset, size = (0, module.out_features) if shard is None else self._shard_range(owner, shard)
+                weight = params.get(f"{owner}.weight")  # a layer without one says its rows (2.4: out_features)
+                rows = weight.shape[0] if weight is not None else module.out_features
+                offset, size = (0, rows) if shard is None else self._shard_range(owner, shard)
                 loaded.update(f"{owner}.{p}" for p in module.load_rows(attr, offset, size, tensor))
                 continue
             if name not in params:

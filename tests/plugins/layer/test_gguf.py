@@ -175,3 +175,23 @@ def test_on_the_cpu_4bit_weights_run_in_bf16_unless_a_dtype_is_asked_for(tmp_pat
         assert llm.engine.model.embed_tokens.weight.dtype == torch.bfloat16
     with LLM(model=str(file), device="cpu", dtype="float32") as llm:
         assert llm.engine.model.embed_tokens.weight.dtype == torch.float32
+
+
+def test_dummy_weights_fill_a_gguf_models_layers(tmp_path):
+    file = write_mixed_gguf(tmp_path / "tiny.gguf")
+    with LLM(model=str(file), device="cpu", dtype="float32", load_format="dummy") as llm:
+        layer = llm.engine.model.layers[1].mlp.gate_up_proj
+        out = llm.generate([[1, 5, 6, 7]], PARAMS)[0].outputs[0].token_ids
+    assert [p.kind for p in layer.pieces] == ["float"] and len(out) == MAX_TOKENS
+
+
+def test_pieces_are_parameters_and_4bit_ones_are_two_values_a_byte(tmp_path):
+    rng = np.random.default_rng(2)
+    layer = GGUFLinear(256, 40)
+    for offset, kind, rows in ((0, "Q4_K", 32), (32, "Q6_K", 8)):  # 8 rows: no int4 matmul, dequantized
+        layer.load_rows("weight_blocks", offset, rows, torch.from_numpy(random_blocks(kind, rows, 256, rng)))
+        names = layer.load_rows("weight_type", offset, rows, torch.tensor(int(gguf.GGMLQuantizationType[kind])))
+    assert set(names) == {n for n, _ in layer.named_parameters()}
+    assert layer.pieces[0].values.shape == (32, 128) and layer.pieces[1].values.shape == (8, 256)
+    x = torch.randn(2, 256, dtype=torch.bfloat16)
+    assert torch.allclose(layer(x).float(), x.float() @ layer.dequantized().T, rtol=0.02, atol=0.5)

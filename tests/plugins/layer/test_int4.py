@@ -189,3 +189,32 @@ def test_a_quantization_other_than_the_checkpoints_is_refused(tiny, tmp_path):
     quantize_checkpoint(tiny.folder, folder, "awq", 32)
     with pytest.raises(ConfigError, match="stores as awq"):
         LLM(model=str(folder), device="cpu", dtype="float32", quantization="gptq")
+
+
+def test_the_packings_are_the_tools_own_words():
+    """Words written by hand from the tools' conventions: GPTQ packs 8 input rows of a column into one int32,
+    value i in bits 4i (qweight [K/8, N]); AutoAWQ packs 8 output columns of a row, column AWQ_ORDER[i] =
+    (0, 2, 4, 6, 1, 3, 5, 7)[i] in bits 4i, so values 0..7 of columns 0..7 read 0x75316420."""
+    column = unpack_int32(torch.tensor([[0x76543210]], dtype=torch.int32), 0)  # [8, 1]
+    assert column[:, 0].tolist() == list(range(8))
+    row = unpack_int32(torch.tensor([[0x75316420]], dtype=torch.int32), 1, AWQ_ORDER)
+    assert row[0].tolist() == list(range(8))
+
+
+def test_a_tensor_parallel_4bit_run_is_refused_by_name():
+    from infer.api.errors import ConfigError as Refused
+    from infer.distributed.layers import quantized_shard
+    from infer.loading.shards import Shard
+
+    factory = GPTQLinear.for_checkpoint({"quant_method": "gptq", "bits": 4, "group_size": 32, "sym": True})
+    assert issubclass(factory, GPTQLinear) and factory.default_scheme.group_size == 32
+    with pytest.raises(Refused, match=r"int4.GPTQLinear cannot hold a row-parallel shard.*use --tp 1"):
+        quantized_shard(factory, 64, Shard(dim=1, full_sizes=(64,), ranges=((0, 32),)))
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_rows_the_cpu_int4_matmul_cannot_take_are_dequantized(dtype):
+    layer = GPTQLinear(64, 24, scheme=Int4Scheme(32, symmetric=True))  # 24 rows: not a multiple of 16
+    layer.load_rows("weight", 0, 24, torch.randn(24, 64))
+    x = torch.randn(1, 64, dtype=dtype)
+    torch.testing.assert_close(layer(x).float(), (x.float() @ layer.dequantized().T), rtol=0.02, atol=0.05)
