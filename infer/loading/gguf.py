@@ -1,4 +1,4 @@
-"""Convert a Llama-architecture GGUF file into an HF folder (config.json, model.safetensors, tokenizer).
+"""Convert a Llama- or Qwen2-architecture GGUF file into an HF folder (config.json, model.safetensors, tokenizer).
 
 Reads the file with the `gguf` library alone: no llama.cpp, no transformers on the weight path.
 """
@@ -22,6 +22,8 @@ from safetensors.torch import save_file
 from infer.api.errors import ModelLoadError
 
 _MISSING = object()
+# GGUF architectures read here; llama.cpp permutes Llama's q and k rows for its rotary layout, not Qwen2's
+ARCHITECTURES = ("llama", "qwen2")
 
 # GGUF per-layer tensor name (blk.N.<key>.weight) -> HF (model.layers.N.<value>.weight).
 _LAYER_NAMES = {
@@ -93,18 +95,20 @@ def _hf_name(name: str) -> str:
         and parts[0] == "blk"
         and parts[1].isdigit()
         and parts[2] in _LAYER_NAMES
-        and parts[3] == "weight"
+        and parts[3] in ("weight", "bias")
     ):
-        return f"model.layers.{parts[1]}.{_LAYER_NAMES[parts[2]]}.weight"
+        return f"model.layers.{parts[1]}.{_LAYER_NAMES[parts[2]]}.{parts[3]}"
     raise ModelLoadError(
-        f"GGUF tensor {name!r} has no Llama equivalent: this converter supports plain Llama GGUFs only"
+        f"GGUF tensor {name!r} has no Llama or Qwen2 equivalent: this converter reads those GGUFs only"
     )
 
 
 def _config(reader: gguf.GGUFReader, tensors: dict[str, gguf.ReaderTensor], dtype: torch.dtype) -> dict[str, Any]:
     arch = _field(reader, "general.architecture")
-    if arch != "llama":
-        raise ModelLoadError(f"GGUF architecture is {arch!r}; only 'llama' can be converted")
+    if arch not in ARCHITECTURES:
+        raise ModelLoadError(
+            f"GGUF architecture is {arch!r}; only {' and '.join(map(repr, ARCHITECTURES))} can be read"
+        )
     a = f"{arch}."
     hidden = int(_field(reader, a + "embedding_length"))
     n_head = int(_field(reader, a + "attention.head_count"))
@@ -119,9 +123,10 @@ def _config(reader: gguf.GGUFReader, tensors: dict[str, gguf.ReaderTensor], dtyp
         rope_scaling = {"rope_type": "linear", "factor": _f32(_field(reader, a + "rope.scaling.factor"))}
     elif scaling != "none":
         raise ModelLoadError(f"GGUF rope scaling {scaling!r} is not supported (only none or linear)")
+    qwen2 = arch == "qwen2"
     return {
-        "architectures": ["LlamaForCausalLM"],
-        "model_type": "llama",
+        "architectures": ["Qwen2ForCausalLM" if qwen2 else "LlamaForCausalLM"],
+        "model_type": arch,
         "vocab_size": int(tensors["token_embd.weight"].shape[1]),  # GGUF dims are reversed: [hidden, vocab]
         "hidden_size": hidden,
         "intermediate_size": int(_field(reader, a + "feed_forward_length")),
@@ -134,7 +139,7 @@ def _config(reader: gguf.GGUFReader, tensors: dict[str, gguf.ReaderTensor], dtyp
         "rope_theta": _f32(_field(reader, a + "rope.freq_base", 10000.0)),
         "rope_scaling": rope_scaling,
         "hidden_act": "silu",
-        "attention_bias": False,
+        **({} if qwen2 else {"attention_bias": False}),  # Qwen2: q, k and v have biases, o none
         "mlp_bias": False,
         "tie_word_embeddings": "output.weight" not in tensors,
         "bos_token_id": _field(reader, "tokenizer.ggml.bos_token_id", None),
@@ -147,6 +152,7 @@ def _config(reader: gguf.GGUFReader, tensors: dict[str, gguf.ReaderTensor], dtyp
 
 def _weights(tensors: list[gguf.ReaderTensor], config: dict[str, Any], dtype: torch.dtype) -> dict[str, torch.Tensor]:
     n_head, n_kv = config["num_attention_heads"], config["num_key_value_heads"]
+    permuted = config["model_type"] == "llama"  # llama.cpp's rotary row order (Qwen2's rows are HF's)
 
     def convert(t: gguf.ReaderTensor) -> tuple[str, torch.Tensor]:
         name = _hf_name(t.name)
@@ -156,9 +162,9 @@ def _weights(tensors: list[gguf.ReaderTensor], config: dict[str, Any], dtype: to
             raise ModelLoadError(f"{t.name} uses {t.tensor_type.name}, which the gguf library cannot dequantize") from e
         # float32 in HF layout [out, in] (GGUF lists dims innermost first).
         w = w.reshape([int(d) for d in reversed(t.shape)])
-        if t.name.endswith("attn_q.weight"):
+        if permuted and t.name.endswith("attn_q.weight"):
             w = unpermute_qk(w, n_head)
-        elif t.name.endswith("attn_k.weight"):
+        elif permuted and t.name.endswith("attn_k.weight"):
             w = unpermute_qk(w, n_kv)
         if not w.flags.writeable:  # F32 tensors come back as read-only views of the file's memmap
             w = w.copy()
@@ -178,15 +184,20 @@ def _blocks(reader: gguf.GGUFReader, config: dict[str, Any], dtype: torch.dtype)
     """`_weights`, but each projection in a kept format as its raw block rows (`<name>.weight_blocks`, uint8
     [rows, row bytes], q and k rows in HF's order) and its ggml type id (`<name>.weight_type`)."""
     n_head, n_kv = config["num_attention_heads"], config["num_key_value_heads"]
-    kept = [t for t in reader.tensors if t.name.split(".")[-2] in _KEPT and t.tensor_type.name in _KEPT_TYPES]
+    permuted = config["model_type"] == "llama"  # llama.cpp's rotary row order (Qwen2's rows are HF's)
+    kept = [
+        t
+        for t in reader.tensors
+        if t.name.endswith(".weight") and t.name.split(".")[-2] in _KEPT and t.tensor_type.name in _KEPT_TYPES
+    ]
     names = {t.name for t in kept}
     out = {}
     for t in kept:
         name = _hf_name(t.name).removesuffix(".weight")
         rows = np.asarray(t.data).reshape(int(t.shape[-1]), -1)  # GGUF lists dims innermost first: [rows, bytes]
-        if t.name.endswith("attn_q.weight"):
+        if permuted and t.name.endswith("attn_q.weight"):
             rows = unpermute_qk(rows, n_head)
-        elif t.name.endswith("attn_k.weight"):
+        elif permuted and t.name.endswith("attn_k.weight"):
             rows = unpermute_qk(rows, n_kv)
         out[f"{name}.weight_blocks"] = torch.from_numpy(np.array(rows, dtype=np.uint8))  # a copy: the file is a memmap
         out[f"{name}.weight_type"] = torch.tensor(int(t.tensor_type), dtype=torch.int32)

@@ -236,8 +236,8 @@ def test_failed_conversion_leaves_no_folder(tmp_path: Path, monkeypatch: pytest.
 
 
 def test_rejects_other_architectures_and_non_gguf_files(tmp_path: Path) -> None:
-    src = write_tiny_gguf(tmp_path / "q.gguf", _hf_weights(True), arch="qwen2")
-    with pytest.raises(ModelLoadError, match="only 'llama'"):
+    src = write_tiny_gguf(tmp_path / "q.gguf", _hf_weights(True), arch="gemma2")
+    with pytest.raises(ModelLoadError, match="only 'llama' and 'qwen2' can be read"):
         convert_gguf(src, tmp_path / "a")
     (tmp_path / "junk.gguf").write_bytes(b"not a gguf file at all")
     with pytest.raises(ModelLoadError, match="cannot read GGUF"):

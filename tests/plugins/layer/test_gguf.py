@@ -77,10 +77,10 @@ def _tokens() -> list[str]:
     return ["<unk>", "<s>", "</s>"] + sorted(pre_tokenizers.ByteLevel.alphabet()) + ["Ġt"]
 
 
-def write_mixed_gguf(path: Path, seed: int = 0) -> Path:
+def write_mixed_gguf(path: Path, seed: int = 0, arch: str = "llama") -> Path:
     rng = np.random.default_rng(seed)
     tokens = _tokens()
-    w = gguf.GGUFWriter(str(path), "llama")
+    w = gguf.GGUFWriter(str(path), arch)
     w.add_block_count(LAYERS)
     w.add_context_length(256)
     w.add_embedding_length(HIDDEN)
@@ -107,7 +107,9 @@ def write_mixed_gguf(path: Path, seed: int = 0) -> Path:
         for name, kind in FORMATS.items():
             rows, k = SHAPES[name]
             raw = random_blocks(kind, rows, k, rng)
-            if name in ("attn_q", "attn_k"):  # llama.cpp's row order, as in every Llama GGUF
+            if arch == "qwen2" and name in ("attn_q", "attn_k", "attn_v"):  # Qwen2's biases
+                w.add_tensor(f"blk.{i}.{name}.bias", rng.normal(0, 0.1, rows).astype(np.float32))
+            if arch == "llama" and name in ("attn_q", "attn_k"):  # llama.cpp's row order in Llama GGUFs
                 raw = permute_qk(raw, HEADS if name == "attn_q" else KV_HEADS)
             w.add_tensor(f"blk.{i}.{name}.weight", raw, raw_dtype=gguf.GGMLQuantizationType[kind])
     w.write_header_to_file()
@@ -117,7 +119,7 @@ def write_mixed_gguf(path: Path, seed: int = 0) -> Path:
     return path
 
 
-def _check_against_transformers(file: Path, prompts: list[list[int]]) -> None:
+def _check_against_transformers(file: Path, prompts: list[list[int]], architecture: str = "LlamaForCausalLM"):
     from transformers import AutoModelForCausalLM
 
     hf = AutoModelForCausalLM.from_pretrained(file.parent, gguf_file=file.name, dtype=torch.float32).eval()
@@ -126,17 +128,19 @@ def _check_against_transformers(file: Path, prompts: list[list[int]]) -> None:
         outputs = llm.generate(prompts, PARAMS)
     assert isinstance(layer, GGUFLinear)
     results = list(zip(prompts, outputs))
-    mismatch = first_mismatch(Checkpoint("LlamaForCausalLM", file.parent, hf), results)
+    mismatch = first_mismatch(Checkpoint(architecture, file.parent, hf), results)
     assert mismatch is None, mismatch.message
     return layer
 
 
-def test_a_gguf_mixing_every_kept_format_generates_as_transformers_reads_it(tmp_path):
-    file = write_mixed_gguf(tmp_path / "tiny.gguf")
+@pytest.mark.parametrize("arch,architecture", [("llama", "LlamaForCausalLM"), ("qwen2", "Qwen2ForCausalLM")])
+def test_a_gguf_mixing_every_kept_format_generates_as_transformers_reads_it(tmp_path, arch, architecture):
+    file = write_mixed_gguf(tmp_path / "tiny.gguf", arch=arch)
     rng = np.random.default_rng(3)
     prompts = [[1, *rng.integers(3, 259, n).tolist()] for n in (4, 9, 17)]
-    layer = _check_against_transformers(file, prompts)
+    layer = _check_against_transformers(file, prompts, architecture)
     assert [p.kind for p in layer.pieces] == ["Q4_K", "Q6_K", "Q8_0"]  # q, k, v each in its own format
+    assert (layer.bias is not None) == (arch == "qwen2")
 
 
 def test_the_real_smollm2_gguf_generates_as_transformers_reads_it():
