@@ -151,3 +151,17 @@ def compressed_int4_config(group_size: int, symmetric: bool, act_order: bool = F
         "config_groups": {"group_0": {"targets": ["Linear"], "weights": weights, "input_activations": None}},
         "ignore": ["lm_head"],
     }
+
+
+def run_dtype(config: Any, registry: Any, device: Any, model_config: ModelConfig) -> Any:
+    """The run's activation dtype: `EngineConfig.resolve_dtype`, except that with --dtype auto on the CPU a
+    quantized linear that prefers another (`CpuDtypePreferring`: 4-bit weights run in bf16) gets it."""
+    from infer.api import CpuDtypePreferring
+
+    dtype = config.resolve_dtype(device, model_config.torch_dtype)
+    quantization = quantization_for(config.quantization, model_config)
+    if config.dtype == "auto" and device.type == "cpu" and quantization is not None:
+        linear = registry.layer("linear", device.type, quantization)
+        if isinstance(linear, CpuDtypePreferring):
+            return linear.cpu_dtype
+    return dtype

@@ -16,7 +16,6 @@ from typing import Any, Iterable
 from infer.api import (
     AdaptableModel,
     Communicator,
-    CpuDtypePreferring,
     KVAllocator,
     Launch,
     ProcessorContext,
@@ -36,7 +35,7 @@ from infer.core.output import OutputProcessor, Pooling
 from infer.core.registry import PluginRegistry
 from infer.inputs.chat_template import load_chat_template
 from infer.loading.loader import check_weight_shapes, meta_model, resolve_source, with_tokenizer
-from infer.loading.quantization import checkpoint_quantization, quantization_for
+from infer.loading.quantization import checkpoint_quantization, quantization_for, run_dtype
 from infer.runtime.decode_paths import attach_decode_paths
 from infer.runtime.kv_cache import build_kv_caches, check_fits
 from infer.runtime.plan import BuildPlan
@@ -177,14 +176,10 @@ def _check(
         )
     model_config = source.model_config()
     quantization = quantization_for(config.quantization, model_config)
-    dtype = config.resolve_dtype(device, model_config.torch_dtype)
-    if config.dtype == "auto" and device.type == "cpu" and quantization is not None:
-        linear = registry.layer("linear", device.type, quantization)
-        if isinstance(linear, CpuDtypePreferring) and linear.cpu_dtype != dtype:
-            dtype = linear.cpu_dtype
-            get_logger().info(
-                "dtype chosen", dtype=str(dtype).removeprefix("torch."), why=f"{quantization} weights on the CPU"
-            )
+    dtype = run_dtype(config, registry, device, model_config)
+    if dtype != config.resolve_dtype(device, model_config.torch_dtype):
+        why = f"{quantization} weights on the CPU"
+        get_logger().info("dtype chosen", dtype=str(dtype).removeprefix("torch."), why=why)
     composition = compose(config, registry, device, dtype)
     context, why = model_config.context_limit()
     max_model_len = config.max_model_len or context

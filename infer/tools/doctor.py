@@ -16,6 +16,7 @@ from infer.api.errors import ConfigError, InferError
 from infer.api.slots import CHOSEN, PREFILL_ATTENTION, SLOT
 from infer.core.compose import _auto_attention, check_model_attention, compose, refusal
 from infer.core.registry import BrokenPlugin, PluginRegistry, Strategy
+from infer.loading.quantization import run_dtype
 
 
 @dataclass(frozen=True, slots=True)
@@ -204,6 +205,11 @@ def diagnose(
     dtype = (
         config.resolve_dtype(device, model_dtype) if config.dtype == "auto" or config.dtype in DTYPES else torch.float32
     )
+    if model_config is not None and config.dtype == "auto":
+        try:  # the engine's own choice (4-bit weights run in bf16 on the CPU)
+            dtype = run_dtype(config, registry, device, model_config)
+        except InferError:
+            pass  # an unknown or unloadable quantization: its own verdict says so
     if config.quantization is not None or (model_config and model_config.extra.get("quantization_config")):
         verdicts.append(_quantization(config, registry, device, model_config))
     if config.tensor_parallel_size > 1:

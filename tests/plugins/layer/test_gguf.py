@@ -199,3 +199,13 @@ def test_pieces_are_parameters_and_4bit_ones_are_two_values_a_byte(tmp_path):
     assert layer.pieces[0].values.shape == (32, 128) and layer.pieces[1].values.shape == (8, 256)
     x = torch.randn(2, 256, dtype=torch.bfloat16)
     assert torch.allclose(layer(x).float(), x.float() @ layer.dequantized().T, rtol=0.02, atol=0.5)
+
+
+def test_the_doctor_reports_the_dtype_the_engine_takes(tmp_path):
+    from click.testing import CliRunner
+
+    from infer.cli.main import cli
+
+    file = write_mixed_gguf(tmp_path / "tiny.gguf")
+    result = CliRunner().invoke(cli, ["doctor", "--model", str(file), "--device", "cpu"])
+    assert result.output.startswith("infer doctor: device cpu, dtype bfloat16"), result.output
