@@ -26,6 +26,7 @@ from infer.api.request import SamplingParams
 from infer.bench.report import run_workload, warm_up
 from infer.bench.workloads import Workload
 from infer.core.engine import Engine
+from infer.plugins.logits_processor.grammar import XGrammarProcessor
 from infer.runtime.builder import make_engine
 
 SCHEMA: dict[str, Any] = {
@@ -59,11 +60,24 @@ def random_prompts(num: int, length: int, vocab: int, seed: int) -> list[str | l
     return [[rng.randrange(vocab) for _ in range(length)] for _ in range(num)]
 
 
+GRAMMAR_TIMES = ("seconds_ahead", "seconds_filling", "seconds_waited", "seconds_applying", "rows_ahead", "rows_in_step")
+
+
+def grammar_times(engine: Engine) -> dict[str, float]:
+    """The xgrammar processor's counters (where the mask work went), summed so far."""
+    found = [p for p in engine.parts.processors if isinstance(p, XGrammarProcessor)]
+    return {k: float(getattr(found[0], k)) for k in GRAMMAR_TIMES} if found else {}
+
+
 def measure(engine: Engine, workload: Workload, params: SamplingParams, label: str) -> dict[str, Any]:
     engine.reset_stats()
+    before = grammar_times(engine)
     record, outputs = run_workload(engine, workload, params, label)
     out = record.to_dict()
     out["label"] = label
+    after = grammar_times(engine)
+    steps = max(1, out["steps"])
+    out["grammar_per_step"] = {k: (after[k] - before[k]) / steps for k in after}
     if params.structured is not None:  # what was generated is valid so far: a prefix of the schema's language
         out["sample"] = outputs[0].outputs[0].text[:200]
     print(
@@ -71,6 +85,14 @@ def measure(engine: Engine, workload: Workload, params: SamplingParams, label: s
         f"p99 {out['tpot_p99_s'] * 1e3:7.2f} ms  steps {out['steps']}",
         flush=True,
     )
+    if params.structured is not None and after:
+        g = out["grammar_per_step"]
+        print(
+            f"{'':12s} per step: ahead job {g['seconds_ahead'] * 1e3:.2f} ms (fill {g['seconds_filling'] * 1e3:.2f}), "
+            f"in the step {g['seconds_applying'] * 1e3:.2f} ms (waiting {g['seconds_waited'] * 1e3:.2f}); "
+            f"rows ahead {g['rows_ahead']:.1f}, in step {g['rows_in_step']:.2f}",
+            flush=True,
+        )
     return out
 
 
@@ -90,29 +112,42 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         prompts = random_prompts(args.prompts, args.prompt_tokens, vocab, args.seed)
         workload = Workload("random", prompts, [args.max_tokens] * len(prompts), ignore_eos=True)
         plain = SamplingParams(temperature=0, ignore_eos=True)
-        constrained = replace(plain, structured={"json": SCHEMAS[args.schema]})
+        constrained = {name: replace(plain, structured={"json": SCHEMAS[name]}) for name in args.schema}
         short = Workload("warm", prompts[: args.batch], [16] * args.batch, ignore_eos=True)
         warm_up(engine, short)
-        run_workload(engine, short, constrained, "warm-json")  # compiles the schema and the mask kernel
-        runs: dict[str, list[dict[str, Any]]] = {"plain": [], "json": []}
+        for params in constrained.values():  # compiles the schema and the mask kernel
+            run_workload(engine, short, params, "warm-json")
+        processor = next(p for p in engine.parts.processors if isinstance(p, XGrammarProcessor))
+        runs: dict[str, list[dict[str, Any]]] = {"plain": []}
         for _ in range(args.repeat):
             runs["plain"].append(measure(engine, workload, plain, "plain"))
-            runs["json"].append(measure(engine, workload, constrained, "json-schema"))
+            for name, params in constrained.items():
+                runs.setdefault(name, []).append(measure(engine, workload, params, name))
+                if args.in_step:  # the same with every mask filled in its step (as before the masks went ahead)
+                    processor.ahead = lambda rows: None  # type: ignore[method-assign]
+                    try:
+                        runs.setdefault(f"{name} in-step", []).append(
+                            measure(engine, workload, params, f"{name} in-step")
+                        )
+                    finally:
+                        del processor.ahead
     finally:
         engine.close()
     summary = {name: statistics.median(r["tpot_p50_s"] for r in rs) for name, rs in runs.items()}
+    ratios = {name: tpot / summary["plain"] for name, tpot in summary.items() if name != "plain"}
     result = {
         "config": {k: v for k, v in vars(args).items() if k != "out"},
         "device": engine.parts.describe.get("device"),
         "runs": runs,
         "tpot_p50_s": summary,
-        "tpot_ratio": summary["json"] / summary["plain"],
+        "tpot_ratio": ratios,
     }
-    print(
-        f"TPOT p50 json-schema {summary['json'] * 1e3:.2f} ms / plain {summary['plain'] * 1e3:.2f} ms "
-        f"= {result['tpot_ratio']:.3f}x",
-        flush=True,
-    )
+    for name, ratio in ratios.items():
+        print(
+            f"TPOT p50 {name} {summary[name] * 1e3:.2f} ms / plain {summary['plain'] * 1e3:.2f} ms = {ratio:.3f}x "
+            f"(batch {args.batch})",
+            flush=True,
+        )
     return result
 
 
@@ -127,10 +162,17 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--prompts", type=int, default=128, help="requests per run")
     ap.add_argument("--prompt-tokens", type=int, default=256)
     ap.add_argument("--max-tokens", type=int, default=256)
-    ap.add_argument("--repeat", type=int, default=2, help="alternated plain / json-schema pairs")
+    ap.add_argument("--repeat", type=int, default=2, help="rounds of plain and each schema, alternated")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument(
-        "--schema", choices=sorted(SCHEMAS), default="records", help="records-free: the same without maxLength"
+        "--schema",
+        choices=sorted(SCHEMAS),
+        nargs="+",
+        default=["records"],
+        help="one or more, each run after plain in turn; records-free: the same without maxLength",
+    )
+    ap.add_argument(
+        "--in-step", action="store_true", help="also run each schema with every mask filled in its step, not ahead"
     )
     ap.add_argument("--out", type=Path, default=None, help="write the figures as JSON")
     return ap.parse_args(argv)

@@ -28,6 +28,8 @@ from infer.api.attention import (
 )
 from infer.api.capabilities import DEFAULT_CAPABILITIES, Capabilities, capabilities_of
 from infer.api.constraints import (
+    AheadProcessor,
+    AheadRow,
     KitParams,
     LogitsProcessor,
     LogitsRow,
@@ -98,7 +100,7 @@ __all__ = [
     "ModelRunnerLike", "ForwardRunner", "DecoderContext", "Decoder", "SelfDescribing", "StatsSummary",
     "DetokenizedDelta", "Detokenizer", "DeviceWaits",
     "ReasoningParser", "ReasoningSplit", "ReasoningStream",
-    "LogitsProcessor", "LogitsRow", "ProcessorContext", "PreparingProcessor", "ServingProcessor", "KitParams",
+    "LogitsProcessor", "LogitsRow", "ProcessorContext", "PreparingProcessor", "AheadProcessor", "AheadRow", "ServingProcessor", "KitParams",
     "LAYER_KINDS", "Layers", "RotaryTables", "FusingActivation", "LinearMatmul", "QuantizedLinear", "PushingMatmul",
     "CheckpointQuantized", "CpuDtypePreferring",
     "pushing", "pushes_partial_sums", "PlainRMSNorm", "QuantizingNorm", "TakesQuantizedInput", "GatedLinear",

@@ -6,7 +6,7 @@ from typing import Any, Sequence
 
 import torch
 
-from infer.api import LogitsProcessor, LogitsRow, ServingProcessor
+from infer.api import AheadProcessor, AheadRow, LogitsProcessor, LogitsRow, ServingProcessor
 from infer.api.errors import RequestError
 from infer.api.request import Request
 
@@ -43,6 +43,22 @@ def constrain(logits: torch.Tensor, requests: Sequence[Request], drafts: Sequenc
     with torch.inference_mode():
         for processor, rows in batches.values():
             processor.apply(logits, rows)
+
+
+def constrain_ahead(requests: Sequence[Request], tokens: Sequence[Sequence[int]]) -> None:
+    """`requests[i]` got `tokens[i]` this step (on the host now, not yet appended): hand them to each
+    admitted `AheadProcessor`, which starts the next step's host work for them (the masks) at once."""
+    batches: dict[int, tuple[AheadProcessor, list[AheadRow]]] = {}
+    takes: dict[int, bool] = {}  # a protocol's isinstance is slow: once per processor
+    for r, new in zip(requests, tokens):
+        for processor, state in r.constraints if new else ():
+            key = id(processor)
+            if key not in takes:
+                takes[key] = isinstance(processor, AheadProcessor)
+            if takes[key]:
+                batches.setdefault(key, (processor, []))[1].append(AheadRow(r, state, new))
+    for processor, rows in batches.values():
+        processor.ahead(rows)
 
 
 def is_constrained(requests: Sequence[Request]) -> bool:

@@ -35,6 +35,15 @@ class LogitsRow:
     draft: Sequence[int] = ()  # proposed tokens after the request's output tokens, before this row
 
 
+@dataclass(frozen=True, slots=True)
+class AheadRow:
+    """An admitted request's new tokens, as they reach the host (`AheadProcessor.ahead`). Plugin API 2.5."""
+
+    request: "Request"
+    state: Any  # what the processor's `admit` returned for this request
+    tokens: Sequence[int]  # the tokens this step gave it, in order: its `output_token_ids` may not hold them yet
+
+
 class LogitsProcessor(Protocol):
     """Masks or shifts logits for the requests that ask for it. Every installed processor is built
     with the engine (factory(ctx: ProcessorContext)); none of them runs for a request that no
@@ -87,3 +96,19 @@ class PreparingProcessor(Protocol):
     refused with that limit named)."""
 
     def prepare(self, request: "Request") -> Future | None: ...
+
+
+@runtime_checkable
+class AheadProcessor(Protocol):
+    """A logits processor whose host work for a step can start before that step is scheduled.
+    `ahead(rows)` runs on the engine's thread as soon as a step's sampled tokens reach the host, before
+    the engine appends them to the requests: one `AheadRow` for each request this processor admitted
+    that got tokens. It starts the work on threads of its own (a grammar matcher taking the tokens and
+    filling the mask for the next one) and returns at once, so the work overlaps the engine's own host
+    work (outputs, the scheduler, the next step's inputs) and the next forward. The next `apply` waits
+    for it and uses what still holds (the request is in the step, with no tokens since); it does the
+    rest itself. A request that then stops or leaves the batch only wastes the work: `apply` gives the
+    same rows the same masks whether or not `ahead` ran (`apply` may not rely on it). The rows' states
+    are the processor's alone until that `apply` returns. Plugin API 2.5."""
+
+    def ahead(self, rows: Sequence[AheadRow]) -> None: ...

@@ -22,7 +22,7 @@ from infer.api import (
     SchedulerOutput,
     StepResult,
 )
-from infer.api.constrain import constrain, is_constrained
+from infer.api.constrain import constrain, constrain_ahead, is_constrained
 from infer.api.pooling import hidden_rows, keep_hidden
 from infer.api.prompt_logprobs import prompt_rows, take_prompt_logprobs
 from infer.api.runner import ForwardSeq, StepInputs
@@ -181,13 +181,18 @@ class ModelRunner:
         sampled_requests = [s.request for s in seqs if s.logits_rows]
         if not sampled_requests:
             return StepResult(sampled={})
-        if is_constrained(sampled_requests):  # the masks are filled on the host while the forward runs
+        constrained = is_constrained(sampled_requests)
+        if constrained:  # the masks are filled on the host while the forward runs (most of them ahead, below)
             constrain(logits, sampled_requests)
         token_ids = self.pipeline.sample(logits, seqs) if self.pipeline is not None else None
         if token_ids is not None:
+            if constrained:  # the next step's masks start now, beside the engine's host work
+                constrain_ahead(sampled_requests, [[t] for t in token_ids])
             return StepResult(sampled={r.request_id: [t] for r, t in zip(sampled_requests, token_ids)})
         self.waits.waiting()  # the sampler's copy to the host waits for the forward (the pipeline announces its own)
         result = self.sampler.sample(logits, sampled_requests)
+        if constrained:
+            constrain_ahead(sampled_requests, [[t] for t in result.token_ids])
         sampled = {r.request_id: [t] for r, t in zip(sampled_requests, result.token_ids)}
         logprobs = {}
         if result.logprobs is not None:

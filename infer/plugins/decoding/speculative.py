@@ -53,7 +53,7 @@ from infer.api import (
     TokenSampler,
     VerifyingSampler,
 )
-from infer.api.constrain import constrain, is_constrained
+from infer.api.constrain import constrain, constrain_ahead, is_constrained
 from infer.api.errors import ConfigError
 from infer.api.hookspecs import hookimpl
 from infer.api.prompt_logprobs import prompt_rows, take_prompt_logprobs
@@ -270,6 +270,8 @@ class SpeculativeDecoder:
             sampled_tokens[r.request_id] = d[:n] + [t]
             # K/V stay valid up to the accepted draft: the rejected positions' slots are rolled back
             num_computed[r.request_id] = r.num_computed_tokens + scheduled[i].num_new_tokens + n
+        if constrained:  # the matchers take the accepted tokens beside the engine's host work
+            constrain_ahead(requests, [sampled_tokens[r.request_id] for r in requests])
         result = StepResult(sampled=sampled_tokens, num_computed=num_computed)
         if any(r.params.logprobs is not None for r in requests):
             result.logprobs = self._logprobs(logits, requests, offsets, views, sampled_tokens)

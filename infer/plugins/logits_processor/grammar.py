@@ -5,10 +5,15 @@ releases the GIL while it compiles), and the request waits outside the running b
 then it gets a matcher that follows its tokens. Requests asking for the same constraint share one
 compile, and the last COMPILED_KEPT compiled grammars are kept, so a repeated schema compiles once;
 a compile whose every request left before it began never runs.
-Each step the matchers of the step's rows fill a token bitmask on the host (several threads),
-while the forward is still running on the GPU; one copy takes it to the device and one kernel
-sets the masked logits to -inf for all the rows. Speculative decoding's verify rows are filled
-after the matcher has taken the draft before them; rejected tokens are rolled back.
+Each step needs a token bitmask per row, filled on the host. It starts ahead (`AheadProcessor`): as
+soon as a step's tokens reach the host, one worker thread has the matchers take them and fill the
+masks for the next token (xgrammar spreads a batch's matchers over a bounded pool of its own threads
+and lets go of the GIL), while the engine goes on with its host work (outputs, the scheduler, the next
+step's inputs) and the GPU with the next forward. The next step's `apply` waits for it and fills only
+the rows it did not (a request new to the batch, a request whose state moved since); one copy takes
+the masks to the device and one kernel sets the masked logits to -inf for all the rows. Speculative
+decoding's accepted tokens are taken ahead the same way; its verify rows are filled after the matcher
+has taken the draft before them (the draft is known only then); rejected tokens are rolled back.
 
 JSON is generated compact (", " and ": ", no other whitespace), so no raw control character
 (U+0000-U+001F) belongs anywhere in it: inside a string JSON escapes them. xgrammar 0.2.8 lets a
@@ -24,6 +29,7 @@ import os
 import queue
 import re
 import threading
+import time
 from collections import OrderedDict
 from concurrent.futures import Future
 from dataclasses import dataclass
@@ -32,17 +38,19 @@ from typing import Any, Sequence
 import numpy as np
 import torch
 
-from infer.api import Capabilities, LogitsRow, ProcessorContext, RegisterFn
+from infer.api import AheadRow, Capabilities, LogitsRow, ProcessorContext, RegisterFn
 from infer.api.errors import RequestError, one_line
 from infer.api.hookspecs import hookimpl
 from infer.api.request import Request
 from infer.api.structured import StructuredOutputs
 from infer.api.transfer import row_index
+from infer.common import cpus
 from infer.common.log import get_logger
 
 log = get_logger()
 COMPILED_KEPT = 64  # compiled grammars kept for requests that repeat a constraint
 COMPILE_THREADS = max(1, min(2, (os.cpu_count() or 1) // 2))  # compiles at once (each a pool thread)
+FILL_THREADS = 8  # at most this many threads fill one step's masks (xgrammar's pool; half the usable cores)
 XGRAMMAR_LOG_PREFIX = re.compile(r"^\[[\d:]+\] \S+:\d+: ")  # "[21:45:25] /project/cpp/regex_converter.cc:83: "
 
 
@@ -59,6 +67,8 @@ class MatcherState:
     broken: bool = False  # it refused an output token: the request runs unconstrained from there
     ended: bool = False  # it took a stop token: the grammar is over
     is_json: bool = False  # a JSON document (compact): tokens holding a raw control character are masked
+    ahead: int = -1  # the ahead job (its number) that filled this matcher's next mask, at row `ahead_row`
+    ahead_row: int = -1
 
 
 class XGrammarProcessor:
@@ -76,6 +86,19 @@ class XGrammarProcessor:
         self._pool: _DaemonPool | None = None  # compiles beside the step loop, made at the first
         self._compiles: OrderedDict[tuple[str, str], _Compile] = OrderedDict()  # constraint -> its compile
         self._lock = threading.Lock()  # _compiles is read by the engine's thread and the pool's callbacks
+        # the masks filled ahead (`ahead`): one job at a time on a thread of its own, into _ahead_host
+        self._ahead_pool: _DaemonPool | None = None
+        self._ahead_job: Future | None = None
+        self._ahead_batch: Any = None
+        self._ahead_host: torch.Tensor | None = None  # [rows, words] int32, pinned for a GPU
+        self._jobs = 0  # the number of the newest ahead job: a state filled by an older one is stale
+        self._copied: Any = None  # a CUDA event after the last copy of a host bitmask to the device
+        self.rows_ahead = 0  # one-row-per-request masks the ahead job filled, and those filled in their step
+        self.rows_in_step = 0
+        self.seconds_ahead = 0.0  # the ahead jobs' time (beside the step), and `apply`'s (in it: waits included)
+        self.seconds_waited = 0.0  # of which `apply` waited for an ahead job
+        self.seconds_applying = 0.0
+        self.seconds_filling = 0.0  # of the ahead jobs' time, the mask fill alone (the rest: taking the tokens)
 
     def prepare(self, request: Request) -> Future | None:
         spec = request.params.structured
@@ -133,22 +156,112 @@ class XGrammarProcessor:
         )
         self._compiler = xgr.GrammarCompiler(info, max_threads=COMPILE_THREADS, cache_limit_bytes=512 << 20)
         self._no_control = no_control_bitmask(info.decoded_vocab, self.ctx.vocab_size)
-        self._batch = xgr.BatchGrammarMatcher()
+        threads = max(1, min(FILL_THREADS, cpus.available() // 2))
+        self._batch = xgr.BatchGrammarMatcher(max_threads=threads)
+        self._ahead_batch = xgr.BatchGrammarMatcher(max_threads=threads)
         return self._compiler
 
+    def ahead(self, rows: Sequence[AheadRow]) -> None:
+        """Start the next step's masks for `rows` on the ahead thread: each matcher takes its new tokens
+        and fills its next mask into a row of `_ahead_host`. Returns at once."""
+        self._settle_ahead()  # a job `apply` never waited for: its states are its until it ends
+        self._jobs += 1
+        work = [
+            (row.request, row.state, tuple(row.tokens), len(row.request.output_token_ids))
+            for row in rows
+            if not row.state.broken and not row.state.ended
+        ]
+        if not work or self._ahead_batch is None:
+            return
+        if self._copied is not None:  # the last copy of the host masks to the device is done: they may change
+            self._copied.synchronize()
+        if self._ahead_pool is None:
+            self._ahead_pool = _DaemonPool(1, "infer-grammar-ahead")
+        self._ahead_job = self._ahead_pool.submit(self._fill_ahead, work, self._jobs)
+
+    def _fill_ahead(self, work: list[tuple[Request, MatcherState, tuple[int, ...], int]], job: int) -> None:
+        """The ahead thread: each matcher (caught up to its request's `had` tokens) takes `tokens`, then
+        the live ones fill their next masks, rows 0.. of `_ahead_host`, in one call."""
+        started = time.perf_counter()
+        try:
+            self._take_and_fill(work, job)
+        finally:
+            self.seconds_ahead += time.perf_counter() - started
+
+    def _take_and_fill(self, work: list[tuple[Request, MatcherState, tuple[int, ...], int]], job: int) -> None:
+        stops = self.ctx.eos_token_ids
+        one: list[tuple[Request, MatcherState, int]] = []
+        filling: list[MatcherState] = []
+        for request, state, tokens, had in work:
+            if state.consumed != had:  # behind (or ahead of) its request: `apply` catches it up
+                continue
+            if len(tokens) == 1:
+                one.append((request, state, tokens[0]))
+                continue
+            for token in tokens:  # speculation: several tokens, one at a time
+                if state.broken or state.ended:
+                    break
+                _took(request, state, state.matcher.accept_token(token), True)
+        if one:
+            accepted = self._ahead_batch.batch_accept_token([s.matcher for _, s, _ in one], [t for _, _, t in one])
+            for (request, state, token), ok in zip(one, accepted):
+                _took(request, state, ok, token in stops)
+        filling = [s for r, s, t, had in work if s.consumed == had + len(t) and not s.broken and not s.ended]
+        if not filling:
+            return
+        host = self._ahead_host
+        if host is None or host.shape[0] < len(filling):
+            host = self._host_bitmask(len(filling))
+            self._ahead_host = host
+        started = time.perf_counter()
+        self._ahead_batch.batch_fill_next_token_bitmask([s.matcher for s in filling], host, list(range(len(filling))))
+        self.seconds_filling += time.perf_counter() - started
+        for i, state in enumerate(filling):
+            state.ahead, state.ahead_row = job, i
+
+    def _settle_ahead(self) -> None:
+        """Wait for the ahead job; one that failed leaves its states to `apply` (which fills them again)."""
+        job, self._ahead_job = self._ahead_job, None
+        if job is None:
+            return
+        try:
+            if not job.done():
+                started = time.perf_counter()
+                job.result()
+                self.seconds_waited += time.perf_counter() - started
+            job.result()
+        except Exception as exc:  # noqa: BLE001 - the masks are filled again on the step's own path
+            self._jobs += 1
+            log.warning(
+                "structured output: the masks filled ahead failed; filling them in the step", error=one_line(exc)
+            )
+
     def apply(self, logits: torch.Tensor, rows: Sequence[LogitsRow]) -> None:
+        started = time.perf_counter()
+        try:
+            self._apply(logits, rows)
+        finally:
+            self.seconds_applying += time.perf_counter() - started
+
+    def _apply(self, logits: torch.Tensor, rows: Sequence[LogitsRow]) -> None:
         import xgrammar as xgr
 
-        bitmask = self._bitmask(logits.shape[0], logits.device)
+        self._settle_ahead()
         live = self._catch_up(rows)
-        if all(not row.draft for row in live):  # one row per request: fill them all at once
+        if all(not row.draft for row in live):  # one row per request: the masks filled ahead, the rest at once
+            bitmask = self._one_per_request(live, logits.shape[0], logits.device)
             indices = [row.index for row in live]
-            self._batch.batch_fill_next_token_bitmask([row.state.matcher for row in live], bitmask, indices)
         else:
+            bitmask = self._bitmask(logits.shape[0], logits.device)
             indices = _fill_drafts(live, bitmask)
         if not indices:
             return
-        bits = bitmask if logits.device.type == "cpu" else bitmask.to(logits.device, non_blocking=True)
+        bits = bitmask
+        if logits.device.type != "cpu":
+            bits = bitmask.to(logits.device, non_blocking=True)
+            if logits.device.type == "cuda":
+                self._copied = torch.cuda.Event()
+                self._copied.record()
         filled = set(indices)
         if json_rows := [row.index for row in live if row.state.is_json and row.index in filled]:
             assert self._no_control is not None
@@ -156,6 +269,32 @@ class XGrammarProcessor:
                 self._no_control = self._no_control.to(bits.device)
             forbid_control_bytes(bits, row_index(json_rows, bits.shape[0], bits.device), self._no_control)
         xgr.apply_token_bitmask_inplace(logits, bits, vocab_size=self.ctx.vocab_size, indices=indices)
+
+    def _one_per_request(self, live: Sequence[LogitsRow], num_rows: int, device: torch.device) -> torch.Tensor:
+        """The bitmask of a step with a row per request: row `row.index` for each live row. The rows the
+        ahead job filled come from its buffer (that buffer itself when they are the step's rows, in
+        order); the others are filled now."""
+        done: list[LogitsRow] = []
+        rest: list[LogitsRow] = []
+        for row in live:
+            fresh = row.state.ahead == self._jobs and row.state.consumed == len(row.request.output_token_ids)
+            (done if fresh else rest).append(row)
+        self.rows_ahead += len(done)
+        self.rows_in_step += len(rest)
+        if len(done) == len(live) == num_rows and all(row.index == row.state.ahead_row for row in live):
+            assert self._ahead_host is not None
+            return self._ahead_host[:num_rows]
+        bitmask = self._bitmask(num_rows, device)
+        if done:
+            assert self._ahead_host is not None
+            src = torch.tensor([row.state.ahead_row for row in done])
+            dst = torch.tensor([row.index for row in done])
+            bitmask.index_copy_(0, dst, self._ahead_host.index_select(0, src))
+        if rest:
+            self._batch.batch_fill_next_token_bitmask(
+                [row.state.matcher for row in rest], bitmask, [row.index for row in rest]
+            )
+        return bitmask
 
     def _catch_up(self, rows: Sequence[LogitsRow]) -> list[LogitsRow]:
         """Feed each matcher its request's output tokens it has not seen (the usual one: all of them in
@@ -181,11 +320,14 @@ class XGrammarProcessor:
         return [row for row in rows if not row.state.broken and not row.state.ended]
 
     def _bitmask(self, num_rows: int, device: torch.device) -> torch.Tensor:
-        words = (self.ctx.vocab_size + 31) // 32
         if self._host is None or self._host.shape[0] < num_rows:
-            host = torch.empty(max(num_rows, 64), words, dtype=torch.int32)
-            self._host = host.pin_memory() if device.type == "cuda" else host
+            self._host = self._host_bitmask(num_rows)
         return self._host[:num_rows]
+
+    def _host_bitmask(self, num_rows: int) -> torch.Tensor:
+        """[at least num_rows, words] int32 on the host, pinned when the logits are on a GPU."""
+        host = torch.empty(max(num_rows, 64), (self.ctx.vocab_size + 31) // 32, dtype=torch.int32)
+        return host.pin_memory() if torch.device(self.ctx.device).type == "cuda" else host
 
 
 def grammar_of(spec: StructuredOutputs) -> Any:
@@ -224,10 +366,10 @@ class _DaemonPool:
     """Threads that run submitted calls into futures; daemons, unlike ThreadPoolExecutor's, so a runaway
     compile never holds the interpreter's exit (or a server's shutdown) hostage."""
 
-    def __init__(self, num_threads: int) -> None:
+    def __init__(self, num_threads: int, name: str = "infer-grammar") -> None:
         self._queue: queue.SimpleQueue[tuple[Future, Any, tuple[Any, ...]]] = queue.SimpleQueue()
         for i in range(num_threads):
-            threading.Thread(target=self._work, name=f"infer-grammar-{i}", daemon=True).start()
+            threading.Thread(target=self._work, name=f"{name}-{i}", daemon=True).start()
 
     def submit(self, fn: Any, *args: Any) -> Future:
         future: Future = Future()

@@ -17,6 +17,7 @@ from jsonschema import Draft202012Validator
 from infer import SamplingParams
 from infer.api.errors import RequestError
 from infer.llm import LLM
+from infer.plugins.logits_processor.grammar import XGrammarProcessor
 from infer.testing.json_schemas import SchemaCase, random_schemas
 
 CASES = random_schemas(100, seed=0)
@@ -116,6 +117,31 @@ def test_100_random_schemas_in_one_batch_always_validate(llm, sampling):
     for case, output in zip(CASES, outputs):
         assert output.error is None
         assert_valid(case, output.outputs[0])
+
+
+@pytest.mark.parametrize("sampling", [dict(temperature=0), dict(temperature=0.8)], ids=["greedy", "seeded"])
+def test_masks_filled_ahead_give_the_tokens_of_masks_filled_in_the_step(llm, monkeypatch, sampling):
+    """Most masks are filled as soon as the tokens before them reach the host (the first of each request
+    in its step); the tokens are the ones the same requests get with every mask filled in its step."""
+    processor = next(p for p in llm.engine.parts.processors if isinstance(p, XGrammarProcessor))
+    cases = CASES[:16] + CASES[:4]  # four twice: the same matcher state in two rows of a step
+    prompts = [prompt(c) for c in cases] + [text for text, _, _ in PATTERNS]
+    params = [schema_params(c, seed=i, **sampling) for i, c in enumerate(cases)]
+    params += [SamplingParams(max_tokens=48, structured=c, seed=7, **sampling) for _, c, _ in PATTERNS]
+    ahead, in_step = processor.rows_ahead, processor.rows_in_step
+    filled_ahead = llm.generate(prompts, params)
+    ahead, in_step = processor.rows_ahead - ahead, processor.rows_in_step - in_step
+    print(f"masks filled ahead {ahead}, in their step {in_step}")
+    assert in_step >= len(prompts) and ahead > 5 * in_step, (ahead, in_step)
+    monkeypatch.setattr(processor, "ahead", lambda rows: None)
+    before = processor.rows_ahead
+    filled_in_step = llm.generate(prompts, params)
+    assert processor.rows_ahead == before
+    for case, a, b in zip(cases, filled_ahead, filled_in_step):
+        assert a.outputs[0].token_ids == b.outputs[0].token_ids
+        assert_valid(case, a.outputs[0])
+    for a, b in zip(filled_ahead[len(cases) :], filled_in_step[len(cases) :]):
+        assert a.error is None and a.outputs[0].token_ids == b.outputs[0].token_ids
 
 
 def test_regex_choice_and_grammar_outputs_always_match(llm):
