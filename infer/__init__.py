@@ -4,6 +4,7 @@ from infer.api import Capabilities
 from infer.api.adapters import LoRARequest
 from infer.api.config import EngineConfig
 from infer.api.hookspecs import PLUGIN_API, PLUGIN_API_VERSION, hookimpl
+from infer.api.pooling import PoolingParams
 from infer.api.request import CompletionOutput, RequestOutput, SamplingParams
 from infer.common import moved
 
@@ -16,6 +17,7 @@ __all__ = [
     "make_engine",
     "EngineConfig",
     "SamplingParams",
+    "PoolingParams",
     "RequestOutput",
     "CompletionOutput",
     "LoRARequest",

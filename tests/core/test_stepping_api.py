@@ -1,25 +1,13 @@
-"""The public stepping API as an app meets it: the README's example, run as written (on SmolLM2, the
-default model), and the streamed pieces of several requests, n > 1 and a stop string included, add up
-to exactly what `generate` returns for them."""
+"""The public stepping API as an app meets it (the README's example runs in tests/test_readme.py): the
+streamed pieces of several requests, n > 1 and a stop string included, add up to exactly what
+`generate` returns for them."""
 
 from __future__ import annotations
-
-import re
-from pathlib import Path
 
 import pytest
 
 from infer import EngineConfig, SamplingParams, make_engine
 from infer.api.errors import RequestError
-
-README = Path(__file__).resolve().parents[2] / "README.md"
-
-
-def test_the_readmes_stepping_example_runs_as_written(smollm2_dir):
-    text = README.read_text()
-    section = text[text.index("### Stepping the engine: the public stepping API") :]
-    code = re.search(r"```python\n(.*?)```", section, re.S).group(1)
-    exec(compile(code, "README.md", "exec"), {})  # its own assert: the pieces are the final text
 
 
 def test_streamed_pieces_add_up_to_generates_outputs(tiny_llama_dir):
