@@ -381,7 +381,8 @@ def _build_engine(config: EngineConfig, loras: tuple[LoRARequest, ...] = ()) -> 
                 engine.add_adapter(lora)
             except RequestError as exc:
                 raise ConfigError(f"--lora-modules {lora.lora_name}={lora.lora_path}: {exc}") from None
-        click.echo(f"warmed up in {warm_up(engine):.1f}s (the first prefill shapes' kernels compiled)", err=True)
+        click.echo("warming up: a few prompts compile the first prefill shapes' kernels", err=True)
+        click.echo(f"warmed up in {warm_up(engine):.1f}s", err=True)
     except BaseException:
         engine.close()
         raise

@@ -65,7 +65,12 @@ def build_engine(
     parallel = SingleProcess(plan.device) if parallel is None else parallel
     # every rank, in the same order: the fast all-reduce's set-up is collective
     parallel = parallel.set_up(config.all_reduce, plan.dtype, plan.model_config.hidden_size)
+    log = get_logger()
+    log.info(  # the slow part of a build: say so before it starts
+        "loading the model", model=plan.source.name, device=str(plan.device), load_format=config.load_format
+    )
     models, decoder, tokenizer = load_models(plan, parallel)
+    log.info("model loaded", seconds=round(time.perf_counter() - started, 2))
     lookahead = decoder.num_lookahead_tokens
     num_blocks, block_mover = build_kv_caches(
         config, models, parallel, plan.max_model_len, lookahead, plan.dtype, plan.device
