@@ -34,6 +34,7 @@ def mixed_batch(batch: int, device: str, seed: int = 0) -> tuple[torch.Tensor, l
     return logits.to(device), reqs, [len(r.output_token_ids) for r in reqs]
 
 
+@pytest.mark.slow  # over 0.3 s on two cores: left out of the quick loop
 @pytest.mark.benchmark(group="sampler")
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("batch", [1, 64, 256])

@@ -43,6 +43,7 @@ def decoding(cls, num_running: int, prefix_caching: bool):
     return scheduler, step
 
 
+@pytest.mark.slow  # over 0.3 s on two cores: left out of the quick loop
 @pytest.mark.benchmark(group="scheduler-step")
 @pytest.mark.parametrize("prefix_caching", [True, False], ids=["prefix-cache", "no-prefix-cache"])
 @pytest.mark.parametrize("num_running", [64, 256, 1024])

@@ -214,6 +214,7 @@ def test_add_request_step_and_abort(tiny_llama_dir, alone):
     assert llm.engine.scheduler.allocator.num_free_blocks() == free
 
 
+@pytest.mark.slow  # over 0.3 s on two cores: left out of the quick loop
 def test_abort_from_another_thread_during_generate(tiny_llama_dir):
     llm = LLM(model=str(tiny_llama_dir), **{**OPTIONS, "max_model_len": 512})
     params = SamplingParams(max_tokens=400, temperature=0, ignore_eos=True)

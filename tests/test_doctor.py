@@ -162,6 +162,7 @@ def test_doctor_reports_several_refusals_and_bad_names(invoke):
     assert "verdict: cannot run here (3 refusals)" in result.output
 
 
+@pytest.mark.slow  # over 0.3 s on two cores: left out of the quick loop
 @pytest.mark.parametrize("flag", ["--attention", "--prefill-attention"])
 def test_doctor_refuses_fp8_kv_where_a_backend_has_none(invoke, flag):
     result = invoke("doctor", *SHAPE, flag, "no-fp8", "--kv-cache-dtype", "fp8")
@@ -253,6 +254,7 @@ def test_doctor_names_the_linear_layer_of_a_quantization_and_refuses_an_unknown_
     assert "OK  (fp8: infer.plugins.layer.fp8.Fp8Linear)" in result.output, result.output
 
 
+@pytest.mark.slow  # over 0.3 s on two cores: left out of the quick loop
 def test_doctor_says_which_scales_an_fp8_kv_cache_reads_with(invoke, tiny_llama_dir, tmp_path):
     def row(*args):
         result = invoke("doctor", "--device", "cpu", "--kv-cache-dtype", "fp8", "--model", *args)

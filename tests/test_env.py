@@ -60,6 +60,7 @@ def test_the_check_lets_writes_be(source):
     assert environ_reads(f"import os\n{source}\n") == []
 
 
+@pytest.mark.slow  # over 0.3 s on two cores: left out of the quick loop
 def test_only_env_reads_the_environment():
     found = {}
     for path in sorted(ROOT.rglob("*.py")):

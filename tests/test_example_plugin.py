@@ -177,6 +177,7 @@ SWAPPED = {  # strategy -> (its module, the option that picks it)
 }
 
 
+@pytest.mark.slow  # over 0.3 s on two cores: left out of the quick loop
 @pytest.mark.parametrize("name", list(SWAPPED))
 def test_strategy_gives_the_default_greedy_tokens(example, model_dir, reference, name, monkeypatch):
     module, options = SWAPPED[name]
@@ -266,6 +267,7 @@ def test_all_example_strategies_together(example, model_dir, reference):
 # ---------------------------------------------------------------------------------------------- installed
 
 
+@pytest.mark.slow  # over 0.3 s on two cores: left out of the quick loop
 def test_installed_example_passes_the_kits(example_plugin_env, tmp_path):
     kits = ["attention=example-sdpa", "kv_allocator=example-refcount", "decoding=example-split"]
     kits += ["logits_processor=example-choice", "reasoning_parser=example-labels"]

@@ -9,6 +9,8 @@ from __future__ import annotations
 import ast
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).resolve().parents[1] / "infer"
 INTERNALS = {"output", "scheduler", "decoder", "block_mover"}  # the engine's collaborators
 PART_INTERNALS = {"runners", "scheduler", "decoder", "output", "block_mover", "processors", "closers"}
@@ -41,6 +43,7 @@ def _violations(tree: ast.AST) -> list[tuple[int, str]]:
     return found
 
 
+@pytest.mark.slow  # over 0.3 s on two cores: left out of the quick loop
 def test_no_private_engine_state_is_read_outside_the_core():
     bad = []
     for path in sorted(ROOT.rglob("*.py")):

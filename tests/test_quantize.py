@@ -187,6 +187,7 @@ def test_an_rtn_folder_is_what_quantizing_at_load_makes(tiny_llama_dir, tmp_path
     assert saved["layers.0.self_attn.qkv_proj.weight"].dtype == torch.float8_e4m3fn
 
 
+@pytest.mark.slow  # over 0.3 s on two cores: left out of the quick loop
 def test_a_gptq_folder_loads_as_saved_and_generates(tiny_llama_dir, tmp_path):
     windows = [[(7 * i + j) % 250 for j in range(32)] for i in range(4)]
     out = fp8.quantize_folder(
@@ -204,6 +205,7 @@ def test_a_gptq_folder_loads_as_saved_and_generates(tiny_llama_dir, tmp_path):
     assert len(llm.generate([{"prompt_token_ids": [1, 2, 3]}])[0].outputs[0].token_ids) > 0
 
 
+@pytest.mark.slow  # over 0.3 s on two cores: left out of the quick loop
 def test_a_gptq_folder_holds_the_kv_cache_scales_of_its_calibration(tiny_llama_dir, tmp_path):
     """gptq writes each layer's k_scale and v_scale (0-dim, float32, beside the layer's weights: the
     largest key and value calibration saw, over 448) and a kv_cache_scheme in the config; an FP8 cache
@@ -273,6 +275,7 @@ def test_a_bf16_checkpoint_calibrates_as_its_float32_copy(tiny_llama_dir, tmp_pa
     assert made["bf16"]["model.layers.0.input_layernorm.weight"].dtype == torch.bfloat16  # the rest as stored
 
 
+@pytest.mark.slow  # over 0.3 s on two cores: left out of the quick loop
 def test_a_sharded_checkpoint_is_written_shard_by_shard(tiny_llama_dir, tmp_path):
     """The output keeps the source's shards and indexes each tensor (scales beside their weights), and
     holds what a one-file source gives, for rtn (which loads no model) and gptq."""
@@ -336,6 +339,7 @@ def test_the_command_writes_a_folder_from_a_text_file(tiny_llama_dir, tmp_path):
         ("too little chat", "fewer than --calibration-windows 1000000 x --window-tokens 512: ask for fewer"),
     ],
 )
+@pytest.mark.slow  # over 0.3 s on two cores: left out of the quick loop
 def test_bad_input_is_one_line_and_exit_2(case, message, tiny_llama_dir, tmp_path):
     text = tmp_path / "calibration.txt"
     text.write_text("a few words")
@@ -405,6 +409,7 @@ def test_with_uncorrelated_columns_4bit_gptq_is_round_to_nearest():
         assert torch.equal(found, expected)
 
 
+@pytest.mark.slow  # over 0.3 s on two cores: left out of the quick loop
 @pytest.mark.parametrize("method,symmetric", [("gptq", True), ("rtn", False), ("gptq", False), ("awq", False)])
 def test_a_4bit_folder_generates_as_transformers_reads_it(tmp_path, method, symmetric):
     """The folder is compressed-tensors' own layout: transformers reads it through that package (symmetric:

@@ -89,6 +89,7 @@ def test_broken_plugin_is_reported_and_does_not_break_a_run(broken_plugin_env, t
     assert "Traceback" not in ran.stderr
 
 
+@pytest.mark.slow  # over 0.3 s on two cores: left out of the quick loop
 def test_asking_for_a_strategy_of_a_broken_plugin_fails_clearly(broken_plugin_env, tiny_llama_dir):
     ran = infer_cli(
         "run", "--model", str(tiny_llama_dir), "--sampler", "from-broken", "--no-progress", env=broken_plugin_env

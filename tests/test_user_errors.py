@@ -367,6 +367,7 @@ def test_baseline_with_typed_values_runs_and_reports_speedup(tiny_llama_dir, tmp
     assert records[0]["config"]["kv_blocks"] == 64 and records[1]["speedup"] > 0
 
 
+@pytest.mark.slow  # over 0.3 s on two cores: left out of the quick loop
 def test_bench_matrix_of_numbers_runs(tiny_llama_dir, tmp_path):
     out, data = tmp_path / "bench.json", tmp_path / "prompts.json"
     data.write_text(json.dumps([[5, 6, 7], [9, 10, 11, 12]]))
@@ -472,6 +473,7 @@ def test_progress_lines_come_while_no_request_finishes():
     ]
 
 
+@pytest.mark.slow  # over 0.3 s on two cores: left out of the quick loop
 def test_run_without_a_terminal_prints_progress_lines(tiny_llama_dir):
     result = CliRunner().invoke(
         cli,

@@ -125,6 +125,7 @@ def test_the_page_lists_every_row():
         assert f"`{row.vllm}" in DOC or f"--{row.vllm.replace('_', '-')}" in DOC or f"LLM.{row.vllm}" in DOC, row
 
 
+@pytest.mark.slow  # over 0.3 s on two cores: left out of the quick loop
 def test_sampling_outputs_as_vllm_gives_them(smollm2_dir):
     with LLM(model=str(smollm2_dir), attention="torch", max_model_len=256) as llm:
         prompt = "The capital of France is"
@@ -146,6 +147,7 @@ def test_sampling_outputs_as_vllm_gives_them(smollm2_dir):
         SamplingParams(detokenize=False, stop=["x"])
 
 
+@pytest.mark.slow  # over 0.3 s on two cores: left out of the quick loop
 def test_python_dash_m_infer_and_infer_serve_are_the_commands():
     for module, words in (("infer", "Usage: infer [OPTIONS] COMMAND"), ("infer.serve", "serve [OPTIONS] [MODEL]")):
         done = subprocess.run([sys.executable, "-m", module, "--help"], capture_output=True, text=True, timeout=120)

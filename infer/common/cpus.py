@@ -12,11 +12,13 @@ from __future__ import annotations
 
 import math
 import os
+import time
 from pathlib import Path
 
-__all__ = ["available", "busy", "choose"]
+__all__ = ["available", "busy", "choose", "Governor", "OthersUse"]
 
 CGROUP_CPU_MAX = Path("/sys/fs/cgroup/cpu.max")  # cgroup v2: "QUOTA PERIOD", or "max PERIOD"
+PROC_STAT = Path("/proc/stat")  # "cpu  user nice system idle iowait irq softirq steal ...", in clock ticks
 
 
 def available() -> int:
@@ -61,3 +63,83 @@ def choose(asked: int | None, current: int) -> tuple[int, str | None]:
             f"thread, which waits for no other; --cpu-threads N (or INFER_CPU_THREADS) chooses"
         )
     return threads, None
+
+
+def _busy_seconds() -> float | None:
+    """CPU seconds the whole machine has spent busy (not idle, not waiting for I/O) since boot."""
+    try:
+        fields = PROC_STAT.read_text().split("\n", 1)[0].split()
+        ticks = [int(x) for x in fields[1:9]]
+        return (sum(ticks) - ticks[3] - ticks[4]) / os.sysconf("SC_CLK_TCK")
+    except (OSError, ValueError, IndexError):  # not Linux
+        return None
+
+
+class OthersUse:
+    """The cores the other processes kept busy since the last call: the machine's busy CPU time less
+    this process's, over the wall time between calls (None where /proc/stat is missing)."""
+
+    def __init__(self) -> None:
+        self._last = self._sample()
+
+    @staticmethod
+    def _sample() -> tuple[float, float | None, float]:
+        times = os.times()
+        return time.monotonic(), _busy_seconds(), times.user + times.system
+
+    def __call__(self) -> float | None:
+        now = self._sample()
+        (t0, busy0, mine0), (t1, busy1, mine1) = self._last, now
+        self._last = now
+        if busy0 is None or busy1 is None or t1 - t0 <= 0:
+            return None
+        return max(0.0, (busy1 - busy0) - (mine1 - mine0)) / (t1 - t0)
+
+
+class Governor:
+    """Keeps torch's threads off cores that other processes take while a CPU engine runs: when the others
+    use more than the cores this process leaves free (half a core of slack), torch drops to one thread
+    (its threads spin while they wait for each other, so a starved one stalls every step: `infer run`
+    went from 13 s to 129 s on two cores when a test suite started beside it); after three quiet
+    intervals it goes back to `threads`. `tick()` runs once a step; it looks at most every `interval_s`."""
+
+    def __init__(self, threads: int, cores: int, interval_s: float = 1.0, current: int | None = None) -> None:
+        import torch
+
+        self._torch = torch
+        self.threads = threads
+        self.cores = cores
+        self.interval_s = interval_s
+        self.current = threads if current is None else current  # what torch runs on now
+        self._use = OthersUse()
+        self._next = time.monotonic() + interval_s
+        self._quiet = 0
+        self._warned = False
+
+    def tick(self) -> None:
+        now = time.monotonic()
+        if now < self._next:
+            return
+        self._next = now + self.interval_s
+        others = self._use()
+        if others is None:
+            return
+        if self.current > 1 and others > self.cores - self.current + 0.5:
+            self._set(1)
+            self._quiet = 0
+            if not self._warned:
+                self._warned = True
+                from infer.common.log import get_logger
+
+                get_logger().warning(
+                    f"other processes took {others:.1f} of the {self.cores} cores this process may use: torch runs "
+                    f"on 1 thread while they do; --cpu-threads N (or INFER_CPU_THREADS) fixes the count"
+                )
+        elif self.current < self.threads:
+            self._quiet = self._quiet + 1 if others < self.cores - self.threads + 0.25 else 0
+            if self._quiet >= 3:
+                self._set(self.threads)
+
+    def _set(self, threads: int) -> None:
+        self.current = threads
+        self._torch.set_num_threads(threads)

@@ -55,8 +55,9 @@ def build_engine(
     if config.tensor_parallel_size > 1 and parallel is None:  # start (or join) the ranks, then build each
         assert launch is not None, "checked by _check"
         return launch(config, extra_plugins, plan.source.name, plan.model_config, plan.device)
+    governor = None
     if plan.device.type == "cpu":
-        _cpu_threads(config)
+        governor = _cpu_threads(config)
         if config.gpu_memory_utilization != EngineConfig().gpu_memory_utilization:  # a GPU option, given here
             get_logger().warning(
                 f"--gpu-memory-utilization {config.gpu_memory_utilization} does nothing on the CPU: the KV cache "
@@ -71,6 +72,8 @@ def build_engine(
     )
     models, decoder, tokenizer = load_models(plan, parallel)
     log.info("model loaded", seconds=round(time.perf_counter() - started, 2))
+    for runner, _ in models:
+        runner.threads = governor
     lookahead = decoder.num_lookahead_tokens
     num_blocks, block_mover = build_kv_caches(
         config, models, parallel, plan.max_model_len, lookahead, plan.dtype, plan.device
@@ -117,15 +120,23 @@ def build_engine(
     )
 
 
-def _cpu_threads(config: EngineConfig) -> None:
-    """Torch's threads for a CPU engine: --cpu-threads, INFER_CPU_THREADS, or what the machine allows now."""
+def _cpu_threads(config: EngineConfig) -> cpus.Governor | None:
+    """Torch's threads for a CPU engine: --cpu-threads, INFER_CPU_THREADS, or what the machine allows now;
+    then, unless the user chose, a governor that drops to one thread while other processes take the cores."""
     import torch
 
-    threads, warning = cpus.choose(config.cpu_threads or env.cpu_threads(), torch.get_num_threads())
+    asked = config.cpu_threads or env.cpu_threads()
+    default = torch.get_num_threads()
+    threads, warning = cpus.choose(asked, default)
     if warning is not None:
         get_logger().warning(warning)
-    if threads != torch.get_num_threads():
+    if threads != default:
         torch.set_num_threads(threads)
+    cores = cpus.available()
+    full = min(default, cores)
+    if asked is not None or full < 2:
+        return None
+    return cpus.Governor(full, cores, current=threads)
 
 
 def _pooling(plan: BuildPlan) -> Pooling:

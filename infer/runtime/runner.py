@@ -26,6 +26,7 @@ from infer.api.constrain import constrain, constrain_ahead, is_constrained
 from infer.api.pooling import hidden_rows, keep_hidden
 from infer.api.prompt_logprobs import prompt_rows, take_prompt_logprobs
 from infer.api.runner import ForwardSeq, StepInputs
+from infer.common import cpus
 from infer.core.adapters import Adapters
 
 
@@ -60,6 +61,9 @@ class ModelRunner:
         self.adapters = adapters
         self.graphs: DecodeGraphs | None = None  # replays decode-only steps (`set_decode_paths`)
         self.pipeline: DecodePipeline | None = None  # queues the next decode forward ahead
+        self.threads: cpus.Governor | None = (
+            None  # on the CPU, a `cpus.Governor` that keeps torch's threads off busy cores
+        )
 
     def set_decode_paths(self, graphs: DecodeGraphs | None = None, pipeline: DecodePipeline | None = None) -> None:
         """Called once, after the KV caches exist (`infer.runtime.decode_paths` does, for the builder)."""
@@ -142,6 +146,8 @@ class ModelRunner:
     def run(self, step: StepInputs) -> torch.Tensor:
         """The forward itself, on this rank alone (every tensor-parallel rank runs this; `forward` gets the
         step to the others first): logits [len(logits_rows), vocab] float32."""
+        if self.threads is not None:
+            self.threads.tick()
         if self.adapters is not None:  # every rank: the step's loads into device slots, then the kind's plan
             rows = self.graphs.rows(sum(step.query_lens)) if step.use_graphs and self.graphs is not None else None
             self.adapters.prepare(step.adapter_loads, step.adapter_slots, step.query_lens, rows)

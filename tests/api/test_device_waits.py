@@ -72,6 +72,7 @@ def tiny(tmp_path_factory):
     [{}, {"decoding": "speculative", "draft": "ngram"}, {"decoding": "speculative", "draft": "self", "exit_layer": 1}],
     ids=["autoregressive", "ngram", "self-draft"],
 )
+@pytest.mark.slow  # over 0.3 s on two cores: left out of the quick loop
 def test_every_sampling_step_announces_its_wait(tiny, monkeypatch, options):
     target, _ = tiny
     calls = [0]
@@ -134,6 +135,7 @@ class DeferringPlugin:
         register("deferring", DeferringDetokenizer)
 
 
+@pytest.mark.slow  # over 0.3 s on two cores: left out of the quick loop
 @pytest.mark.parametrize("options", [{}, {"decoding": "speculative", "draft": "ngram"}], ids=["plain", "ngram"])
 def test_the_detokenizer_defers_to_the_waits_its_engine_announces(tiny, smollm2_dir, options):
     target, _ = tiny
@@ -163,6 +165,7 @@ class OldPlugin:
         register("old-form", OldDetokenizer)
 
 
+@pytest.mark.slow  # over 0.3 s on two cores: left out of the quick loop
 def test_a_plugin_api_2_0_detokenizer_still_works_with_a_warning_naming_the_new_form(tiny, smollm2_dir):
     target, _ = tiny
     with pytest.warns(DeprecationWarning, match=r"'old-form'.*factory\(tokenizer, waits: infer.api.DeviceWaits\)"):

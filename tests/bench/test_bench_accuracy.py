@@ -36,6 +36,7 @@ def hf_perplexity(folder, windows: list[list[int]], dtype: torch.dtype = torch.f
     return math.exp(nll / count)
 
 
+@pytest.mark.slow  # over 0.3 s on two cores: left out of the quick loop
 def test_the_default_lossy_configs_against_the_baseline(tiny_llama_dir, tmp_path):
     out = tmp_path / "accuracy.json"
     result = invoke("--model", str(tiny_llama_dir), *SIZES, "--json-out", str(out))
@@ -83,6 +84,7 @@ def test_the_default_lossy_configs_against_the_baseline(tiny_llama_dir, tmp_path
         (["--windows", "1000000"], "fewer than --windows 1000000 x --window-tokens 96: ask for fewer windows"),
     ],
 )
+@pytest.mark.slow  # over 0.3 s on two cores: left out of the quick loop
 def test_bad_options_are_refused_naming_the_fix(tiny_llama_dir, args, message):
     base = ["bench", "accuracy", "--model", str(tiny_llama_dir), "--windows", "1", "--window-tokens", "96"]
     result = CliRunner().invoke(cli, [*base, *args])  # a repeated option: the last one counts
@@ -91,6 +93,7 @@ def test_bad_options_are_refused_naming_the_fix(tiny_llama_dir, args, message):
     assert "Traceback" not in result.output
 
 
+@pytest.mark.slow  # over 0.3 s on two cores: left out of the quick loop
 def test_without_the_text_package_the_fix_is_named(tiny_llama_dir, monkeypatch):
     monkeypatch.setitem(sys.modules, "chitchat_dataset", None)  # import fails as if it were not installed
     result = CliRunner().invoke(cli, ["bench", "accuracy", "--model", str(tiny_llama_dir), "--window-tokens", "96"])
@@ -98,6 +101,7 @@ def test_without_the_text_package_the_fix_is_named(tiny_llama_dir, monkeypatch):
     assert "chitchat-dataset package, which is not installed: pip install 'infer[bench]'" in result.output
 
 
+@pytest.mark.slow  # over 0.3 s on two cores: left out of the quick loop
 def test_smollm2_perplexity_equals_hf_and_an_fp8_cache_costs_little(smollm2_dir, tmp_path):
     out = tmp_path / "accuracy.json"
     sizes = ["--windows", "2", "--window-tokens", "256", "--prompts", "4", "--prompt-tokens", "16"]

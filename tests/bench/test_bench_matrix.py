@@ -23,6 +23,7 @@ def dataset(tmp_path):
     return path
 
 
+@pytest.mark.slow  # over 0.3 s on two cores: left out of the quick loop
 def test_bench_matrix_with_baseline_json_and_chart(tiny_llama_dir, dataset, tmp_path):
     out, chart = tmp_path / "bench.json", tmp_path / "bench.png"
     result = invoke(
@@ -64,6 +65,7 @@ def test_bench_matrix_with_baseline_json_and_chart(tiny_llama_dir, dataset, tmp_
         assert chart.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
+@pytest.mark.slow  # over 0.3 s on two cores: left out of the quick loop
 def test_bench_without_baseline_compares_with_the_first_combination(tiny_llama_dir, dataset, monkeypatch):
     monkeypatch.setattr(charts, "_pyplot", lambda: None)  # as if matplotlib were missing
     result = invoke(

@@ -24,6 +24,7 @@ def one_error_line(result, expected: str) -> None:
     assert len(lines) == 1 and expected in lines[0], result.output
 
 
+@pytest.mark.slow  # over 0.3 s on two cores: left out of the quick loop
 def test_a_sweep_writes_a_row_per_rate_json_and_png(fake_server, tmp_path):
     fake_server.first_s, fake_server.gap_s = 0.02, 0.005
     out, png = tmp_path / "serve.json", tmp_path / "serve.png"
@@ -146,6 +147,7 @@ def test_png_without_matplotlib_names_the_extra(fake_server, monkeypatch, tmp_pa
     assert fake_server.bodies == []  # refused before any request
 
 
+@pytest.mark.slow  # over 0.3 s on two cores: left out of the quick loop
 def test_the_vocabulary_and_the_chat_text_come_from_the_model_on_this_machine(fake_server, smollm2_dir):
     from infer.loading.loader import load_tokenizer
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 
+import pytest
 import torch
 
 from benchmarks.lab import fp8_error
@@ -47,6 +48,7 @@ def test_mse_scales_never_round_a_row_worse_than_the_amax_scale():
     assert (mse_err <= amax_err).all() and (mse_err < amax_err).any()
 
 
+@pytest.mark.slow  # over 0.3 s on two cores: left out of the quick loop
 def test_the_bench_scores_every_scheme(tiny_llama_dir, tmp_path):
     out = tmp_path / "fp8_error.json"
     args = ["--model", str(tiny_llama_dir), *WINDOWS, "--calibration-windows", "2", "--out", str(out)]
@@ -82,6 +84,7 @@ def test_w8a8_on_hf_transformers_is_the_engines_fp8_model(tiny_llama_dir):
     assert torch.equal(logprobs("none"), unrounded)  # each scheme leaves the model as it found it
 
 
+@pytest.mark.slow  # over 0.3 s on two cores: left out of the quick loop
 def test_the_gptq_scheme_rounds_as_the_quantize_command_writes(tiny_llama_dir, tmp_path):
     from safetensors.torch import load_file
     from transformers import AutoModelForCausalLM

@@ -34,6 +34,7 @@ def token_requests(n: int, max_tokens: int) -> list[OnlineRequest]:
     return [OnlineRequest([11 + i, 12, 13], max_tokens, 3) for i in range(n)]
 
 
+@pytest.mark.slow  # over 0.3 s on two cores: left out of the quick loop
 @pytest.mark.parametrize("endpoint", ["completions", "chat"])
 def test_timings_match_the_servers_delays(fake_server, endpoint):
     fake_server.first_s, fake_server.gap_s = 0.06, 0.02
@@ -105,6 +106,7 @@ def test_poisson_arrivals_are_seeded_with_the_rates_mean_gap():
     assert arrival_offsets(5, math.inf, seed=3) == [0.0] * 5
 
 
+@pytest.mark.slow  # over 0.3 s on two cores: left out of the quick loop
 def test_requests_are_sent_on_their_arrival_schedule(fake_server):
     result = load(fake_server, token_requests(10, 2), request_rate=25.0, seed=5)
     offsets = arrival_offsets(10, 25.0, seed=5)
@@ -113,6 +115,7 @@ def test_requests_are_sent_on_their_arrival_schedule(fake_server):
     assert starts == sorted(starts) and result.duration_s >= offsets[-1]  # in the schedule's order
 
 
+@pytest.mark.slow  # over 0.3 s on two cores: left out of the quick loop
 @pytest.mark.parametrize("bound, peak", [(3, 3), (None, 12)])
 def test_max_concurrency_bounds_the_streams_in_flight(fake_server, bound, peak):
     fake_server.first_s, fake_server.gap_s = 0.02, 0.01

@@ -20,6 +20,7 @@ def hooks(model: torch.nn.Module) -> int:
     return sum(len(m._forward_hooks) + len(m._forward_pre_hooks) for m in model.modules())
 
 
+@pytest.mark.slow  # over 0.3 s on two cores: left out of the quick loop
 def test_nothing_is_wrapped_unless_profiling_and_the_rows_add_up(tiny_llama_dir):
     engine = make_engine(EngineConfig(model=str(tiny_llama_dir), device="cpu"))
     runner = engine.decoder.runner
@@ -60,6 +61,7 @@ def test_nothing_is_wrapped_unless_profiling_and_the_rows_add_up(tiny_llama_dir)
     assert "timed with perf_counter on the CPU" in format_profile(summary)
 
 
+@pytest.mark.slow  # over 0.3 s on two cores: left out of the quick loop
 def test_run_profile_on_smollm2_dummy_weights(tmp_path):
     data, chart, out = tmp_path / "p.json", tmp_path / "profile.png", tmp_path / "run.json"
     data.write_text(json.dumps([[5, 6, 7, 8], [9, 10]]))

@@ -32,6 +32,7 @@ def test_a_reference_of_other_prompts_is_refused_with_the_command_that_makes_one
     assert speculative._reference_ids(reference, "edit", {"prompt_token_ids": [[1, 2]]}) == [[3]]
 
 
+@pytest.mark.slow  # over 0.3 s on two cores: left out of the quick loop
 def test_the_driver_runs_end_to_end_on_the_cpu(smollm2_dir, tmp_path, capsys):
     # real SmolLM2 (fp32), one prompt of each workload, two passes each: every row has its figures
     out = tmp_path / "speculative.json"

@@ -33,6 +33,7 @@ def test_close_frees_weights_and_cache_while_still_referenced(tiny_llama_dir, op
         llm.generate([[5, 6, 7]], SamplingParams(max_tokens=2))
 
 
+@pytest.mark.slow  # over 0.3 s on two cores: left out of the quick loop
 def test_closed_engine_is_collected(tiny_llama_dir):
     llm = LLM(model=str(tiny_llama_dir), attention="torch", num_kv_blocks=32, max_model_len=256)
     llm.generate(["ab", [3, 4, 5]], SamplingParams(max_tokens=4, temperature=0.7, seed=1))

@@ -28,6 +28,7 @@ def tiny(tmp_path_factory):
     return target
 
 
+@pytest.mark.slow  # over 0.3 s on two cores: left out of the quick loop
 def test_llm_generate_reaches_the_model_forward_in_at_most_six_calls(tiny, monkeypatch):
     stacks = []
     with LLM(model=str(tiny)) as llm:

@@ -39,6 +39,7 @@ def hf_hidden(smollm2_dir):
         return [model(torch.tensor([tok.encode(p)])).last_hidden_state[0] for p in SMOLLM2_PROMPTS]
 
 
+@pytest.mark.slow  # over 0.3 s on two cores: left out of the quick loop
 @pytest.mark.parametrize("pooler", ["last", "mean", "cls"])
 def test_smollm2_equals_hf_pooled_within_1e_5(smollm2, hf_hidden, pooler):
     outs = smollm2.embed(SMOLLM2_PROMPTS, PoolingParams(pooler))
@@ -49,11 +50,13 @@ def test_smollm2_equals_hf_pooled_within_1e_5(smollm2, hf_hidden, pooler):
         assert float((torch.tensor(out.outputs.embedding) - want).abs().max()) <= 1e-5
 
 
+@pytest.mark.slow  # over 0.3 s on two cores: left out of the quick loop
 def test_smollm2_unnormalized_is_the_raw_pool(smollm2, hf_hidden):
     out = smollm2.embed(SMOLLM2_PROMPTS[0], PoolingParams("mean", normalize=False))[0]
     torch.testing.assert_close(torch.tensor(out.outputs.embedding), hf_hidden[0].mean(0), rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.slow  # over 0.3 s on two cores: left out of the quick loop
 def test_embedding_requests_share_steps_with_generation(smollm2):
     """One batch of generating and embedding requests: the generated tokens are those of the generation alone,
     and each embedding that of the embedding alone."""
@@ -67,6 +70,7 @@ def test_embedding_requests_share_steps_with_generation(smollm2):
         np.testing.assert_allclose(o.embedding, e, atol=1e-6)
 
 
+@pytest.mark.slow  # over 0.3 s on two cores: left out of the quick loop
 def test_preempted_embedding_keeps_what_it_computed(tiny_llama_dir, monkeypatch):
     """A KV cache too small for every request at once: embedding requests are preempted and computed again
     (recompute) keeping the rows they had, and the embeddings still equal those of a roomy cache."""
@@ -188,6 +192,7 @@ def test_an_embedding_that_ends_early_or_whose_pooler_fails_is_an_error_not_a_cr
     assert vector is None and error == "pooler 'broken' failed: no good"
 
 
+@pytest.mark.slow  # over 0.3 s on two cores: left out of the quick loop
 def test_embeddings_under_speculative_decoding_are_the_target_s(tmp_path):
     """With a draft model beside the target, an embedding is the target's alone (the draft never computes an
     embedding prompt), while the generating requests in the same batch draft as usual."""

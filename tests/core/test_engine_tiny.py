@@ -34,6 +34,7 @@ def expected(tiny_llama_dir):
     return hf_greedy(tiny_llama_dir, PROMPTS, 12)
 
 
+@pytest.mark.slow  # over 0.3 s on two cores: left out of the quick loop
 @pytest.mark.parametrize("scheduler", ["fcfs", "static"])
 @pytest.mark.parametrize("sampler", ["vectorized", "naive"])
 @pytest.mark.parametrize("num_kv_blocks", [None, 16])

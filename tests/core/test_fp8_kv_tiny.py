@@ -79,6 +79,7 @@ def fp8_reference(tiny_llama_dir):
     return [o.outputs[0].token_ids for o in llm.generate(KV_PROMPTS, KV_GREEDY)]
 
 
+@pytest.mark.slow  # over 0.3 s on two cores: left out of the quick loop
 @pytest.mark.parametrize("name", list(KV_CONFIGS), ids=list(KV_CONFIGS))
 def test_kv_management_keeps_the_fp8_runs_tokens(tiny_llama_dir, fp8_reference, name):
     llm = LLM(model=str(tiny_llama_dir), block_size=4, kv_cache_dtype="fp8", **KV_CONFIGS[name])
@@ -145,6 +146,7 @@ def test_a_checkpoints_calibrated_kv_scales_are_what_its_cache_is_written_with(c
     assert torch.equal(v8.view(torch.uint8), quantize_fp8(v32, caches[0].v_scale).view(torch.uint8))
 
 
+@pytest.mark.slow  # over 0.3 s on two cores: left out of the quick loop
 def test_a_calibrated_checkpoint_runs_as_its_scales_say(tiny_llama_dir, calibrated_dir, fp32_kv):
     """The scales change nothing in the weights (an fp32 cache gives the tokens of the checkpoint without
     them), and an FP8 cache read with them still follows the fp32 cache's greedy tokens."""

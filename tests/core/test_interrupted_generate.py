@@ -75,6 +75,7 @@ def trip_after_sampling(llm: LLM, trip: dict) -> None:
     llm.engine.scheduler.update = tripped
 
 
+@pytest.mark.slow  # over 0.3 s on two cores: left out of the quick loop
 @pytest.mark.parametrize("where", ["sampler", "after-sampling"])
 @pytest.mark.parametrize("error", [Boom("sampler exploded"), KeyboardInterrupt()], ids=["exception", "ctrl-c"])
 @pytest.mark.parametrize("pipeline", [False, True], ids=["plain", "pipelined"])
@@ -106,6 +107,7 @@ def test_interrupted_generate_frees_everything_and_next_call_runs_alone(tiny_lla
     check_idle(llm, free_at_start)
 
 
+@pytest.mark.slow  # over 0.3 s on two cores: left out of the quick loop
 def test_interrupted_generate_leaves_the_detokenizer_consistent(smollm2_dir):
     trip: dict = {}
     prompts = ["The capital of France is", "Write a haiku about the sea.", "1, 2, 3, 4,"]

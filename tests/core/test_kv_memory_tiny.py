@@ -43,6 +43,7 @@ KV_CONFIGS = {
 }
 
 
+@pytest.mark.slow  # over 0.3 s on two cores: left out of the quick loop
 @pytest.mark.parametrize("name", list(KV_CONFIGS), ids=list(KV_CONFIGS))
 def test_greedy_tokens_do_not_depend_on_kv_management(tiny_llama_dir, reference, name):
     llm = LLM(model=str(tiny_llama_dir), block_size=4, **KV_CONFIGS[name])

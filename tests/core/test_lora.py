@@ -62,6 +62,7 @@ def alone(tiny_llama_dir, adapter_dirs) -> dict[int | None, list[list[int]]]:
     return found
 
 
+@pytest.mark.slow  # over 0.3 s on two cores: left out of the quick loop
 def test_five_adapters_through_two_slots_each_get_their_tokens(tiny_llama_dir, adapter_dirs, alone):
     """Two slots for five adapters: requests wait for a slot, adapters are evicted and loaded again."""
     with engine(tiny_llama_dir, max_loras=2, max_cpu_loras=2, max_num_batched_tokens=16) as llm:
@@ -74,6 +75,7 @@ def test_five_adapters_through_two_slots_each_get_their_tokens(tiny_llama_dir, a
         assert adapters.num_loads >= 5 and len(adapters.slots) == 2  # five adapters through two slots
 
 
+@pytest.mark.slow  # over 0.3 s on two cores: left out of the quick loop
 def test_the_prefix_cache_never_shares_blocks_across_adapters(tiny_llama_dir, adapter_dirs, alone):
     with engine(tiny_llama_dir, max_loras=2) as llm:
         first = tokens(llm.generate(PROMPTS[:1], GREEDY, lora_request=lora(0, adapter_dirs)))
@@ -87,6 +89,7 @@ def test_the_prefix_cache_never_shares_blocks_across_adapters(tiny_llama_dir, ad
     assert (first, other, base, again) == (alone[0][:1], alone[1][:1], alone[None][:1], alone[0][:1])
 
 
+@pytest.mark.slow  # over 0.3 s on two cores: left out of the quick loop
 @pytest.mark.parametrize("draft", ["ngram", "self"])
 def test_speculative_decoding_with_an_adapter_is_lossless(tiny_llama_dir, adapter_dirs, alone, draft):
     options = dict(decoding="speculative", draft=draft, num_speculative_tokens=3)
@@ -98,6 +101,7 @@ def test_speculative_decoding_with_an_adapter_is_lossless(tiny_llama_dir, adapte
     assert got == [alone[2][0], alone[None][1], alone[3][2]]
 
 
+@pytest.mark.slow  # over 0.3 s on two cores: left out of the quick loop
 def test_structured_output_with_an_adapter(tiny_chat_dir, tmp_path):
     pytest.importorskip("xgrammar")
     from infer.api.structured import StructuredOutputs
@@ -220,6 +224,7 @@ def test_fp8_base_weights_with_adapters(tiny_llama_dir, tmp_path, adapter_dirs):
     torch.testing.assert_close(y, want)
 
 
+@pytest.mark.slow  # over 0.3 s on two cores: left out of the quick loop
 def test_the_kernels_path_gives_the_references_tokens(tiny_llama_dir, adapter_dirs, alone):
     """The plugin's CUDA path (BGMV for a few rows, SGMV grouped by slot, through its static buffers) run on
     the CPU under Triton's interpreter, in a batch mixing adapters: the torch reference's tokens."""

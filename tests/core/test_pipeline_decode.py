@@ -57,6 +57,7 @@ def stop_tokens_mid_run(model_dir, params):
     ],
     ids=["batch", "batch-1", "recompute", "swap", "chunked"],
 )
+@pytest.mark.slow  # over 0.3 s on two cores: left out of the quick loop
 def test_greedy_tokens_identical_with_and_without_pipelining(tiny_llama_dir, options):
     params = SamplingParams(max_tokens=24, temperature=0, ignore_eos=True)
     expected, hits0, _ = run(tiny_llama_dir, PROMPTS, params, pipeline_decode=False, **options)
@@ -75,6 +76,7 @@ def test_engine_stats_report_pipelined_steps(tiny_llama_dir):
     assert stats["steps"] == 0 and stats["pipelined_steps"] == 0
 
 
+@pytest.mark.slow  # over 0.3 s on two cores: left out of the quick loop
 def test_requests_stopping_mid_batch(tiny_llama_dir):
     base = SamplingParams(max_tokens=20, temperature=0, ignore_eos=True)
     params = stop_tokens_mid_run(tiny_llama_dir, base)

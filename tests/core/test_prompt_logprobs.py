@@ -50,6 +50,7 @@ CONFIGS = {
 }
 
 
+@pytest.mark.slow  # over 0.3 s on two cores: left out of the quick loop
 @pytest.mark.parametrize("name", list(CONFIGS), ids=list(CONFIGS))
 def test_prompt_logprobs_equal_hf(tiny_llama_dir, hf_logprobs, name):
     llm = LLM(model=str(tiny_llama_dir), block_size=4, **CONFIGS[name])
@@ -62,6 +63,7 @@ def test_prompt_logprobs_equal_hf(tiny_llama_dir, hf_logprobs, name):
         assert llm.engine.stats()["preemptions"] > 0
 
 
+@pytest.mark.slow  # over 0.3 s on two cores: left out of the quick loop
 def test_tensor_parallel_ranks(tiny_llama_dir, hf_logprobs):
     params = SamplingParams(max_tokens=2, temperature=0, prompt_logprobs=TOP)
     with LLM(model=str(tiny_llama_dir), block_size=4, max_num_batched_tokens=16, tensor_parallel_size=2) as llm:
@@ -121,6 +123,7 @@ def test_more_than_the_vocabulary_is_refused_alone(tiny_llama_dir):
     assert bad.error == "invalid prompt_logprobs=257: the vocabulary has 256 tokens"
 
 
+@pytest.mark.slow  # over 0.3 s on two cores: left out of the quick loop
 def test_parallel_samples_preempted_and_computed_again(tiny_llama_dir, hf_logprobs):
     """n samples share their first request's prompt; preempted and computed again, a sample's chunk runs past
     the prompt. They scored no prompt rows of their own, so such a chunk once indexed past the prompt and

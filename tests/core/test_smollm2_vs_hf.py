@@ -59,6 +59,7 @@ def test_greedy_identical_to_hf_under_preemption(smollm2_dir, hf_tokens, params)
     assert llm.engine.stats()["preemptions"] > 0
 
 
+@pytest.mark.slow  # over 0.3 s on two cores: left out of the quick loop
 def test_text_and_stop_strings(smollm2_dir):
     llm = LLM(model="smollm2-135m", dtype="float32")
     out = llm.chat(

@@ -80,6 +80,7 @@ def test_steps_short_of_work_do_not_grow_or_shrink_it():
     assert budget.observe(8, 10.0) == grown  # too few tokens to tell
 
 
+@pytest.mark.slow  # over 0.3 s on two cores: left out of the quick loop
 def test_a_long_prompt_is_chunked_to_the_target_beside_a_stream(smollm2_dir):
     """SmolLM2 on the CPU with max_step_ms=100: a 1,500-token prompt arrives beside a stream; it runs in
     chunks, and the stream gets a token every step. Without the budget its first chunk is the whole

@@ -98,6 +98,7 @@ def _assert_shards_of(full: dict, sharded: dict, model) -> None:
         assert torch.equal(param, expected), name
 
 
+@pytest.mark.slow  # over 0.3 s on two cores: left out of the quick loop
 @pytest.mark.parametrize("weights", ["quantized-at-load", "compressed-tensors", "per-tensor"])
 def test_fp8_tp2_gives_tp1s_tokens_and_logprobs(tiny_llama_dir, tmp_path, weights):
     options = dict(model=str(tiny_llama_dir), quantization="fp8")
@@ -108,6 +109,7 @@ def test_fp8_tp2_gives_tp1s_tokens_and_logprobs(tiny_llama_dir, tmp_path, weight
     _assert_same(expected, actual)
 
 
+@pytest.mark.slow  # over 0.3 s on two cores: left out of the quick loop
 def test_dummy_fp8_weights_are_tp1s_at_tp2(tiny_llama_dir):
     options = dict(model=str(tiny_llama_dir), quantization="fp8", load_format="dummy", seed=3)
     (expected, full, _), (actual, sharded, model) = _run(1, as_ranks=2, **options), _run(2, **options)

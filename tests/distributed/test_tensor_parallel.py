@@ -82,6 +82,7 @@ def test_smollm2_tp3_greedy_identical_to_tp1(smollm2_dir):
     assert [o.outputs[0].token_ids for o in generate(3, SMOLLM2_PROMPTS, params, **options)] == expected
 
 
+@pytest.mark.slow  # over 0.3 s on two cores: left out of the quick loop
 def test_tiny_tp2_logprobs_match_tp1_under_swaps_and_shared_blocks(tiny_llama_dir):
     # 16 blocks of 4 tokens force preemption by swap; n=2 shares prompt blocks (copy-on-write):
     # every rank's cache must see the same block copies
@@ -411,6 +412,7 @@ def test_reduce_add_norm_fuses_only_a_plain_rms_norm():
     )
 
 
+@pytest.mark.slow  # over 0.3 s on two cores: left out of the quick loop
 def test_ranks_meet_before_taking_their_groups_down():
     """NCCL's teardown is collective: each rank destroys its groups only once every rank has finished
     its collectives and arrived, and a rank that never comes is reported (False), not waited for."""

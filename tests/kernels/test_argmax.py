@@ -33,6 +33,7 @@ def edge_rows(v: int) -> torch.Tensor:
     return x
 
 
+@pytest.mark.slow  # over 0.3 s on two cores: left out of the quick loop
 @pytest.mark.parametrize("v", [300, 256, 129, 2100])  # 2,100: more chunks (33) than one warp's lanes
 def test_argmax_rows_is_torch_argmax(v):
     x = edge_rows(v)

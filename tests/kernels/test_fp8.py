@@ -57,6 +57,7 @@ def assert_like_torch(got, expected, dtype):
         assert torch.all((deq - exp_deq).abs() <= exp_deq.abs() * 2**-3 + exp_scale * 2**-9)
 
 
+@pytest.mark.slow  # over 0.3 s on two cores: left out of the quick loop
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("t,k", [(1, 100), (37, 100), (37, 64), (6, 1)])
 def test_quantize_rows_matches_reference(dtype, t, k):
@@ -83,6 +84,7 @@ def test_quantizers_take_no_rows():
         assert q.shape[0] == 0 and scale.shape == (0, 1)
 
 
+@pytest.mark.slow  # over 0.3 s on two cores: left out of the quick loop
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("t", [1, 37])
 @pytest.mark.parametrize("with_residual", [False, True])
@@ -101,6 +103,7 @@ def test_rms_norm_fp8_is_rms_norm_then_quantize_rows(dtype, t, with_residual):
     assert_like_torch(got, eager[0] if with_residual else eager, dtype)
 
 
+@pytest.mark.slow  # over 0.3 s on two cores: left out of the quick loop
 @pytest.mark.filterwarnings("ignore:overflow encountered in exp")  # silu of a very negative gate: -0.0
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("t,i", [(1, 100), (37, 100), (37, 64)])

@@ -34,6 +34,7 @@ def assert_close(got, expected):
     torch.testing.assert_close(got, expected, atol=1e-5, rtol=ULP[expected.dtype])
 
 
+@pytest.mark.slow  # over 0.3 s on two cores: left out of the quick loop
 @pytest.mark.parametrize("n,k", SHAPES)
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
 def test_fp8_gemv_is_the_dequantized_product(n, k, dtype):

@@ -44,6 +44,7 @@ class OneRankAllReduce:
         return x
 
 
+@pytest.mark.slow  # over 0.3 s on two cores: left out of the quick loop
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 def test_pushed_partial_sums_are_summed_normed_and_the_slots_reset(dtype):
     torch.manual_seed(0)

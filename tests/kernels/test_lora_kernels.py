@@ -18,6 +18,7 @@ CASES = {  # name -> (K, N, R, slots per token)
 }
 
 
+@pytest.mark.slow  # over 0.3 s on two cores: left out of the quick loop
 @pytest.mark.parametrize("split", [512, 16])  # one partial sum, and several (K split across programs)
 @pytest.mark.parametrize("case", list(CASES))
 @pytest.mark.parametrize("kernel", ["bgmv", "sgmv"])

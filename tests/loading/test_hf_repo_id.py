@@ -104,6 +104,7 @@ def test_repo_id_loads_from_the_hf_cache_and_matches_hf(hf_cache, tiny_llama_dir
     assert _greedy(model="org/tiny") == _hf_greedy(tiny_llama_dir)
 
 
+@pytest.mark.slow  # over 0.3 s on two cores: left out of the quick loop
 @pytest.mark.parametrize("revision", ["v2", V2])
 def test_revision_picks_its_snapshot(hf_cache, tiny_llama_dir, other_llama_dir, revision):
     expected = _hf_greedy(other_llama_dir)
@@ -213,6 +214,7 @@ def test_revision_needs_a_repo_id(tiny_llama_dir):
         resolve_source(str(tiny_llama_dir), PluginRegistry.load(), "auto", revision="v2")
 
 
+@pytest.mark.slow  # over 0.3 s on two cores: left out of the quick loop
 def test_dummy_repo_id_keeps_its_tokenizer(hf_cache, smollm2_dir):
     repo = hf_cache / "models--org--smol"
     _add_snapshot(repo, MAIN, smollm2_dir)

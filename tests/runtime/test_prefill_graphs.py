@@ -54,6 +54,7 @@ SETTINGS = {
 }
 
 
+@pytest.mark.slow  # over 0.3 s on two cores: left out of the quick loop
 @pytest.mark.parametrize("setting", list(SETTINGS))
 def test_prompt_steps_replay_as_rows_with_the_eager_tokens_and_logprobs(target, setting):
     options = SETTINGS[setting]
@@ -74,6 +75,7 @@ def test_prompt_steps_replay_as_rows_with_the_eager_tokens_and_logprobs(target, 
         assert stats["preemptions"] > 0
 
 
+@pytest.mark.slow  # over 0.3 s on two cores: left out of the quick loop
 @pytest.mark.parametrize("max_num_seqs", [1, 3])
 def test_speculative_decoding_with_prompt_steps_replayed_stays_lossless(target, max_num_seqs):
     """Prompt lookup (K = 4) verifies as decode rows in the buckets up to max_rows (5 or 15 rows, each

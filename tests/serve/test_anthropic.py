@@ -43,6 +43,7 @@ def reference(tiny_chat_dir) -> str:
         return llm.chat(ASK, SamplingParams(temperature=0, max_tokens=8))[0].outputs[0].text
 
 
+@pytest.mark.slow  # over 0.3 s on two cores: left out of the quick loop
 def test_a_plain_message_is_the_engine_s_greedy_chat(client, reference):
     message = client.messages.create(model=MODEL, max_tokens=8, extra_body=GREEDY, messages=ASK)
     assert message.type == "message" and message.role == "assistant" and message.model == MODEL
@@ -51,6 +52,7 @@ def test_a_plain_message_is_the_engine_s_greedy_chat(client, reference):
     assert message.usage.input_tokens > 5 and message.id.startswith("msg_")
 
 
+@pytest.mark.slow  # over 0.3 s on two cores: left out of the quick loop
 def test_a_streamed_message_joins_to_the_same_message(client, reference):
     with client.messages.stream(model=MODEL, max_tokens=8, extra_body=GREEDY, messages=ASK) as stream:
         kinds = [event.type for event in stream]
@@ -60,6 +62,7 @@ def test_a_streamed_message_joins_to_the_same_message(client, reference):
     assert final.content[0].text == reference and final.stop_reason == "max_tokens" and final.usage.output_tokens == 8
 
 
+@pytest.mark.slow  # over 0.3 s on two cores: left out of the quick loop
 @pytest.mark.parametrize("stream", [False, True], ids=["whole", "streamed"])
 def test_a_forced_tool_call_is_a_tool_use_block(client, stream):
     options = dict(

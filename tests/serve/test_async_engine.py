@@ -60,6 +60,7 @@ def _assert_close_logprobs(got, expected, atol=1e-3):
         assert max(abs(g[t] - e[t]) for t in e) < atol, (g, e)
 
 
+@pytest.mark.slow  # over 0.3 s on two cores: left out of the quick loop
 def test_streamed_deltas_add_up_to_the_offline_output(served):
     engine, expected = served
 
@@ -78,6 +79,7 @@ def test_streamed_deltas_add_up_to_the_offline_output(served):
         assert len(outs) > 2  # streamed step by step, not all at the end
 
 
+@pytest.mark.slow  # over 0.3 s on two cores: left out of the quick loop
 def test_a_reader_that_leaves_aborts_and_frees_blocks(served):
     engine, expected = served
     long = SamplingParams(max_tokens=300, temperature=0, ignore_eos=True)
@@ -104,6 +106,7 @@ def _blocks_of_unfinished(engine):
     return len({b for r in engine.requests.values() if not r.is_finished for b in r.block_ids})
 
 
+@pytest.mark.slow  # over 0.3 s on two cores: left out of the quick loop
 def test_abort_by_id_ends_the_stream_with_reason_abort(served):
     engine, _ = served
 
@@ -119,6 +122,7 @@ def test_abort_by_id_ends_the_stream_with_reason_abort(served):
     assert used == 0 and not unfinished
 
 
+@pytest.mark.slow  # over 0.3 s on two cores: left out of the quick loop
 def test_bad_input_raises_before_the_first_output_and_others_run(served):
     engine, expected = served
 
@@ -221,6 +225,7 @@ def test_a_failure_in_the_threads_own_work_is_survived_too(tiny_llama_dir, monke
     assert used == 0 and not unfinished
 
 
+@pytest.mark.slow  # over 0.3 s on two cores: left out of the quick loop
 def test_a_reader_that_falls_behind_gets_the_missed_steps_as_one_output(served):
     engine, expected = served
 

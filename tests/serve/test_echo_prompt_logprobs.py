@@ -34,6 +34,7 @@ def reference(tiny_chat_dir):
         return llm.generate([PROMPT], params)[0]
 
 
+@pytest.mark.slow  # over 0.3 s on two cores: left out of the quick loop
 def test_echo_puts_the_prompt_before_the_output(client, reference):
     plain = client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=5, temperature=0)
     echoed = client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=5, temperature=0, echo=True)
@@ -61,6 +62,7 @@ def test_echo_streams_the_prompt_in_each_choice_s_first_chunk(client):
     assert texts[0] == texts[1] == whole.choices[0].text
 
 
+@pytest.mark.slow  # over 0.3 s on two cores: left out of the quick loop
 def test_echo_with_logprobs_covers_the_prompt_tokens_then_the_output(client, reference):
     out = client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=5, temperature=0, echo=True, logprobs=2)
     lp = out.choices[0].logprobs

@@ -34,6 +34,7 @@ def spawned(tiny_chat_dir):
     engine.close()
 
 
+@pytest.mark.slow  # over 0.3 s on two cores: left out of the quick loop
 def test_completions_equal_the_offline_output(spawned, tiny_chat_dir, live):
     params = SamplingParams(max_tokens=12, temperature=0)
     with LLM(model=str(tiny_chat_dir), **OPTIONS) as llm:
@@ -47,6 +48,7 @@ def test_completions_equal_the_offline_output(spawned, tiny_chat_dir, live):
             assert "".join(c.choices[0].text for c in stream if c.choices) == text
 
 
+@pytest.mark.slow  # over 0.3 s on two cores: left out of the quick loop
 def test_a_reader_that_leaves_frees_its_blocks(spawned):
     async def leave_early():
         async for out in spawned.generate([5, 6, 7], SamplingParams(max_tokens=200, ignore_eos=True)):
@@ -61,12 +63,14 @@ def test_a_reader_that_leaves_frees_its_blocks(spawned):
     assert (after.num_running, after.num_waiting, after.kv_usage) == (0, 0, 0.0)
 
 
+@pytest.mark.slow  # over 0.3 s on two cores: left out of the quick loop
 def test_a_model_that_cannot_be_built_is_refused_with_its_error(tmp_path):
     config = EngineConfig().replace(model=str(tmp_path / "no-such-model"), **OPTIONS)
     with pytest.raises(InferError, match="no-such-model does not exist"):
         AsyncEngine.spawn(functools.partial(build_engine, config))
 
 
+@pytest.mark.slow  # over 0.3 s on two cores: left out of the quick loop
 def test_a_dead_process_ends_its_streams(tiny_chat_dir):
     config = EngineConfig().replace(model=str(tiny_chat_dir), **OPTIONS)
     engine = AsyncEngine.spawn(functools.partial(build_engine, config))
@@ -90,6 +94,7 @@ def test_a_dead_process_ends_its_streams(tiny_chat_dir):
         engine.close()
 
 
+@pytest.mark.slow  # over 0.3 s on two cores: left out of the quick loop
 def test_health_says_so_when_the_process_is_gone(tiny_chat_dir, live):
     config = EngineConfig().replace(model=str(tiny_chat_dir), **OPTIONS)
     engine = AsyncEngine.spawn(functools.partial(build_engine, config))
@@ -103,6 +108,7 @@ def test_health_says_so_when_the_process_is_gone(tiny_chat_dir, live):
         engine.close()
 
 
+@pytest.mark.slow  # over 0.3 s on two cores: left out of the quick loop
 def test_a_cancelled_call_leaves_the_engine_serving(spawned):
     async def main():
         waiting = asyncio.ensure_future(spawned.call(snapshot))
@@ -122,6 +128,7 @@ def _unpicklable(engine):
     return threading.Lock()
 
 
+@pytest.mark.slow  # over 0.3 s on two cores: left out of the quick loop
 def test_a_result_that_cannot_cross_fails_only_its_call(spawned):
     async def main():
         with pytest.raises(RequestError, match="cannot leave the engine's process"):
@@ -131,6 +138,7 @@ def test_a_result_that_cannot_cross_fails_only_its_call(spawned):
     assert asyncio.run(main()).num_running == 0 and spawned.is_alive
 
 
+@pytest.mark.slow  # over 0.3 s on two cores: left out of the quick loop
 def test_a_reused_request_id_gets_its_own_outputs(spawned):
     async def main():
         first = spawned.submit([5, 6, 7], SamplingParams(max_tokens=50, ignore_eos=True), request_id="same")

@@ -105,6 +105,7 @@ def test_bodies_within_the_limit_pass_and_one_past_it_through_httpx_is_a_413(ser
         assert big.status_code == 413 and big.json()["error"]["code"] == "request_too_large"
 
 
+@pytest.mark.slow  # over 0.3 s on two cores: left out of the quick loop
 def test_a_body_shorter_than_its_content_length_is_a_408(server):
     start = time.monotonic()
     with _connect(server) as sock:
@@ -114,6 +115,7 @@ def test_a_body_shorter_than_its_content_length_is_a_408(server):
     assert error["code"] == "request_timeout" and "--body-timeout" in error["message"]
 
 
+@pytest.mark.slow  # over 0.3 s on two cores: left out of the quick loop
 def test_a_body_in_pieces_within_the_timeout_is_read_whole(server):
     body = json.dumps({"model": MODEL, "prompt": "one two three"}).encode()
     with _connect(server) as sock:
@@ -126,6 +128,7 @@ def test_a_body_in_pieces_within_the_timeout_is_read_whole(server):
     assert json.loads(answer.partition(b"\r\n\r\n")[2])["count"] == 3
 
 
+@pytest.mark.slow  # over 0.3 s on two cores: left out of the quick loop
 def test_200_connections_holding_partial_headers_are_closed_while_a_request_is_answered(server):
     socks = [_connect(server) for _ in range(200)]
     try:
@@ -151,6 +154,7 @@ def test_200_connections_holding_partial_headers_are_closed_while_a_request_is_a
             sock.close()
 
 
+@pytest.mark.slow  # over 0.3 s on two cores: left out of the quick loop
 def test_headers_trickling_in_do_not_push_the_deadline_back(server):
     start = time.monotonic()
     with _connect(server) as sock:
@@ -165,6 +169,7 @@ def test_headers_trickling_in_do_not_push_the_deadline_back(server):
     assert time.monotonic() - start < TIMEOUT_S + SLACK_S
 
 
+@pytest.mark.slow  # over 0.3 s on two cores: left out of the quick loop
 def test_silent_and_idle_keep_alive_connections_are_closed(server):
     with _connect(server) as sock:  # opens and sends nothing: closed, with nothing said
         assert _until_closed(sock, TIMEOUT_S + SLACK_S) == b""

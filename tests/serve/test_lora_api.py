@@ -70,6 +70,7 @@ def _offline(s: Served, prompt: str, lora: LoRARequest | None, max_tokens: int =
     return s.offline(lambda llm: llm.generate([prompt], params, lora_request=lora)[0].outputs[0].text)
 
 
+@pytest.mark.slow  # over 0.3 s on two cores: left out of the quick loop
 def test_adapters_are_listed_and_chosen_by_model(served, server, adapters):
     s, loras = served
     client = openai.OpenAI(base_url=server.url, api_key=KEY)
@@ -88,6 +89,7 @@ def test_adapters_are_listed_and_chosen_by_model(served, server, adapters):
     assert chat.model == "poet" and chat.choices[0].message.content
 
 
+@pytest.mark.slow  # over 0.3 s on two cores: left out of the quick loop
 def test_64_streams_across_4_adapters_while_one_is_unloaded_and_another_loaded(served, server, adapters):
     s, loras = served
     names = [lora.lora_name for lora in loras]
@@ -139,6 +141,7 @@ def test_64_streams_across_4_adapters_while_one_is_unloaded_and_another_loaded(s
     assert s.idle() == (0, False)
 
 
+@pytest.mark.slow  # over 0.3 s on two cores: left out of the quick loop
 def test_runtime_updates_answer_only_when_allowed_and_with_the_key(served, live, adapters):
     s, loras = served
     closed = live(create_app({"tiny": s.engine}, api_key=KEY))
@@ -148,6 +151,7 @@ def test_runtime_updates_answer_only_when_allowed_and_with_the_key(served, live,
     assert off.status_code == 404 and "--allow-runtime-lora-updating" in off.json()["error"]["message"]
 
 
+@pytest.mark.slow  # over 0.3 s on two cores: left out of the quick loop
 def test_bad_loads_and_unloads_are_clear_errors(served, server, tmp_path, adapters):
     headers = {"Authorization": f"Bearer {KEY}"}
     post = lambda path, body: httpx.post(f"{server.root}{path}", json=body, headers=headers, timeout=60)  # noqa: E731
@@ -169,6 +173,7 @@ def test_bad_loads_and_unloads_are_clear_errors(served, server, tmp_path, adapte
         unknown.completions.create(model="ghost", prompt="hi", max_tokens=2)
 
 
+@pytest.mark.slow  # over 0.3 s on two cores: left out of the quick loop
 def test_a_restarted_engine_serves_the_adapters_loaded_at_runtime_again(tiny_chat_dir, adapters, tmp_path):
     """What --restart-engine replays into the engine built again (`adapters.replay`): every adapter the server
     lists for it; one whose folder went stops being listed."""

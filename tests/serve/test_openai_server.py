@@ -39,6 +39,7 @@ def _ids(tokens: list[str]) -> list[int]:
     return [int(t.split(":", 1)[1]) for t in tokens]
 
 
+@pytest.mark.slow  # over 0.3 s on two cores: left out of the quick loop
 def test_greedy_completions_equal_llm_generate(smol, client):
     expected = smol.offline(lambda llm: llm.generate(PROMPTS, GREEDY))
     for prompt, ref in zip(PROMPTS, expected):
@@ -63,6 +64,7 @@ def test_greedy_completions_equal_llm_generate(smol, client):
         assert chunks[-1].choices[0].finish_reason == want.finish_reason
 
 
+@pytest.mark.slow  # over 0.3 s on two cores: left out of the quick loop
 def test_a_batch_of_prompts_answers_in_order(smol, client):
     expected = smol.offline(lambda llm: llm.generate(PROMPTS, GREEDY))
     ids = [r.prompt_token_ids for r in expected]
@@ -71,6 +73,7 @@ def test_a_batch_of_prompts_answers_in_order(smol, client):
     assert out.usage.prompt_tokens == sum(map(len, ids))
 
 
+@pytest.mark.slow  # over 0.3 s on two cores: left out of the quick loop
 def test_greedy_chat_completions_equal_llm_chat(smol, client):
     params = SamplingParams(max_tokens=16, temperature=0, logprobs=0)
     expected = smol.offline(lambda llm: llm.chat(CHATS, params))
@@ -97,6 +100,7 @@ def test_greedy_chat_completions_equal_llm_chat(smol, client):
         assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == len(want.token_ids)
 
 
+@pytest.mark.slow  # over 0.3 s on two cores: left out of the quick loop
 def test_two_seeded_samples_reproduce(smol, client):
     ask = dict(model=MODEL, prompt=PROMPTS[2], max_tokens=12, temperature=0.9, n=2, seed=1234)
     first = client.completions.create(**ask, logprobs=0, extra_body=AS_IDS)
@@ -110,6 +114,7 @@ def test_two_seeded_samples_reproduce(smol, client):
     assert tokens == [c.token_ids for c in expected.outputs]
 
 
+@pytest.mark.slow  # over 0.3 s on two cores: left out of the quick loop
 def test_logprobs_are_the_engines(smol, client):
     params = SamplingParams(max_tokens=8, temperature=0, logprobs=3)
     ref = smol.offline(lambda llm: llm.generate([PROMPTS[0]], params))[0].outputs[0]
@@ -129,6 +134,7 @@ def test_logprobs_are_the_engines(smol, client):
         assert [e.logprob for e in entry.top_logprobs] == pytest.approx(sorted(d.values(), reverse=True)[:2], abs=1e-6)
 
 
+@pytest.mark.slow  # over 0.3 s on two cores: left out of the quick loop
 def test_64_streams_of_which_a_third_leave(smol, server):
     prompts = [f"Write one sentence about the number {i}." for i in range(64)]
     leaving = set(random.Random(20).sample(range(64), 21))

@@ -37,6 +37,7 @@ def ask(client, **options):
     )
 
 
+@pytest.mark.slow  # over 0.3 s on two cores: left out of the quick loop
 def test_the_reasoning_comes_apart_from_the_answer(client, raw):
     message = ask(client).choices[0].message
     reasoning, content = split(Qwen3Reasoning(), raw)
@@ -45,6 +46,7 @@ def test_the_reasoning_comes_apart_from_the_answer(client, raw):
     assert message.content == content
 
 
+@pytest.mark.slow  # over 0.3 s on two cores: left out of the quick loop
 def test_streamed_pieces_join_to_the_whole_split(client):
     whole = ask(client).choices[0].message
     reasoning, content, chunks = "", "", 0
@@ -57,6 +59,7 @@ def test_streamed_pieces_join_to_the_whole_split(client):
     assert reasoning == whole.model_extra["reasoning_content"] and content == whole.content
 
 
+@pytest.mark.slow  # over 0.3 s on two cores: left out of the quick loop
 def test_without_a_parser_the_reasoning_stays_in_the_content(tiny, live, raw):
     server = live(create_app({MODEL: tiny.engine}))
     plain = openai.OpenAI(base_url=server.url, api_key="none", max_retries=0)
@@ -88,6 +91,7 @@ def quoted(tiny_chat_dir) -> str:
         return llm.chat(MESSAGES, params)[0].outputs[0].text
 
 
+@pytest.mark.slow  # over 0.3 s on two cores: left out of the quick loop
 def test_responses_carry_a_reasoning_item_whole_and_streamed(responses, quoted):
     reasoning, content = split(DeepSeekR1Reasoning(), quoted)
     assert reasoning and content and "</think>" in quoted

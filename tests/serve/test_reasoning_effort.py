@@ -39,6 +39,7 @@ def server(tiny_chat_dir, live):
         ),
     ],
 )
+@pytest.mark.slow  # over 0.3 s on two cores: left out of the quick loop
 def test_the_template_sees_them(server, tiny_chat_dir, fields, rendered):
     # prompt_logprobs: 0 names each prompt token (after the first) by id: the prompt the template rendered
     body = {"model": "t", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 1, "prompt_logprobs": 0}
@@ -49,6 +50,7 @@ def test_the_template_sees_them(server, tiny_chat_dir, fields, rendered):
     assert prompt == want[1:] and answer.json()["usage"]["prompt_tokens"] == len(want)
 
 
+@pytest.mark.slow  # over 0.3 s on two cores: left out of the quick loop
 def test_an_unknown_effort_is_a_400_naming_it(server):
     body = {"model": "t", "messages": [{"role": "user", "content": "hi"}], "reasoning_effort": "extreme"}
     answer = httpx.post(f"{server.url}/chat/completions", json=body, timeout=60)

@@ -119,6 +119,7 @@ def test_the_openapi_schema_states_the_limits():
         assert outputs["properties"]["regex"]["anyOf"][0]["maxLength"] == 8
 
 
+@pytest.mark.slow  # over 0.3 s on two cores: left out of the quick loop
 def test_json_depth_counts_containers_without_recursion():
     assert json_depth(1) == 0 and json_depth({}) == 1 and json_depth({"a": [1, {"b": 2}]}) == 3
     deep: list = []

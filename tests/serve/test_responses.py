@@ -39,6 +39,7 @@ def reference(tiny_chat_dir) -> str:
         return llm.chat(messages, SamplingParams(temperature=0, max_tokens=8))[0].outputs[0].text
 
 
+@pytest.mark.slow  # over 0.3 s on two cores: left out of the quick loop
 def test_a_plain_response_is_the_engine_s_greedy_chat(client, reference):
     r = client.responses.create(model=MODEL, input=ASK, instructions="Be brief.", temperature=0, max_output_tokens=8)
     assert r.object == "response" and r.status == "incomplete" and r.incomplete_details.reason == "max_output_tokens"
@@ -46,6 +47,7 @@ def test_a_plain_response_is_the_engine_s_greedy_chat(client, reference):
     assert r.usage.output_tokens == 8 and r.usage.input_tokens > 5 and r.id.startswith("resp_")
 
 
+@pytest.mark.slow  # over 0.3 s on two cores: left out of the quick loop
 def test_a_streamed_response_joins_to_the_same_response(client, reference):
     events = list(
         client.responses.create(

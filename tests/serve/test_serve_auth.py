@@ -49,12 +49,14 @@ def test_metrics_public_opens_metrics_only(public_metrics):
     assert error_of(httpx.get(f"{public_metrics.url}/models"), 401)
 
 
+@pytest.mark.slow  # over 0.3 s on two cores: left out of the quick loop
 @pytest.mark.parametrize("path", ["/docs", "/redoc", "/docs/oauth2-redirect"])
 def test_the_cdn_pages_are_off_and_404s_point_at_the_schema(guarded, path):
     error = error_of(httpx.get(guarded.root + path, headers={"Authorization": f"Bearer {KEY}"}), 404)
     assert "GET /openapi.json" in error["message"]
 
 
+@pytest.mark.slow  # over 0.3 s on two cores: left out of the quick loop
 def test_without_a_key_the_schema_is_open(tiny):
     from fastapi.testclient import TestClient
 

@@ -20,6 +20,7 @@ def _python(code: str) -> subprocess.CompletedProcess:
     return subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
 
 
+@pytest.mark.slow  # over 0.3 s on two cores: left out of the quick loop
 def test_the_command_is_a_plugins_and_imports_no_server_library():
     done = _python(
         "import sys\n"
@@ -34,6 +35,7 @@ def test_the_command_is_a_plugins_and_imports_no_server_library():
     assert done.stdout.split("\n")[0] == "True []"
 
 
+@pytest.mark.slow  # over 0.3 s on two cores: left out of the quick loop
 def test_without_the_extra_it_stops_with_one_line_naming_it():
     done = _python(
         "import sys\n"

@@ -110,6 +110,7 @@ def test_the_api_key_is_required(server):
         assert [m.id for m in client.models.list().data] == [MODEL]
 
 
+@pytest.mark.slow  # over 0.3 s on two cores: left out of the quick loop
 def test_a_full_waiting_queue_is_a_429_with_retry_after(tiny_chat_dir, live):
     from infer.serve.async_engine import AsyncEngine
 
@@ -127,6 +128,7 @@ def test_a_full_waiting_queue_is_a_429_with_retry_after(tiny_chat_dir, live):
         engine.close()
 
 
+@pytest.mark.slow  # over 0.3 s on two cores: left out of the quick loop
 def test_errors_leave_a_running_request_alone(tiny, http):
     params = SamplingParams(max_tokens=40, temperature=0, ignore_eos=True)
     expected = tiny.offline(lambda llm: llm.generate(["Once upon a time"], params))[0].outputs[0].text

@@ -38,6 +38,7 @@ def _samples(server) -> dict[tuple[str, tuple], float]:
     return found
 
 
+@pytest.mark.slow  # over 0.3 s on two cores: left out of the quick loop
 def test_requests_route_by_model_name(smol, tiny, client):
     assert sorted(m.id for m in client.models.list().data) == sorted([SMOL, TINY])
     params = SamplingParams(max_tokens=12, temperature=0)

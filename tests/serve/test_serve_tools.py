@@ -82,6 +82,7 @@ def _chat(client, max_tokens: int = 48, **kwargs):
     return client.chat.completions.create(model=MODEL, messages=ASK, temperature=0, max_tokens=max_tokens, **kwargs)
 
 
+@pytest.mark.slow  # over 0.3 s on two cores: left out of the quick loop
 def test_a_named_tool_choice_calls_it_with_valid_arguments(smol, client):
     expected = _reference(smol, WEATHER)
     choice = {"type": "function", "function": {"name": "get_weather"}}
@@ -96,6 +97,7 @@ def test_a_named_tool_choice_calls_it_with_valid_arguments(smol, client):
     assert [(c["name"], c["arguments"]) for c in calls] == [("get_weather", expected)]
 
 
+@pytest.mark.slow  # over 0.3 s on two cores: left out of the quick loop
 def test_required_tool_choice_makes_calls_that_validate(smol, client):
     expected = json.loads(_reference(smol, calls_schema([Tool(**t) for t in TOOLS])))
     out = _chat(client, tools=TOOLS, tool_choice="required").choices[0]
@@ -112,6 +114,7 @@ def test_required_tool_choice_makes_calls_that_validate(smol, client):
     assert [(c["name"], c["arguments"]) for c in streamed] == [(c.function.name, c.function.arguments) for c in calls]
 
 
+@pytest.mark.slow  # over 0.3 s on two cores: left out of the quick loop
 def test_auto_reads_hermes_calls_after_content(client):
     # the model is made to write a hermes call (SmolLM2 has no tool format of its own), after some text
     call = (
@@ -131,6 +134,7 @@ def test_auto_reads_hermes_calls_after_content(client):
     assert plain.message.tool_calls is None and plain.message.content
 
 
+@pytest.mark.slow  # over 0.3 s on two cores: left out of the quick loop
 def test_response_format_json_schema_and_json_object(smol, client):
     form = {"type": "json_schema", "json_schema": {"name": "person", "schema": PERSON, "strict": True}}
     ask = [{"role": "user", "content": "Describe a person as JSON."}]
@@ -159,6 +163,7 @@ def test_response_format_json_schema_and_json_object(smol, client):
     jsonschema.validate(json.loads(reference), PERSON)
 
 
+@pytest.mark.slow  # over 0.3 s on two cores: left out of the quick loop
 def test_guided_fields_and_token_controls_equal_llm_generate(smol, client):
     prompt = "The best colour is"
     colours = ["red", "green", "blue"]
@@ -200,6 +205,7 @@ BAD = [  # (endpoint, body, the parameter at fault, words of the message)
 ]  # fmt: skip
 
 
+@pytest.mark.slow  # over 0.3 s on two cores: left out of the quick loop
 @pytest.mark.parametrize("stream", [False, True])
 @pytest.mark.parametrize("endpoint,body,param,words", BAD)
 def test_bad_constraints_are_400s_and_the_next_request_runs(server, endpoint, body, param, words, stream):
@@ -213,6 +219,7 @@ def test_bad_constraints_are_400s_and_the_next_request_runs(server, endpoint, bo
         assert http.post(path, json=base).status_code == 200
 
 
+@pytest.mark.slow  # over 0.3 s on two cores: left out of the quick loop
 def test_auto_without_a_parser_names_the_flag(smol, live):
     bare = live(create_app({MODEL: smol.engine}))
     body = {"model": MODEL, "messages": ASK, "tools": TOOLS, "max_tokens": 4}

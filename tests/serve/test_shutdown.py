@@ -313,6 +313,7 @@ def test_a_stopped_engine_or_a_stopping_server_is_a_503():
         assert set(error.body()["error"]) == {"message", "type", "param", "code"}
 
 
+@pytest.mark.slow  # over 0.3 s on two cores: left out of the quick loop
 def test_requests_to_a_closed_engine_are_503s_and_metrics_still_answer(tiny_chat_dir, live):
     llm = LLM(model=str(tiny_chat_dir), attention="torch", num_kv_blocks=32, max_model_len=128)
     engine = AsyncEngine(llm.engine)
@@ -327,6 +328,7 @@ def test_requests_to_a_closed_engine_are_503s_and_metrics_still_answer(tiny_chat
     assert metrics.status_code == 200 and f'infer_engine_up{{model="{MODEL}"}} 0.0' in metrics.text
 
 
+@pytest.mark.slow  # over 0.3 s on two cores: left out of the quick loop
 def test_a_draining_app_refuses_new_requests_but_not_metrics(tiny, live):
     lifecycle = Lifecycle()
     server = live(create_app({MODEL: tiny.engine}, lifecycle=lifecycle))
@@ -342,6 +344,7 @@ def test_a_draining_app_refuses_new_requests_but_not_metrics(tiny, live):
     assert lifecycle.num_active == 0
 
 
+@pytest.mark.slow  # over 0.3 s on two cores: left out of the quick loop
 def test_snapshots_are_published_at_most_every_interval_and_end_all_ends_streams(long_chat_dir):
     llm = LLM(model=str(long_chat_dir), attention="torch", num_kv_blocks=256, max_model_len=4096)
     published: list = []
@@ -373,6 +376,7 @@ def test_snapshots_are_published_at_most_every_interval_and_end_all_ends_streams
         engine.close()
 
 
+@pytest.mark.slow  # over 0.3 s on two cores: left out of the quick loop
 def test_a_scrape_reads_the_published_snapshot_and_never_calls_the_engine(tiny, monkeypatch):
     metrics = ServeMetrics([ServedModel(MODEL, tiny.engine)])
 

@@ -90,6 +90,7 @@ def test_a_refused_request_ends_its_span_with_an_error(traced):
     assert span.status.status_code is StatusCode.ERROR and "max_tokens" in span.status.description
 
 
+@pytest.mark.slow  # over 0.3 s on two cores: left out of the quick loop
 def test_an_otlp_tracer_is_built_for_an_endpoint():
     tracer = otlp_tracer("http://127.0.0.1:9/v1/traces")  # nothing listens: spans are dropped in the background
     assert tracer.start_span("x").get_span_context().is_valid

@@ -36,6 +36,7 @@ def test_a_repeated_prompt_reports_its_cached_blocks(client):
     assert usage.prompt_tokens_details.cached_tokens >= 16
 
 
+@pytest.mark.slow  # over 0.3 s on two cores: left out of the quick loop
 def test_the_engine_counts_cached_tokens_per_request(tiny_chat_dir):
     with LLM(model=str(tiny_chat_dir), attention="torch", max_model_len=256) as llm:
         ids = list(range(100, 140))

@@ -110,6 +110,7 @@ def run_kit(*args: str, cwd: Path, env: dict[str, str] | None = None) -> subproc
     return subprocess.run(command, capture_output=True, text=True, cwd=cwd, env=env, timeout=300)
 
 
+@pytest.mark.slow  # over 0.3 s on two cores: left out of the quick loop
 def test_example_plugin_passes_the_kit(example_plugin_env, tmp_path):
     ran = run_kit("--infer-kit", "sampler=temperature-only", cwd=tmp_path, env=example_plugin_env)
     assert ran.returncode == 0, ran.stdout + ran.stderr
@@ -289,6 +290,7 @@ class GreedyRefusal(PagedAllocator):
     "factory,fault",
     [(LeakyAllocator, "every freed block must be free again"), (GreedyRefusal, "a refusal must change nothing")],
 )
+@pytest.mark.slow  # over 0.3 s on two cores: left out of the quick loop
 def test_allocator_kit_names_the_broken_invariant(factory, fault):
     with pytest.raises(AssertionError, match=fault):
         check_allocator("broken", factory)

@@ -27,6 +27,7 @@ BUILTINS = ("xgrammar", "logit-bias", "bad-words", "min-tokens", "allowed-tokens
 CPU = torch.device("cpu")
 
 
+@pytest.mark.slow  # over 0.3 s on two cores: left out of the quick loop
 def test_builtin_processors_pass_the_kit(tmp_path):
     command = [sys.executable, "-m", "pytest", "-q", "-rs", "-p", "no:cacheprovider"]
     ran = subprocess.run(

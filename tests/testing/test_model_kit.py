@@ -69,6 +69,7 @@ def checkpoint(tmp_path_factory):
     return write_checkpoint("LlamaForCausalLM", tmp_path_factory.mktemp("kit-llama"))
 
 
+@pytest.mark.slow  # over 0.3 s on two cores: left out of the quick loop
 def test_llama_passes_at_tp1_in_every_cache_setting(checkpoint):
     for setting in SETTINGS:
         if setting.tp == 1:
@@ -85,6 +86,7 @@ def test_llama_passes_at_tp1_in_every_cache_setting(checkpoint):
     ],
     ids=["swapped-norms", "rolled-embedding", "plain-final-norm", "decode-steps-off"],
 )
+@pytest.mark.slow  # over 0.3 s on two cores: left out of the quick loop
 def test_a_broken_model_fails_naming_where_it_departs(checkpoint, name, token, found):
     with pytest.raises(AssertionError) as info:
         check_model(checkpoint, name, SETTINGS[0], plugins=[BrokenModels])

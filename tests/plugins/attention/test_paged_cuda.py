@@ -38,6 +38,7 @@ def test_matches_naive(batch_spec, heads, block_size):
     check_backend(PagedCudaAttention, case, atol=1e-5, rtol=1e-5)
 
 
+@pytest.mark.slow  # over 0.3 s on two cores: left out of the quick loop
 @pytest.mark.parametrize("batch_spec", BATCH_SPECS[2:], ids=lambda s: s.name)
 @pytest.mark.parametrize("heads", HEADS.values(), ids=HEADS.keys())
 def test_small_prefill_tiles(batch_spec, heads):
@@ -84,6 +85,7 @@ def test_split_count_depends_on_batch_size_only():
     assert backend.num_splits(backend.split_below_programs) == 1
 
 
+@pytest.mark.slow  # over 0.3 s on two cores: left out of the quick loop
 def test_decode_is_replayable_on_new_lengths():
     """One backend, its split-K scratch reused for other lengths: stale partitions are never read."""
     case = make_case(LONG_DECODE, device=DEVICE, seed=13)
@@ -115,6 +117,7 @@ def test_cache_write(dtype):
     torch.testing.assert_close(v_cache, expected_v, atol=0, rtol=0)
 
 
+@pytest.mark.slow  # over 0.3 s on two cores: left out of the quick loop
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("heads", [(4, 2), (6, 3), (1, 1)])
 def test_rotary_cache_write_is_the_rotary_layer_then_cache_write(dtype, heads):
@@ -145,6 +148,7 @@ def test_rotary_cache_write_is_the_rotary_layer_then_cache_write(dtype, heads):
         torch.testing.assert_close(got, expected, atol=0, rtol=0)
 
 
+@pytest.mark.slow  # over 0.3 s on two cores: left out of the quick loop
 @pytest.mark.parametrize("batch_spec", [BATCH_SPECS[1], BATCH_SPECS[5]], ids=lambda s: s.name)
 def test_forward_with_rotary_is_forward_of_the_rotated_heads(batch_spec):
     from infer.kernels.layers import rotary
@@ -197,6 +201,7 @@ WINDOW_CASES = {  # name -> (batch spec, heads, window, soft cap, backend knobs)
 }
 
 
+@pytest.mark.slow  # over 0.3 s on two cores: left out of the quick loop
 @pytest.mark.parametrize("name", WINDOW_CASES)
 def test_sliding_window_and_soft_cap_match_naive(name):
     batch_spec, heads, window, soft_cap, knobs = WINDOW_CASES[name]
@@ -221,6 +226,7 @@ def _poison_outside_windows(case) -> int:
     return poisoned
 
 
+@pytest.mark.slow  # over 0.3 s on two cores: left out of the quick loop
 @pytest.mark.parametrize("split", [False, True], ids=["unsplit", "split"])
 def test_blocks_outside_the_window_are_never_read(split):
     spec = BatchSpec("long", (1, 1, 20), (90, 47, 60))  # two decodes and an extend
@@ -233,6 +239,7 @@ def test_blocks_outside_the_window_are_never_read(split):
     check_backend(small(**knobs), case, atol=1e-5, rtol=1e-5)
 
 
+@pytest.mark.slow  # over 0.3 s on two cores: left out of the quick loop
 def test_forward_with_rotary_takes_the_window():
     from infer.kernels.layers import rotary
     from infer.plugins.layer.torch_layers import RotaryEmbedding

@@ -75,6 +75,7 @@ def test_quantize_kernel_stores_what_torch_stores():
         assert torch.equal(out.cpu().float(), expected.float()), "the kernel rounds differently from torch"
 
 
+@pytest.mark.slow  # over 0.3 s on two cores: left out of the quick loop
 @pytest.mark.parametrize("batch_spec", BATCH_SPECS, ids=lambda s: s.name)
 @pytest.mark.parametrize("heads", HEADS.values(), ids=HEADS.keys())
 def test_matches_the_torch_backend_on_the_same_quantized_cache(batch_spec, heads):
@@ -89,6 +90,7 @@ def test_matches_the_torch_backend_on_the_same_quantized_cache(batch_spec, heads
         assert torch.equal(mine.view(torch.uint8).cpu(), theirs.view(torch.uint8).cpu())
 
 
+@pytest.mark.slow  # over 0.3 s on two cores: left out of the quick loop
 @pytest.mark.parametrize("backend_cls", [TorchAttention, PagedCudaAttention], ids=["torch", "paged-cuda"])
 @pytest.mark.parametrize("batch_spec", [BATCH_SPECS[1], BATCH_SPECS[3], BATCH_SPECS[5]], ids=lambda s: s.name)
 def test_within_fp8_error_of_unquantized_attention(backend_cls, batch_spec):
@@ -102,6 +104,7 @@ def test_within_fp8_error_of_unquantized_attention(backend_cls, batch_spec):
     torch.testing.assert_close(out, exact, atol=0.2, rtol=0.1)
 
 
+@pytest.mark.slow  # over 0.3 s on two cores: left out of the quick loop
 def test_split_decode():
     backend_cls = functools.partial(PagedCudaAttention, **SPLIT)
     case = fp8_case(LONG_DECODE, seed=3)
@@ -116,6 +119,7 @@ def test_split_decode():
     [(LONG_DECODE, 40, None), (BATCH_SPECS[4], 20, 2.0), (BATCH_SPECS[5], 6, 2.0)],
     ids=["split-decode-window", "extend-window-capped", "mixed-window-capped"],
 )
+@pytest.mark.slow  # over 0.3 s on two cores: left out of the quick loop
 def test_windows_and_soft_caps(batch_spec, window, soft_cap):
     """k_scale folds into the logits before the cap; a window narrows what is read, not how."""
     case = fp8_case(batch_spec, seed=5, window=window, soft_cap=soft_cap)
@@ -127,6 +131,7 @@ def test_bf16_model():
     check_backend(functools.partial(PagedCudaAttention, **SPLIT), case, atol=2e-2, rtol=2e-2)
 
 
+@pytest.mark.slow  # over 0.3 s on two cores: left out of the quick loop
 @pytest.mark.parametrize("batch_spec", [BATCH_SPECS[1], BATCH_SPECS[5]], ids=lambda s: s.name)
 def test_forward_with_rotary_is_forward_of_the_rotated_heads(batch_spec):
     from infer.kernels.layers import rotary

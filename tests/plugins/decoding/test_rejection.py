@@ -102,6 +102,7 @@ def _requests(n: int, **params) -> list[Request]:
     ]
 
 
+@pytest.mark.slow  # over 0.3 s on two cores: left out of the quick loop
 @pytest.mark.parametrize("sampler_cls", [VectorizedSampler, NaiveSampler])
 def test_sampler_probs_is_the_distribution_sample_draws_from(sampler_cls):
     V, R = 12, 20_000 if sampler_cls is VectorizedSampler else 3000

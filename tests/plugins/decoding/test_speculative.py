@@ -85,6 +85,7 @@ def draft_options(name, model_dir, draft_dir) -> dict:
 PROPOSERS = ["same-model", "dummy-draft", "ngram", "self-1", "self-2"]
 
 
+@pytest.mark.slow  # over 0.3 s on two cores: left out of the quick loop
 @pytest.mark.parametrize("mode", ["batch-8", "batch-1", "preemption"])
 @pytest.mark.parametrize("proposer", PROPOSERS)
 def test_tiny_greedy_identical_to_autoregressive(tiny_llama_dir, tiny_draft_dir, tiny_expected, proposer, mode):
@@ -109,6 +110,7 @@ def test_tiny_greedy_identical_to_autoregressive(tiny_llama_dir, tiny_draft_dir,
         dict(num_speculative_tokens=7, scheduler="static"),
     ],
 )
+@pytest.mark.slow  # over 0.3 s on two cores: left out of the quick loop
 @pytest.mark.parametrize("proposer", ["same-model", "self-all"])
 def test_a_draft_equal_to_the_target_is_always_accepted(tiny_llama_dir, tiny_expected, proposer, extra):
     # the draft's KV bookkeeping (catch-up over prefill chunks, rollback, preemption) is exact
@@ -121,6 +123,7 @@ def test_a_draft_equal_to_the_target_is_always_accepted(tiny_llama_dir, tiny_exp
     assert stats["spec_draft_s"] > 0 and stats["spec_verify_s"] > 0
 
 
+@pytest.mark.slow  # over 0.3 s on two cores: left out of the quick loop
 def test_sampled_speculation_is_seeded_and_independent_of_the_batch(tiny_llama_dir, tiny_draft_dir):
     params = SamplingParams(
         max_tokens=12,
@@ -139,6 +142,7 @@ def test_sampled_speculation_is_seeded_and_independent_of_the_batch(tiny_llama_d
     assert all(len(t) == 12 for t in batched)
 
 
+@pytest.mark.slow  # over 0.3 s on two cores: left out of the quick loop
 @pytest.mark.parametrize("proposer", ["ngram", "same-model"])
 def test_greedy_with_penalties_identical_to_autoregressive(tiny_llama_dir, proposer):
     # greedy rows are accepted from the sampler's tokens (no distribution built): each row's penalties
@@ -167,6 +171,7 @@ def test_greedy_and_sampled_requests_share_an_ngram_step(tiny_llama_dir):
     assert llm.engine.stats()["spec_proposed"] > 0
 
 
+@pytest.mark.slow  # over 0.3 s on two cores: left out of the quick loop
 @pytest.mark.parametrize("as_rows", [True, False], ids=["decode-rows", "extend"])
 @pytest.mark.parametrize("one_at_a_time", [True, False], ids=["batch-1", "batch-8"])
 def test_ngram_steps_without_a_draft_are_pipelined_and_lossless(tiny_llama_dir, tiny_expected, one_at_a_time, as_rows):

@@ -93,6 +93,7 @@ def expected(tiny):
     return out
 
 
+@pytest.mark.slow  # over 0.3 s on two cores: left out of the quick loop
 @pytest.mark.parametrize("setting", list(SETTINGS))
 @pytest.mark.parametrize("proposer", list(PROPOSERS))
 def test_verify_and_proposal_steps_take_the_graph_path_and_stay_lossless(tiny, expected, proposer, setting):

@@ -246,6 +246,7 @@ def test_stop_found_while_a_character_is_incomplete(make, tokenizer):
     assert detok.collect()["r"] == DetokenizedDelta("x", 1)
 
 
+@pytest.mark.slow  # over 0.3 s on two cores: left out of the quick loop
 @settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(data=st.data())
 def test_stop_strings_match_reference(make, tokenizer, data):

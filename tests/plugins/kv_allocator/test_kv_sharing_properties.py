@@ -12,6 +12,7 @@ evictable blocks are exactly the unowned cached ones, the cache's two maps agree
 
 from __future__ import annotations
 
+import pytest
 import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
@@ -334,6 +335,7 @@ TestContiguousSharingMachine.settings = settings(MACHINE_SETTINGS, max_examples=
     block_size=st.sampled_from([1, 2, 3]),
     collide=st.booleans(),
 )
+@pytest.mark.slow  # over 0.3 s on two cores: left out of the quick loop
 def test_block_keys_are_equal_exactly_when_prefixes_are(a, b, block_size, collide):
     def chain(tokens):
         key = None

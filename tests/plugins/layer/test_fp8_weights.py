@@ -146,12 +146,14 @@ def _llm(folder: Path, **kwargs) -> LLM:
     return LLM(str(folder), dtype="fp32", device="cpu", num_kv_blocks=64, **kwargs)
 
 
+@pytest.mark.slow  # over 0.3 s on two cores: left out of the quick loop
 @pytest.mark.parametrize("per_tensor", [False, True], ids=["compressed-tensors", "per-tensor"])
 def test_an_fp8_checkpoint_runs_as_hf_transformers_runs_its_dequantized_weights(tiny_llama_dir, tmp_path, per_tensor):
     fp8, dequantized = _checkpoints(tiny_llama_dir, tmp_path, per_tensor)
     _assert_hf_greedy(dequantized, _greedy(_llm(fp8)))  # no --quantization: the checkpoint's
 
 
+@pytest.mark.slow  # over 0.3 s on two cores: left out of the quick loop
 def test_quantizing_at_load_stores_what_an_fp8_checkpoint_stores(tiny_llama_dir, tmp_path):
     fp8, _ = _checkpoints(tiny_llama_dir, tmp_path, per_tensor=False)
     at_load = _llm(tiny_llama_dir, quantization="fp8")
@@ -205,6 +207,7 @@ def test_unknown_conflicting_and_unloadable_quantizations_are_refused(tiny_llama
         _llm(blocked)
 
 
+@pytest.mark.slow  # over 0.3 s on two cores: left out of the quick loop
 @pytest.mark.parametrize("rows", [1, 2, 19])
 def test_the_fused_fp8_layer_runs_the_reference_math_in_its_kernels(rows):
     """Under Triton's interpreter on the CPU (fp16: it multiplies bf16 wrongly): the quantizing kernels (norm,

@@ -81,6 +81,7 @@ def test_fused_linear_takes_gemv_for_one_token_only():
     torch.testing.assert_close(layer(many), ref(many, layer.weight), atol=1e-5, rtol=1e-5)
 
 
+@pytest.mark.slow  # over 0.3 s on two cores: left out of the quick loop
 @pytest.mark.parametrize("n,k", [(13, 70), (64, 96), (5, 1)])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
 def test_gemv_silu_mul_is_silu_and_mul_then_gemv(n, k, dtype):

@@ -133,6 +133,7 @@ def _check_against_transformers(file: Path, prompts: list[list[int]], architectu
     return layer
 
 
+@pytest.mark.slow  # over 0.3 s on two cores: left out of the quick loop
 @pytest.mark.parametrize("arch,architecture", [("llama", "LlamaForCausalLM"), ("qwen2", "Qwen2ForCausalLM")])
 def test_a_gguf_mixing_every_kept_format_generates_as_transformers_reads_it(tmp_path, arch, architecture):
     file = write_mixed_gguf(tmp_path / "tiny.gguf", arch=arch)
@@ -143,6 +144,7 @@ def test_a_gguf_mixing_every_kept_format_generates_as_transformers_reads_it(tmp_
     assert (layer.bias is not None) == (arch == "qwen2")
 
 
+@pytest.mark.slow  # over 0.3 s on two cores: left out of the quick loop
 def test_the_real_smollm2_gguf_generates_as_transformers_reads_it():
     from infer.loading.hub import find_cached
 

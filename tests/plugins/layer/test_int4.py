@@ -93,6 +93,7 @@ CASES = [  # layout, group, symmetric, act-order
 ]
 
 
+@pytest.mark.slow  # over 0.3 s on two cores: left out of the quick loop
 @pytest.mark.parametrize("layout,group,symmetric,act_order", CASES, ids=["-".join(map(str, c)) for c in CASES])
 def test_a_4bit_checkpoint_generates_as_hf_on_its_values(tiny, tmp_path, layout, group, symmetric, act_order):
     folder = tmp_path / layout
@@ -104,6 +105,7 @@ def test_a_4bit_checkpoint_generates_as_hf_on_its_values(tiny, tmp_path, layout,
     assert first_mismatch(tiny, results) is not None  # 4 bits are not the float weights: the check can fail
 
 
+@pytest.mark.slow  # over 0.3 s on two cores: left out of the quick loop
 @pytest.mark.parametrize("group", [32, 128, -1])
 def test_compressed_tensors_checkpoints_generate_as_transformers_loads_them(tiny, tmp_path, group):
     """transformers reads the 4-bit folder itself through the compressed-tensors package (symmetric:
@@ -117,6 +119,7 @@ def test_compressed_tensors_checkpoints_generate_as_transformers_loads_them(tiny
     assert mismatch is None, mismatch.message
 
 
+@pytest.mark.slow  # over 0.3 s on two cores: left out of the quick loop
 @pytest.mark.parametrize("architecture", ["Qwen2ForCausalLM", "MistralForCausalLM", "Phi3ForCausalLM"])
 def test_other_families_load_4bit_projections(tmp_path, architecture):
     """Biased q, k, v (Qwen2), and Phi-3's checkpoint-fused qkv_proj and gate_up_proj (quantized as one)."""

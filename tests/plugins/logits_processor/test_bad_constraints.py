@@ -78,6 +78,7 @@ def set_afterwards(fields: dict) -> SamplingParams:
     return params
 
 
+@pytest.mark.slow  # over 0.3 s on two cores: left out of the quick loop
 def test_bad_constraints_fail_alone_in_a_batch_and_in_add_request(smollm2):
     """All the bad cases between two good prompts in one generate: each gets its own error, and the
     good ones come out as they do alone; Engine.add_request raises each error instead."""

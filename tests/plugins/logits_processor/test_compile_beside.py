@@ -57,6 +57,7 @@ def _step_gaps(engine, request_id: str) -> tuple[list[float], dict]:
     return gaps, outputs
 
 
+@pytest.mark.slow  # over 0.3 s on two cores: left out of the quick loop
 def test_a_slow_compile_stalls_no_other_request(llm):
     engine = llm.engine
     plain = SamplingParams(max_tokens=48, temperature=0, ignore_eos=True)
@@ -73,6 +74,7 @@ def test_a_slow_compile_stalls_no_other_request(llm):
     assert outputs[slow].outputs[0].text.startswith("{")  # constrained: a JSON object begins
 
 
+@pytest.mark.slow  # over 0.3 s on two cores: left out of the quick loop
 def test_a_compile_past_its_budget_refuses_its_request_alone(tiny_chat_dir):
     llm = LLM(
         model=str(tiny_chat_dir),
@@ -95,12 +97,14 @@ def test_a_compile_past_its_budget_refuses_its_request_alone(tiny_chat_dir):
         llm.close()
 
 
+@pytest.mark.slow  # over 0.3 s on two cores: left out of the quick loop
 def test_a_bad_constraint_is_refused_at_once(llm):
     with pytest.raises(RequestError, match="invalid structured.json: .*fix the json"):
         llm.engine.add_request("Hi", SamplingParams(max_tokens=4, structured={"json": {"type": "nonsense"}}))
     assert not llm.engine.has_unfinished()
 
 
+@pytest.mark.slow  # over 0.3 s on two cores: left out of the quick loop
 def test_requests_that_leave_before_their_compile_starts_never_compile(llm, monkeypatch):
     calls = []
     real = grammar.XGrammarProcessor.compile
@@ -127,6 +131,7 @@ def test_requests_that_leave_before_their_compile_starts_never_compile(llm, monk
     assert calls == ["json"] * grammar.COMPILE_THREADS  # the busy compile (and any that had started) only
 
 
+@pytest.mark.slow  # over 0.3 s on two cores: left out of the quick loop
 def test_requests_asking_for_one_constraint_share_its_compile(llm, monkeypatch):
     calls = []
     real = grammar.XGrammarProcessor.compile

@@ -106,6 +106,7 @@ def test_random_schemas_are_valid_and_varied():
     assert len(nested) >= 10 and max(c.max_bytes for c in CASES) <= 200
 
 
+@pytest.mark.slow  # over 0.3 s on two cores: left out of the quick loop
 @pytest.mark.parametrize("sampling", [dict(temperature=0), dict(temperature=1.0)], ids=["greedy", "sampled"])
 def test_100_random_schemas_in_one_batch_always_validate(llm, sampling):
     params = [schema_params(c, seed=i, **sampling) for i, c in enumerate(CASES)]
@@ -119,6 +120,7 @@ def test_100_random_schemas_in_one_batch_always_validate(llm, sampling):
         assert_valid(case, output.outputs[0])
 
 
+@pytest.mark.slow  # over 0.3 s on two cores: left out of the quick loop
 @pytest.mark.parametrize("sampling", [dict(temperature=0), dict(temperature=0.8)], ids=["greedy", "seeded"])
 def test_masks_filled_ahead_give_the_tokens_of_masks_filled_in_the_step(llm, monkeypatch, sampling):
     """Most masks are filled as soon as the tokens before them reach the host (the first of each request
@@ -144,6 +146,7 @@ def test_masks_filled_ahead_give_the_tokens_of_masks_filled_in_the_step(llm, mon
         assert a.error is None and a.outputs[0].token_ids == b.outputs[0].token_ids
 
 
+@pytest.mark.slow  # over 0.3 s on two cores: left out of the quick loop
 def test_regex_choice_and_grammar_outputs_always_match(llm):
     prompts, params, regexes = [], [], []
     for text, constraint, regex in PATTERNS:
@@ -159,6 +162,7 @@ def test_regex_choice_and_grammar_outputs_always_match(llm):
     assert len(sampled) > 1  # temperature 1 really explored the language
 
 
+@pytest.mark.slow  # over 0.3 s on two cores: left out of the quick loop
 def test_json_has_no_raw_control_character_even_when_pushed_to_one(llm):
     # xgrammar 0.2.8 admits a raw tab in a string with maxLength; JSON forbids it (json.loads refuses)
     tab = llm.engine.tokenizer.encode("\t", add_special_tokens=False)
@@ -182,6 +186,7 @@ BAD = [
 @pytest.mark.parametrize(
     "constraint, field, reason", BAD, ids=[f"{k}-{i}" for i, (c, _, _) in enumerate(BAD) for k in c]
 )
+@pytest.mark.slow  # over 0.3 s on two cores: left out of the quick loop
 def test_bad_constraint_is_a_request_error_naming_its_field(llm, constraint, field, reason):
     with pytest.raises(RequestError) as raised:
         llm.add_request("Hi", SamplingParams(max_tokens=4, structured=constraint))
@@ -191,6 +196,7 @@ def test_bad_constraint_is_a_request_error_naming_its_field(llm, constraint, fie
     assert not llm.has_unfinished()
 
 
+@pytest.mark.slow  # over 0.3 s on two cores: left out of the quick loop
 def test_bad_constraints_fail_alone_in_a_batch(llm):
     good = [(prompt(CASES[3]), schema_params(CASES[3], temperature=0))]
     good += [(p, SamplingParams(max_tokens=48, temperature=0, structured=s)) for p, s, _ in PATTERNS[:2]]
@@ -206,6 +212,7 @@ def test_bad_constraints_fail_alone_in_a_batch(llm):
     assert [o.outputs[0].token_ids for o in kept] == alone
 
 
+@pytest.mark.slow  # over 0.3 s on two cores: left out of the quick loop
 def test_parallel_samples_each_validate(llm):
     case = SchemaCase(PERSON, max_bytes=200)  # its longest document is 151 bytes
     output = llm.generate(["A person as JSON:\n"], schema_params(case, n=3, temperature=1.0, seed=7))[0]
@@ -215,6 +222,7 @@ def test_parallel_samples_each_validate(llm):
     assert len({s.text for s in output.outputs}) > 1
 
 
+@pytest.mark.slow  # over 0.3 s on two cores: left out of the quick loop
 @pytest.mark.parametrize("sampling", [dict(temperature=0), dict(temperature=1.0)], ids=["greedy", "sampled"])
 def test_preempted_requests_still_give_the_same_valid_json(llm, smollm2_dir, sampling):
     cases = [c for c in CASES if 40 <= c.max_bytes <= 80][:8]

@@ -23,6 +23,7 @@ def generate(folder, tp: int = 1, params: SamplingParams = GREEDY, **options) ->
         return [o.outputs[0] for o in outs], llm.engine.stats()
 
 
+@pytest.mark.slow  # over 0.3 s on two cores: left out of the quick loop
 @pytest.mark.parametrize("tp", [1, 2])
 @pytest.mark.parametrize("preempt", [False, True], ids=["roomy", "preempting"])
 @pytest.mark.parametrize("family", FAMILIES)
@@ -37,6 +38,7 @@ def test_greedy_identical_to_hf(checkpoints, family, preempt, tp):
 DECODER_FAMILIES = [f if f == "gemma2" else pytest.param(f, marks=pytest.mark.slow) for f in FAMILIES]
 
 
+@pytest.mark.slow  # over 0.3 s on two cores: left out of the quick loop
 @pytest.mark.parametrize("family", DECODER_FAMILIES)
 def test_self_draft_is_lossless_and_early_exit_is_hf_cut_short(checkpoints, family):
     """Speculative decoding drafting with the first two layers keeps HF's tokens; early exit after two

@@ -62,6 +62,7 @@ PUBLISHED = {
 }
 
 
+@pytest.mark.slow  # over 0.3 s on two cores: left out of the quick loop
 @pytest.mark.parametrize("shape", PUBLISHED)
 def test_named_shapes_have_the_published_sizes(shape):
     registry = PluginRegistry.load(PLUGINS)

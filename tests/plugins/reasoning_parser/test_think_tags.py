@@ -53,6 +53,7 @@ def test_the_kit_check_catches_a_parser_that_streams_differently():
         check_stream_equals_whole(Eager)
 
 
+@pytest.mark.slow  # over 0.3 s on two cores: left out of the quick loop
 @pytest.mark.parametrize("factory", [Qwen3Reasoning, DeepSeekR1Reasoning])
 def test_the_built_in_parsers_pass_the_kit_check(factory):
     check_stream_equals_whole(factory)

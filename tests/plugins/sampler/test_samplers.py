@@ -153,6 +153,7 @@ def test_greedy_applies_penalties(factory):
         for name in sorted(SAMPLERS)
     ],
 )
+@pytest.mark.slow  # over 0.3 s on two cores: left out of the quick loop
 def test_sampled_distribution_is_exact(factory, case, vary):
     params = DISTRIBUTION_CASES[case]
     probs = ref_distribution(LOGITS8, params)
@@ -278,6 +279,7 @@ def test_logprobs_beyond_the_vocab_return_every_token(factory):
 # --------------------------------------------------------------------------- a large mixed batch
 
 
+@pytest.mark.slow  # over 0.3 s on two cores: left out of the quick loop
 def test_large_mixed_batch(factory):
     vocab = 32
     logits, reqs, positions = _mixed_requests(2000, vocab, seed=11)

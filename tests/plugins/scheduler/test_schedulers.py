@@ -342,6 +342,7 @@ HYP = settings(
 )
 
 
+@pytest.mark.slow  # over 0.3 s on two cores: left out of the quick loop
 @pytest.mark.parametrize("cls", SCHEDULERS, ids=["fcfs", "static"])
 @HYP
 @given(wl=workloads())
@@ -349,6 +350,7 @@ def test_random_workloads_finish(cls, wl):
     drive(cls, wl)
 
 
+@pytest.mark.slow  # over 0.3 s on two cores: left out of the quick loop
 @pytest.mark.parametrize("cls", SCHEDULERS, ids=["fcfs", "static"])
 @settings(HYP, max_examples=100)
 @given(wl=workloads(with_aborts=True))

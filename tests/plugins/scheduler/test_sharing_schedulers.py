@@ -61,6 +61,7 @@ KV_MODES = {
 }
 
 
+@pytest.mark.slow  # over 0.3 s on two cores: left out of the quick loop
 @pytest.mark.parametrize("mode", list(KV_MODES), ids=list(KV_MODES))
 @pytest.mark.parametrize("cls", SCHEDULERS, ids=["fcfs", "static"])
 @settings(HYP, max_examples=100)
