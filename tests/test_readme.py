@@ -82,8 +82,8 @@ def test_the_serving_example_runs_against_the_readmes_serve_command(smollm2_dir,
             time.sleep(0.5)
         code = CLIENT[0].replace("127.0.0.1:8000", f"127.0.0.1:{port}")
         exec(compile(code, "README.md", "exec"), {"__name__": "readme"})
-        printed = capsys.readouterr().out.strip().splitlines()
-        assert len(printed) == 2 and all(printed), printed
+        printed = [line for line in capsys.readouterr().out.splitlines() if line.strip()]
+        assert len(printed) >= 2, printed  # the completion's text, then the streamed chat's
     finally:
         proc.send_signal(signal.SIGTERM)
         proc.wait(timeout=60)
