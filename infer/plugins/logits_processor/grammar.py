@@ -50,7 +50,9 @@ from infer.common.log import get_logger
 log = get_logger()
 COMPILED_KEPT = 64  # compiled grammars kept for requests that repeat a constraint
 COMPILE_THREADS = max(1, min(2, (os.cpu_count() or 1) // 2))  # compiles at once (each a pool thread)
-FILL_THREADS = 8  # at most this many threads fill one step's masks (xgrammar's pool; half the usable cores)
+FILL_THREADS = 8  # at most this many threads fill one step's masks (xgrammar's pools; half the usable cores)
+AHEAD_WORKERS = 4  # at most this many workers take a step's tokens and fill its masks ahead (a quarter of the cores)
+AHEAD_ROWS_PER_WORKER = 8  # a worker for each this many rows, up to AHEAD_WORKERS
 XGRAMMAR_LOG_PREFIX = re.compile(r"^\[[\d:]+\] \S+:\d+: ")  # "[21:45:25] /project/cpp/regex_converter.cc:83: "
 
 
@@ -88,8 +90,8 @@ class XGrammarProcessor:
         self._lock = threading.Lock()  # _compiles is read by the engine's thread and the pool's callbacks
         # the masks filled ahead (`ahead`): one job at a time on a thread of its own, into _ahead_host
         self._ahead_pool: _DaemonPool | None = None
-        self._ahead_job: Future | None = None
-        self._ahead_batch: Any = None
+        self._ahead_jobs: list[Future] = []
+        self._ahead_batches: list[Any] = []  # one xgrammar BatchGrammarMatcher per ahead worker
         self._ahead_host: torch.Tensor | None = None  # [rows, words] int32, pinned for a GPU
         self._jobs = 0  # the number of the newest ahead job: a state filled by an older one is stale
         self._copied: Any = None  # a CUDA event after the last copy of a host bitmask to the device
@@ -158,40 +160,52 @@ class XGrammarProcessor:
         self._no_control = no_control_bitmask(info.decoded_vocab, self.ctx.vocab_size)
         threads = max(1, min(FILL_THREADS, cpus.available() // 2))
         self._batch = xgr.BatchGrammarMatcher(max_threads=threads)
-        self._ahead_batch = xgr.BatchGrammarMatcher(max_threads=threads)
+        workers = max(1, min(AHEAD_WORKERS, cpus.available() // 4))
+        self._ahead_batches = [xgr.BatchGrammarMatcher(max_threads=max(1, threads // workers)) for _ in range(workers)]
         return self._compiler
 
     def ahead(self, rows: Sequence[AheadRow]) -> None:
-        """Start the next step's masks for `rows` on the ahead thread: each matcher takes its new tokens
-        and fills its next mask into a row of `_ahead_host`. Returns at once."""
-        self._settle_ahead()  # a job `apply` never waited for: its states are its until it ends
+        """Start the next step's masks for `rows` on the ahead workers: each matcher takes its new tokens
+        and fills its next mask into row i of `_ahead_host` (i: its place in `rows`), the rows split into
+        one contiguous chunk per worker. Returns at once."""
+        self._settle_ahead()  # jobs `apply` never waited for: their states are theirs until they end
         self._jobs += 1
         work = [
             (row.request, row.state, tuple(row.tokens), len(row.request.output_token_ids))
             for row in rows
             if not row.state.broken and not row.state.ended
         ]
-        if not work or self._ahead_batch is None:
+        if not work or not self._ahead_batches:
             return
         if self._copied is not None:  # the last copy of the host masks to the device is done: they may change
             self._copied.synchronize()
+        if self._ahead_host is None or self._ahead_host.shape[0] < len(work):
+            self._ahead_host = self._host_bitmask(len(work))
         if self._ahead_pool is None:
-            self._ahead_pool = _DaemonPool(1, "infer-grammar-ahead")
-        self._ahead_job = self._ahead_pool.submit(self._fill_ahead, work, self._jobs)
+            self._ahead_pool = _DaemonPool(len(self._ahead_batches), "infer-grammar-ahead")
+        workers = min(len(self._ahead_batches), max(1, len(work) // AHEAD_ROWS_PER_WORKER))
+        size = -(-len(work) // workers)
+        self._ahead_jobs = [
+            self._ahead_pool.submit(self._fill_ahead, work[start : start + size], self._jobs, start, batch)
+            for start, batch in zip(range(0, len(work), size), self._ahead_batches)
+        ]
 
-    def _fill_ahead(self, work: list[tuple[Request, MatcherState, tuple[int, ...], int]], job: int) -> None:
-        """The ahead thread: each matcher (caught up to its request's `had` tokens) takes `tokens`, then
-        the live ones fill their next masks, rows 0.. of `_ahead_host`, in one call."""
+    def _fill_ahead(
+        self, work: list[tuple[Request, MatcherState, tuple[int, ...], int]], job: int, offset: int, batch: Any
+    ) -> None:
+        """An ahead worker: each matcher (caught up to its request's `had` tokens) takes `tokens`, then the
+        live ones fill their next masks, rows offset.. of `_ahead_host`, in one call of `batch`."""
         started = time.perf_counter()
         try:
-            self._take_and_fill(work, job)
+            self._take_and_fill(work, job, offset, batch)
         finally:
-            self.seconds_ahead += time.perf_counter() - started
+            self.seconds_ahead += time.perf_counter() - started  # summed over the workers
 
-    def _take_and_fill(self, work: list[tuple[Request, MatcherState, tuple[int, ...], int]], job: int) -> None:
+    def _take_and_fill(
+        self, work: list[tuple[Request, MatcherState, tuple[int, ...], int]], job: int, offset: int, batch: Any
+    ) -> None:
         stops = self.ctx.eos_token_ids
         one: list[tuple[Request, MatcherState, int]] = []
-        filling: list[MatcherState] = []
         for request, state, tokens, had in work:
             if state.consumed != had:  # behind (or ahead of) its request: `apply` catches it up
                 continue
@@ -203,38 +217,38 @@ class XGrammarProcessor:
                     break
                 _took(request, state, state.matcher.accept_token(token), True)
         if one:
-            accepted = self._ahead_batch.batch_accept_token([s.matcher for _, s, _ in one], [t for _, _, t in one])
+            accepted = batch.batch_accept_token([s.matcher for _, s, _ in one], [t for _, _, t in one])
             for (request, state, token), ok in zip(one, accepted):
                 _took(request, state, ok, token in stops)
-        filling = [s for r, s, t, had in work if s.consumed == had + len(t) and not s.broken and not s.ended]
+        filling = [
+            (offset + i, s)
+            for i, (r, s, t, had) in enumerate(work)
+            if s.consumed == had + len(t) and not s.broken and not s.ended
+        ]
         if not filling:
             return
-        host = self._ahead_host
-        if host is None or host.shape[0] < len(filling):
-            host = self._host_bitmask(len(filling))
-            self._ahead_host = host
+        assert self._ahead_host is not None
         started = time.perf_counter()
-        self._ahead_batch.batch_fill_next_token_bitmask([s.matcher for s in filling], host, list(range(len(filling))))
+        batch.batch_fill_next_token_bitmask([s.matcher for _, s in filling], self._ahead_host, [i for i, _ in filling])
         self.seconds_filling += time.perf_counter() - started
-        for i, state in enumerate(filling):
+        for i, state in filling:
             state.ahead, state.ahead_row = job, i
 
     def _settle_ahead(self) -> None:
-        """Wait for the ahead job; one that failed leaves its states to `apply` (which fills them again)."""
-        job, self._ahead_job = self._ahead_job, None
-        if job is None:
-            return
-        try:
-            if not job.done():
-                started = time.perf_counter()
+        """Wait for the ahead jobs; one that failed leaves its states to `apply` (which fills them again)."""
+        jobs, self._ahead_jobs = self._ahead_jobs, []
+        for job in jobs:
+            try:
+                if not job.done():
+                    started = time.perf_counter()
+                    job.result()
+                    self.seconds_waited += time.perf_counter() - started
                 job.result()
-                self.seconds_waited += time.perf_counter() - started
-            job.result()
-        except Exception as exc:  # noqa: BLE001 - the masks are filled again on the step's own path
-            self._jobs += 1
-            log.warning(
-                "structured output: the masks filled ahead failed; filling them in the step", error=one_line(exc)
-            )
+            except Exception as exc:  # noqa: BLE001 - the masks are filled again on the step's own path
+                self._jobs += 1
+                log.warning(
+                    "structured output: the masks filled ahead failed; filling them in the step", error=one_line(exc)
+                )
 
     def apply(self, logits: torch.Tensor, rows: Sequence[LogitsRow]) -> None:
         started = time.perf_counter()
