@@ -6,9 +6,10 @@ then it gets a matcher that follows its tokens. Requests asking for the same con
 compile, and the last COMPILED_KEPT compiled grammars are kept, so a repeated schema compiles once;
 a compile whose every request left before it began never runs.
 Each step needs a token bitmask per row, filled on the host. It starts ahead (`AheadProcessor`): as
-soon as a step's tokens reach the host, one worker thread has the matchers take them and fill the
-masks for the next token (xgrammar spreads a batch's matchers over a bounded pool of its own threads
-and lets go of the GIL), while the engine goes on with its host work (outputs, the scheduler, the next
+soon as a step's tokens reach the host, up to four workers (a quarter of the cores), each with a
+contiguous chunk of the rows, have the matchers take them and fill the masks for the next token
+(xgrammar spreads each chunk's matchers over a bounded pool of its own threads and lets go of the
+GIL), while the engine goes on with its host work (outputs, the scheduler, the next
 step's inputs) and the GPU with the next forward. The next step's `apply` waits for it and fills only
 the rows it did not (a request new to the batch, a request whose state moved since); one copy takes
 the masks to the device and one kernel sets the masked logits to -inf for all the rows. Speculative
