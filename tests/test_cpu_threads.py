@@ -111,7 +111,9 @@ def test_others_use_counts_another_process_and_not_this_one():
     while time.monotonic() < deadline:  # this process spins: not "others"
         pass
     alone = use()
-    spinner = subprocess.Popen([sys.executable, "-c", "import time\nt = time.time() + 1.5\nwhile time.time() < t: pass"])
+    spinner = subprocess.Popen(
+        [sys.executable, "-c", "import time\nt = time.time() + 1.5\nwhile time.time() < t: pass"]
+    )
     try:
         time.sleep(1.0)
         beside = use()
@@ -131,7 +133,9 @@ def test_an_engine_on_the_cpu_runs_a_governor_unless_threads_are_chosen(machine,
         with LLM(model=str(tiny_llama_dir), attention="torch", num_kv_blocks=16, max_model_len=64) as llm:
             governor = llm.engine.parts.runners[0].threads
             assert isinstance(governor, cpus.Governor) and governor.threads == 2
-        with LLM(model=str(tiny_llama_dir), attention="torch", num_kv_blocks=16, max_model_len=64, cpu_threads=2) as llm:
+        with LLM(
+            model=str(tiny_llama_dir), attention="torch", num_kv_blocks=16, max_model_len=64, cpu_threads=2
+        ) as llm:
             assert llm.engine.parts.runners[0].threads is None
     finally:
         torch.set_num_threads(before)

@@ -61,9 +61,8 @@ class ModelRunner:
         self.adapters = adapters
         self.graphs: DecodeGraphs | None = None  # replays decode-only steps (`set_decode_paths`)
         self.pipeline: DecodePipeline | None = None  # queues the next decode forward ahead
-        self.threads: cpus.Governor | None = (
-            None  # on the CPU, a `cpus.Governor` that keeps torch's threads off busy cores
-        )
+        # on the CPU, a governor that keeps torch's threads off cores other processes take
+        self.threads: cpus.Governor | None = None
 
     def set_decode_paths(self, graphs: DecodeGraphs | None = None, pipeline: DecodePipeline | None = None) -> None:
         """Called once, after the KV caches exist (`infer.runtime.decode_paths` does, for the builder)."""

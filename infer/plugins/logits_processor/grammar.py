@@ -89,7 +89,7 @@ class XGrammarProcessor:
         self._pool: _DaemonPool | None = None  # compiles beside the step loop, made at the first
         self._compiles: OrderedDict[tuple[str, str], _Compile] = OrderedDict()  # constraint -> its compile
         self._lock = threading.Lock()  # _compiles is read by the engine's thread and the pool's callbacks
-        # the masks filled ahead (`ahead`): one job at a time on a thread of its own, into _ahead_host
+        # the masks filled ahead (`ahead`): a step's rows in chunks, one job per worker, into _ahead_host
         self._ahead_pool: _DaemonPool | None = None
         self._ahead_jobs: list[Future] = []
         self._ahead_batches: list[Any] = []  # one xgrammar BatchGrammarMatcher per ahead worker
@@ -193,18 +193,17 @@ class XGrammarProcessor:
 
     def _fill_ahead(
         self, work: list[tuple[Request, MatcherState, tuple[int, ...], int]], job: int, offset: int, batch: Any
-    ) -> None:
+    ) -> tuple[float, float]:
         """An ahead worker: each matcher (caught up to its request's `had` tokens) takes `tokens`, then the
         live ones fill their next masks, rows offset.. of `_ahead_host`, in one call of `batch`."""
         started = time.perf_counter()
-        try:
-            self._take_and_fill(work, job, offset, batch)
-        finally:
-            self.seconds_ahead += time.perf_counter() - started  # summed over the workers
+        filling = self._take_and_fill(work, job, offset, batch)
+        return time.perf_counter() - started, filling  # summed by `_settle_ahead`, on the engine's thread
 
     def _take_and_fill(
         self, work: list[tuple[Request, MatcherState, tuple[int, ...], int]], job: int, offset: int, batch: Any
-    ) -> None:
+    ) -> float:
+        """Returns the seconds the fill took."""
         stops = self.ctx.eos_token_ids
         one: list[tuple[Request, MatcherState, int]] = []
         for request, state, tokens, had in work:
@@ -227,29 +226,31 @@ class XGrammarProcessor:
             if s.consumed == had + len(t) and not s.broken and not s.ended
         ]
         if not filling:
-            return
+            return 0.0
         assert self._ahead_host is not None
         started = time.perf_counter()
         batch.batch_fill_next_token_bitmask([s.matcher for _, s in filling], self._ahead_host, [i for i, _ in filling])
-        self.seconds_filling += time.perf_counter() - started
         for i, state in filling:
             state.ahead, state.ahead_row = job, i
+        return time.perf_counter() - started
 
     def _settle_ahead(self) -> None:
         """Wait for the ahead jobs; one that failed leaves its states to `apply` (which fills them again)."""
         jobs, self._ahead_jobs = self._ahead_jobs, []
         for job in jobs:
+            waited = not job.done()
+            started = time.perf_counter()
             try:
-                if not job.done():
-                    started = time.perf_counter()
-                    job.result()
-                    self.seconds_waited += time.perf_counter() - started
-                job.result()
+                seconds, filling = job.result()
+                self.seconds_ahead += seconds
+                self.seconds_filling += filling
             except Exception as exc:  # noqa: BLE001 - the masks are filled again on the step's own path
                 self._jobs += 1
                 log.warning(
                     "structured output: the masks filled ahead failed; filling them in the step", error=one_line(exc)
                 )
+            if waited:
+                self.seconds_waited += time.perf_counter() - started
 
     def apply(self, logits: torch.Tensor, rows: Sequence[LogitsRow]) -> None:
         started = time.perf_counter()
@@ -264,10 +265,10 @@ class XGrammarProcessor:
         self._settle_ahead()
         live = self._catch_up(rows)
         if all(not row.draft for row in live):  # one row per request: the masks filled ahead, the rest at once
-            bitmask = self._one_per_request(live, logits.shape[0], logits.device)
+            bitmask = self._one_per_request(live, logits.shape[0])
             indices = [row.index for row in live]
         else:
-            bitmask = self._bitmask(logits.shape[0], logits.device)
+            bitmask = self._bitmask(logits.shape[0])
             indices = _fill_drafts(live, bitmask)
         if not indices:
             return
@@ -285,7 +286,7 @@ class XGrammarProcessor:
             forbid_control_bytes(bits, row_index(json_rows, bits.shape[0], bits.device), self._no_control)
         xgr.apply_token_bitmask_inplace(logits, bits, vocab_size=self.ctx.vocab_size, indices=indices)
 
-    def _one_per_request(self, live: Sequence[LogitsRow], num_rows: int, device: torch.device) -> torch.Tensor:
+    def _one_per_request(self, live: Sequence[LogitsRow], num_rows: int) -> torch.Tensor:
         """The bitmask of a step with a row per request: row `row.index` for each live row. The rows the
         ahead job filled come from its buffer (that buffer itself when they are the step's rows, in
         order); the others are filled now."""
@@ -299,7 +300,7 @@ class XGrammarProcessor:
         if len(done) == len(live) == num_rows and all(row.index == row.state.ahead_row for row in live):
             assert self._ahead_host is not None
             return self._ahead_host[:num_rows]
-        bitmask = self._bitmask(num_rows, device)
+        bitmask = self._bitmask(num_rows)
         if done:
             assert self._ahead_host is not None
             src = torch.tensor([row.state.ahead_row for row in done])
@@ -334,7 +335,7 @@ class XGrammarProcessor:
                 _took(row.request, row.state, ok, token in stops)
         return [row for row in rows if not row.state.broken and not row.state.ended]
 
-    def _bitmask(self, num_rows: int, device: torch.device) -> torch.Tensor:
+    def _bitmask(self, num_rows: int) -> torch.Tensor:
         if self._host is None or self._host.shape[0] < num_rows:
             self._host = self._host_bitmask(num_rows)
         return self._host[:num_rows]
