@@ -34,19 +34,21 @@ def free_port() -> int:
 
 
 class Server:
-    def __init__(self, args: argparse.Namespace) -> None:
+    def __init__(self, args: argparse.Namespace, log: Path) -> None:
         self.port = free_port()
+        self.log = log
         command = [
-            sys.executable, "-m", "infer.cli.main", "serve", "--model", args.model, "--load-format", args.load_format,
+            sys.executable, "-m", "infer.cli.main", "--log-json", "--log-level", "debug", "serve", "--model", args.model, "--load-format", args.load_format,
             "--max-num-seqs", str(args.max_num_seqs), "--priority-aging-s", str(args.aging), "--port", str(self.port),
             *(["--tokenizer", args.tokenizer] if args.tokenizer else []), "--disable-log-requests",
         ]  # fmt: skip
-        self.process = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+        with log.open("w") as sink:  # a file, not a pipe: a pipe nobody reads would stall the server
+            self.process = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=sink, text=True)
         self.root = f"http://127.0.0.1:{self.port}"
         deadline = time.monotonic() + 600
         while True:
             if self.process.poll() is not None:
-                raise RuntimeError(f"the server ended: {self.process.stderr.read()[-2000:]}")
+                raise RuntimeError(f"the server ended: {self.log.read_text()[-2000:]}")
             try:
                 if httpx.get(f"{self.root}/health", timeout=5).status_code == 200:
                     return
@@ -64,10 +66,65 @@ class Server:
             self.process.kill()
 
 
+SERVER_FIGURES = ("engine_queue_ms", "engine_ttft_ms", "server_first_output_ms")
+
+
+def server_side(log: Path) -> dict[str, dict[str, Any]]:
+    """Per priority, the server's `request finished` figures of a run: mean, p50, p99 and max of each."""
+    import numpy as np
+
+    by_level: dict[str, dict[str, list[float]]] = {}
+    for line in log.read_text().splitlines():
+        try:
+            event = json.loads(line)
+        except ValueError:
+            continue
+        if not isinstance(event, dict) or event.get("event") != "request finished":
+            continue
+        figures = by_level.setdefault(str(event["priority"]), {k: [] for k in SERVER_FIGURES})
+        for key in SERVER_FIGURES:
+            if event.get(key) is not None:
+                figures[key].append(float(event[key]))
+    summary: dict[str, dict[str, Any]] = {}
+    for level, figures in sorted(by_level.items()):
+        summary[level] = {
+            key: {
+                "mean": float(np.mean(v)),
+                "p50": float(np.percentile(v, 50)),
+                "p99": float(np.percentile(v, 99)),
+                "max": float(np.max(v)),
+                "count": len(v),
+            }  # fmt: skip
+            for key, v in figures.items()
+            if v
+        }
+    return summary
+
+
+def breakdown(result: dict[str, Any], server: dict[str, dict[str, Any]]) -> str:
+    """Per priority: the client's TTFT and send lag beside the server's figures, p50 / p99 ms."""
+    run = result["runs"][0]
+    client = run.get("by_priority") or {"0": {"ttft_ms": run["ttft_ms"], "send_lag_ms": run["send_lag_ms"]}}
+    lines = [
+        "priority | client TTFT | client send lag | server first output | engine TTFT | engine queue  (p50 / p99 ms)"
+    ]
+    for level in sorted(set(client) | set(server)):
+        c, s = client.get(level, {}), server.get(level, {})
+
+        def pair(d: dict[str, Any] | None) -> str:
+            return "-" if not d or d.get("p99") is None else f"{d['p50']:.1f} / {d['p99']:.1f}"
+
+        cells = [pair(c.get("ttft_ms")), pair(c.get("send_lag_ms"))]
+        cells += [pair(s.get(k)) for k in ("server_first_output_ms", "engine_ttft_ms", "engine_queue_ms")]
+        lines.append(f"{level} | " + " | ".join(cells))
+    return "\n".join(lines)
+
+
 def bench(args: argparse.Namespace, label: str, rate: float, num: int, mix: str | None) -> dict[str, Any]:
-    server = Server(args)
-    try:
-        with tempfile.TemporaryDirectory() as tmp:
+    with tempfile.TemporaryDirectory() as tmp:
+        log = Path(tmp) / "server.log"
+        server = Server(args, log)
+        try:
             out = Path(tmp) / "run.json"
             command = [
                 sys.executable, "-m", "infer.cli.main", "bench", "serve", "--base-url", server.root,
@@ -80,10 +137,14 @@ def bench(args: argparse.Namespace, label: str, rate: float, num: int, mix: str 
             if done.returncode != 0:
                 raise RuntimeError(f"{label}: infer bench serve failed: {done.stderr[-2000:]}")
             result = json.loads(out.read_text())
-    finally:
-        server.stop()
+        finally:
+            server.stop()
+        server_figures = server_side(log)
     print(f"{label}: rate {rate:.2f}/s x {num}\n{done.stdout[-1500:]}", flush=True)
-    return {"label": label, "rate": rate, "requests": num, "mix": mix, "result": result}
+    if done.stderr.strip():
+        print(done.stderr.strip().splitlines()[-1], flush=True)
+    print(breakdown(result, server_figures), flush=True)
+    return {"label": label, "rate": rate, "requests": num, "mix": mix, "result": result, "server": server_figures}
 
 
 def capacity(result: dict[str, Any]) -> float:

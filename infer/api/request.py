@@ -53,6 +53,7 @@ class Request:
     fork_parent: "Request | None" = field(default=None, repr=False)
     constraints: tuple[tuple[Any, Any], ...] = field(default=(), repr=False)  # (logits processor, its state)
     first_token_time: float | None = None
+    first_scheduled_time: float | None = None  # when a step first scheduled it (perf_counter; API 2.6)
     # an embedding request's (params.pooling): the hidden states of its first prompt positions, as computed
     pooled_hidden: list[Any] = field(default_factory=list, repr=False)
     num_pooled_rows: int = 0
@@ -120,7 +121,7 @@ class RequestOutput:
     prompt_logprobs: list[dict[int, float] | None] | None = None  # None, then prompt token i's (i >= 1); if asked
     num_cached_tokens: int | None = None  # prompt tokens not computed: found in the prefix cache (or shared)
     embedding: list[float] | None = None  # an embedding request's vector (`SamplingParams.pooling`)
-    metrics: dict[str, float] = field(default_factory=dict)  # ttft_s, latency_s, ...
+    metrics: dict[str, float] = field(default_factory=dict)  # queue_s, ttft_s, latency_s, ...
 
 
 @dataclass(slots=True)

@@ -64,6 +64,7 @@ class RequestRecord:
     itl_s: list[float] = field(default_factory=list)  # gaps between successive chunks with output
     error: str | None = None  # why the request failed; None when it succeeded
     priority: int | None = None  # the priority it was sent with, if any
+    lag_s: float = 0.0  # sent late by this much after its arrival time: the client's own delay
 
     @property
     def tpot_s(self) -> float:
@@ -142,11 +143,19 @@ def _is_output(chunk: dict[str, Any], endpoint: Endpoint) -> bool:
 
 
 async def send(
-    client: httpx.AsyncClient, request: OnlineRequest, settings: LoadSettings, index: int, t0: float
+    client: httpx.AsyncClient,
+    request: OnlineRequest,
+    settings: LoadSettings,
+    index: int,
+    t0: float,
+    due_s: float | None = None,
 ) -> RequestRecord:
-    """One streamed request, timed per chunk that carries output. Never raises for the request's own failure."""
+    """One streamed request, timed per chunk that carries output. Never raises for the request's own failure.
+    `due_s`: its arrival time, seconds after t0 (the record's lag is how late it went out)."""
     start = time.perf_counter()
     record = RequestRecord(index, start - t0, prompt_tokens=request.prompt_tokens, priority=request.priority)
+    if due_s is not None:
+        record.lag_s = max(0.0, start - t0 - due_s)
     chunks, last, done = 0, start, False
     try:
         async with client.stream("POST", settings.url(), json=request_body(request, settings)) as response:
@@ -210,8 +219,8 @@ async def run_load(
         async def one(i: int) -> RequestRecord:
             await asyncio.sleep(max(0.0, t0 + offsets[i] - time.perf_counter()))
             if slots is None:
-                record = await send(client, requests[i], settings, i, t0)
-            else:
+                record = await send(client, requests[i], settings, i, t0, offsets[i])
+            else:  # a wait for a slot is the bound's, not the client's lag
                 async with slots:
                     record = await send(client, requests[i], settings, i, t0)
             if on_done is not None:

@@ -48,6 +48,21 @@ def stats(values: Sequence[float]) -> dict[str, float | None]:
     return {"mean": float(array.mean()), **{f"p{q}": float(np.percentile(array, q)) for q in PERCENTILES}}
 
 
+LAG_WARN_MS = 10.0  # a client late by more than this at p99 is part of what it measures
+
+
+def lag_warning(summary: dict[str, Any]) -> str | None:
+    """A line when the client sent late (its event loop was busy), so its latencies include its own delay."""
+    p99 = summary["send_lag_ms"]["p99"]
+    if p99 is None or p99 <= LAG_WARN_MS:
+        return None
+    return (
+        f"rate {summary['request_rate']}: the client sent requests late (p99 {p99:.1f} ms, mean "
+        f"{summary['send_lag_ms']['mean']:.1f} ms after their arrival times): its event loop was busy, and its "
+        f"latencies include that delay; lower the rate, or run the client on a machine of its own"
+    )
+
+
 def rate_text(rate: float) -> str:
     return "inf" if math.isinf(rate) else f"{rate:g}"
 
@@ -80,6 +95,9 @@ def summarize(result: LoadResult, slo: dict[str, float]) -> dict[str, Any]:
         "e2e_ms": stats([r.e2e_s * 1e3 for r in ok]),
         # the paper's normalized latency: a request's end-to-end latency / its output tokens
         "normalized_latency_ms": stats([r.e2e_s * 1e3 / r.output_tokens for r in ok if r.output_tokens]),
+        # how late the client sent requests after their arrival times: its own delay (a busy event loop),
+        # which its timings of the server's answers carry too
+        "send_lag_ms": stats([r.lag_s * 1e3 for r in result.records]),
         "by_priority": by_priority(ok),
     }
 
@@ -93,7 +111,13 @@ def by_priority(ok: Sequence[RequestRecord]) -> dict[str, Any] | None:
     figures = {}
     for level in levels:
         ttft = [r.ttft_s * 1e3 for r in ok if r.priority == level]
-        figures[str(level)] = {"completed": len(ttft), "ttft_ms": stats(ttft), "max_ttft_ms": max(ttft)}
+        lag = [r.lag_s * 1e3 for r in ok if r.priority == level]
+        figures[str(level)] = {
+            "completed": len(ttft),
+            "ttft_ms": stats(ttft),
+            "max_ttft_ms": max(ttft),
+            "send_lag_ms": stats(lag),
+        }
     return figures
 
 
@@ -121,6 +145,8 @@ def request_figures(record: RequestRecord) -> dict[str, Any]:
         "tpot_ms": record.tpot_s * 1e3,
         "e2e_ms": record.e2e_s * 1e3,
         "itl_ms": [gap * 1e3 for gap in record.itl_s],
+        "send_lag_ms": record.lag_s * 1e3,
+        "priority": record.priority,
         "error": record.error,
     }
 

@@ -25,6 +25,7 @@ from infer.bench.online import (
 )
 from infer.bench.online_metrics import (
     detail_table,
+    lag_warning,
     priority_table,
     rate_text,
     request_figures,
@@ -225,6 +226,8 @@ def run_sweep(
         if table is not None:
             echo(f"rate {summary['request_rate']}, TTFT by priority (lower runs first):\n{table}")
     for summary in summaries:
+        if (warning := lag_warning(summary)) is not None:
+            echo(warning, err=True)
         for message, count in summary["errors"].items():
             echo(f"rate {summary['request_rate']}: {count} failed: {message}", err=True)
     if json_path is not None:

@@ -232,6 +232,7 @@ class Engine:
         for s in out.scheduled:
             if s.request.num_cached_tokens is None:  # first scheduled: what it did not have to compute
                 s.request.num_cached_tokens = s.request.num_computed_tokens
+                s.request.first_scheduled_time = start
         self.block_mover.apply(out.block_ops)  # copy-on-write and swap copies, batched, before the forward
         result = self.decoder.execute(out)  # forward pass (+ sampling)
         self._stop_strings(self.output.collect())  # the previous step's text, detokenized meanwhile

@@ -171,6 +171,8 @@ class OutputProcessor:
                 )
             )
         metrics = {}
+        if first.first_scheduled_time is not None:  # arrival -> first scheduled: the wait in the queue
+            metrics["queue_s"] = first.first_scheduled_time - first.arrival_time
         if first.first_token_time is not None:
             metrics["ttft_s"] = first.first_token_time - first.arrival_time
         finish_times = [c.finish_time for c in group.children if c.finish_time is not None]

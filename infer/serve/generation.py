@@ -21,6 +21,7 @@ from fastapi import Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from infer.api.request import RequestOutput, SamplingParams
+from infer.common.log import get_logger
 from infer.core.stream import CompletionDelta, StreamOutput
 from infer.serve.answers import PromptTokensDetails, Usage
 from infer.serve.async_engine import RequestStream
@@ -38,6 +39,10 @@ T = TypeVar("T")
 def finish_reason(reason: str | None) -> str | None:
     """The engine's "capacity" (the KV cache cannot hold the request) ends it for want of room, as "length"."""
     return "length" if reason == "capacity" else reason
+
+
+def _ms(seconds: float | None) -> float | None:
+    return None if seconds is None else round(seconds * 1e3, 3)
 
 
 @dataclass(slots=True)
@@ -64,6 +69,9 @@ class Generation:
     span: Any = None  # the request's OpenTelemetry span (`tracing`), ended at close; None: not traced
     finish_reasons: list[str] = field(default_factory=list)  # of the finished outputs' samples
     first_token_s: float | None = None  # the earliest time to a first token among the prompts
+    received: float = field(default_factory=time.perf_counter)  # when the server took the request up
+    first_output_s: float | None = None  # received -> the first output in the server (streamed requests)
+    priority: int = 0  # its requests' scheduling priority (lower first)
 
     @classmethod
     def start(
@@ -90,10 +98,10 @@ class Generation:
         queued before it."""
         try:
             for i, ids in enumerate(prompts):
+                params = params_for(ids)
+                self.priority = params.priority
                 self.streams.append(
-                    self.served.engine.submit(
-                        {"prompt_token_ids": ids}, params_for(ids), f"{self.id}-{i}", self.served.lora
-                    )
+                    self.served.engine.submit({"prompt_token_ids": ids}, params, f"{self.id}-{i}", self.served.lora)
                 )
                 self.prompt_tokens += len(ids)
         except BaseException:
@@ -141,6 +149,16 @@ class Generation:
         if ttft is not None and (self.first_token_s is None or ttft < self.first_token_s):
             self.first_token_s = ttft
         self.metrics.finished(self.served.name, output)
+        get_logger().debug(  # where a request's wait went: the server's side and the engine's (`--log-level debug`)
+            "request finished",
+            request_id=output.request_id,
+            priority=self.priority,
+            server_first_output_ms=_ms(self.first_output_s),
+            engine_queue_ms=_ms(output.metrics.get("queue_s")),
+            engine_ttft_ms=_ms(ttft),
+            engine_latency_ms=_ms(output.metrics.get("latency_s")),
+            server_ms=_ms(time.perf_counter() - self.received),
+        )
 
     def usage(self) -> Usage:
         total = self.prompt_tokens + self.completion_tokens
@@ -212,6 +230,7 @@ async def answer(gen: Generation, fmt: Format, stream: bool, request: Request) -
         gen.close(unfinished="rejected" if error.status < 500 else "aborted", failed=refused)
         raise error from exc
     if stream:
+        gen.first_output_s = time.perf_counter() - gen.received
         return EventStream(_events(gen, fmt, result, outputs), on_close=gen.close)
     gen.close()
     return JSONResponse(fmt.response(gen, result).model_dump(mode="json"))

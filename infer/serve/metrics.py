@@ -97,6 +97,13 @@ class ServeMetrics:
             buckets=TOKEN_BUCKETS,
             registry=r,
         )
+        self.queue = Histogram(
+            "infer_request_queue_time_seconds",
+            "Arrival to first scheduled: the wait in the engine's queue.",
+            ["model"],
+            buckets=LATENCY_BUCKETS,
+            registry=r,
+        )
         self.e2e = Histogram(
             "infer_e2e_request_latency_seconds",
             "Arrival to last token.",
@@ -123,6 +130,8 @@ class ServeMetrics:
         self.prompt_tokens.labels(model).inc(len(output.prompt_token_ids))
         self.generation_tokens.labels(model).inc(sum(len(c.token_ids) for c in output.outputs))
         ttft, latency = output.metrics.get("ttft_s"), output.metrics.get("latency_s")
+        if (queue := output.metrics.get("queue_s")) is not None:
+            self.queue.labels(model).observe(queue)
         if ttft is not None:
             self.ttft.labels(model).observe(ttft)
         if latency is not None:

@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import gc
 import math
+import time
 
 import numpy as np
 import pytest
@@ -20,7 +21,7 @@ from infer.bench.online import (
     normalize_base_url,
     run_load,
 )
-from infer.bench.online_metrics import meets, parse_goodput, summarize
+from infer.bench.online_metrics import lag_warning, meets, parse_goodput, summarize
 
 # No upper bound on a wall-clock time here: a busy machine wakes a sleeper late by any amount. What the
 # server's sleeps guarantee are lower bounds; the rest are identities between the figures of one clock.
@@ -113,6 +114,33 @@ def test_requests_are_sent_on_their_arrival_schedule(fake_server):
     starts = [record.start_s for record in result.records]
     assert all(start >= offset for start, offset in zip(starts, offsets))  # none before its arrival
     assert starts == sorted(starts) and result.duration_s >= offsets[-1]  # in the schedule's order
+
+
+@pytest.mark.slow  # over 0.3 s on two cores: left out of the quick loop
+def test_a_busy_client_reports_how_late_it_sent(fake_server):
+    # the first answer's callback holds the event loop for 0.3 s: the requests due meanwhile go out late
+    # by at least the rest of that hold, and the run says its figures carry the client's own delay
+    fake_server.first_s, fake_server.gap_s = 0.0, 0.0
+    held: list[float] = []
+
+    def hold(record):
+        if not held:
+            held.append(record.start_s + record.e2e_s)  # when the hold began, seconds after t0
+            time.sleep(0.3)
+
+    offsets = arrival_offsets(30, 100.0, seed=2)
+    result = asyncio.run(
+        run_load(token_requests(30, 1), LoadSettings(fake_server.url, "fake-model", request_rate=100.0, seed=2), hold)
+    )
+    assert all(r.error is None and r.lag_s >= 0 for r in result.records)
+    start, end = held[0], held[0] + 0.3
+    due_in_hold = [r for r, due in zip(result.records, offsets) if start < due < end - 0.05]
+    assert due_in_hold and all(r.lag_s >= end - offsets[r.index] - 0.01 for r in due_in_hold)
+    summary = summarize(result, {})
+    assert summary["send_lag_ms"]["p99"] >= 50.0
+    assert "the client sent requests late" in lag_warning(summary)
+    synthetic_run = summarize(LoadResult(LoadSettings("u", "m"), [synthetic(0.1, 0.2, 2)], 1.0), {})
+    assert synthetic_run["send_lag_ms"]["p99"] == 0.0 and lag_warning(synthetic_run) is None
 
 
 @pytest.mark.slow  # over 0.3 s on two cores: left out of the quick loop

@@ -82,6 +82,8 @@ def test_metrics_parse_and_count(server, client):
     assert grew("infer_requests_total", (("model", TINY), ("outcome", "finished"))) == 3
     assert grew("infer_requests_total", (("model", TINY), ("outcome", "rejected"))) == 1
     assert grew("infer_time_to_first_token_seconds_count") == 3
+    assert grew("infer_request_queue_time_seconds_count") == 3
+    assert grew("infer_request_queue_time_seconds_sum") <= grew("infer_time_to_first_token_seconds_sum")
     assert grew("infer_e2e_request_latency_seconds_count") == 3
     assert grew("infer_time_per_output_token_seconds_count") == 3
     assert grew("infer_generation_tokens_total") == 15
@@ -91,6 +93,33 @@ def test_metrics_parse_and_count(server, client):
     assert after[("infer_kv_cache_blocks", tiny)] == 128
     for name in ("infer_prefix_cache_hit_rate", "infer_num_preemptions_total", "infer_spec_decode_acceptance_rate"):
         assert (name, tiny) in after and (name, (("model", SMOL),)) in after
+
+
+def test_debug_logs_say_where_each_request_waited(client):
+    import logging
+
+    import structlog
+    from structlog.testing import capture_logs
+
+    before = structlog.get_config()
+    try:
+        structlog.configure(wrapper_class=structlog.make_filtering_bound_logger(logging.DEBUG))
+        with capture_logs() as logs:
+            stream = client.completions.create(
+                model=TINY, prompt=PROMPT, max_tokens=4, stream=True, extra_body={"ignore_eos": True, "priority": 3}
+            )
+            assert len([c for c in stream if c.choices and c.choices[0].text is not None]) >= 1
+            client.completions.create(model=TINY, prompt=PROMPT, max_tokens=2, temperature=0)
+    finally:
+        structlog.configure(**before)
+    done = [e for e in logs if e["event"] == "request finished"]
+    assert len(done) == 2 and [e["priority"] for e in done] == [3, 0]
+    streamed, plain = done
+    for e in done:
+        assert 0 <= e["engine_queue_ms"] <= e["engine_ttft_ms"] <= e["engine_latency_ms"] <= e["server_ms"]
+    assert e["log_level"] == "debug" and streamed["request_id"].startswith("cmpl-")
+    assert streamed["engine_ttft_ms"] <= streamed["server_first_output_ms"] <= streamed["server_ms"]
+    assert plain["server_first_output_ms"] is None  # a JSON answer has no first output of its own
 
 
 def test_a_model_without_a_tokenizer_streams_as_it_steps(tiny_llama_dir, live):

@@ -125,3 +125,15 @@ def test_priority_outputs_equal_a_run_alone(tmp_path):
         alone = [o.outputs[0].token_ids for o in llm.generate(prompts, SamplingParams(max_tokens=8, **greedy))]
         mixed = llm.generate(prompts, [SamplingParams(max_tokens=8, priority=p, **greedy) for p in (2, 0, 1)])
     assert [o.outputs[0].token_ids for o in mixed] == alone
+
+
+def test_outputs_carry_the_wait_in_the_queue(tmp_path):
+    # one seat: the second request waits in the queue while the first runs all its 8 tokens
+    target, _ = write_tiny_llamas(tmp_path)
+    with LLM(model=str(target), max_num_seqs=1) as llm:
+        first, second = llm.generate([[1, 2, 3], [9, 8, 7]], SamplingParams(max_tokens=8, ignore_eos=True))
+    for out in (first, second):
+        m = out.metrics
+        assert 0 <= m["queue_s"] <= m["ttft_s"] <= m["latency_s"]
+    assert second.metrics["queue_s"] > first.metrics["queue_s"]
+    assert second.metrics["queue_s"] > first.metrics["latency_s"] - first.metrics["ttft_s"]  # 7 steps at least
