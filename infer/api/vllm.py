@@ -125,6 +125,7 @@ SERVE: tuple[Alias | Refused, ...] = (  # `infer` here: how infer serve spells i
             "reasoning_parser",
             "lora_modules",
             "max_waiting",
+            "data_parallel_size",
         )
     ),
 )

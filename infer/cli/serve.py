@@ -251,6 +251,16 @@ def limit_options(command: Callable[..., Any]) -> Callable[..., Any]:
     "server shuts down and exits with code 5, for an orchestrator to restart.",
 )
 @click.option(
+    "--data-parallel-size",
+    "-dp",
+    type=click.IntRange(min=1),
+    default=1,
+    show_default=True,
+    help="Replicas of each model, each an engine in a process of its own (with its own --tp ranks and "
+    "devices), behind one router: a request goes to the replica that holds its prompt's prefix, else to the "
+    "least loaded; a replica that dies takes no new request and what it had is retried on another.",
+)
+@click.option(
     "--lora-modules",
     "lora_specs",
     multiple=True,
@@ -280,6 +290,7 @@ def serve(
     otlp_traces_endpoint: str | None,
     shutdown_timeout: float,
     restart_engine: bool,
+    data_parallel_size: int,
     lora_specs: tuple[str, ...],
     allow_runtime_lora_updating: bool,
     limits: ServeLimits,
@@ -301,6 +312,7 @@ def serve(
     except ImportError as exc:
         raise ConfigError(f"infer serve needs the serve extra ({exc.name} is missing): {EXTRA}") from None
     from infer.serve.async_engine import AsyncEngine
+    from infer.serve.replicas import ReplicatedEngine, replica_devices
 
     if reasoning_parser is not None:  # an unknown name fails now, before any model loads
         from infer.core.registry import PluginRegistry
@@ -326,14 +338,20 @@ def serve(
     loras = lora_modules(lora_specs, list(configs))
     for name in loras:  # a model with adapters serves them
         configs[name] = configs[name].replace(enable_lora=True)
-    engines: dict[str, AsyncEngine] = {}
+    engines: dict[str, AsyncEngine | ReplicatedEngine] = {}
     exit_code = 0
     try:
         for name, config in configs.items():
             click.echo(f"loading {name} ({config.model})", err=True)
             # each engine steps in a process of its own: the event loop here never holds the GIL its steps need
             build = functools.partial(_build_engine, config, tuple(loras.get(name, ())))
-            engines[name] = AsyncEngine.spawn(build, max_waiting=max_waiting)
+            if data_parallel_size > 1:
+                devices = None
+                if config.resolve_device().type == "cuda":
+                    devices = replica_devices(data_parallel_size, config.tensor_parallel_size)
+                engines[name] = ReplicatedEngine.spawn(build, data_parallel_size, max_waiting, devices)
+            else:
+                engines[name] = AsyncEngine.spawn(build, max_waiting=max_waiting)
         lifecycle = Lifecycle()
         app = create_app(
             engines,

@@ -170,6 +170,66 @@ class _EngineCollector:
         yield up
         yield restarts
         yield from _engine_families(snapshots)
+        yield from _replica_families([m for m in self.models if hasattr(m.engine, "replica_states")])
+
+
+def _replica_families(models: list[ServedModel]) -> Iterator[Metric]:
+    """Per replica of a data-parallel model (`--data-parallel-size`), beside the model's summed figures."""
+    if not models:
+        return
+    seen: set[int] = set()
+    families = {
+        "up": GaugeMetricFamily("infer_replica_up", "1 while the replica's engine runs.", labels=["model", "replica"]),
+        "open": GaugeMetricFamily(
+            "infer_replica_open_requests",
+            "Requests the replica is answering for this server.",
+            labels=["model", "replica"],
+        ),
+        "running": GaugeMetricFamily(
+            "infer_replica_num_requests_running", "The replica's running requests.", labels=["model", "replica"]
+        ),
+        "waiting": GaugeMetricFamily(
+            "infer_replica_num_requests_waiting",
+            "The replica's queued or preempted requests.",
+            labels=["model", "replica"],
+        ),
+        "kv": GaugeMetricFamily(
+            "infer_replica_kv_cache_usage_ratio", "The replica's KV blocks in use.", labels=["model", "replica"]
+        ),
+        "routed": CounterMetricFamily(
+            "infer_replica_routed_requests",
+            "Requests routed to the replica (retries included).",
+            labels=["model", "replica"],
+        ),
+    }
+    retries = CounterMetricFamily(
+        "infer_router_retries", "Requests sent again after their replica died.", labels=["model"]
+    )
+    routed = CounterMetricFamily(
+        "infer_router_decisions",
+        "Requests routed, by why: a prefix's holder or the least loaded.",
+        labels=["model", "by"],
+    )
+    for m in models:
+        engine = m.engine
+        if id(engine) in seen:  # an adapter served under its own name shares its base model's engine
+            continue
+        seen.add(id(engine))
+        for state in engine.replica_states():
+            labels = [m.name, str(state.index)]
+            families["up"].add_metric(labels, 1.0 if state.alive else 0.0)
+            families["open"].add_metric(labels, float(state.open_requests))
+            families["routed"].add_metric(labels, float(state.routed))
+            if state.snapshot is not None:
+                families["running"].add_metric(labels, float(state.snapshot.num_running))
+                families["waiting"].add_metric(labels, float(state.snapshot.num_waiting))
+                families["kv"].add_metric(labels, float(state.snapshot.kv_usage))
+        retries.add_metric([m.name], float(engine.num_retries))
+        routed.add_metric([m.name, "prefix"], float(engine.router.prefix_routed))
+        routed.add_metric([m.name, "load"], float(engine.router.load_routed))
+    yield from families.values()
+    yield retries
+    yield routed
 
 
 def _engine_families(snapshots: list[tuple[str, EngineSnapshot]]) -> Iterator[Metric]:

@@ -33,7 +33,7 @@ from __future__ import annotations
 import asyncio
 import logging
 from types import FrameType
-from typing import Mapping
+from typing import Any, Mapping
 
 import uvicorn
 
@@ -74,6 +74,7 @@ class Server(uvicorn.Server):
         self.exit_code = EXIT_OK
         self._reason = "the server is shutting down: retry the request on another server"
         self._hurry = False  # a second signal: end what is open now
+        self._told: dict[str, set[int]] = {}  # per data-parallel model, the dead replicas already said
 
     def handle_exit(self, sig: int, frame: FrameType | None) -> None:
         # a signal handler: only flags (the main loop sees them within 0.1 s)
@@ -96,6 +97,8 @@ class Server(uvicorn.Server):
         while not self.should_exit:
             await asyncio.sleep(WATCH_INTERVAL_S)
             for name, engine in self.engines.items():
+                if not self.should_exit and engine.is_alive and not engine.closed:
+                    await self._replicas(name, engine)
                 if self.should_exit or engine.is_alive or engine.closed:
                     continue
                 logger.error("the engine of %s stopped (exit code %s)", name, engine.exitcode)
@@ -107,6 +110,19 @@ class Server(uvicorn.Server):
                     "is back, or on another server"
                 )
                 self.should_exit = True
+
+    async def _replicas(self, name: str, engine: Any) -> None:
+        """A data-parallel model (`ReplicatedEngine`) serves on while one replica lives: its dead replicas are
+        built again with `restart_engines`, else said once and left down."""
+        dead = [i for i in getattr(engine, "dead", ()) if i not in self._told.setdefault(name, set())]
+        if not dead:
+            return
+        codes = ", ".join(f"replica {i} (exit code {engine.replicas[i].exitcode})" for i in dead)
+        logger.error("the engine of %s lost %s: its requests go to the other replicas", name, codes)
+        if self.restart_engines and not engine.restarting:
+            if await self._restarted(name, engine):
+                return
+        self._told[name].update(dead)
 
     async def _restarted(self, name: str, engine: AsyncEngine) -> bool:
         logger.info("restarting the engine of %s", name)
