@@ -95,7 +95,11 @@ ENGINE: tuple[Alias | Refused, ...] = (
     Refused("tokenizer_mode", "infer loads the tokenizer transformers' AutoTokenizer picks: drop --tokenizer-mode"),
     Refused("max_logprobs", "infer takes any logprobs up to the vocabulary size: drop --max-logprobs"),
     Refused("disable_log_stats", "infer logs no periodic statistics (GET /metrics has them): drop --disable-log-stats"),
-    Refused("distributed_executor_backend", "--tp N starts its ranks as processes of this host: drop it"),
+    Refused(
+        "distributed_executor_backend",
+        "an LLM's --tp ranks are processes of this host: drop it (infer serve --distributed-executor-backend ray "
+        "places engines on Ray)",
+    ),
     Refused("compilation_config", "infer captures CUDA graphs itself (--cuda-graphs, --cuda-graph-max-tokens)"),
     Refused("enable_chunked_prefill", "infer always chunks long prompts (--max-num-batched-tokens): drop it"),
     Refused("task", "one engine both generates and embeds (LLM.embed, /v1/embeddings): drop --task"),
@@ -126,6 +130,7 @@ SERVE: tuple[Alias | Refused, ...] = (  # `infer` here: how infer serve spells i
             "lora_modules",
             "max_waiting",
             "data_parallel_size",
+            "distributed_executor_backend",
         )
     ),
 )

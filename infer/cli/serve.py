@@ -261,6 +261,21 @@ def limit_options(command: Callable[..., Any]) -> Callable[..., Any]:
     "least loaded; a replica that dies takes no new request and what it had is retried on another.",
 )
 @click.option(
+    "--distributed-executor-backend",
+    type=click.Choice(["mp", "ray"]),
+    default="mp",
+    show_default=True,
+    help="What starts each engine's process: mp, a child of this one; ray, a Ray actor placed on a local Ray or "
+    "a cluster's nodes (--ray-address; pip install 'infer[ray]'), one placement group per engine.",
+)
+@click.option(
+    "--ray-address",
+    default=None,
+    metavar="ADDRESS",
+    help="The Ray cluster to place engines on (e.g. ray://head:10001 or head:6379); default: RAY_ADDRESS, else "
+    "a local Ray started here.",
+)
+@click.option(
     "--lora-modules",
     "lora_specs",
     multiple=True,
@@ -291,6 +306,8 @@ def serve(
     shutdown_timeout: float,
     restart_engine: bool,
     data_parallel_size: int,
+    distributed_executor_backend: str,
+    ray_address: str | None,
     lora_specs: tuple[str, ...],
     allow_runtime_lora_updating: bool,
     limits: ServeLimits,
@@ -345,13 +362,21 @@ def serve(
             click.echo(f"loading {name} ({config.model})", err=True)
             # each engine steps in a process of its own: the event loop here never holds the GIL its steps need
             build = functools.partial(_build_engine, config, tuple(loras.get(name, ())))
+            on_gpu = config.resolve_device().type == "cuda"
+            start = None
+            if distributed_executor_backend == "ray":
+                from infer.serve.ray_executor import RayStarter
+
+                start = RayStarter(ray_address, gpus=config.tensor_parallel_size if on_gpu else 0)
+            elif ray_address is not None:
+                raise ConfigError("--ray-address places engines with Ray: add --distributed-executor-backend ray")
             if data_parallel_size > 1:
-                devices = None
-                if config.resolve_device().type == "cuda":
+                devices = None  # Ray gives each actor its own GPUs
+                if on_gpu and start is None:
                     devices = replica_devices(data_parallel_size, config.tensor_parallel_size)
-                engines[name] = ReplicatedEngine.spawn(build, data_parallel_size, max_waiting, devices)
+                engines[name] = ReplicatedEngine.spawn(build, data_parallel_size, max_waiting, devices, start)
             else:
-                engines[name] = AsyncEngine.spawn(build, max_waiting=max_waiting)
+                engines[name] = AsyncEngine.spawn(build, max_waiting=max_waiting, start=start)
         lifecycle = Lifecycle()
         app = create_app(
             engines,

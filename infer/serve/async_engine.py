@@ -18,6 +18,7 @@ error at once (`end_all`), without waiting on the engine's thread (which may be 
 from __future__ import annotations
 
 import asyncio
+import functools
 import itertools
 from concurrent.futures import Future
 from typing import TYPE_CHECKING, Any, AsyncIterator, Callable, Iterable, TypeVar
@@ -32,7 +33,7 @@ from infer.serve.engine_thread import Abort, Add, Call, EngineDeadError, EngineT
 from infer.serve.snapshot import EngineSnapshot
 
 if TYPE_CHECKING:
-    from infer.serve.engine_process import EngineFront, EngineProcess
+    from infer.serve.engine_process import EngineFront, EngineProcess, Starter
 
 T = TypeVar("T")
 
@@ -138,6 +139,7 @@ class AsyncEngine:
             thread = EngineThread(engine)
         self._thread: EngineThread | EngineProcess = thread
         self._build = build  # what `spawn` was given: `restart` builds it again
+        self._start: Starter | None = None  # and how it started the engine's process
         self._ended: BaseException | None = None  # set by end_all: every new request is refused with it
         self.num_restarts = 0  # times `restart` built it again
         self.restarting = False  # a restart is building it now
@@ -152,14 +154,19 @@ class AsyncEngine:
         return cls(make_engine(config, extra_plugins, launch=launch), max_waiting)
 
     @classmethod
-    def spawn(cls, build: Callable[[], Engine], max_waiting: int | None = None) -> "AsyncEngine":
+    def spawn(
+        cls, build: Callable[[], Engine], max_waiting: int | None = None, start: "Starter | None" = None
+    ) -> "AsyncEngine":
         """The engine that `build()` returns (picklable: e.g. `functools.partial(build_engine, config)`), built
         and stepped in a process of its own: what `infer serve` runs, so that the server's event loop never
-        holds the GIL the step loop needs. `call` then takes module-level functions only."""
+        holds the GIL the step loop needs. `call` then takes module-level functions only. `start`: how that
+        process is started (default: a child of this one; `infer.serve.ray_executor.RayStarter`: on Ray)."""
         from infer.serve.engine_process import EngineProcess
 
-        process = EngineProcess(build)
-        return cls(process.front, max_waiting, thread=process, build=build)
+        process = EngineProcess(build, start=start)
+        engine = cls(process.front, max_waiting, thread=process, build=build)
+        engine._start = start
+        return engine
 
     @property
     def tokenizer(self) -> Any:
@@ -274,7 +281,7 @@ class AsyncEngine:
         self.restarting = True
         try:
             await loop.run_in_executor(None, self._thread.stop, 5.0)  # the dead process's pipe and reader
-            process = await loop.run_in_executor(None, EngineProcess, self._build)
+            process = await loop.run_in_executor(None, functools.partial(EngineProcess, self._build, start=self._start))
         finally:
             self.restarting = False
         if self.closed:  # closed while it was built

@@ -31,7 +31,7 @@ import weakref
 from concurrent.futures import Future
 from dataclasses import dataclass
 from multiprocessing.connection import Connection
-from typing import Any, Callable
+from typing import Any, Callable, Protocol
 
 from infer.api.adapters import LoRARequest
 from infer.api.errors import ConfigError, InferError, RequestError, one_line
@@ -101,17 +101,43 @@ class _Stop:
     pass
 
 
+class ChildProcess(Protocol):
+    """What `EngineProcess` needs of the engine's process: multiprocessing.Process's names."""
+
+    pid: int | None
+
+    def is_alive(self) -> bool: ...
+
+    def join(self, timeout: float | None = None) -> None: ...
+
+    def terminate(self) -> None: ...
+
+    @property
+    def exitcode(self) -> int | None: ...
+
+
+# starts the engine's process running `serve_engine(conn, build)` at the other end of the connection it returns
+Starter = Callable[[Callable[[], Engine], str], tuple[Connection, ChildProcess]]
+
+
+def _spawn_child(build: Callable[[], Engine], name: str) -> tuple[Connection, ChildProcess]:
+    context = multiprocessing.get_context("spawn")  # CUDA cannot be used in a forked child
+    conn, child = context.Pipe()
+    # not a daemon: a tensor-parallel engine starts rank processes of its own
+    process = context.Process(target=serve_engine, args=(child, build), name=name)
+    process.start()
+    child.close()
+    return conn, process
+
+
 class EngineProcess:
     """`EngineThread`'s interface (send, stop, is_alive) over an engine that `build()` makes in a spawned
     process. Raises what `build` raised (a ConfigError for a bad model, ...) when the engine cannot be built."""
 
-    def __init__(self, build: Callable[[], Engine], name: str = "infer-engine") -> None:
-        context = multiprocessing.get_context("spawn")  # CUDA cannot be used in a forked child
-        self._conn, child = context.Pipe()
-        # not a daemon: a tensor-parallel engine starts rank processes of its own
-        self._process = context.Process(target=_child_main, args=(child, build), name=name)
-        self._process.start()
-        child.close()
+    def __init__(self, build: Callable[[], Engine], name: str = "infer-engine", start: "Starter | None" = None) -> None:
+        """start: how the engine's process is started and reached (default: a spawned child of this process,
+        over a pipe; `infer.serve.ray_executor` places it with Ray and reaches it over a socket)."""
+        self._conn, self._process = (start or _spawn_child)(build, name)
         try:
             kind, payload = self._conn.recv()
         except EOFError:
@@ -254,11 +280,14 @@ class _RemoteSink:
         raise AssertionError("a remote sink is delivered through its loop")
 
 
-def _child_main(conn: Connection, build: Callable[[], Engine]) -> None:
+def serve_engine(conn: Connection, build: Callable[[], Engine]) -> None:
+    """The engine's process: build the engine, say so (or why not) through `conn`, then step it on the
+    commands that come through `conn` until a stop or the connection's end."""
     # Ctrl-C reaches the terminal's whole process group (and a kill of the group, SIGTERM): the server
     # drains its requests and then stops this process through the pipe; dying here at once would cut that short
-    signal.signal(signal.SIGINT, signal.SIG_IGN)
-    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    if threading.current_thread() is threading.main_thread():
+        signal.signal(signal.SIGINT, signal.SIG_IGN)
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)
     try:
         engine = build()
     except BaseException as exc:  # a bad model or option: the parent raises it

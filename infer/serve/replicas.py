@@ -38,6 +38,7 @@ from infer.api.request import CompletionOutput, RequestOutput
 from infer.core.engine import Engine, Prompt
 from infer.core.stream import StreamOutput
 from infer.serve.async_engine import AsyncEngine, QueueFullError, RequestStream
+from infer.serve.engine_process import Starter
 from infer.serve.engine_thread import EngineDeadError
 from infer.serve.snapshot import EngineSnapshot
 
@@ -331,17 +332,19 @@ class ReplicatedEngine:
         size: int,
         max_waiting: int | None = None,
         devices: Sequence[Sequence[str]] | None = None,
+        start: Starter | None = None,
     ) -> "ReplicatedEngine":
         """`size` replicas of what `build()` returns, each built and stepped in a process of its own (built
-        side by side); `devices`: per replica, the CUDA devices its process sees (CUDA_VISIBLE_DEVICES).
-        A replica that cannot be built stops the others and raises its error."""
+        side by side); `devices`: per replica, the CUDA devices its process sees (CUDA_VISIBLE_DEVICES);
+        `start`: how each process is started (`AsyncEngine.spawn`'s). A replica that cannot be built stops
+        the others and raises its error."""
         if size < 1:
             raise ConfigError(f"--data-parallel-size {size}: use 1 or more")
         builds = [
             build if devices is None else functools.partial(_on_devices, tuple(devices[i]), build) for i in range(size)
         ]
         with ThreadPoolExecutor(size) as pool:
-            futures = [pool.submit(AsyncEngine.spawn, b, max_waiting) for b in builds]
+            futures = [pool.submit(AsyncEngine.spawn, b, max_waiting, start) for b in builds]
         built, error = [], None
         for future in futures:
             try:

@@ -156,59 +156,109 @@ def _metrics(server) -> dict[tuple[str, tuple], float]:
     }
 
 
-@pytest.mark.slow  # over 0.3 s on two cores: left out of the quick loop
-def test_a_replica_killed_under_load_loses_no_request(two_spawned, tiny_chat_dir, live):
-    prompts = [prefix(12, 300 + i) for i in range(12)]
-    with LLM(model=str(tiny_chat_dir), **OPTIONS) as llm:
-        params = SamplingParams(max_tokens=MAX_TOKENS, temperature=0, ignore_eos=True)
-        expected = [o.outputs[0].token_ids for o in llm.generate([{"prompt_token_ids": p} for p in prompts], params)]
-    server = live(create_app({"tiny": two_spawned}))
-    victim = two_spawned.replicas[0]._thread._process
+def _greedy(model_dir, prompts, max_tokens: int) -> list[list[int]]:
+    with LLM(model=str(model_dir), **OPTIONS) as llm:
+        params = SamplingParams(max_tokens=max_tokens, temperature=0, ignore_eos=True)
+        return [o.outputs[0].token_ids for o in llm.generate([{"prompt_token_ids": p} for p in prompts], params)]
+
+
+def kill_one_under_load(engine: ReplicatedEngine, server, prompts, max_tokens: int, kill_after: int) -> list[list[int]]:
+    """Every prompt at once through the official client (even ones streamed, odd ones not), greedy, token ids
+    back; replica 0's process SIGKILLed once `kill_after` tokens were streamed and it has requests open."""
+    victim_pid = engine.replicas[0]._thread._process.pid
+    streamed = [0]
 
     async def load():
         async with openai.AsyncOpenAI(base_url=server.url, api_key="unused", max_retries=0) as client:
 
             async def one(i: int, stream: bool):
-                kwargs = dict(model="tiny", prompt=prompts[i], max_tokens=MAX_TOKENS, temperature=0)
+                kwargs = dict(model="m", prompt=prompts[i], max_tokens=max_tokens, temperature=0, logprobs=0)
                 extra = {"ignore_eos": True, "return_tokens_as_token_ids": True}
                 if not stream:
-                    answer = await client.completions.create(**kwargs, extra_body=extra, logprobs=0)
+                    answer = await client.completions.create(**kwargs, extra_body=extra)
                     return [int(t.removeprefix("token_id:")) for t in answer.choices[0].logprobs.tokens]
-                chunks = await client.completions.create(**kwargs, extra_body=extra, logprobs=0, stream=True)
                 tokens = []
-                async for chunk in chunks:
+                async for chunk in await client.completions.create(**kwargs, extra_body=extra, stream=True):
                     if chunk.choices and chunk.choices[0].logprobs:
                         tokens += [int(t.removeprefix("token_id:")) for t in chunk.choices[0].logprobs.tokens]
                         streamed[0] += len(chunk.choices[0].logprobs.tokens)
                 return tokens
 
             async def kill_when_busy():  # mid-run: streams have tokens out, and replica 0 has requests open
-                deadline = time.monotonic() + 60
-                while streamed[0] < 30 or two_spawned.replica_states()[0].open_requests < 2:
+                deadline = time.monotonic() + 120
+                while streamed[0] < kill_after or engine.replica_states()[0].open_requests < 2:
                     assert time.monotonic() < deadline, "replica 0 never got busy"
                     await asyncio.sleep(0.005)
-                os.kill(victim.pid, signal.SIGKILL)
-
-            streamed = [0]
+                os.kill(victim_pid, signal.SIGKILL)
 
             killer = asyncio.ensure_future(kill_when_busy())
             got = await asyncio.gather(*(one(i, stream=i % 2 == 0) for i in range(len(prompts))))
             await killer
             return got
 
-    got = asyncio.run(load())
-    assert got == expected  # every accepted request finished, with the tokens it would have had
-    assert not two_spawned.replicas[0].is_alive and two_spawned.is_alive
-    assert two_spawned.num_retries >= 1 and two_spawned.num_continued >= 1  # some went on mid-answer
-    before = two_spawned.replica_states()[0].routed
+    return asyncio.run(load())
+
+
+def check_the_dead_replica_is_left_alone(engine: ReplicatedEngine, server, prompts) -> None:
+    assert not engine.replicas[0].is_alive and engine.is_alive
+    assert engine.num_retries >= 1 and engine.num_continued >= 1  # some went on mid-answer
+    before = engine.replica_states()[0].routed
     with openai.OpenAI(base_url=server.url, api_key="unused", max_retries=0) as client:
         for p in prompts[:4]:
-            client.completions.create(model="tiny", prompt=p, max_tokens=2)
-    states = two_spawned.replica_states()
+            client.completions.create(model="m", prompt=p, max_tokens=2)
+    states = engine.replica_states()
     assert states[0].routed == before and not states[0].alive  # nothing more to the dead one
     metrics = _metrics(server)
-    assert metrics[("infer_replica_up", (("model", "tiny"), ("replica", "0")))] == 0.0
-    assert metrics[("infer_replica_up", (("model", "tiny"), ("replica", "1")))] == 1.0
-    assert metrics[("infer_router_retries_total", (("model", "tiny"),))] == two_spawned.num_retries
-    assert metrics[("infer_engine_up", (("model", "tiny"),))] == 1.0
+    assert metrics[("infer_replica_up", (("model", "m"), ("replica", "0")))] == 0.0
+    assert metrics[("infer_replica_up", (("model", "m"), ("replica", "1")))] == 1.0
+    assert metrics[("infer_router_retries_total", (("model", "m"),))] == engine.num_retries
+    assert metrics[("infer_engine_up", (("model", "m"),))] == 1.0
     assert httpx.get(f"{server.root}/health").status_code == 200
+
+
+@pytest.mark.slow  # over 0.3 s on two cores: left out of the quick loop
+def test_a_replica_killed_under_load_loses_no_request(two_spawned, tiny_chat_dir, live):
+    prompts = [prefix(12, 300 + i) for i in range(12)]
+    expected = _greedy(tiny_chat_dir, prompts, MAX_TOKENS)
+    server = live(create_app({"m": two_spawned}))
+    got = kill_one_under_load(two_spawned, server, prompts, MAX_TOKENS, kill_after=30)
+    assert got == expected  # every accepted request finished, with the tokens it would have had
+    check_the_dead_replica_is_left_alone(two_spawned, server, prompts)
+
+
+@pytest.fixture(scope="module")
+def local_ray():
+    """A Ray cluster of this machine alone, on loopback, for the module."""
+    ray = pytest.importorskip("ray")
+    ray.init(num_cpus=4, include_dashboard=False, logging_level="WARNING", _node_ip_address="127.0.0.1")
+    yield ray
+    ray.shutdown()
+
+
+@pytest.mark.slow  # over 0.3 s on two cores: left out of the quick loop
+def test_ray_places_two_smollm2_replicas_behind_one_server(local_ray, smollm2_dir, live):
+    from infer.serve.ray_executor import RayProcess, RayStarter
+
+    config = EngineConfig().replace(model=str(smollm2_dir), attention="torch", num_kv_blocks=96, max_model_len=256)
+    engine = ReplicatedEngine.spawn(functools.partial(build_engine, config), 2, start=RayStarter())
+    try:
+        processes = [r._thread._process for r in engine.replicas]
+        assert all(isinstance(p, RayProcess) for p in processes)
+        assert len({p.pid for p in processes} | {os.getpid()}) == 3  # two actors, neither this process
+        texts = ["The capital of France is", "def fibonacci(n):", "Once upon a time", "The three primary colors are"]
+        with LLM(model=str(smollm2_dir), attention="torch", max_model_len=256) as llm:
+            tokenizer = llm.tokenizer
+            prompts = [tokenizer(t)["input_ids"] for t in texts] * 2
+            params = SamplingParams(max_tokens=48, temperature=0, ignore_eos=True)
+            expected = [
+                o.outputs[0].token_ids for o in llm.generate([{"prompt_token_ids": p} for p in prompts], params)
+            ]
+        server = live(create_app({"m": engine}))
+        with openai.OpenAI(base_url=server.url, api_key="unused", max_retries=0) as client:
+            plain = client.completions.create(model="m", prompt=texts[0], max_tokens=8, temperature=0)
+        assert plain.choices[0].text == tokenizer.decode(expected[0][:8])
+        got = kill_one_under_load(engine, server, prompts, 48, kill_after=16)
+        assert got == expected
+        check_the_dead_replica_is_left_alone(engine, server, prompts)
+    finally:
+        engine.close()

@@ -118,6 +118,56 @@ def test_two_models_served_by_one_process(tiny_chat_dir):
     assert server.returncode == 0, err
 
 
+@pytest.mark.slow  # a fresh process loads two replicas
+def test_data_parallel_replicas_behind_one_server(tiny_chat_dir):
+    port = _free_port()
+    command = [
+        sys.executable, "-m", "infer.cli.main", "serve", str(tiny_chat_dir), "--served-model-name", "tiny",
+        "--attention", "torch", "--max-model-len", "128", "--num-kv-blocks", "16", "-dp", "2", "--port", str(port),
+    ]  # fmt: skip
+    server = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        root = f"http://127.0.0.1:{port}"
+        deadline = time.monotonic() + 120
+        while True:
+            assert server.poll() is None, server.communicate()[1]
+            try:
+                if httpx.get(f"{root}/health").status_code == 200:
+                    break
+            except httpx.TransportError:
+                pass
+            assert time.monotonic() < deadline, "the server did not come up"
+            time.sleep(0.2)
+        body = {"model": "tiny", "max_tokens": 4, "temperature": 0, "ignore_eos": True}
+        answers = [
+            httpx.post(f"{root}/v1/completions", json={**body, "prompt": [5, 6, 7 + i]}, timeout=60).json()
+            for i in range(4)
+        ]
+        assert all(len(a["choices"][0]["text"]) > 0 for a in answers)
+        metrics = httpx.get(f"{root}/metrics").text
+        assert 'infer_kv_cache_blocks{model="tiny"} 32.0' in metrics  # the replicas' 16 blocks each, summed
+        for replica in ("0", "1"):
+            assert f'infer_replica_up{{model="tiny",replica="{replica}"}} 1.0' in metrics
+        assert 'infer_router_decisions_total{by="load",model="tiny"} 4.0' in metrics
+    finally:
+        server.send_signal(signal.SIGINT)
+        out, err = server.communicate(timeout=60)
+    assert server.returncode == 0, err
+
+
+def test_a_ray_address_without_ray_is_refused():
+    from click.testing import CliRunner
+
+    from infer.cli.main import cli
+    from infer.cli.serve import serve
+
+    if "serve" not in cli.commands:  # `infer serve` is a plugin's command, added when `infer` starts
+        cli.add_command(serve)
+    result = CliRunner().invoke(cli, ["serve", "smollm2-135m", "--ray-address", "head:6379"])
+    assert result.exit_code == 2
+    assert "--ray-address places engines with Ray: add --distributed-executor-backend ray" in result.output
+
+
 def test_lora_modules_syntax_and_a_bad_adapter_stops_the_start(tiny_chat_dir, tmp_path):
     from infer import EngineConfig, LoRARequest
     from infer.cli.serve import _build_engine, lora_modules
