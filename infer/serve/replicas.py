@@ -244,7 +244,7 @@ class RoutedStream:
         """Send the request again to a live replica after its own died; False when it cannot go again."""
         owner = self._owner
         owner._done(self.replica)
-        if owner.closed or self._closed or self.retries >= owner.num_replicas:
+        if owner.closed or owner._ended is not None or self._closed or self.retries >= owner.num_replicas:
             return False
         params, ids, prompt = self._params, self._ids, self._prompt
         continued = False
@@ -324,6 +324,7 @@ class ReplicatedEngine:
         self._routed = [0] * len(self.replicas)
         self._ids = itertools.count()
         self._restarting = False
+        self._ended: BaseException | None = None  # set by end_all: every new request is refused with it
 
     @classmethod
     def spawn(
@@ -432,6 +433,8 @@ class ReplicatedEngine:
         lora_request: LoRARequest | None = None,
     ) -> RoutedStream:
         """Check, route and queue one request (as `AsyncEngine.submit`)."""
+        if self._ended is not None:
+            raise self._ended
         if self.closed:
             raise EngineDeadError("this engine was closed: the request did not run")
         params = SamplingParams() if params is None else params
@@ -481,6 +484,8 @@ class ReplicatedEngine:
         return results[0]
 
     def end_all(self, error: BaseException) -> None:
+        """Every replica's open streams end with `error` (none is retried), and new requests are refused with it."""
+        self._ended = error
         for r in self.replicas:
             r.end_all(error)
 
