@@ -262,3 +262,28 @@ def test_ray_places_two_smollm2_replicas_behind_one_server(local_ray, smollm2_di
         check_the_dead_replica_is_left_alone(engine, server, prompts)
     finally:
         engine.close()
+
+
+def test_an_ended_replicated_engine_refuses_and_retries_nothing(tiny_chat_dir):
+    from infer.serve.engine_thread import ShuttingDownError
+
+    llms = [LLM(model=str(tiny_chat_dir), **OPTIONS) for _ in range(2)]
+    engine = ReplicatedEngine([AsyncEngine(llm.engine) for llm in llms])
+    stop = ShuttingDownError("the server is shutting down: retry the request on another server")
+
+    async def main():
+        stream = engine.submit({"prompt_token_ids": [5, 6, 7]}, SamplingParams(max_tokens=100, ignore_eos=True))
+        engine.end_all(stop)
+        with pytest.raises(ShuttingDownError):
+            async for _ in stream:
+                pass
+        assert stream.retries == 0 and engine.num_retries == 0
+        with pytest.raises(ShuttingDownError):
+            engine.submit({"prompt_token_ids": [5, 6, 7]}, SamplingParams(max_tokens=2))
+
+    try:
+        asyncio.run(main())
+    finally:
+        engine.close()
+        for llm in llms:
+            llm.close()
