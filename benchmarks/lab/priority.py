@@ -2,7 +2,7 @@
 overloads the server, then the same arrivals without priorities (FIFO). A fresh `infer serve` per run, so
 that no run inherits another's cache or queue (docs/performance.md, "Priority under overload").
 
-    python -m benchmarks.lab.priority --model llama3-8b --load-format dummy --max-num-seqs 16 --out prio.json
+    python -m benchmarks.lab.priority --model llama3-8b --load-format dummy --max-num-seqs 16 --clients 4 --out prio.json
 
 First the server's capacity: --probe requests all at once, completed requests per second. Then: priority 0
 alone at --alone-fraction of it (the unloaded TTFT), --requests at --overload x capacity drawn with
@@ -120,29 +120,81 @@ def breakdown(result: dict[str, Any], server: dict[str, dict[str, Any]]) -> str:
     return "\n".join(lines)
 
 
+def _stats(values: list[float]) -> dict[str, float | None]:
+    import numpy as np
+
+    if not values:
+        return {"mean": None, "p50": None, "p90": None, "p99": None}
+    a = np.asarray(values)
+    return {"mean": float(a.mean()), **{f"p{q}": float(np.percentile(a, q)) for q in (50, 90, 99)}}
+
+
+def merged(results: list[dict[str, Any]]) -> dict[str, Any]:
+    """The clients' runs as one (`infer bench serve --json`'s figures that this lab reads): their requests
+    pooled, the served rate over the longest client's duration."""
+    records = [r for result in results for r in result["runs"][0]["requests"]]
+    ok = [r for r in records if r["error"] is None]
+    duration = max(result["runs"][0]["duration_s"] for result in results)
+    levels = sorted({r["priority"] for r in ok if r["priority"] is not None})
+    by_priority = {
+        str(level): {
+            "completed": len(mine := [r for r in ok if r["priority"] == level]),
+            "ttft_ms": _stats([r["ttft_ms"] for r in mine]),
+            "max_ttft_ms": max(r["ttft_ms"] for r in mine),
+            "send_lag_ms": _stats([r["send_lag_ms"] for r in mine]),
+        }
+        for level in levels
+    }
+    summary = {
+        "completed": len(ok),
+        "failed": len(records) - len(ok),
+        "duration_s": duration,
+        "request_throughput": len(ok) / duration,
+        "ttft_ms": _stats([r["ttft_ms"] for r in ok]),
+        "send_lag_ms": _stats([r["send_lag_ms"] for r in records]),
+        "by_priority": by_priority or None,
+    }
+    return {"runs": [summary], "clients": [result["runs"][0] | {"requests": None} for result in results]}
+
+
 def bench(args: argparse.Namespace, label: str, rate: float, num: int, mix: str | None) -> dict[str, Any]:
+    """One fresh server; `--clients` `infer bench serve` processes at rate / clients each (independent
+    Poisson arrivals sum to one at `rate`), so that no client's own event loop sets the latencies."""
+    clients = max(1, min(args.clients, num))
     with tempfile.TemporaryDirectory() as tmp:
         log = Path(tmp) / "server.log"
         server = Server(args, log)
         try:
-            out = Path(tmp) / "run.json"
-            command = [
-                sys.executable, "-m", "infer.cli.main", "bench", "serve", "--base-url", server.root,
-                "--workload", args.workload, "--seed", str(args.seed), "--num-prompts", str(num),
-                "--request-rate", str(rate), "--json", str(out),
-                *(["--priority-mix", mix] if mix else []),
-                *(["--tokenizer", args.tokenizer] if args.tokenizer else []),
-            ]  # fmt: skip
-            done = subprocess.run(command, capture_output=True, text=True, env=os.environ.copy())
-            if done.returncode != 0:
-                raise RuntimeError(f"{label}: infer bench serve failed: {done.stderr[-2000:]}")
-            result = json.loads(out.read_text())
+            runs = []
+            for i in range(clients):
+                out = Path(tmp) / f"run{i}.json"
+                share = num // clients + (i < num % clients)
+                command = [
+                    sys.executable, "-m", "infer.cli.main", "bench", "serve", "--base-url", server.root,
+                    "--workload", args.workload, "--seed", str(args.seed + i), "--num-prompts", str(share),
+                    "--request-rate", str(rate / clients), "--json", str(out),
+                    *(["--priority-mix", mix] if mix else []),
+                    *(["--tokenizer", args.tokenizer] if args.tokenizer else []),
+                ]  # fmt: skip
+                process = subprocess.Popen(
+                    command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=os.environ.copy()
+                )
+                runs.append((process, out))
+            outputs = [(process.communicate(), process.returncode, out) for process, out in runs]
+            for (_, err), code, _ in outputs:
+                if code != 0:
+                    raise RuntimeError(f"{label}: infer bench serve failed: {err[-2000:]}")
+            results = [json.loads(out.read_text()) for _, _, out in outputs]
         finally:
             server.stop()
         server_figures = server_side(log)
-    print(f"{label}: rate {rate:.2f}/s x {num}\n{done.stdout[-1500:]}", flush=True)
-    if done.stderr.strip():
-        print(done.stderr.strip().splitlines()[-1], flush=True)
+    result = merged(results)
+    run = result["runs"][0]
+    print(
+        f"{label}: rate {rate:.2f}/s x {num} from {clients} clients: {run['completed']} done, {run['failed']} failed, "
+        f"{run['request_throughput']:.1f} served/s",
+        flush=True,
+    )
     print(breakdown(result, server_figures), flush=True)
     return {"label": label, "rate": rate, "requests": num, "mix": mix, "result": result, "server": server_figures}
 
@@ -166,6 +218,7 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--overload", type=float, default=1.6, help="the mix's rate over the capacity")
     ap.add_argument("--alone-fraction", type=float, default=0.05, help="priority 0 alone: this x the capacity")
     ap.add_argument("--mix", default="0:1,1:9")
+    ap.add_argument("--clients", type=int, default=4, help="load-generating processes, the rate split among them")
     ap.add_argument("--out", type=Path, default=None)
     args = ap.parse_args(argv)
     probe = bench(args, "capacity", float("inf"), args.probe, None)

@@ -34,7 +34,9 @@ def tokenizer() -> str:
 
 @pytest.fixture(scope="module")
 def llm():
-    with LLM(model="smollm2-135m", load_format="dummy", tokenizer=tokenizer(), dtype="float32") as engine:
+    with LLM(
+        model="smollm2-135m", load_format="dummy", tokenizer=tokenizer(), dtype="float32", kv_cache_memory_gib=2
+    ) as engine:  # a cache of its own size: the speculative engine beside it needs room too
         yield engine
 
 
@@ -65,6 +67,7 @@ def test_speculative_greedy_with_a_grammar_on_the_gpu_equals_autoregressive(refe
         dtype="float32",
         decoding="speculative",
         draft="ngram",
+        kv_cache_memory_gib=2,
     ) as spec:
         outputs = spec.generate(PROMPTS, PARAMS)
         assert [o.outputs[0].token_ids for o in outputs] == reference

@@ -332,7 +332,13 @@ def test_requests_to_a_closed_engine_are_503s_and_metrics_still_answer(tiny_chat
 def test_a_draining_app_refuses_new_requests_but_not_metrics(tiny, live):
     lifecycle = Lifecycle()
     server = live(create_app({MODEL: tiny.engine}, lifecycle=lifecycle))
-    assert httpx.get(f"{server.root}/health").status_code == 200 and lifecycle.num_active == 0
+    assert httpx.get(f"{server.root}/health").status_code == 200
+    # the answer reaches the client before the server's middleware counts it done (a loaded machine may
+    # run this thread first): wait for the count, with no bound on how late it comes but the test's
+    deadline = time.monotonic() + 30
+    while lifecycle.num_active:
+        assert time.monotonic() < deadline, "the health check was never counted done"
+        time.sleep(0.01)
     lifecycle.stop_accepting("the server is shutting down: retry elsewhere")
     for response in (
         httpx.post(f"{server.url}/completions", json={"model": MODEL, "prompt": "Hi", "max_tokens": 2}),
@@ -341,7 +347,7 @@ def test_a_draining_app_refuses_new_requests_but_not_metrics(tiny, live):
         assert "shutting down" in error_503(response, "server_shutting_down")
         assert response.headers["connection"] == "close"
     assert httpx.get(f"{server.root}/metrics").status_code == 200
-    assert lifecycle.num_active == 0
+    assert lifecycle.num_active == 0  # refused and /metrics: never counted
 
 
 @pytest.mark.slow  # over 0.3 s on two cores: left out of the quick loop
