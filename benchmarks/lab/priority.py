@@ -218,13 +218,14 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--overload", type=float, default=1.6, help="the mix's rate over the capacity")
     ap.add_argument("--alone-fraction", type=float, default=0.05, help="priority 0 alone: this x the capacity")
     ap.add_argument("--mix", default="0:1,1:9")
+    ap.add_argument("--capacity", type=float, default=None, help="requests/s the server sustains: skips the probe")
     ap.add_argument("--clients", type=int, default=4, help="load-generating processes, the rate split among them")
     ap.add_argument("--out", type=Path, default=None)
     args = ap.parse_args(argv)
-    probe = bench(args, "capacity", float("inf"), args.probe, None)
-    cap = capacity(probe["result"])
+    probe = None if args.capacity else bench(args, "capacity", float("inf"), args.probe, None)
+    cap = args.capacity or capacity(probe["result"])
     runs = [
-        probe,
+        *([probe] if probe else []),
         bench(args, "priority 0 alone", cap * args.alone_fraction, max(20, args.requests // 50), "0:1"),
         bench(args, "mix", cap * args.overload, args.requests, args.mix),
         bench(args, "fifo", cap * args.overload, args.requests, None),
