@@ -102,7 +102,9 @@ def main(argv: list[str] | None = None) -> None:
         same = next((i for i, (a, b) in enumerate(zip(cpp, gguf_out)) if a != b), min(len(cpp), len(gguf_out)))
         print(f"  infer's GGUF run and llama.cpp's: the same greedy tokens for the first {same} of {len(cpp)}")
     if args.out is not None:
-        args.out.write_text(json.dumps({"args": vars(args) | {"out": str(args.out)}, "tok_s": best, "seconds": seconds}))
+        args.out.write_text(
+            json.dumps({"args": vars(args) | {"out": str(args.out)}, "tok_s": best, "seconds": seconds})
+        )
 
 
 if __name__ == "__main__":
