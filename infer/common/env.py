@@ -22,12 +22,14 @@ __all__ = [
     "Torchrun",
     "cache_dir",
     "cpu_threads",
+    "cuda_visible_devices",
     "export",
     "extra_plugins",
     "gemv_push",
     "hf_hub_cache",
     "hf_offline",
     "pdl",
+    "ray_address",
     "torchrun",
     "triton_interpret",
 ]
@@ -117,6 +119,18 @@ def torchrun() -> Torchrun | None:
         local_rank=int(os.environ.get("LOCAL_RANK", rank)),
         local_world_size=int(os.environ.get("LOCAL_WORLD_SIZE", world_size)),
     )
+
+
+def cuda_visible_devices() -> list[str] | None:
+    """CUDA_VISIBLE_DEVICES (CUDA's own, read here for data-parallel replicas): the devices this process
+    sees, by the names in it; None when it is unset or empty (every device is visible)."""
+    names = [d.strip() for d in os.environ.get("CUDA_VISIBLE_DEVICES", "").split(",") if d.strip()]
+    return names or None
+
+
+def ray_address() -> str | None:
+    """RAY_ADDRESS (Ray's own, read here to name the cluster in errors): the Ray cluster to join; None: unset."""
+    return os.environ.get("RAY_ADDRESS") or None
 
 
 def export(name: str, value: str) -> None:

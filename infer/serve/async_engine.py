@@ -120,9 +120,11 @@ class AsyncEngine:
         max_waiting: int | None = None,
         thread: EngineThread | EngineProcess | None = None,
         build: Callable[[], Engine] | None = None,
+        start: "Starter | None" = None,
     ) -> None:
         """thread: what steps the engine (default: an `EngineThread` here; `spawn` passes an `EngineProcess`).
-        build: what built it in its process (`spawn`'s): `restart` builds it again."""
+        build: what built it in its process (`spawn`'s): `restart` builds it again; start: how `spawn` started
+        that process (`restart` starts the new one the same way)."""
         if max_waiting is not None and (isinstance(max_waiting, bool) or not isinstance(max_waiting, int)):
             raise ConfigError(f"max_waiting={max_waiting!r}: use None (no limit) or an integer >= 0")
         if max_waiting is not None and max_waiting < 0:
@@ -139,7 +141,7 @@ class AsyncEngine:
             thread = EngineThread(engine)
         self._thread: EngineThread | EngineProcess = thread
         self._build = build  # what `spawn` was given: `restart` builds it again
-        self._start: Starter | None = None  # and how it started the engine's process
+        self._start = start  # and how it started the engine's process
         self._ended: BaseException | None = None  # set by end_all: every new request is refused with it
         self.num_restarts = 0  # times `restart` built it again
         self.restarting = False  # a restart is building it now
@@ -164,9 +166,7 @@ class AsyncEngine:
         from infer.serve.engine_process import EngineProcess
 
         process = EngineProcess(build, start=start)
-        engine = cls(process.front, max_waiting, thread=process, build=build)
-        engine._start = start
-        return engine
+        return cls(process.front, max_waiting, thread=process, build=build, start=start)
 
     @property
     def tokenizer(self) -> Any:

@@ -23,6 +23,7 @@ from multiprocessing.connection import Client, Connection, Listener
 from typing import Any, Callable
 
 from infer.api.errors import ConfigError, one_line
+from infer.common import env
 from infer.core.engine import Engine
 from infer.serve.engine_process import serve_engine
 
@@ -103,7 +104,7 @@ class RayStarter:
             try:
                 ray.init(address=address, include_dashboard=False, logging_level="WARNING")
             except Exception as exc:
-                where = address or os.environ.get("RAY_ADDRESS") or "a local Ray"
+                where = address or env.ray_address() or "a local Ray"
                 raise ConfigError(f"could not join {where}: {one_line(exc)}; check --ray-address") from None
         self.gpus, self.cpus = gpus, cpus
         self.host = ray.util.get_node_ip_address()  # where the actors connect back to

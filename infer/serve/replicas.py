@@ -25,7 +25,6 @@ import asyncio
 import dataclasses
 import functools
 import itertools
-import os
 from collections import OrderedDict
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
@@ -35,6 +34,7 @@ from infer.api.adapters import LoRARequest
 from infer.api.errors import ConfigError
 from infer.api.params import SamplingParams
 from infer.api.request import CompletionOutput, RequestOutput
+from infer.common import env
 from infer.core.engine import Engine, Prompt
 from infer.core.stream import StreamOutput
 from infer.serve.async_engine import AsyncEngine, QueueFullError, RequestStream
@@ -289,7 +289,7 @@ class RoutedStream:
 
 def _on_devices(devices: tuple[str, ...], build: Callable[[], Engine]) -> Engine:
     """In a replica's process, before CUDA starts there: it sees only its own devices."""
-    os.environ["CUDA_VISIBLE_DEVICES"] = ",".join(devices)
+    env.export("CUDA_VISIBLE_DEVICES", ",".join(devices))
     return build()
 
 
@@ -297,10 +297,7 @@ def replica_devices(size: int, per_replica: int) -> list[list[str]]:
     """Each replica's CUDA devices, in order from those this process sees: `per_replica` each (its --tp)."""
     import torch
 
-    visible = os.environ.get("CUDA_VISIBLE_DEVICES")
-    names = [d.strip() for d in visible.split(",") if d.strip()] if visible else []
-    if not names:
-        names = [str(i) for i in range(torch.cuda.device_count())]
+    names = env.cuda_visible_devices() or [str(i) for i in range(torch.cuda.device_count())]
     if size * per_replica > len(names):
         raise ConfigError(
             f"--data-parallel-size {size} x --tp {per_replica} needs {size * per_replica} GPUs and "
