@@ -264,6 +264,7 @@ def test_ray_places_two_smollm2_replicas_behind_one_server(local_ray, smollm2_di
         engine.close()
 
 
+@pytest.mark.slow  # over 0.3 s on two cores: left out of the quick loop
 def test_an_ended_replicated_engine_refuses_and_retries_nothing(tiny_chat_dir):
     from infer.serve.engine_thread import ShuttingDownError
 

@@ -127,6 +127,7 @@ def test_priority_outputs_equal_a_run_alone(tmp_path):
     assert [o.outputs[0].token_ids for o in mixed] == alone
 
 
+@pytest.mark.slow  # over 0.3 s on two cores: left out of the quick loop
 def test_outputs_carry_the_wait_in_the_queue(tmp_path):
     # one seat: the second request waits in the queue while the first runs all its 8 tokens
     target, _ = write_tiny_llamas(tmp_path)
