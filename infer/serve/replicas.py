@@ -2,7 +2,8 @@
 --data-parallel-size N`).
 
 Each replica is an `AsyncEngine` of its own (its own process, its own devices and `--tp` group);
-`ReplicatedEngine` stands where the server expects one `AsyncEngine` and routes each request:
+`ReplicatedEngine` stands where the server expects one `AsyncEngine` and routes each request
+(`infer.serve.router.PrefixRouter`):
 
 - **Prefix-aware.** The router remembers, per block of prompt tokens (chained hashes, so a block stands
   for the whole prefix up to it, as in a prefix cache), which replica last took a request with that
@@ -25,7 +26,6 @@ import asyncio
 import dataclasses
 import functools
 import itertools
-from collections import OrderedDict
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any, Callable, Sequence
@@ -40,93 +40,10 @@ from infer.core.stream import StreamOutput
 from infer.serve.async_engine import AsyncEngine, QueueFullError, RequestStream
 from infer.serve.engine_process import Starter
 from infer.serve.engine_thread import EngineDeadError
+from infer.serve.router import PrefixRouter
 from infer.serve.snapshot import EngineSnapshot
 
 __all__ = ["PrefixRouter", "ReplicaState", "ReplicatedEngine", "RoutedStream"]
-
-
-class PrefixRouter:
-    """Picks a replica for a prompt: the holder of its longest remembered prefix, else the least loaded.
-
-    `block_size` tokens make a block; `capacity` blocks are remembered at most (least recently routed
-    forgotten first)."""
-
-    def __init__(
-        self,
-        num_replicas: int,
-        block_size: int = 16,
-        capacity: int = 1 << 16,
-        cache_threshold: float = 0.5,
-        balance_abs: int = 8,
-        balance_rel: float = 1.5,
-    ) -> None:
-        if num_replicas < 1:
-            raise ConfigError(f"a router needs at least one replica, not {num_replicas}")
-        self.num_replicas = num_replicas
-        self.block_size = block_size
-        self.capacity = capacity
-        self.cache_threshold = cache_threshold
-        self.balance_abs = balance_abs
-        self.balance_rel = balance_rel
-        self._holder: OrderedDict[int, int] = OrderedDict()  # prefix hash -> the replica that last took it
-        self._turn = itertools.count()  # breaks ties between equally loaded replicas in turn
-        self.prefix_routed = 0  # requests sent to a prefix's holder
-        self.load_routed = 0  # requests sent to the least loaded
-
-    def _hashes(self, ids: Sequence[int]) -> list[int]:
-        hashes, h, size = [], 0, self.block_size
-        for start in range(0, len(ids) - size + 1, size):
-            h = hash((h, tuple(ids[start : start + size])))
-            hashes.append(h)
-        return hashes
-
-    def match(self, ids: Sequence[int], up: Sequence[bool]) -> tuple[int | None, int]:
-        """(the replica that holds the longest remembered prefix of `ids` among those `up`, its length in tokens)."""
-        best, length = None, 0
-        for i, h in enumerate(self._hashes(ids)):
-            replica = self._holder.get(h)
-            if replica is None:
-                break
-            if up[replica]:
-                best, length = replica, (i + 1) * self.block_size
-        return best, length
-
-    def pick(self, ids: Sequence[int], loads: Sequence[float | None]) -> int:
-        """loads: per replica, its open requests (plus a fraction for its KV usage); None for one that is down."""
-        up = [load is not None for load in loads]
-        live = [i for i, ok in enumerate(up) if ok]
-        if not live:
-            raise EngineDeadError(
-                "every replica of this model stopped: the request did not run; retry it once one is back"
-            )
-        values = {i: float(loads[i]) for i in live}  # type: ignore[arg-type]
-        low, high = min(values.values()), max(values.values())
-        balanced = not (high - low > self.balance_abs and high > self.balance_rel * max(low, 1.0))
-        if balanced:
-            holder, length = self.match(ids, up)
-            if holder is not None and length >= self.cache_threshold * len(ids):
-                self.prefix_routed += 1
-                self.record(ids, holder)
-                return holder
-        self.load_routed += 1
-        turn = next(self._turn)
-        choice = min(live, key=lambda i: (values[i], (i - turn) % self.num_replicas))
-        self.record(ids, choice)
-        return choice
-
-    def record(self, ids: Sequence[int], replica: int) -> None:
-        """`replica` took a request of prompt `ids`: its prefix's blocks are now held there."""
-        holder = self._holder
-        for h in self._hashes(ids):
-            holder[h] = replica
-            holder.move_to_end(h)
-        while len(holder) > self.capacity:
-            holder.popitem(last=False)
-
-    def forget(self, replica: int) -> None:
-        """A replica restarted with an empty cache: what it held is held nowhere."""
-        for h in [h for h, r in self._holder.items() if r == replica]:
-            del self._holder[h]
 
 
 @dataclass(slots=True)
@@ -184,6 +101,7 @@ class RoutedStream:
         self._ahead: tuple[list[int], str, list[dict[int, float]]] | None = None  # sent before a continuation
         self._closed = False
         self.replica, self._inner = owner._route(ids, prompt, params, request_id, lora_request)
+        self._open = True  # counted in its replica's open requests (`_release` uncounts it, once)
 
     def __aiter__(self) -> "RoutedStream":
         return self
@@ -243,7 +161,7 @@ class RoutedStream:
     def _retry(self) -> bool:
         """Send the request again to a live replica after its own died; False when it cannot go again."""
         owner = self._owner
-        owner._done(self.replica)
+        self._release()
         if owner.closed or owner._ended is not None or self._closed or self.retries >= owner.num_replicas:
             return False
         params, ids, prompt = self._params, self._ids, self._prompt
@@ -265,22 +183,26 @@ class RoutedStream:
             self.replica, self._inner = owner._route(ids, prompt, params, self.request_id, self._lora)
         except (EngineDeadError, QueueFullError):
             return False
+        self._open = True
         self.retries += 1
         owner.num_retries += 1
         owner.num_continued += continued
         return True
 
-    def _end(self) -> None:
-        if not self.finished:
-            self.finished = True
+    def _release(self) -> None:
+        if self._open:
+            self._open = False
             self._owner._done(self.replica)
+
+    def _end(self) -> None:
+        self.finished = True
+        self._release()
 
     def close(self) -> None:
         if self._closed:
             return
         self._closed = True
-        if not self.finished:
-            self._owner._done(self.replica)
+        self._release()
         self._inner.close()
 
     async def aclose(self) -> None:

@@ -208,6 +208,7 @@ def check_the_dead_replica_is_left_alone(engine: ReplicatedEngine, server, promp
             client.completions.create(model="m", prompt=p, max_tokens=2)
     states = engine.replica_states()
     assert states[0].routed == before and not states[0].alive  # nothing more to the dead one
+    assert [state.open_requests for state in states] == [0, 0]  # every request uncounted once it ended
     metrics = _metrics(server)
     assert metrics[("infer_replica_up", (("model", "m"), ("replica", "0")))] == 0.0
     assert metrics[("infer_replica_up", (("model", "m"), ("replica", "1")))] == 1.0
