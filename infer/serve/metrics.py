@@ -12,7 +12,7 @@ which Prometheus reads as a counter reset), and `infer_engine_restarts_total` co
 
 from __future__ import annotations
 
-from typing import Callable, Iterable, Iterator
+from typing import Any, Callable, Iterable, Iterator
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
@@ -173,35 +173,52 @@ class _EngineCollector:
         yield from _replica_families([m for m in self.models if hasattr(m.engine, "replica_states")])
 
 
+# per replica of a data-parallel model: name -> (family, help, value of a ReplicaState; None: no sample)
+REPLICA_FAMILIES: dict[str, tuple[type, str, Callable[[Any], float | None]]] = {
+    "infer_replica_up": (GaugeMetricFamily, "1 while the replica's engine runs.", lambda r: float(r.alive)),
+    "infer_replica_open_requests": (
+        GaugeMetricFamily,
+        "Requests the replica is answering for this server.",
+        lambda r: r.open_requests,
+    ),
+    "infer_replica_num_requests_running": (
+        GaugeMetricFamily,
+        "The replica's running requests.",
+        lambda r: None if r.snapshot is None else r.snapshot.num_running,
+    ),
+    "infer_replica_num_requests_waiting": (
+        GaugeMetricFamily,
+        "The replica's queued or preempted requests.",
+        lambda r: None if r.snapshot is None else r.snapshot.num_waiting,
+    ),
+    "infer_replica_kv_cache_usage_ratio": (
+        GaugeMetricFamily,
+        "The replica's KV blocks in use.",
+        lambda r: None if r.snapshot is None else r.snapshot.kv_usage,
+    ),
+    "infer_replica_routed_requests": (
+        CounterMetricFamily,
+        "Requests routed to the replica (retries included).",
+        lambda r: r.routed,
+    ),
+}
+
+
 def _replica_families(models: list[ServedModel]) -> Iterator[Metric]:
     """Per replica of a data-parallel model (`--data-parallel-size`), beside the model's summed figures."""
-    if not models:
+    engines: dict[int, tuple[str, Any]] = {}  # an adapter served under its own name shares its base's engine
+    for m in models:
+        engines.setdefault(id(m.engine), (m.name, m.engine))
+    if not engines:
         return
-    seen: set[int] = set()
-    families = {
-        "up": GaugeMetricFamily("infer_replica_up", "1 while the replica's engine runs.", labels=["model", "replica"]),
-        "open": GaugeMetricFamily(
-            "infer_replica_open_requests",
-            "Requests the replica is answering for this server.",
-            labels=["model", "replica"],
-        ),
-        "running": GaugeMetricFamily(
-            "infer_replica_num_requests_running", "The replica's running requests.", labels=["model", "replica"]
-        ),
-        "waiting": GaugeMetricFamily(
-            "infer_replica_num_requests_waiting",
-            "The replica's queued or preempted requests.",
-            labels=["model", "replica"],
-        ),
-        "kv": GaugeMetricFamily(
-            "infer_replica_kv_cache_usage_ratio", "The replica's KV blocks in use.", labels=["model", "replica"]
-        ),
-        "routed": CounterMetricFamily(
-            "infer_replica_routed_requests",
-            "Requests routed to the replica (retries included).",
-            labels=["model", "replica"],
-        ),
-    }
+    states = [(name, engine.replica_states()) for name, engine in engines.values()]
+    for family_name, (kind, text, value) in REPLICA_FAMILIES.items():
+        family = kind(family_name, text, labels=["model", "replica"])
+        for name, replicas in states:
+            for state in replicas:
+                if (v := value(state)) is not None:
+                    family.add_metric([name, str(state.index)], float(v))
+        yield family
     retries = CounterMetricFamily(
         "infer_router_retries", "Requests sent again after their replica died.", labels=["model"]
     )
@@ -210,24 +227,10 @@ def _replica_families(models: list[ServedModel]) -> Iterator[Metric]:
         "Requests routed, by why: a prefix's holder or the least loaded.",
         labels=["model", "by"],
     )
-    for m in models:
-        engine = m.engine
-        if id(engine) in seen:  # an adapter served under its own name shares its base model's engine
-            continue
-        seen.add(id(engine))
-        for state in engine.replica_states():
-            labels = [m.name, str(state.index)]
-            families["up"].add_metric(labels, 1.0 if state.alive else 0.0)
-            families["open"].add_metric(labels, float(state.open_requests))
-            families["routed"].add_metric(labels, float(state.routed))
-            if state.snapshot is not None:
-                families["running"].add_metric(labels, float(state.snapshot.num_running))
-                families["waiting"].add_metric(labels, float(state.snapshot.num_waiting))
-                families["kv"].add_metric(labels, float(state.snapshot.kv_usage))
-        retries.add_metric([m.name], float(engine.num_retries))
-        routed.add_metric([m.name, "prefix"], float(engine.router.prefix_routed))
-        routed.add_metric([m.name, "load"], float(engine.router.load_routed))
-    yield from families.values()
+    for name, engine in engines.values():
+        retries.add_metric([name], float(engine.num_retries))
+        routed.add_metric([name, "prefix"], float(engine.router.prefix_routed))
+        routed.add_metric([name, "load"], float(engine.router.load_routed))
     yield retries
     yield routed
 
