@@ -26,6 +26,8 @@ from typing import Any
 
 import httpx
 
+from infer.bench.online_metrics import stats
+
 
 def free_port() -> int:
     with socket.socket() as s:
@@ -120,15 +122,6 @@ def breakdown(result: dict[str, Any], server: dict[str, dict[str, Any]]) -> str:
     return "\n".join(lines)
 
 
-def _stats(values: list[float]) -> dict[str, float | None]:
-    import numpy as np
-
-    if not values:
-        return {"mean": None, "p50": None, "p90": None, "p99": None}
-    a = np.asarray(values)
-    return {"mean": float(a.mean()), **{f"p{q}": float(np.percentile(a, q)) for q in (50, 90, 99)}}
-
-
 def merged(results: list[dict[str, Any]]) -> dict[str, Any]:
     """The clients' runs as one (`infer bench serve --json`'s figures that this lab reads): their requests
     pooled, the served rate over the longest client's duration."""
@@ -139,9 +132,9 @@ def merged(results: list[dict[str, Any]]) -> dict[str, Any]:
     by_priority = {
         str(level): {
             "completed": len(mine := [r for r in ok if r["priority"] == level]),
-            "ttft_ms": _stats([r["ttft_ms"] for r in mine]),
+            "ttft_ms": stats([r["ttft_ms"] for r in mine]),
             "max_ttft_ms": max(r["ttft_ms"] for r in mine),
-            "send_lag_ms": _stats([r["send_lag_ms"] for r in mine]),
+            "send_lag_ms": stats([r["send_lag_ms"] for r in mine]),
         }
         for level in levels
     }
@@ -150,8 +143,8 @@ def merged(results: list[dict[str, Any]]) -> dict[str, Any]:
         "failed": len(records) - len(ok),
         "duration_s": duration,
         "request_throughput": len(ok) / duration,
-        "ttft_ms": _stats([r["ttft_ms"] for r in ok]),
-        "send_lag_ms": _stats([r["send_lag_ms"] for r in records]),
+        "ttft_ms": stats([r["ttft_ms"] for r in ok]),
+        "send_lag_ms": stats([r["send_lag_ms"] for r in records]),
         "by_priority": by_priority or None,
     }
     return {"runs": [summary], "clients": [result["runs"][0] | {"requests": None} for result in results]}

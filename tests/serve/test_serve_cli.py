@@ -76,6 +76,21 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
+def _wait_until_up(server: subprocess.Popen, port: int) -> str:
+    """The root URL once `server`'s /health answers 200 (its stderr if it ends first)."""
+    root = f"http://127.0.0.1:{port}"
+    deadline = time.monotonic() + 120
+    while True:
+        assert server.poll() is None, server.communicate()[1]
+        try:
+            if httpx.get(f"{root}/health").status_code == 200:
+                return root
+        except httpx.TransportError:
+            pass
+        assert time.monotonic() < deadline, "the server did not come up"
+        time.sleep(0.2)
+
+
 @pytest.mark.slow  # a fresh process loads two engines
 def test_two_models_served_by_one_process(tiny_chat_dir):
     port, key = _free_port(), "k-123"
@@ -88,17 +103,7 @@ def test_two_models_served_by_one_process(tiny_chat_dir):
     ]  # fmt: skip
     server = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:
-        root = f"http://127.0.0.1:{port}"
-        deadline = time.monotonic() + 120
-        while True:
-            assert server.poll() is None, server.communicate()[1]
-            try:
-                if httpx.get(f"{root}/health").status_code == 200:
-                    break
-            except httpx.TransportError:
-                pass
-            assert time.monotonic() < deadline, "the server did not come up"
-            time.sleep(0.2)
+        root = _wait_until_up(server, port)
         auth = {"Authorization": f"Bearer {key}"}
         assert httpx.get(f"{root}/v1/models").status_code == 401
         assert [m["id"] for m in httpx.get(f"{root}/v1/models", headers=auth).json()["data"]] == ["fcfs", "static"]
@@ -127,17 +132,7 @@ def test_data_parallel_replicas_behind_one_server(tiny_chat_dir):
     ]  # fmt: skip
     server = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:
-        root = f"http://127.0.0.1:{port}"
-        deadline = time.monotonic() + 120
-        while True:
-            assert server.poll() is None, server.communicate()[1]
-            try:
-                if httpx.get(f"{root}/health").status_code == 200:
-                    break
-            except httpx.TransportError:
-                pass
-            assert time.monotonic() < deadline, "the server did not come up"
-            time.sleep(0.2)
+        root = _wait_until_up(server, port)
         body = {"model": "tiny", "max_tokens": 4, "temperature": 0, "ignore_eos": True}
         answers = [
             httpx.post(f"{root}/v1/completions", json={**body, "prompt": [5, 6, 7 + i]}, timeout=60).json()
