@@ -73,7 +73,10 @@ from infer.api.parallel import (
     Launch,
     LocalExecutor,
     ModelParallel,
+    PipelineLink,
+    PipelineStage,
     SingleProcess,
+    StageActivations,
     TensorParallelLayers,
 )
 from infer.api.reasoning import ReasoningParser, ReasoningSplit, ReasoningStream
@@ -109,4 +112,5 @@ __all__ = [
     "DecodeGraphs", "DecodePipeline",
     "LoRARequest", "AdapterTarget", "AdapterSpec", "AdapterBatch", "AdapterKind", "AdapterLayer", "AdaptableModel",
     "HeadLayout", "Communicator", "Executor", "LocalExecutor", "SingleProcess", "ModelParallel", "TensorParallelLayers", "Launch",
+    "PipelineStage", "PipelineLink", "StageActivations",
 ]  # fmt: skip

@@ -85,6 +85,10 @@ class EngineConfig:
         None  # queue the next decode forward before this step's tokens reach the host; None: on CUDA
     )
     tensor_parallel_size: int = 1
+    # pipeline stages (--pp): each a process holding a contiguous run of the layers; a step's tokens cross
+    # them in micro-batches (pipeline_micro_batches; None: one per stage), so the stages work at once
+    pipeline_parallel_size: int = 1
+    pipeline_micro_batches: int | None = None
     all_reduce: str = "auto"  # tensor parallelism's all-reduce: auto | nccl | symm-mem | flashinfer
     draft: str | None = None  # draft model for speculative decoding
     num_speculative_tokens: int = 4
@@ -105,6 +109,11 @@ class EngineConfig:
                 f"--max-cpu-loras {self.max_cpu_loras} is under --max-loras {self.max_loras}: host memory keeps at "
                 f"least the adapters in device slots; use --max-cpu-loras {self.max_loras} or more"
             )
+        if self.pipeline_parallel_size > 1 and self.tensor_parallel_size > 1:
+            raise ConfigError(
+                f"--pp {self.pipeline_parallel_size} with --tp {self.tensor_parallel_size}: pipeline stages of several "
+                f"tensor-parallel ranks are not built yet; use --pp with --tp 1, or --tp alone"
+            )
         if not self.priority_aging_s > 0:  # also refuses NaN
             raise ConfigError(f"--priority-aging-s {self.priority_aging_s}: use a number of seconds > 0")
         if self.dtype != "auto" and self.dtype not in DTYPES:
@@ -118,6 +127,11 @@ class EngineConfig:
     def parse_option(cls, name: str, text: str, where: str) -> Any:
         """A field's value from text (`--baseline`, `bench --matrix`), converted by its declared type."""
         return parse_option(cls, name, text, where)
+
+    @property
+    def world_size(self) -> int:
+        """The processes one engine runs: tensor-parallel ranks times pipeline stages."""
+        return self.tensor_parallel_size * self.pipeline_parallel_size
 
     def replace(self, **changes: Any) -> "EngineConfig":
         check_known(type(self), list(changes))

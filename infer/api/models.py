@@ -12,6 +12,7 @@ from infer.api.attention import AttentionBackend, KVCache
 
 if TYPE_CHECKING:
     from infer.api.config import ModelConfig
+    from infer.api.parallel import StageActivations
 
 
 LAYER_KINDS = ("rms_norm", "rotary_embedding", "silu_and_mul", "linear", "gelu_and_mul")
@@ -161,9 +162,13 @@ class CausalLM(Protocol):
         self,
         input_ids: torch.Tensor,  # [T] int64, sequences one after another
         positions: torch.Tensor,  # [T] int64
-        kv_caches: list[KVCache],  # one per layer that runs
+        kv_caches: list[KVCache],  # one per layer that runs (a pipeline stage: one per layer of its own)
         num_layers: int | None = None,  # run only the first layers (early exit, self-draft); None: all
-    ) -> torch.Tensor: ...  # [T, hidden], after the final norm
+        # (2.7) a pipeline stage after the first starts from the stage before's output and residual; a
+        # stage before the last returns its own as a StageActivations. A model without a pipeline-parallel
+        # form (no `stage` argument) never gets it
+        carried: StageActivations | None = None,
+    ) -> torch.Tensor | StageActivations: ...  # [T, hidden], after the final norm
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor: ...  # [B, hidden] -> [B, vocab] float32
 
@@ -186,7 +191,7 @@ class CheckpointShapes(Protocol):
 class ModelArchitecture(Protocol):
     """Builds a model of one family. `attention` is None for a model built on the meta device for its
     shapes; under tensor parallelism an architecture that accepts `parallel=` gets the rank's
-    ParallelState. Optional abilities: `HFArchitectures.hf_architectures` lists the config.json names
+    ParallelState, and under pipeline parallelism one that accepts `stage=` its `PipelineStage`. Optional abilities: `HFArchitectures.hf_architectures` lists the config.json names
     it serves; `ModelPresets.presets` maps named shapes (`llama2-7b`) to config.json-style dicts;
     `KitConfig.kit_config` tunes the model kit's tiny checkpoints. A model built is a `CausalLM`, and may
     be a `DecoderStack` (for the kit) and `CheckpointShapes` (for the loader)."""

@@ -20,6 +20,7 @@ FLAG_NAMES = {
     "kv_cache_memory_gib": "--kv-cache-memory",
     "swap_space_gib": "--swap-space",
     "tensor_parallel_size": "--tp",
+    "pipeline_parallel_size": "--pp",
     "enable_prefix_caching": "--prefix-caching",
 }
 
@@ -53,6 +54,8 @@ RANGES: dict[str, tuple[Callable[[Any], bool], str]] = {
     "seed": (lambda v: v >= 0, "an integer >= 0"),
     "cuda_graph_max_tokens": (lambda v: v >= 0, "an integer >= 0 (0: graphs for decode steps only)"),
     "tensor_parallel_size": (lambda v: v >= 1, "an integer >= 1"),
+    "pipeline_parallel_size": (lambda v: v >= 1, "an integer >= 1"),
+    "pipeline_micro_batches": (lambda v: v >= 1, "an integer >= 1, or None for one per stage"),
     "num_speculative_tokens": (lambda v: v >= 1, "an integer >= 1"),
     "exit_layer": (lambda v: v >= 1, "an integer >= 1 (decoder layers kept), or None"),
     "max_loras": (lambda v: v >= 1, "an integer >= 1"),

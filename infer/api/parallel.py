@@ -28,6 +28,66 @@ class HeadLayout:
     kv_start: int  # first KV head (of the model's)
 
 
+@dataclass(frozen=True, slots=True)
+class PipelineStage:
+    """One pipeline stage's share of a model (`--pp N`, plugin API 2.7): decoder layers [start, end) of
+    `num_layers`. The first stage embeds the tokens; the last applies the final norm and the LM head.
+    A model plugin with a pipeline-parallel form takes it as `stage=` and builds only these layers (and
+    the embedding or the head where its stage needs them), keeping each layer's index in its names."""
+
+    index: int
+    num_stages: int
+    start: int
+    end: int
+    num_layers: int
+
+    @property
+    def is_first(self) -> bool:
+        return self.index == 0
+
+    @property
+    def is_last(self) -> bool:
+        return self.index == self.num_stages - 1
+
+    def __contains__(self, layer: int) -> bool:
+        return self.start <= layer < self.end
+
+    @classmethod
+    def split(cls, num_layers: int, num_stages: int, index: int) -> PipelineStage:
+        """Contiguous runs as even as they go; the first `num_layers % num_stages` stages take one more."""
+        base, extra = divmod(num_layers, num_stages)
+        start = index * base + min(index, extra)
+        return cls(index, num_stages, start, start + base + (index < extra), num_layers)
+
+
+@dataclass(slots=True)
+class StageActivations:
+    """What one pipeline stage hands the next: the last layer's output and the residual stream, each
+    [T, hidden] (a model's `forward` returns these on every stage but the last)."""
+
+    hidden: torch.Tensor
+    residual: torch.Tensor
+
+
+class PipelineLink(Protocol):
+    """This process's links to the stages beside it (`Communicator.link`, plugin API 2.7). Every stage
+    runs each forward's micro-batches in the same order, so each send meets its receive by order alone.
+    Sends may return before the data has left; `finish()` waits for this forward's sends."""
+
+    stage_index: int
+    num_stages: int
+
+    def send_activations(self, carried: StageActivations) -> None: ...  # to the next stage
+
+    def recv_activations(self, num_tokens: int, hidden_size: int, dtype: torch.dtype) -> StageActivations: ...
+
+    def send_rows(self, rows: torch.Tensor) -> None: ...  # the last stage's logits (or hidden rows) to the first
+
+    def recv_rows(self, shape: tuple[int, int], dtype: torch.dtype) -> torch.Tensor: ...  # on the first stage
+
+    def finish(self) -> None: ...
+
+
 class ShardRule(Protocol):
     """Where a tensor-parallel parameter sits in the whole (tp = 1) one (`TensorParallelLayers.shard_of`)."""
 
@@ -112,6 +172,13 @@ class Communicator(Protocol):
     def executor(self, model_id: int) -> Executor:
         """For the runners of model `model_id` (the order the builder loads them: the target 0, then drafts)."""
 
+    def stage(self, num_layers: int) -> PipelineStage | None:
+        """This process's stage of a model of `num_layers` layers under `--pp N > 1`; None: every layer (2.7)."""
+
+    @property
+    def link(self) -> PipelineLink | None:
+        """The links to the stages beside this one under `--pp N > 1`, else None (2.7)."""
+
     def describe(self, model: Any) -> dict[str, Any]:
         """The run's description entries (the all-reduce chosen), once the target `model` is built."""
 
@@ -153,6 +220,11 @@ class SingleProcess:
 
     def executor(self, model_id: int) -> Executor:
         return LocalExecutor()
+
+    def stage(self, num_layers: int) -> PipelineStage | None:
+        return None
+
+    link: PipelineLink | None = None
 
     def describe(self, model: Any) -> dict[str, Any]:
         return {}

@@ -367,13 +367,13 @@ def serve(
             if distributed_executor_backend == "ray":
                 from infer.serve.ray_executor import RayStarter
 
-                start = RayStarter(ray_address, gpus=config.tensor_parallel_size if on_gpu else 0)
+                start = RayStarter(ray_address, gpus=config.world_size if on_gpu else 0)
             elif ray_address is not None:
                 raise ConfigError("--ray-address places engines with Ray: add --distributed-executor-backend ray")
             if data_parallel_size > 1:
                 devices = None  # Ray gives each actor its own GPUs
                 if on_gpu and start is None:
-                    devices = replica_devices(data_parallel_size, config.tensor_parallel_size)
+                    devices = replica_devices(data_parallel_size, config.world_size)
                 engines[name] = ReplicatedEngine.spawn(build, data_parallel_size, max_waiting, devices, start)
             else:
                 engines[name] = AsyncEngine.spawn(build, max_waiting=max_waiting, start=start)

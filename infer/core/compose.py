@@ -56,10 +56,10 @@ def _check_runs_here(s: Strategy, flag: str, device: torch.device, dtype: torch.
         raise IncompatiblePluginsError(
             f"{flag} {s.name} does not support --block-size {config.block_size}: use one of {ok}"
         )
-    if config.tensor_parallel_size > 1 and not caps.distributed:
-        raise IncompatiblePluginsError(
-            f"{flag} {s.name} cannot run with --tp {config.tensor_parallel_size}: use --tp 1"
-        )
+    if config.world_size > 1 and not caps.distributed:
+        split = "--tp" if config.tensor_parallel_size > 1 else "--pp"
+        size = config.tensor_parallel_size if split == "--tp" else config.pipeline_parallel_size
+        raise IncompatiblePluginsError(f"{flag} {s.name} cannot run with {split} {size}: use {split} 1")
     reason = s.unavailable_reason()
     if reason:
         raise IncompatiblePluginsError(f"{flag} {s.name} cannot run here: {reason}")

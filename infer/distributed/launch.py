@@ -65,6 +65,11 @@ def launch(config: Any, extra_plugins: Iterable[Any], name: str, model_config: A
     extra_plugins = list(extra_plugins)
     c = model_config
     check_tensor_parallel(name, c.num_heads, c.num_kv_heads, c.intermediate_size, config.tensor_parallel_size)
+    if config.pipeline_parallel_size > c.num_layers:
+        raise ConfigError(
+            f"--pp {config.pipeline_parallel_size} splits the {c.num_layers} layers of {name}: each stage needs "
+            f"one; use --pp {c.num_layers} or fewer"
+        )
     parallel, ranks = _start_ranks(config, extra_plugins, device)
     if not parallel.is_driver:
         run_worker(config, extra_plugins, parallel)
@@ -81,7 +86,10 @@ def launch(config: Any, extra_plugins: Iterable[Any], name: str, model_config: A
     parts.block_mover = MirroredBlockMover(parts.block_mover, ranks)
     ranks.runners = parts.runners
     parts.closers = (*parts.closers, ranks.close)
-    parts.describe["tensor_parallel_size"] = parallel.world_size
+    if parallel.num_stages > 1:
+        parts.describe["pipeline_parallel_size"] = parallel.num_stages
+    else:
+        parts.describe["tensor_parallel_size"] = parallel.world_size
     return parts
 
 
@@ -111,7 +119,7 @@ def run_worker(config: Any, extra_plugins: list[Any], parallel: ParallelState) -
 def _start_ranks(config: Any, extra_plugins: list[Any], device: torch.device) -> tuple[ParallelState, RankGroup]:
     import torch.distributed as dist
 
-    world_size = config.tensor_parallel_size
+    world_size = config.world_size
     if not dist.is_available():
         raise ConfigError("this torch build has no torch.distributed: use --tp 1")
     if dist.is_initialized():
@@ -126,29 +134,41 @@ def _start_ranks(config: Any, extra_plugins: list[Any], device: torch.device) ->
         first, visible = device.index or 0, torch.cuda.device_count()
         if first + num_local > visible:
             raise ConfigError(
-                f"--tp {world_size} needs {num_local} CUDA devices from cuda:{first} on this machine but "
-                f"{visible} are visible: lower --tp, or make more GPUs visible (CUDA_VISIBLE_DEVICES)"
+                f"{_split(config)} needs {num_local} CUDA devices from cuda:{first} on this machine but "
+                f"{visible} are visible: lower it, or make more GPUs visible (CUDA_VISIBLE_DEVICES)"
             )
     if torchrun:
-        parallel = _join_torchrun(world_size, device)
+        parallel = _join_torchrun(config, device)
         return parallel, RankGroup(parallel, {})
     return _spawn(config, extra_plugins, device, world_size)
 
 
-def _join_torchrun(world_size: int, device: torch.device) -> ParallelState:
+def _split(config: Any) -> str:
+    """How the run splits over processes, as the user wrote it (--tp N, --pp N)."""
+    if config.pipeline_parallel_size > 1:
+        return f"--pp {config.pipeline_parallel_size}"
+    return f"--tp {config.tensor_parallel_size}"
+
+
+def _join_torchrun(config: Any, device: torch.device) -> ParallelState:
     import torch.distributed as dist
 
+    world_size = config.world_size
     placement = env.torchrun()
     assert placement is not None, "called only under torchrun (_start_ranks saw its variables)"
     rank, launched = placement.rank, placement.world_size
     if launched != world_size:
         raise ConfigError(
-            f"torchrun started {launched} processes but --tp is {world_size}: make them equal "
-            f"(torchrun --nproc-per-node {world_size} ... --tp {world_size})"
+            f"torchrun started {launched} processes but {_split(config)} runs {world_size}: make them equal "
+            f"(torchrun --nproc-per-node {world_size} ... {_split(config)})"
         )
     store, _, _ = next(dist.rendezvous("env://", rank=rank, world_size=world_size, timeout=COLLECTIVE_TIMEOUT))
     return _init_groups(
-        dist.PrefixStore("infer-tp/", store), rank, world_size, _rank_device(device, placement.local_rank)
+        dist.PrefixStore("infer-tp/", store),
+        rank,
+        world_size,
+        _rank_device(device, placement.local_rank),
+        config.pipeline_parallel_size,
     )
 
 
@@ -187,7 +207,7 @@ def _spawn(
             if time.monotonic() > deadline:
                 raise WorkerError(f"tensor-parallel ranks did not start within {START_TIMEOUT_S:.0f} s")
             time.sleep(0.02)
-        parallel = _init_groups(store, 0, world_size, _rank_device(device, 0))
+        parallel = _init_groups(store, 0, world_size, _rank_device(device, 0), config.pipeline_parallel_size)
     except BaseException:
         stop_processes(list(processes.values()), wait_s=0.0)
         if cpu_threads is not None:
@@ -219,22 +239,25 @@ def _spawned_rank(
         torch.set_num_threads(_threads_per_rank(world_size))
     store = dist.TCPStore("127.0.0.1", port, world_size, is_master=False, timeout=COLLECTIVE_TIMEOUT)
     store.add(JOINED, 1)
-    parallel = _init_groups(store, rank, world_size, device)
+    parallel = _init_groups(store, rank, world_size, device, config.pipeline_parallel_size)
     try:
         run_worker(config, _load_plugins(plugin_refs), parallel)
     except InferError as exc:  # rank 0 reports the same error to the user; no traceback here
         sys.exit(exc.exit_code)
 
 
-def _init_groups(store: Any, rank: int, world_size: int, device: torch.device) -> ParallelState:
+def _init_groups(store: Any, rank: int, world_size: int, device: torch.device, num_stages: int = 1) -> ParallelState:
     import torch.distributed as dist
+
+    from infer.distributed.pipeline_link import P2PLink
 
     backend = "nccl" if device.type == "cuda" else "gloo"
     if device.type == "cuda":
         torch.cuda.set_device(device)
     dist.init_process_group(backend, store=store, rank=rank, world_size=world_size, timeout=COLLECTIVE_TIMEOUT)
     control = dist.new_group(backend="gloo", timeout=IDLE_TIMEOUT)
-    return ParallelState(rank, world_size, device, dist.group.WORLD, control, store)
+    link = P2PLink(rank, num_stages, dist.group.WORLD) if num_stages > 1 else None
+    return ParallelState(rank, world_size, device, dist.group.WORLD, control, store, num_stages=num_stages, link=link)
 
 
 def _rank_device(device: torch.device, local_rank: int) -> torch.device:

@@ -16,7 +16,7 @@ from typing import Any, Callable, Protocol
 
 import torch
 
-from infer.api import Executor, HeadLayout, LocalExecutor
+from infer.api import Executor, HeadLayout, LocalExecutor, PipelineStage
 from infer.api.errors import ConfigError
 from infer.common import env
 
@@ -80,6 +80,9 @@ class ParallelState:
     teardown: list[Any] = field(default_factory=list, repr=False, compare=False)
     all_reduce_line: str | None = None  # what `set_up` chose for --all-reduce, for the run's description
     ranks: Any = field(default=None, repr=False, compare=False)  # rank 0's RankGroup: forwards go to every rank
+    # --pp N > 1: the ranks are pipeline stages (rank i: stage i), each holding every head of its layers
+    num_stages: int = 1
+    link: Any = field(default=None, repr=False, compare=False)  # the stage's `PipelineLink` (P2PLink)
 
     @property
     def is_parallel(self) -> bool:
@@ -98,6 +101,8 @@ class ParallelState:
         return layers
 
     def heads(self, num_heads: int, num_kv_heads: int) -> HeadLayout:
+        if self.num_stages > 1:  # a stage's layers hold every head
+            return HeadLayout(num_heads, num_kv_heads, 0, 0)
         n, r = self.world_size, self.rank
         per_rank = num_heads // n
         if num_kv_heads >= n:
@@ -163,7 +168,7 @@ class ParallelState:
 
     def set_up(self, all_reduce: str, dtype: torch.dtype, hidden_size: int) -> ParallelState:
         """Collective: the fast all-reduce for `--all-reduce` (`make_all_reduce`) in the state returned."""
-        if not self.is_parallel:
+        if not self.is_parallel or self.num_stages > 1:  # stages sum nothing
             return self
         from infer.distributed.all_reduce import make_all_reduce
 
@@ -173,21 +178,34 @@ class ParallelState:
         return dataclasses.replace(self, fast_all_reduce=fast, all_reduce_line=line)
 
     def model_kwargs(self, name: str, architecture: Any, config: Any) -> dict[str, Any]:
-        """Nothing at tp = 1, else `parallel=` this state, once the model is known to split over the ranks."""
+        """Nothing at tp = 1, else `parallel=` this state, once the model is known to split over the ranks;
+        under --pp, `stage=` its layers, once the model is known to take them."""
         if not self.is_parallel:
             return {}
+        if self.num_stages > 1:
+            stage = self.stage(config.num_layers)
+            if not _accepts(architecture, "stage"):
+                raise ConfigError(
+                    f"the model architecture of {name} has no pipeline-parallel form (no `stage` argument): use --pp 1"
+                )
+            return {"stage": stage}
         check_tensor_parallel(name, config.num_heads, config.num_kv_heads, config.intermediate_size, self.world_size)
-        import inspect
-
-        try:
-            accepts = "parallel" in inspect.signature(architecture).parameters
-        except (TypeError, ValueError):
-            accepts = False
-        if not accepts:
+        if not _accepts(architecture, "parallel"):
             raise ConfigError(
                 f"the model architecture of {name} has no tensor-parallel form (no `parallel` argument): use --tp 1"
             )
         return {"parallel": self}
+
+    def stage(self, num_layers: int) -> PipelineStage | None:
+        """This rank's stage of a model of `num_layers` layers under --pp; None: every layer."""
+        if self.num_stages == 1:
+            return None
+        if num_layers < self.num_stages:
+            raise ConfigError(
+                f"--pp {self.num_stages} splits a model of {num_layers} layers: each stage needs one; use --pp "
+                f"{num_layers} or fewer"
+            )
+        return PipelineStage.split(num_layers, self.num_stages, self.rank)
 
     def executor(self, model_id: int) -> Executor:
         """Rank 0's sends each forward to the other ranks, then runs it; the other ranks run what it sends."""
@@ -201,6 +219,15 @@ class ParallelState:
         if self.exchange is not None and getattr(model, "pushes", False):
             line += "; one-token steps' sums pushed by the row-parallel GEMVs and the embedding"
         return {"all_reduce": line}
+
+
+def _accepts(architecture: Any, argument: str) -> bool:
+    import inspect
+
+    try:
+        return argument in inspect.signature(architecture).parameters
+    except (TypeError, ValueError):
+        return False
 
 
 def torchrun_host() -> tuple[int, int] | None:

@@ -22,7 +22,7 @@ from infer.distributed.state import ParallelState
 
 FORWARD, BLOCK_OPS, STOP, ADAPTER = 1, 2, 3, 4
 # int64: kind, model id, num_layers (0: all), flags (bit 0: use_graphs; bit 1: ids from rank 0's device;
-# bit 2: the sequences' adapter slots follow the block tables),
+# bit 2: the sequences' adapter slots follow the block tables; bit 3: hidden rows end the payload),
 # three counts, payload length
 HEADER_LEN = 8
 MESSAGE_LEN = 256  # the first broadcast: the header, then the payload when it fits (small decode steps)
@@ -65,10 +65,11 @@ class StepChannel:
             *map(len, tables),
             *chain.from_iterable(tables),
             *step.adapter_slots,
+            *step.hidden_rows,  # the rest: the last pipeline stage sends these rows back (embeddings)
         ]
         counts = [len(step.query_lens), len(step.input_ids), len(step.logits_rows)]
         flags = int(step.use_graphs) | int(step.input_ids_t is not None) << 1  # bit 1: ids follow on the device
-        flags |= int(bool(step.adapter_slots)) << 2
+        flags |= int(bool(step.adapter_slots)) << 2 | int(bool(step.hidden_rows)) << 3
         self._send([FORWARD, model_id, step.num_layers or 0, flags, *counts], payload)
 
     def send_block_ops(self, ops: BlockOps) -> None:
@@ -115,6 +116,8 @@ class StepChannel:
         step = StepInputs(input_ids, query_lens, seq_lens, tables, rows, num_layers or None, bool(flags & 1))
         if flags & 4:
             step.adapter_slots = take(num_seqs)
+        if flags & 8:
+            step.hidden_rows = list(cursor)
         return Forward(model_id, step, ids_from_rank0=bool(flags & 2))
 
 

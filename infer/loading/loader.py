@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import zlib
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any, Iterator
@@ -242,13 +243,19 @@ def load_weights(model: nn.Module, folder: Path, sharded: bool = False) -> None:
 
 @torch.no_grad()
 def init_dummy_weights(model: nn.Module, seed: int) -> None:
-    """Random weights of the right shape (benchmarks without real weights). A tensor-parallel rank
-    draws each full tensor exactly as tp = 1 does and keeps its shard: the same model at any tp."""
+    """Random weights of the right shape (benchmarks without real weights). Each tensor is drawn from
+    a generator seeded by `seed` and its name, and a tensor-parallel rank draws each full tensor as
+    tp = 1 does and keeps its shard: the same model at any tp, and on any pipeline stage."""
     from infer.loading.shards import shard_of, take_quantized
 
-    gen = torch.Generator(device=next(model.parameters()).device).manual_seed(seed)
+    base = torch.Generator(device=next(model.parameters()).device)
+
+    def generator(name: str) -> torch.Generator:  # each tensor its own stream: any subset draws the same values
+        return base.manual_seed((seed * 1_000_003 + zlib.crc32(name.encode())) % 2**63)
+
     drawn: set[str] = set()  # quantized layers given their weight
     for name, param in model.named_parameters():
+        gen = generator(name)
         owner, _, attr = name.rpartition(".")
         module = model.get_submodule(owner)
         if isinstance(module, QuantizedLinear):  # drawn in float32 as a model-dtype weight, stored quantized
@@ -279,7 +286,7 @@ def init_dummy_weights(model: nn.Module, seed: int) -> None:
         if isinstance(module, QuantizedLinear) and owner not in drawn and shard_of(model, f"{owner}.weight") is None:
             device = next(model.parameters()).device
             full = torch.empty(module.out_features, module.in_features, dtype=torch.float32, device=device)
-            module.load_rows("weight", 0, module.out_features, full.normal_(0.0, 0.02, generator=gen))
+            module.load_rows("weight", 0, module.out_features, full.normal_(0.0, 0.02, generator=generator(owner)))
 
 
 def load_tokenizer(folder: Path | None) -> Any | None:

@@ -52,7 +52,7 @@ def build_engine(
     run (`infer.distributed.launch.launch`); `parallel`: this rank's place, when a launcher builds it."""
     started = time.perf_counter()
     plan = _check(config, extra_plugins, launch, parallel)
-    if config.tensor_parallel_size > 1 and parallel is None:  # start (or join) the ranks, then build each
+    if config.world_size > 1 and parallel is None:  # start (or join) the ranks, then build each
         assert launch is not None, "checked by _check"
         return launch(config, extra_plugins, plan.source.name, plan.model_config, plan.device)
     governor = None
@@ -172,12 +172,17 @@ def _check(
     """Every check that needs no weights, in the order a user meets them: the config, the strategy
     names and capabilities, the model's context, its checkpoint headers, the draft, the KV cache."""
     config.validate()
-    if config.tensor_parallel_size > 1 and parallel is None and launch is None:
-        raise ConfigError(
-            f"--tp {config.tensor_parallel_size} needs a launcher to start its ranks and none was given: pass "
-            "launch=infer.distributed.launch.launch to build_engine or make_engine (infer.LLM and "
-            "`infer run` do), or use --tp 1"
+    if config.world_size > 1 and parallel is None and launch is None:
+        split = f"--tp {config.tensor_parallel_size}" if config.tensor_parallel_size > 1 else ""
+        split += (
+            f"{' ' if split else ''}--pp {config.pipeline_parallel_size}" if config.pipeline_parallel_size > 1 else ""
         )
+        raise ConfigError(
+            f"{split} needs a launcher to start its ranks and none was given: pass "
+            "launch=infer.distributed.launch.launch to build_engine or make_engine (infer.LLM and "
+            "`infer run` do), or run one process"
+        )
+    _check_pipeline(config)
     registry = PluginRegistry.load(extra_plugins)
     device = parallel.device if parallel is not None else config.resolve_device()
     compose(config, registry, device, config.resolve_dtype(device))  # fail fast, before any download
@@ -228,6 +233,20 @@ def _check(
     if config.num_kv_blocks is not None:
         check_fits(config.num_kv_blocks, config.block_size, max_model_len, lookahead, "--num-kv-blocks")
     return plan
+
+
+def _check_pipeline(config: EngineConfig) -> None:
+    """What pipeline stages cannot run yet, refused before anything loads."""
+    pp = config.pipeline_parallel_size
+    if pp == 1:
+        return
+    if config.exit_layer is not None:
+        raise ConfigError(
+            f"--exit-layer with --pp {pp}: early exit and --draft self cut the layers that the stages split; "
+            f"use --pp 1, or another --draft"
+        )
+    if config.enable_lora:
+        raise ConfigError(f"--enable-lora with --pp {pp}: adapters are not built for pipeline stages; use --pp 1")
 
 
 def _wire(

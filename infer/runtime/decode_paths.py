@@ -37,6 +37,8 @@ def attach_decode_paths(
     pipeline = pipeline and attention.capabilities.pipeline_safe and decoder.pipeline_safe
     if runner.adapters is not None:  # the next forward's plan may run while this one is queued
         pipeline = pipeline and capabilities_of(runner.adapters.kind).pipeline_safe
+    if runner.stages is not None:  # a stage's forward is micro-batches and sends between them: neither path yet
+        use_graphs = pipeline = False
     # steps with prompt tokens replay as rows: the backend writes a step's K/V before attending (each row
     # sees the rows before it), and no --prefill-attention backend was chosen for them
     rows = attention.capabilities.writes_kv_first and not isinstance(attention, HybridAttention)

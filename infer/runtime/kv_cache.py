@@ -118,6 +118,13 @@ def plan_blocks(
     return num_blocks, num_cpu_blocks
 
 
+def _layers_here(runner: ModelRunner, model_config: Any) -> int:
+    """The layers whose KV this process holds for `runner`: a pipeline stage's, or those that run."""
+    if runner.stages is not None:
+        return runner.stages.stage.end - runner.stages.stage.start
+    return runner.num_layers or model_config.num_layers
+
+
 def build_kv_caches(
     config: EngineConfig,
     models: Sequence[tuple[ModelRunner, Any]],  # (runner, its ModelConfig) per model, target first
@@ -132,7 +139,7 @@ def build_kv_caches(
     # a self-draft's runner shares the target's cache list: each list is sized and filled once
     models = [(r, c) for j, (r, c) in enumerate(models) if all(r.kv_caches is not o.kv_caches for o, _ in models[:j])]
     shapes = [
-        CacheShape(r.num_layers or c.num_layers, parallel.heads(c.num_heads, c.num_kv_heads).num_kv_heads, c.head_dim)
+        CacheShape(_layers_here(r, c), parallel.heads(c.num_heads, c.num_kv_heads).num_kv_heads, c.head_dim)
         for r, c in models
     ]
     dtype = kv_cache_dtype(config.kv_cache_dtype, model_dtype)  # FP8: 1 byte an element (FP8KVCache)
@@ -140,7 +147,10 @@ def build_kv_caches(
         config, shapes, max_model_len, lookahead, dtype, device, agree=parallel.min
     )
     for (r, _), s in zip(models, shapes):  # one block more than the allocator owns: the null block
-        r.kv_caches.extend(allocate_kv_cache(s, num_blocks + 1, config.block_size, dtype, device, r.kv_scales))
+        scales = r.kv_scales
+        if scales is not None and r.stages is not None:  # a pipeline stage's layers' own
+            scales = scales[r.stages.stage.start : r.stages.stage.end]
+        r.kv_caches.extend(allocate_kv_cache(s, num_blocks + 1, config.block_size, dtype, device, scales))
     block_mover = BlockMover(num_cpu_blocks)
     for r, _ in models:
         block_mover.add(r.kv_caches)

@@ -2,9 +2,18 @@
 
 Decode-only steps may take faster paths that change no token (`set_decode_paths`): a replay of
 captured CUDA graphs, and a forward queued ahead by a `DecodePipeline` (`infer.runtime`).
+
+Under pipeline parallelism (`--pp N`) every stage runs each forward (rank 0 sends it to the others, as
+under --tp) over its own layers, in micro-batches: contiguous runs of the step's tokens, a sequence's
+prompt split between two the way a chunked prefill splits it. A stage takes each micro-batch's
+activations from the stage before, runs it, and hands it on at once, so stage i works on micro-batch
+m while stage i + 1 works on m - 1; the last stage sends the logits (and kept hidden rows) back to
+the first, which samples.
 """
 
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 import torch
 
@@ -18,6 +27,8 @@ from infer.api import (
     Executor,
     KVCache,
     LocalExecutor,
+    PipelineLink,
+    PipelineStage,
     Sampler,
     SchedulerOutput,
     StepResult,
@@ -28,6 +39,49 @@ from infer.api.prompt_logprobs import prompt_rows, take_prompt_logprobs
 from infer.api.runner import ForwardSeq, StepInputs
 from infer.common import cpus
 from infer.core.adapters import Adapters
+
+
+@dataclass(frozen=True, slots=True)
+class StageRun:
+    """How a runner's forwards cross the pipeline stages: this process's stage of the model, the links
+    beside it, how many micro-batches a step is cut into, and the shapes that travel between stages."""
+
+    link: PipelineLink
+    stage: PipelineStage
+    micro_batches: int
+    hidden_size: int
+    vocab_size: int
+    dtype: torch.dtype
+
+
+def micro_batches(step: StepInputs, count: int) -> list[StepInputs]:
+    """`step` cut into at most `count` runs of its tokens, as even as they go; a sequence cut in two is
+    two chunks of its query (the second attends to the first's KV, written by the time it runs).
+    Logits and hidden rows are each micro-batch's own, in order."""
+    total = len(step.input_ids)
+    count = max(1, min(count, total))
+    bounds = [total * i // count for i in range(count + 1)]
+    parts, seq, offset = [], 0, 0  # the sequence being cut, and its tokens given to earlier parts
+    for lo, hi in zip(bounds, bounds[1:]):
+        part = StepInputs([], [], [], [], [], step.num_layers, False)
+        part.input_ids = step.input_ids[lo:hi]
+        if step.input_ids_t is not None:  # the ids not on the host yet (a draft's or a verify step's)
+            part.input_ids_t = step.input_ids_t[lo:hi]
+        at = lo
+        while at < hi:
+            take = min(step.query_lens[seq] - offset, hi - at)
+            part.query_lens.append(take)
+            part.seq_lens.append(step.seq_lens[seq] - step.query_lens[seq] + offset + take)
+            part.block_tables.append(step.block_tables[seq])
+            if step.adapter_slots:
+                part.adapter_slots.append(step.adapter_slots[seq])
+            at, offset = at + take, offset + take
+            if offset == step.query_lens[seq]:
+                seq, offset = seq + 1, 0
+        part.logits_rows = [r - lo for r in step.logits_rows if lo <= r < hi]
+        part.hidden_rows = [r - lo for r in step.hidden_rows if lo <= r < hi]
+        parts.append(part)
+    return parts
 
 
 class ModelRunner:
@@ -45,6 +99,7 @@ class ModelRunner:
         kv_scales: list[tuple[float, float]] | None = None,
         pools: bool = False,  # keeps embedding requests' hidden states (the target's runner; not a draft's)
         adapters: Adapters | None = None,  # the run's adapters, whose layers its model calls (the target's)
+        stages: StageRun | None = None,  # --pp N > 1: this process's stage, and the links beside it
     ) -> None:
         self.model = model
         self.attention = attention
@@ -59,6 +114,7 @@ class ModelRunner:
         self.kv_scales = kv_scales
         self.pools = pools
         self.adapters = adapters
+        self.stages = stages
         self.graphs: DecodeGraphs | None = None  # replays decode-only steps (`set_decode_paths`)
         self.pipeline: DecodePipeline | None = None  # queues the next decode forward ahead
         # on the CPU, a governor that keeps torch's threads off cores other processes take
@@ -156,6 +212,8 @@ class ModelRunner:
             if len(step.query_lens) == len(step.logits_rows) == sum(step.query_lens):  # a token and its logits a seq
                 return self.graphs.run(*args)
             return self.graphs.run(*args, query_lens=step.query_lens, logits_rows=step.logits_rows)
+        if self.stages is not None:
+            return self._run_stages(step, self.stages)
         batch = AttentionBatch.build(step.query_lens, step.seq_lens, step.block_tables, self.block_size, self.device)
         self.attention.plan(batch)
         ids = step.input_ids_t
@@ -167,6 +225,44 @@ class ModelRunner:
         if not step.logits_rows:
             return hidden.new_empty(0, 0, dtype=torch.float32)
         return self.model.compute_logits(hidden[torch.tensor(step.logits_rows, device=self.device)])
+
+    def _run_stages(self, step: StepInputs, stages: StageRun) -> torch.Tensor:
+        """This stage's part of the forward (`run` under --pp), micro-batch by micro-batch. The first
+        stage returns the logits (and leaves the kept hidden rows in `step.hidden`); the others return
+        an empty tensor."""
+        link, stage = stages.link, stages.stage
+        parts = micro_batches(step, stages.micro_batches)
+        for part in parts:
+            tokens = len(part.input_ids)
+            batch = AttentionBatch.build(
+                part.query_lens, part.seq_lens, part.block_tables, self.block_size, self.device
+            )
+            self.attention.plan(batch)
+            carried = None if stage.is_first else link.recv_activations(tokens, stages.hidden_size, stages.dtype)
+            ids = part.input_ids_t
+            if ids is None:
+                ids = torch.tensor(part.input_ids, dtype=torch.int64, device=self.device)
+            out = self.model.forward(ids, batch.positions, self.kv_caches, None, carried=carried)
+            if not stage.is_last:
+                link.send_activations(out)
+                continue
+            if part.logits_rows:
+                link.send_rows(self.model.compute_logits(out[torch.tensor(part.logits_rows, device=self.device)]))
+            if part.hidden_rows:
+                link.send_rows(out[torch.tensor(part.hidden_rows, device=self.device)])
+        logits, hidden = [], []
+        if stage.is_first:  # the last stage's rows, in the order it sent them
+            for part in parts:
+                if part.logits_rows:
+                    logits.append(link.recv_rows((len(part.logits_rows), stages.vocab_size), torch.float32))
+                if part.hidden_rows:
+                    hidden.append(link.recv_rows((len(part.hidden_rows), stages.hidden_size), stages.dtype))
+        link.finish()
+        if hidden:
+            step.hidden = torch.cat(hidden)
+        if not logits:
+            return torch.empty(0, 0, dtype=torch.float32, device=self.device)
+        return torch.cat(logits) if len(logits) > 1 else logits[0]
 
     def execute(self, out: SchedulerOutput) -> StepResult:
         seqs = []

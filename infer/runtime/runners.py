@@ -20,7 +20,7 @@ from infer.loading.loader import ModelSource, load_tokenizer, resolve_source
 from infer.runtime.hybrid_attention import HybridAttention
 from infer.runtime.kv_cache import kv_cache_dtype
 from infer.runtime.plan import BuildPlan
-from infer.runtime.runner import ModelRunner
+from infer.runtime.runner import ModelRunner, StageRun
 
 Models = list[tuple[ModelRunner, Any]]  # (runner, its ModelConfig) per model, in build order (target first)
 
@@ -57,7 +57,7 @@ def build_model(plan: BuildPlan, source: Any, model_config: Any, parallel: Commu
         plan.device,
         plan.dtype,
         config.seed,
-        parallel.is_parallel,
+        "parallel" in kwargs,  # a tensor-parallel rank reads its slices; a pipeline stage, its layers' tensors
         **kwargs,
     )
     return model, attention
@@ -109,6 +109,15 @@ def attach_adapters(plan: BuildPlan, model: Any, parallel: Communicator) -> Adap
     return Adapters(kind, config.max_loras, config.max_cpu_loras)
 
 
+def _stages(parallel: Communicator, plan: BuildPlan, model_config: Any) -> StageRun | None:
+    """How a runner of this model crosses the pipeline stages (`--pp N > 1`), or None."""
+    link, stage = parallel.link, parallel.stage(model_config.num_layers)
+    if link is None or stage is None:
+        return None
+    micro = plan.config.pipeline_micro_batches or stage.num_stages
+    return StageRun(link, stage, micro, model_config.hidden_size, model_config.vocab_size, plan.dtype)
+
+
 def load_models(plan: BuildPlan, parallel: Communicator) -> tuple[Models, Any, Any]:
     """The target's runner, the decoder (with the runners of the models it builds: drafts), each
     with its model config, and the tokenizer. The runners' KV caches are still empty: the decoder may
@@ -126,6 +135,7 @@ def load_models(plan: BuildPlan, parallel: Communicator) -> tuple[Models, Any, A
     runner = ModelRunner(
         model, attention, [], sampler, config.block_size, device,
         executor=parallel.executor(0), waits=plan.waits, kv_scales=scales, pools=True, adapters=adapters,
+        stages=_stages(parallel, plan, plan.model_config),
     )  # fmt: skip
     models: Models = [(runner, plan.model_config)]
     draft_source = plan.draft_source
@@ -144,6 +154,7 @@ def load_models(plan: BuildPlan, parallel: Communicator) -> tuple[Models, Any, A
         draft = ModelRunner(
             draft_model, draft_attention, [], draft_sampler, config.block_size, device,
             executor=executor, waits=plan.waits, kv_scales=draft_scales,
+            stages=_stages(parallel, plan, draft_config),
         )  # fmt: skip
         models.append((draft, draft_config))
         return draft

@@ -152,6 +152,7 @@ class Setting:
     options: dict[str, Any] = field(default_factory=dict)  # EngineConfig fields
     batches: tuple[str, ...] = ("plain",)
     tp: int = 1
+    pp: int = 1
     expects: tuple[str, ...] = ()  # "prefix hits", "preemptions"
 
 
@@ -179,6 +180,15 @@ SETTINGS = (
         tp=2,
         expects=("prefix hits",),
     ),
+    Setting(  # prompts cut between micro-batches, and between stages' layers
+        "pp2",
+        "pp 2 (gloo), 2 micro-batches a step, chunked prefill (max_num_batched_tokens=16) and prefix caching "
+        "(blocks of 4)",
+        dict(block_size=4, max_num_batched_tokens=16),
+        ("plain", "shared prefix", "shared prefix again"),
+        pp=2,
+        expects=("prefix hits",),
+    ),
 )
 
 
@@ -190,7 +200,10 @@ def generate(
     from infer.llm import LLM
 
     results: list[tuple[list[int], RequestOutput]] = []
-    options = dict(device="cpu", dtype="float32", tensor_parallel_size=setting.tp, **setting.options)
+    options = dict(
+        device="cpu", dtype="float32", tensor_parallel_size=setting.tp, pipeline_parallel_size=setting.pp,
+        **setting.options,
+    )  # fmt: skip
     with LLM(model=str(folder), model_impl=name, plugins=plugins, **options) as llm:
         for batch in setting.batches:
             results.extend(zip(PROMPTS[batch], llm.generate(PROMPTS[batch], PARAMS)))

@@ -326,6 +326,7 @@ def test_step_message_round_trip():
     channel = StepChannel(wire)  # type: ignore[arg-type]
     step = StepInputs([7, 8, 9, 4], [3, 1], [3, 21], [[5], [1, 2]], [2, 3], 2, False)
     prefill = StepInputs(list(range(300)), [300], [300], [list(range(19))], [299], None, False)  # two broadcasts
+    prefill.hidden_rows = [297, 298, 299]  # an embedding's rows: a pipeline's last stage sends them back
     ops = BlockOps(swap_out=[(1, 0)], copies=[(3, 4), (5, 6)])
     wire.receiving = False
     channel.send_forward(1, step)

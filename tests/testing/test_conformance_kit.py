@@ -119,11 +119,11 @@ def test_example_plugin_passes_the_kit(example_plugin_env, tmp_path):
 
 @pytest.mark.slow
 def test_example_model_passes_the_model_kit(example_plugin_env, tmp_path):
-    # ArceeForCausalLM beside transformers' own: tp 1, prefix caching, chunked prefill, preemption, tp 2
+    # ArceeForCausalLM beside transformers' own: tp 1, prefix caching, chunked prefill, preemption, tp 2, pp 2
     ran = run_kit("--infer-kit", "model=arcee", "-rs", cwd=tmp_path, env=example_plugin_env)
     assert ran.returncode == 0, ran.stdout + ran.stderr
-    # 5 settings, the embeddings, and --enable-lora refused at tp 1 and 2 (it serves no adapters)
-    assert "8 passed" in ran.stdout and "skipped" not in ran.stdout, ran.stdout
+    # 6 settings, the embeddings, and --enable-lora refused at tp 1 and 2 (it serves no adapters)
+    assert "9 passed" in ran.stdout and "skipped" not in ran.stdout, ran.stdout
 
 
 def builtin_models() -> list[str]:
@@ -133,13 +133,13 @@ def builtin_models() -> list[str]:
 
 @pytest.mark.slow
 def test_every_builtin_model_passes_the_model_kit(tmp_path):
-    # each beside HF transformers' own: tp 1, prefix caching, chunked prefill, preemption, tp 2 (gloo)
+    # each beside HF transformers' own: tp 1, prefix caching, chunked prefill, preemption, tp 2 and pp 2 (gloo)
     models = builtin_models()
     assert {"llama", "qwen2", "qwen3", "mistral", "phi3", "gemma2"} <= set(models)
     ran = run_kit("--infer-kit", "model=" + ",".join(models), "-rs", cwd=tmp_path)
     assert ran.returncode == 0, ran.stdout + ran.stderr
-    # 5 settings, the embeddings, the adapters at tp 1 and 2
-    assert f"{8 * len(models)} passed" in ran.stdout and "skipped" not in ran.stdout, ran.stdout
+    # 6 settings, the embeddings, the adapters at tp 1 and 2
+    assert f"{9 * len(models)} passed" in ran.stdout and "skipped" not in ran.stdout, ran.stdout
 
 
 @pytest.mark.slow

@@ -8,9 +8,11 @@ and the attention projections are split over the ranks with `parallel.layers`; t
 added up by the residual add and norm after them (`reduce_add_norm`). The MLP is not split: the API's
 tensor-parallel layers have a column-parallel projection only inside attention's qkv and a gated MLP's
 fused gate/up (`attention_projections`, `mlp_projections`), none for one ungated matrix, so rank 0
-holds the whole MLP and computes it, and the other ranks add zeros. Its entry point (pyproject.toml)
-makes infer run it for any config.json that names `ArceeForCausalLM`; `pytest --infer-kit model=arcee`
-checks it against transformers' own model, at tp 1 and tp 2.
+holds the whole MLP and computes it, and the other ranks add zeros. As a pipeline stage (`stage`, a
+`PipelineStage`: --pp) it builds only its layers, under their own indices, and hands the next stage its
+output and residual stream (`StageActivations`). Its entry point (pyproject.toml) makes infer run it for
+any config.json that names `ArceeForCausalLM`; `pytest --infer-kit model=arcee` checks it against
+transformers' own model, at tp 1, tp 2 and pp 2.
 """
 
 from __future__ import annotations
@@ -22,13 +24,21 @@ import torch.nn.functional as F
 from torch import nn
 
 import infer
-from infer.api import AttentionBackend, KVCache, Layers, LinearMatmul, ModelParallel
+from infer.api import (
+    AttentionBackend,
+    KVCache,
+    Layers,
+    LinearMatmul,
+    ModelParallel,
+    PipelineStage,
+    StageActivations,
+)
 from infer.api.config import ModelConfig
 from infer.api.errors import ModelLoadError
 from infer.api.rope import Rope
 from infer.api.weights import check_shape
 
-INFER_PLUGIN_API = ">=2,<3"
+INFER_PLUGIN_API = ">=2.7,<3"  # pipeline stages came with 2.7
 QKV = {"q_proj": 0, "k_proj": 1, "v_proj": 2}  # HF's projections -> their piece of the fused qkv_proj
 
 
@@ -137,6 +147,7 @@ class Arcee(nn.Module):
         layers: Layers,
         attention: AttentionBackend | None,  # None: built on the meta device, for its shapes
         parallel: ModelParallel | None = None,  # None: one rank (--tp 1)
+        stage: PipelineStage | None = None,  # None: every layer (--pp 1)
     ) -> None:
         super().__init__()
         act = config.extra.get("hidden_act") or "relu2"
@@ -144,8 +155,11 @@ class Arcee(nn.Module):
             raise ModelLoadError(f"config.json of {config.name} asks for hidden_act {act!r}: arcee runs relu2 only")
         if layers.quantized_linear is not None:
             raise ModelLoadError("arcee runs unquantized weights only: drop --quantization")
-        self.config, self.parallel = config, parallel
-        if parallel is None:
+        self.config, self.parallel, self.stage = config, parallel, stage
+        first, last = stage is None or stage.is_first, stage is None or stage.is_last
+        if not (first or (last and config.tie_word_embeddings)):  # a stage that neither embeds nor reads a tied head
+            self.embed_tokens = None
+        elif parallel is None:
             self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
         else:
             tp = parallel.layers
@@ -153,22 +167,37 @@ class Arcee(nn.Module):
                 config.vocab_size, config.hidden_size, parallel, matmul_of(layers)
             )
         rope = config.rope()  # transformers' frequencies for the config's rope_parameters (YaRN on AFM)
-        self.layers = nn.ModuleList(
-            DecoderLayer(config, layers, attention, parallel, rope) for _ in range(config.num_layers)
+        self.layers = nn.ModuleList(  # another stage's layers are placeholders, so that names keep their index
+            DecoderLayer(config, layers, attention, parallel, rope) if stage is None or i in stage else nn.Identity()
+            for i in range(config.num_layers)
         )
-        self.norm = layers.rms_norm(config.hidden_size, config.rms_norm_eps)
+        self.norm = layers.rms_norm(config.hidden_size, config.rms_norm_eps) if last else None
         self.lm_head = None  # tied: the embedding's table
-        if not config.tie_word_embeddings:
+        if last and not config.tie_word_embeddings:
             self.lm_head = (
                 layers.linear(config.hidden_size, config.vocab_size)
                 if parallel is None
                 else parallel.layers.ParallelLMHead(config.vocab_size, config.hidden_size, parallel, matmul_of(layers))
             )
 
-    def forward(self, input_ids, positions, kv_caches: list[KVCache], num_layers: int | None = None) -> torch.Tensor:
-        x, residual = self.embed_tokens(input_ids), None
-        for layer, kv_cache in zip(self.layers[: num_layers or len(self.layers)], kv_caches):
+    def forward(
+        self,
+        input_ids,
+        positions,
+        kv_caches: list[KVCache],  # the layers' that run here
+        num_layers: int | None = None,
+        carried: StageActivations | None = None,  # a pipeline stage after the first: what the stage before made
+    ) -> torch.Tensor | StageActivations:
+        if carried is None:
+            x, residual = self.embed_tokens(input_ids), None
+        else:
+            x, residual = carried.hidden, carried.residual
+        stage = self.stage
+        start, end = (0, num_layers or len(self.layers)) if stage is None else (stage.start, stage.end)
+        for layer, kv_cache in zip(self.layers[start:end], kv_caches):
             x, residual = layer(positions, x, residual, kv_cache)
+        if stage is not None and not stage.is_last:
+            return StageActivations(x, residual)
         return add_norm(self.parallel, x, residual, self.norm)[0]
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:

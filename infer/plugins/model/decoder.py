@@ -4,7 +4,9 @@ Each built-in family is a subclass that names its HF architectures, its presets,
 where its layer differs, its `layer_class`). `load_weights` maps HF checkpoint names onto the fused
 parameters (q, k, v -> qkv_proj; gate, up -> gate_up_proj), biases alike; a family whose checkpoint
 names differ turns them into these first (`checkpoint_tensors`). Under tensor parallelism each rank
-loads only its slices.
+loads only its slices; a pipeline stage (`stage=`) builds and loads only its layers, keeping their
+indices (the others are empty placeholders), with the embedding on the first stage and the final norm
+and LM head on the last (a tied head: the embedding there too).
 """
 
 from __future__ import annotations
@@ -16,7 +18,16 @@ from typing import Any, Iterable, Iterator, Mapping
 import torch
 from torch import nn
 
-from infer.api import AttentionBackend, KVCache, Layers, ModelParallel, QuantizedLinear, pushes_partial_sums
+from infer.api import (
+    AttentionBackend,
+    KVCache,
+    Layers,
+    ModelParallel,
+    PipelineStage,
+    QuantizedLinear,
+    StageActivations,
+    pushes_partial_sums,
+)
 from infer.api.adapters import AdapterTarget
 from infer.api.config import ModelConfig
 from infer.api.weights import check_shape, check_unscaled
@@ -42,15 +53,24 @@ class DecoderModel(nn.Module):
         return LLAMA
 
     def __init__(
-        self, config: ModelConfig, layers: Layers, attention: AttentionBackend, parallel: ModelParallel | None = None
+        self,
+        config: ModelConfig,
+        layers: Layers,
+        attention: AttentionBackend,
+        parallel: ModelParallel | None = None,
+        stage: PipelineStage | None = None,
     ) -> None:
         super().__init__()
         self.config = config
         self.parallel = parallel  # None: one rank (--tp 1)
+        self.stage = stage  # None: every layer (--pp 1)
+        first, last = stage is None or stage.is_first, stage is None or stage.is_last
         family = self.family(config)
         self.logit_soft_cap = family.logit_soft_cap
         self.norm_offset = family.norm_offset
-        if parallel is None:
+        if not (first or (last and config.tie_word_embeddings)):  # a middle stage, or a last one with its own head
+            self.embed_tokens = None
+        elif parallel is None:
             self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
         else:
             self.embed_tokens = parallel.layers.VocabParallelEmbedding(
@@ -64,15 +84,17 @@ class DecoderModel(nn.Module):
         windows = config.layer_windows or (None,) * config.num_layers
         self.layers = nn.ModuleList(
             self.layer_class(config, layers, attention, parallel, rope, family, windows[i])
+            if stage is None or i in stage
+            else nn.Identity()  # another stage's: the index (and the checkpoint names) stay
             for i in range(config.num_layers)
         )
-        self.norm = layers.rms_norm(config.hidden_size, config.rms_norm_eps)
+        self.norm = layers.rms_norm(config.hidden_size, config.rms_norm_eps) if last else None
         self.final_add_norm = add_norm_for(parallel if family.partial_sums else None)
         self.pushes = False  # whether one-token steps' partial sums go to the ranks' exchange, where it exists
         if parallel is not None:
             self._choose_pushes(family)
         self.lm_head = None
-        if not config.tie_word_embeddings:
+        if last and not config.tie_word_embeddings:
             self.lm_head = (
                 layers.linear(config.hidden_size, config.vocab_size)
                 if parallel is None
@@ -101,14 +123,24 @@ class DecoderModel(nn.Module):
         self,
         input_ids: torch.Tensor,  # [T]
         positions: torch.Tensor,  # [T]
-        kv_caches: list[KVCache],
+        kv_caches: list[KVCache],  # one per layer that runs (on a pipeline stage: its layers')
         num_layers: int | None = None,  # run only the first layers (early exit, self-draft)
-    ) -> torch.Tensor:  # [T, hidden], after the final norm
-        x, residual = self.embed_tokens(input_ids), None
-        if self.embed_scale is not None:
-            x = x * self.embed_scale
-        for layer, kv_cache in zip(itertools.islice(self.layers, num_layers or len(self.layers)), kv_caches):
+        carried: StageActivations | None = None,  # a pipeline stage after the first: the stage before's
+    ) -> torch.Tensor | StageActivations:  # [T, hidden] after the final norm; a stage before the last: its output
+        stage = self.stage
+        if carried is None:
+            assert self.embed_tokens is not None, "the first pipeline stage embeds"
+            x, residual = self.embed_tokens(input_ids), None
+            if self.embed_scale is not None:
+                x = x * self.embed_scale
+        else:
+            x, residual = carried.hidden, carried.residual
+        start, end = (0, num_layers or len(self.layers)) if stage is None else (stage.start, stage.end)
+        for layer, kv_cache in zip(itertools.islice(self.layers, start, end), kv_caches):
             x, residual = layer(positions, x, residual, kv_cache)
+        if stage is not None and not stage.is_last:
+            assert residual is not None, "a stage holds at least one layer"
+            return StageActivations(x, residual)
         x, _ = self.final_add_norm(x, residual, self.norm)
         return x
 
@@ -159,6 +191,7 @@ class DecoderModel(nn.Module):
         elif self.lm_head is not None:
             logits = self.lm_head(hidden).float()  # the layers hook's linear (one token: a weight-streaming GEMV)
         else:
+            assert self.embed_tokens is not None, "a tied head: the last stage holds the embedding"
             logits = (hidden @ self.embed_tokens.weight.t()).float()
         if self.logit_soft_cap is not None:
             logits = torch.tanh(logits / self.logit_soft_cap) * self.logit_soft_cap

@@ -1,6 +1,6 @@
 """Model conformance: for each HF architecture the plugin claims, a tiny random checkpoint that HF
 transformers builds and saves; greedy tokens and logprobs through infer equal to HF's own model's at
-tp 1, with prefix caching, chunked prefill, preemption, and at tp 2 (gloo). A failure names the first
+tp 1, with prefix caching, chunked prefill, preemption, at tp 2 and at pp 2 (gloo). A failure names the first
 layer whose output differs from HF's (for a model that is a `DecoderStack`)."""
 
 from __future__ import annotations
@@ -35,6 +35,10 @@ def _skip(strategy: Strategy, setting: Setting) -> str | None:
         return f"model {strategy.name} declares distributed=False"
     if setting.tp > 1 and "parallel" not in inspect.signature(strategy.factory).parameters:
         return f"model {strategy.name} takes no parallel= argument: it has no tensor-parallel form"
+    if setting.pp > 1 and not caps.distributed:
+        return f"model {strategy.name} declares distributed=False"
+    if setting.pp > 1 and "stage" not in inspect.signature(strategy.factory).parameters:
+        return f"model {strategy.name} takes no stage= argument: it has no pipeline-parallel form"
     return None
 
 
