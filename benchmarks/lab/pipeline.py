@@ -19,9 +19,9 @@ import random
 import time
 from typing import Any
 
+from infer.api.request import SamplingParams
 from infer.common.log import configure
 from infer.llm import LLM
-from infer.api.request import SamplingParams
 
 
 def prompts(count: int, length: int, vocab: int, seed: int) -> list[list[int]]:
@@ -78,7 +78,9 @@ def main() -> None:
         same = all(r["tokens"] == reference for r in runs)
         print(f"  {name:<26} {best:8.0f} tok/s  {best / ceiling:5.2f}x pp 1   tokens as pp 1: {same}")
     if args.out:
-        summary = {name: [{k: v for k, v in r.items() if k != "tokens"} for r in runs] for name, runs in results.items()}
+        summary = {
+            name: [{k: v for k, v in r.items() if k != "tokens"} for r in runs] for name, runs in results.items()
+        }
         with open(args.out, "w") as f:
             json.dump({"args": vars(args), "results": summary}, f, indent=2)
 

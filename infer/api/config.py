@@ -85,8 +85,8 @@ class EngineConfig:
         None  # queue the next decode forward before this step's tokens reach the host; None: on CUDA
     )
     tensor_parallel_size: int = 1
-    # pipeline stages (--pp): each a process holding a contiguous run of the layers; a step's tokens cross
-    # them in micro-batches (pipeline_micro_batches; None: one per stage), so the stages work at once
+    # pipeline stages (--pp): each holding a contiguous run of the layers over --tp ranks; a step's tokens
+    # cross them in micro-batches (pipeline_micro_batches; None: one per stage), so the stages work at once
     pipeline_parallel_size: int = 1
     pipeline_micro_batches: int | None = None
     all_reduce: str = "auto"  # tensor parallelism's all-reduce: auto | nccl | symm-mem | flashinfer
@@ -108,11 +108,6 @@ class EngineConfig:
             raise ConfigError(
                 f"--max-cpu-loras {self.max_cpu_loras} is under --max-loras {self.max_loras}: host memory keeps at "
                 f"least the adapters in device slots; use --max-cpu-loras {self.max_loras} or more"
-            )
-        if self.pipeline_parallel_size > 1 and self.tensor_parallel_size > 1:
-            raise ConfigError(
-                f"--pp {self.pipeline_parallel_size} with --tp {self.tensor_parallel_size}: pipeline stages of several "
-                f"tensor-parallel ranks are not built yet; use --pp with --tp 1, or --tp alone"
             )
         if not self.priority_aging_s > 0:  # also refuses NaN
             raise ConfigError(f"--priority-aging-s {self.priority_aging_s}: use a number of seconds > 0")

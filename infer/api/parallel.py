@@ -70,8 +70,9 @@ class StageActivations:
 
 
 class PipelineLink(Protocol):
-    """This process's links to the stages beside it (`Communicator.link`, plugin API 2.7). Every stage
-    runs each forward's micro-batches in the same order, so each send meets its receive by order alone.
+    """This process's links to the stages beside it (`Communicator.link`, plugin API 2.7): with --tp, a
+    rank's to the same rank of the stages beside its stage. Every stage runs each forward's
+    micro-batches in the same order, so each send meets its receive by order alone.
     Sends may return before the data has left; `finish()` waits for this forward's sends."""
 
     stage_index: int
@@ -81,9 +82,10 @@ class PipelineLink(Protocol):
 
     def recv_activations(self, num_tokens: int, hidden_size: int, dtype: torch.dtype) -> StageActivations: ...
 
-    def send_rows(self, rows: torch.Tensor) -> None: ...  # the last stage's logits (or hidden rows) to the first
+    def send_rows(self, rows: torch.Tensor) -> None: ...  # the last stage's logits (or hidden rows) to process 0
 
-    def recv_rows(self, shape: tuple[int, int], dtype: torch.dtype) -> torch.Tensor: ...  # on the first stage
+    def recv_rows(self, shape: tuple[int, int], dtype: torch.dtype) -> torch.Tensor | None:
+        """On the first stage: the rows the last sent, in order; None on a rank that samples nothing."""
 
     def finish(self) -> None: ...
 

@@ -65,7 +65,8 @@ HELP: dict[str, str] = {  # EngineConfig field -> help, in the order `--help` li
     "past it the request is refused.",
     "max_model_len": "Context length, prompt and output (default: the model's).",
     "tensor_parallel_size": "Tensor-parallel ranks.",
-    "pipeline_parallel_size": "Pipeline stages: processes each holding a contiguous run of the layers (with --tp 1).",
+    "pipeline_parallel_size": "Pipeline stages, each holding a contiguous run of the layers over --tp ranks "
+    "(--tp x --pp processes in all).",
     "pipeline_micro_batches": "Micro-batches a step's tokens cross the pipeline stages in, so that the stages "
     "work at once (default: one per stage).",
     "all_reduce": "How --tp sums: symm-mem (one-shot kernel over peer memory), flashinfer (fused with the residual "

@@ -86,10 +86,10 @@ def launch(config: Any, extra_plugins: Iterable[Any], name: str, model_config: A
     parts.block_mover = MirroredBlockMover(parts.block_mover, ranks)
     ranks.runners = parts.runners
     parts.closers = (*parts.closers, ranks.close)
+    if parallel.world_size > 1:
+        parts.describe["tensor_parallel_size"] = parallel.world_size
     if parallel.num_stages > 1:
         parts.describe["pipeline_parallel_size"] = parallel.num_stages
-    else:
-        parts.describe["tensor_parallel_size"] = parallel.world_size
     return parts
 
 
@@ -104,7 +104,7 @@ def run_worker(config: Any, extra_plugins: list[Any], parallel: ParallelState) -
         serve(StepChannel(parallel), parts.runners, parts.block_mover)
     except BaseException as exc:
         with contextlib.suppress(Exception):
-            parallel.store.set(error_key(parallel.rank), f"{type(exc).__name__}: {exc}"[:4000])
+            parallel.store.set(error_key(parallel.process_rank), f"{type(exc).__name__}: {exc}"[:4000])
         raise
     else:  # rank 0 said stop: every rank takes its groups down together
         with contextlib.suppress(Exception):
@@ -144,10 +144,11 @@ def _start_ranks(config: Any, extra_plugins: list[Any], device: torch.device) ->
 
 
 def _split(config: Any) -> str:
-    """How the run splits over processes, as the user wrote it (--tp N, --pp N)."""
+    """How the run splits over processes, as the user wrote it (--tp N, --pp N, or both)."""
+    parts = [f"--tp {config.tensor_parallel_size}"] if config.tensor_parallel_size > 1 else []
     if config.pipeline_parallel_size > 1:
-        return f"--pp {config.pipeline_parallel_size}"
-    return f"--tp {config.tensor_parallel_size}"
+        parts.append(f"--pp {config.pipeline_parallel_size}")
+    return " ".join(parts)
 
 
 def _join_torchrun(config: Any, device: torch.device) -> ParallelState:
@@ -247,6 +248,8 @@ def _spawned_rank(
 
 
 def _init_groups(store: Any, rank: int, world_size: int, device: torch.device, num_stages: int = 1) -> ParallelState:
+    """This process's groups: every process's (the model's collectives at --pp 1, the stages' sends),
+    the gloo control group, and under --pp with --tp each stage's own. `rank`, `world_size`: the process's."""
     import torch.distributed as dist
 
     from infer.distributed.pipeline_link import P2PLink
@@ -256,8 +259,16 @@ def _init_groups(store: Any, rank: int, world_size: int, device: torch.device, n
         torch.cuda.set_device(device)
     dist.init_process_group(backend, store=store, rank=rank, world_size=world_size, timeout=COLLECTIVE_TIMEOUT)
     control = dist.new_group(backend="gloo", timeout=IDLE_TIMEOUT)
-    link = P2PLink(rank, num_stages, dist.group.WORLD) if num_stages > 1 else None
-    return ParallelState(rank, world_size, device, dist.group.WORLD, control, store, num_stages=num_stages, link=link)
+    tp = world_size // num_stages
+    stage_index, tp_rank = divmod(rank, tp)
+    group = dist.group.WORLD
+    if num_stages > 1 and tp > 1:  # every process makes every stage's group, in the same order
+        stages = [dist.new_group(list(range(s * tp, (s + 1) * tp)), backend=backend) for s in range(num_stages)]
+        group = stages[stage_index]
+    link = P2PLink(stage_index, num_stages, tp_rank, tp, dist.group.WORLD) if num_stages > 1 else None
+    return ParallelState(
+        tp_rank, tp, device, group, control, store, num_stages=num_stages, stage_index=stage_index, link=link
+    )
 
 
 def _rank_device(device: torch.device, local_rank: int) -> torch.device:

@@ -85,7 +85,7 @@ class RankGroup:
         deadline = time.monotonic() + wait_s
         reasons: dict[int, str] = {}
         while True:
-            for rank in range(1, self.parallel.world_size):
+            for rank in range(1, self.parallel.num_processes):
                 key = error_key(rank)
                 with contextlib.suppress(Exception):
                     if rank not in reasons and self.parallel.store.check([key]):
@@ -133,7 +133,7 @@ class RankGroup:
     def _wait_for_stopped(self, wait_s: float) -> None:
         deadline = time.monotonic() + wait_s
         with contextlib.suppress(Exception):
-            while self.parallel.store.add(STOPPED, 0) < self.parallel.world_size - 1 and time.monotonic() < deadline:
+            while self.parallel.store.add(STOPPED, 0) < self.parallel.num_processes - 1 and time.monotonic() < deadline:
                 time.sleep(0.01)
 
 

@@ -80,18 +80,29 @@ class ParallelState:
     teardown: list[Any] = field(default_factory=list, repr=False, compare=False)
     all_reduce_line: str | None = None  # what `set_up` chose for --all-reduce, for the run's description
     ranks: Any = field(default=None, repr=False, compare=False)  # rank 0's RankGroup: forwards go to every rank
-    # --pp N > 1: the ranks are pipeline stages (rank i: stage i), each holding every head of its layers
+    # --pp N > 1: `num_stages` stages of `world_size` tensor-parallel ranks each (`group`: this stage's
+    # ranks); process p is rank p % world_size of stage p // world_size
     num_stages: int = 1
+    stage_index: int = 0
     link: Any = field(default=None, repr=False, compare=False)  # the stage's `PipelineLink` (P2PLink)
 
     @property
+    def process_rank(self) -> int:
+        """This process among all of the engine's (its global rank): stage by stage, then tensor rank."""
+        return self.stage_index * self.world_size + self.rank
+
+    @property
+    def num_processes(self) -> int:
+        return self.world_size * self.num_stages
+
+    @property
     def is_parallel(self) -> bool:
-        return self.world_size > 1
+        return self.num_processes > 1
 
     @property
     def is_driver(self) -> bool:
-        """Rank 0 runs the scheduler, the sampler and the engine loop; the other ranks follow it."""
-        return self.rank == 0
+        """Process 0 runs the scheduler, the sampler and the engine loop; the other ranks follow it."""
+        return self.process_rank == 0
 
     @property
     def layers(self) -> Any:
@@ -101,8 +112,6 @@ class ParallelState:
         return layers
 
     def heads(self, num_heads: int, num_kv_heads: int) -> HeadLayout:
-        if self.num_stages > 1:  # a stage's layers hold every head
-            return HeadLayout(num_heads, num_kv_heads, 0, 0)
         n, r = self.world_size, self.rank
         per_rank = num_heads // n
         if num_kv_heads >= n:
@@ -157,7 +166,7 @@ class ParallelState:
         return x
 
     def min(self, value: int) -> int:
-        """The smallest `value` over the ranks (KV blocks: every rank's cache holds the same blocks)."""
+        """The smallest `value` over every process (KV blocks: every rank's cache holds the same blocks)."""
         if not self.is_parallel:
             return value
         import torch.distributed as dist
@@ -168,8 +177,12 @@ class ParallelState:
 
     def set_up(self, all_reduce: str, dtype: torch.dtype, hidden_size: int) -> ParallelState:
         """Collective: the fast all-reduce for `--all-reduce` (`make_all_reduce`) in the state returned."""
-        if not self.is_parallel or self.num_stages > 1:  # stages sum nothing
+        if self.world_size == 1:  # pipeline stages of one rank sum nothing
             return self
+        if self.num_stages > 1:  # the fast all-reduces know one group of the engine's ranks: NCCL sums a stage's
+            if all_reduce not in ("auto", "nccl"):
+                raise ConfigError(f"--all-reduce {all_reduce} with --pp {self.num_stages}: use --all-reduce nccl")
+            return dataclasses.replace(self, all_reduce_line="nccl (each pipeline stage's ranks)")
         from infer.distributed.all_reduce import make_all_reduce
 
         fast, line = make_all_reduce(all_reduce, self, dtype, hidden_size)
@@ -178,23 +191,23 @@ class ParallelState:
         return dataclasses.replace(self, fast_all_reduce=fast, all_reduce_line=line)
 
     def model_kwargs(self, name: str, architecture: Any, config: Any) -> dict[str, Any]:
-        """Nothing at tp = 1, else `parallel=` this state, once the model is known to split over the ranks;
-        under --pp, `stage=` its layers, once the model is known to take them."""
-        if not self.is_parallel:
-            return {}
+        """`parallel=` this state under --tp > 1, once the model is known to split over the ranks; `stage=`
+        its layers under --pp > 1, once the model is known to take them; nothing on one process."""
+        kwargs: dict[str, Any] = {}
         if self.num_stages > 1:
-            stage = self.stage(config.num_layers)
             if not _accepts(architecture, "stage"):
                 raise ConfigError(
                     f"the model architecture of {name} has no pipeline-parallel form (no `stage` argument): use --pp 1"
                 )
-            return {"stage": stage}
+            kwargs["stage"] = self.stage(config.num_layers)
+        if self.world_size == 1:
+            return kwargs
         check_tensor_parallel(name, config.num_heads, config.num_kv_heads, config.intermediate_size, self.world_size)
         if not _accepts(architecture, "parallel"):
             raise ConfigError(
                 f"the model architecture of {name} has no tensor-parallel form (no `parallel` argument): use --tp 1"
             )
-        return {"parallel": self}
+        return {**kwargs, "parallel": self}
 
     def stage(self, num_layers: int) -> PipelineStage | None:
         """This rank's stage of a model of `num_layers` layers under --pp; None: every layer."""
@@ -205,7 +218,7 @@ class ParallelState:
                 f"--pp {self.num_stages} splits a model of {num_layers} layers: each stage needs one; use --pp "
                 f"{num_layers} or fewer"
             )
-        return PipelineStage.split(num_layers, self.num_stages, self.rank)
+        return PipelineStage.split(num_layers, self.num_stages, self.stage_index)
 
     def executor(self, model_id: int) -> Executor:
         """Rank 0's sends each forward to the other ranks, then runs it; the other ranks run what it sends."""

@@ -40,7 +40,7 @@ def meet_for_teardown(parallel: ParallelState, wait_s: float) -> bool:
     may wait for them forever."""
     deadline = time.monotonic() + wait_s
     arrived = parallel.store.add(TEARDOWN, 1)
-    while arrived < parallel.world_size:
+    while arrived < parallel.num_processes:
         if time.monotonic() > deadline:
             return False
         time.sleep(0.005)

@@ -250,14 +250,16 @@ class ModelRunner:
                 link.send_rows(self.model.compute_logits(out[torch.tensor(part.logits_rows, device=self.device)]))
             if part.hidden_rows:
                 link.send_rows(out[torch.tensor(part.hidden_rows, device=self.device)])
-        logits, hidden = [], []
-        if stage.is_first:  # the last stage's rows, in the order it sent them
+        logits: list[torch.Tensor | None] = []
+        hidden: list[torch.Tensor | None] = []
+        if stage.is_first:  # the last stage's rows, in the order it sent them (None: this rank samples nothing)
             for part in parts:
                 if part.logits_rows:
                     logits.append(link.recv_rows((len(part.logits_rows), stages.vocab_size), torch.float32))
                 if part.hidden_rows:
                     hidden.append(link.recv_rows((len(part.hidden_rows), stages.hidden_size), stages.dtype))
         link.finish()
+        logits, hidden = [t for t in logits if t is not None], [t for t in hidden if t is not None]
         if hidden:
             step.hidden = torch.cat(hidden)
         if not logits:

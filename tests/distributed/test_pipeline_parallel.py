@@ -138,6 +138,66 @@ def test_tiny_pp3_matches_tp1_under_swaps_shared_blocks_prompt_logprobs_and_embe
 
 
 @pytest.mark.slow
+def test_tp2_pp2_matches_tp1(tiny_llama_dir):
+    # four processes: two stages (layers 0-1, then 2) of two tensor-parallel ranks each; rank i of a stage
+    # hands its activations to rank i of the next, and the last stage's rank 0 alone returns the logits
+    params = SamplingParams(max_tokens=8, temperature=0, ignore_eos=True, logprobs=5)
+    options = dict(model=str(tiny_llama_dir), block_size=4, max_num_batched_tokens=16)
+    with LLM(**options) as llm:
+        expected = llm.generate(PROMPTS, params)
+    with LLM(tensor_parallel_size=2, pipeline_parallel_size=2, **options) as llm:
+        describe = llm.engine.parts.describe
+        assert (describe["tensor_parallel_size"], describe["pipeline_parallel_size"]) == (2, 2)
+        actual = llm.generate(PROMPTS, params)
+    assert_close_logprobs(expected, actual)
+
+
+TORCHRUN_SCRIPT = """
+import json, sys
+from infer import LLM, SamplingParams
+llm = LLM(model=sys.argv[1], device="cpu", dtype="float32", tensor_parallel_size=2, pipeline_parallel_size=2)
+outs = llm.generate(json.loads(sys.argv[2]), SamplingParams(max_tokens=8, temperature=0, ignore_eos=True))
+print("TOKENS " + json.dumps([o.outputs[0].token_ids for o in outs]), flush=True)
+llm.close()
+"""
+
+
+@pytest.mark.slow
+def test_two_hosts_by_torchrun_each_a_stage_of_two_ranks(tiny_llama_dir, tmp_path):
+    # two torchrun launches on loopback, as two hosts would start them: host i runs stage i's two ranks
+    import json
+    import socket
+    import subprocess
+    import sys
+
+    script = tmp_path / "run_pp.py"
+    script.write_text(TORCHRUN_SCRIPT)
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    hosts = [
+        subprocess.Popen(
+            [sys.executable, "-m", "torch.distributed.run", "--nnodes", "2", "--node-rank", str(node)]
+            + ["--nproc-per-node", "2", "--master-addr", "127.0.0.1", "--master-port", str(port)]
+            + [str(script), str(tiny_llama_dir), json.dumps(PROMPTS)],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        for node in (0, 1)
+    ]
+    outputs = [host.communicate(timeout=240) for host in hosts]
+    for host, (_, err) in zip(hosts, outputs):
+        assert host.returncode == 0, err[-3000:]
+    lines = [line for out, _ in outputs for line in out.splitlines() if line.startswith("TOKENS ")]
+    assert len(lines) == 1, outputs  # process 0 alone prints
+    params = SamplingParams(max_tokens=8, temperature=0, ignore_eos=True)
+    with LLM(model=str(tiny_llama_dir), dtype="float32") as llm:
+        expected = tokens(llm.generate(PROMPTS, params))
+    assert json.loads(lines[0].removeprefix("TOKENS ")) == expected
+
+
+@pytest.mark.slow
 def test_speculative_with_a_draft_model_and_dummy_weights_under_pp(tiny_llama_dir):
     # the draft model is split over the stages too; dummy weights are the same model on any stage
     params = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)
@@ -169,8 +229,8 @@ def test_what_stages_cannot_run_is_refused_before_anything_starts(tiny_llama_dir
     model = str(tiny_llama_dir)
     with pytest.raises(ConfigError, match="--pp 4 splits the 3 layers of .*use --pp 3 or fewer"):
         LLM(model=model, pipeline_parallel_size=4)
-    with pytest.raises(ConfigError, match="--pp 2 with --tp 2: .*not built yet"):
-        LLM(model=model, pipeline_parallel_size=2, tensor_parallel_size=2)
+    with pytest.raises(ConfigError, match="does not divide the 4 query heads"):
+        LLM(model=model, pipeline_parallel_size=2, tensor_parallel_size=3)
     with pytest.raises(ConfigError, match="--exit-layer with --pp 2"):
         LLM(model=model, pipeline_parallel_size=2, decoding="speculative", draft="self", exit_layer=1)
     with pytest.raises(ConfigError, match="--enable-lora with --pp 2"):

@@ -194,7 +194,7 @@ def test_broken_plugins_fail_the_kit_pointing_at_the_fault(broken_plugin_env, tm
     assert "are the logits divided by the temperature before the softmax?" in out
     assert "top_k" not in out.split("short test summary")[-1]  # undeclared parameters are not tested
     model = run_kit("--infer-kit", "model=swapped-norms", "-k", "tp1", cwd=tmp_path, env=broken_plugin_env)
-    assert model.returncode == 1 and "1 failed, 7 deselected" in model.stdout, model.stdout + model.stderr
+    assert model.returncode == 1 and "1 failed, 8 deselected" in model.stdout, model.stdout + model.stderr
     assert "model swapped-norms (LlamaForCausalLM: 4 layers, hidden 64, 4 heads over 2 KV heads" in model.stdout
     assert "layer 2 (of 4) differs first: max abs diff" in model.stdout and "layers 0-1 agree" in model.stdout
     unknown = run_kit("--infer-kit", "sampler=no-such-sampler", cwd=tmp_path, env=broken_plugin_env)

@@ -107,17 +107,25 @@ class DecoderModel(nn.Module):
         # layer pushes, or none does; none where a layer norms or biases its output before the sum
         assert self.parallel is not None
         tp = self.parallel.layers
+        own = self.own_layers()
         pushes = family.partial_sums and all(
             isinstance(layer.self_attn.o_proj, tp.RowParallelLinear)  # not a quantized shard
             and isinstance(layer.mlp.down_proj, tp.RowParallelLinear)
             and layer.self_attn.o_proj.bias is None
             and pushes_partial_sums(layer.self_attn.o_proj.matmul)
             and pushes_partial_sums(layer.mlp.down_matmul)
-            for layer in self.layers
+            for layer in own
         )
-        for layer in self.layers:
+        for layer in own:
             layer.self_attn.o_proj.push = layer.mlp.down_proj.push = pushes
-        self.embed_tokens.push = self.pushes = pushes
+        if self.embed_tokens is not None:
+            self.embed_tokens.push = pushes
+        self.pushes = pushes
+
+    def own_layers(self) -> list[nn.Module]:
+        """The layers this process holds: all of them, or its pipeline stage's."""
+        stage = self.stage
+        return list(self.layers) if stage is None else list(self.layers)[stage.start : stage.end]
 
     def forward(
         self,
@@ -180,7 +188,7 @@ class DecoderModel(nn.Module):
         for i, layer in enumerate(self.layers):
             layer.attach_adapters(layers, f"layers.{i}.")
         if self.pushes:
-            for layer in self.layers:
+            for layer in self.own_layers():
                 layer.self_attn.o_proj.push = layer.mlp.down_proj.push = False
             self.embed_tokens.push = self.pushes = False
 
