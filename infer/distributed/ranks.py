@@ -49,6 +49,11 @@ class RankGroup:
         if processes and parallel.device.type == "cuda":  # gloo notices a dead peer by itself; NCCL waits
             threading.Thread(target=self._watch, name="infer-tp-watch", daemon=True).start()
 
+    @property
+    def kind(self) -> str:
+        """What the other processes are, for messages."""
+        return "pipeline-parallel" if self.parallel.num_stages > 1 else "tensor-parallel"
+
     def executor(self, model_id: int) -> MirroredExecutor:
         return MirroredExecutor(self, model_id)
 
@@ -76,7 +81,7 @@ class RankGroup:
         if not reasons:
             return exc
         return WorkerError(
-            f"tensor-parallel {'; '.join(reasons)}: the engine stopped (the rank's traceback is in its "
+            f"{self.kind} {'; '.join(reasons)}: the engine stopped (the rank's traceback is in its "
             f"output); close it and start again"
         )
 

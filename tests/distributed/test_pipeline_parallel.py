@@ -211,6 +211,27 @@ def test_speculative_with_a_draft_model_and_dummy_weights_under_pp(tiny_llama_di
 
 
 @pytest.mark.slow
+def test_killed_stage_is_a_clear_error_not_a_hang(tiny_llama_dir):
+    import os
+    import signal
+
+    from infer.api.errors import WorkerError
+
+    params = SamplingParams(max_tokens=4, temperature=0, ignore_eos=True)
+    llm = LLM(model=str(tiny_llama_dir), block_size=4, pipeline_parallel_size=2)
+    try:
+        assert len(llm.generate([[1, 2, 3]], params)[0].outputs[0].token_ids) == 4
+        (stage,) = ranks_alive()
+        os.kill(stage.pid, signal.SIGKILL)
+        started = time.monotonic()
+        with pytest.raises(WorkerError, match="pipeline-parallel rank 1 exited with signal 9"):
+            llm.generate([[1, 2, 3]], params)
+        assert time.monotonic() - started < 30
+    finally:
+        llm.close()
+
+
+@pytest.mark.slow
 def test_cli_runs_with_pp(tiny_llama_dir):
     from click.testing import CliRunner
 
