@@ -185,7 +185,7 @@ SETTINGS = (
         "pp 2 (gloo), 2 micro-batches a step, chunked prefill (max_num_batched_tokens=16) and prefix caching "
         "(blocks of 4)",
         dict(block_size=4, max_num_batched_tokens=16),
-        ("plain", "shared prefix", "shared prefix again"),
+        ("plain", "shared prefix"),  # a second batch: its prefix is the first's
         pp=2,
         expects=("prefix hits",),
     ),

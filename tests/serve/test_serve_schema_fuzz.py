@@ -23,7 +23,7 @@ from serve_checks import anthropic_error, openai_error
 from infer.serve.app import create_app
 
 MODEL = "tiny-chat"
-EXAMPLES = 120  # per operation and generation mode
+EXAMPLES = 90  # per operation and generation mode
 CHECKS = [
     positive_data_acceptance,
     negative_data_rejection,

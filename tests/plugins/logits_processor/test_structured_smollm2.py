@@ -239,16 +239,15 @@ def test_preempted_requests_still_give_the_same_valid_json(llm, smollm2_dir, sam
         assert output.outputs[0].token_ids == reference.outputs[0].token_ids
 
 
-SPECULATIVE = [
+SPECULATIVE = [  # k = 7 by n-grams alone: a self-draft of 7 (43 s on two cores) checks nothing these do not
     dict(draft="ngram"),
     dict(draft="ngram", num_speculative_tokens=7),
     dict(draft="self", exit_layer=10),
-    dict(draft="self", exit_layer=10, num_speculative_tokens=7),
 ]
 
 
-@pytest.mark.slow  # four engines, each verifying drafts for 28 requests
-@pytest.mark.parametrize("options", SPECULATIVE, ids=["ngram-k4", "ngram-k7", "self10-k4", "self10-k7"])
+@pytest.mark.slow  # three engines, each verifying drafts for 28 requests
+@pytest.mark.parametrize("options", SPECULATIVE, ids=["ngram-k4", "ngram-k7", "self10-k4"])
 def test_speculative_greedy_equals_constrained_autoregressive(smollm2_dir, speculation_reference, options):
     prompts, params, expected = speculation_reference
     with LLM(model=str(smollm2_dir), dtype="float32", decoding="speculative", **options) as spec:
