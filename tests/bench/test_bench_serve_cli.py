@@ -4,11 +4,11 @@ workload's prompts on the wire, and every user error as one line with a non-zero
 from __future__ import annotations
 
 import json
-import socket
 import sys
 
 import pytest
 from click.testing import CliRunner
+from launchers import free_port  # tests/, on sys.path
 
 from infer.cli.main import cli
 
@@ -70,12 +70,6 @@ def test_failures_are_reported_and_the_run_completes(fake_server):
     assert result.exit_code == 0, result.output
     assert "rate inf: 3 failed: HTTP 500: the engine failed" in result.output
     assert "3/3" in result.output  # done/failed
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def test_connection_refused_is_one_line():

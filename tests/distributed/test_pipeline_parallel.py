@@ -11,6 +11,7 @@ import time
 
 import pytest
 import torch
+from launchers import torchrun  # tests/, on sys.path
 
 from infer import SamplingParams
 from infer.api import PipelineStage
@@ -166,31 +167,12 @@ llm.close()
 def test_two_hosts_by_torchrun_each_a_stage_of_two_ranks(tiny_llama_dir, tmp_path):
     # two torchrun launches on loopback, as two hosts would start them: host i runs stage i's two ranks
     import json
-    import socket
-    import subprocess
-    import sys
 
     script = tmp_path / "run_pp.py"
     script.write_text(TORCHRUN_SCRIPT)
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    hosts = [
-        subprocess.Popen(
-            [sys.executable, "-m", "torch.distributed.run", "--nnodes", "2", "--node-rank", str(node)]
-            + ["--nproc-per-node", "2", "--master-addr", "127.0.0.1", "--master-port", str(port)]
-            + [str(script), str(tiny_llama_dir), json.dumps(PROMPTS)],
-            stdout=subprocess.PIPE,
-            stderr=subprocess.PIPE,
-            text=True,
-        )
-        for node in (0, 1)
-    ]
-    outputs = [host.communicate(timeout=240) for host in hosts]
-    for host, (_, err) in zip(hosts, outputs):
-        assert host.returncode == 0, err[-3000:]
-    lines = [line for out, _ in outputs for line in out.splitlines() if line.startswith("TOKENS ")]
-    assert len(lines) == 1, outputs  # process 0 alone prints
+    output = torchrun(script, [str(tiny_llama_dir), json.dumps(PROMPTS)], hosts=2, per_host=2)
+    lines = [line for line in output if line.startswith("TOKENS ")]
+    assert len(lines) == 1, output  # process 0 alone prints
     params = SamplingParams(max_tokens=8, temperature=0, ignore_eos=True)
     with LLM(model=str(tiny_llama_dir), dtype="float32") as llm:
         expected = tokens(llm.generate(PROMPTS, params))

@@ -12,6 +12,7 @@ import time
 
 import pytest
 import torch
+from launchers import torchrun  # tests/, on sys.path
 
 from infer import SamplingParams
 from infer.api import BlockOps
@@ -154,35 +155,12 @@ llm.close()
 def test_ranks_started_by_torchrun(tiny_llama_dir, tmp_path):
     # every process runs the same program; rank 0 returns from LLM(...) and drives, rank 1 serves inside it
     import json
-    import socket
-    import subprocess
-    import sys
 
     script = tmp_path / "run_tp.py"
     script.write_text(TORCHRUN_SCRIPT)
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    done = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "torch.distributed.run",
-            "--nproc-per-node",
-            "2",
-            "--master-port",
-            str(port),
-            str(script),
-            str(tiny_llama_dir),
-            json.dumps(PROMPTS),
-        ],
-        capture_output=True,
-        text=True,
-        timeout=240,
-    )
-    assert done.returncode == 0, done.stderr[-3000:]
-    lines = [line for line in done.stdout.splitlines() if line.startswith("TOKENS ")]
-    assert len(lines) == 1, done.stdout  # rank 0 alone prints
+    output = torchrun(script, [str(tiny_llama_dir), json.dumps(PROMPTS)], hosts=1, per_host=2)
+    lines = [line for line in output if line.startswith("TOKENS ")]
+    assert len(lines) == 1, output  # rank 0 alone prints
     params = SamplingParams(max_tokens=8, temperature=0, ignore_eos=True)
     expected = [
         o.outputs[0].token_ids for o in generate(1, PROMPTS, params, model=str(tiny_llama_dir), dtype="float32")

@@ -20,6 +20,7 @@ from typing import Any, Callable
 
 import httpx
 import pytest
+from launchers import free_port  # tests/, on sys.path
 
 from infer import LLM, SamplingParams
 
@@ -34,12 +35,6 @@ SERVER = [
     "--attention", "torch", "--max-model-len", "8192", "--header-timeout", "2", "--body-timeout", "2",
     "--structured-compile-timeout-s", "3", "--max-step-ms", "300",
 ]  # fmt: skip
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _rss_mb(pid: int) -> float:
@@ -66,7 +61,7 @@ class Server:
 
 @pytest.fixture(scope="module")
 def server(smollm2_dir):
-    port = _free_port()
+    port = free_port()
     command = [sys.executable, "-m", "infer.cli.main", "serve", "--model", f"{smollm2_dir}:name=smol"]
     command += [*SERVER, "--port", str(port)]
     env = {**os.environ, "OMP_NUM_THREADS": "1"}

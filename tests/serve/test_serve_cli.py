@@ -4,13 +4,13 @@ when it is missing, per-model options, and two models served by one process (a r
 from __future__ import annotations
 
 import signal
-import socket
 import subprocess
 import sys
 import time
 
 import httpx
 import pytest
+from launchers import free_port  # tests/, on sys.path
 
 from infer.api.errors import ConfigError, PluginNotFoundError
 from infer.cli.serve import model_configs, parse_model
@@ -70,12 +70,6 @@ def test_model_options_syntax():
             model_configs(bad, {})
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _wait_until_up(server: subprocess.Popen, port: int) -> str:
     """The root URL once `server`'s /health answers 200 (its stderr if it ends first)."""
     root = f"http://127.0.0.1:{port}"
@@ -93,7 +87,7 @@ def _wait_until_up(server: subprocess.Popen, port: int) -> str:
 
 @pytest.mark.slow  # a fresh process loads two engines
 def test_two_models_served_by_one_process(tiny_chat_dir):
-    port, key = _free_port(), "k-123"
+    port, key = free_port(), "k-123"
     tiny = str(tiny_chat_dir)
     command = [
         sys.executable, "-m", "infer.cli.main", "serve", "--attention", "torch", "--max-model-len", "128",
@@ -125,7 +119,7 @@ def test_two_models_served_by_one_process(tiny_chat_dir):
 
 @pytest.mark.slow  # a fresh process loads two replicas
 def test_data_parallel_replicas_behind_one_server(tiny_chat_dir):
-    port = _free_port()
+    port = free_port()
     command = [
         sys.executable, "-m", "infer.cli.main", "serve", str(tiny_chat_dir), "--served-model-name", "tiny",
         "--attention", "torch", "--max-model-len", "128", "--num-kv-blocks", "16", "-dp", "2", "--port", str(port),

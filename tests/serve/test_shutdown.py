@@ -11,7 +11,6 @@ import json
 import os
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -19,6 +18,7 @@ from pathlib import Path
 
 import httpx
 import pytest
+from launchers import free_port  # tests/, on sys.path
 
 from infer import LLM, SamplingParams
 from infer.serve.app import create_app
@@ -58,9 +58,7 @@ class ServeProcess:
     """`infer serve` over `model_dir` on a free port (its log in `log`), up once /health says ok."""
 
     def __init__(self, model_dir: Path, log: Path, *flags: str) -> None:
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            port = s.getsockname()[1]
+        port = free_port()
         options = [f"--{k.replace('_', '-')}={v}" for k, v in OPTIONS.items()]
         command = [sys.executable, "-m", "infer.cli.main", "serve", "--model", f"{model_dir}:name={MODEL}"]
         command += [*options, "--port", str(port), *flags]
