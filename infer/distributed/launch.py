@@ -46,7 +46,7 @@ from infer.distributed.spawn_guard import (
     main_guard_message,
     terminal_interrupts_ignored,
 )
-from infer.distributed.state import ParallelState, check_tensor_parallel, torchrun_host
+from infer.distributed.state import ParallelState, check_pipeline_parallel, check_tensor_parallel, torchrun_host
 from infer.distributed.step_channel import StepChannel, serve
 from infer.distributed.teardown import meet_for_teardown, release_graphs, take_down_groups
 
@@ -65,11 +65,7 @@ def launch(config: Any, extra_plugins: Iterable[Any], name: str, model_config: A
     extra_plugins = list(extra_plugins)
     c = model_config
     check_tensor_parallel(name, c.num_heads, c.num_kv_heads, c.intermediate_size, config.tensor_parallel_size)
-    if config.pipeline_parallel_size > c.num_layers:
-        raise ConfigError(
-            f"--pp {config.pipeline_parallel_size} splits the {c.num_layers} layers of {name}: each stage needs "
-            f"one; use --pp {c.num_layers} or fewer"
-        )
+    check_pipeline_parallel(name, c.num_layers, config.pipeline_parallel_size)
     parallel, ranks = _start_ranks(config, extra_plugins, device)
     if not parallel.is_driver:
         run_worker(config, extra_plugins, parallel)

@@ -42,6 +42,15 @@ def check_tensor_parallel(
         raise ConfigError(f"--tp {world_size} does not divide the MLP width {intermediate_size} of {name}: {fix}")
 
 
+def check_pipeline_parallel(name: str, num_layers: int, num_stages: int) -> None:
+    """Refuse a split into more pipeline stages than `name` has layers (each stage holds one at least)."""
+    if num_stages > num_layers:
+        raise ConfigError(
+            f"--pp {num_stages} splits the {num_layers} layers of {name}: each stage needs one; use --pp "
+            f"{num_layers} or fewer"
+        )
+
+
 def _splits(num_heads: int, num_kv_heads: int, intermediate_size: int, n: int) -> bool:
     kv_ok = num_kv_heads % n == 0 if num_kv_heads >= n else n % num_kv_heads == 0
     return num_heads % n == 0 and kv_ok and intermediate_size % n == 0
@@ -213,11 +222,7 @@ class ParallelState:
         """This rank's stage of a model of `num_layers` layers under --pp; None: every layer."""
         if self.num_stages == 1:
             return None
-        if num_layers < self.num_stages:
-            raise ConfigError(
-                f"--pp {self.num_stages} splits a model of {num_layers} layers: each stage needs one; use --pp "
-                f"{num_layers} or fewer"
-            )
+        check_pipeline_parallel("the model", num_layers, self.num_stages)  # a draft's, past the launch's check
         return PipelineStage.split(num_layers, self.num_stages, self.stage_index)
 
     def executor(self, model_id: int) -> Executor:
