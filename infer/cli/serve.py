@@ -276,6 +276,16 @@ def limit_options(command: Callable[..., Any]) -> Callable[..., Any]:
     "a local Ray started here.",
 )
 @click.option(
+    "--api-server-count",
+    "-asc",
+    type=click.IntRange(min=1),
+    default=1,
+    show_default=True,
+    help="API server processes (vLLM's flag), each accepting on the same port and reaching every engine: HTTP "
+    "parsing and answering spread over cores, so requests (high priority ones too) do not queue behind one event "
+    "loop at hundreds a second.",
+)
+@click.option(
     "--lora-modules",
     "lora_specs",
     multiple=True,
@@ -308,6 +318,7 @@ def serve(
     data_parallel_size: int,
     distributed_executor_backend: str,
     ray_address: str | None,
+    api_server_count: int,
     lora_specs: tuple[str, ...],
     allow_runtime_lora_updating: bool,
     limits: ServeLimits,
@@ -352,6 +363,8 @@ def serve(
         if not served_model_name.strip():
             raise ConfigError("--served-model-name is empty: give the name requests should use")
         configs = {served_model_name.strip(): next(iter(configs.values()))}
+    if api_server_count > 1:
+        _check_fronts(restart_engine, distributed_executor_backend, allow_runtime_lora_updating)
     loras = lora_modules(lora_specs, list(configs))
     for name in loras:  # a model with adapters serves them
         configs[name] = configs[name].replace(enable_lora=True)
@@ -377,38 +390,57 @@ def serve(
                 engines[name] = ReplicatedEngine.spawn(build, data_parallel_size, max_waiting, devices, start)
             else:
                 engines[name] = AsyncEngine.spawn(build, max_waiting=max_waiting, start=start)
-        lifecycle = Lifecycle()
-        app = create_app(
-            engines,
-            api_key=api_key,
-            tool_call_parser=tool_call_parser,
-            reasoning_parser=reasoning_parser,
-            tracer=tracer,
-            limits=limits,
-            metrics_public=metrics_public,
-            lifecycle=lifecycle,
-            adapters=loras,
-            allow_adapter_updates=allow_runtime_lora_updating,
-        )
-        click.echo(f"serving {', '.join(engines)} at http://{host}:{port}/v1", err=True)
+        app_options = {
+            "api_key": api_key,
+            "tool_call_parser": tool_call_parser,
+            "reasoning_parser": reasoning_parser,
+            "limits": limits,
+            "metrics_public": metrics_public,
+            "adapters": loras,
+            "allow_adapter_updates": allow_runtime_lora_updating,
+        }
         # the Server drains before uvicorn's own shutdown: what is left for it after the cut is cancelled
-        config = uvicorn.Config(
-            app,
-            host=host,
-            port=port,
-            log_level="info",
-            timeout_graceful_shutdown=5,
-            access_log=not disable_log_requests,
+        server_options = {
+            "host": host,
+            "port": port,
+            "log_level": "info",
+            "timeout_graceful_shutdown": 5,
+            "access_log": not disable_log_requests,
             **uvicorn_options(limits),
-        )
-        server = Server(config, engines, lifecycle, shutdown_timeout, restart_engines=restart_engine)
-        server.run()
-        exit_code = server.exit_code
+        }
+        fronts = f" by {api_server_count} API server processes" if api_server_count > 1 else ""
+        click.echo(f"serving {', '.join(engines)} at http://{host}:{port}/v1{fronts}", err=True)
+        if api_server_count > 1:
+            from infer.serve.fronts import serve_fronts
+
+            exit_code = serve_fronts(
+                api_server_count, engines, app_options, server_options, shutdown_timeout, max_waiting,
+                otlp_traces_endpoint,
+            )  # fmt: skip
+        else:
+            lifecycle = Lifecycle()
+            app = create_app(engines, tracer=tracer, lifecycle=lifecycle, **app_options)
+            server = Server(uvicorn.Config(app, **server_options), engines, lifecycle, shutdown_timeout, restart_engine)
+            server.run()
+            exit_code = server.exit_code
     finally:
         for engine in engines.values():
             engine.close()
     if exit_code:
         sys.exit(exit_code)
+
+
+def _check_fronts(restart_engine: bool, backend: str, runtime_adapters: bool) -> None:
+    """What several API server processes cannot do yet, refused before any model loads."""
+    why = None
+    if restart_engine:
+        why = "--restart-engine (each API server process holds its own connections to an engine)"
+    elif backend == "ray":
+        why = "--distributed-executor-backend ray (the API servers reach engines over local pipes)"
+    elif runtime_adapters:
+        why = "--allow-runtime-lora-updating (each API server process keeps its own list of served adapters)"
+    if why is not None:
+        raise ConfigError(f"--api-server-count above 1 does not go with {why}: drop one of the two")
 
 
 def _build_engine(config: EngineConfig, loras: tuple[LoRARequest, ...] = ()) -> Any:

@@ -19,7 +19,17 @@ LEVELS = {  # the level names logging defines -> their numbers
 }
 
 
+_settings: tuple[bool, str] | None = None  # what configure() was last given
+
+
+def settings() -> tuple[bool, str] | None:
+    """(json_logs, level) as configure() last set them here, None if never: for a spawned process to set the same."""
+    return _settings
+
+
 def configure(json_logs: bool = False, level: str = "info") -> None:
+    global _settings
+    _settings = (json_logs, level)
     renderer = (
         structlog.processors.JSONRenderer() if json_logs else structlog.dev.ConsoleRenderer(colors=sys.stderr.isatty())
     )

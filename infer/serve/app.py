@@ -122,6 +122,8 @@ def create_app(
     lifecycle: Lifecycle | None = None,
     adapters: Mapping[str, Sequence[LoRARequest]] | None = None,
     allow_adapter_updates: bool = False,
+    metrics_dir: str | None = None,
+    response_store: Any = None,
 ) -> FastAPI:
     """tool_call_parser: the format of the calls models write in their text (a name in `PARSERS`), read
     for chats with tool_choice "auto"; None: such chats are refused. reasoning_parser: the reasoning parser
@@ -130,7 +132,9 @@ def create_app(
     defaults. metrics_public: /metrics needs no key even with `api_key`. lifecycle: what a shutdown
     stops (None: one of the app's own, never stopped). adapters: per served model, the adapters its engine
     serves already (`--lora-modules`), each served as a model of its own name; allow_adapter_updates: the
-    load and unload routes answer (`adapters`)."""
+    load and unload routes answer (`adapters`). metrics_dir: prometheus_client's multiprocess directory, for
+    /metrics to sum the counters of every API server process (`fronts`); response_store: where responses are
+    kept for previous_response_id (None: this app's own store; `fronts` shares one among its processes)."""
     if not engines:
         raise ConfigError("serve at least one model: give --model NAME")
     if tool_call_parser is not None and tool_call_parser not in PARSERS:
@@ -142,12 +146,13 @@ def create_app(
     })  # fmt: skip
     models.offload = Offload()  # tokenizing and chat templates run here, off the event loop
     models.adapters = AdapterNames()
+    models.responses = ResponseStore(held_by=response_store)
     for base, loras in (adapters or {}).items():
         for lora in loras:
             if lora.lora_name in models or lora.lora_name in models.adapters.served:
                 raise ConfigError(f"adapter {lora.lora_name!r} has the name of another served model: rename it")
             models.adapters.served[lora.lora_name] = models[base].adapter(lora)
-    metrics = ServeMetrics(models.values())
+    metrics = ServeMetrics(models.values(), metrics_dir)
     limits = limits or ServeLimits()
     app = FastAPI(
         title="infer",
@@ -203,6 +208,7 @@ class Models(dict[str, ServedModel]):
 
     offload: Offload  # set by create_app
     adapters: AdapterNames  # set by create_app: adapters served under names of their own
+    responses: ResponseStore  # set by create_app: for previous_response_id
 
     def refuse_long(self, served: ServedModel, num_chars: int, param: str) -> None:
         """A 400 for text longer than the model's context holds in any tokenization, before encoding it."""
@@ -270,7 +276,7 @@ def _generation_routes(
         chat = ChatFormat(rules.parser, gen.served.reasoning)
         return await answer(gen, AnthropicFormat(chat), bool(req.stream), request)
 
-    store = ResponseStore()  # the newest responses, for previous_response_id
+    store = models.responses  # the newest responses, for previous_response_id
 
     @app.post("/v1/responses", dependencies=guarded, response_model=None, responses=_streamed(ResponseObject))
     async def responses(req: ResponsesRequest, request: Request) -> Response:

@@ -33,7 +33,7 @@ from infer.serve.engine_thread import Abort, Add, Call, EngineDeadError, EngineT
 from infer.serve.snapshot import EngineSnapshot
 
 if TYPE_CHECKING:
-    from infer.serve.engine_process import EngineFront, EngineProcess, Starter
+    from infer.serve.engine_process import EngineFront, EngineLink, EngineProcess, Starter
 
 T = TypeVar("T")
 
@@ -167,6 +167,26 @@ class AsyncEngine:
 
         process = EngineProcess(build, start=start)
         return cls(process.front, max_waiting, thread=process, build=build, start=start)
+
+    @classmethod
+    def attached(cls, link: "EngineLink", max_waiting: int | None = None) -> "AsyncEngine":
+        """The engine behind `link` (`attach()` of a spawned engine, in another process): what an API server
+        process of `--api-server-count` serves. Closing it ends the link (its unfinished requests aborted), not
+        the engine; it cannot be restarted from here."""
+        from infer.serve.engine_process import EngineProcess
+
+        process = EngineProcess.attached(link)
+        return cls(process.front, max_waiting, thread=process)
+
+    def attach(self) -> "EngineLink":
+        """A new connection to this spawned engine, for `attached` in another process (picklable for a spawned
+        child, which takes it as an argument)."""
+        from infer.serve.engine_process import EngineProcess
+
+        if not isinstance(self._thread, EngineProcess):
+            raise ConfigError("only an engine in a process of its own (AsyncEngine.spawn) can be attached to")
+        self._check_alive()
+        return self._thread.attach()
 
     @property
     def tokenizer(self) -> Any:

@@ -18,14 +18,21 @@ after; `is_alive` turns False and `exitcode` says how it ended. The child ignore
 a terminal's Ctrl-C or a `kill` of the whole process group reaches it too, and the server, which
 drains its requests first, stops it through the pipe; if the server itself dies, the pipe's end
 stops the child.
+
+More than one front (`--api-server-count`: API server processes beside the one that started the
+engine) reach the same engine through connections of their own: `attach()` hands the child one end of
+a new pipe over the first, and returns the other end with the engine's facts, for
+`EngineProcess.attached` in the front's process. The child serves every connection; outputs and call
+results go back over the connection that sent the request, snapshots over all of them. A front that
+ends its connection (`stop`, or its process died) has its unfinished requests aborted; only the first
+connection's stop, or its end, stops the engine.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import multiprocessing
-import pickle
-import signal
 import threading
 import weakref
 from concurrent.futures import Future
@@ -33,35 +40,22 @@ from dataclasses import dataclass
 from multiprocessing.connection import Connection
 from typing import Any, Callable, Protocol
 
-from infer.api.adapters import LoRARequest
-from infer.api.errors import ConfigError, InferError, RequestError, one_line
-from infer.api.request import SamplingParams
+from infer.api.errors import ConfigError, one_line
 from infer.core.engine import Engine
 from infer.core.stream import StreamOutput
 from infer.inputs.prompts import tokenize
+from infer.serve.engine_child import Attach, EngineFacts, RemoteAdd, RemoteCall, Stop, serve_engine
 from infer.serve.engine_thread import (
     Abort,
     Add,
     Call,
     EngineDeadError,
     EngineStepError,
-    EngineThread,
     Item,
     Sink,
     hand_over,
 )
-from infer.serve.snapshot import EngineSnapshot, snapshot
-
-
-@dataclass(slots=True)
-class EngineFacts:
-    """What the front needs of an engine built in another process; sent once, when it is built."""
-
-    tokenizer: Any | None  # the engine's tokenizer (None: token ids only)
-    vocab_size: int  # token ids must be below it
-    max_model_len: int  # prompt + output tokens, at most
-    model_name: str  # named in errors about prompts
-    snapshot: EngineSnapshot  # its state when built, until the first one published
+from infer.serve.snapshot import EngineSnapshot
 
 
 class EngineFront:
@@ -80,25 +74,27 @@ class EngineFront:
 
 
 @dataclass(slots=True)
-class _RemoteAdd:
-    """An `Add` without its sink: the child makes its own, which sends the outputs back under `key`."""
+class EngineLink:
+    """A connection to a running engine's process, for a front in another process (`EngineProcess.attached`)."""
 
-    key: int  # the parent's name for the request's sink: outputs come back under it (ids may be reused)
-    request_id: str
-    prompt_token_ids: list[int]
-    prompt: str | None
-    params: SamplingParams
-    lora_request: LoRARequest | None = None
+    conn: Connection
+    facts: EngineFacts
 
 
-@dataclass(slots=True)
-class _RemoteCall:
-    call_id: int  # answered by a ("result", call_id, ok, value) message
-    fn: Callable[[Engine], Any]  # picklable: a module-level function
+class _Attached:
+    """`ChildProcess` for an engine this process did not start: whether it lives is the connection's to say."""
 
+    pid = None
+    exitcode = None
 
-class _Stop:
-    pass
+    def is_alive(self) -> bool:
+        return True
+
+    def join(self, timeout: float | None = None) -> None:
+        pass
+
+    def terminate(self) -> None:
+        pass
 
 
 class ChildProcess(Protocol):
@@ -153,6 +149,33 @@ class EngineProcess:
         if kind == "error":
             self._process.join()
             raise payload
+        self._connected(payload, name)
+
+    @classmethod
+    def attached(cls, link: EngineLink, name: str = "infer-engine") -> "EngineProcess":
+        """The engine behind `link` (another process's `attach()`), from this process: its requests and calls
+        go over the link; `stop` ends the link (aborting what it left unfinished), not the engine."""
+        self = cls.__new__(cls)
+        self._conn, self._process = link.conn, _Attached()
+        self._connected(link.facts, name)
+        return self
+
+    def attach(self) -> EngineLink:
+        """A new connection to this engine, for a front in another process (pass the link to it when it starts,
+        then `close_link` here)."""
+        mine, theirs = multiprocessing.get_context("spawn").Pipe()
+        try:
+            with self._send_lock:
+                self._conn.send(Attach(theirs))
+        except Exception:
+            mine.close()
+            raise self._dead() from None
+        finally:
+            theirs.close()  # it crossed to the child as a duplicate
+        return EngineLink(mine, dataclasses.replace(self.facts, snapshot=self.snapshot))
+
+    def _connected(self, payload: EngineFacts, name: str) -> None:
+        self.facts = payload
         self.front = EngineFront(payload)
         self.snapshot: EngineSnapshot = payload.snapshot  # the latest the child published
         self._gone = False  # the pipe's end was found: the child is dead or stopping
@@ -172,12 +195,12 @@ class EngineProcess:
         message: Any = command
         if isinstance(command, Add):
             self._sinks[key] = command.sink
-            message = _RemoteAdd(
+            message = RemoteAdd(
                 key, command.request_id, command.prompt_token_ids, command.prompt, command.params, command.lora_request
             )
         elif isinstance(command, Call):
             self._calls[key] = command.future
-            message = _RemoteCall(key, command.fn)
+            message = RemoteCall(key, command.fn)
         try:
             if self._gone:  # checked after the sink is in: else the reader's last pass has it
                 raise EOFError
@@ -194,7 +217,7 @@ class EngineProcess:
         """End the process after the commands already sent (unfinished requests get a RequestError)."""
         try:
             with self._send_lock:
-                self._conn.send(_Stop())
+                self._conn.send(Stop())
         except (OSError, ValueError):
             pass
         self._process.join(timeout)
@@ -211,6 +234,11 @@ class EngineProcess:
         return self._process.exitcode
 
     def _dead(self) -> EngineDeadError:
+        if isinstance(self._process, _Attached):
+            return EngineDeadError(
+                "the engine stopped (its connection to this API server ended): the request did not finish; retry "
+                "it once the server is back"
+            )
         self._process.join(1)  # the pipe's end comes just before the exit code
         code = self._process.exitcode
         how = f"exit code {code}" if code is None or code >= 0 else f"killed by signal {-code}"
@@ -256,103 +284,6 @@ class EngineProcess:
                 self._sinks.pop(key, None)
             found.append((sink, item))
         hand_over(found)
-
-
-# ---------------------------------------------------------------------------- in the engine's process
-
-
-class _PipeLoop:
-    """Stands in for an event loop in the child: a step's outputs go to the parent as one message."""
-
-    def __init__(self, conn: Connection) -> None:
-        self.conn = conn
-
-    def call_soon_threadsafe(self, fn: Callable, batch: list[tuple["_RemoteSink", Item]]) -> None:
-        self.conn.send(("items", [(sink.key, _portable(item)) for sink, item in batch]))
-
-
-@dataclass(slots=True)
-class _RemoteSink:
-    key: int  # the parent's key for this request's sink
-    loop: Any  # the _PipeLoop
-
-    def put(self, item: Item) -> None:  # never called: _PipeLoop sends instead
-        raise AssertionError("a remote sink is delivered through its loop")
-
-
-def serve_engine(conn: Connection, build: Callable[[], Engine]) -> None:
-    """The engine's process: build the engine, say so (or why not) through `conn`, then step it on the
-    commands that come through `conn` until a stop or the connection's end."""
-    # Ctrl-C reaches the terminal's whole process group (and a kill of the group, SIGTERM): the server
-    # drains its requests and then stops this process through the pipe; dying here at once would cut that short
-    if threading.current_thread() is threading.main_thread():
-        signal.signal(signal.SIGINT, signal.SIG_IGN)
-        signal.signal(signal.SIGTERM, signal.SIG_IGN)
-    try:
-        engine = build()
-    except BaseException as exc:  # a bad model or option: the parent raises it
-        conn.send(("error", exc if isinstance(exc, InferError) else ConfigError(f"{type(exc).__name__}: {exc}")))
-        return
-    parts = engine.parts
-    facts = EngineFacts(
-        engine.tokenizer, parts.vocab_size, parts.max_model_len, parts.model_config.name, snapshot(engine)
-    )
-    conn.send(("ready", facts))
-    loop = _PipeLoop(conn)
-    # every send of this process after "ready" is the engine thread's (outputs, results, snapshots): no lock
-    thread = EngineThread(engine, publish=lambda snap: conn.send(("snapshot", snap)))
-    try:
-        while True:
-            try:
-                command = conn.recv()
-            except (EOFError, OSError):  # the parent is gone
-                break
-            if isinstance(command, _Stop):
-                break
-            if isinstance(command, _RemoteCall):
-                thread.send(Call(command.fn, _answer(conn, command.call_id)))
-            elif isinstance(command, _RemoteAdd):
-                sink = _RemoteSink(command.key, loop)
-                thread.send(
-                    Add(
-                        command.request_id, command.prompt_token_ids, command.prompt, command.params, sink,
-                        command.lora_request,
-                    )
-                )  # fmt: skip
-            else:
-                thread.send(command)
-    finally:
-        thread.stop()
-        engine.close()
-
-
-def _answer(conn: Connection, call_id: int) -> Future:
-    future: Future = Future()
-
-    def done(f: Future) -> None:
-        exc = f.exception()
-        value = _portable(exc) if exc is not None else f.result()
-        try:
-            payload = pickle.dumps(value)
-            pickle.loads(payload)
-        except Exception as err:  # a result that cannot cross: the caller gets why
-            exc, value = err, RequestError(f"the call's result cannot leave the engine's process ({one_line(err)})")
-        conn.send(("result", call_id, exc is None, value))
-
-    future.add_done_callback(done)
-    return future
-
-
-def _portable(item: Any) -> Any:
-    """An exception as it will unpickle on the other side (one that needs more constructor arguments than
-    its message does not): else a RequestError with its text."""
-    if not isinstance(item, BaseException):
-        return item
-    try:
-        pickle.loads(pickle.dumps(item))
-        return item
-    except Exception:
-        return RequestError(f"{type(item).__name__}: {one_line(item)}")
 
 
 def _shut_down(conn: Connection, process: Any) -> None:

@@ -16,6 +16,7 @@ from typing import Any, Callable, Iterable, Iterator
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.multiprocess import MultiProcessCollector
 
 from infer.api.request import RequestOutput
 from infer.serve.served import ServedModel
@@ -76,8 +77,11 @@ COUNTERS: dict[str, tuple[str, Callable[[EngineSnapshot], float]]] = {  # the en
 
 
 class ServeMetrics:
-    def __init__(self, models: Iterable[ServedModel]) -> None:
+    def __init__(self, models: Iterable[ServedModel], multiprocess_dir: str | None = None) -> None:
+        """multiprocess_dir: PROMETHEUS_MULTIPROC_DIR, as it was when this process imported prometheus_client (the
+        API server processes of `--api-server-count`): a scrape sums the counts of every process there."""
         self.models = list(models)
+        self.multiprocess_dir = multiprocess_dir
         self.registry = CollectorRegistry()
         r = self.registry
         self.requests = Counter(
@@ -144,7 +148,12 @@ class ServeMetrics:
 
     def scrape(self) -> bytes:
         """The exposition text, with every running engine's last published state (no call into an engine)."""
-        return generate_latest(self.registry)
+        if self.multiprocess_dir is None:
+            return generate_latest(self.registry)
+        registry = CollectorRegistry()
+        MultiProcessCollector(registry, path=self.multiprocess_dir)
+        registry.register(self._engines)
+        return generate_latest(registry)
 
 
 class _EngineCollector:

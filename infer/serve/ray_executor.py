@@ -25,7 +25,7 @@ from typing import Any, Callable
 from infer.api.errors import ConfigError, one_line
 from infer.common import env
 from infer.core.engine import Engine
-from infer.serve.engine_process import serve_engine
+from infer.serve.engine_child import serve_engine
 
 __all__ = ["RayProcess", "RayStarter"]
 

@@ -38,7 +38,7 @@ from infer.common import env
 from infer.core.engine import Engine, Prompt
 from infer.core.stream import StreamOutput
 from infer.serve.async_engine import AsyncEngine, QueueFullError, RequestStream
-from infer.serve.engine_process import Starter
+from infer.serve.engine_process import EngineLink, Starter
 from infer.serve.engine_thread import EngineDeadError
 from infer.serve.router import PrefixRouter
 from infer.serve.snapshot import EngineSnapshot
@@ -276,6 +276,15 @@ class ReplicatedEngine:
                 engine.close()
             raise error
         return cls(built)
+
+    @classmethod
+    def attached(cls, links: Sequence["EngineLink"], max_waiting: int | None = None) -> "ReplicatedEngine":
+        """The replicas behind `links` (`attach()`, in another process), routed by a router of this process's own."""
+        return cls([AsyncEngine.attached(link, max_waiting) for link in links])
+
+    def attach(self) -> list["EngineLink"]:
+        """A new connection to each replica, for `attached` in another process."""
+        return [replica.attach() for replica in self.replicas]
 
     # what the server reads of an AsyncEngine
     @property

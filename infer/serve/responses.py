@@ -49,16 +49,25 @@ def renamed(error: APIError, names: dict[str, str]) -> APIError:
 
 class ResponseStore:
     """The newest responses, for previous_response_id and GET /v1/responses/{id}: each with the chat
-    messages of its whole conversation (its input and its output)."""
+    messages of its whole conversation (its input and its output). `held_by`: the store that keeps them
+    instead, in another process (a `multiprocessing` manager's proxy of a ResponseStore, shared by the API
+    server processes of `--api-server-count`)."""
 
-    def __init__(self, size: int = STORE_SIZE) -> None:
+    def __init__(self, size: int = STORE_SIZE, held_by: Any = None) -> None:
         self.size = size
+        self.held_by = held_by
         self.responses: OrderedDict[str, tuple[dict[str, Any], list[dict[str, Any]]]] = OrderedDict()
+
+    def find(self, response_id: str) -> tuple[dict[str, Any], list[dict[str, Any]]] | None:
+        """The response and its conversation; None when not stored (or no longer)."""
+        if self.held_by is not None:
+            return self.held_by.find(response_id)
+        return self.responses.get(response_id)
 
     def history(self, response_id: str | None) -> list[dict[str, Any]]:
         if response_id is None:
             return []
-        found = self.responses.get(response_id)
+        found = self.find(response_id)
         if found is None:
             raise APIError(
                 404, f"no stored response {response_id!r}: it expired (the newest {self.size} are kept) or was not stored",
@@ -67,12 +76,15 @@ class ResponseStore:
         return list(found[1])
 
     def get(self, response_id: str) -> dict[str, Any]:
-        found = self.responses.get(response_id)
+        found = self.find(response_id)
         if found is None:
             raise APIError(404, f"no stored response {response_id!r}", "not_found_error")
         return found[0]
 
     def put(self, response: dict[str, Any], conversation: list[dict[str, Any]]) -> None:
+        if self.held_by is not None:
+            self.held_by.put(response, conversation)
+            return
         self.responses[response["id"]] = (response, conversation)
         while len(self.responses) > self.size:
             self.responses.popitem(last=False)

@@ -101,7 +101,8 @@ class Server(uvicorn.Server):
                     await self._replicas(name, engine)
                 if self.should_exit or engine.is_alive or engine.closed:
                     continue
-                logger.error("the engine of %s stopped (exit code %s)", name, engine.exitcode)
+                code = engine.exitcode
+                logger.error("the engine of %s stopped%s", name, "" if code is None else f" (exit code {code})")
                 if self.restart_engines and await self._restarted(name, engine):
                     continue
                 self.exit_code = EXIT_ENGINE_DIED

@@ -1,0 +1,265 @@
+"""`--api-server-count N`: N API server processes in front of the same engines, on one listening socket.
+
+One event loop accepts, reads, parses and answers every HTTP request first come first served, before
+any priority is known; past a few hundred requests a second it is the queue a high-priority request
+waits in, however the engine schedules it (and at saturation its JSON work is what the GPU waits for).
+With N fronts the kernel hands each new connection to one of N processes blocked in `accept` on the
+same socket (uvicorn's `--workers` does the same), and each front reaches every engine over a
+connection of its own (`AsyncEngine.attach`, `engine_child`): the engines are built once, by this
+process, which then only supervises.
+
+- **Signals.** This process takes SIGINT and SIGTERM and sends each front one SIGTERM per signal it
+  gets: the first drains (`server.Server`), a second cuts. Fronts ignore SIGINT, so that a terminal's
+  Ctrl-C, which reaches the whole process group, counts once.
+- **A front that dies** (killed, out of memory) loses the connections it held, and its unfinished
+  requests are aborted in the engines; the others serve on, and a new front is started in its place.
+  A front that dies before it ever served stops the server (its error is a configuration's).
+- **An engine that dies** ends every front's requests with 503s; each front shuts down as one server
+  does (`EXIT_ENGINE_DIED`), and so does this process (`--restart-engine` is refused here: each front
+  holds its own connections to an engine).
+- **/metrics** answered by any front sums every front's request counters and histograms
+  (prometheus_client's multiprocess mode, over a directory of this process's that it removes at the
+  end), beside the engines' own state as each front last received it.
+- **`previous_response_id`** finds a response stored by any front: the store is this process's,
+  reached through a `multiprocessing` manager.
+- `--max-waiting` is split among the fronts (each takes the ceiling of its share).
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import multiprocessing
+import shutil
+import signal
+import socket
+import sys
+import tempfile
+import time
+from dataclasses import dataclass
+from multiprocessing.managers import BaseManager
+from types import FrameType
+from typing import Any, Mapping
+
+from infer.api.errors import ConfigError
+from infer.common import env, log
+from infer.serve.async_engine import AsyncEngine
+from infer.serve.engine_process import EngineLink
+from infer.serve.engine_thread import EngineDeadError
+from infer.serve.replicas import ReplicatedEngine
+from infer.serve.responses import ResponseStore
+from infer.serve.server import EXIT_CUT, EXIT_ENGINE_DIED, EXIT_OK
+
+__all__ = ["serve_fronts"]
+
+POLL_S = 0.2
+logger = logging.getLogger("uvicorn.error")
+
+
+class _StoreManager(BaseManager):
+    pass
+
+
+_StoreManager.register("ResponseStore", ResponseStore)
+
+
+@dataclass(slots=True)
+class FrontPlan:
+    """What one front needs (crosses to its spawned process)."""
+
+    index: int
+    links: dict[str, EngineLink | list[EngineLink]]  # per served model: its engine, or its replicas
+    app_options: dict[str, Any]  # create_app's keyword arguments, bar the engines, lifecycle and tracer
+    uvicorn_options: dict[str, Any]  # uvicorn.Config's
+    shutdown_timeout_s: float
+    max_waiting: int | None
+    metrics_dir: str
+    store: Any  # a proxy of the shared ResponseStore
+    otlp_traces_endpoint: str | None = None
+    log_settings: tuple[bool, str] | None = None  # this process's (`infer.common.log.settings`)
+
+
+def serve_fronts(
+    count: int,
+    engines: Mapping[str, AsyncEngine | ReplicatedEngine],
+    app_options: dict[str, Any],
+    uvicorn_options: dict[str, Any],
+    shutdown_timeout_s: float,
+    max_waiting: int | None = None,
+    otlp_traces_endpoint: str | None = None,
+) -> int:
+    """Serve `engines` through `count` front processes on uvicorn_options' host and port until a signal or an
+    engine's death; the exit code (`server`'s: the worst of the fronts')."""
+    import uvicorn
+
+    if count < 2:
+        raise ConfigError(f"--api-server-count {count}: the fronts of one server are 2 or more")
+    supervisor = _Supervisor(count)
+    previous = {s: signal.signal(s, supervisor.on_signal) for s in (signal.SIGINT, signal.SIGTERM)}
+    sock = metrics_dir = manager = None
+    try:
+        sock = uvicorn.Config("infer:LLM", **uvicorn_options).bind_socket()  # exit code 3 when it cannot bind
+        metrics_dir = tempfile.mkdtemp(prefix="infer-metrics-")
+        env.export("PROMETHEUS_MULTIPROC_DIR", metrics_dir)  # the fronts' prometheus_client counts in its files
+        manager = _StoreManager(ctx=multiprocessing.get_context("spawn"))
+        manager.start(_ignore_interrupts)
+        store = manager.ResponseStore()  # type: ignore[attr-defined]
+        per_front = None if max_waiting is None else math.ceil(max_waiting / count)
+
+        def plan(index: int) -> FrontPlan:
+            links = {name: engine.attach() for name, engine in engines.items()}
+            return FrontPlan(
+                index, links, app_options, uvicorn_options, shutdown_timeout_s, per_front, metrics_dir, store,
+                otlp_traces_endpoint, log.settings(),
+            )  # fmt: skip
+
+        return supervisor.run(plan, sock)
+    finally:
+        for s, handler in previous.items():
+            signal.signal(s, handler)
+        if sock is not None:
+            sock.close()
+        if manager is not None:
+            manager.shutdown()
+        if metrics_dir is not None:
+            shutil.rmtree(metrics_dir, ignore_errors=True)
+
+
+def _ignore_interrupts() -> None:
+    """The store's process outlives the signals: the fronts drain (and store) after them; its end is `shutdown`."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+
+
+class _Supervisor:
+    def __init__(self, count: int) -> None:
+        self.context = multiprocessing.get_context("spawn")
+        self.fronts: list[Any] = [None] * count  # per front: (process, ready event), None once it ended
+        self.codes: list[int] = []
+        self.signals = 0  # SIGINT/SIGTERM received
+        self.stopping = False
+
+    def run(self, plan: Any, sock: socket.socket) -> int:
+        self.plan, self.sock = plan, sock
+        try:
+            for i in range(len(self.fronts)):
+                if not self.stopping:  # a signal while they start: those started are told, no more start
+                    self.fronts[i] = self._start(i)
+            while any(f is not None for f in self.fronts):
+                time.sleep(POLL_S)
+                self._look()
+        finally:
+            for front in self.fronts:  # interrupted itself: no front outlives it
+                if front is not None and front[0].is_alive():
+                    front[0].terminate()
+        if EXIT_ENGINE_DIED in self.codes:
+            return EXIT_ENGINE_DIED
+        if EXIT_CUT in self.codes:
+            return EXIT_CUT
+        return max(self.codes, default=EXIT_OK)
+
+    def _start(self, index: int) -> tuple[Any, Any]:
+        plan = self.plan(index)
+        ready = self.context.Event()
+        process = self.context.Process(target=_front_main, args=(plan, self.sock, ready), name=f"infer-api-{index}")
+        process.start()
+        if self.stopping:  # a signal came while it started
+            process.terminate()
+        for links in plan.links.values():  # the child holds its duplicates
+            for link in links if isinstance(links, list) else [links]:
+                link.conn.close()
+        return process, ready
+
+    def on_signal(self, sig: int, frame: FrameType | None) -> None:
+        self.signals += 1
+        self.stopping = True
+        self._tell_all()
+
+    def _tell_all(self) -> None:
+        for front in self.fronts:
+            if front is not None and front[0].is_alive():
+                front[0].kill() if self.signals > 2 else front[0].terminate()  # SIGTERM; a third signal kills
+
+    def _look(self) -> None:
+        for i, front in enumerate(self.fronts):
+            if front is None or front[0].is_alive():
+                continue
+            process, ready = front
+            code = process.exitcode
+            self.fronts[i] = None
+            if self.stopping or code in (EXIT_OK, EXIT_CUT, EXIT_ENGINE_DIED) or not ready.is_set():
+                self.codes.append(code if code is not None and code >= 0 else 1)
+                if not self.stopping:  # an engine died, or a front could not start: the others stop too
+                    if not ready.is_set() and code != EXIT_ENGINE_DIED:
+                        logger.error("API server %d exited before it served (exit code %s): stopping", i, code)
+                    self.stopping = True
+                    self.signals = max(self.signals, 1)
+                    self._tell_all()
+                continue
+            how = f"exit code {code}" if code >= 0 else f"killed by signal {-code}"
+            logger.error("API server %d ended (%s): its connections are lost; starting it again", i, how)
+            try:
+                self.fronts[i] = self._start(i)
+            except EngineDeadError:  # its engine died meanwhile: the others find it too
+                self.codes.append(EXIT_ENGINE_DIED)
+
+
+class _FrontServer:
+    """`server.Server` for a front (made in the front's process, where uvicorn is imported)."""
+
+    @staticmethod
+    def make(config: Any, engines: Any, lifecycle: Any, shutdown_timeout_s: float, ready: Any) -> Any:
+        from infer.serve.server import Server
+
+        class FrontServer(Server):
+            def handle_exit(self, sig: int, frame: FrameType | None) -> None:
+                if sig == signal.SIGINT:  # the terminal's Ctrl-C: the supervisor sends the SIGTERM it stands for
+                    return
+                super().handle_exit(sig, frame)
+
+            async def startup(self, sockets: Any = None) -> None:
+                await super().startup(sockets)
+                if self.started:
+                    ready.set()
+
+        return FrontServer(config, engines, lifecycle, shutdown_timeout_s)
+
+
+def _front_main(plan: FrontPlan, sock: socket.socket, ready: Any) -> None:
+    """A front's process: its engines' links, its app and its uvicorn on the shared socket."""
+    import uvicorn
+
+    from infer.serve.app import create_app
+    from infer.serve.lifecycle import Lifecycle
+
+    if plan.log_settings is not None:
+        log.configure(*plan.log_settings)
+    engines: dict[str, Any] = {}
+    for name, links in plan.links.items():
+        if isinstance(links, list):
+            engines[name] = ReplicatedEngine.attached(links, plan.max_waiting)
+        else:
+            engines[name] = AsyncEngine.attached(links, plan.max_waiting)
+    tracer = None
+    if plan.otlp_traces_endpoint is not None:
+        from infer.serve.tracing import otlp_tracer
+
+        tracer = otlp_tracer(plan.otlp_traces_endpoint)
+    lifecycle = Lifecycle()
+    app = create_app(
+        engines,
+        tracer=tracer,
+        lifecycle=lifecycle,
+        metrics_dir=plan.metrics_dir,
+        response_store=plan.store,
+        **plan.app_options,
+    )
+    server = _FrontServer.make(
+        uvicorn.Config(app, **plan.uvicorn_options), engines, lifecycle, plan.shutdown_timeout_s, ready
+    )
+    try:
+        server.run(sockets=[sock])
+    finally:
+        for engine in engines.values():
+            engine.close()
+    sys.exit(server.exit_code)

@@ -1,0 +1,283 @@
+"""`infer serve --api-server-count N` (issue 45): N API server processes on one port in front of one engine
+process, as users meet it: a live server on loopback driven by the official `openai` client and httpx.
+
+Greedy answers equal `LLM`'s whichever front takes them; /metrics sums every front's counts; a response
+stored by one front is found through another; a front killed with -9 under load loses only its own
+connections (the engine aborts its requests, a new front takes its place, the others' streams finish);
+SIGTERM drains every front (exit 0, no process left); an engine killed with -9 stops the server with exit
+code 5; what the fronts cannot do yet is refused before a model loads."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import httpx
+import openai
+import pytest
+from launchers import free_port  # tests/, on sys.path
+
+from infer import LLM, SamplingParams
+
+MODEL = "t"
+OPTIONS = ["--attention=torch", "--max-model-len=256", "--num-kv-blocks=256"]
+PROMPTS = [f"Story {i}: once upon a time" for i in range(12)]
+MAX_TOKENS = 12
+
+
+class Fronts:
+    """`infer serve --api-server-count 2` over `model_dir` on a free port, up once /health says ok."""
+
+    def __init__(self, model_dir: Path, log: Path, *flags: str, count: int = 2) -> None:
+        self.port = free_port()
+        command = [sys.executable, "-m", "infer.cli.main", "serve", "--model", f"{model_dir}:name={MODEL}", *OPTIONS]
+        command += ["--port", str(self.port), "--api-server-count", str(count), *flags]
+        self.log = log
+        with log.open("w") as err:  # a file, not a pipe: the access log never blocks the server
+            self.process = subprocess.Popen(
+                command, env={**os.environ, "OMP_NUM_THREADS": "1"}, stdout=subprocess.DEVNULL, stderr=err
+            )
+        self.root = f"http://127.0.0.1:{self.port}"
+        self.wait_fronts(count, 180)
+
+    def fronts(self) -> list[int]:
+        """The pids of the API server processes serving now (uvicorn says each one's start and end)."""
+        text = self.log.read_text()
+        started = re.findall(r"Started server process \[(\d+)\]", text)
+        ended = set(re.findall(r"Finished server process \[(\d+)\]", text))
+        return [int(p) for p in started if p not in ended and _alive(int(p))]
+
+    def wait_fronts(self, count: int, timeout_s: float, besides: set[int] = frozenset()) -> list[int]:
+        deadline = time.monotonic() + timeout_s
+        while len(fronts := [p for p in self.fronts() if p not in besides]) < count:
+            assert self.process.poll() is None, self.log.read_text()[-3000:]
+            assert time.monotonic() < deadline, f"{count} API servers did not start: {self.log.read_text()[-3000:]}"
+            time.sleep(0.2)
+        assert httpx.get(f"{self.root}/health", timeout=10).status_code == 200
+        return fronts
+
+    def tree(self) -> set[int]:
+        return {self.process.pid, *_descendants(self.process.pid)}
+
+    def engine_pid(self) -> int:
+        """The engine's process: the spawned child that is neither a front nor the response store's manager (the
+        one with torch's threads: the most memory)."""
+        spawned = [p for p in _descendants(self.process.pid) if b"spawn_main" in _cmdline(p)]
+        return max((p for p in spawned if p not in self.fronts()), key=_rss)
+
+    def exit_code(self, timeout_s: float = 60) -> int:
+        try:
+            return self.process.wait(timeout_s)
+        except subprocess.TimeoutExpired:
+            self.process.kill()
+            raise AssertionError(f"the server did not exit: {self.log.read_text()[-3000:]}") from None
+
+    def stop(self) -> None:
+        if self.process.poll() is None:
+            self.process.kill()
+            self.process.wait(10)
+        for pid in _descendants(self.process.pid):
+            os.kill(pid, signal.SIGKILL)
+
+
+@pytest.fixture(scope="module")
+def fronts(tiny_chat_dir, tmp_path_factory):
+    server = Fronts(tiny_chat_dir, tmp_path_factory.mktemp("fronts") / "serve.log")
+    yield server
+    server.stop()
+
+
+@pytest.fixture(scope="module")
+def expected(tiny_chat_dir) -> list[str]:
+    llm = LLM(model=str(tiny_chat_dir), attention="torch", max_model_len=256, num_kv_blocks=256)
+    try:
+        params = SamplingParams(max_tokens=MAX_TOKENS, temperature=0, ignore_eos=True)
+        return [o.outputs[0].text for o in llm.generate(PROMPTS, params)]
+    finally:
+        llm.close()
+
+
+async def _complete_each(root: str, prompts: list[str]) -> list[str]:
+    """Each prompt on a connection of its own (the kernel gives each connection to one front), concurrently."""
+
+    async def one(prompt: str) -> str:
+        async with openai.AsyncOpenAI(base_url=f"{root}/v1", api_key="unused", max_retries=0) as client:
+            out = await client.completions.create(
+                model=MODEL, prompt=prompt, max_tokens=MAX_TOKENS, temperature=0, extra_body={"ignore_eos": True}
+            )
+            return out.choices[0].text
+
+    return list(await asyncio.gather(*(one(p) for p in prompts)))
+
+
+def _finished(root: str) -> float:
+    text = httpx.get(f"{root}/metrics", timeout=10).text
+    return float(re.search(rf'^infer_requests_total{{model="{MODEL}",outcome="finished"}} (\S+)$', text, re.M)[1])
+
+
+def test_fronts_answer_as_llm_and_sum_their_metrics(fronts, expected):
+    pids = fronts.fronts()
+    assert len(pids) == 2 and fronts.process.pid not in pids
+    before = _finished(fronts.root)
+    got = asyncio.run(_complete_each(fronts.root, PROMPTS))
+    assert got == expected
+    # every scrape, whichever front answers it, counts every front's requests
+    assert {_finished(fronts.root) for _ in range(6)} == {before + len(PROMPTS)}
+
+
+def test_a_stored_response_is_found_through_every_front(fronts):
+    for i in range(6):  # a client each: a new connection, to either front
+        with openai.OpenAI(base_url=f"{fronts.root}/v1", api_key="unused", max_retries=0) as client:
+            first = client.responses.create(model=MODEL, input=f"Say {i}", max_output_tokens=4, temperature=0)
+        with openai.OpenAI(base_url=f"{fronts.root}/v1", api_key="unused", max_retries=0) as client:
+            follow = client.responses.create(
+                model=MODEL, input="And again", previous_response_id=first.id, max_output_tokens=4, temperature=0
+            )
+            # found (an unknown previous_response_id is a 404): it ran to its token limit
+            assert follow.status == "incomplete" and follow.incomplete_details.reason == "max_output_tokens"
+            assert client.responses.retrieve(first.id).id == first.id
+
+
+def test_a_killed_front_loses_only_its_connections(fronts, expected):
+    """Streams on both fronts, one front killed with -9: the other's streams finish with every token, the
+    engine aborts the dead front's requests (nothing left running), and a new front serves."""
+    before = set(fronts.fronts())
+    victim = min(before)
+
+    async def stream(client: httpx.AsyncClient, started: asyncio.Event) -> str:
+        body = {"model": MODEL, "prompt": "Hi", "max_tokens": 200, "temperature": 0, "ignore_eos": True}
+        body |= {"stream": True, "stream_options": {"include_usage": True}}
+        events: list[str] = []
+        try:
+            async with client.stream("POST", f"{fronts.root}/v1/completions", json=body) as response:
+                async for line in response.aiter_lines():
+                    if line.startswith("data: "):
+                        events.append(line[6:])
+                        started.set()
+        except httpx.HTTPError:
+            return "cut"
+        return "complete" if events[-1] == "[DONE]" and '"completion_tokens":200' in events[-2] else "short"
+
+    async def run() -> list[str]:
+        clients = [httpx.AsyncClient(timeout=120) for _ in range(8)]  # a connection each
+        started = [asyncio.Event() for _ in clients]
+        tasks = [asyncio.create_task(stream(c, s)) for c, s in zip(clients, started)]
+        await asyncio.wait_for(asyncio.gather(*(s.wait() for s in started)), 60)
+        os.kill(victim, signal.SIGKILL)
+        endings = await asyncio.gather(*tasks)
+        for c in clients:
+            await c.aclose()
+        return endings
+
+    endings = asyncio.run(run())
+    assert "complete" in endings and "short" not in endings, endings  # a stream on the killed front is cut
+    (new,) = fronts.wait_fronts(1, 120, besides=before)
+    assert victim not in fronts.fronts() and new != victim
+    deadline = time.monotonic() + 30
+    while (running := _gauge(fronts.root, "infer_num_requests_running")) and time.monotonic() < deadline:
+        time.sleep(0.3)
+    assert running == 0
+    assert asyncio.run(_complete_each(fronts.root, PROMPTS[:4])) == expected[:4]
+    assert "API server" in fronts.log.read_text() and "starting it again" in fronts.log.read_text()
+
+
+def _gauge(root: str, name: str) -> float:
+    text = httpx.get(f"{root}/metrics", timeout=10).text
+    return float(re.search(rf'^{name}{{model="{MODEL}"}} (\S+)$', text, re.M)[1])
+
+
+def test_sigterm_drains_every_front(fronts):
+    """Last of the module's server: JSON requests on both fronts at SIGTERM all finish; exit 0, no process left."""
+    tree = fronts.tree()
+
+    async def run() -> list[str]:
+        clients = [httpx.AsyncClient(timeout=120) for _ in range(6)]
+        body = {"model": MODEL, "prompt": "Hi", "max_tokens": 60, "temperature": 0, "ignore_eos": True}
+        tasks = [asyncio.create_task(c.post(f"{fronts.root}/v1/completions", json=body)) for c in clients]
+        await asyncio.sleep(1.0)
+        fronts.process.send_signal(signal.SIGTERM)
+        answers = await asyncio.gather(*tasks)
+        for c in clients:
+            await c.aclose()
+        return [a.json()["choices"][0]["finish_reason"] if a.status_code == 200 else a.text for a in answers]
+
+    assert asyncio.run(run()) == ["length"] * 6
+    assert fronts.exit_code() == 0
+    _assert_gone(tree)
+
+
+def test_a_dead_engine_stops_every_front(tiny_chat_dir, tmp_path):
+    server = Fronts(tiny_chat_dir, tmp_path / "serve.log", "--shutdown-timeout", "5")
+    try:
+        tree = server.tree()
+        os.kill(server.engine_pid(), signal.SIGKILL)
+        assert server.exit_code() == 5
+        _assert_gone(tree)
+        assert server.log.read_text().count(f"the engine of {MODEL} stopped") == 2  # each front said it
+    finally:
+        server.stop()
+
+
+@pytest.mark.parametrize(
+    "flags, named",
+    [
+        (["--restart-engine"], "--restart-engine"),
+        (["--allow-runtime-lora-updating"], "--allow-runtime-lora-updating"),
+        (["--distributed-executor-backend", "ray"], "--distributed-executor-backend ray"),
+    ],
+)
+def test_what_fronts_cannot_do_is_refused_first(flags, named):
+    command = [sys.executable, "-m", "infer.cli.main", "serve", "--model", "no-such-model", "--api-server-count", "2"]
+    done = subprocess.run([*command, *flags], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 2
+    assert named in done.stderr and "--api-server-count" in done.stderr and "Traceback" not in done.stderr
+
+
+def _descendants(root: int) -> set[int]:
+    parents: dict[int, int] = {}
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            parents[int(stat.parent.name)] = int(stat.read_text().rpartition(")")[2].split()[1])
+        except (OSError, IndexError, ValueError):
+            continue
+    found, todo = set(), [root]
+    while todo:
+        parent = todo.pop()
+        children = [pid for pid, ppid in parents.items() if ppid == parent and pid not in found]
+        found.update(children)
+        todo.extend(children)
+    return found
+
+
+def _cmdline(pid: int) -> bytes:
+    try:
+        return Path(f"/proc/{pid}/cmdline").read_bytes()
+    except OSError:
+        return b""
+
+
+def _rss(pid: int) -> int:
+    try:
+        return int(Path(f"/proc/{pid}/statm").read_text().split()[1])
+    except (OSError, IndexError, ValueError):
+        return 0
+
+
+def _alive(pid: int) -> bool:
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rpartition(")")[2].split()[0] != "Z"
+    except (OSError, IndexError):
+        return False
+
+
+def _assert_gone(pids: set[int], timeout_s: float = 20) -> None:
+    deadline = time.monotonic() + timeout_s
+    while (left := [p for p in pids if _alive(p)]) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert not left, f"still running: {[(p, _cmdline(p)) for p in left]}"
