@@ -43,6 +43,7 @@ class Server:
             sys.executable, "-m", "infer.cli.main", "--log-json", "--log-level", "debug", "serve", "--model", args.model, "--load-format", args.load_format,
             "--max-num-seqs", str(args.max_num_seqs), "--priority-aging-s", str(args.aging), "--port", str(self.port),
             *(["--tokenizer", args.tokenizer] if args.tokenizer else []), "--disable-log-requests",
+            "--api-server-count", str(args.api_server_count),
         ]  # fmt: skip
         with log.open("w") as sink:  # a file, not a pipe: a pipe nobody reads would stall the server
             self.process = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=sink, text=True)
@@ -213,6 +214,7 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--mix", default="0:1,1:9")
     ap.add_argument("--capacity", type=float, default=None, help="requests/s the server sustains: skips the probe")
     ap.add_argument("--clients", type=int, default=4, help="load-generating processes, the rate split among them")
+    ap.add_argument("--api-server-count", type=int, default=1, help="the server's API server processes")
     ap.add_argument("--out", type=Path, default=None)
     args = ap.parse_args(argv)
     probe = None if args.capacity else bench(args, "capacity", float("inf"), args.probe, None)

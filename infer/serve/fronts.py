@@ -30,11 +30,13 @@ from __future__ import annotations
 import logging
 import math
 import multiprocessing
+import os
 import shutil
 import signal
 import socket
 import sys
 import tempfile
+import threading
 import time
 from dataclasses import dataclass
 from multiprocessing.managers import BaseManager
@@ -102,7 +104,7 @@ def serve_fronts(
         metrics_dir = tempfile.mkdtemp(prefix="infer-metrics-")
         env.export("PROMETHEUS_MULTIPROC_DIR", metrics_dir)  # the fronts' prometheus_client counts in its files
         manager = _StoreManager(ctx=multiprocessing.get_context("spawn"))
-        manager.start(_ignore_interrupts)
+        manager.start(_store_process)
         store = manager.ResponseStore()  # type: ignore[attr-defined]
         per_front = None if max_waiting is None else math.ceil(max_waiting / count)
 
@@ -125,10 +127,19 @@ def serve_fronts(
             shutil.rmtree(metrics_dir, ignore_errors=True)
 
 
-def _ignore_interrupts() -> None:
-    """The store's process outlives the signals: the fronts drain (and store) after them; its end is `shutdown`."""
+def _store_process() -> None:
+    """The store's process outlives the signals (the fronts drain, and store, after them; its end is `shutdown`),
+    but not the server's process: killed with -9, that one cannot shut it down."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    parent = os.getppid()
+
+    def watch() -> None:
+        while os.getppid() == parent:
+            time.sleep(1.0)
+        os._exit(0)
+
+    threading.Thread(target=watch, name="infer-store-parent", daemon=True).start()
 
 
 class _Supervisor:
