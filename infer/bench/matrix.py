@@ -16,7 +16,7 @@ from infer.api.errors import ConfigError, InferError
 from infer.api.request import SamplingParams
 from infer.api.slots import CHOSEN, PREFILL_ATTENTION, find
 from infer.bench.engines import release_memory
-from infer.bench.report import RunRecord, prepare_prompts, run_workload
+from infer.bench.report import RunRecord, prepare_prompts, run_workload, warm_up_shaped
 from infer.bench.workloads import Workload, load_workload, needs_vocab
 from infer.core.registry import PluginRegistry
 from infer.distributed.launch import launch
@@ -177,7 +177,7 @@ def _run_combinations(
                 workload = early or load_workload(dataset, engine.parts.vocab_size, num_prompts, max_tokens, seed)
                 prompts = prepare_prompts(engine, workload)
                 run = MatrixRun([], workload, prompts, dict(engine.parts.describe))
-            run_workload(engine, Workload("warm-up", [run.prompts[0]], [2]), params, "warm-up")
+            warm_up_shaped(engine, run.workload, params)  # its shapes, not its prompts: the prefix cache stays honest
             records = [run_workload(engine, run.workload, params, combo.label)[0] for _ in range(repeat)]
             run.rows.append(_infer_row(max(records, key=lambda r: r.total_tokens_per_s)))
         finally:

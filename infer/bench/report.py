@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import random
 import statistics
 import time
 from dataclasses import asdict, dataclass, field
@@ -35,6 +36,8 @@ class RunRecord:
     preemptions_swap: int = 0  # of `preemptions`, those that swapped to the CPU pool (the rest recomputed)
     preemptions_recompute: int = 0
     blocks_saved_by_sharing: int = 0  # peak over steps: block-table entries minus physical blocks
+    build_s: float | None = None  # the engine's build (weights, KV cache, CUDA graphs), before the timed part
+    warm_up_s: float | None = None  # the warm-up on prompts of its own (`warm_up_shaped`); None: none ran
 
     @property
     def total_tokens(self) -> int:
@@ -90,6 +93,31 @@ def prepare_prompts(engine: Engine, workload: Workload) -> list[list[int]]:
             raise RequestError(f"prompt {i} of {workload.name}: {exc}") from exc
         prompts.append(ids)
     return prompts
+
+
+WARM_PROMPTS = 32  # prompts of a warm-up on the measured run's shapes, at most
+WARM_TOKENS = 4  # tokens each of them generates, at most
+WARM_SEED = 0x5EED  # its token ids' generator: never a workload's own seed
+
+
+def warm_up_shaped(
+    engine: Engine, workload: Workload, base: SamplingParams, num_prompts: int = WARM_PROMPTS
+) -> tuple[float, int]:
+    """The measured run's shapes on prompts of their own, so that no kernel compiles (nor tunes, nor graph
+    allocates) inside the timed part and the prefix cache holds none of the measured prompts: the first
+    `num_prompts` prompts' lengths, each filled with random token ids of a generator of its own, run with
+    the workload's sampling for at most WARM_TOKENS tokens; the engine's counters are reset after.
+    Returns (seconds, prompts) it took."""
+    firsts = Workload(workload.name, workload.prompts[:num_prompts], workload.max_tokens[:num_prompts], workload.chat)
+    lengths = [len(ids) for ids in prepare_prompts(engine, firsts)]
+    rng = random.Random(WARM_SEED)
+    high = engine.parts.vocab_size
+    prompts: list[str | list[int]] = [[rng.randrange(min(10, high - 1), high) for _ in range(n)] for n in lengths]
+    tokens = [min(m, WARM_TOKENS) for m in firsts.max_tokens]
+    started = time.perf_counter()
+    run_workload(engine, Workload("warm-up", prompts, tokens, ignore_eos=True), base, "warm-up")
+    engine.reset_stats()
+    return time.perf_counter() - started, len(prompts)
 
 
 def warm_up(engine: Engine, workload: Workload) -> None:

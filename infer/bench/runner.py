@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import time
 from pathlib import Path
 from typing import Any, Sequence
 
@@ -13,7 +14,7 @@ from infer.api.errors import ConfigError, RequestError
 from infer.api.request import RequestOutput, SamplingParams
 from infer.bench.profiler import StepProfiler, format_profile
 from infer.bench.progress import ProgressLines, ProgressMode, progress
-from infer.bench.report import RunRecord, format_table, run_workload
+from infer.bench.report import RunRecord, format_table, run_workload, warm_up_shaped
 from infer.bench.workloads import Workload, load_workload, needs_vocab
 from infer.distributed.launch import launch
 from infer.inputs.prompts import check_text
@@ -39,18 +40,29 @@ def _run_one(
     mode: ProgressMode,
     extra_plugins: Sequence[Any] = (),
     profile: bool = False,
+    warm_up: bool | None = None,
 ) -> tuple[RunRecord, list[RequestOutput], Workload, dict[str, Any] | None]:
     """workload: None for the workloads drawn from the model's vocabulary, built once the engine is."""
+    started = time.perf_counter()
     engine = make_engine(config, extra_plugins, launch)
-    profiler = StepProfiler.install(engine) if profile else None
+    build_s = time.perf_counter() - started
+    profiler = None
     try:
         if workload is None:
             workload = load_workload(vocab_size=engine.parts.vocab_size, **workload_args)
+        warm = None
+        if warm_up if warm_up is not None else config.resolve_device().type == "cuda":
+            warm = warm_up_shaped(engine, workload, params)
+            if mode != "off":
+                click.echo(f"{label}: built in {build_s:.1f} s, warmed up in {warm[0]:.1f} s on {warm[1]} prompts of "
+                           "its own", err=True)  # fmt: skip
+        profiler = StepProfiler.install(engine) if profile else None
         if mode != "off" and len(workload.prompts) >= LARGE_WORKLOAD:
             click.echo(f"preparing {workload.name}: {len(workload.prompts)} prompts", err=True)
         with progress(mode, label, len(workload.prompts)) as on_finish:
             on_step = on_finish.tick if isinstance(on_finish, ProgressLines) else None
             record, outputs = run_workload(engine, workload, params, label, on_finish=on_finish, on_step=on_step)
+        record.build_s, record.warm_up_s = build_s, None if warm is None else warm[0]
         return record, outputs, workload, profiler.summary() if profiler is not None else None
     finally:
         engine.close()
@@ -75,6 +87,7 @@ def run_command(
     n: int = 1,
     beam_width: int | None = None,
     length_penalty: float = 1.0,
+    warm_up: bool | None = None,
 ) -> None:
     # Everything the user wrote is checked before the first engine is built (and its weights read).
     config.validate()
@@ -87,9 +100,19 @@ def run_command(
     records: list[RunRecord] = []
     if base_config is not None:
         label = "baseline: " + _label(base_config, config)
-        records.append(_run_one(base_config, workload, workload_args, params, label, progress, extra_plugins)[0])
+        records.append(
+            _run_one(base_config, workload, workload_args, params, label, progress, extra_plugins, warm_up=warm_up)[0]
+        )
     record, outputs, workload, profiled = _run_one(
-        config, workload, workload_args, params, "infer", progress, extra_plugins, profile or profile_chart is not None
+        config,
+        workload,
+        workload_args,
+        params,
+        "infer",
+        progress,
+        extra_plugins,
+        profile or profile_chart is not None,
+        warm_up,
     )
     if baseline is not None:
         record.speedup = record.total_tokens_per_s / records[0].total_tokens_per_s

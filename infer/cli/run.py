@@ -105,6 +105,13 @@ def parse_baseline(spec: str) -> dict[str, Any]:
     show_default=True,
     help="Beam search: score = logprob / length ** this.",
 )
+@click.option(
+    "--warm-up/--no-warm-up",
+    "warm_up",
+    default=None,
+    help="Before the timed run, run its first 32 prompts' lengths on random token ids of their own (no measured "
+    "prompt enters the prefix cache) for 4 tokens, so that no kernel compiles inside it (default: on a GPU).",
+)
 @click.option("--profile", is_flag=True, help="Time each component of the decode steps and print the breakdown.")
 @click.option(
     "--profile-chart",
@@ -129,6 +136,7 @@ def run(
     n: int,
     beam_width: int | None,
     length_penalty: float,
+    warm_up: bool | None,
     profile: bool,
     profile_chart: Path | None,
     **engine_opts: Any,
@@ -155,4 +163,5 @@ def run(
         n=n,
         beam_width=beam_width,
         length_penalty=length_penalty,
+        warm_up=warm_up,
     )
