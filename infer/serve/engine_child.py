@@ -11,8 +11,11 @@ connection, or its end, stops the engine.
 
 from __future__ import annotations
 
+import os
 import pickle
+import queue
 import signal
+import socket
 import threading
 from concurrent.futures import Future
 from dataclasses import dataclass
@@ -68,27 +71,70 @@ class Attach:
     conn: Connection  # the child's end of a front's new pipe (it crosses with its file descriptor)
 
 
+MAX_PENDING = 1000  # messages queued for a front that does not read them: past this it is dropped
+_CLOSE = object()
+
+
 class _Link:
     """One front's connection, in the child: stands in for an event loop (a step's outputs for this front go
-    to it as one message) and knows the requests it sent that are unfinished."""
+    to it as one message) and knows the requests it sent that are unfinished.
+
+    The first connection (the process that started the engine, which always reads) is written by the engine's
+    thread itself. Another front's is written by a sender thread of its own, from a queue: a front that stops
+    reading (hung, stopped, starved) fills its pipe and blocks that thread only, never the engine's; once
+    MAX_PENDING messages wait, it is `stalled` and the main thread drops it (snapshots are not queued behind
+    others: a front that is behind gets the next one)."""
 
     def __init__(self, conn: Connection, first: bool) -> None:
         self.conn = conn
         self.first = first  # the connection of the process that started the engine: its end stops the engine
         self.live: set[str] = set()  # request ids sent over it, not yet finished (kept by the engine's thread)
         self.gone = False
+        self.stalled = False
+        self._pending = 0  # messages queued, not yet sent (changed under the GIL by two threads: an estimate)
+        self._queue: queue.SimpleQueue = queue.SimpleQueue()
+        if not first:
+            threading.Thread(target=self._send_queued, name="infer-front-sender", daemon=True).start()
 
     def send(self, message: Any) -> None:
-        """From the engine's thread. A front's process that died is dropped by the main thread when it finds the
-        connection's end; until then what is sent to it is lost, without stopping the engine's thread."""
+        """From the engine's thread; never blocks for a front other than the first."""
         if self.gone:
             return
-        try:
+        if self.first:
             self.conn.send(message)
-        except (OSError, ValueError):
-            if self.first:
-                raise
+            return
+        if message[0] == "snapshot" and self._pending:
+            return  # behind already: the next snapshot will do
+        if self._pending >= MAX_PENDING:
+            self.stalled = True
+            return
+        self._pending += 1
+        self._queue.put(message)
+
+    def close(self) -> None:
+        """From the main thread: the sender ends (a send blocked on a full pipe fails now) and closes the pipe."""
+        self.gone = True
+        if self.first:
+            self.conn.close()
+            return
+        try:  # wakes a send blocked on a front that does not read, without freeing the descriptor under it
+            with socket.socket(fileno=os.dup(self.conn.fileno())) as sock:
+                sock.shutdown(socket.SHUT_RDWR)
+        except OSError:
+            pass
+        self._queue.put(_CLOSE)
+
+    def _send_queued(self) -> None:
+        try:
+            while (message := self._queue.get()) is not _CLOSE:
+                self._pending -= 1
+                if not self.gone:
+                    self.conn.send(message)
+        except (OSError, ValueError):  # the front is gone: the main thread finds the pipe's end
             self.gone = True
+        finally:
+            if self.gone:
+                self.conn.close()
 
     def call_soon_threadsafe(self, fn: Callable, batch: list[tuple["_RemoteSink", Item]]) -> None:
         for sink, item in batch:
@@ -137,7 +183,11 @@ def serve_engine(conn: Connection, build: Callable[[], Engine]) -> None:
     thread = EngineThread(engine, publish=publish)
     try:
         while True:
-            for ready in wait(list(links)):
+            for link in [link for link in links.values() if link.stalled]:  # a front that stopped reading
+                del links[link.conn]
+                fronts = list(links.values())
+                _drop(link, thread)
+            for ready in wait(list(links), timeout=1.0):
                 link = links[ready]  # type: ignore[index]
                 try:
                     command = link.conn.recv()
@@ -176,8 +226,7 @@ def _apply(command: Any, link: _Link, thread: EngineThread) -> None:
 
 def _drop(link: _Link, thread: EngineThread) -> None:
     """A front's connection ended: what it left unfinished is aborted (its blocks freed for the others)."""
-    link.gone = True
-    link.conn.close()
+    link.close()
     for request_id in list(link.live):
         thread.send(Abort(request_id))
 

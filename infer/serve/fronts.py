@@ -8,27 +8,31 @@ same socket (uvicorn's `--workers` does the same), and each front reaches every 
 connection of its own (`AsyncEngine.attach`, `engine_child`): the engines are built once, by this
 process, which then only supervises.
 
-- **Signals.** This process takes SIGINT and SIGTERM and sends each front one SIGTERM per signal it
-  gets: the first drains (`server.Server`), a second cuts. Fronts ignore SIGINT, so that a terminal's
-  Ctrl-C, which reaches the whole process group, counts once.
+- **Signals.** This process takes SIGINT and SIGTERM and sends each front one SIGUSR1 per signal it
+  gets: the first drains (`server.Server`), a second cuts, a third kills. Fronts ignore SIGINT and
+  SIGTERM, which a terminal's Ctrl-C or a kill of the process group also sends them: each counts once.
 - **A front that dies** (killed, out of memory) loses the connections it held, and its unfinished
   requests are aborted in the engines; the others serve on, and a new front is started in its place.
-  A front that dies before it ever served stops the server (its error is a configuration's).
+  A front that stops reading (hung, stopped) never stalls an engine: its messages queue on a thread of
+  their own in the engine's process, and past `engine_child.MAX_PENDING` of them it is dropped (its
+  requests aborted; it then ends, and a new one starts). A front that dies before it ever served stops
+  the server (its error is a configuration's).
 - **An engine that dies** ends every front's requests with 503s; each front shuts down as one server
   does (`EXIT_ENGINE_DIED`), and so does this process (`--restart-engine` is refused here: each front
-  holds its own connections to an engine).
+  holds its own connections to an engine). With `--data-parallel-size`, a replica that dies is passed
+  over by every front's router, and a front started after that routes over the live ones.
 - **/metrics** answered by any front sums every front's request counters and histograms
   (prometheus_client's multiprocess mode, over a directory of this process's that it removes at the
-  end), beside the engines' own state as each front last received it.
-- **`previous_response_id`** finds a response stored by any front: the store is this process's,
-  reached through a `multiprocessing` manager.
-- `--max-waiting` is split among the fronts (each takes the ceiling of its share).
+  end, or the store's process does if this one was killed), beside the engines' own state as each front
+  last received it. prometheus_client's multiprocess mode leaves out the `_created` samples.
+- **`previous_response_id`** finds a response stored by any front: the store is a process of this
+  server's own, reached through a `multiprocessing` manager (a blocking call of about 0.1 ms).
+- `--max-waiting` holds per front: N fronts queue up to N times it, together.
 """
 
 from __future__ import annotations
 
 import logging
-import math
 import multiprocessing
 import os
 import shutil
@@ -96,7 +100,7 @@ def serve_fronts(
 
     if count < 2:
         raise ConfigError(f"--api-server-count {count}: the fronts of one server are 2 or more")
-    supervisor = _Supervisor(count)
+    supervisor = _Supervisor(count, engines)
     previous = {s: signal.signal(s, supervisor.on_signal) for s in (signal.SIGINT, signal.SIGTERM)}
     sock = metrics_dir = manager = None
     try:
@@ -104,14 +108,13 @@ def serve_fronts(
         metrics_dir = tempfile.mkdtemp(prefix="infer-metrics-")
         env.export("PROMETHEUS_MULTIPROC_DIR", metrics_dir)  # the fronts' prometheus_client counts in its files
         manager = _StoreManager(ctx=multiprocessing.get_context("spawn"))
-        manager.start(_store_process)
+        manager.start(_store_process, (metrics_dir,))
         store = manager.ResponseStore()  # type: ignore[attr-defined]
-        per_front = None if max_waiting is None else math.ceil(max_waiting / count)
 
         def plan(index: int) -> FrontPlan:
             links = {name: engine.attach() for name, engine in engines.items()}
             return FrontPlan(
-                index, links, app_options, uvicorn_options, shutdown_timeout_s, per_front, metrics_dir, store,
+                index, links, app_options, uvicorn_options, shutdown_timeout_s, max_waiting, metrics_dir, store,
                 otlp_traces_endpoint, log.settings(),
             )  # fmt: skip
 
@@ -127,9 +130,9 @@ def serve_fronts(
             shutil.rmtree(metrics_dir, ignore_errors=True)
 
 
-def _store_process() -> None:
+def _store_process(metrics_dir: str) -> None:
     """The store's process outlives the signals (the fronts drain, and store, after them; its end is `shutdown`),
-    but not the server's process: killed with -9, that one cannot shut it down."""
+    but not the server's process: killed with -9, that one can neither shut it down nor remove `metrics_dir`."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
     parent = os.getppid()
@@ -137,13 +140,15 @@ def _store_process() -> None:
     def watch() -> None:
         while os.getppid() == parent:
             time.sleep(1.0)
+        shutil.rmtree(metrics_dir, ignore_errors=True)
         os._exit(0)
 
     threading.Thread(target=watch, name="infer-store-parent", daemon=True).start()
 
 
 class _Supervisor:
-    def __init__(self, count: int) -> None:
+    def __init__(self, count: int, engines: Mapping[str, Any]) -> None:
+        self.engines = engines  # this process's own connections: whether the engines live
         self.context = multiprocessing.get_context("spawn")
         self.fronts: list[Any] = [None] * count  # per front: (process, ready event), None once it ended
         self.codes: list[int] = []
@@ -175,7 +180,7 @@ class _Supervisor:
         process = self.context.Process(target=_front_main, args=(plan, self.sock, ready), name=f"infer-api-{index}")
         process.start()
         if self.stopping:  # a signal came while it started
-            process.terminate()
+            self._tell(process)
         for links in plan.links.values():  # the child holds its duplicates
             for link in links if isinstance(links, list) else [links]:
                 link.conn.close()
@@ -189,7 +194,14 @@ class _Supervisor:
     def _tell_all(self) -> None:
         for front in self.fronts:
             if front is not None and front[0].is_alive():
-                front[0].kill() if self.signals > 2 else front[0].terminate()  # SIGTERM; a third signal kills
+                self._tell(front[0])
+
+    def _tell(self, process: Any) -> None:
+        """SIGUSR1: a front's signal to drain (a second: to cut); a third signal here kills the fronts."""
+        try:
+            os.kill(process.pid, signal.SIGKILL if self.signals > 2 else signal.SIGUSR1)
+        except ProcessLookupError:
+            pass
 
     def _look(self) -> None:
         for i, front in enumerate(self.fronts):
@@ -198,14 +210,17 @@ class _Supervisor:
             process, ready = front
             code = process.exitcode
             self.fronts[i] = None
-            if self.stopping or code in (EXIT_OK, EXIT_CUT, EXIT_ENGINE_DIED) or not ready.is_set():
+            if self.stopping:  # told to stop: killed by the signal before its handler was in, it had nothing open
+                self.codes.append(code if code is not None and code >= 0 else EXIT_OK)
+                continue
+            engines_live = all(engine.is_alive for engine in self.engines.values())
+            if not ready.is_set() or (code == EXIT_ENGINE_DIED and not engines_live):
+                if not ready.is_set() and code != EXIT_ENGINE_DIED:
+                    logger.error("API server %d exited before it served (exit code %s): stopping", i, code)
                 self.codes.append(code if code is not None and code >= 0 else 1)
-                if not self.stopping:  # an engine died, or a front could not start: the others stop too
-                    if not ready.is_set() and code != EXIT_ENGINE_DIED:
-                        logger.error("API server %d exited before it served (exit code %s): stopping", i, code)
-                    self.stopping = True
-                    self.signals = max(self.signals, 1)
-                    self._tell_all()
+                self.stopping = True  # an engine died, or a front could not start: the others stop too
+                self.signals = max(self.signals, 1)
+                self._tell_all()
                 continue
             how = f"exit code {code}" if code >= 0 else f"killed by signal {-code}"
             logger.error("API server %d ended (%s): its connections are lost; starting it again", i, how)
@@ -224,16 +239,19 @@ class _FrontServer:
 
         class FrontServer(Server):
             def handle_exit(self, sig: int, frame: FrameType | None) -> None:
-                if sig == signal.SIGINT:  # the terminal's Ctrl-C: the supervisor sends the SIGTERM it stands for
-                    return
-                super().handle_exit(sig, frame)
+                """SIGINT and SIGTERM reach a front from a terminal or a kill of the process group too: only the
+                supervisor's SIGUSR1, one per signal it got, counts."""
+                if sig == signal.SIGUSR1:
+                    super().handle_exit(signal.SIGTERM, frame)
 
             async def startup(self, sockets: Any = None) -> None:
                 await super().startup(sockets)
                 if self.started:
                     ready.set()
 
-        return FrontServer(config, engines, lifecycle, shutdown_timeout_s)
+        server = FrontServer(config, engines, lifecycle, shutdown_timeout_s)
+        signal.signal(signal.SIGUSR1, server.handle_exit)  # uvicorn's own handlers take SIGINT and SIGTERM only
+        return server
 
 
 def _front_main(plan: FrontPlan, sock: socket.socket, ready: Any) -> None:

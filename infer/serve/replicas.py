@@ -283,8 +283,17 @@ class ReplicatedEngine:
         return cls([AsyncEngine.attached(link, max_waiting) for link in links])
 
     def attach(self) -> list["EngineLink"]:
-        """A new connection to each replica, for `attached` in another process."""
-        return [replica.attach() for replica in self.replicas]
+        """A new connection to each live replica, for `attached` in another process (which routes over those);
+        EngineDeadError when none lives."""
+        links = []
+        for replica in self.replicas:
+            try:
+                links.append(replica.attach())
+            except EngineDeadError:  # dead, perhaps not yet seen: passed over, as the router passes it over
+                continue
+        if not links:
+            raise EngineDeadError("every replica of this model stopped: the request did not run")
+        return links
 
     # what the server reads of an AsyncEngine
     @property

@@ -101,8 +101,7 @@ class Server(uvicorn.Server):
                     await self._replicas(name, engine)
                 if self.should_exit or engine.is_alive or engine.closed:
                     continue
-                code = engine.exitcode
-                logger.error("the engine of %s stopped%s", name, "" if code is None else f" (exit code {code})")
+                logger.error("the engine of %s stopped%s", name, _exit_code(engine.exitcode))
                 if self.restart_engines and await self._restarted(name, engine):
                     continue
                 self.exit_code = EXIT_ENGINE_DIED
@@ -118,7 +117,7 @@ class Server(uvicorn.Server):
         dead = [i for i in getattr(engine, "dead", ()) if i not in self._told.setdefault(name, set())]
         if not dead:
             return
-        codes = ", ".join(f"replica {i} (exit code {engine.replicas[i].exitcode})" for i in dead)
+        codes = ", ".join(f"replica {i}" + _exit_code(engine.replicas[i].exitcode) for i in dead)
         logger.error("the engine of %s lost %s: its requests go to the other replicas", name, codes)
         if self.restart_engines and not engine.restarting:
             if await self._restarted(name, engine):
@@ -167,3 +166,8 @@ class Server(uvicorn.Server):
         grace = loop.time() + CUT_GRACE_S
         while lifecycle.num_active and loop.time() < grace:
             await asyncio.sleep(POLL_S)
+
+
+def _exit_code(code: int | None) -> str:
+    """How an engine's process ended, where this process knows (it started it)."""
+    return "" if code is None else f" (exit code {code})"

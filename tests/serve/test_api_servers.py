@@ -254,20 +254,24 @@ def test_a_dead_engine_stops_every_front(tiny_chat_dir, tmp_path):
 
 def test_the_store_process_ends_with_the_server(tmp_path):
     """The server's own process killed with -9 cannot shut the response store's process down: it ends by
-    itself (the engine ends at its pipe's end, then the fronts with their engine: the tests above)."""
+    itself, and removes the fronts' metrics directory (the engine ends at its pipe's end, then the fronts with
+    their engine: the tests above)."""
     script = tmp_path / "parent.py"
+    metrics = tmp_path / "metrics"
+    metrics.mkdir()
     script.write_text(
-        "import multiprocessing, os\n"
+        "import multiprocessing, os, sys\n"
         "from infer.serve.fronts import _StoreManager, _store_process\n"
         "if __name__ == '__main__':\n"
         "    manager = _StoreManager(ctx=multiprocessing.get_context('spawn'))\n"
-        "    manager.start(_store_process)\n"
+        "    manager.start(_store_process, (sys.argv[1],))\n"
         "    print(manager._process.pid, flush=True)\n"
         "    os._exit(0)  # as a SIGKILL would: no shutdown\n"
     )
-    done = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=120)
+    done = subprocess.run([sys.executable, str(script), str(metrics)], capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, done.stderr
     _assert_gone({int(done.stdout.split()[0])}, timeout_s=10)
+    assert not metrics.exists()  # the metrics directory the server could not remove
 
 
 def _refused(*args: str) -> tuple[int, str]:
@@ -338,3 +342,48 @@ def _assert_gone(pids: set[int], timeout_s: float = 20) -> None:
     while (left := [p for p in pids if _alive(p)]) and time.monotonic() < deadline:
         time.sleep(0.1)
     assert not left, f"still running: {[(p, _cmdline(p)) for p in left]}"
+
+
+def test_a_front_that_stops_reading_never_blocks_the_engine_thread():
+    """The engine's thread sends to a front that reads nothing: every send returns at once (a sender thread of
+    the front's own blocks instead), snapshots are not queued behind, and past MAX_PENDING messages the link
+    is `stalled`, for the main thread to drop; closing it ends the blocked sender."""
+    import multiprocessing
+    import threading
+
+    from infer.serve.engine_child import MAX_PENDING, _Link
+
+    ours, theirs = multiprocessing.get_context("spawn").Pipe()
+    link = _Link(ours, first=False)
+    payload = ("items", [(0, "x" * 4096)])  # the pipe's buffer fills within a few dozen of these
+    started = time.monotonic()
+    for _ in range(MAX_PENDING + 50):
+        link.send(payload)
+        link.send(("snapshot", None))
+    assert time.monotonic() - started < 5
+    assert link.stalled and link._queue.qsize() <= MAX_PENDING
+    senders = [t for t in threading.enumerate() if t.name == "infer-front-sender"]
+    link.close()
+    for thread in senders:
+        thread.join(10)
+    assert not any(t.is_alive() for t in senders) and ours.closed
+    theirs.close()
+
+
+def test_data_parallel_fronts_route_over_the_live_replicas(tiny_chat_dir, tmp_path, expected):
+    """-dp 2 behind 2 fronts: a replica killed, then a front: the new front starts over the live replica, answers
+    as LLM does, and SIGTERM still ends the server with exit code 0."""
+    server = Fronts(tiny_chat_dir, tmp_path / "serve.log", "--data-parallel-size", "2")
+    try:
+        assert asyncio.run(_complete_each(server.root, PROMPTS[:4])) == expected[:4]
+        fronts = set(server.fronts())
+        spawned = [p for p in _descendants(server.process.pid) if b"spawn_main" in _cmdline(p) and p not in fronts]
+        replica = sorted(spawned, key=_rss)[-1]  # an engine: the most memory (the store's process is small)
+        os.kill(replica, signal.SIGKILL)
+        os.kill(min(fronts), signal.SIGKILL)
+        server.wait_fronts(1, 120, besides=fronts)
+        assert asyncio.run(_complete_each(server.root, PROMPTS[:4])) == expected[:4]
+        server.process.send_signal(signal.SIGTERM)
+        assert server.exit_code() == 0
+    finally:
+        server.stop()
