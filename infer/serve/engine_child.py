@@ -73,6 +73,7 @@ class Attach:
 
 MAX_PENDING = 1000  # messages queued for a front that does not read them: past this it is dropped
 _CLOSE = object()
+_SNAPSHOT = object()  # in a front's queue: send the latest snapshot
 
 
 class _Link:
@@ -93,6 +94,8 @@ class _Link:
         self.stalled = False
         self._pending = 0  # messages queued, not yet sent (changed under the GIL by two threads: an estimate)
         self._queue: queue.SimpleQueue = queue.SimpleQueue()
+        self._snapshot: Any = None  # the latest snapshot message, sent once the queue reaches its marker
+        self._snapshot_queued = False
         if not first:
             threading.Thread(target=self._send_queued, name="infer-front-sender", daemon=True).start()
 
@@ -103,8 +106,12 @@ class _Link:
         if self.first:
             self.conn.send(message)
             return
-        if message[0] == "snapshot" and self._pending:
-            return  # behind already: the next snapshot will do
+        if message[0] == "snapshot":  # one slot, the latest: a front that is behind gets it when it catches up
+            self._snapshot = message
+            if not self._snapshot_queued:
+                self._snapshot_queued = True
+                self._queue.put(_SNAPSHOT)
+            return
         if self._pending >= MAX_PENDING:
             self.stalled = True
             return
@@ -125,16 +132,21 @@ class _Link:
         self._queue.put(_CLOSE)
 
     def _send_queued(self) -> None:
-        try:
-            while (message := self._queue.get()) is not _CLOSE:
+        """Until `close` (the main thread's, once it found the front gone or stalled): only then the pipe closes,
+        so the main thread never waits on a closed connection and no descriptor is reused under it."""
+        while (message := self._queue.get()) is not _CLOSE:
+            if message is _SNAPSHOT:
+                self._snapshot_queued = False
+                message = self._snapshot
+            else:
                 self._pending -= 1
-                if not self.gone:
-                    self.conn.send(message)
-        except (OSError, ValueError):  # the front is gone: the main thread finds the pipe's end
-            self.gone = True
-        finally:
             if self.gone:
-                self.conn.close()
+                continue
+            try:
+                self.conn.send(message)
+            except (OSError, ValueError):  # the front is gone: the main thread finds the pipe's end
+                self.gone = True
+        self.conn.close()
 
     def call_soon_threadsafe(self, fn: Callable, batch: list[tuple["_RemoteSink", Item]]) -> None:
         for sink, item in batch:

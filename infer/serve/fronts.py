@@ -150,7 +150,7 @@ class _Supervisor:
     def __init__(self, count: int, engines: Mapping[str, Any]) -> None:
         self.engines = engines  # this process's own connections: whether the engines live
         self.context = multiprocessing.get_context("spawn")
-        self.fronts: list[Any] = [None] * count  # per front: (process, ready event), None once it ended
+        self.fronts: list[Any] = [None] * count  # per front: (process, ready event, [signals told]); None: ended
         self.codes: list[int] = []
         self.signals = 0  # SIGINT/SIGTERM received
         self.stopping = False
@@ -160,54 +160,56 @@ class _Supervisor:
         try:
             for i in range(len(self.fronts)):
                 if not self.stopping:  # a signal while they start: those started are told, no more start
-                    self.fronts[i] = self._start(i)
+                    self._start(i)
             while any(f is not None for f in self.fronts):
                 time.sleep(POLL_S)
                 self._look()
         finally:
-            for front in self.fronts:  # interrupted itself: no front outlives it
+            for front in self.fronts:  # interrupted itself: no front outlives it (they ignore SIGTERM)
                 if front is not None and front[0].is_alive():
-                    front[0].terminate()
+                    front[0].kill()
         if EXIT_ENGINE_DIED in self.codes:
             return EXIT_ENGINE_DIED
         if EXIT_CUT in self.codes:
             return EXIT_CUT
         return max(self.codes, default=EXIT_OK)
 
-    def _start(self, index: int) -> tuple[Any, Any]:
+    def _start(self, index: int) -> None:
         plan = self.plan(index)
         ready = self.context.Event()
         process = self.context.Process(target=_front_main, args=(plan, self.sock, ready), name=f"infer-api-{index}")
         process.start()
-        if self.stopping:  # a signal came while it started
-            self._tell(process)
         for links in plan.links.values():  # the child holds its duplicates
             for link in links if isinstance(links, list) else [links]:
                 link.conn.close()
-        return process, ready
+        self.fronts[index] = (process, ready, [0])  # [signals passed on to it]
+        self._catch_up(self.fronts[index])  # a signal that came while it started
 
     def on_signal(self, sig: int, frame: FrameType | None) -> None:
         self.signals += 1
         self.stopping = True
-        self._tell_all()
-
-    def _tell_all(self) -> None:
         for front in self.fronts:
-            if front is not None and front[0].is_alive():
-                self._tell(front[0])
+            if front is not None:
+                self._catch_up(front)
 
-    def _tell(self, process: Any) -> None:
-        """SIGUSR1: a front's signal to drain (a second: to cut); a third signal here kills the fronts."""
+    def _catch_up(self, front: tuple[Any, Any, list[int]]) -> None:
+        """Pass on the signals `front` has not had: SIGUSR1, a front's signal to drain (a second: to cut); past
+        two, SIGKILL."""
+        process, _, told = front
         try:
-            os.kill(process.pid, signal.SIGKILL if self.signals > 2 else signal.SIGUSR1)
-        except ProcessLookupError:
+            if self.signals > 2:
+                process.kill()
+            while told[0] < min(self.signals, 2) and process.is_alive():
+                told[0] += 1
+                os.kill(process.pid, signal.SIGUSR1)
+        except (ProcessLookupError, ValueError):  # it ended meanwhile
             pass
 
     def _look(self) -> None:
         for i, front in enumerate(self.fronts):
             if front is None or front[0].is_alive():
                 continue
-            process, ready = front
+            process, ready, _ = front
             code = process.exitcode
             self.fronts[i] = None
             if self.stopping:  # told to stop: killed by the signal before its handler was in, it had nothing open
@@ -220,12 +222,14 @@ class _Supervisor:
                 self.codes.append(code if code is not None and code >= 0 else 1)
                 self.stopping = True  # an engine died, or a front could not start: the others stop too
                 self.signals = max(self.signals, 1)
-                self._tell_all()
+                for other in self.fronts:
+                    if other is not None:
+                        self._catch_up(other)
                 continue
             how = f"exit code {code}" if code >= 0 else f"killed by signal {-code}"
             logger.error("API server %d ended (%s): its connections are lost; starting it again", i, how)
             try:
-                self.fronts[i] = self._start(i)
+                self._start(i)
             except EngineDeadError:  # its engine died meanwhile: the others find it too
                 self.codes.append(EXIT_ENGINE_DIED)
 
@@ -256,6 +260,9 @@ class _FrontServer:
 
 def _front_main(plan: FrontPlan, sock: socket.socket, ready: Any) -> None:
     """A front's process: its engines' links, its app and its uvicorn on the shared socket."""
+    # only the supervisor's SIGUSR1 stops a front: not a Ctrl-C to the process group while it starts or ends
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
     import uvicorn
 
     from infer.serve.app import create_app

@@ -361,7 +361,7 @@ def test_a_front_that_stops_reading_never_blocks_the_engine_thread():
         link.send(payload)
         link.send(("snapshot", None))
     assert time.monotonic() - started < 5
-    assert link.stalled and link._queue.qsize() <= MAX_PENDING
+    assert link.stalled and link._queue.qsize() <= MAX_PENDING + 1  # and one slot for the latest snapshot
     senders = [t for t in threading.enumerate() if t.name == "infer-front-sender"]
     link.close()
     for thread in senders:
@@ -387,3 +387,37 @@ def test_data_parallel_fronts_route_over_the_live_replicas(tiny_chat_dir, tmp_pa
         assert server.exit_code() == 0
     finally:
         server.stop()
+
+
+def test_a_front_link_sends_the_latest_snapshot_and_closes_only_when_told():
+    """Snapshots behind other messages collapse to the latest, which still goes out once the engine is idle;
+    a front that died (its end closed) leaves the link open for the main thread, which closes it."""
+    import multiprocessing
+    import threading
+
+    from infer.serve.engine_child import _Link
+
+    ours, theirs = multiprocessing.get_context("spawn").Pipe()
+    link = _Link(ours, first=False)
+    for i in range(50):
+        link.send(("items", [(0, i)]))
+        link.send(("snapshot", i))  # the last one is the idle engine's: nothing is published after it
+    got = []
+    while len([m for m in got if m[0] == "items"]) < 50 or theirs.poll(0.5):
+        assert theirs.poll(10), got[-5:]
+        got.append(theirs.recv())
+    assert [m for m in got if m[0] == "items"] == [("items", [(0, i)]) for i in range(50)]
+    snapshots = [m[1] for m in got if m[0] == "snapshot"]
+    assert snapshots[-1] == 49 and snapshots == sorted(set(snapshots))  # the latest, in order, none twice
+    theirs.close()  # the front dies
+    link.send(("items", [(0, "after")]))
+    deadline = time.monotonic() + 10
+    while not link.gone and time.monotonic() < deadline:
+        link.send(("items", [(0, "after")]))
+        time.sleep(0.05)
+    assert link.gone and not ours.closed  # the main thread may still wait on it: it closes it itself
+    senders = [t for t in threading.enumerate() if t.name == "infer-front-sender"]
+    link.close()
+    for thread in senders:
+        thread.join(10)
+    assert ours.closed
