@@ -21,7 +21,7 @@ from pathlib import Path
 import httpx
 import openai
 import pytest
-from launchers import free_port  # tests/, on sys.path
+from launchers import alive, assert_gone, cmdline, descendants, free_port  # tests/, on sys.path
 
 from infer import LLM, SamplingParams
 
@@ -51,7 +51,7 @@ class Fronts:
         text = self.log.read_text()
         started = re.findall(r"Started server process \[(\d+)\]", text)
         ended = set(re.findall(r"Finished server process \[(\d+)\]", text))
-        return [int(p) for p in started if p not in ended and _alive(int(p))]
+        return [int(p) for p in started if p not in ended and alive(int(p))]
 
     def wait_fronts(self, count: int, timeout_s: float, besides: set[int] = frozenset()) -> list[int]:
         deadline = time.monotonic() + timeout_s
@@ -63,12 +63,12 @@ class Fronts:
         return fronts
 
     def tree(self) -> set[int]:
-        return {self.process.pid, *_descendants(self.process.pid)}
+        return {self.process.pid, *descendants(self.process.pid)}
 
     def engine_pid(self) -> int:
         """The engine's process: the spawned child that is neither a front nor the response store's manager (the
         one with torch's threads: the most memory)."""
-        spawned = [p for p in _descendants(self.process.pid) if b"spawn_main" in _cmdline(p)]
+        spawned = [p for p in descendants(self.process.pid) if b"spawn_main" in cmdline(p)]
         return max((p for p in spawned if p not in self.fronts()), key=_rss)
 
     def exit_code(self, timeout_s: float = 60) -> int:
@@ -79,12 +79,12 @@ class Fronts:
             raise AssertionError(f"the server did not exit: {self.log.read_text()[-3000:]}") from None
 
     def stop(self) -> None:
-        below = _descendants(self.process.pid)  # before its end: then they belong to init
+        below = descendants(self.process.pid)  # before its end: then they belong to init
         if self.process.poll() is None:
             self.process.kill()
             self.process.wait(10)
         for pid in below:
-            if _alive(pid):
+            if alive(pid):
                 os.kill(pid, signal.SIGKILL)
 
 
@@ -237,7 +237,7 @@ def test_sigterm_drains_every_front(fronts):
 
     assert asyncio.run(run()) == ["length"] * 6
     assert fronts.exit_code() == 0
-    _assert_gone(tree)
+    assert_gone(tree, timeout_s=20)
 
 
 def test_a_dead_engine_stops_every_front(tiny_chat_dir, tmp_path):
@@ -246,7 +246,7 @@ def test_a_dead_engine_stops_every_front(tiny_chat_dir, tmp_path):
         tree = server.tree()
         os.kill(server.engine_pid(), signal.SIGKILL)
         assert server.exit_code() == 5
-        _assert_gone(tree)
+        assert_gone(tree, timeout_s=20)
         assert server.log.read_text().count(f"the engine of {MODEL} stopped") == 2  # each front said it
     finally:
         server.stop()
@@ -270,7 +270,7 @@ def test_the_store_process_ends_with_the_server(tmp_path):
     )
     done = subprocess.run([sys.executable, str(script), str(metrics)], capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, done.stderr
-    _assert_gone({int(done.stdout.split()[0])}, timeout_s=10)
+    assert_gone({int(done.stdout.split()[0])}, timeout_s=10)
     assert not metrics.exists()  # the metrics directory the server could not remove
 
 
@@ -300,48 +300,11 @@ def test_what_fronts_cannot_do_is_refused_first(flags, named):
     assert named in output and "--api-server-count" in output and "Traceback" not in output
 
 
-def _descendants(root: int) -> set[int]:
-    parents: dict[int, int] = {}
-    for stat in Path("/proc").glob("[0-9]*/stat"):
-        try:
-            parents[int(stat.parent.name)] = int(stat.read_text().rpartition(")")[2].split()[1])
-        except (OSError, IndexError, ValueError):
-            continue
-    found, todo = set(), [root]
-    while todo:
-        parent = todo.pop()
-        children = [pid for pid, ppid in parents.items() if ppid == parent and pid not in found]
-        found.update(children)
-        todo.extend(children)
-    return found
-
-
-def _cmdline(pid: int) -> bytes:
-    try:
-        return Path(f"/proc/{pid}/cmdline").read_bytes()
-    except OSError:
-        return b""
-
-
 def _rss(pid: int) -> int:
     try:
         return int(Path(f"/proc/{pid}/statm").read_text().split()[1])
     except (OSError, IndexError, ValueError):
         return 0
-
-
-def _alive(pid: int) -> bool:
-    try:
-        return Path(f"/proc/{pid}/stat").read_text().rpartition(")")[2].split()[0] != "Z"
-    except (OSError, IndexError):
-        return False
-
-
-def _assert_gone(pids: set[int], timeout_s: float = 20) -> None:
-    deadline = time.monotonic() + timeout_s
-    while (left := [p for p in pids if _alive(p)]) and time.monotonic() < deadline:
-        time.sleep(0.1)
-    assert not left, f"still running: {[(p, _cmdline(p)) for p in left]}"
 
 
 def test_a_front_that_stops_reading_never_blocks_the_engine_thread():
@@ -377,7 +340,7 @@ def test_data_parallel_fronts_route_over_the_live_replicas(tiny_chat_dir, tmp_pa
     try:
         assert asyncio.run(_complete_each(server.root, PROMPTS[:4])) == expected[:4]
         fronts = set(server.fronts())
-        spawned = [p for p in _descendants(server.process.pid) if b"spawn_main" in _cmdline(p) and p not in fronts]
+        spawned = [p for p in descendants(server.process.pid) if b"spawn_main" in cmdline(p) and p not in fronts]
         replica = sorted(spawned, key=_rss)[-1]  # an engine: the most memory (the store's process is small)
         os.kill(replica, signal.SIGKILL)
         os.kill(min(fronts), signal.SIGKILL)

@@ -18,7 +18,7 @@ from pathlib import Path
 
 import httpx
 import pytest
-from launchers import free_port  # tests/, on sys.path
+from launchers import assert_gone, cmdline, descendants, free_port  # tests/, on sys.path
 
 from infer import LLM, SamplingParams
 from infer.serve.app import create_app
@@ -83,10 +83,10 @@ class ServeProcess:
 
     def tree(self) -> set[int]:
         """The server and every process below it."""
-        return {self.process.pid, *_descendants(self.process.pid)}
+        return {self.process.pid, *descendants(self.process.pid)}
 
     def engine_pid(self) -> int:
-        (pid,) = [p for p in _descendants(self.process.pid) if b"spawn_main" in _cmdline(p)]
+        (pid,) = [p for p in descendants(self.process.pid) if b"spawn_main" in cmdline(p)]
         return pid
 
     def exit_code(self, timeout_s: float = 30) -> int:
@@ -113,46 +113,6 @@ def serve(long_chat_dir, tmp_path):
     yield start
     for server in started:
         server.stop()
-
-
-def _descendants(root: int) -> set[int]:
-    """Every live process below `root`, by parent pid (any thread may have started one)."""
-    parents: dict[int, int] = {}
-    for stat in Path("/proc").glob("[0-9]*/stat"):
-        try:
-            fields = stat.read_text().rpartition(")")[2].split()
-        except OSError:
-            continue
-        parents[int(stat.parent.name)] = int(fields[1])
-    found, todo = set(), [root]
-    while todo:
-        parent = todo.pop()
-        children = [pid for pid, ppid in parents.items() if ppid == parent and pid not in found]
-        found.update(children)
-        todo.extend(children)
-    return found
-
-
-def _cmdline(pid: int) -> bytes:
-    try:
-        return Path(f"/proc/{pid}/cmdline").read_bytes()
-    except OSError:
-        return b""
-
-
-def _alive(pid: int) -> bool:
-    try:
-        state = Path(f"/proc/{pid}/stat").read_text().rpartition(")")[2].split()[0]
-    except OSError:
-        return False
-    return state != "Z"
-
-
-def assert_gone(pids: set[int], timeout_s: float = 15) -> None:
-    deadline = time.monotonic() + timeout_s
-    while (left := [p for p in pids if _alive(p)]) and time.monotonic() < deadline:
-        time.sleep(0.1)
-    assert not left, f"still running: {[(p, _cmdline(p)) for p in left]}"
 
 
 async def read_stream(client: httpx.AsyncClient, root: str, max_tokens: int, started: asyncio.Event) -> list[str]:
