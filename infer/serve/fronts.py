@@ -234,28 +234,25 @@ class _Supervisor:
                 self.codes.append(EXIT_ENGINE_DIED)
 
 
-class _FrontServer:
+def _front_server(config: Any, engines: Any, lifecycle: Any, shutdown_timeout_s: float, ready: Any) -> Any:
     """`server.Server` for a front (made in the front's process, where uvicorn is imported)."""
+    from infer.serve.server import Server
 
-    @staticmethod
-    def make(config: Any, engines: Any, lifecycle: Any, shutdown_timeout_s: float, ready: Any) -> Any:
-        from infer.serve.server import Server
+    class FrontServer(Server):
+        def handle_exit(self, sig: int, frame: FrameType | None) -> None:
+            """SIGINT and SIGTERM reach a front from a terminal or a kill of the process group too: only the
+            supervisor's SIGUSR1, one per signal it got, counts."""
+            if sig == signal.SIGUSR1:
+                super().handle_exit(signal.SIGTERM, frame)
 
-        class FrontServer(Server):
-            def handle_exit(self, sig: int, frame: FrameType | None) -> None:
-                """SIGINT and SIGTERM reach a front from a terminal or a kill of the process group too: only the
-                supervisor's SIGUSR1, one per signal it got, counts."""
-                if sig == signal.SIGUSR1:
-                    super().handle_exit(signal.SIGTERM, frame)
+        async def startup(self, sockets: Any = None) -> None:
+            await super().startup(sockets)
+            if self.started:
+                ready.set()
 
-            async def startup(self, sockets: Any = None) -> None:
-                await super().startup(sockets)
-                if self.started:
-                    ready.set()
-
-        server = FrontServer(config, engines, lifecycle, shutdown_timeout_s)
-        signal.signal(signal.SIGUSR1, server.handle_exit)  # uvicorn's own handlers take SIGINT and SIGTERM only
-        return server
+    server = FrontServer(config, engines, lifecycle, shutdown_timeout_s)
+    signal.signal(signal.SIGUSR1, server.handle_exit)  # uvicorn's own handlers take SIGINT and SIGTERM only
+    return server
 
 
 def _front_main(plan: FrontPlan, sock: socket.socket, ready: Any) -> None:
@@ -290,7 +287,7 @@ def _front_main(plan: FrontPlan, sock: socket.socket, ready: Any) -> None:
         response_store=plan.store,
         **plan.app_options,
     )
-    server = _FrontServer.make(
+    server = _front_server(
         uvicorn.Config(app, **plan.uvicorn_options), engines, lifecycle, plan.shutdown_timeout_s, ready
     )
     try:
