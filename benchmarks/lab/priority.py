@@ -48,12 +48,14 @@ class Server:
         with log.open("w") as sink:  # a file, not a pipe: a pipe nobody reads would stall the server
             self.process = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=sink, text=True)
         self.root = f"http://127.0.0.1:{self.port}"
-        deadline = time.monotonic() + 600
+        started = time.monotonic()
+        deadline = started + 600
         while True:
             if self.process.poll() is not None:
                 raise RuntimeError(f"the server ended: {self.log.read_text()[-2000:]}")
             try:
                 if httpx.get(f"{self.root}/health", timeout=5).status_code == 200:
+                    self.ready_s = time.monotonic() - started
                     return
             except httpx.TransportError:
                 pass
@@ -185,12 +187,15 @@ def bench(args: argparse.Namespace, label: str, rate: float, num: int, mix: str 
     result = merged(results)
     run = result["runs"][0]
     print(
-        f"{label}: rate {rate:.2f}/s x {num} from {clients} clients: {run['completed']} done, {run['failed']} failed, "
-        f"{run['request_throughput']:.1f} served/s",
+        f"{label}: server ready in {server.ready_s:.1f} s; rate {rate:.2f}/s x {num} from {clients} clients: "
+        f"{run['completed']} done, {run['failed']} failed, {run['request_throughput']:.1f} served/s",
         flush=True,
     )
     print(breakdown(result, server_figures), flush=True)
-    return {"label": label, "rate": rate, "requests": num, "mix": mix, "result": result, "server": server_figures}
+    return {
+        "label": label, "rate": rate, "requests": num, "mix": mix, "ready_s": server.ready_s, "result": result,
+        "server": server_figures,
+    }  # fmt: skip
 
 
 def capacity(result: dict[str, Any]) -> float:

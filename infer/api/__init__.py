@@ -18,6 +18,7 @@ from infer.api.adapters import (
     AdapterSpec,
     AdapterTarget,
     LoRARequest,
+    begin_adapter,
 )
 from infer.api.attention import (
     AttentionBackend,
@@ -110,7 +111,7 @@ __all__ = [
     "CausalLM", "CheckpointShapes", "ModelArchitecture", "HFArchitectures", "ModelPresets", "RegisterFn",
     "DecoderStack", "KitConfig",
     "DecodeGraphs", "DecodePipeline",
-    "LoRARequest", "AdapterTarget", "AdapterSpec", "AdapterBatch", "AdapterKind", "AdapterLayer", "AdaptableModel",
+    "LoRARequest", "AdapterTarget", "AdapterSpec", "AdapterBatch", "AdapterKind", "AdapterLayer", "AdaptableModel", "begin_adapter",
     "HeadLayout", "Communicator", "Executor", "LocalExecutor", "SingleProcess", "ModelParallel", "TensorParallelLayers", "Launch",
     "PipelineStage", "PipelineLink", "StageActivations",
 ]  # fmt: skip

@@ -34,6 +34,7 @@ __all__ = [
     "AdapterKind",
     "AdapterLayer",
     "AdaptableModel",
+    "begin_adapter",
 ]
 
 
@@ -137,9 +138,24 @@ class AdapterBatch:
 class AdapterLayer(Protocol):
     """What the model calls right after a target projection: `y = layer(x, y)` with x [T, local_in]
     its input and y [T, sum(local_out)] its output; returns y with each token's adapter's delta added
-    (in place or not: the model uses the result). Tokens of slot -1 keep y."""
+    (in place or not: the model uses the result). Tokens of slot -1 keep y.
+
+    Optional (API 2.8): `begin(x)`, which a model calls (through `begin_adapter`) with the projection's
+    input just before the projection, and then `layer(x, y)` with the same x after it, before it begins
+    another target's layer. A layer may start there the part of its work that needs x alone (LoRA's
+    shrink, on a stream of its own, beside the projection), so that only the rest waits for y. A layer
+    without `begin` does it all in `layer(x, y)`; a model that never calls `begin` loses nothing but
+    the overlap."""
 
     def __call__(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor: ...
+
+
+def begin_adapter(layer: AdapterLayer | None, x: torch.Tensor) -> None:
+    """`layer.begin(x)` if the layer has one (`AdapterLayer`): a model calls it with a target
+    projection's input just before the projection, then `layer(x, y)` as always."""
+    begin = getattr(layer, "begin", None)
+    if begin is not None:
+        begin(x)
 
 
 class AdapterKind(Protocol):

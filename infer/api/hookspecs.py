@@ -53,7 +53,7 @@ PROJECT_NAME = "infer"
 # The plugin API's (major, minor) version: a minor bump only adds (what it supersedes keeps working, with a
 # DeprecationWarning naming the replacement, until the next major); a major bump may remove and change.
 # docs/plugins.md lists what each version changed.
-PLUGIN_API = (2, 7)
+PLUGIN_API = (2, 8)
 PLUGIN_API_VERSION = PLUGIN_API[0]  # the major
 
 hookspec = pluggy.HookspecMarker(PROJECT_NAME)

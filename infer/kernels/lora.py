@@ -155,6 +155,35 @@ def parts(k: int) -> int:
     return triton.cdiv(k, SPLIT_K)
 
 
+def bgmv_shrink(x: torch.Tensor, a: torch.Tensor, slots: torch.Tensor, v: torch.Tensor) -> None:
+    """BGMV's first half: v[p, t] = the p-th partial sum of x[t] A_{slots[t]}^T (`bgmv`)."""
+    T, K = x.shape
+    S, R, _ = a.shape
+    if T == 0:
+        return
+    block_r = _block(R)
+    block_k = min(SPLIT_K, max(16, min(128, 8192 // block_r)))  # A's [BLOCK_R, BLOCK_K] fp32 tile: <= 32 KB
+    _bgmv_shrink[(T, parts(K))](
+        x, a, slots, v, K, R, x.stride(0), a.stride(0), a.stride(1), v.stride(0), v.stride(1),
+        block_r, block_k, SPLIT_K,
+    )  # fmt: skip
+
+
+def bgmv_expand(v: torch.Tensor, b: torch.Tensor, slots: torch.Tensor, y: torch.Tensor, k: int) -> None:
+    """BGMV's second half: y[t] += (the sum of v's partial sums for t) B_{slots[t]}^T, after
+    `bgmv_shrink` of an input `k` wide into `v`."""
+    T, N = y.shape
+    S, _, R = b.shape
+    if T == 0:
+        return
+    block_r = _block(R)
+    block_n = max(16, min(64, 8192 // block_r))
+    _bgmv_expand[(T, triton.cdiv(N, block_n))](
+        v, b, slots, y, N, R, parts(k), v.stride(0), v.stride(1), b.stride(0), b.stride(1), y.stride(0),
+        block_r, block_n,
+    )  # fmt: skip
+
+
 def bgmv(
     x: torch.Tensor, y: torch.Tensor, a: torch.Tensor, b: torch.Tensor, slots: torch.Tensor, v: torch.Tensor
 ) -> None:
@@ -162,24 +191,10 @@ def bgmv(
     x [T, K], y [T, N] (rows contiguous), a [S, R, K], b [S, N, R], slots [>= T] int32 on the device,
     v: a float32 scratch of at least [parts(K), T, R]: the shrink splits K over `parts(K)` programs a token
     (one token alone would leave all but one SM idle), whose partial sums the expand adds in order, the same
-    sum in any batch. Grids depend on T alone: CUDA-graph safe."""
-    T, K = x.shape
-    S, R, _ = a.shape
-    N = y.shape[1]
-    if T == 0:
-        return
-    block_r = _block(R)
-    block_k = min(SPLIT_K, max(16, min(128, 8192 // block_r)))  # A's [BLOCK_R, BLOCK_K] fp32 tile: <= 32 KB
-    n_parts = parts(K)
-    _bgmv_shrink[(T, n_parts)](
-        x, a, slots, v, K, R, x.stride(0), a.stride(0), a.stride(1), v.stride(0), v.stride(1),
-        block_r, block_k, SPLIT_K,
-    )  # fmt: skip
-    block_n = max(16, min(64, 8192 // block_r))
-    _bgmv_expand[(T, triton.cdiv(N, block_n))](
-        v, b, slots, y, N, R, n_parts, v.stride(0), v.stride(1), b.stride(0), b.stride(1), y.stride(0),
-        block_r, block_n,
-    )  # fmt: skip
+    sum in any batch. Grids depend on T alone: CUDA-graph safe. The two halves, `bgmv_shrink` and
+    `bgmv_expand`, may run apart (the shrink needs only x: on another stream, beside x's projection)."""
+    bgmv_shrink(x, a, slots, v)
+    bgmv_expand(v, b, slots, y, x.shape[1])
 
 
 def group_by_slot(slots: list[int], num_slots: int) -> tuple[list[int], list[int]]:
@@ -195,6 +210,37 @@ def group_by_slot(slots: list[int], num_slots: int) -> tuple[list[int], list[int
     return [t for g in groups for t in g], starts
 
 
+def sgmv_shrink(x: torch.Tensor, a: torch.Tensor, order: torch.Tensor, starts: torch.Tensor, v: torch.Tensor) -> None:
+    """SGMV's first half: v[p, t] = the p-th partial sum of x[t] A_s^T, tokens grouped by slot (`sgmv`)."""
+    T, K = x.shape
+    S, R, _ = a.shape
+    if T == 0:
+        return
+    block_m, block_r = 16, _block(R)
+    block_k = min(SPLIT_K, max(16, min(64, 16384 // block_r)))  # A's [BLOCK_K, BLOCK_R] bf16 tile: <= 32 KB
+    _sgmv_shrink[(S, triton.cdiv(T, block_m), parts(K))](
+        x, a, order, starts, v, K, R, x.stride(0), a.stride(0), a.stride(1), v.stride(0), v.stride(1),
+        block_m, block_r, block_k, SPLIT_K, _precision(a),
+    )  # fmt: skip
+
+
+def sgmv_expand(
+    v: torch.Tensor, b: torch.Tensor, order: torch.Tensor, starts: torch.Tensor, y: torch.Tensor, k: int
+) -> None:
+    """SGMV's second half: y[t] += (the sum of v's partial sums for t) B_s^T, after `sgmv_shrink` of an
+    input `k` wide into `v`."""
+    T, N = y.shape
+    S, _, R = b.shape
+    if T == 0:
+        return
+    block_m, block_r = 16, _block(R)
+    block_n = max(16, min(64, 16384 // block_r))
+    _sgmv_expand[(S, triton.cdiv(T, block_m), triton.cdiv(N, block_n))](
+        v, b, order, starts, y, N, R, parts(k), v.stride(0), v.stride(1), b.stride(0), b.stride(1), y.stride(0),
+        block_m, block_r, block_n, _precision(b),
+    )  # fmt: skip
+
+
 def sgmv(
     x: torch.Tensor,
     y: torch.Tensor,
@@ -208,22 +254,7 @@ def sgmv(
     order[starts[s]:starts[s + 1]]): a program per BLOCK_M tokens of a slot (and per BLOCK_N outputs)
     reads that adapter's tiles once for them all and multiplies with `tl.dot`. The grid depends on T and
     the slots' count alone (programs past a slot's tokens return at once): CUDA-graph safe when `order`
-    and `starts` are static buffers that each forward refills. `v`: as for `bgmv`."""
-    T, K = x.shape
-    S, R, _ = a.shape
-    N = y.shape[1]
-    if T == 0:
-        return
-    block_m, block_r = 16, _block(R)
-    tiles = triton.cdiv(T, block_m)
-    block_k = min(SPLIT_K, max(16, min(64, 16384 // block_r)))  # A's [BLOCK_K, BLOCK_R] bf16 tile: <= 32 KB
-    n_parts = parts(K)
-    _sgmv_shrink[(S, tiles, n_parts)](
-        x, a, order, starts, v, K, R, x.stride(0), a.stride(0), a.stride(1), v.stride(0), v.stride(1),
-        block_m, block_r, block_k, SPLIT_K, _precision(a),
-    )  # fmt: skip
-    block_n = max(16, min(64, 16384 // block_r))
-    _sgmv_expand[(S, tiles, triton.cdiv(N, block_n))](
-        v, b, order, starts, y, N, R, n_parts, v.stride(0), v.stride(1), b.stride(0), b.stride(1), y.stride(0),
-        block_m, block_r, block_n, _precision(b),
-    )  # fmt: skip
+    and `starts` are static buffers that each forward refills. `v`: as for `bgmv`; so are the halves,
+    `sgmv_shrink` and `sgmv_expand`."""
+    sgmv_shrink(x, a, order, starts, v)
+    sgmv_expand(v, b, order, starts, y, x.shape[1])

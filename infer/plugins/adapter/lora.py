@@ -116,6 +116,11 @@ class LoRAKind:
         self.segments: list[tuple[int, int, int]] = []  # (slot, start, end): consecutive tokens of one slot
         self.per_token = True  # this forward's kernels: BGMV (per token) or SGMV (grouped by slot)
         self.capture = False  # a CUDA graph's capture or warm-up: the kernels launch whatever the rows
+        # `begin`'s shrink runs on a stream of its own beside the target's projection (a CUDA graph keeps
+        # the fork and the join as edges); `begun`: the target whose shrink is under way there
+        # (none off CUDA: the Triton interpreter runs the kernels in order on the CPU)
+        self.side = torch.cuda.Stream(spec.device) if self.kernels and spec.device.type == "cuda" else None
+        self.begun: str | None = None
 
     # ------------------------------------------------------------------ reading
 
@@ -259,6 +264,7 @@ class LoRAKind:
     def plan(self, batch: AdapterBatch) -> None:
         from infer.kernels.lora_reference import segments_of
 
+        self._join()  # a forward that raised between a begin and its layer: nothing left on the side stream
         slots = batch.token_slots()
         self.segments = segments_of(slots)
         self.capture = batch.capture
@@ -280,26 +286,65 @@ class LoRAKind:
     def layers(self) -> dict[str, LoRALayer]:
         return {t.module: LoRALayer(self, t) for t in self.spec.targets}
 
+    def _running(self) -> bool:
+        """Whether this forward launches the kernels (or the torch path runs): some row runs an adapter,
+        or a CUDA graph is captured (its replays may run adapters)."""
+        return bool(self.segments) or (self.kernels and self.capture)
+
+    def _shrink(self, t: AdapterTarget, x: torch.Tensor) -> None:
+        if self.per_token:
+            from infer.kernels.lora import bgmv_shrink
+
+            bgmv_shrink(x, self.a[t.module], self.token_slots, self.scratch)
+        else:
+            from infer.kernels.lora import sgmv_shrink
+
+            sgmv_shrink(x, self.a[t.module], self.order, self.starts, self.scratch)
+
+    def _join(self) -> None:
+        if self.begun is not None and self.side is not None:
+            torch.cuda.current_stream(self.spec.device).wait_stream(self.side)
+        self.begun = None
+
+    def begin(self, t: AdapterTarget, x: torch.Tensor) -> None:
+        """The shrink of target `t`, v = x A^T, on the side stream, while the stream it left computes the
+        projection; `apply` joins it and expands. Decode's critical path loses a kernel a target."""
+        self._join()
+        if not (self.kernels and self._running()):
+            return
+        x = x.contiguous()  # made on the model's stream; it outlives the join (the model passes it to apply)
+        if self.side is None:
+            self._shrink(t, x)
+        else:
+            self.side.wait_stream(torch.cuda.current_stream(self.spec.device))
+            with torch.cuda.stream(self.side):
+                self._shrink(t, x)
+        self.begun = t.module
+
     def apply(self, t: AdapterTarget, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
         """y + each token's delta for target `t` (y in place, unless the delta must be summed first)."""
-        if not self.segments and not (self.kernels and self.capture):
-            return y  # no row runs an adapter (a graph being captured launches the kernels all the same)
+        begun = self.begun == t.module  # its shrink is under way on the side stream: join it
+        self._join()
+        if not self._running():
+            return y  # no row runs an adapter
         a, b = self.a[t.module], self.b[t.module]
         reduce = t.split == "row" and t.summed and self.spec.all_reduce is not None
         out = torch.zeros_like(y) if reduce else y
-        x = x.contiguous()
         if not self.kernels:
             from infer.kernels.lora_reference import lora_reference
 
-            lora_reference(x, out, a, b, self.segments)
-        elif self.per_token:
-            from infer.kernels.lora import bgmv
-
-            bgmv(x, out, a, b, self.token_slots, self.scratch)
+            lora_reference(x.contiguous(), out, a, b, self.segments)
         else:
-            from infer.kernels.lora import sgmv
+            if not begun:
+                self._shrink(t, x.contiguous())
+            if self.per_token:
+                from infer.kernels.lora import bgmv_expand
 
-            sgmv(x, out, a, b, self.order, self.starts, self.scratch)
+                bgmv_expand(self.scratch, b, self.token_slots, out, x.shape[1])
+            else:
+                from infer.kernels.lora import sgmv_expand
+
+                sgmv_expand(self.scratch, b, self.order, self.starts, out, x.shape[1])
         if reduce:
             assert self.spec.all_reduce is not None
             return y + self.spec.all_reduce(out)
@@ -313,6 +358,9 @@ class LoRALayer:
 
     def __init__(self, kind: LoRAKind, target: AdapterTarget) -> None:
         self.kind, self.target = kind, target
+
+    def begin(self, x: torch.Tensor) -> None:
+        self.kind.begin(self.target, x)
 
     def __call__(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
         return self.kind.apply(self.target, x, y)

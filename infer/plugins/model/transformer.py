@@ -30,6 +30,7 @@ from infer.api import (
     RotaryTables,
     TakesQuantizedInput,
 )
+from infer.api.adapters import begin_adapter
 from infer.api.config import ModelConfig
 from infer.api.errors import ModelLoadError
 from infer.api.rope import Rope
@@ -135,9 +136,11 @@ class Attention(nn.Module):
 
     def forward(self, positions: torch.Tensor, x: torch.Tensor, kv_cache: KVCache) -> torch.Tensor:
         # x: [T, hidden]
-        qkv = self.qkv_proj(x)
         if self.qkv_adapter is not None:
-            qkv = self.qkv_adapter(x, qkv)
+            begin_adapter(self.qkv_adapter, x)
+            qkv = self.qkv_adapter(x, self.qkv_proj(x))
+        else:
+            qkv = self.qkv_proj(x)
         q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         q = q.view(-1, self.num_heads, self.head_dim)
         k = k.view(-1, self.num_kv_heads, self.head_dim)
@@ -154,6 +157,7 @@ class Attention(nn.Module):
             out = self.attention.forward(q, k, v, kv_cache, **self.window)  # [T, H, D]
         out = out.reshape(-1, self.q_size)
         if self.o_adapter is not None:
+            begin_adapter(self.o_adapter, out)
             return self.o_adapter(out, self.o_proj(out))
         return self.o_proj(out)
 
@@ -205,11 +209,14 @@ class MLP(nn.Module):
         return self.act.down if self.fused_down else self.down_proj.matmul
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        h = self.gate_up_proj(x)
         if self.gate_up_adapter is not None:
-            h = self.gate_up_adapter(x, h)
+            begin_adapter(self.gate_up_adapter, x)
+            h = self.gate_up_adapter(x, self.gate_up_proj(x))
+        else:
+            h = self.gate_up_proj(x)
         if self.down_adapter is not None:
             a = self.act(h)
+            begin_adapter(self.down_adapter, a)
             return self.down_adapter(a, self.down_proj(a))
         if self.gated_down:
             return self.down_proj.gated(h)
