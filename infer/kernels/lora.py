@@ -70,17 +70,16 @@ def _bgmv_expand(
 
 @triton.jit
 def _sgmv_shrink(
-    x_ptr, a_ptr, order_ptr, starts_ptr, v_ptr, K, R, sx, sa0, sa1, sv0, sv1,
+    x_ptr, a_ptr, order_ptr, tiles_ptr, v_ptr, K, R, sx, sa0, sa1, sv0, sv1,
     BLOCK_M: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr,
     PRECISION: tl.constexpr,
 ):  # fmt: skip
-    slot = tl.program_id(0)
-    part = tl.program_id(2)
-    start = tl.load(starts_ptr + slot)
-    end = tl.load(starts_ptr + slot + 1)
-    first = start + tl.program_id(1) * BLOCK_M
-    if first >= end:
+    slot = tl.load(tiles_ptr + tl.program_id(0) * 3)  # this program's tile: (slot, start, end) in `order`
+    part = tl.program_id(1)
+    if slot < 0:
         return
+    first = tl.load(tiles_ptr + tl.program_id(0) * 3 + 1)
+    end = tl.load(tiles_ptr + tl.program_id(0) * 3 + 2)
     rows = first + tl.arange(0, BLOCK_M)
     tokens = tl.load(order_ptr + rows, mask=rows < end, other=0).to(tl.int64)
     r = tl.arange(0, BLOCK_R)
@@ -105,18 +104,17 @@ def _sgmv_shrink(
 
 @triton.jit
 def _sgmv_expand(
-    v_ptr, b_ptr, order_ptr, starts_ptr, y_ptr, N, R, PARTS, sv0, sv1, sb0, sb1, sy,
+    v_ptr, b_ptr, order_ptr, tiles_ptr, y_ptr, N, R, PARTS, sv0, sv1, sb0, sb1, sy,
     BLOCK_M: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_N: tl.constexpr, PRECISION: tl.constexpr,
 ):  # fmt: skip
-    slot = tl.program_id(0)
-    start = tl.load(starts_ptr + slot)
-    end = tl.load(starts_ptr + slot + 1)
-    first = start + tl.program_id(1) * BLOCK_M
-    if first >= end:
+    slot = tl.load(tiles_ptr + tl.program_id(0) * 3)
+    if slot < 0:
         return
+    first = tl.load(tiles_ptr + tl.program_id(0) * 3 + 1)
+    end = tl.load(tiles_ptr + tl.program_id(0) * 3 + 2)
     rows = first + tl.arange(0, BLOCK_M)
     tokens = tl.load(order_ptr + rows, mask=rows < end, other=0).to(tl.int64)
-    n = tl.program_id(2) * BLOCK_N + tl.arange(0, BLOCK_N)
+    n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     r = tl.arange(0, BLOCK_R)
     bt = tl.load(
         b_ptr + slot.to(tl.int64) * sb0 + n[None, :] * sb1 + r[:, None],
@@ -177,7 +175,7 @@ def bgmv_expand(v: torch.Tensor, b: torch.Tensor, slots: torch.Tensor, y: torch.
     if T == 0:
         return
     block_r = _block(R)
-    block_n = max(16, min(64, 8192 // block_r))
+    block_n = max(16, min(256, 8192 // block_r))  # B's [BLOCK_N, BLOCK_R] fp32 tile: <= 32 KB
     _bgmv_expand[(T, triton.cdiv(N, block_n))](
         v, b, slots, y, N, R, parts(k), v.stride(0), v.stride(1), b.stride(0), b.stride(1), y.stride(0),
         block_r, block_n,
@@ -197,35 +195,49 @@ def bgmv(
     bgmv_expand(v, b, slots, y, x.shape[1])
 
 
+BLOCK_M = 16  # SGMV's rows a program: a tile holds up to this many tokens of one slot
+
+
 def group_by_slot(slots: list[int], num_slots: int) -> tuple[list[int], list[int]]:
     """SGMV's metadata from each token's slot: the tokens of slot 0, then of slot 1, ... (slot -1's left
-    out), and where each slot's start in that order ([num_slots + 1] offsets)."""
+    out), and the tiles over that order, (slot, start, end) flattened: each up to BLOCK_M tokens of
+    one slot, `max_tiles(len(slots), num_slots)` of them, the unused ones (-1, 0, 0)."""
     groups: list[list[int]] = [[] for _ in range(num_slots)]
     for t, s in enumerate(slots):
         if s >= 0:
             groups[s].append(t)
-    starts = [0]
-    for g in groups:
-        starts.append(starts[-1] + len(g))
-    return [t for g in groups for t in g], starts
+    order: list[int] = []
+    tiles: list[int] = []
+    for slot, group in enumerate(groups):
+        for first in range(0, len(group), BLOCK_M):
+            tiles += [slot, len(order) + first, len(order) + min(first + BLOCK_M, len(group))]
+        order += group
+    tiles += [-1, 0, 0] * (max_tiles(len(slots), num_slots) - len(tiles) // 3)
+    return order, tiles
 
 
-def sgmv_shrink(x: torch.Tensor, a: torch.Tensor, order: torch.Tensor, starts: torch.Tensor, v: torch.Tensor) -> None:
+def max_tiles(tokens: int, num_slots: int) -> int:
+    """The most tiles `tokens` rows over `num_slots` slots make (each slot's last tile may be short):
+    SGMV's grid, which depends on the row count alone (CUDA-graph safe)."""
+    return triton.cdiv(tokens, BLOCK_M) + min(num_slots, tokens)
+
+
+def sgmv_shrink(x: torch.Tensor, a: torch.Tensor, order: torch.Tensor, tiles: torch.Tensor, v: torch.Tensor) -> None:
     """SGMV's first half: v[p, t] = the p-th partial sum of x[t] A_s^T, tokens grouped by slot (`sgmv`)."""
     T, K = x.shape
     S, R, _ = a.shape
     if T == 0:
         return
-    block_m, block_r = 16, _block(R)
+    block_r = _block(R)
     block_k = min(SPLIT_K, max(16, min(64, 16384 // block_r)))  # A's [BLOCK_K, BLOCK_R] bf16 tile: <= 32 KB
-    _sgmv_shrink[(S, triton.cdiv(T, block_m), parts(K))](
-        x, a, order, starts, v, K, R, x.stride(0), a.stride(0), a.stride(1), v.stride(0), v.stride(1),
-        block_m, block_r, block_k, SPLIT_K, _precision(a),
+    _sgmv_shrink[(max_tiles(T, S), parts(K))](
+        x, a, order, tiles, v, K, R, x.stride(0), a.stride(0), a.stride(1), v.stride(0), v.stride(1),
+        BLOCK_M, block_r, block_k, SPLIT_K, _precision(a),
     )  # fmt: skip
 
 
 def sgmv_expand(
-    v: torch.Tensor, b: torch.Tensor, order: torch.Tensor, starts: torch.Tensor, y: torch.Tensor, k: int
+    v: torch.Tensor, b: torch.Tensor, order: torch.Tensor, tiles: torch.Tensor, y: torch.Tensor, k: int
 ) -> None:
     """SGMV's second half: y[t] += (the sum of v's partial sums for t) B_s^T, after `sgmv_shrink` of an
     input `k` wide into `v`."""
@@ -233,11 +245,11 @@ def sgmv_expand(
     S, _, R = b.shape
     if T == 0:
         return
-    block_m, block_r = 16, _block(R)
-    block_n = max(16, min(64, 16384 // block_r))
-    _sgmv_expand[(S, triton.cdiv(T, block_m), triton.cdiv(N, block_n))](
-        v, b, order, starts, y, N, R, parts(k), v.stride(0), v.stride(1), b.stride(0), b.stride(1), y.stride(0),
-        block_m, block_r, block_n, _precision(b),
+    block_r = _block(R)
+    block_n = max(16, min(256, 16384 // block_r))  # B's [BLOCK_R, BLOCK_N] tile: <= 32 KB of bf16
+    _sgmv_expand[(max_tiles(T, S), triton.cdiv(N, block_n))](
+        v, b, order, tiles, y, N, R, parts(k), v.stride(0), v.stride(1), b.stride(0), b.stride(1), y.stride(0),
+        BLOCK_M, block_r, block_n, _precision(b),
     )  # fmt: skip
 
 
@@ -247,14 +259,14 @@ def sgmv(
     a: torch.Tensor,
     b: torch.Tensor,
     order: torch.Tensor,
-    starts: torch.Tensor,
+    tiles: torch.Tensor,
     v: torch.Tensor,
 ) -> None:
-    """The same sum with the tokens grouped by slot (`group_by_slot`: `order`, tokens of slot s at
-    order[starts[s]:starts[s + 1]]): a program per BLOCK_M tokens of a slot (and per BLOCK_N outputs)
-    reads that adapter's tiles once for them all and multiplies with `tl.dot`. The grid depends on T and
-    the slots' count alone (programs past a slot's tokens return at once): CUDA-graph safe when `order`
-    and `starts` are static buffers that each forward refills. `v`: as for `bgmv`; so are the halves,
+    """The same sum with the tokens grouped by slot (`group_by_slot`: `order`, and `tiles` of up to
+    BLOCK_M tokens of one slot each): a program per tile (and per BLOCK_N outputs) reads that adapter's
+    tiles once for its tokens and multiplies with `tl.dot`. The grid depends on T and the slots' count
+    alone (`max_tiles`; the unused tiles' programs return at once): CUDA-graph safe when `order` and
+    `tiles` are static buffers that each forward refills. `v`: as for `bgmv`; so are the halves,
     `sgmv_shrink` and `sgmv_expand`."""
-    sgmv_shrink(x, a, order, starts, v)
-    sgmv_expand(v, b, order, starts, y, x.shape[1])
+    sgmv_shrink(x, a, order, tiles, v)
+    sgmv_expand(v, b, order, tiles, y, x.shape[1])

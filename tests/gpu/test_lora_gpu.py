@@ -42,9 +42,9 @@ def test_kernels_match_the_reference_in_bf16(shape, tokens):
     scratch = torch.zeros(parts(K), tokens, R, device=dev)
     per_token = y.clone()
     bgmv(x, per_token, a, b, torch.tensor(slots, dtype=torch.int32, device=dev), scratch)
-    order, starts = (torch.tensor(t, dtype=torch.int32, device=dev) for t in group_by_slot(slots, 8))
+    order, tiles = (torch.tensor(t, dtype=torch.int32, device=dev) for t in group_by_slot(slots, 8))
     per_segment = y.clone()
-    sgmv(x, per_segment, a, b, order, starts, scratch)
+    sgmv(x, per_segment, a, b, order, tiles, scratch)
     for got in (per_token, per_segment):
         torch.testing.assert_close(got.float(), want, rtol=2e-2, atol=2e-2)
 

@@ -36,8 +36,8 @@ def test_kernels_add_each_tokens_adapter_delta_as_the_reference(case, kernel, sp
     if kernel == "bgmv":
         bgmv(x, got, a, b, torch.tensor(slots, dtype=torch.int32), scratch)
     else:
-        order, starts = group_by_slot(slots, S)
-        sgmv(x, got, a, b, torch.tensor(order, dtype=torch.int32), torch.tensor(starts, dtype=torch.int32), scratch)
+        order, tiles = group_by_slot(slots, S)
+        sgmv(x, got, a, b, torch.tensor(order, dtype=torch.int32), torch.tensor(tiles, dtype=torch.int32), scratch)
     torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
     base = torch.tensor([s < 0 for s in slots])
     assert torch.equal(got[base], y[base])  # the base model's rows: untouched, bit for bit
@@ -45,4 +45,28 @@ def test_kernels_add_each_tokens_adapter_delta_as_the_reference(case, kernel, sp
 
 
 def test_group_by_slot():
-    assert group_by_slot([1, -1, 0, 1, 2, 0], 4) == ([2, 5, 0, 3, 4], [0, 2, 4, 5, 5])
+    # slot 0: tokens 2, 5; slot 1: 0, 3; slot 2: 4; max_tiles(6, 4) = 1 + 4 tiles, the unused one (-1, 0, 0)
+    assert group_by_slot([1, -1, 0, 1, 2, 0], 4) == ([2, 5, 0, 3, 4], [0, 0, 2, 1, 2, 4, 2, 4, 5, -1, 0, 0, -1, 0, 0])
+
+
+def test_group_by_slot_cuts_a_slots_tokens_into_tiles_of_block_m():
+    from infer.kernels.lora import BLOCK_M, max_tiles
+
+    slots = [0] * (BLOCK_M + 3) + [1] * (2 * BLOCK_M) + [-1] * 5
+    order, tiles = group_by_slot(slots, 8)
+    used = [tuple(tiles[i : i + 3]) for i in range(0, len(tiles), 3) if tiles[i] >= 0]
+    assert used == [
+        (0, 0, BLOCK_M),
+        (0, BLOCK_M, BLOCK_M + 3),
+        (1, BLOCK_M + 3, 2 * BLOCK_M + 3),
+        (1, 2 * BLOCK_M + 3, 3 * BLOCK_M + 3),
+    ]
+    assert len(tiles) == 3 * max_tiles(len(slots), 8) and order == list(range(3 * BLOCK_M + 3))
+    for n_slots in (1, 3, 8):  # the bound holds for any spread of the rows over the slots
+        for spread in (
+            [i % n_slots for i in range(70)],
+            [0] * 69 + [n_slots - 1],
+            [min(i, n_slots - 1) for i in range(70)],
+        ):
+            _, tiles = group_by_slot(spread, n_slots)
+            assert len(tiles) == 3 * max_tiles(70, n_slots)

@@ -51,6 +51,15 @@ def _triton_ready(device: torch.device) -> bool:
     return True
 
 
+def _max_tiles(tokens: int, num_slots: int) -> int:
+    """SGMV's most tiles for `tokens` rows (0 where Triton is missing)."""
+    try:
+        from infer.kernels.lora import max_tiles
+    except ImportError:
+        return 0
+    return max_tiles(tokens, num_slots)
+
+
 def _shrink_parts(width: int) -> int:
     """The partial sums the kernels' shrink makes of an input `width` wide (0 where Triton is missing)."""
     try:
@@ -109,10 +118,10 @@ class LoRAKind:
         num_parts = _shrink_parts(widest)
         self.scratch = torch.zeros(num_parts, spec.max_tokens if num_parts else 0, max(most, 1), device=dev)
         # static buffers the kernels read (CUDA graphs replay them): each row's slot (BGMV), and the rows
-        # grouped by slot with each slot's start in that order (SGMV)
+        # grouped by slot with the tiles of that order, (slot, start, end) each (SGMV)
         self.token_slots = torch.full((spec.max_tokens,), -1, dtype=torch.int32, device=dev)
         self.order = torch.zeros(spec.max_tokens, dtype=torch.int32, device=dev)
-        self.starts = torch.zeros(S + 1, dtype=torch.int32, device=dev)
+        self.tiles = torch.zeros(3 * _max_tiles(spec.max_tokens, S), dtype=torch.int32, device=dev)
         self.segments: list[tuple[int, int, int]] = []  # (slot, start, end): consecutive tokens of one slot
         self.per_token = True  # this forward's kernels: BGMV (per token) or SGMV (grouped by slot)
         self.capture = False  # a CUDA graph's capture or warm-up: the kernels launch whatever the rows
@@ -278,10 +287,10 @@ class LoRAKind:
         else:
             from infer.kernels.lora import group_by_slot
 
-            order, starts = group_by_slot(slots, self.spec.max_adapters)
-            host = torch.tensor(order + starts, dtype=torch.int32)
+            order, tiles = group_by_slot(slots, self.spec.max_adapters)
+            host = torch.tensor(order + tiles, dtype=torch.int32)
             self.order[: len(order)].copy_(host[: len(order)], non_blocking=True)
-            self.starts.copy_(host[len(order) :], non_blocking=True)
+            self.tiles[: len(tiles)].copy_(host[len(order) :], non_blocking=True)
 
     def layers(self) -> dict[str, LoRALayer]:
         return {t.module: LoRALayer(self, t) for t in self.spec.targets}
@@ -299,7 +308,7 @@ class LoRAKind:
         else:
             from infer.kernels.lora import sgmv_shrink
 
-            sgmv_shrink(x, self.a[t.module], self.order, self.starts, self.scratch)
+            sgmv_shrink(x, self.a[t.module], self.order, self.tiles, self.scratch)
 
     def _join(self) -> None:
         if self.begun is not None and self.side is not None:
@@ -344,7 +353,7 @@ class LoRAKind:
             else:
                 from infer.kernels.lora import sgmv_expand
 
-                sgmv_expand(self.scratch, b, self.order, self.starts, out, x.shape[1])
+                sgmv_expand(self.scratch, b, self.order, self.tiles, out, x.shape[1])
         if reduce:
             assert self.spec.all_reduce is not None
             return y + self.spec.all_reduce(out)
