@@ -9,7 +9,6 @@ import pytest
 import torch
 
 from infer import LLM, SamplingParams
-from infer.kernels.int4_reference import pack_nibbles, quantize_rtn, unpack_nibbles
 from infer.testing.model import write_checkpoint
 
 pytestmark = [
@@ -23,24 +22,19 @@ WIDE = dict(hidden_size=128, intermediate_size=256, num_attention_heads=8, num_k
 
 
 @pytest.mark.parametrize("n, k", [(6144, 4096), (4096, 4096), (28672, 4096), (4096, 14336)])
-@pytest.mark.parametrize("rows", [1, 4, 8])
+@pytest.mark.parametrize("rows", [1, 4, 8, 16, 64, 256, 2048])
 @pytest.mark.parametrize("act_order", [False, True])
-def test_gemv_at_llama3_8b_shapes(n, k, rows, act_order):
-    from infer.kernels.int4_gemv import int4_gemv
+def test_products_at_llama3_8b_shapes(n, k, rows, act_order):
+    """The GEMV (up to 8 rows) or the GEMM (more), as `Int4Linear` picks, against the dequantized product."""
+    from infer.kernels.int4_gemv import INT4_GEMV_MAX_ROWS, int4_gemv
+    from infer.kernels.int4_matmul import int4_matmul
+    from infer.testing.int4_layers import dequantized_product, random_int4_layer
 
-    gen = torch.Generator().manual_seed(0)
-    w = torch.randn(n, k, generator=gen)
-    q, s, z = quantize_rtn(w, 128, True)
-    g_idx = torch.arange(k, dtype=torch.int32) // 128
-    if act_order:
-        g_idx = g_idx[torch.randperm(k, generator=gen)]
-        cols = g_idx.long()
-        q = torch.clamp(torch.round(w / s[:, cols]) + z[:, cols].float(), 0, 15).to(torch.uint8)
-    qweight, s, z, g_idx = (t.cuda() for t in (pack_nibbles(q), s, z, g_idx))
-    x = torch.randn(rows, k, generator=gen).cuda().to(torch.bfloat16)
-    y = int4_gemv(x, qweight, s, z, g_idx, 128, act_order)
-    dense = (unpack_nibbles(qweight).float() - z.float()[:, g_idx.long()]) * s[:, g_idx.long()]
-    expected = x.float() @ dense.T
+    (qweight, s, z, g_idx), width = random_int4_layer(n, k, 128, True, act_order, "cuda")
+    x = torch.randn(rows, k, generator=torch.Generator().manual_seed(1)).cuda().to(torch.bfloat16)
+    product = int4_gemv if rows <= INT4_GEMV_MAX_ROWS else int4_matmul
+    y = product(x, qweight, s, z, g_idx, width, act_order)
+    expected = dequantized_product(x, qweight, s, z, g_idx, None)
     error = (y.float() - expected).norm() / expected.norm()
     assert error < 1e-2, f"relative error {error:.2e}"
 

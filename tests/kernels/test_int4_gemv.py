@@ -7,35 +7,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from infer.kernels.int4_reference import pack_nibbles, quantize_rtn
-
-
-def _layer(n: int, k: int, group: int, symmetric: bool, act_order: bool, device: str, seed: int = 0):
-    gen = torch.Generator().manual_seed(seed)
-    w = torch.randn(n, k, generator=gen)
-    q, s, z = quantize_rtn(w, group, symmetric)
-    width = k if group == -1 else group
-    g_idx = torch.arange(k, dtype=torch.int32) // width
-    if act_order:  # the columns' groups scattered, as GPTQ's act-order stores them: each group still `width` wide
-        g_idx = g_idx[torch.randperm(k, generator=gen)]
-        q = quantize_rtn_by(w, g_idx, s, z)
-    qweight = pack_nibbles(q)
-    return [t.to(device) for t in (qweight, s, z, g_idx)], width
-
-
-def quantize_rtn_by(w: torch.Tensor, g_idx: torch.Tensor, s: torch.Tensor, z: torch.Tensor) -> torch.Tensor:
-    """w rounded on the grid of each column's group in `g_idx` (act-order)."""
-    cols = g_idx.long()
-    return torch.clamp(torch.round(w / s[:, cols]) + z[:, cols].float(), 0, 15).to(torch.uint8)
-
-
-def _reference(x, qweight, s, z, g_idx, bias):
-    from infer.kernels.int4_reference import unpack_nibbles
-
-    cols = g_idx.long()
-    w = (unpack_nibbles(qweight).float() - z.float()[:, cols]) * s[:, cols]
-    y = x.float() @ w.T
-    return y if bias is None else y + bias.float()
+from infer.testing.int4_layers import dequantized_product as _reference
+from infer.testing.int4_layers import random_int4_layer as _layer
 
 
 @pytest.mark.parametrize("rows", [1, 3, 8])
