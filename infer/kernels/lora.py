@@ -11,7 +11,9 @@ a token names its slot (-1: none, y unchanged). Two shapes of work, after Punica
   their adapters' B 64 times); the grouping reaches the kernels through static buffers, so its grids
   depend on the token count alone, CUDA-graph safe too.
 
-Each is two kernels: shrink (v = x A^T, [T, R] in float32) and expand (y += v B^T, in y's dtype).
+Each is two kernels: shrink (v = x A^T, [T, R] in float32) and expand (y += v B^T, in y's dtype). The
+expands launch as programmatic dependents where PDL is on (`infer.kernels.triton_pdl`): scheduled while
+the projection that made y finishes, each program reads its adapter's B, then waits for it.
 `infer.kernels.lora_reference` is the same sum in torch, the CPU's path and the kernels' reference.
 """
 
@@ -20,6 +22,8 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
+
+from infer.kernels.triton_pdl import kernel_args, wait_and_release
 
 
 @triton.jit
@@ -46,22 +50,23 @@ def _bgmv_shrink(
 @triton.jit
 def _bgmv_expand(
     v_ptr, b_ptr, slots_ptr, y_ptr, N, R, PARTS, sv0, sv1, sb0, sb1, sy,
-    BLOCK_R: tl.constexpr, BLOCK_N: tl.constexpr,
+    BLOCK_R: tl.constexpr, BLOCK_N: tl.constexpr, USE_PDL: tl.constexpr,
 ):  # fmt: skip
     t = tl.program_id(0)
-    slot = tl.load(slots_ptr + t)
-    if slot < 0:
-        return
+    slot = tl.load(slots_ptr + t)  # the slots and B are written between forwards: read before the wait
     n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     r = tl.arange(0, BLOCK_R)
+    bt = tl.load(
+        b_ptr + tl.maximum(slot, 0).to(tl.int64) * sb0 + n[:, None] * sb1 + r[None, :],
+        mask=(n[:, None] < tl.where(slot >= 0, N, 0)) & (r[None, :] < R),  # nothing for the base rows
+        other=0.0,
+    ).to(tl.float32)
+    wait_and_release(USE_PDL)  # every program waits, those of the base rows too: a kernel after this one
+    if slot < 0:  # relies on this one's end meaning its predecessor's (y's projection) end
+        return
     v = tl.zeros((BLOCK_R,), dtype=tl.float32)
     for part in range(0, PARTS):  # the shrink's partial sums, in order: the same sum whatever the batch
         v += tl.load(v_ptr + part * sv0 + t.to(tl.int64) * sv1 + r, mask=r < R, other=0.0)
-    bt = tl.load(
-        b_ptr + slot.to(tl.int64) * sb0 + n[:, None] * sb1 + r[None, :],
-        mask=(n[:, None] < N) & (r[None, :] < R),
-        other=0.0,
-    ).to(tl.float32)
     delta = tl.sum(bt * v[None, :], axis=1)
     y_at = y_ptr + t.to(tl.int64) * sy + n
     y = tl.load(y_at, mask=n < N, other=0.0).to(tl.float32)
@@ -106,21 +111,23 @@ def _sgmv_shrink(
 def _sgmv_expand(
     v_ptr, b_ptr, order_ptr, tiles_ptr, y_ptr, N, R, PARTS, sv0, sv1, sb0, sb1, sy,
     BLOCK_M: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_N: tl.constexpr, PRECISION: tl.constexpr,
+    USE_PDL: tl.constexpr,
 ):  # fmt: skip
-    slot = tl.load(tiles_ptr + tl.program_id(0) * 3)
+    slot = tl.load(tiles_ptr + tl.program_id(0) * 3)  # the tiles, the order and B: written between forwards
+    n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    r = tl.arange(0, BLOCK_R)
+    bt = tl.load(
+        b_ptr + tl.maximum(slot, 0).to(tl.int64) * sb0 + n[None, :] * sb1 + r[:, None],
+        mask=(n[None, :] < tl.where(slot >= 0, N, 0)) & (r[:, None] < R),
+        other=0.0,
+    )
+    wait_and_release(USE_PDL)  # every program, as in _bgmv_expand
     if slot < 0:
         return
     first = tl.load(tiles_ptr + tl.program_id(0) * 3 + 1)
     end = tl.load(tiles_ptr + tl.program_id(0) * 3 + 2)
     rows = first + tl.arange(0, BLOCK_M)
     tokens = tl.load(order_ptr + rows, mask=rows < end, other=0).to(tl.int64)
-    n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
-    r = tl.arange(0, BLOCK_R)
-    bt = tl.load(
-        b_ptr + slot.to(tl.int64) * sb0 + n[None, :] * sb1 + r[:, None],
-        mask=(n[None, :] < N) & (r[:, None] < R),
-        other=0.0,
-    )
     v = tl.zeros((BLOCK_M, BLOCK_R), dtype=tl.float32)
     for part in range(0, PARTS):  # the shrink's partial sums, in order
         v += tl.load(
@@ -178,7 +185,7 @@ def bgmv_expand(v: torch.Tensor, b: torch.Tensor, slots: torch.Tensor, y: torch.
     block_n = max(16, min(256, 8192 // block_r))  # B's [BLOCK_N, BLOCK_R] fp32 tile: <= 32 KB
     _bgmv_expand[(T, triton.cdiv(N, block_n))](
         v, b, slots, y, N, R, parts(k), v.stride(0), v.stride(1), b.stride(0), b.stride(1), y.stride(0),
-        block_r, block_n,
+        block_r, block_n, **kernel_args(y.device),
     )  # fmt: skip
 
 
@@ -249,7 +256,7 @@ def sgmv_expand(
     block_n = max(16, min(256, 16384 // block_r))  # B's [BLOCK_R, BLOCK_N] tile: <= 32 KB of bf16
     _sgmv_expand[(max_tiles(T, S), triton.cdiv(N, block_n))](
         v, b, order, tiles, y, N, R, parts(k), v.stride(0), v.stride(1), b.stride(0), b.stride(1), y.stride(0),
-        BLOCK_M, block_r, block_n, _precision(b),
+        BLOCK_M, block_r, block_n, _precision(b), **kernel_args(y.device),
     )  # fmt: skip
 
 
