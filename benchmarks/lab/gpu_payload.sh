@@ -9,7 +9,7 @@ get() { pip download -q --no-deps --python-version 3.12 --only-binary=:all: \
 get .whl structlog gguf xgrammar==0.2.9 apache-tvm-ffi jsonschema==4.17.3 attrs pyrsistent \
   pydantic pydantic-core annotated-types typing-inspection typing_extensions
 get .gpu/fi flashinfer-python==0.5.3 nvidia-cudnn-frontend
-get .gpu/serve fastapi starlette uvicorn h11 anyio sniffio prometheus_client partial-json-parser httpx httpcore \
+get .gpu/serve fastapi opentelemetry-api starlette uvicorn h11 anyio sniffio prometheus_client partial-json-parser httpx httpcore \
   certifi idna annotated-doc
 mkdir -p .gpu/tok
 cp "${INFER_CACHE_DIR:-$HOME/.cache/infer}/models/smollm2-135m/"{tokenizer.json,tokenizer_config.json,config.json} .gpu/tok/

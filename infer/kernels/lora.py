@@ -50,7 +50,7 @@ def _bgmv_shrink(
 @triton.jit
 def _bgmv_expand(
     v_ptr, b_ptr, slots_ptr, y_ptr, N, R, PARTS, sv0, sv1, sb0, sb1, sy,
-    BLOCK_R: tl.constexpr, BLOCK_N: tl.constexpr, USE_PDL: tl.constexpr,
+    BLOCK_R: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_P: tl.constexpr, USE_PDL: tl.constexpr,
 ):  # fmt: skip
     t = tl.program_id(0)
     slot = tl.load(slots_ptr + t)  # the slots and B are written between forwards: read before the wait
@@ -64,9 +64,11 @@ def _bgmv_expand(
     wait_and_release(USE_PDL)  # every program waits, those of the base rows too: a kernel after this one
     if slot < 0:  # relies on this one's end meaning its predecessor's (y's projection) end
         return
-    v = tl.zeros((BLOCK_R,), dtype=tl.float32)
-    for part in range(0, PARTS):  # the shrink's partial sums, in order: the same sum whatever the batch
-        v += tl.load(v_ptr + part * sv0 + t.to(tl.int64) * sv1 + r, mask=r < R, other=0.0)
+    p = tl.arange(0, BLOCK_P)  # the shrink's partial sums, all in one load (a loop of loads waits on each)
+    v = tl.sum(
+        tl.load(v_ptr + p[:, None] * sv0 + t.to(tl.int64) * sv1 + r[None, :], mask=(p[:, None] < PARTS) & (r[None, :] < R), other=0.0),
+        axis=0,
+    )  # fmt: skip
     delta = tl.sum(bt * v[None, :], axis=1)
     y_at = y_ptr + t.to(tl.int64) * sy + n
     y = tl.load(y_at, mask=n < N, other=0.0).to(tl.float32)
@@ -110,8 +112,8 @@ def _sgmv_shrink(
 @triton.jit
 def _sgmv_expand(
     v_ptr, b_ptr, order_ptr, tiles_ptr, y_ptr, N, R, PARTS, sv0, sv1, sb0, sb1, sy,
-    BLOCK_M: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_N: tl.constexpr, PRECISION: tl.constexpr,
-    USE_PDL: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_P: tl.constexpr,
+    PRECISION: tl.constexpr, USE_PDL: tl.constexpr,
 ):  # fmt: skip
     slot = tl.load(tiles_ptr + tl.program_id(0) * 3)  # the tiles, the order and B: written between forwards
     n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -128,13 +130,15 @@ def _sgmv_expand(
     end = tl.load(tiles_ptr + tl.program_id(0) * 3 + 2)
     rows = first + tl.arange(0, BLOCK_M)
     tokens = tl.load(order_ptr + rows, mask=rows < end, other=0).to(tl.int64)
-    v = tl.zeros((BLOCK_M, BLOCK_R), dtype=tl.float32)
-    for part in range(0, PARTS):  # the shrink's partial sums, in order
-        v += tl.load(
-            v_ptr + part * sv0 + tokens[:, None] * sv1 + r[None, :],
-            mask=(rows[:, None] < end) & (r[None, :] < R),
+    p = tl.arange(0, BLOCK_P)  # the shrink's partial sums, all in one load
+    v = tl.sum(
+        tl.load(
+            v_ptr + p[:, None, None] * sv0 + tokens[None, :, None] * sv1 + r[None, None, :],
+            mask=(p[:, None, None] < PARTS) & (rows[None, :, None] < end) & (r[None, None, :] < R),
             other=0.0,
-        )
+        ),
+        axis=0,
+    )
     delta = tl.dot(v.to(bt.dtype), bt, input_precision=PRECISION)
     mask = (rows[:, None] < end) & (n[None, :] < N)
     y_at = y_ptr + tokens[:, None] * sy + n[None, :]
@@ -142,7 +146,9 @@ def _sgmv_expand(
     tl.store(y_at, (y + delta.to(tl.float32)).to(y_ptr.dtype.element_ty), mask=mask)
 
 
-SPLIT_K = 512  # input columns a shrink program sums: a 4,096-wide input is 8 programs a token (or tile)
+# input columns a shrink program sums: a 4,096-wide input is 4 programs a token (or tile), a 14,336-wide one
+# 14; the expand loads all their partial sums at once (BLOCK_P, a power of two: 16 at most there)
+SPLIT_K = 1024
 
 
 def _precision(t: torch.Tensor) -> str:
@@ -185,7 +191,7 @@ def bgmv_expand(v: torch.Tensor, b: torch.Tensor, slots: torch.Tensor, y: torch.
     block_n = max(16, min(256, 8192 // block_r))  # B's [BLOCK_N, BLOCK_R] fp32 tile: <= 32 KB
     _bgmv_expand[(T, triton.cdiv(N, block_n))](
         v, b, slots, y, N, R, parts(k), v.stride(0), v.stride(1), b.stride(0), b.stride(1), y.stride(0),
-        block_r, block_n, **kernel_args(y.device),
+        block_r, block_n, triton.next_power_of_2(parts(k)), **kernel_args(y.device),
     )  # fmt: skip
 
 
@@ -195,7 +201,7 @@ def bgmv(
     """y[t] += (x[t] A_{slots[t]}^T) B_{slots[t]}^T for every token t with slots[t] >= 0, in place.
     x [T, K], y [T, N] (rows contiguous), a [S, R, K], b [S, N, R], slots [>= T] int32 on the device,
     v: a float32 scratch of at least [parts(K), T, R]: the shrink splits K over `parts(K)` programs a token
-    (one token alone would leave all but one SM idle), whose partial sums the expand adds in order, the same
+    (one token alone would leave all but one SM idle), whose partial sums the expand adds in one fixed order, the same
     sum in any batch. Grids depend on T alone: CUDA-graph safe. The two halves, `bgmv_shrink` and
     `bgmv_expand`, may run apart (the shrink needs only x: on another stream, beside x's projection)."""
     bgmv_shrink(x, a, slots, v)
@@ -256,7 +262,7 @@ def sgmv_expand(
     block_n = max(16, min(256, 16384 // block_r))  # B's [BLOCK_R, BLOCK_N] tile: <= 32 KB of bf16
     _sgmv_expand[(max_tiles(T, S), triton.cdiv(N, block_n))](
         v, b, order, tiles, y, N, R, parts(k), v.stride(0), v.stride(1), b.stride(0), b.stride(1), y.stride(0),
-        BLOCK_M, block_r, block_n, _precision(b), **kernel_args(y.device),
+        BLOCK_M, block_r, block_n, triton.next_power_of_2(parts(k)), _precision(b), **kernel_args(y.device),
     )  # fmt: skip
 
 
