@@ -42,14 +42,17 @@ def test_products_at_llama3_8b_shapes(n, k, rows, act_order):
 def test_a_tiny_gptq_model_on_the_gpu_as_on_the_cpu(tmp_path):
     ckpt = write_checkpoint("LlamaForCausalLM", tmp_path / "model", WIDE)
     prompts = [[1, 17, 93, 5], [1, 4, 8, 15, 16, 23, 42], [7] * 12]
-    params = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True, logprobs=1)
+    params = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True, logprobs=2)
     outputs = {}
     for device in ("cpu", "cuda"):
         kwargs = dict(model=str(ckpt.folder), device=device, dtype="float32", quantization="gptq")
         with LLM(**kwargs, **({"attention": "torch"} if device == "cpu" else {})) as llm:
             outputs[device] = llm.generate(prompts, params)
     for cpu, gpu in zip(outputs["cpu"], outputs["cuda"]):
-        assert gpu.outputs[0].token_ids == cpu.outputs[0].token_ids
-        for a, b in zip(cpu.outputs[0].logprobs, gpu.outputs[0].logprobs):
-            token = next(iter(a))
-            assert abs(a[token] - b[token]) < 1e-3
+        c, g = cpu.outputs[0], gpu.outputs[0]
+        for i, (a, b) in enumerate(zip(c.logprobs, g.logprobs)):
+            mine, theirs = c.token_ids[i], g.token_ids[i]
+            if mine != theirs:  # greedy parts only at a near tie (the sums' order differs): then the texts differ
+                assert theirs in a and abs(a[mine] - a[theirs]) < 1e-3, (i, mine, theirs, a, b)
+                break
+            assert abs(a[mine] - b[theirs]) < 1e-3, (i, a, b)
