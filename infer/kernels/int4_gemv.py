@@ -2,7 +2,7 @@
 
 At a few rows a linear layer is a weight stream (`infer.kernels.gemv`); a 4-bit weight is a quarter of
 its bf16 bytes, so the stream is the whole win, and dequantizing the weight into memory first would
-write and read it again at 16 bits (more rows take `infer.kernels.int4_matmul`, a GEMM). Here each program streams
+write and read it again at 16 bits (more rows do that, `infer.kernels.int4_dequant`, and cuBLAS multiplies). Here each program streams
 BLOCK_N rows of the packed weight (`Int4Linear`'s form: uint8 [N, K/2], column 2j in the low nibble),
 BLOCK_J bytes (2 BLOCK_J columns) at a time: the low and high nibbles meet x's even and odd columns, each
 dequantized as (q - z) * s with its group's float32 scale and zero point, and every row of x (M of them,
@@ -22,7 +22,7 @@ import torch
 import triton
 import triton.language as tl
 
-INT4_GEMV_MAX_ROWS = 8  # rows of x one call takes; more: `infer.kernels.int4_matmul`
+INT4_GEMV_MAX_ROWS = 8  # rows of x one call takes; more: `infer.kernels.int4_dequant`
 
 
 @triton.jit

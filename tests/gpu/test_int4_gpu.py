@@ -25,15 +25,18 @@ WIDE = dict(hidden_size=128, intermediate_size=256, num_attention_heads=8, num_k
 @pytest.mark.parametrize("rows", [1, 4, 8, 16, 64, 256, 2048])
 @pytest.mark.parametrize("act_order", [False, True])
 def test_products_at_llama3_8b_shapes(n, k, rows, act_order):
-    """The GEMV (up to 8 rows) or the GEMM (more), as `Int4Linear` picks, against the dequantized product."""
+    """The GEMV (up to 8 rows), or the dequantized weight times x (more), as `Int4Linear` picks, against the
+    dequantized product."""
+    from infer.kernels.int4_dequant import int4_dequantize
     from infer.kernels.int4_gemv import INT4_GEMV_MAX_ROWS, int4_gemv
-    from infer.kernels.int4_matmul import int4_matmul
     from infer.testing.int4_layers import dequantized_product, random_int4_layer
 
     (qweight, s, z, g_idx), width = random_int4_layer(n, k, 128, True, act_order, "cuda")
     x = torch.randn(rows, k, generator=torch.Generator().manual_seed(1)).cuda().to(torch.bfloat16)
-    product = int4_gemv if rows <= INT4_GEMV_MAX_ROWS else int4_matmul
-    y = product(x, qweight, s, z, g_idx, width, act_order)
+    if rows <= INT4_GEMV_MAX_ROWS:
+        y = int4_gemv(x, qweight, s, z, g_idx, width, act_order)
+    else:
+        y = x @ int4_dequantize(qweight, s, z, g_idx, width, act_order, torch.bfloat16).T
     expected = dequantized_product(x, qweight, s, z, g_idx, None)
     error = (y.float() - expected).norm() / expected.norm()
     assert error < 1e-2, f"relative error {error:.2e}"

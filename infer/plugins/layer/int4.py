@@ -22,9 +22,9 @@ The product dequantizes the weight in float32 and multiplies in the activation's
 does once at load for these checkpoints: in float32 greedy tokens agree); on the CPU, where it pays
 (`cpu_int4_pays`: bf16, or a row or two in float32) and the layout allows (groups of 32 to 256, rows a
 multiple of 16), torch's int4 matmul runs instead over a second, repacked copy of the 4-bit weight, its
-scales and zero points rounded to the activation's dtype. On a GPU the weight stays packed: up to GPU_GEMV_ROWS
-rows (decode steps) take `infer.kernels.int4_gemv`, which streams it and dequantizes it in registers, more
-rows `infer.kernels.int4_matmul`, a GEMM that dequantizes each tile in registers. Tensor parallelism is
+scales and zero points rounded to the activation's dtype. On a GPU up to GPU_GEMV_ROWS rows (decode steps)
+take `infer.kernels.int4_gemv`, which streams the packed weight and dequantizes it in registers; more rows
+dequantize it in one Triton pass (`infer.kernels.int4_dequant`) and multiply. Tensor parallelism is
 refused (no `load_columns`).
 """
 
@@ -53,7 +53,7 @@ class Int4Scheme:
 
 
 CPU_GROUPS = (32, 64, 128, 256)  # the group sizes torch's CPU int4 matmul takes
-GPU_GEMV_ROWS = 8  # rows the GPU's int4 GEMV takes (`infer.kernels.int4_gemv`); more take the int4 GEMM
+GPU_GEMV_ROWS = 8  # rows the GPU's int4 GEMV takes (`infer.kernels.int4_gemv`); more dequantize it in one pass
 
 
 def cpu_int4_pays(x: torch.Tensor) -> bool:
@@ -133,18 +133,24 @@ class Int4Linear(nn.Module):
         return F.linear(x, self.dequantized(x.dtype), self.bias)
 
     def _gpu_product(self, x: torch.Tensor) -> torch.Tensor:
-        """On the GPU the packed weight is dequantized in registers: up to GPU_GEMV_ROWS rows (decode steps)
-        streamed (`infer.kernels.int4_gemv`), more as a GEMM's tiles (`infer.kernels.int4_matmul`)."""
-        from infer.kernels.int4_gemv import int4_gemv
-        from infer.kernels.int4_matmul import int4_matmul
-
+        """On the GPU: up to GPU_GEMV_ROWS rows (decode steps) stream the packed weight, dequantized in
+        registers (`infer.kernels.int4_gemv`); more dequantize it in one Triton pass
+        (`infer.kernels.int4_dequant`) for cuBLAS."""
         if self._act_order is None:  # once, outside any CUDA graph capture (the warm-up forward before it)
             plain = torch.arange(self.in_features, device=self.g_idx.device) // self.group
             self._act_order = not torch.equal(self.g_idx.long(), plain)
         rows = x.reshape(-1, self.in_features)
-        product = int4_gemv if 0 < rows.shape[0] <= GPU_GEMV_ROWS else int4_matmul
-        y = product(rows, self.qweight, self.scales, self.zeros, self.g_idx, self.group, self._act_order, self.bias)
-        return y.reshape(*x.shape[:-1], self.out_features)
+        if 0 < rows.shape[0] <= GPU_GEMV_ROWS:
+            from infer.kernels.int4_gemv import int4_gemv
+
+            y = int4_gemv(
+                rows, self.qweight, self.scales, self.zeros, self.g_idx, self.group, self._act_order, self.bias
+            )
+            return y.reshape(*x.shape[:-1], self.out_features)
+        from infer.kernels.int4_dequant import int4_dequantize
+
+        w = int4_dequantize(self.qweight, self.scales, self.zeros, self.g_idx, self.group, self._act_order, x.dtype)
+        return F.linear(x, w, self.bias)
 
     def _even_groups(self) -> bool:
         """Whether every group has `group` columns (act-order may scatter them, never unbalance them in
