@@ -7,8 +7,9 @@ uint8 [N, K/2], column 2j in the low nibble), dequantizes the low and high nibbl
 float32 (a scale and zero a weight row per tile where the tile lies in one group, else each column's
 gathered through `g_idx`), and writes them interleaved, rounded to the output's dtype: the values
 `Int4Linear.dequantized(dtype)` gives. The write and cuBLAS's read of it are the cost a fused W4A16 GEMM
-would save (a Triton one, dequantizing each tile on its way to `tl.dot`, measured 0.10x bf16's throughput
-on random-256x256 on an H100, untuned: docs/performance.md, "4-bit weights on the GPU").
+would save (a Triton one, dequantizing each tile on its way to `tl.dot`, untuned, took steps of more than
+8 rows in a random-256x256 run at 0.10x bf16's throughput on an H100, the GEMV the smaller steps:
+docs/performance.md, "4-bit weights on the GPU").
 """
 
 from __future__ import annotations

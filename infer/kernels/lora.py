@@ -66,7 +66,7 @@ def _bgmv_expand(
         return
     p = tl.arange(0, BLOCK_P)  # the shrink's partial sums, all in one load (a loop of loads waits on each)
     v = tl.sum(
-        tl.load(v_ptr + p[:, None] * sv0 + t.to(tl.int64) * sv1 + r[None, :], mask=(p[:, None] < PARTS) & (r[None, :] < R), other=0.0),
+        tl.load(v_ptr + p[:, None].to(tl.int64) * sv0 + t.to(tl.int64) * sv1 + r[None, :], mask=(p[:, None] < PARTS) & (r[None, :] < R), other=0.0),
         axis=0,
     )  # fmt: skip
     delta = tl.sum(bt * v[None, :], axis=1)
@@ -113,7 +113,7 @@ def _sgmv_shrink(
 def _sgmv_expand(
     v_ptr, b_ptr, order_ptr, tiles_ptr, y_ptr, N, R, PARTS, sv0, sv1, sb0, sb1, sy,
     BLOCK_M: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_P: tl.constexpr,
-    PRECISION: tl.constexpr, USE_PDL: tl.constexpr,
+    ONE_LOAD: tl.constexpr, PRECISION: tl.constexpr, USE_PDL: tl.constexpr,
 ):  # fmt: skip
     slot = tl.load(tiles_ptr + tl.program_id(0) * 3)  # the tiles, the order and B: written between forwards
     n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -130,15 +130,24 @@ def _sgmv_expand(
     end = tl.load(tiles_ptr + tl.program_id(0) * 3 + 2)
     rows = first + tl.arange(0, BLOCK_M)
     tokens = tl.load(order_ptr + rows, mask=rows < end, other=0).to(tl.int64)
-    p = tl.arange(0, BLOCK_P)  # the shrink's partial sums, all in one load
-    v = tl.sum(
-        tl.load(
-            v_ptr + p[:, None, None] * sv0 + tokens[None, :, None] * sv1 + r[None, None, :],
-            mask=(p[:, None, None] < PARTS) & (rows[None, :, None] < end) & (r[None, None, :] < R),
-            other=0.0,
-        ),
-        axis=0,
-    )
+    if ONE_LOAD:  # the shrink's partial sums, all in one load
+        p = tl.arange(0, BLOCK_P)
+        v = tl.sum(
+            tl.load(
+                v_ptr + p[:, None, None].to(tl.int64) * sv0 + tokens[None, :, None] * sv1 + r[None, None, :],
+                mask=(p[:, None, None] < PARTS) & (rows[None, :, None] < end) & (r[None, None, :] < R),
+                other=0.0,
+            ),
+            axis=0,
+        )
+    else:  # too many registers for one tile (high ranks): one load a part
+        v = tl.zeros((BLOCK_M, BLOCK_R), dtype=tl.float32)
+        for part in range(0, PARTS):
+            v += tl.load(
+                v_ptr + part * sv0 + tokens[:, None] * sv1 + r[None, :],
+                mask=(rows[:, None] < end) & (r[None, :] < R),
+                other=0.0,
+            )
     delta = tl.dot(v.to(bt.dtype), bt, input_precision=PRECISION)
     mask = (rows[:, None] < end) & (n[None, :] < N)
     y_at = y_ptr + tokens[:, None] * sy + n[None, :]
@@ -149,6 +158,7 @@ def _sgmv_expand(
 # input columns a shrink program sums: a 4,096-wide input is 4 programs a token (or tile), a 14,336-wide one
 # 14; the expand loads all their partial sums at once (BLOCK_P, a power of two: 16 at most there)
 SPLIT_K = 1024
+ONE_LOAD_MOST = 8192  # SGMV's expand loads its [parts, BLOCK_M, rank] partial sums at once up to this size
 
 
 def _precision(t: torch.Tensor) -> str:
@@ -225,8 +235,18 @@ def group_by_slot(slots: list[int], num_slots: int) -> tuple[list[int], list[int
         for first in range(0, len(group), BLOCK_M):
             tiles += [slot, len(order) + first, len(order) + min(first + BLOCK_M, len(group))]
         order += group
-    tiles += [-1, 0, 0] * (max_tiles(len(slots), num_slots) - len(tiles) // 3)
+    unused = max_tiles(len(slots), num_slots) - len(tiles) // 3
+    assert unused >= 0, "max_tiles bounds the tiles of any spread of the rows"
+    tiles += [-1, 0, 0] * unused
     return order, tiles
+
+
+def _check_tiles(tiles: torch.Tensor, tokens: int, num_slots: int) -> None:
+    """The grid reads max_tiles(tokens, num_slots) tiles: a shorter list would be read past its end."""
+    if tiles.numel() < 3 * max_tiles(tokens, num_slots):
+        raise ValueError(
+            f"{tiles.numel() // 3} tiles for {tokens} rows over {num_slots} slots: group_by_slot makes them"
+        )
 
 
 def max_tiles(tokens: int, num_slots: int) -> int:
@@ -243,6 +263,7 @@ def sgmv_shrink(x: torch.Tensor, a: torch.Tensor, order: torch.Tensor, tiles: to
         return
     block_r = _block(R)
     block_k = min(SPLIT_K, max(16, min(64, 16384 // block_r)))  # A's [BLOCK_K, BLOCK_R] bf16 tile: <= 32 KB
+    _check_tiles(tiles, T, S)
     _sgmv_shrink[(max_tiles(T, S), parts(K))](
         x, a, order, tiles, v, K, R, x.stride(0), a.stride(0), a.stride(1), v.stride(0), v.stride(1),
         BLOCK_M, block_r, block_k, SPLIT_K, _precision(a),
@@ -260,9 +281,12 @@ def sgmv_expand(
         return
     block_r = _block(R)
     block_n = max(16, min(256, 16384 // block_r))  # B's [BLOCK_R, BLOCK_N] tile: <= 32 KB of bf16
+    block_p = triton.next_power_of_2(parts(k))
+    _check_tiles(tiles, T, S)
     _sgmv_expand[(max_tiles(T, S), triton.cdiv(N, block_n))](
         v, b, order, tiles, y, N, R, parts(k), v.stride(0), v.stride(1), b.stride(0), b.stride(1), y.stride(0),
-        BLOCK_M, block_r, block_n, triton.next_power_of_2(parts(k)), _precision(b), **kernel_args(y.device),
+        BLOCK_M, block_r, block_n, block_p, block_p * BLOCK_M * block_r <= ONE_LOAD_MOST, _precision(b),
+        **kernel_args(y.device),
     )  # fmt: skip
 
 

@@ -81,7 +81,7 @@ def test_the_shrink_begun_beside_the_projection_gives_the_deltas_in_a_cuda_graph
     layer = kind.layers()[target.module]
     w = torch.randn(N, K, device=dev, generator=g).bfloat16()
     x = torch.randn(tokens, K, device=dev, generator=g).bfloat16()
-    seq_slots = [i % 5 - 1 for i in range(tokens)]  # the base model and slots 0..3
+    seq_slots = [(i + 1) % 5 - 1 for i in range(tokens)]  # slots 0..3, then the base model (from 5 rows on)
 
     def forward(begin: bool) -> torch.Tensor:
         if begin:

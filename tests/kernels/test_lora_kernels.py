@@ -21,11 +21,13 @@ CASES = {  # name -> (K, N, R, slots per token)
 @pytest.mark.slow  # over 0.3 s on two cores: left out of the quick loop
 @pytest.mark.parametrize("split", [512, 16])  # one partial sum, and several (K split across programs)
 @pytest.mark.parametrize("case", list(CASES))
-@pytest.mark.parametrize("kernel", ["bgmv", "sgmv"])
+@pytest.mark.parametrize("kernel", ["bgmv", "sgmv", "sgmv-part-by-part"])
 def test_kernels_add_each_tokens_adapter_delta_as_the_reference(case, kernel, split, monkeypatch):
     from infer.kernels import lora
 
     monkeypatch.setattr(lora, "SPLIT_K", split)
+    if kernel == "sgmv-part-by-part":  # the expand's partial sums a load each (what high ranks take)
+        monkeypatch.setattr(lora, "ONE_LOAD_MOST", 0)
     K, N, R, slots = CASES[case]
     g = torch.Generator().manual_seed(len(slots))
     T, S = len(slots), 3
@@ -70,3 +72,49 @@ def test_group_by_slot_cuts_a_slots_tokens_into_tiles_of_block_m():
         ):
             _, tiles = group_by_slot(spread, n_slots)
             assert len(tiles) == 3 * max_tiles(70, n_slots)
+
+
+def test_a_tile_list_shorter_than_the_grid_is_refused():
+    from infer.kernels.lora import max_tiles
+
+    x, y = torch.zeros(20, 8), torch.zeros(20, 8)
+    a, b = torch.zeros(3, 4, 8), torch.zeros(3, 8, 4)
+    short = torch.zeros(3 * max_tiles(20, 3) - 3, dtype=torch.int32)
+    with pytest.raises(ValueError, match="group_by_slot makes them"):
+        sgmv(x, y, a, b, torch.zeros(20, dtype=torch.int32), short, torch.zeros(1, 20, 4))
+
+
+@pytest.mark.parametrize("rows", [3, 20])  # BGMV's rows, SGMV's
+def test_the_shrink_begun_before_the_projection_gives_the_references_deltas(rows, monkeypatch):
+    """`AdapterLayer.begin` then the layer, as the model calls them (on the CPU the kernels run under the
+    interpreter and begin shrinks at once; on a GPU, tests/gpu/test_lora_gpu.py: the side stream), for two
+    targets one after the other: each layer's y is the reference's."""
+    from infer.api.adapters import AdapterBatch, AdapterSpec, AdapterTarget, begin_adapter
+    from infer.plugins.adapter import lora as plugin
+
+    monkeypatch.setattr(plugin, "_triton_ready", lambda device: True)
+    targets = (
+        AdapterTarget("layers.0.self_attn.qkv_proj", 0, ("q_proj", "k_proj", "v_proj"), 40, (24, 8, 8)),
+        AdapterTarget("layers.0.mlp.down_proj", 0, ("down_proj",), 56, (40,)),
+    )
+    spec = AdapterSpec(
+        targets, max_adapters=3, max_rank=8, dtype=torch.float32, device=torch.device("cpu"), max_tokens=32
+    )
+    kind = plugin.LoRAKind(spec)
+    g = torch.Generator().manual_seed(rows)
+    for t in targets:
+        kind.a[t.module].copy_(torch.randn(kind.a[t.module].shape, generator=g))
+        kind.b[t.module].copy_(torch.randn(kind.b[t.module].shape, generator=g))
+    layers = kind.layers()
+    slots = [i % 4 - 1 for i in range(rows)]
+    kind.plan(AdapterBatch(slots, [1] * rows, rows))
+    assert kind.kernels and kind.per_token == (rows <= plugin.BGMV_MAX_TOKENS)
+    for t in targets:
+        x = torch.randn(rows, t.in_features, generator=g)
+        y = torch.randn(rows, sum(t.out_features), generator=g)
+        want = lora_reference(x, y.clone(), kind.a[t.module], kind.b[t.module], segments_of(slots))
+        begin_adapter(layers[t.module], x)
+        assert kind.begun == t.module
+        got = layers[t.module](x, y.clone())
+        assert kind.begun is None and kind.begun_x is None  # joined, and x let go
+        torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)

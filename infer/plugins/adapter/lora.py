@@ -127,9 +127,10 @@ class LoRAKind:
         self.capture = False  # a CUDA graph's capture or warm-up: the kernels launch whatever the rows
         # `begin`'s shrink runs on a stream of its own beside the target's projection (a CUDA graph keeps
         # the fork and the join as edges); `begun`: the target whose shrink is under way there
-        # (none off CUDA: the Triton interpreter runs the kernels in order on the CPU)
+        # (none off CUDA, where the kernels run under Triton's interpreter in order: `begin` shrinks at once)
         self.side = torch.cuda.Stream(spec.device) if self.kernels and spec.device.type == "cuda" else None
         self.begun: str | None = None
+        self.begun_x: torch.Tensor | None = None  # what the side stream reads, held until the join
 
     # ------------------------------------------------------------------ reading
 
@@ -313,7 +314,7 @@ class LoRAKind:
     def _join(self) -> None:
         if self.begun is not None and self.side is not None:
             torch.cuda.current_stream(self.spec.device).wait_stream(self.side)
-        self.begun = None
+        self.begun, self.begun_x = None, None  # x may go back to the allocator only after the join
 
     def begin(self, t: AdapterTarget, x: torch.Tensor) -> None:
         """The shrink of target `t`, v = x A^T, on the side stream, while the stream it left computes the
@@ -321,14 +322,14 @@ class LoRAKind:
         self._join()
         if not (self.kernels and self._running()):
             return
-        x = x.contiguous()  # made on the model's stream; it outlives the join (the model passes it to apply)
+        x = x.contiguous()  # made on the model's stream (a copy, if x was not): held until the join
         if self.side is None:
             self._shrink(t, x)
         else:
             self.side.wait_stream(torch.cuda.current_stream(self.spec.device))
             with torch.cuda.stream(self.side):
                 self._shrink(t, x)
-        self.begun = t.module
+        self.begun, self.begun_x = t.module, x
 
     def apply(self, t: AdapterTarget, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
         """y + each token's delta for target `t` (y in place, unless the delta must be summed first)."""
