@@ -59,3 +59,23 @@ def test_a_tiny_gptq_model_on_the_gpu_as_on_the_cpu(tmp_path):
                 assert theirs in a and abs(a[mine] - a[theirs]) < 1e-3, (i, mine, theirs, a, b)
                 break
             assert abs(a[mine] - b[theirs]) < 1e-3, (i, a, b)
+
+
+def test_the_gemv_tunes_its_tile_while_warming_up_and_keeps_the_product():
+    """At llama3-8b's gate_up shape: the first one-row call under `warming_up()` times the candidates and
+    keeps one; the product with it, and with every candidate, is the dequantized product's."""
+    from infer.kernels import int4_gemv as module
+    from infer.kernels.warmup import warming_up
+    from infer.testing.int4_layers import dequantized_product, random_int4_layer
+
+    (qweight, s, z, g_idx), width = random_int4_layer(28672, 4096, 128, True, False, "cuda")
+    x = torch.randn(1, 4096, generator=torch.Generator().manual_seed(2)).cuda().to(torch.bfloat16)
+    expected = dequantized_product(x, qweight, s, z, g_idx, None)
+    with warming_up():
+        y = module.int4_gemv(x, qweight, s, z, g_idx, width, False)
+    tuned = [t for key, t in module.tuned_tiles().items() if key[:2] == (28672, 2048)]
+    assert len(tuned) == 1 and tuned[0] in module.candidates(1, width)
+    for tile in module.candidates(1, width):
+        got = module.int4_gemv(x, qweight, s, z, g_idx, width, False, tile=tile)
+        assert (got.float() - expected).norm() / expected.norm() < 1e-2, tile
+    assert (y.float() - expected).norm() / expected.norm() < 1e-2
