@@ -38,6 +38,7 @@ class RunRecord:
     blocks_saved_by_sharing: int = 0  # peak over steps: block-table entries minus physical blocks
     build_s: float | None = None  # the engine's build (weights, KV cache, CUDA graphs), before the timed part
     warm_up_s: float | None = None  # the warm-up on prompts of its own (`warm_up_shaped`); None: none ran
+    build_phases: dict[str, float] | None = None  # build_s by phase (`EngineParts.build_phases`)
 
     @property
     def total_tokens(self) -> int:

@@ -54,8 +54,8 @@ def _run_one(
         if warm_up if warm_up is not None else config.resolve_device().type == "cuda":
             warm = warm_up_shaped(engine, workload, params)
             if mode != "off":
-                click.echo(f"{label}: built in {build_s:.1f} s, warmed up in {warm[0]:.1f} s on {warm[1]} prompts of "
-                           "its own", err=True)  # fmt: skip
+                click.echo(f"{label}: built in {build_s:.1f} s ({phases_text(engine)}), warmed up in {warm[0]:.1f} s on "
+                           f"{warm[1]} prompts of its own", err=True)  # fmt: skip
         profiler = StepProfiler.install(engine) if profile else None
         if mode != "off" and len(workload.prompts) >= LARGE_WORKLOAD:
             click.echo(f"preparing {workload.name}: {len(workload.prompts)} prompts", err=True)
@@ -63,6 +63,7 @@ def _run_one(
             on_step = on_finish.tick if isinstance(on_finish, ProgressLines) else None
             record, outputs = run_workload(engine, workload, params, label, on_finish=on_finish, on_step=on_step)
         record.build_s, record.warm_up_s = build_s, None if warm is None else warm[0]
+        record.build_phases = engine.parts.build_phases
         return record, outputs, workload, profiler.summary() if profiler is not None else None
     finally:
         engine.close()
@@ -215,3 +216,8 @@ def _report_profile(summary: dict[str, Any], record: RunRecord, chart: Path | No
 
         title = f"infer run --profile: {record.config.get('model')} on {record.config.get('device')} ({record.config.get('dtype')})"
         click.echo(profile_chart(summary, chart, title) or f"wrote {chart}")
+
+
+def phases_text(engine: Any) -> str:
+    """ "load 12.1 s, kv_cache 3.0 s, ...": the build's phases (`EngineParts.build_phases`)."""
+    return ", ".join(f"{name} {seconds:.1f} s" for name, seconds in (engine.parts.build_phases or {}).items())

@@ -61,6 +61,9 @@ class EngineParts:
     runners: tuple[Any, ...] = ()
     processors: tuple[Any, ...] = ()  # every logits processor built (`LogitsProcessor`)
     adapters: Adapters | None = None  # the run's adapters (--enable-lora), the target runner's
+    # seconds each phase of the build took: "checks", "load" (weights), "kv_cache" (sized and allocated),
+    # "wiring" (scheduler, decode paths: CUDA graphs captured, kernels tuned and compiled for them)
+    build_phases: dict[str, float] | None = None
 
 
 class Engine:

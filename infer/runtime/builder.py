@@ -51,7 +51,16 @@ def build_engine(
     """Check, load the models, size the KV cache, wire. `launch`: who starts the ranks of a `--tp N > 1`
     run (`infer.distributed.launch.launch`); `parallel`: this rank's place, when a launcher builds it."""
     started = time.perf_counter()
+    phases: dict[str, float] = {}
+    mark = [started]
+
+    def phase(name: str) -> None:  # the time since the last phase ended
+        now = time.perf_counter()
+        phases[name] = round(now - mark[0], 3)
+        mark[0] = now
+
     plan = _check(config, extra_plugins, launch, parallel)
+    phase("checks")
     if config.world_size > 1 and parallel is None:  # start (or join) the ranks, then build each
         assert launch is not None, "checked by _check"
         return launch(config, extra_plugins, plan.source.name, plan.model_config, plan.device)
@@ -71,6 +80,7 @@ def build_engine(
         "loading the model", model=plan.source.name, device=str(plan.device), load_format=config.load_format
     )
     models, decoder, tokenizer = load_models(plan, parallel)
+    phase("load")
     log.info("model loaded", seconds=round(time.perf_counter() - started, 2))
     for runner, _ in models:
         runner.threads = governor
@@ -78,7 +88,9 @@ def build_engine(
     num_blocks, block_mover = build_kv_caches(
         config, models, parallel, plan.max_model_len, lookahead, plan.dtype, plan.device
     )
+    phase("kv_cache")
     allocator, scheduler = _wire(plan, models, decoder, num_blocks, block_mover)
+    phase("wiring")
     detokenizer = _detokenizer(plan, tokenizer) if tokenizer is not None else None
     eos = set(plan.model_config.eos_token_ids)
     if tokenizer is not None and tokenizer.eos_token_id is not None:
@@ -99,7 +111,10 @@ def build_engine(
         **parallel.describe(model),
     }
     get_logger(**describe).info(
-        "engine built", seconds=round(time.perf_counter() - started, 2), load_format=config.load_format
+        "engine built",
+        seconds=round(time.perf_counter() - started, 2),
+        load_format=config.load_format,
+        **{f"{name}_s": seconds for name, seconds in phases.items()},
     )
     return EngineParts(
         config=config,
@@ -117,6 +132,7 @@ def build_engine(
         runners=tuple(r for r, _ in models),
         processors=processors,
         adapters=models[0][0].adapters,
+        build_phases=phases,
     )
 
 

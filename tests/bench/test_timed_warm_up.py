@@ -58,6 +58,9 @@ def test_infer_run_reports_its_build_and_warm_up(tiny_chat_dir, tmp_path):
     assert result.exit_code == 0, result.output
     record = json.loads(out.read_text())["records"][0]
     assert record["build_s"] > 0 and record["warm_up_s"] > 0
+    phases = record["build_phases"]  # the build by phase, inside its total
+    assert list(phases) == ["checks", "load", "kv_cache", "wiring"] and all(v >= 0 for v in phases.values())
+    assert phases["load"] > 0 and sum(phases.values()) <= record["build_s"]
     assert record["num_requests"] == 4  # the warm-up's requests are not counted
     result = CliRunner().invoke(cli, [*args, "--no-progress", "--json-out", str(out)])  # on the CPU: none by default
     assert result.exit_code == 0, result.output
