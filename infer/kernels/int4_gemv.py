@@ -23,13 +23,13 @@ capture, takes that fixed tile (one compile, no tuning).
 
 from __future__ import annotations
 
-import os
 from typing import NamedTuple
 
 import torch
 import triton
 import triton.language as tl
 
+from infer.common import env
 from infer.kernels import warmup
 
 INT4_GEMV_MAX_ROWS = 8  # rows of x one call takes; more: `infer.kernels.int4_dequant`
@@ -120,7 +120,7 @@ class Int4Tile(NamedTuple):
 # waited on each 2 KB load), up to 8,192 products a step ([rows, BLOCK_N, 2 BLOCK_J] in registers)
 CANDIDATES = [Int4Tile(*t) for t in [(1, 512, 4), (2, 256, 4), (4, 128, 2), (4, 256, 4), (8, 128, 4)]]
 _tiles: dict[tuple, Int4Tile] = {}
-_INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
+_INTERPRETED = env.triton_interpret()
 
 
 def default_tile(rows: int, group: int) -> Int4Tile:
