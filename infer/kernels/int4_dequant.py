@@ -4,8 +4,7 @@ takes (prefill chunks, large decode batches): cuBLAS then multiplies it.
 `Int4Linear` did this with torch operations, several passes over a float32 copy of the weight a call.
 Here one pass: each program reads a [BLOCK_N, BLOCK_J] tile of the packed weight (`Int4Linear`'s form:
 uint8 [N, K/2], column 2j in the low nibble), dequantizes the low and high nibbles as (q - z) * s in
-float32 (a scale and zero a weight row per tile where the tile lies in one group, else each column's
-gathered through `g_idx`), and writes them interleaved, rounded to the output's dtype: the values
+float32 as the GEMV does (`infer.kernels.int4_gemv.dequantized_tile`), and writes them interleaved, rounded to the output's dtype: the values
 `Int4Linear.dequantized(dtype)` gives. The write and cuBLAS's read of it are the cost a fused W4A16 GEMM
 would save (a Triton one, dequantizing each tile on its way to `tl.dot`, untuned, took steps of more than
 8 rows in a random-256x256 run at 0.10x bf16's throughput on an H100, the GEMV the smaller steps:
@@ -17,6 +16,8 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
+
+from infer.kernels.int4_gemv import dequantized_tile
 
 
 @triton.jit
@@ -33,6 +34,7 @@ def _int4_dequant_kernel(
     BLOCK_J: tl.constexpr,  # packed bytes a tile: 2 BLOCK_J columns
     GROUP: tl.constexpr,  # columns a group (without act-order)
     ONE_GROUP: tl.constexpr,  # each tile's columns lie in one group
+    ACT_ORDER: tl.constexpr,  # each column's group is g_idx's (else column // GROUP)
 ):
     ns = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     j0 = tl.program_id(1) * BLOCK_J
@@ -40,23 +42,9 @@ def _int4_dequant_kernel(
     half = K // 2
     n_ok = ns < N
     j_ok = js < half
-    ok = n_ok[:, None] & j_ok[None, :]
-    q = tl.load(q_ptr + ns[:, None].to(tl.int64) * half + js[None, :], mask=ok, other=0)
-    lo = (q & 0xF).to(tl.float32)
-    hi = (q >> 4).to(tl.float32)
-    if ONE_GROUP:
-        g = (2 * j0) // GROUP
-        s = tl.load(s_ptr + ns * G + g, mask=n_ok, other=0.0)[:, None]
-        z = tl.load(z_ptr + ns * G + g, mask=n_ok, other=0).to(tl.float32)[:, None]
-        even = (lo - z) * s
-        odd = (hi - z) * s
-    else:
-        g_even = tl.load(g_ptr + 2 * js, mask=j_ok, other=0)[None, :]
-        g_odd = tl.load(g_ptr + 2 * js + 1, mask=j_ok, other=0)[None, :]
-        at = s_ptr + ns[:, None] * G
-        z_at = z_ptr + ns[:, None] * G
-        even = (lo - tl.load(z_at + g_even, mask=ok, other=0).to(tl.float32)) * tl.load(at + g_even, mask=ok, other=0.0)
-        odd = (hi - tl.load(z_at + g_odd, mask=ok, other=0).to(tl.float32)) * tl.load(at + g_odd, mask=ok, other=0.0)
+    even, odd = dequantized_tile(
+        q_ptr, s_ptr, z_ptr, g_ptr, ns, n_ok, js, j_ok, j0, half, G, GROUP, ONE_GROUP, ACT_ORDER
+    )
     w = tl.reshape(tl.join(even, odd), (BLOCK_N, 2 * BLOCK_J))  # columns 2j and 2j + 1 side by side
     cols = 2 * j0 + tl.arange(0, 2 * BLOCK_J)
     out = w_ptr + ns[:, None].to(tl.int64) * K + cols[None, :]
@@ -80,12 +68,8 @@ def int4_dequantize(
     w = torch.empty(n, k, dtype=dtype, device=qweight.device)
     block_n, block_j = 32, 64
     one_group = not act_order and group % (2 * block_j) == 0
-    if not act_order and not one_group:
-        block_j = max(1, group // 2)  # a tile in one group still (groups of 32 or 64)
-        one_group = group % 2 == 0 and block_j == triton.next_power_of_2(block_j)
-        block_j = block_j if one_group else 64
     _int4_dequant_kernel[(triton.cdiv(n, block_n), triton.cdiv(half, block_j))](
         qweight, scales, zeros, g_idx, w, n, k, scales.shape[1],
-        BLOCK_N=block_n, BLOCK_J=block_j, GROUP=group, ONE_GROUP=one_group,
+        BLOCK_N=block_n, BLOCK_J=block_j, GROUP=group, ONE_GROUP=one_group, ACT_ORDER=act_order,
     )  # fmt: skip
     return w

@@ -36,6 +36,44 @@ INT4_GEMV_MAX_ROWS = 8  # rows of x one call takes; more: `infer.kernels.int4_de
 
 
 @triton.jit
+def dequantized_tile(
+    q_ptr, s_ptr, z_ptr, g_ptr, rows, row_ok, js, j_ok, j0, half, G,
+    GROUP: tl.constexpr, ONE_GROUP: tl.constexpr, ACT_ORDER: tl.constexpr,
+):  # fmt: skip
+    """The [rows, js] tile of the packed weight (uint8 [N, K/2], column 2j in the low nibble) as its even
+    and odd columns, (q - z) * s in float32: one scale and zero a row where the step lies in one group
+    (`ONE_GROUP`, j0 its first byte), each column's group by index over GROUP without act-order, or read
+    from `g_idx` under it. `infer.kernels.int4_dequant` writes the same values to memory."""
+    tile_ok = row_ok[:, None] & j_ok[None, :]
+    q = tl.load(q_ptr + rows[:, None].to(tl.int64) * half + js[None, :], mask=tile_ok, other=0)
+    lo = (q & 0xF).to(tl.float32)
+    hi = (q >> 4).to(tl.float32)
+    if ONE_GROUP:
+        g = (2 * j0) // GROUP
+        s = tl.load(s_ptr + rows * G + g, mask=row_ok, other=0.0)[:, None]
+        z = tl.load(z_ptr + rows * G + g, mask=row_ok, other=0).to(tl.float32)[:, None]
+        w_even = (lo - z) * s
+        w_odd = (hi - z) * s
+    elif not ACT_ORDER:  # a step over several groups: columns 2j and 2j + 1 share one (GROUP is even)
+        g = (2 * js) // GROUP
+        at = rows[:, None] * G + g[None, :]
+        s = tl.load(s_ptr + at, mask=tile_ok, other=0.0)
+        z = tl.load(z_ptr + at, mask=tile_ok, other=0).to(tl.float32)
+        w_even = (lo - z) * s
+        w_odd = (hi - z) * s
+    else:
+        g_even = tl.load(g_ptr + 2 * js, mask=j_ok, other=0)
+        g_odd = tl.load(g_ptr + 2 * js + 1, mask=j_ok, other=0)
+        s_even = tl.load(s_ptr + rows[:, None] * G + g_even[None, :], mask=tile_ok, other=0.0)
+        z_even = tl.load(z_ptr + rows[:, None] * G + g_even[None, :], mask=tile_ok, other=0).to(tl.float32)
+        s_odd = tl.load(s_ptr + rows[:, None] * G + g_odd[None, :], mask=tile_ok, other=0.0)
+        z_odd = tl.load(z_ptr + rows[:, None] * G + g_odd[None, :], mask=tile_ok, other=0).to(tl.float32)
+        w_even = (lo - z_even) * s_even
+        w_odd = (hi - z_odd) * s_odd
+    return w_even, w_odd
+
+
+@triton.jit
 def _int4_gemv_kernel(
     x_ptr,
     q_ptr,
@@ -67,32 +105,9 @@ def _int4_gemv_kernel(
     for j0 in range(0, half, BLOCK_J):
         js = j0 + tl.arange(0, BLOCK_J)
         j_ok = js < half
-        tile_ok = row_ok[:, None] & j_ok[None, :]
-        q = tl.load(q_ptr + rows[:, None] * half + js[None, :], mask=tile_ok, other=0)
-        lo = (q & 0xF).to(tl.float32)
-        hi = (q >> 4).to(tl.float32)
-        if ONE_GROUP:
-            g = (2 * j0) // GROUP
-            s = tl.load(s_ptr + rows * G + g, mask=row_ok, other=0.0)[:, None]
-            z = tl.load(z_ptr + rows * G + g, mask=row_ok, other=0).to(tl.float32)[:, None]
-            w_even = (lo - z) * s
-            w_odd = (hi - z) * s
-        elif not ACT_ORDER:  # a tile over several groups: columns 2j and 2j + 1 share one (GROUP is even)
-            g = (2 * js) // GROUP
-            at = rows[:, None] * G + g[None, :]
-            s = tl.load(s_ptr + at, mask=tile_ok, other=0.0)
-            z = tl.load(z_ptr + at, mask=tile_ok, other=0).to(tl.float32)
-            w_even = (lo - z) * s
-            w_odd = (hi - z) * s
-        else:
-            g_even = tl.load(g_ptr + 2 * js, mask=j_ok, other=0)
-            g_odd = tl.load(g_ptr + 2 * js + 1, mask=j_ok, other=0)
-            s_even = tl.load(s_ptr + rows[:, None] * G + g_even[None, :], mask=tile_ok, other=0.0)
-            z_even = tl.load(z_ptr + rows[:, None] * G + g_even[None, :], mask=tile_ok, other=0).to(tl.float32)
-            s_odd = tl.load(s_ptr + rows[:, None] * G + g_odd[None, :], mask=tile_ok, other=0.0)
-            z_odd = tl.load(z_ptr + rows[:, None] * G + g_odd[None, :], mask=tile_ok, other=0).to(tl.float32)
-            w_even = (lo - z_even) * s_even
-            w_odd = (hi - z_odd) * s_odd
+        w_even, w_odd = dequantized_tile(
+            q_ptr, s_ptr, z_ptr, g_ptr, rows, row_ok, js, j_ok, j0, half, G, GROUP, ONE_GROUP, ACT_ORDER
+        )
         x_at = x_ptr + ms[:, None] * stride_xm + 2 * js[None, :]
         x_ok = m_ok[:, None] & j_ok[None, :]
         x_even = tl.load(x_at, mask=x_ok, other=0.0).to(tl.float32)
